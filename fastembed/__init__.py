@@ -1,0 +1,47 @@
+"""fastembed: the embedding lookup of a language model, at memory-copy speed.
+
+``lookup(table, ids)`` returns ``table[ids]`` through the fastest backend that
+can serve it (CUDA for a cupy table, Numba on the CPU, NumPy always).
+Importing this package imports numpy only; numba and cupy load on first use.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .api import Embedding, lookup
+from .backends.cuda_backend import deferred_id_checks, raise_deferred_id_errors
+from .dispatch import BackendStatus, BackendUnavailableError, Selection, backend_statuses, explain
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "lookup",
+    "Embedding",
+    "backends",
+    "select_backend",
+    "BackendStatus",
+    "BackendUnavailableError",
+    "Selection",
+    "deferred_id_checks",
+    "raise_deferred_id_errors",
+    "__version__",
+]
+
+
+def backends() -> list[BackendStatus]:
+    """Every known backend in priority order, whether it can run here, and if not, why."""
+    return backend_statuses()
+
+
+def select_backend(table: Any, ids: Any, out: Any = None) -> Selection:
+    """Which backend ``backend="auto"`` would pick for this call, and why the others were skipped.
+
+    Validates like ``lookup`` (same exceptions) but gathers nothing.
+    """
+    from . import validate
+
+    validate.check_table(table)
+    ids = validate.as_ids(ids, table)
+    if out is not None:
+        validate.check_out(out, ids, table)
+    return explain(table, ids, out)

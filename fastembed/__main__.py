@@ -1,0 +1,21 @@
+"""``python -m fastembed info``: what fastembed can use on this machine, and why not."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastembed", description=__doc__)
+    parser.add_argument("command", choices=["info"], help="info: versions, backends and why, hardware")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    arguments = parser.parse_args(argv)
+    from .info import format_report, report
+
+    facts = report()
+    print(json.dumps(facts, indent=2) if arguments.json else format_report(facts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""The public lookup API: ``lookup`` and ``Embedding``. Thin on purpose.
+
+Each call validates (``fastembed.validate``), picks a backend
+(``fastembed.dispatch``) and hands over; nothing here knows a kernel.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import dispatch, validate
+
+
+def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> Any:
+    """Return ``table[ids]``: shape ``ids.shape + (table.shape[1],)``, the table's dtype.
+
+    table: 2-D C-contiguous numpy/memmap (host) or cupy (GPU) array, any dtype.
+    ids: integers of any dtype and ndim (lists and scalars as numpy accepts them)
+        in ``[0, table.shape[0])``; int32/int64 are used without a copy.
+    out: optional preallocated C-contiguous array of the result's shape and
+        dtype, on the table's device; it is filled and returned.
+    backend: "auto" (or FASTEMBED_BACKEND), "numba", "numpy" or "cuda".
+
+    Raises TypeError/ValueError for malformed inputs, IndexError naming the
+    first bad id's position and value, BackendUnavailableError when a named
+    backend cannot serve the call. On a host error ``out`` is left untouched.
+    """
+    validate.check_table(table)
+    return gather(table, ids, out, backend)
+
+
+def gather(table: Any, ids: Any, out: Any, backend: str) -> Any:
+    """``lookup`` for a table that has already been validated."""
+    ids = validate.as_ids(ids, table)
+    if out is not None:
+        validate.check_out(out, ids, table)
+    module = dispatch.select(table, ids, out, backend)
+    if out is None:
+        out = module.empty(validate.output_shape(ids, table), table)
+    module.gather(table, ids, out)
+    return out
+
+
+class Embedding:
+    """A callable embedding layer over a table it references, never copies.
+
+    ``emb(ids, out=None, backend="auto")`` is ``lookup(emb.table, ids, ...)``
+    without re-validating the table on every call.
+    """
+
+    def __init__(self, table: Any) -> None:
+        validate.check_table(table)
+        self._table = table
+
+    def __call__(self, ids: Any, out: Any = None, backend: str = "auto") -> Any:
+        return gather(self._table, ids, out, backend)
+
+    @property
+    def table(self) -> Any:
+        """The referenced table (numpy, np.memmap or cupy array)."""
+        return self._table
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._table.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self._table.shape[1])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self._table.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._table.nbytes)
+
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:N"``."""
+        return validate.device_of(self._table)
+
+    def __repr__(self) -> str:
+        return f"Embedding(vocab_size={self.vocab_size}, dim={self.dim}, dtype={self.dtype}, device={self.device!r})"
+
+    @classmethod
+    def random(
+        cls, vocab_size: int = 129280, dim: int = 4096, dtype: Any = "float16", seed: int = 0
+    ) -> "Embedding":
+        """A table of random values (never all zeros), built in seconds.
+
+        Floats are uniform in [-0.05, 0.05) (a typical embedding's scale),
+        integers uniform over their dtype's range, other dtypes random bytes.
+        """
+        from .tables import random_table
+
+        return cls(random_table(vocab_size, dim, dtype, seed))

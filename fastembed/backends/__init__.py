@@ -1,0 +1,17 @@
+"""The backends: one module each, all with the same small interface.
+
+Every backend module defines:
+
+- ``NAME``: the name users pass as ``backend=``;
+- ``unavailable_reasons() -> list[str]``: why it cannot run on this machine
+  at all (a missing package, no device); empty when it can. Cached: it
+  describes the machine, not a call;
+- ``not_supported_reasons(table, ids, out) -> list[str]``: why it cannot serve
+  this particular call (for example, the data lives on another device);
+- ``empty(shape, table)``: a new, uninitialised output where the table lives;
+- ``gather(table, ids, out) -> None``: write ``table[ids]`` into ``out``.
+  Inputs arrive validated (see :mod:`fastembed.validate`) except for the
+  range of int32/int64 ids, which the backend checks and reports through
+  :func:`fastembed.validate.out_of_range_error`, leaving ``out`` untouched.
+- ``describe() -> dict``: facts for ``python -m fastembed info``.
+"""

@@ -1,0 +1,191 @@
+"""Host side of the Numba CPU gather: kernel choice, word views, thread and fork guards.
+
+The kernels (:mod:`fastembed.kernels.gather_cpu`) copy rows as unsigned
+machine words, so this module turns any table into a word view: the widest
+of 8, 4, 2 or 1 bytes that divides the row size and both base addresses.
+That is bit-exact for every dtype (float16, bfloat16, float32, int8, ...).
+
+Which kernel runs (each constant was measured; see docs/backends.md):
+
+- fewer than ``PARALLEL_MIN_ROWS`` ids: the serial kernel, on the calling
+  thread, so a decode step pays no thread wake-up;
+- an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 with 16-byte
+  aligned rows: the parallel kernel with non-temporal stores;
+- otherwise the parallel kernel with ordinary (cached) stores.
+
+Safety, whatever threading layer numba picked:
+
+- one parallel gather at a time per process (a lock). A thread that finds
+  the lock taken runs the serial kernel instead of waiting: the other call
+  already keeps every core busy. This also keeps numba's ``workqueue``
+  layer, which aborts the process on concurrent entry, safe;
+- in a process forked after the parent started numba's thread pool, the
+  serial kernel only: GNU OpenMP kills such children and a forked workqueue
+  pool can hang.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import threading
+import weakref
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from .. import validate
+
+NAME = "numba"
+
+#: Below this many ids the serial kernel wins: waking the thread pool costs
+#: several microseconds (measured; see docs/backends.md).
+PARALLEL_MIN_ROWS = 64
+#: From this output size on, non-temporal stores win over cached stores
+#: (an output this size no longer stays in the last-level cache anyway).
+STREAM_MIN_OUT_BYTES = 16 * 2**20
+#: Rows prefetched ahead by the streaming kernel.
+PREFETCH_DISTANCE = 1
+#: Blocks of rows per thread in the parallel kernels (load balance).
+BLOCKS_PER_THREAD = 4
+
+_STREAMING_CPU = platform.machine().lower() in ("x86_64", "amd64")
+_parallel_lock = threading.Lock()
+_pool_started_in = 0  # pid of the process that started numba's thread pool
+_kernels_module: Any = None
+
+
+@lru_cache(maxsize=None)
+def unavailable_reasons() -> list[str]:
+    if importlib.util.find_spec("numba") is None:
+        return ["numba is not installed (pip install numba)"]
+    return []
+
+
+def not_supported_reasons(table: Any, ids: Any, out: Any) -> list[str]:
+    if not isinstance(table, np.ndarray):
+        return [f"the table lives on {validate.device_of(table)}; the numba backend gathers host arrays"]
+    return []
+
+
+def empty(shape: tuple[int, ...], table: Any) -> np.ndarray:
+    return np.empty(shape, dtype=table.dtype)
+
+
+def kernels() -> Any:
+    """The kernel module, imported (and numba with it) on first use."""
+    global _kernels_module
+    if _kernels_module is None:
+        from ..kernels import gather_cpu
+
+        _kernels_module = gather_cpu
+    return _kernels_module
+
+
+#: The word each row is copied in, by ``row_bytes % 8``: the widest dividing the row.
+_WORD_FOR_REMAINDER = {0: np.dtype(np.uint64), 4: np.dtype(np.uint32), 2: np.dtype(np.uint16), 6: np.dtype(np.uint16)}
+_BYTE = np.dtype(np.uint8)
+
+
+def word_dtype(row_bytes: int) -> np.dtype:
+    """The widest unsigned word (8, 4, 2 or 1 bytes) that divides the row size.
+
+    Base addresses need not be aligned to it: a view of unaligned memory is
+    flagged unaligned by numpy, and numba then compiles unaligned loads.
+    """
+    return _WORD_FOR_REMAINDER.get(row_bytes % 8, _BYTE)
+
+
+def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    n = ids.size
+    if n == 0:
+        return
+    flat_ids = ids if ids.ndim == 1 else ids.reshape(-1)  # a copy only for non-contiguous ids
+    row_bytes = table.shape[1] * table.dtype.itemsize
+    word = word_dtype(row_bytes)
+    table_words = _table_words(table, word)
+    out_words = (out if out.ndim == 2 else out.reshape(n, -1)).view(word)
+    bad = _run(table_words, flat_ids, out_words, n * row_bytes)
+    if bad >= 0:
+        raise validate.out_of_range_error(ids, bad, table.shape[0])
+
+
+def _table_words(table: np.ndarray, word: np.dtype) -> np.ndarray:
+    """The table's word view, remembered for the last table seen (weakly).
+
+    A view costs about 0.4 us, a quarter of a one-token lookup; decode loops
+    gather from the same table over and over.
+    """
+    global _last_table, _last_words
+    if _last_table() is table:
+        return _last_words
+    # np.asarray drops np.memmap's subclass, whose view() and typing are slow.
+    words = np.asarray(table).view(word)
+    _last_table, _last_words = weakref.ref(table), words
+    return words
+
+
+def _no_table() -> None:
+    return None
+
+
+_last_table: Any = _no_table
+_last_words: Any = None
+
+
+def _run(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray, out_bytes: int) -> int:
+    k = kernels()
+    if len(flat_ids) < PARALLEL_MIN_ROWS or _in_forked_child():
+        return k.gather_serial(table_words, flat_ids, out_words)
+    if not _parallel_lock.acquire(blocking=False):
+        return k.gather_serial(table_words, flat_ids, out_words)
+    try:
+        _note_pool_started()
+        n_blocks = max(1, min(len(flat_ids), thread_count() * BLOCKS_PER_THREAD))
+        if out_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU:
+            return k.gather_parallel_stream(table_words, flat_ids, out_words, n_blocks, PREFETCH_DISTANCE)
+        return k.gather_parallel(table_words, flat_ids, out_words, n_blocks)
+    finally:
+        _parallel_lock.release()
+
+
+def thread_count() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+def _note_pool_started() -> None:
+    global _pool_started_in
+    if not _pool_started_in:
+        _pool_started_in = os.getpid()
+
+
+def _in_forked_child() -> bool:
+    """True in a process forked after its parent started numba's thread pool."""
+    return bool(_pool_started_in) and _pool_started_in != os.getpid()
+
+
+def describe() -> dict[str, Any]:
+    if unavailable_reasons():
+        return {}
+    import numba
+
+    return {
+        "numba": numba.__version__,
+        "threads": numba.get_num_threads(),
+        "threading_layer": kernels_threading_layer(),
+        "parallel_min_rows": PARALLEL_MIN_ROWS,
+        "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
+        "streaming_stores": _STREAMING_CPU,
+    }
+
+
+def kernels_threading_layer() -> str:
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:
+        return f"not started yet (configured: {numba.config.THREADING_LAYER})"

@@ -1,0 +1,152 @@
+"""The compiled CPU gather kernels (Numba).
+
+Importing this module imports numba; only the numba backend does so, lazily.
+Kernels never validate their inputs beyond the per-id bounds check, and they
+never import the dispatcher.
+
+Contract shared by every gather kernel here:
+- ``table`` is the table viewed as unsigned machine words, shape
+  ``(vocab_size, words_per_row)``; Numba has no float16 on the CPU, and a
+  word copy is bit-exact for every dtype;
+- ``ids`` is 1-D int32 or int64;
+- ``out`` has shape ``(ids.size, words_per_row)`` and the table's word dtype;
+- the return value is -1 on success, else the position of the first id
+  outside ``[0, vocab_size)``; in that case nothing has been written to
+  ``out``: the ids are scanned before any row is copied, inside the same
+  compiled call, so the caller's ``out`` survives an error untouched.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .cpu_intrinsics import prefetch, store_fence, stream_store_16
+
+_JIT = dict(cache=True, nogil=True, boundscheck=False)
+
+
+@njit(**_JIT)
+def first_bad_position(ids, vocab_size):
+    """Position of the first id outside [0, vocab_size), or -1."""
+    for i in range(ids.size):
+        row = ids[i]
+        if row < 0 or row >= vocab_size:
+            return i
+    return -1
+
+
+@njit(inline="always", **_JIT)
+def _copy_row(table, row, out, i):
+    # An explicit word loop: LLVM vectorises it into wide loads and stores,
+    # whereas slice assignment lowers to an element loop with an overlap check.
+    for w in range(table.shape[1]):
+        out[i, w] = table[row, w]
+
+
+@njit(inline="always", **_JIT)
+def _stream_row(dst, src, row_bytes):
+    # 64 bytes (one cache line) per iteration so each line is completed in
+    # the write-combining buffer by consecutive stores.
+    for offset in range(0, row_bytes, 64):
+        stream_store_16(dst + offset, src + offset)
+        stream_store_16(dst + offset + 16, src + offset + 16)
+        stream_store_16(dst + offset + 32, src + offset + 32)
+        stream_store_16(dst + offset + 48, src + offset + 48)
+
+
+@njit(inline="always", **_JIT)
+def _prefetch_row(src, row_bytes):
+    for offset in range(0, row_bytes, 64):
+        prefetch(src + offset)
+
+
+def _block(block, n_blocks, n):
+    return block * n // n_blocks, (block + 1) * n // n_blocks
+
+
+_block = njit(inline="always", **_JIT)(_block)
+
+
+@njit(**_JIT)
+def gather_serial(table, ids, out):
+    """Gather on the calling thread (no thread wake-up: for small batches)."""
+    bad = first_bad_position(ids, table.shape[0])
+    if bad >= 0:
+        return bad
+    for i in range(ids.size):
+        _copy_row(table, ids[i], out, i)
+    return -1
+
+
+@njit(parallel=True, **_JIT)
+def gather_parallel(table, ids, out, n_blocks):
+    """Gather in ``n_blocks`` contiguous blocks of rows spread over threads.
+
+    Contiguous blocks (rather than interleaved rows) keep each thread's
+    writes sequential in ``out``. Cached stores: for outputs that fit in the
+    last-level cache, where the caller reads them next.
+    """
+    bad = first_bad_position(ids, table.shape[0])
+    if bad >= 0:
+        return bad
+    for block in prange(n_blocks):
+        start, stop = _block(block, n_blocks, ids.size)
+        for i in range(start, stop):
+            _copy_row(table, ids[i], out, i)
+    return -1
+
+
+@njit(parallel=True, **_JIT)
+def gather_parallel_stream(table, ids, out, n_blocks, prefetch_distance):
+    """As :func:`gather_parallel`, with non-temporal stores and prefetch.
+
+    For outputs much larger than the last-level cache. Non-temporal 16-byte
+    stores fault on unaligned addresses, so unless ``out`` is 16-byte aligned
+    and rows are a multiple of 16 bytes this runs :func:`gather_parallel`.
+    ``prefetch_distance`` rows ahead are prefetched (0 disables it).
+    """
+    row_bytes = table.shape[1] * table.itemsize
+    table_address = table.ctypes.data
+    out_address = out.ctypes.data
+    if row_bytes % 16 != 0 or out_address % 16 != 0:
+        return gather_parallel(table, ids, out, n_blocks)
+    bad = first_bad_position(ids, table.shape[0])
+    if bad >= 0:
+        return bad
+    for block in prange(n_blocks):
+        start, stop = _block(block, n_blocks, ids.size)
+        for i in range(start, stop):
+            ahead = i + prefetch_distance
+            if prefetch_distance > 0 and ahead < stop:
+                _prefetch_row(table_address + np.uintp(ids[ahead]) * row_bytes, row_bytes)
+            source = table_address + np.uintp(ids[i]) * row_bytes
+            _stream_row(out_address + np.uintp(i) * row_bytes, source, row_bytes)
+        store_fence()
+    return -1
+
+
+@njit(parallel=True, **_JIT)
+def copy_parallel(src, dst, n_blocks):
+    """Contiguous copy of ``src`` into ``dst`` (same 2-D word shape) over threads.
+
+    Not a gather: one of the benchmark's candidates for the physical limit.
+    """
+    for block in prange(n_blocks):
+        start, stop = _block(block, n_blocks, src.shape[0])
+        for i in range(start, stop):
+            _copy_row(src, i, dst, i)
+
+
+@njit(parallel=True, **_JIT)
+def copy_parallel_stream(src, dst, n_blocks):
+    """As :func:`copy_parallel`, with non-temporal stores (same alignment rule)."""
+    row_bytes = src.shape[1] * src.itemsize
+    if row_bytes % 16 != 0 or dst.ctypes.data % 16 != 0:
+        copy_parallel(src, dst, n_blocks)
+        return
+    for block in prange(n_blocks):
+        start, stop = _block(block, n_blocks, src.shape[0])
+        for i in range(start, stop):
+            offset = np.uintp(i) * row_bytes
+            _stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes)
+        store_fence()

@@ -1,0 +1,73 @@
+"""Making tables: dtype names (bfloat16 through ml_dtypes) and random tables."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: For IEEE-like floats: (unsigned view, bits kept from the random word
+#: (sign and mantissa), exponent bits that put every magnitude in [1/64, 1/32)).
+#: Finite, never zero, random sign and mantissa: an embedding's scale.
+_FLOAT_BITS = {
+    "float16": ("u2", 0x83FF, 9 << 10),
+    "bfloat16": ("u2", 0x807F, 121 << 7),
+    "float32": ("u4", 0x807FFFFF, 121 << 23),
+    "float64": ("u8", 0x800FFFFFFFFFFFFF, 1017 << 52),
+}
+#: Random 64-bit words generated per chunk (bounds the temporary: 64 MiB).
+_CHUNK_WORDS = 8 * 2**20
+
+
+def resolve_dtype(dtype: Any) -> np.dtype:
+    """np.dtype(dtype), with "bfloat16" (and other ml_dtypes names) through ml_dtypes.
+
+    Raises TypeError naming the missing package when ml_dtypes is needed but absent.
+    """
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        if not isinstance(dtype, str):
+            raise
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(f"dtype {dtype!r} needs the ml_dtypes package (pip install ml_dtypes)") from None
+    try:
+        return np.dtype(getattr(ml_dtypes, dtype))
+    except AttributeError:
+        raise TypeError(f"unknown dtype {dtype!r}") from None
+
+
+def random_table(vocab_size: int, dim: int, dtype: Any = "float16", seed: int = 0) -> np.ndarray:
+    """A (vocab_size, dim) C-contiguous table of random values of `dtype`.
+
+    float16/bfloat16/float32/float64: random sign and mantissa, magnitudes in
+    [1/64, 1/32) (finite, never zero); other dtypes: uniformly random bytes
+    (integers uniform over their range). About 1 s per GiB.
+    """
+    dtype = resolve_dtype(dtype)
+    table = np.empty((vocab_size, dim), dtype=dtype)
+    _fill_random_bytes(table.reshape(-1).view(np.uint8), np.random.default_rng(seed))
+    if dtype.name in _FLOAT_BITS:
+        view, keep, exponent = _FLOAT_BITS[dtype.name]
+        bits = table.view(view)
+        bits &= np.array(keep, dtype=view)
+        bits |= np.array(exponent, dtype=view)
+    elif dtype.kind in "fcV" and dtype.names is None:
+        # Other floats (float8, long double, complex): cast from float32 in [1/64, 1/32).
+        flat = table.reshape(-1)
+        for start in range(0, flat.size, _CHUNK_WORDS):
+            chunk = np.random.default_rng([seed, start]).uniform(1 / 64, 1 / 32, flat[start : start + _CHUNK_WORDS].size)
+            flat[start : start + _CHUNK_WORDS] = chunk.astype(np.float32).astype(dtype)
+    return table
+
+
+def _fill_random_bytes(flat_bytes: np.ndarray, rng: np.random.Generator) -> None:
+    words = flat_bytes.size // 8
+    for start in range(0, words, _CHUNK_WORDS):
+        count = min(_CHUNK_WORDS, words - start)
+        chunk = rng.integers(0, 2**64 - 1, count, dtype=np.uint64, endpoint=True)
+        flat_bytes[8 * start : 8 * (start + count)] = chunk.view(np.uint8)
+    tail = flat_bytes.size - 8 * words
+    if tail:
+        flat_bytes[8 * words :] = rng.integers(0, 256, tail, dtype=np.uint8)

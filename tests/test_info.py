@@ -1,0 +1,51 @@
+"""`python -m fastembed info` and the cheap import."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import fastembed
+from fastembed import info
+
+
+def run_python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+
+
+def test_import_is_cheap_and_loads_neither_numba_nor_cupy():
+    loaded = run_python("import sys, fastembed; print(sorted(m for m in ('numba', 'cupy', 'llvmlite') if m in sys.modules))")
+    assert loaded.strip() == "[]"
+
+
+def test_works_with_numba_and_cupy_missing():
+    code = (
+        "import sys; sys.modules['numba'] = None; sys.modules['cupy'] = None\n"
+        "import importlib.util as u; real = u.find_spec\n"
+        "u.find_spec = lambda name, *a: None if name in ('numba', 'cupy') else real(name, *a)\n"
+        "import fastembed, numpy as np\n"
+        "t = fastembed.Embedding.random(20, 6).table\n"
+        "print(fastembed.select_backend(t, [1]).backend, np.array_equal(fastembed.lookup(t, [3, 4]), t[[3, 4]]))\n"
+        "print([(s.name, s.reasons) for s in fastembed.backends()])"
+    )
+    lines = run_python(code).splitlines()
+    assert lines[0] == "numpy True"
+    assert "numba is not installed" in lines[1] and "cupy is not installed" in lines[1]
+
+
+def test_info_tells_the_truth_about_each_backend():
+    text = subprocess.run([sys.executable, "-m", "fastembed", "info"], check=True, capture_output=True, text=True).stdout
+    for status in fastembed.backends():
+        assert status.name in text
+        for reason in status.reasons:
+            assert reason in text
+    assert "threading_layer" in text or "numba" not in {s.name for s in fastembed.backends() if s.available}
+    facts = json.loads(subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], check=True, capture_output=True, text=True).stdout)
+    assert facts["fastembed"] == fastembed.__version__
+    assert [b["name"] for b in facts["backends"]] == ["cuda", "numba", "numpy"]
+
+
+def test_info_warns_about_qdrant_fastembed(monkeypatch):
+    monkeypatch.setattr(info, "other_fastembed_distributions", lambda: ["fastembed 0.9.1"])
+    text = info.format_report(info.report())
+    assert "WARNING: fastembed 0.9.1 also installs an import package named 'fastembed'" in text

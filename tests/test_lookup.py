@@ -1,0 +1,137 @@
+"""lookup() and Embedding against table[ids] and the one-hot oracle, on every CPU backend."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import fastembed
+from conftest import REFERENCE_IDS, assert_bit_equal, poisoned, random_table
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "complex64"]
+WIDTHS = [1, 3, 4, 7, 8, 33, 4095, 4096]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_matches_numpy_for_every_dtype_and_width(backend, dtype, width):
+    table = random_table(257, width, dtype)
+    ids = np.random.default_rng(width).integers(0, 257, 100)
+    out = poisoned((100, width), table.dtype)
+    result = fastembed.lookup(table, ids, out=out, backend=backend)
+    assert result is out
+    assert_bit_equal(out, table[ids])
+    assert_bit_equal(fastembed.lookup(table, ids, backend=backend), table[ids])
+
+
+@pytest.mark.parametrize("id_dtype", ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", ">i4"])
+def test_every_integer_id_dtype(backend, id_dtype):
+    table = random_table(200, 12)
+    ids = np.random.default_rng(1).integers(0, 127, (4, 5)).astype(id_dtype)
+    assert_bit_equal(fastembed.lookup(table, ids, backend=backend), table[ids.astype(np.int64)])
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (6,), (2, 3), (2, 0, 3), (2, 3, 4)])
+def test_any_ids_shape(backend, shape):
+    table = random_table(50, 9)
+    ids = np.random.default_rng(2).integers(0, 50, shape)
+    result = fastembed.lookup(table, ids, backend=backend)
+    assert result.shape == shape + (9,)
+    assert_bit_equal(result, table[ids.reshape(-1)].reshape(shape + (9,)))
+
+
+def test_array_likes_and_scalars(backend):
+    table = random_table(40, 5)
+    assert_bit_equal(fastembed.lookup(table, [3, 1, 3], backend=backend), table[[3, 1, 3]])
+    assert_bit_equal(fastembed.lookup(table, [[1, 2], [3, 4]], backend=backend), table[[[1, 2], [3, 4]]])
+    assert_bit_equal(fastembed.lookup(table, (7,), backend=backend), table[[7]])
+    assert_bit_equal(fastembed.lookup(table, 7, backend=backend), table[7])
+    assert_bit_equal(fastembed.lookup(table, np.int32(7), backend=backend), table[7])
+    assert fastembed.lookup(table, [], backend=backend).shape == (0, 5)
+
+
+def test_non_contiguous_ids(backend):
+    table = random_table(90, 16)
+    ids = np.random.default_rng(3).integers(0, 90, (10, 8)).T[::2]
+    assert not ids.flags.c_contiguous
+    assert_bit_equal(fastembed.lookup(table, ids, backend=backend), table[ids])
+
+
+def test_int32_and_int64_ids_are_not_copied():
+    table = random_table(30, 8)
+    for dtype in (np.int32, np.int64):
+        ids = np.arange(6, dtype=dtype)
+        assert fastembed.validate.as_ids(ids, table) is ids
+
+
+def test_large_batch_with_repeats(backend):
+    table = random_table(1000, 64)
+    ids = np.random.default_rng(4).integers(0, 1000, 100_000).astype(np.int32)
+    out = poisoned((100_000, 64), table.dtype)
+    fastembed.lookup(table, ids, out=out, backend=backend)
+    assert_bit_equal(out, table[ids])
+
+
+def test_one_hot_oracle(backend):
+    """one_hot(ids) @ table == table[ids]: a dense lookup is a one-hot product."""
+    vocab_size, dim = 300, 24
+    table = random_table(vocab_size, dim, "float32")
+    ids = np.random.default_rng(5).integers(0, vocab_size, 17)
+    one_hot = np.zeros((ids.size, vocab_size), dtype=np.float32)
+    one_hot[np.arange(ids.size), ids] = 1.0
+    np.testing.assert_array_equal(fastembed.lookup(table, ids, backend=backend), one_hot @ table)
+
+
+def test_embedding_object(backend):
+    table = random_table(64, 10, "bfloat16")
+    emb = fastembed.Embedding(table)
+    assert (emb.vocab_size, emb.dim, emb.dtype, emb.nbytes, emb.device) == (64, 10, table.dtype, table.nbytes, "cpu")
+    assert emb.table is table
+    ids = np.array([[1, 63], [0, 5]])
+    assert_bit_equal(emb(ids, backend=backend), table[ids])
+    out = poisoned((2, 2, 10), table.dtype)
+    assert emb(ids, out=out, backend=backend) is out
+    assert_bit_equal(out, table[ids])
+    assert "vocab_size=64" in repr(emb)
+
+
+def test_embedding_does_not_revalidate_the_table(monkeypatch):
+    emb = fastembed.Embedding(random_table(10, 4))
+    calls = []
+    monkeypatch.setattr(fastembed.validate, "check_table", lambda table: calls.append(table))
+    emb([1, 2])
+    assert calls == []
+
+
+def test_random_table_is_random_and_never_zero():
+    table = fastembed.Embedding.random(1000, 64, "float16", seed=3).table
+    assert table.shape == (1000, 64) and table.dtype == np.float16
+    assert np.all(table != 0) and np.all(np.isfinite(table))
+    assert len(np.unique(table)) > 1000
+    assert not np.array_equal(table, fastembed.Embedding.random(1000, 64, "float16", seed=4).table)
+
+
+def test_reference_sentence_on_the_full_table(full_table, backend):
+    result = fastembed.lookup(full_table, REFERENCE_IDS, backend=backend)
+    assert result.shape == (6, 4096) and result.dtype == np.float16
+    assert_bit_equal(result, np.stack([full_table[i] for i in REFERENCE_IDS]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    vocab_size=st.integers(1, 64),
+    dim=st.integers(1, 40),
+    dtype=st.sampled_from(["float16", "float32", "int8", "uint8", "float64", "bfloat16"]),
+    id_dtype=st.sampled_from([np.int32, np.int64, np.uint16]),
+    ids_shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5),
+    backend=st.sampled_from([name for name in ("numba", "numpy") if name in {s.name for s in fastembed.backends() if s.available}]),
+)
+def test_property_lookup_equals_numpy(data, vocab_size, dim, dtype, id_dtype, ids_shape, backend):
+    table = random_table(vocab_size, dim, dtype, seed=dim)
+    ids = data.draw(hnp.arrays(id_dtype, ids_shape, elements=st.integers(0, vocab_size - 1)))
+    out = poisoned(ids.shape + (dim,), table.dtype)
+    fastembed.lookup(table, ids, out=out, backend=backend)
+    assert_bit_equal(out, table[ids.astype(np.int64)])

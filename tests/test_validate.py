@@ -1,0 +1,134 @@
+"""Every bad input gets its exception with the stated content, and out stays untouched."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastembed
+from fastembed import dispatch
+from conftest import poisoned, random_table
+
+
+class FakeGpuArray:
+    """Looks like a GPU array to fastembed (it exposes __cuda_array_interface__)."""
+
+    def __init__(self, shape=(4,), dtype=np.int64):
+        self.shape, self.dtype, self.ndim = shape, np.dtype(dtype), len(shape)
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": self.dtype.str, "data": (0, False), "version": 3}
+
+
+@pytest.fixture
+def table():
+    return random_table(100, 8)
+
+
+@pytest.mark.parametrize(
+    "ids, words",
+    [
+        (np.array([1.0, 2.0]), "floating"),
+        (np.array([True, False]), "bool"),
+        (True, "bool"),
+        (np.array([1 + 0j]), "complex"),
+        (np.array(["1"]), "string"),
+        (np.array([1, 2], dtype=object), "object"),
+        ([1.5], "floating"),
+    ],
+)
+def test_non_integer_ids_raise_type_error(table, backend, ids, words):
+    with pytest.raises(TypeError, match=words):
+        fastembed.lookup(table, ids, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "ids, position, value",
+    [
+        ([1, 2, 100], "position 2", "id 100"),
+        ([-1], "position 0", "id -1"),
+        ([[0, 1], [5, 1000]], r"position \(1, 1\)", "id 1000"),
+        (np.array([[3, 4, 5], [-7, 200, 0]], dtype=np.int32), r"position \(1, 0\)", "id -7"),
+        (np.array([2**63 + 5], dtype=np.uint64), "position 0", f"id {2**63 + 5}"),
+        (np.int64(100), r"position \(\)", "id 100"),
+    ],
+)
+def test_out_of_range_ids_name_position_value_and_range(table, backend, ids, position, value):
+    out = poisoned(np.shape(ids) + (8,), table.dtype)
+    before = out.copy()
+    with pytest.raises(IndexError, match=f"{value} at {position}.*100 rows.*0..99"):
+        fastembed.lookup(table, ids, out=out, backend=backend)
+    np.testing.assert_array_equal(out.view(np.uint8), before.view(np.uint8))
+
+
+def test_first_bad_id_is_reported_in_a_huge_batch(table, backend):
+    ids = np.random.default_rng(0).integers(0, 100, 200_000)
+    ids[123_456], ids[150_000] = 100, -3
+    out = poisoned((200_000, 8), table.dtype)
+    before = out.copy()
+    with pytest.raises(IndexError, match="id 100 at position 123456"):
+        fastembed.lookup(table, ids, out=out, backend=backend)
+    assert np.array_equal(out.view(np.uint8), before.view(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "bad_table, error, words",
+    [
+        (np.zeros(10, np.float16) + 1, ValueError, "2-D.*1-D"),
+        (np.ones((2, 3, 4), np.float16), ValueError, "2-D.*3-D"),
+        (np.ones((10, 8), np.float16)[:, ::2], ValueError, "C-contiguous"),
+        (np.ones((10, 8), np.float16).T, ValueError, "C-contiguous"),
+        (np.empty((3, 3), dtype=object), TypeError, "object"),
+        ([[1.0, 2.0]], TypeError, "numpy array"),
+    ],
+)
+def test_bad_tables(bad_table, error, words):
+    with pytest.raises(error, match=words):
+        fastembed.lookup(bad_table, [0])
+    with pytest.raises(error, match=words):
+        fastembed.Embedding(bad_table)
+
+
+def test_bad_out(table, backend):
+    ids = np.array([[1, 2, 3], [4, 5, 6]])
+    cases = [
+        (np.empty((2, 3, 9), np.float16), ValueError, r"shape \(2, 3, 9\), expected \(2, 3, 8\)"),
+        (np.empty((6, 8), np.float16), ValueError, r"shape \(6, 8\), expected \(2, 3, 8\)"),
+        (np.empty((2, 3, 8), np.float32), TypeError, "dtype float32, expected.*float16"),
+        (np.empty((2, 3, 16), np.float16)[..., ::2], ValueError, "C-contiguous"),
+        ([[0.0]], TypeError, "out must be an array"),
+    ]
+    readonly = poisoned((2, 3, 8), np.float16)
+    readonly.flags.writeable = False
+    cases.append((readonly, ValueError, "read-only"))
+    for out, error, words in cases:
+        snapshot = np.array(out, copy=True)
+        with pytest.raises(error, match=words):
+            fastembed.lookup(table, ids, out=out, backend=backend)
+        np.testing.assert_array_equal(np.asarray(out), snapshot)
+
+
+def test_out_overlapping_table_or_ids(backend):
+    table = random_table(100, 8)
+    with pytest.raises(ValueError, match="overlaps the table"):
+        fastembed.lookup(table, [1, 2], out=table[10:12], backend=backend)
+    ids_and_out = np.zeros(16, np.int64)
+    ids = ids_and_out[:2]
+    out = ids_and_out.view(np.float16)[4 : 4 + 16].reshape(2, 8)  # bytes 8..40 overlap ids[1]
+    with pytest.raises(ValueError, match="overlaps the ids"):
+        fastembed.lookup(table, ids, out=out, backend=backend)
+
+
+def test_device_mismatch_names_both_devices(table):
+    with pytest.raises(TypeError, match="ids live on cuda:0 but the table lives on cpu"):
+        fastembed.lookup(table, FakeGpuArray())
+
+
+def test_unknown_backend_lists_known_ones(table, monkeypatch):
+    with pytest.raises(ValueError, match="auto, cuda, numba, numpy"):
+        fastembed.lookup(table, [1], backend="tpu")
+    monkeypatch.setattr(dispatch, "_environment_choice", "nope")
+    with pytest.raises(ValueError, match="FASTEMBED_BACKEND='nope'.*auto, cuda, numba, numpy"):
+        fastembed.lookup(table, [1])
+
+
+def test_uint64_ids_beyond_int64_are_reported_not_wrapped(table):
+    with pytest.raises(IndexError, match=f"id {2**64 - 1} at position 1"):
+        fastembed.lookup(table, np.array([0, 2**64 - 1], dtype=np.uint64))
