@@ -45,13 +45,17 @@ def _copy_row(table, row, out, i):
 
 @njit(inline="always", **_JIT)
 def _stream_row(dst, src, row_bytes):
-    # 64 bytes (one cache line) per iteration so each line is completed in
-    # the write-combining buffer by consecutive stores.
-    for offset in range(0, row_bytes, 64):
+    # row_bytes is a multiple of 16. Whole cache lines (64 bytes) first, so
+    # each line is completed in the write-combining buffer by consecutive
+    # stores, then the remaining 16-byte pieces.
+    whole_lines = row_bytes - row_bytes % 64
+    for offset in range(0, whole_lines, 64):
         stream_store_16(dst + offset, src + offset)
         stream_store_16(dst + offset + 16, src + offset + 16)
         stream_store_16(dst + offset + 32, src + offset + 32)
         stream_store_16(dst + offset + 48, src + offset + 48)
+    for offset in range(whole_lines, row_bytes, 16):
+        stream_store_16(dst + offset, src + offset)
 
 
 @njit(inline="always", **_JIT)

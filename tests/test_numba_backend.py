@@ -1,0 +1,119 @@
+"""The numba backend: every kernel path exact, unaligned data, threads and fork."""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import fastembed
+from conftest import assert_bit_equal, poisoned, random_table
+
+numba_backend = pytest.importorskip("fastembed.backends.numba_backend")
+if numba_backend.unavailable_reasons():
+    pytest.skip(f"numba backend unavailable: {numba_backend.unavailable_reasons()}", allow_module_level=True)
+
+THREAD_SECONDS = 10.0
+
+
+@pytest.fixture(params=["serial", "parallel", "stream"])
+def kernel_path(request, monkeypatch):
+    """Force each kernel path on small data by moving the thresholds."""
+    if request.param == "serial":
+        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_ROWS", 10**9)
+    else:
+        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_ROWS", 1)
+        monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 0 if request.param == "stream" else 2**62)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
+@pytest.mark.parametrize("width", [1, 3, 8, 4095, 4096])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_every_kernel_path_is_exact(kernel_path, dtype, width, id_dtype):
+    table = random_table(300, width, dtype, seed=width)
+    ids = np.random.default_rng(width).integers(0, 300, 257).astype(id_dtype)
+    out = poisoned((257, width), table.dtype)
+    fastembed.lookup(table, ids, out=out, backend="numba")
+    assert_bit_equal(out, table[ids])
+
+
+def test_bad_ids_on_every_kernel_path_leave_out_untouched(kernel_path):
+    table = random_table(100, 64)
+    ids = np.arange(200) % 100
+    ids[150] = 100
+    out = poisoned((200, 64), table.dtype)
+    before = out.copy()
+    with pytest.raises(IndexError, match="id 100 at position 150"):
+        fastembed.lookup(table, ids, out=out, backend="numba")
+    assert_bit_equal(out, before)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 4, 8])
+def test_unaligned_table_and_out(kernel_path, offset):
+    """Views at odd byte offsets (as an np.memmap of a file can be) are gathered exactly."""
+    rows, width = 64, 40  # 80-byte rows of float16
+    table_buffer = np.zeros(rows * width * 2 + 64, np.uint8)
+    table = table_buffer[offset : offset + rows * width * 2].view(np.float16).reshape(rows, width)
+    table[...] = random_table(rows, width)
+    out_buffer = np.full(100 * width * 2 + 64, 0xA5, np.uint8)
+    out = out_buffer[offset : offset + 100 * width * 2].view(np.float16).reshape(100, width)
+    ids = np.random.default_rng(offset).integers(0, rows, 100)
+    fastembed.lookup(table, ids, out=out, backend="numba")
+    assert_bit_equal(out, table[ids])
+    assert (out_buffer[:offset] == 0xA5).all() and (out_buffer[offset + out.nbytes :] == 0xA5).all()
+
+
+def test_word_size_follows_the_row_size():
+    assert numba_backend.word_dtype(8192) == np.uint64
+    assert numba_backend.word_dtype(8190) == np.uint16
+    assert numba_backend.word_dtype(12) == np.uint32
+    assert numba_backend.word_dtype(7) == np.uint8
+
+
+def test_concurrent_threads_get_exact_results():
+    """8 Python threads call lookup at once for THREAD_SECONDS: no crash, every result exact."""
+    table = random_table(5000, 256)
+    errors: list[str] = []
+    calls = [0] * 8
+    stop_at = time.monotonic() + THREAD_SECONDS
+
+    def worker(index: int) -> None:
+        rng = np.random.default_rng(index)
+        while time.monotonic() < stop_at:
+            n = int(rng.choice([1, 6, 64, 700, 3000]))
+            ids = rng.integers(0, 5000, n).astype(rng.choice([np.int32, np.int64]))
+            result = fastembed.lookup(table, ids, backend="numba")
+            if not np.array_equal(result.view(np.uint16), table[ids].view(np.uint16)):
+                errors.append(f"thread {index}: wrong rows for {n} ids")
+                return
+            calls[index] += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(THREAD_SECONDS + 60)
+    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    assert errors == []
+    assert all(count > 0 for count in calls)
+
+
+def _child_lookup(seed: int) -> bool:
+    table = random_table(2000, 128, seed=1)
+    ids = np.random.default_rng(seed).integers(0, 2000, 5000)
+    return bool(np.array_equal(fastembed.lookup(table, ids, backend="numba"), table[ids]))
+
+
+def test_fork_pool_after_the_parent_used_the_thread_pool():
+    table = random_table(2000, 128, seed=1)
+    ids = np.random.default_rng(0).integers(0, 2000, 5000)
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])  # parallel in the parent
+    context = multiprocessing.get_context("fork")
+    with context.Pool(2) as pool:
+        results = pool.map_async(_child_lookup, range(4)).get(timeout=120)
+    assert results == [True] * 4
+    # and the parent still works afterwards
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
