@@ -5,6 +5,7 @@ Each call validates (``fastembed.validate``), picks a backend
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -97,3 +98,36 @@ class Embedding:
         from .tables import random_table
 
         return cls(random_table(vocab_size, dim, dtype, seed))
+
+    @classmethod
+    def from_safetensors(cls, path: str | os.PathLike, name: str | None = None) -> "Embedding":
+        """Memory-map one tensor of a safetensors file, read-only, zero-copy.
+
+        name=None picks the single 2-D tensor named like a token embedding
+        (``embed_tokens.weight``, ``wte.weight``, ...) or raises listing the
+        candidates. Raises ValueError for corrupt or hostile files, TypeError
+        when BF16/F8 needs ml_dtypes and it is missing.
+        """
+        from .io import map_safetensors
+
+        return cls(map_safetensors(path, name))
+
+    @classmethod
+    def from_npy(cls, path: str | os.PathLike) -> "Embedding":
+        """Memory-map a 2-D .npy file, read-only, zero-copy."""
+        from .io import map_npy
+
+        return cls(map_npy(path))
+
+    def to_device(self, device: int = 0) -> "Embedding":
+        """An Embedding over a copy of this table on CUDA device `device` (explicit, one copy).
+
+        Raises BackendUnavailableError when cupy or a device is missing.
+        """
+        from .backends import cuda_backend
+        from .dispatch import BackendUnavailableError
+
+        reasons = cuda_backend.unavailable_reasons()
+        if reasons:
+            raise BackendUnavailableError(f"cannot move the table to cuda:{device}: {'; '.join(reasons)}")
+        return cls(cuda_backend.to_device(self._table, device))

@@ -74,6 +74,21 @@ def empty(shape: tuple[int, ...], table: Any) -> Any:
         return cupy.empty(shape, dtype=table.dtype)
 
 
+def to_device(table: Any, device_id: int) -> Any:
+    """A copy of a host table on `device_id` (the one explicit host-to-device move).
+
+    Tables of ml_dtypes types (bfloat16) travel as same-size unsigned words
+    and keep a numpy-compatible dtype view on the device.
+    """
+    import cupy
+
+    host = np.asarray(table)
+    with cupy.cuda.Device(device_id):
+        if host.dtype.kind == "V":
+            return cupy.asarray(host.view(f"u{host.dtype.itemsize}"))
+        return cupy.asarray(host)
+
+
 @lru_cache(maxsize=None)
 def _module(device_id: int) -> Any:
     import cupy

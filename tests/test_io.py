@@ -1,0 +1,188 @@
+"""Memory-mapped safetensors and .npy tables: zero-copy, every dtype, hostile files, RSS."""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastembed
+from fastembed import io
+from conftest import REFERENCE_IDS, assert_bit_equal, random_table
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+
+def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
+    """A safetensors file written by the reference implementation (bf16 via its numpy API)."""
+    safetensors_numpy.save_file(tensors, str(path))
+
+
+def raw_safetensors(header: dict, data: bytes) -> bytes:
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + data
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "uint16"])
+def test_safetensors_round_trip_every_dtype(tmp_path, backend, dtype):
+    table = random_table(500, 33, dtype)
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, {"model.embed_tokens.weight": table, "lm_head.weight": random_table(7, 33, dtype, 1)})
+    emb = fastembed.Embedding.from_safetensors(path)
+    assert isinstance(emb.table, np.memmap) and not emb.table.flags.writeable
+    assert emb.dtype == table.dtype and (emb.vocab_size, emb.dim) == (500, 33)
+    ids = np.random.default_rng(0).integers(0, 500, (3, 4))
+    assert_bit_equal(emb(ids, backend=backend), table[ids])
+
+
+def test_safetensors_name_selection(tmp_path):
+    path = tmp_path / "two.safetensors"
+    tensors = {"a.wte.weight": random_table(10, 4), "b.word_embeddings.weight": random_table(12, 4), "norm": random_table(1, 4)}
+    write_safetensors(path, tensors)
+    with pytest.raises(ValueError, match="several tensors.*a.wte.weight.*b.word_embeddings.weight"):
+        fastembed.Embedding.from_safetensors(path)
+    assert fastembed.Embedding.from_safetensors(path, name="b.word_embeddings.weight").vocab_size == 12
+    with pytest.raises(ValueError, match="no tensor named 'missing'.*a.wte.weight"):
+        fastembed.Embedding.from_safetensors(path, name="missing")
+    plain = tmp_path / "plain.safetensors"
+    write_safetensors(plain, {"weights": random_table(3, 3)})
+    with pytest.raises(ValueError, match="no tensor is named like a token embedding.*weights"):
+        fastembed.Embedding.from_safetensors(plain)
+
+
+def test_npy_is_memory_mapped(tmp_path, backend):
+    table = random_table(300, 20, "float32")
+    path = tmp_path / "table.npy"
+    np.save(path, table)
+    emb = fastembed.Embedding.from_npy(path)
+    assert isinstance(emb.table, np.memmap)
+    assert_bit_equal(emb([1, 299, 0], backend=backend), table[[1, 299, 0]])
+
+
+def test_npy_bad_files(tmp_path):
+    np.save(tmp_path / "three_d.npy", np.zeros((2, 2, 2)))
+    with pytest.raises(ValueError, match="2-D"):
+        fastembed.Embedding.from_npy(tmp_path / "three_d.npy")
+    (tmp_path / "garbage.npy").write_bytes(b"\x93NUMPY garbage")
+    with pytest.raises(ValueError, match="not a readable .npy"):
+        fastembed.Embedding.from_npy(tmp_path / "garbage.npy")
+    np.save(tmp_path / "objects.npy", np.array([[1, "a"]], dtype=object))
+    with pytest.raises(ValueError, match="not a readable .npy"):
+        fastembed.Embedding.from_npy(tmp_path / "objects.npy")
+
+
+F16_ENTRY = {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"", "shorter than the 8-byte"),
+        (b"\x01\x02", "shorter than the 8-byte"),
+        (struct.pack("<Q", 1000) + b"{}", "header length 1000 goes beyond"),
+        (struct.pack("<Q", 2**63) + b"{}", "goes beyond"),
+        (struct.pack("<Q", 4) + b"{not", "not valid JSON"),
+        (struct.pack("<Q", 2) + b"[]", "JSON object"),
+        (raw_safetensors({"w.embed_tokens.weight": {**F16_ENTRY, "data_offsets": [-8, 0]}}, b"\0" * 8), "outside the data"),
+        (raw_safetensors({"w.embed_tokens.weight": {**F16_ENTRY, "data_offsets": [0, 9000]}}, b"\0" * 8), "outside the data"),
+        (raw_safetensors({"w.embed_tokens.weight": {**F16_ENTRY, "data_offsets": [0, 6]}}, b"\0" * 8), "is 8 bytes but data_offsets span 6"),
+        (raw_safetensors({"w.embed_tokens.weight": {**F16_ENTRY, "dtype": "Q7"}}, b"\0" * 8), "unknown dtype 'Q7'"),
+        (raw_safetensors({"w.embed_tokens.weight": {**F16_ENTRY, "shape": [2, -2]}}, b"\0" * 8), "non-negative"),
+        (raw_safetensors({"w.embed_tokens.weight": F16_ENTRY, "x": {**F16_ENTRY, "data_offsets": [4, 12]}}, b"\0" * 12), "overlap"),
+        (raw_safetensors({"w.embed_tokens.weight": {"dtype": "F16", "shape": [8], "data_offsets": [0, 16]}}, b"\0" * 16), "no tensor is named like"),
+        (raw_safetensors({"w.embed_tokens.weight": "nope"}, b""), "must be an object"),
+    ],
+)
+def test_hostile_safetensors_give_clear_value_errors(tmp_path, content, words):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=words):
+        fastembed.Embedding.from_safetensors(path)
+
+
+def test_non_2d_named_tensor(tmp_path):
+    path = tmp_path / "vec.safetensors"
+    path.write_bytes(raw_safetensors({"v": {"dtype": "F16", "shape": [4], "data_offsets": [0, 8]}}, b"\0" * 8))
+    with pytest.raises(ValueError, match="an embedding table is 2-D"):
+        fastembed.Embedding.from_safetensors(path, name="v")
+
+
+def test_bf16_without_ml_dtypes_names_the_package(tmp_path, monkeypatch):
+    path = tmp_path / "bf16.safetensors"
+    path.write_bytes(raw_safetensors({"wte.weight": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}}, b"\1" * 8))
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+    monkeypatch.setattr(np, "dtype", _numpy_dtype_without_bfloat16(np.dtype))
+    with pytest.raises(TypeError, match="ml_dtypes"):
+        fastembed.Embedding.from_safetensors(path)
+
+
+def _numpy_dtype_without_bfloat16(real_dtype):
+    def dtype(value, *args, **kwargs):
+        if value == "bfloat16":
+            raise TypeError("data type 'bfloat16' not understood")
+        return real_dtype(value, *args, **kwargs)
+
+    return dtype
+
+
+def _valid_file_bytes() -> bytes:
+    table = np.arange(24, dtype=np.float16).reshape(6, 4)
+    header = {"__metadata__": {"format": "pt"}, "model.embed_tokens.weight": {"dtype": "F16", "shape": [6, 4], "data_offsets": [0, 48]},
+              "norm.weight": {"dtype": "F32", "shape": [4], "data_offsets": [48, 64]}}
+    return raw_safetensors(header, table.tobytes() + np.ones(4, np.float32).tobytes())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=6),
+    cut=st.one_of(st.none(), st.integers(0, 400)),
+)
+def test_fuzzed_headers_only_give_clean_errors(tmp_path, flips, cut):
+    content = bytearray(_valid_file_bytes())
+    for position, value in flips:
+        content[position % len(content)] = value
+    if cut is not None:
+        content = content[:cut]
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(bytes(content))
+    try:
+        emb = fastembed.Embedding.from_safetensors(path)
+    except ValueError:
+        return
+    # Whatever still parses must be a consistent table inside the file.
+    assert emb.table.ndim == 2 and emb.table.nbytes <= len(content)
+    fastembed.lookup(emb.table, [0])
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+@pytest.mark.slow
+def test_one_gib_file_lookup_grows_rss_by_less_than_32_mib(tmp_path_factory, backend):
+    pytest.importorskip("psutil")
+    path = tmp_path_factory.getbasetemp() / "big.safetensors"
+    vocab_size, dim = 129280, 4096
+    if not path.exists():
+        header = json.dumps({"model.embed_tokens.weight": {"dtype": "F16", "shape": [vocab_size, dim],
+                                                           "data_offsets": [0, vocab_size * dim * 2]}}).encode()
+        header += b" " * (-len(header) % 8)
+        with open(path, "wb") as handle:
+            handle.write(struct.pack("<Q", len(header)) + header)
+            rows = random_table(4096, dim)  # 32 MiB written again and again: the file is 1 GiB
+            for start in range(0, vocab_size, 4096):
+                handle.write(rows[: min(4096, vocab_size - start)].tobytes())
+    before = rss()
+    emb = fastembed.Embedding.from_safetensors(path)
+    result = emb(REFERENCE_IDS, backend=backend)
+    growth = rss() - before
+    assert emb.nbytes == 1_059_061_760
+    assert growth < 32 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB"
+    assert result.shape == (6, 4096)

@@ -1,0 +1,80 @@
+"""Hidden-copy audit: bytes allocated per lookup <= output + ids + 64 KiB, on every public path.
+
+tracemalloc sees numpy's allocations (numpy reports them to it), so a hidden
+copy of the table, of the output or of a large temporary would show up.
+What is copied, and why (docs/loading.md): non-contiguous ids are flattened
+(a copy of the ids); ids of a dtype other than int32/int64 are converted to
+int64; the numpy backend's np.take converts int32 ids to intp. Nothing else.
+"""
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import fastembed
+from conftest import random_table
+
+SLACK = 64 * 1024
+N = 4096
+
+
+def allocated(function) -> int:
+    function()  # warm-up: compile, caches
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        result = function()
+        _, peak = tracemalloc.get_traced_memory()
+        del result
+    finally:
+        tracemalloc.stop()
+    return peak - base
+
+
+@pytest.fixture(scope="module")
+def table():
+    return random_table(20000, 512)
+
+
+@pytest.fixture(scope="module")
+def mapped_table(tmp_path_factory, table):
+    path = tmp_path_factory.mktemp("npy") / "table.npy"
+    np.save(path, table)
+    return np.load(path, mmap_mode="r")
+
+
+IDS_CASES = {
+    "int64": lambda: np.random.default_rng(0).integers(0, 20000, N),
+    "int32": lambda: np.random.default_rng(0).integers(0, 20000, N).astype(np.int32),
+    "2-d": lambda: np.random.default_rng(0).integers(0, 20000, (64, N // 64)),
+    "non-contiguous": lambda: np.random.default_rng(0).integers(0, 20000, (N // 32, 64))[:, ::2],
+}
+
+
+@pytest.mark.parametrize("case", list(IDS_CASES))
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("path", ["lookup", "Embedding", "lookup on np.memmap"])
+def test_no_hidden_copies(table, mapped_table, backend, case, with_out, path):
+    ids = IDS_CASES[case]()
+    source = mapped_table if path == "lookup on np.memmap" else table
+    out_bytes = ids.size * source.shape[1] * source.dtype.itemsize
+    out = np.empty(ids.shape + (source.shape[1],), source.dtype) if with_out else None
+    if path == "Embedding":
+        emb = fastembed.Embedding(source)
+        call = lambda: emb(ids, out=out, backend=backend)  # noqa: E731
+    else:
+        call = lambda: fastembed.lookup(source, ids, out=out, backend=backend)  # noqa: E731
+    ids_bytes = ids.size * 8 if backend == "numpy" else ids.nbytes  # np.take converts int32 ids to intp
+    bound = (0 if with_out else out_bytes) + ids_bytes + SLACK
+    measured = allocated(call)
+    assert measured <= bound, f"{path} {case} allocated {measured} bytes, bound {bound}"
+
+
+def test_the_audit_can_fail(table):
+    """A deliberate copy of the ids' rows twice over is caught by the same measurement."""
+    ids = IDS_CASES["int64"]()
+    wasteful = lambda: np.concatenate([table[ids], table[ids]])  # noqa: E731
+    assert allocated(wasteful) > ids.size * 512 * 2 + ids.nbytes + SLACK
