@@ -1,0 +1,1 @@
+"""The benchmark runner behind ``fastembed-bench`` (see docs/benchmarks.md)."""

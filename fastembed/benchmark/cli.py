@@ -1,0 +1,131 @@
+"""``fastembed-bench``: the benchmark (the project's main job) and the CI gate.
+
+With no arguments: builds the default 129,280 x 4,096 float16 table, measures
+every fastembed backend against numpy, torch (if installed) and the best
+contiguous copy at 1, 6, 64, 1,024, 8,192 and 65,536 ids, uniform and Zipf;
+prints a table and writes JSON and a PNG plot into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BATCHES = (1, 6, 64, 1024, 8192, 65536)
+QUICK_BATCHES = (1, 6, 1024, 8192)
+DEFAULT_THRESHOLDS = Path("bench/gate.toml")
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="fastembed-bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer batches and repetitions (< 60 s on 2 cores)")
+    parser.add_argument("--backend", help="comma-separated fastembed backends to measure (default: all available)")
+    parser.add_argument("--batch", help=f"comma-separated batch sizes (default: {','.join(map(str, BATCHES))})")
+    parser.add_argument("--dist", help="comma-separated id distributions: uniform, zipf (default: both)")
+    parser.add_argument("--reps", type=int, help="timed repetitions per case (default 15, quick 5)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
+    parser.add_argument("--vocab-size", type=int, default=129280)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--gate", action="store_true", help="run the CI performance gate; exit 1 on any FAIL")
+    parser.add_argument("--thresholds", type=Path, default=DEFAULT_THRESHOLDS, help="gate thresholds (TOML)")
+    return parser.parse_args(argv)
+
+
+def _csv(value: str | None, default: tuple, cast=str) -> list:
+    return [cast(part) for part in value.split(",")] if value else list(default)
+
+
+def build_table(arguments: argparse.Namespace, console: Any) -> Any:
+    from rich.progress import Progress
+
+    from fastembed.tables import random_table
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task(f"building {arguments.vocab_size} x {arguments.dim} {arguments.dtype} table", total=1.0)
+        table = random_table(arguments.vocab_size, arguments.dim, arguments.dtype,
+                             progress=lambda fraction: progress.update(task, completed=fraction))
+    console.print(f"table: {table.shape[0]} x {table.shape[1]} {table.dtype}, {table.nbytes / 2**30:.2f} GiB")
+    return table
+
+
+def run(arguments: argparse.Namespace, console: Any, cases: list[tuple[int, str]], repetitions: int,
+        contender_names: set[str] | None = None) -> list[dict[str, Any]]:
+    from .contenders import host_contenders
+    from .measure import measure_case, summarise
+
+    table = build_table(arguments, console)
+    contenders = host_contenders(_csv(arguments.backend, ()) or None)
+    if contender_names:
+        contenders = [c for c in contenders if c.name in contender_names or c.kind == "limit"]
+    results = []
+    for batch, distribution in cases:
+        console.print(f"[dim]measuring {batch} {distribution} ids ...[/dim]")
+        results += measure_case(table, contenders, batch, distribution, repetitions)
+    return summarise(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    try:
+        from rich.console import Console
+    except ImportError:
+        print("fastembed-bench needs the bench extra: pip install 'fastembed-gather[bench]'", file=sys.stderr)
+        return 2
+    console = Console(width=max(Console().width, 132))
+    if arguments.gate:
+        return gate(arguments, console)
+    from . import report
+
+    batches = _csv(arguments.batch, QUICK_BATCHES if arguments.quick else BATCHES, int)
+    distributions = _csv(arguments.dist, ("uniform",) if arguments.quick else ("uniform", "zipf"))
+    repetitions = arguments.reps or (5 if arguments.quick else 15)
+    started = time.perf_counter()
+    rows = run(arguments, console, [(b, d) for d in distributions for b in batches], repetitions)
+    report.print_table(rows, console)
+    arguments.out.mkdir(parents=True, exist_ok=True)
+    payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
+               "machine": report.machine_facts(), "repetitions": repetitions, "results": rows}
+    report.write_json(arguments.out / "results.json", payload)
+    report.write_plot(arguments.out / "throughput.png", rows)
+    console.print(f"wrote {arguments.out / 'results.json'} and {arguments.out / 'throughput.png'} "
+                  f"in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def gate(arguments: argparse.Namespace, console: Any) -> int:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .gate import judge, load_checks
+
+    checks, repetitions = load_checks(arguments.thresholds)
+    cases = list(dict.fromkeys((check.batch, check.distribution) for check in checks))
+    names = {check.contender for check in checks} | {"numpy table[ids]"}
+    rows = run(arguments, console, cases, arguments.reps or repetitions, names)
+    verdicts = judge(checks, rows)
+    table = Table(title=f"fastembed-bench --gate ({arguments.thresholds})")
+    for column in ("check", "metric", "measured", "threshold", "result"):
+        table.add_column(column, justify="left" if column in ("check", "metric") else "right")
+    for verdict in verdicts:
+        measured = "missing" if verdict.measured is None else f"{verdict.measured:.3f}"
+        result = "[green]PASS[/green]" if verdict.passed else "[red]FAIL[/red]"
+        table.add_row(escape(verdict.check.name), verdict.check.metric, measured, f">= {verdict.check.min}", result)
+    console.print(table)
+    arguments.out.mkdir(parents=True, exist_ok=True)
+    from . import report
+
+    report.write_json(arguments.out / "gate.json", {
+        "machine": report.machine_facts(),
+        "verdicts": [{"check": v.check.__dict__, "measured": v.measured, "passed": v.passed} for v in verdicts],
+        "results": rows,
+    })
+    failed = [v for v in verdicts if not v.passed]
+    console.print(f"gate: {len(verdicts) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""Id sets for benchmarks: uniform (cold) and Zipf (like real text)."""
+from __future__ import annotations
+
+import numpy as np
+
+REFERENCE_IDS = np.array([5237, 23872, 301, 16652, 19602, 1148], dtype=np.int64)
+ZIPF_EXPONENT = 1.1
+DISTRIBUTIONS = ("uniform", "zipf")
+
+
+def id_sets(distribution: str, n: int, vocab_size: int, count: int, seed: int = 0) -> list[np.ndarray]:
+    """`count` fresh int64 id arrays of length n, so repetitions read the table from memory.
+
+    Zipf: rank r has probability ~ r**-1.1; ranks map to rows through a fixed
+    random permutation, so frequent ids are spread over the table. The
+    reference sentence (n == 6, uniform) is always the reference ids.
+    """
+    rng = np.random.default_rng(seed)
+    if n == len(REFERENCE_IDS) and distribution == "uniform" and vocab_size > REFERENCE_IDS.max():
+        return [REFERENCE_IDS.copy() for _ in range(count)]
+    if distribution == "uniform":
+        return [rng.integers(0, vocab_size, n) for _ in range(count)]
+    if distribution == "zipf":
+        rows_by_rank = rng.permutation(vocab_size)
+        return [rows_by_rank[(rng.zipf(ZIPF_EXPONENT, n) - 1) % vocab_size] for _ in range(count)]
+    raise ValueError(f"unknown distribution {distribution!r}; known: {', '.join(DISTRIBUTIONS)}")
