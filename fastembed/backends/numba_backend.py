@@ -39,9 +39,9 @@ from .. import validate
 
 NAME = "numba"
 
-#: Below this many ids the serial kernel wins: waking the thread pool costs
-#: several microseconds (measured; see docs/backends.md).
-PARALLEL_MIN_ROWS = 64
+#: Below this many ids the serial kernel wins (measured crossover 16-32 ids;
+#: see docs/backends.md): waking the thread pool costs microseconds.
+PARALLEL_MIN_ROWS = 32
 #: From this output size on, non-temporal stores win over cached stores
 #: (an output this size no longer stays in the last-level cache anyway).
 STREAM_MIN_OUT_BYTES = 16 * 2**20

@@ -103,7 +103,7 @@ def gate(arguments: argparse.Namespace, console: Any) -> int:
 
     checks, repetitions = load_checks(arguments.thresholds)
     cases = list(dict.fromkeys((check.batch, check.distribution) for check in checks))
-    names = {check.contender for check in checks} | {"numpy table[ids]"}
+    names = {check.contender for check in checks} | {check.versus for check in checks if check.versus} | {"numpy table[ids]"}
     rows = run(arguments, console, cases, arguments.reps or repetitions, names)
     verdicts = judge(checks, rows)
     table = Table(title=f"fastembed-bench --gate ({arguments.thresholds})")

@@ -11,7 +11,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-METRICS = ("fraction_of_limit", "speedup_vs_numpy")
+METRICS = ("fraction_of_limit", "speedup_vs_numpy", "speedup_vs_contender")
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class Check:
     batch: int
     distribution: str
     min: float
+    versus: str | None = None  # for speedup_vs_contender
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,25 @@ def load_checks(path: Path) -> tuple[list[Check], int]:
     for check in checks:
         if check.metric not in METRICS:
             raise ValueError(f"{path}: check {check.name!r} has unknown metric {check.metric!r}; known: {METRICS}")
+        if (check.metric == "speedup_vs_contender") != (check.versus is not None):
+            raise ValueError(f"{path}: check {check.name!r}: 'versus' goes with speedup_vs_contender, and only there")
     return checks, int(document.get("repetitions", 11))
 
 
 def judge(checks: list[Check], summary_rows: list[dict[str, Any]]) -> list[Verdict]:
-    verdicts = []
-    for check in checks:
-        row = next(
-            (r for r in summary_rows if r["contender"] == check.contender and r["batch"] == check.batch
-             and r["distribution"] == check.distribution),
-            None,
-        )
-        verdicts.append(Verdict(check, None if row is None else row[check.metric]))
-    return verdicts
+    """Each check's measured ratio (None when a needed measurement is missing, which fails)."""
+    return [Verdict(check, measured_ratio(check, summary_rows)) for check in checks]
+
+
+def measured_ratio(check: Check, rows: list[dict[str, Any]]) -> float | None:
+    def median_row(contender: str | None) -> dict[str, Any] | None:
+        return next((r for r in rows if r["contender"] == contender and r["batch"] == check.batch
+                     and r["distribution"] == check.distribution), None)
+
+    row = median_row(check.contender)
+    if row is None:
+        return None
+    if check.metric == "speedup_vs_contender":
+        versus = median_row(check.versus)
+        return None if versus is None else versus["median_us"] / row["median_us"]
+    return row[check.metric]

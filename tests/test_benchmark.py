@@ -1,0 +1,67 @@
+"""The benchmark runner and the gate: they run, they report, and the gate can fail."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastembed.benchmark import gate
+from fastembed.benchmark.ids import REFERENCE_IDS, id_sets
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--vocab-size", "20000", "--dim", "1024"]
+
+
+def bench(*arguments: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "fastembed.benchmark.cli", *arguments]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_id_sets_are_fresh_and_in_range():
+    sets = id_sets("zipf", 1000, 5000, 3)
+    assert all(s.min() >= 0 and s.max() < 5000 for s in sets)
+    assert not (sets[0] == sets[1]).all()
+    assert (id_sets("uniform", 6, 129280, 2)[0] == REFERENCE_IDS).all()
+    with pytest.raises(ValueError, match="unknown distribution"):
+        id_sets("normal", 5, 10, 1)
+
+
+def test_runner_writes_table_json_and_plot(tmp_path):
+    result = bench(*SMALL, "--batch", "6,512", "--dist", "uniform,zipf", "--reps", "3", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "fastembed auto out=" in result.stdout and "numpy table[ids]" in result.stdout
+    payload = json.loads((tmp_path / "results.json").read_text())
+    rows = payload["results"]
+    assert {(r["batch"], r["distribution"]) for r in rows} == {(6, "uniform"), (512, "uniform"), (6, "zipf"), (512, "zipf")}
+    assert all(len(r["samples_us"]) == 3 and r["gbps"] > 0 for r in rows)
+    assert payload["machine"]["cpu_count"] >= 1
+    assert (tmp_path / "throughput.png").stat().st_size > 10_000
+
+
+def test_gate_thresholds_file_is_valid():
+    checks, repetitions = gate.load_checks(ROOT / "bench" / "gate.toml")
+    assert checks and repetitions >= 5
+    assert {check.metric for check in checks} <= set(gate.METRICS)
+
+
+def test_judge_passes_and_fails_on_ratios():
+    check = gate.Check("c", "x", "speedup_vs_numpy", 8, "uniform", 1.5)
+    rows = [{"contender": "x", "batch": 8, "distribution": "uniform", "speedup_vs_numpy": 2.0}]
+    assert gate.judge([check], rows)[0].passed
+    rows[0]["speedup_vs_numpy"] = 1.2
+    assert not gate.judge([check], rows)[0].passed
+    assert not gate.judge([check], [])[0].passed  # a missing measurement fails
+
+
+def test_gate_fails_a_slow_backend(tmp_path):
+    """With FASTEMBED_BACKEND=numpy the gate's fastembed contenders lose their speed: it must exit 1."""
+    environment = dict(os.environ, FASTEMBED_BACKEND="numpy")
+    result = bench("--gate", *SMALL, "--reps", "3", "--out", str(tmp_path), env=environment)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL" in result.stdout
+    verdicts = json.loads((tmp_path / "gate.json").read_text())["verdicts"]
+    assert any(not v["passed"] for v in verdicts if "copy" in v["check"]["name"])
