@@ -90,10 +90,11 @@ class Embedding:
     def random(
         cls, vocab_size: int = 129280, dim: int = 4096, dtype: Any = "float16", seed: int = 0
     ) -> "Embedding":
-        """A table of random values (never all zeros), built in seconds.
+        """A table of random values (never zeros for floats), built in seconds.
 
-        Floats are uniform in [-0.05, 0.05) (a typical embedding's scale),
-        integers uniform over their dtype's range, other dtypes random bytes.
+        Floats: random sign, magnitudes in [1/64, 1/32) (an embedding's
+        scale); integers: uniform over their dtype's range; other dtypes:
+        random bytes. See :func:`fastembed.tables.random_table`.
         """
         from .tables import random_table
 

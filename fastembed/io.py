@@ -56,7 +56,7 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict[str
         raw_header = handle.read(header_length)
     try:
         header = json.loads(raw_header.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"{path}: header is not valid JSON: {error}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: header must be a JSON object, got {type(header).__name__}")

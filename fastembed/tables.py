@@ -56,8 +56,8 @@ def random_table(
         bits = table.view(view)
         bits &= np.array(keep, dtype=view)
         bits |= np.array(exponent, dtype=view)
-    elif dtype.kind in "fcV" and dtype.names is None:
-        # Other floats (float8, long double, complex): cast from float32 in [1/64, 1/32).
+    elif dtype.kind in "fc" or (dtype.kind == "V" and dtype.type.__module__ == "ml_dtypes" and "float" in dtype.name):
+        # Other floats (ml_dtypes float8, long double, complex): cast from float32 in [1/64, 1/32).
         flat = table.reshape(-1)
         for start in range(0, flat.size, _CHUNK_WORDS):
             chunk = np.random.default_rng([seed, start]).uniform(1 / 64, 1 / 32, flat[start : start + _CHUNK_WORDS].size)

@@ -115,7 +115,7 @@ def as_ids(ids: Any, table: Any) -> Any:
 
 def _host_ids(ids: Any) -> np.ndarray:
     if isinstance(ids, np.ndarray):
-        return ids
+        return ids if type(ids) is np.ndarray else np.asarray(ids)  # np.matrix, np.memmap: a plain view
     if isinstance(ids, (bool, np.bool_)):
         raise TypeError("ids must be integers, got a bool")
     converted = np.asarray(ids)
@@ -187,7 +187,8 @@ def check_out(out: Any, ids: Any, table: Any) -> None:
     expected_shape = output_shape(ids, table)
     if not (isinstance(out, np.ndarray) or is_gpu_array(out)):
         raise TypeError(f"out must be an array, got {type(out).__module__}.{type(out).__qualname__}")
-    if device_of(out) != device_of(table):
+    both_on_host = isinstance(out, np.ndarray) and isinstance(table, np.ndarray)
+    if not both_on_host and device_of(out) != device_of(table):
         raise TypeError(
             f"out lives on {device_of(out)} but the table lives on {device_of(table)}; they must be on the same device"
         )

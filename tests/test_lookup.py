@@ -135,3 +135,22 @@ def test_property_lookup_equals_numpy(data, vocab_size, dim, dtype, id_dtype, id
     out = poisoned(ids.shape + (dim,), table.dtype)
     fastembed.lookup(table, ids, out=out, backend=backend)
     assert_bit_equal(out, table[ids.astype(np.int64)])
+
+
+def test_zero_width_table(backend):
+    table = np.empty((5, 0), np.float16)
+    assert fastembed.lookup(table, [1, 4], backend=backend).shape == (2, 0)
+    with pytest.raises(IndexError, match="id 5 at position 1"):
+        fastembed.lookup(table, [0, 5], backend=backend)
+
+
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
+def test_ndarray_subclass_ids(backend):
+    table = random_table(20, 3)
+    ids = np.matrix([[1, 2], [3, 19]])
+    assert_bit_equal(fastembed.lookup(table, ids, backend=backend), table[np.asarray(ids)])
+
+
+def test_random_table_of_raw_bytes():
+    table = fastembed.Embedding.random(30, 2, "V8").table
+    assert table.dtype == np.dtype("V8") and len(set(table.tobytes()[i : i + 8] for i in range(0, 480, 8))) > 50

@@ -117,3 +117,25 @@ def test_fork_pool_after_the_parent_used_the_thread_pool():
     assert results == [True] * 4
     # and the parent still works afterwards
     assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+
+
+def test_threads_alternating_tables_never_mix_them_up():
+    """The backend remembers the last table's word view; threads switching tables must not see another's."""
+    tables = [random_table(300, 64, seed=seed) for seed in range(4)]
+    errors: list[int] = []
+    stop_at = time.monotonic() + 3.0
+
+    def worker(index: int) -> None:
+        rng = np.random.default_rng(index)
+        while time.monotonic() < stop_at and not errors:
+            table = tables[int(rng.integers(0, 4))]
+            ids = rng.integers(0, 300, int(rng.choice([1, 6, 40])))
+            if not np.array_equal(fastembed.lookup(table, ids, backend="numba").view(np.uint16), table[ids].view(np.uint16)):
+                errors.append(index)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []

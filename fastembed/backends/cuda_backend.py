@@ -99,6 +99,11 @@ def _module(device_id: int) -> Any:
 
 
 @lru_cache(maxsize=None)
+def _kernel(device_id: int, id_type: str, vec_type: str) -> Any:
+    return _module(device_id).get_function(_kernel_name(id_type, vec_type))
+
+
+@lru_cache(maxsize=None)
 def _error_flag(device_id: int) -> Any:
     import cupy
 
@@ -145,7 +150,7 @@ def gather(table: Any, ids: Any, out: Any) -> None:
     row_bytes = table.shape[1] * table.dtype.itemsize
     size, vec_type = vector_bytes(row_bytes, table.data.ptr, out.data.ptr)
     vecs_per_row = row_bytes // size
-    kernel = _module(device_id).get_function(_kernel_name(ID_TYPES[np.dtype(flat_ids.dtype)], vec_type))
+    kernel = _kernel(device_id, ID_TYPES[np.dtype(flat_ids.dtype)], vec_type)
     flag = _error_flag(device_id)
     blocks, threads = launch_geometry(n, vecs_per_row, _sm_count(device_id))
     with cupy.cuda.Device(device_id):

@@ -2,15 +2,16 @@
 
 The kernels (:mod:`fastembed.kernels.gather_cpu`) copy rows as unsigned
 machine words, so this module turns any table into a word view: the widest
-of 8, 4, 2 or 1 bytes that divides the row size and both base addresses.
-That is bit-exact for every dtype (float16, bfloat16, float32, int8, ...).
+of 8, 4, 2 or 1 bytes that divides the row size. That is bit-exact for every
+dtype (float16, bfloat16, float32, int8, ...).
 
 Which kernel runs (each constant was measured; see docs/backends.md):
 
 - fewer than ``PARALLEL_MIN_ROWS`` ids: the serial kernel, on the calling
   thread, so a decode step pays no thread wake-up;
-- an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 with 16-byte
-  aligned rows: the parallel kernel with non-temporal stores;
+- an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64: the parallel
+  kernel with non-temporal stores (which itself falls back to cached stores
+  unless the output's rows are 16-byte aligned);
 - otherwise the parallel kernel with ordinary (cached) stores.
 
 Safety, whatever threading layer numba picked:
@@ -45,8 +46,9 @@ PARALLEL_MIN_ROWS = 32
 #: From this output size on, non-temporal stores win over cached stores
 #: (an output this size no longer stays in the last-level cache anyway).
 STREAM_MIN_OUT_BYTES = 16 * 2**20
-#: Rows prefetched ahead by the streaming kernel.
-PREFETCH_DISTANCE = 1
+#: Rows prefetched ahead by the streaming kernel: 0 (off), since prefetching
+#: 1 or 4 rows ahead measured within noise (bench/levers.py, docs/backends.md).
+PREFETCH_DISTANCE = 0
 #: Blocks of rows per thread in the parallel kernels (load balance).
 BLOCKS_PER_THREAD = 4
 
@@ -105,7 +107,7 @@ def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     row_bytes = table.shape[1] * table.dtype.itemsize
     word = word_dtype(row_bytes)
     table_words = _table_words(table, word)
-    out_words = (out if out.ndim == 2 else out.reshape(n, -1)).view(word)
+    out_words = out.reshape(n, table.shape[1]).view(word)  # a view: out is C-contiguous
     bad = _run(table_words, flat_ids, out_words, n * row_bytes)
     if bad >= 0:
         raise validate.out_of_range_error(ids, bad, table.shape[0])
@@ -117,12 +119,13 @@ def _table_words(table: np.ndarray, word: np.dtype) -> np.ndarray:
     A view costs about 0.4 us, a quarter of a one-token lookup; decode loops
     gather from the same table over and over.
     """
-    global _last_table, _last_words
-    if _last_table() is table:
-        return _last_words
+    global _last_table_words
+    table_ref, words = _last_table_words  # one read: another thread may replace the pair
+    if table_ref() is table:
+        return words
     # np.asarray drops np.memmap's subclass, whose view() and typing are slow.
     words = np.asarray(table).view(word)
-    _last_table, _last_words = weakref.ref(table), words
+    _last_table_words = (weakref.ref(table), words)  # one assignment, atomic
     return words
 
 
@@ -130,8 +133,7 @@ def _no_table() -> None:
     return None
 
 
-_last_table: Any = _no_table
-_last_words: Any = None
+_last_table_words: tuple[Any, Any] = (_no_table, None)
 
 
 def _run(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray, out_bytes: int) -> int:

@@ -70,14 +70,16 @@ def _torch_embedding(table: np.ndarray, n: int) -> Callable:
 
 
 def _copy_sources(table: np.ndarray, n: int) -> Callable[[np.ndarray], np.ndarray]:
-    """A contiguous block of n table rows that moves with each id set (so it is not cached)."""
+    """A contiguous block of n table rows that moves with each id set (so it is not cached).
+
+    For more rows than the table has, a source of n rows is built once, here,
+    so that the timed copy never allocates.
+    """
     vocab_size = table.shape[0]
-
-    def source(ids: np.ndarray) -> np.ndarray:
-        start = int(ids[0]) % max(1, vocab_size - n + 1) if n <= vocab_size else 0
-        return table[start : start + n] if n <= vocab_size else np.resize(table, (n, table.shape[1]))
-
-    return source
+    if n > vocab_size:
+        repeated = np.resize(table, (n, table.shape[1]))
+        return lambda ids: repeated
+    return lambda ids: table[int(ids[0]) % (vocab_size - n + 1) :][:n]
 
 
 def _copy_numpy(table: np.ndarray, n: int) -> Callable:

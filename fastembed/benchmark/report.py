@@ -69,11 +69,13 @@ def _ratio(value: float | None, suffix: str = "") -> str:
 def _bytes(value: int | None) -> str:
     if value is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    if abs(value) < 1024:
+        return f"{value} B"
+    for unit in ("KiB", "MiB", "GiB"):
         value /= 1024
-    return str(value)
+        if abs(value) < 1024 or unit == "GiB":
+            break
+    return f"{value:.1f} {unit}"
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

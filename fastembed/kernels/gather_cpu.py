@@ -64,11 +64,10 @@ def _prefetch_row(src, row_bytes):
         prefetch(src + offset)
 
 
+@njit(inline="always", **_JIT)
 def _block(block, n_blocks, n):
+    """[start, stop) of block number `block` when n rows are cut into n_blocks."""
     return block * n // n_blocks, (block + 1) * n // n_blocks
-
-
-_block = njit(inline="always", **_JIT)(_block)
 
 
 @njit(**_JIT)
