@@ -1,0 +1,91 @@
+"""Measure each lever of the numba gather in one process (docs/backends.md, "The levers").
+
+    python bench/levers.py [--reps 15] [--batches 8192,65536]
+
+Default 129,280 x 4,096 float16 table, uniform ids (8,192 and 65,536 by default) into
+a preallocated output; every variant runs once per repetition on fresh ids
+(interleaved), medians reported as GB/s = 2 x rows x row bytes / time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from numba import njit, prange
+
+import fastembed
+from fastembed.backends import numba_backend
+
+
+@njit(parallel=True, nogil=True)
+def gather_slice_assignment(table, ids, out, n_blocks):
+    """The naive form: a slice assignment per row (what the word loop replaces)."""
+    n = ids.size
+    for block in prange(n_blocks):
+        for i in range(block * n // n_blocks, (block + 1) * n // n_blocks):
+            out[i, :] = table[ids[i], :]
+    return -1
+
+
+def variants(kernels, threads):
+    one, four = threads, 4 * threads
+    return {
+        "slice assignment, 1 block/thread": lambda t, i, o: gather_slice_assignment(t, i, o, one),
+        "word loop, 1 block/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, one),
+        "word loop, 4 blocks/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, four),
+        "+ non-temporal stores": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, 0),
+        "+ prefetch 1 row ahead": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, 1),
+        "+ prefetch 4 rows ahead": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, 4),
+    }
+
+
+def copies(kernels, threads):
+    def numpy_copy(source, out):
+        np.copyto(out, source)
+
+    return {
+        "copy: np.copyto": numpy_copy,
+        "copy: numba, cached stores": lambda s, o: kernels.copy_parallel(s, o, 4 * threads),
+        "copy: numba, non-temporal stores": lambda s, o: kernels.copy_parallel_stream(s, o, 4 * threads),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--batches", default="8192,65536", help="comma-separated id counts")
+    arguments = parser.parse_args()
+    table = fastembed.Embedding.random().table.view(np.uint64)
+    kernels, threads = numba_backend.kernels(), numba_backend.thread_count()
+    gathers, limits = variants(kernels, threads), copies(kernels, threads)
+    rng = np.random.default_rng(0)
+    batches = [int(b) for b in arguments.batches.split(",")]
+    print(f"| variant | {' | '.join(f'{n} ids' for n in batches)} |\n| --- |{' --- |' * len(batches)}")
+    results: dict[str, list[str]] = {}
+    for n in batches:
+        out = np.empty((n, table.shape[1]), np.uint64)
+        samples: dict[str, list[float]] = {name: [] for name in [*gathers, *limits]}
+        for repetition in range(arguments.reps + 2):
+            for name, gather in gathers.items():
+                ids = rng.integers(0, table.shape[0], n)
+                started = time.perf_counter()
+                gather(table, ids, out)
+                if repetition >= 2:
+                    samples[name].append(time.perf_counter() - started)
+                assert np.array_equal(out[:4], table[ids[:4]])
+            for name, copy in limits.items():
+                start = int(rng.integers(0, table.shape[0] - n))
+                started = time.perf_counter()
+                copy(table[start : start + n], out)
+                if repetition >= 2:
+                    samples[name].append(time.perf_counter() - started)
+        for name, values in samples.items():
+            results.setdefault(name, []).append(f"{2 * n * table.shape[1] * 8 / statistics.median(values) / 1e9:.1f} GB/s")
+    for name, cells in results.items():
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
