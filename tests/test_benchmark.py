@@ -65,3 +65,34 @@ def test_gate_fails_a_slow_backend(tmp_path):
     assert "FAIL" in result.stdout
     verdicts = json.loads((tmp_path / "gate.json").read_text())["verdicts"]
     assert any(not v["passed"] for v in verdicts if "copy" in v["check"]["name"])
+
+
+def test_summary_groups_by_device_and_uses_each_device_baseline():
+    from fastembed.benchmark.measure import Result, summarise
+
+    def result(name, kind, seconds, device, allocates=False):
+        return Result(name, kind, 8, "uniform", [seconds] * 3, 1000, allocates, device=device)
+
+    rows = summarise([
+        result("fastembed auto out=", "fastembed", 2.0, "cpu"), result("numpy table[ids]", "peer", 4.0, "cpu", True),
+        result("copy numba", "limit", 1.0, "cpu"), result("copy alloc", "limit", 3.0, "cpu", True),
+        result("fastembed[cuda] out=", "fastembed", 0.5, "cuda"), result("cupy table[ids]", "peer", 1.5, "cuda", True),
+        result("copy device-to-device", "limit", 0.25, "cuda"), result("copy alloc", "limit", 0.75, "cuda", True),
+    ])
+    by_name = {(r["device"], r["contender"]): r for r in rows}
+    cpu, gpu = by_name[("cpu", "fastembed auto out=")], by_name[("cuda", "fastembed[cuda] out=")]
+    assert cpu["fraction_of_limit"] == 0.5 and cpu["speedup_vs_numpy"] == 2.0 and cpu["speedup_vs_cupy"] is None
+    assert gpu["fraction_of_limit"] == 0.5 and gpu["speedup_vs_cupy"] == 3.0 and gpu["speedup_vs_numpy"] is None
+    assert by_name[("cuda", "cupy table[ids]")]["fraction_of_limit"] == 0.5  # allocating: against copy alloc
+    assert gpu["best_copy"] == "copy device-to-device"
+
+
+def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
+    import importlib.util
+
+    from fastembed.benchmark import gpu  # noqa: F401  (cupy is imported only when measuring)
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("cupy is installed")
+    result = bench("--device", "cuda", *SMALL)
+    assert result.returncode == 2 and "no usable GPU" in result.stderr

@@ -3,7 +3,9 @@
 With no arguments: builds the default 129,280 x 4,096 float16 table, measures
 every fastembed backend against numpy, torch (if installed) and the best
 contiguous copy at 1, 6, 64, 1,024, 8,192 and 65,536 ids, uniform and Zipf;
-prints a table and writes JSON and a PNG plot into --out.
+where cupy sees a GPU, the same on a copy of the table on the GPU (cuda
+backend against cupy, torch CUDA and a device-to-device copy, CUDA events);
+prints a table and writes JSON and PNG plots into --out.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=129280)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: the host, plus the GPU where one is usable (default); cpu or cuda: only that")
     parser.add_argument("--gate", action="store_true", help="run the CI performance gate; exit 1 on any FAIL")
     parser.add_argument("--thresholds", type=Path, default=DEFAULT_THRESHOLDS, help="gate thresholds (TOML)")
     return parser.parse_args(argv)
@@ -52,19 +56,37 @@ def build_table(arguments: argparse.Namespace, console: Any) -> Any:
 
 
 def run(arguments: argparse.Namespace, console: Any, cases: list[tuple[int, str]], repetitions: int,
-        contender_names: set[str] | None = None) -> list[dict[str, Any]]:
+        contender_names: set[str] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
+    """Measure every case on the host and/or the GPU; one summary row per (device, case, contender)."""
     from .contenders import host_contenders
-    from .measure import measure_case, summarise
+    from .measure import HOST, measure_case, summarise
 
-    table = build_table(arguments, console)
-    contenders = host_contenders(_csv(arguments.backend, ()) or None)
-    if contender_names:
-        contenders = [c for c in contenders if c.name in contender_names or c.kind == "limit"]
+    host_table = build_table(arguments, console)
+    plans = []
+    if device in ("auto", "cpu"):
+        plans.append((HOST, host_table, host_contenders(_csv(arguments.backend, ()) or None)))
+    if device == "cuda" or (device == "auto" and gpu_usable()):
+        from fastembed import Embedding
+
+        from .gpu import GPU, device_name, gpu_contenders
+
+        gpu_table = Embedding(host_table).to_device().table  # the one explicit copy to the GPU
+        console.print(f"GPU: {device_name()}, table copied to the device")
+        plans.append((GPU, gpu_table, gpu_contenders()))
     results = []
-    for batch, distribution in cases:
-        console.print(f"[dim]measuring {batch} {distribution} ids ...[/dim]")
-        results += measure_case(table, contenders, batch, distribution, repetitions)
+    for platform, table, contenders in plans:
+        if contender_names:
+            contenders = [c for c in contenders if c.name in contender_names or c.kind == "limit"]
+        for batch, distribution in cases:
+            console.print(f"[dim]measuring {batch} {distribution} ids on {platform.device} ...[/dim]")
+            results += measure_case(table, contenders, batch, distribution, repetitions, platform=platform)
     return summarise(results)
+
+
+def gpu_usable() -> bool:
+    from fastembed.backends import cuda_backend
+
+    return not cuda_backend.unavailable_reasons()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,20 +99,25 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=max(Console().width, 132))
     if arguments.gate:
         return gate(arguments, console)
+    if arguments.device == "cuda" and not gpu_usable():
+        from fastembed.backends import cuda_backend
+
+        print(f"--device cuda: no usable GPU: {'; '.join(cuda_backend.unavailable_reasons())}", file=sys.stderr)
+        return 2
     from . import report
 
     batches = _csv(arguments.batch, QUICK_BATCHES if arguments.quick else BATCHES, int)
     distributions = _csv(arguments.dist, ("uniform",) if arguments.quick else ("uniform", "zipf"))
     repetitions = arguments.reps or (5 if arguments.quick else 15)
     started = time.perf_counter()
-    rows = run(arguments, console, [(b, d) for d in distributions for b in batches], repetitions)
+    rows = run(arguments, console, [(b, d) for d in distributions for b in batches], repetitions, device=arguments.device)
     report.print_table(rows, console)
     arguments.out.mkdir(parents=True, exist_ok=True)
     payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
                "machine": report.machine_facts(), "repetitions": repetitions, "results": rows}
     report.write_json(arguments.out / "results.json", payload)
-    report.write_plot(arguments.out / "throughput.png", rows)
-    console.print(f"wrote {arguments.out / 'results.json'} and {arguments.out / 'throughput.png'} "
+    plots = report.write_plots(arguments.out, rows)
+    console.print(f"wrote {arguments.out / 'results.json'} and {', '.join(str(p) for p in plots)} "
                   f"in {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -21,7 +21,8 @@ class Contender:
     name: str
     kind: str  # "fastembed", "peer" or "limit"
     allocates: bool  # allocates its output on every call
-    prepare: Callable[[np.ndarray, int], Callable[[np.ndarray], Any]]
+    prepare: Callable[[Any, int], Callable[[Any], Any]]
+    id_dtype: str = "int64"  # the dtype of the ids its calls receive
 
 
 def _fastembed_out(backend: str) -> Callable:

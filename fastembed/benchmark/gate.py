@@ -56,7 +56,7 @@ def judge(checks: list[Check], summary_rows: list[dict[str, Any]]) -> list[Verdi
 def measured_ratio(check: Check, rows: list[dict[str, Any]]) -> float | None:
     def median_row(contender: str | None) -> dict[str, Any] | None:
         return next((r for r in rows if r["contender"] == contender and r["batch"] == check.batch
-                     and r["distribution"] == check.distribution), None)
+                     and r["distribution"] == check.distribution and r.get("device", "cpu") == "cpu"), None)
 
     row = median_row(check.contender)
     if row is None:

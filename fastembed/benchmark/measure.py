@@ -5,6 +5,9 @@ contender once (A B C A B C ...), each on a fresh id set, so drift of a
 shared machine hits all contenders alike and the table is read from memory,
 not cache. Small batches time a loop of calls over a rotating pool of id sets
 (a single call is too short for the clock).
+
+What differs between the host and a GPU (the clock, where ids live, how
+memory is counted) is a :class:`Platform`; the loop is the same.
 """
 from __future__ import annotations
 
@@ -20,6 +23,11 @@ import numpy as np
 from .contenders import Contender
 from .ids import id_sets
 
+#: The "what users write" baseline per platform, and the key its speedup is reported under.
+BASELINES = {"speedup_vs_numpy": "numpy table[ids]", "speedup_vs_cupy": "cupy table[ids]"}
+#: The allocating limit's contender name (np.empty / cupy.empty + the copy).
+ALLOCATING_LIMIT = "copy alloc"
+
 
 @dataclass
 class Result:
@@ -30,8 +38,9 @@ class Result:
     samples_s: list[float]
     bytes_moved: int  # 2 * rows * row_bytes
     allocates_output: bool = False
-    allocated_per_call: int | None = None  # tracemalloc peak of one call (numpy allocations)
-    rss_growth: int | None = None
+    allocated_per_call: int | None = None  # bytes a call allocates (host: tracemalloc; GPU: device pools)
+    memory_growth: int | None = None  # host RSS or device memory added by preparing and warming up
+    device: str = "cpu"
 
     @property
     def median_s(self) -> float:
@@ -40,6 +49,17 @@ class Result:
     @property
     def gbps(self) -> float:
         return self.bytes_moved / self.median_s / 1e9
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where a measurement runs: how ids get there, the clock, and memory accounting."""
+
+    device: str
+    ids_to_device: Callable[[np.ndarray], Any]
+    seconds_per_call: Callable[[Callable[[Any], Any], list[Any]], float]
+    memory_in_use: Callable[[], int]
+    allocated_by_one_call: Callable[[Callable[[Any], Any], Any], int | None]
 
 
 def calls_per_sample(batch: int, row_bytes: int) -> int:
@@ -55,7 +75,14 @@ def rss_bytes() -> int:
         return 0
 
 
-def allocated_by_one_call(call: Callable[[np.ndarray], Any], ids: np.ndarray) -> int:
+def _host_seconds_per_call(call: Callable[[Any], Any], id_list: list[Any]) -> float:
+    started = time.perf_counter()
+    for ids in id_list:
+        call(ids)
+    return (time.perf_counter() - started) / len(id_list)
+
+
+def _host_allocated_by_one_call(call: Callable[[Any], Any], ids: Any) -> int:
     tracemalloc.start()
     try:
         before, _ = tracemalloc.get_traced_memory()
@@ -68,66 +95,74 @@ def allocated_by_one_call(call: Callable[[np.ndarray], Any], ids: np.ndarray) ->
         tracemalloc.stop()
 
 
+HOST = Platform("cpu", lambda ids: ids, _host_seconds_per_call, rss_bytes, _host_allocated_by_one_call)
+
+
 def measure_case(
-    table: np.ndarray,
+    table: Any,
     contenders: list[Contender],
     batch: int,
     distribution: str,
     repetitions: int,
     warmup: int = 2,
     seed: int = 0,
+    platform: Platform = HOST,
 ) -> list[Result]:
     row_bytes = table.shape[1] * table.dtype.itemsize
     inner = calls_per_sample(batch, row_bytes)
-    pool = id_sets(distribution, batch, table.shape[0], max(inner, 8) + repetitions + warmup, seed)
-    prepared: dict[str, Callable] = {}
+    host_pool = id_sets(distribution, batch, table.shape[0], max(inner, 8) + repetitions + warmup, seed)
+    pools = {
+        dtype: [platform.ids_to_device(ids.astype(dtype)) for ids in host_pool]
+        for dtype in {contender.id_dtype for contender in contenders}
+    }
+    prepared: dict[str, tuple[Callable, list]] = {}
     results: dict[str, Result] = {}
     for contender in contenders:
-        rss_before = rss_bytes()
+        pool = pools[contender.id_dtype]
+        memory_before = platform.memory_in_use()
         call = contender.prepare(table, batch)
         call(pool[0])
-        prepared[contender.name] = call
+        prepared[contender.name] = (call, pool)
         results[contender.name] = Result(
             contender.name, contender.kind, batch, distribution, [], 2 * batch * row_bytes, contender.allocates,
-            allocated_per_call=allocated_by_one_call(call, pool[1]),
-            rss_growth=rss_bytes() - rss_before,
+            allocated_per_call=platform.allocated_by_one_call(call, pool[1]),
+            memory_growth=platform.memory_in_use() - memory_before,
+            device=platform.device,
         )
     for repetition in range(warmup + repetitions):
-        for name, call in prepared.items():
-            ids_for_sample = [pool[(repetition * inner + k) % len(pool)] for k in range(inner)]
-            started = time.perf_counter()
-            for ids in ids_for_sample:
-                call(ids)
-            elapsed = (time.perf_counter() - started) / inner
+        for name, (call, pool) in prepared.items():
+            id_list = [pool[(repetition * inner + k) % len(pool)] for k in range(inner)]
+            elapsed = platform.seconds_per_call(call, id_list)
             if repetition >= warmup:
                 results[name].samples_s.append(elapsed)
     return list(results.values())
 
 
 def summarise(results: list[Result]) -> list[dict[str, Any]]:
-    """Per result: median us, GB/s, fraction of the best copy (the limit), speedup over numpy fancy."""
+    """Per result: median us, GB/s, fraction of the best copy (the limit), speedup over fancy indexing."""
     rows = []
-    for (batch, distribution), group in _group(results).items():
-        limit = min((r.median_s for r in group if r.kind == "limit" and r.contender != "copy alloc"), default=None)
-        alloc_limit = next((r.median_s for r in group if r.contender == "copy alloc"), None)
-        fancy = next((r.median_s for r in group if r.contender == "numpy table[ids]"), None)
-        best_copy = min((r for r in group if r.kind == "limit" and r.contender != "copy alloc"), key=lambda r: r.median_s, default=None)
+    for (device, batch, distribution), group in _group(results).items():
+        copies = [r for r in group if r.kind == "limit" and r.contender != ALLOCATING_LIMIT]
+        best_copy = min(copies, key=lambda r: r.median_s, default=None)
+        alloc_limit = next((r.median_s for r in group if r.contender == ALLOCATING_LIMIT), None)
+        baselines = {key: next((r.median_s for r in group if r.contender == name), None) for key, name in BASELINES.items()}
         for r in group:
-            reference = alloc_limit if r.allocates_output else limit
-            rows.append({
-                "contender": r.contender, "kind": r.kind, "batch": batch, "distribution": distribution,
+            reference = alloc_limit if r.allocates_output else (best_copy.median_s if best_copy else None)
+            row = {
+                "device": device, "contender": r.contender, "kind": r.kind, "batch": batch, "distribution": distribution,
                 "median_us": r.median_s * 1e6, "gbps": r.gbps,
                 "fraction_of_limit": (reference / r.median_s) if reference else None,
-                "speedup_vs_numpy": (fancy / r.median_s) if fancy else None,
-                "allocated_per_call": r.allocated_per_call, "rss_growth": r.rss_growth,
+                "allocated_per_call": r.allocated_per_call, "memory_growth": r.memory_growth,
                 "best_copy": best_copy.contender if best_copy else None,
                 "samples_us": [s * 1e6 for s in r.samples_s],
-            })
+            }
+            row.update({key: (base / r.median_s if base else None) for key, base in baselines.items()})
+            rows.append(row)
     return rows
 
 
-def _group(results: list[Result]) -> dict[tuple[int, str], list[Result]]:
-    groups: dict[tuple[int, str], list[Result]] = {}
+def _group(results: list[Result]) -> dict[tuple[str, int, str], list[Result]]:
+    groups: dict[tuple[str, int, str], list[Result]] = {}
     for r in results:
-        groups.setdefault((r.batch, r.distribution), []).append(r)
+        groups.setdefault((r.device, r.batch, r.distribution), []).append(r)
     return groups

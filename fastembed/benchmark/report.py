@@ -40,20 +40,22 @@ def print_table(rows: list[dict[str, Any]], console: Any) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="fastembed-bench: median per call (interleaved, fresh ids)", show_lines=False)
-    for column in ("batch", "ids", "contender", "median", "GB/s", "of limit", "vs numpy", "alloc/call", "RSS +"):
-        table.add_column(column, justify="left" if column in ("contender", "ids") else "right")
+    table = Table(title="fastembed-bench: median per call (interleaved, fresh ids); "
+                        "vs fancy = numpy (cpu) or cupy (cuda) table[ids]", show_lines=False)
+    for column in ("device", "batch", "ids", "contender", "median", "GB/s", "of limit", "vs fancy", "alloc/call", "mem +"):
+        table.add_column(column, justify="left" if column in ("device", "contender", "ids") else "right")
     previous = None
     for row in rows:
-        case = (row["batch"], row["distribution"])
+        case = (row["device"], row["batch"], row["distribution"])
         if previous is not None and case != previous:
             table.add_section()
         previous = case
         style = "bold" if row["kind"] == "fastembed" else "dim" if row["kind"] == "limit" else ""
         table.add_row(
-            str(row["batch"]), row["distribution"], escape(row["contender"]), _time(row["median_us"]), f"{row['gbps']:.1f}",
-            _ratio(row["fraction_of_limit"]), _ratio(row["speedup_vs_numpy"], "x"),
-            _bytes(row["allocated_per_call"]), _bytes(row["rss_growth"]), style=style,
+            row["device"], str(row["batch"]), row["distribution"], escape(row["contender"]), _time(row["median_us"]),
+            f"{row['gbps']:.1f}", _ratio(row["fraction_of_limit"]),
+            _ratio(row["speedup_vs_numpy"] if row["device"] == "cpu" else row["speedup_vs_cupy"], "x"),
+            _bytes(row["allocated_per_call"]), _bytes(row["memory_growth"]), style=style,
         )
     console.print(table)
 
@@ -82,7 +84,17 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=1))
 
 
-def write_plot(path: Path, rows: list[dict[str, Any]], distribution: str = "uniform") -> None:
+def write_plots(folder: Path, rows: list[dict[str, Any]]) -> list[Path]:
+    """One throughput plot per device (uniform ids): throughput.png, throughput-cuda.png."""
+    paths = []
+    for device in dict.fromkeys(r["device"] for r in rows):
+        path = folder / ("throughput.png" if device == "cpu" else f"throughput-{device}.png")
+        write_plot(path, [r for r in rows if r["device"] == device], title=f"fastembed-bench on {device}")
+        paths.append(path)
+    return paths
+
+
+def write_plot(path: Path, rows: list[dict[str, Any]], distribution: str = "uniform", title: str = "fastembed-bench") -> None:
     """Throughput against batch size per contender; the best copy drawn as the limit line."""
     import matplotlib
 
@@ -96,7 +108,7 @@ def write_plot(path: Path, rows: list[dict[str, Any]], distribution: str = "unif
     for name in dict.fromkeys(r["contender"] for r in selected if r["kind"] != "limit"):
         points = sorted((r["batch"], r["gbps"]) for r in selected if r["contender"] == name)
         axes.plot(*zip(*points), marker="o", label=name, linewidth=2.2 if name.startswith("fastembed") else 1.2)
-    limit = {}
+    limit: dict[int, float] = {}
     for r in selected:
         if r["kind"] == "limit" and r["contender"] != "copy alloc":
             limit[r["batch"]] = max(limit.get(r["batch"], 0.0), r["gbps"])
@@ -105,7 +117,7 @@ def write_plot(path: Path, rows: list[dict[str, Any]], distribution: str = "unif
     axes.set_xscale("log", base=2)
     axes.set_xlabel("ids per lookup")
     axes.set_ylabel("GB/s  (2 x rows x row bytes / time)")
-    axes.set_title(f"fastembed-bench, {distribution} ids")
+    axes.set_title(f"{title}, {distribution} ids")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
