@@ -98,6 +98,7 @@ def refresh() -> None:
     """Forget cached availability and re-read FASTEMBED_BACKEND (after installing cupy, say)."""
     global _available
     _available = None
+    _auto_by_table_type.clear()
     for module in BACKENDS.values():
         cache_clear = getattr(module.unavailable_reasons, "cache_clear", None)
         if cache_clear:
@@ -107,6 +108,10 @@ def refresh() -> None:
 
 def select(table: Any, ids: Any, out: Any, backend: str = AUTO) -> ModuleType:
     """The backend module that serves this call; raises if a named one cannot."""
+    if backend == AUTO and _environment_choice == AUTO:
+        remembered = _auto_by_table_type.get(type(table))
+        if remembered is not None:
+            return remembered
     choice = requested_choice(backend)
     if choice != AUTO:
         module = BACKENDS[choice]
@@ -116,8 +121,14 @@ def select(table: Any, ids: Any, out: Any, backend: str = AUTO) -> ModuleType:
         return module
     for module in available_backends():
         if not module.not_supported_reasons(table, ids, out):
+            # Support depends only on the table's type (the backend contract),
+            # so auto's answer is remembered per type: one dict lookup per call.
+            _auto_by_table_type[type(table)] = module
             return module
     raise AssertionError("unreachable: the numpy backend serves every host table")
+
+
+_auto_by_table_type: dict[type, ModuleType] = {}
 
 
 def explain(table: Any, ids: Any, out: Any = None, backend: str = AUTO) -> Selection:

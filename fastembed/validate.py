@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 #: Id dtypes the kernels take natively; any other integer dtype is converted.
-NATIVE_ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+NATIVE_ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))  # a set: the test is on every call
 
 
 def device_of(array: Any) -> str:

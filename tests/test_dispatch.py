@@ -44,6 +44,7 @@ def test_auto_picks_numba_for_host_tables_when_available():
 def test_a_host_table_never_goes_to_the_gpu(monkeypatch):
     monkeypatch.setattr(dispatch.cuda_backend, "unavailable_reasons", lambda: [])
     monkeypatch.setattr(dispatch, "_available", None)
+    monkeypatch.setattr(dispatch, "_auto_by_table_type", {})
     selection = fastembed.select_backend(random_table(10, 4), [1])
     assert selection.backend != "cuda"
     assert "host array" in " ".join(selection.skipped["cuda"])
@@ -77,6 +78,7 @@ def test_environment_variable_sets_the_default(monkeypatch):
 def test_numba_missing_falls_back_to_numpy_with_reason(monkeypatch):
     monkeypatch.setattr(dispatch.numba_backend, "unavailable_reasons", lambda: ["numba is not installed"])
     monkeypatch.setattr(dispatch, "_available", None)
+    monkeypatch.setattr(dispatch, "_auto_by_table_type", {})
     table = random_table(10, 4)
     selection = fastembed.select_backend(table, [1])
     assert selection.backend == "numpy"

@@ -7,7 +7,9 @@ Every backend module defines:
   at all (a missing package, no device); empty when it can. Cached: it
   describes the machine, not a call;
 - ``not_supported_reasons(table, ids, out) -> list[str]``: why it cannot serve
-  this particular call (for example, the data lives on another device);
+  this particular call (for example, the data lives on another device). It
+  must depend only on the table's type: ``auto`` remembers its choice per
+  table type (validation has already matched ids and out to the table);
 - ``empty(shape, table)``: a new, uninitialised output where the table lives;
 - ``gather(table, ids, out) -> None``: write ``table[ids]`` into ``out``.
   Inputs arrive validated (see :mod:`fastembed.validate`) except for the

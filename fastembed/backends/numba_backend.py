@@ -54,7 +54,7 @@ BLOCKS_PER_THREAD = 4
 
 _STREAMING_CPU = platform.machine().lower() in ("x86_64", "amd64")
 _parallel_lock = threading.Lock()
-_pool_started_in = 0  # pid of the process that started numba's thread pool
+_pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
 _kernels_module: Any = None
 
 
@@ -107,7 +107,8 @@ def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     row_bytes = table.shape[1] * table.dtype.itemsize
     word = word_dtype(row_bytes)
     table_words = _table_words(table, word)
-    out_words = out.reshape(n, table.shape[1]).view(word)  # a view: out is C-contiguous
+    rows = out if out.ndim == 2 else out.reshape(n, table.shape[1])  # a view: out is C-contiguous
+    out_words = rows.view(word)
     bad = _run(table_words, flat_ids, out_words, n * row_bytes)
     if bad >= 0:
         raise validate.out_of_range_error(ids, bad, table.shape[0])
@@ -137,8 +138,8 @@ _last_table_words: tuple[Any, Any] = (_no_table, None)
 
 
 def _run(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray, out_bytes: int) -> int:
-    k = kernels()
-    if len(flat_ids) < PARALLEL_MIN_ROWS or _in_forked_child():
+    k = _kernels_module or kernels()
+    if len(flat_ids) < PARALLEL_MIN_ROWS or _forked_after_pool_start:
         return k.gather_serial(table_words, flat_ids, out_words)
     if not _parallel_lock.acquire(blocking=False):
         return k.gather_serial(table_words, flat_ids, out_words)
@@ -159,14 +160,19 @@ def thread_count() -> int:
 
 
 def _note_pool_started() -> None:
-    global _pool_started_in
-    if not _pool_started_in:
-        _pool_started_in = os.getpid()
+    global _pool_started
+    _pool_started = True
 
 
-def _in_forked_child() -> bool:
-    """True in a process forked after its parent started numba's thread pool."""
-    return bool(_pool_started_in) and _pool_started_in != os.getpid()
+def _after_fork_in_child() -> None:
+    global _forked_after_pool_start
+    _forked_after_pool_start = _pool_started
+
+
+#: True in a process forked after its parent started numba's thread pool.
+_forked_after_pool_start = False
+if hasattr(os, "register_at_fork"):  # POSIX; a flag set at fork, not a getpid() per call
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def describe() -> dict[str, Any]:
