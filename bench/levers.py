@@ -66,6 +66,7 @@ def main() -> None:
     results: dict[str, list[str]] = {}
     for n in batches:
         out = np.empty((n, table.shape[1]), np.uint64)
+        assert kernels.can_stream(out), "the streaming variants need a 16-byte aligned output"
         samples: dict[str, list[float]] = {name: [] for name in [*gathers, *limits]}
         for repetition in range(arguments.reps + 2):
             for name, gather in gathers.items():

@@ -9,9 +9,8 @@ Which kernel runs (each constant was measured; see docs/backends.md):
 
 - fewer than ``PARALLEL_MIN_ROWS`` ids: the serial kernel, on the calling
   thread, so a decode step pays no thread wake-up;
-- an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64: the parallel
-  kernel with non-temporal stores (which itself falls back to cached stores
-  unless the output's rows are 16-byte aligned);
+- an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
+  16-byte aligned: the parallel kernel with non-temporal stores;
 - otherwise the parallel kernel with ordinary (cached) stores.
 
 Safety, whatever threading layer numba picked:
@@ -146,7 +145,7 @@ def _run(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray, o
     try:
         _note_pool_started()
         n_blocks = max(1, min(len(flat_ids), thread_count() * BLOCKS_PER_THREAD))
-        if out_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU:
+        if out_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and k.can_stream(out_words):
             return k.gather_parallel_stream(table_words, flat_ids, out_words, n_blocks, PREFETCH_DISTANCE)
         return k.gather_parallel(table_words, flat_ids, out_words, n_blocks)
     finally:

@@ -96,7 +96,7 @@ def _copy_numba(stream: bool) -> Callable:
         word = numba_backend.word_dtype(table.shape[1] * table.dtype.itemsize)
         out = np.empty((n, table.shape[1]), table.dtype).view(word)
         source = _copy_sources(table, n)
-        copy = kernels.copy_parallel_stream if stream else kernels.copy_parallel
+        copy = kernels.copy_parallel_stream if stream and kernels.can_stream(out) else kernels.copy_parallel
         blocks = max(1, numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD)
         return lambda ids: copy(source(ids).view(word), out, blocks)
 

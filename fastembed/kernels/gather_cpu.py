@@ -104,15 +104,14 @@ def gather_parallel_stream(table, ids, out, n_blocks, prefetch_distance):
     """As :func:`gather_parallel`, with non-temporal stores and prefetch.
 
     For outputs much larger than the last-level cache. Non-temporal 16-byte
-    stores fault on unaligned addresses, so unless ``out`` is 16-byte aligned
-    and rows are a multiple of 16 bytes this runs :func:`gather_parallel`.
-    ``prefetch_distance`` rows ahead are prefetched (0 disables it).
+    stores fault on unaligned addresses: the caller must pass an ``out``
+    whose address is 16-byte aligned and rows that are a multiple of 16 bytes
+    (see :func:`can_stream`). ``prefetch_distance`` rows ahead are
+    prefetched (0 disables it).
     """
     row_bytes = table.shape[1] * table.itemsize
     table_address = table.ctypes.data
     out_address = out.ctypes.data
-    if row_bytes % 16 != 0 or out_address % 16 != 0:
-        return gather_parallel(table, ids, out, n_blocks)
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
@@ -126,6 +125,16 @@ def gather_parallel_stream(table, ids, out, n_blocks, prefetch_distance):
             _stream_row(out_address + np.uintp(i) * row_bytes, source, row_bytes)
         store_fence()
     return -1
+
+
+def can_stream(out) -> bool:
+    """Whether the streaming kernels may write `out` (2-D words): 16-byte aligned rows.
+
+    A plain Python check (its ctypes lookup costs microseconds, nothing next
+    to the 16 MiB outputs that stream), kept out of the kernels so that each
+    kernel compiles alone.
+    """
+    return (out.shape[1] * out.itemsize) % 16 == 0 and out.ctypes.data % 16 == 0
 
 
 @njit(parallel=True, **_JIT)
@@ -142,11 +151,8 @@ def copy_parallel(src, dst, n_blocks):
 
 @njit(parallel=True, **_JIT)
 def copy_parallel_stream(src, dst, n_blocks):
-    """As :func:`copy_parallel`, with non-temporal stores (same alignment rule)."""
+    """As :func:`copy_parallel`, with non-temporal stores (same rule: see :func:`can_stream`)."""
     row_bytes = src.shape[1] * src.itemsize
-    if row_bytes % 16 != 0 or dst.ctypes.data % 16 != 0:
-        copy_parallel(src, dst, n_blocks)
-        return
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, src.shape[0])
         for i in range(start, stop):
