@@ -36,11 +36,7 @@ def gather(table: Any, ids: Any, out: Any, backend: str) -> Any:
     ids = validate.as_ids(ids, table)
     if out is not None:
         validate.check_out(out, ids, table)
-    module = dispatch.select(table, ids, out, backend)
-    if out is None:
-        out = module.empty(validate.output_shape(ids, table), table)
-    module.gather(table, ids, out)
-    return out
+    return dispatch.select(table, ids, out, backend).gather(table, ids, out)
 
 
 class Embedding:

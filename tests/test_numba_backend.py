@@ -139,3 +139,40 @@ def test_threads_alternating_tables_never_mix_them_up():
     for thread in threads:
         thread.join(60)
     assert errors == []
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1, 1)])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_one_id_row_copy_is_exact(shape, id_dtype, with_out, tmp_path):
+    """One id takes the slice-copy path, for plain and memory-mapped tables alike."""
+    table = random_table(70, 13, seed=3)
+    np.save(tmp_path / "table.npy", table)
+    mapped = np.load(tmp_path / "table.npy", mmap_mode="r")
+    ids = np.full(shape, 69, id_dtype)
+    for source in (table, mapped):
+        out = poisoned(shape + (13,), table.dtype) if with_out else None
+        result = fastembed.lookup(source, ids, out=out, backend="numba")
+        assert type(result) is np.ndarray and (result is out or out is None)
+        assert_bit_equal(result, table[ids.reshape(-1)].reshape(shape + (13,)))
+
+
+@pytest.mark.parametrize("bad_id", [-1, 70, 2**40])
+def test_one_bad_id_leaves_out_untouched(bad_id):
+    table = random_table(70, 13)
+    out = poisoned((1, 13), table.dtype)
+    before = out.copy()
+    with pytest.raises(IndexError, match=f"id {bad_id} at position 0 is out of range"):
+        fastembed.lookup(table, np.array([bad_id]), out=out, backend="numba")
+    assert_bit_equal(out, before)
+
+
+def test_table_reshaped_in_place_is_not_gathered_with_a_stale_view():
+    """numpy lets a caller assign table.shape; the remembered word view must follow."""
+    table = random_table(64, 32)
+    ids = np.arange(40) % 32
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+    table.shape = (128, 16)
+    out = poisoned((40, 16), table.dtype)
+    fastembed.lookup(table, ids, out=out, backend="numba")
+    assert_bit_equal(out, table[ids])

@@ -10,9 +10,9 @@ Every backend module defines:
   this particular call (for example, the data lives on another device). It
   must depend only on the table's type: ``auto`` remembers its choice per
   table type (validation has already matched ids and out to the table);
-- ``empty(shape, table)``: a new, uninitialised output where the table lives;
-- ``gather(table, ids, out) -> None``: write ``table[ids]`` into ``out``.
-  Inputs arrive validated (see :mod:`fastembed.validate`) except for the
+- ``gather(table, ids, out=None) -> out``: write ``table[ids]`` into ``out``
+  (``None``: a new output of shape ``ids.shape + (dim,)``, allocated where
+  the table lives) and return it. Inputs arrive validated (see :mod:`fastembed.validate`) except for the
   range of int32/int64 ids, which the backend checks and reports through
   :func:`fastembed.validate.out_of_range_error`, leaving ``out`` untouched.
 - ``describe() -> dict``: facts for ``python -m fastembed info``.

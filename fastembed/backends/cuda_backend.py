@@ -67,13 +67,6 @@ def not_supported_reasons(table: Any, ids: Any, out: Any) -> list[str]:
     return []
 
 
-def empty(shape: tuple[int, ...], table: Any) -> Any:
-    import cupy
-
-    with cupy.cuda.Device(table.device.id):
-        return cupy.empty(shape, dtype=table.dtype)
-
-
 def to_device(table: Any, device_id: int) -> Any:
     """A copy of a host table on `device_id` (the one explicit host-to-device move).
 
@@ -139,14 +132,17 @@ def launch_geometry(n_ids: int, vecs_per_row: int, sm_count: int) -> tuple[int, 
     return blocks, threads
 
 
-def gather(table: Any, ids: Any, out: Any) -> None:
+def gather(table: Any, ids: Any, out: Any = None) -> Any:
     import cupy
 
+    device_id = table.device.id
+    if out is None:
+        with cupy.cuda.Device(device_id):
+            out = cupy.empty(validate.output_shape(ids, table), dtype=table.dtype)
     flat_ids = ids.reshape(-1)
     n = int(flat_ids.size)
     if n == 0:
-        return
-    device_id = table.device.id
+        return out
     row_bytes = table.shape[1] * table.dtype.itemsize
     size, vec_type = vector_bytes(row_bytes, table.data.ptr, out.data.ptr)
     vecs_per_row = row_bytes // size
@@ -162,6 +158,7 @@ def gather(table: Any, ids: Any, out: Any) -> None:
         )
     if not _deferred.get():
         _raise_if_flagged(device_id, ids, table.shape[0])
+    return out
 
 
 def _raise_if_flagged(device_id: int, ids: Any, vocab_size: int) -> None:

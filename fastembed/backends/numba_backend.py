@@ -7,6 +7,8 @@ dtype (float16, bfloat16, float32, int8, ...).
 
 Which kernel runs (each constant was measured; see docs/backends.md):
 
+- one id: a slice copy of the row (one memcpy), no compiled call at all: the
+  call's fixed cost is larger than the copy;
 - fewer than ``PARALLEL_MIN_ROWS`` ids: the serial kernel, on the calling
   thread, so a decode step pays no thread wake-up;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
@@ -70,10 +72,6 @@ def not_supported_reasons(table: Any, ids: Any, out: Any) -> list[str]:
     return []
 
 
-def empty(shape: tuple[int, ...], table: Any) -> np.ndarray:
-    return np.empty(shape, dtype=table.dtype)
-
-
 def kernels() -> Any:
     """The kernel module, imported (and numba with it) on first use."""
     global _kernels_module
@@ -98,45 +96,69 @@ def word_dtype(row_bytes: int) -> np.dtype:
     return _WORD_FOR_REMAINDER.get(row_bytes % 8, _BYTE)
 
 
-def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
-    n = ids.size
-    if n == 0:
-        return
+def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    if ids.size == 1:
+        return _copy_one_row(table, ids, out)
+    table_words, dim = _words_of(table)
+    if out is None:
+        out = np.empty((len(ids), dim) if ids.ndim == 1 else ids.shape + (dim,), table.dtype)
+    if ids.size == 0:
+        return out
     flat_ids = ids if ids.ndim == 1 else ids.reshape(-1)  # a copy only for non-contiguous ids
-    row_bytes = table.shape[1] * table.dtype.itemsize
-    word = word_dtype(row_bytes)
-    table_words = _table_words(table, word)
-    rows = out if out.ndim == 2 else out.reshape(n, table.shape[1])  # a view: out is C-contiguous
-    out_words = rows.view(word)
-    bad = _run(table_words, flat_ids, out_words, n * row_bytes)
+    out_words = out.view(table_words.dtype)  # the last axis, in words; out is C-contiguous
+    if out_words.ndim != 2:
+        out_words = out_words.reshape(flat_ids.size, table_words.shape[1])
+    bad = _run(table_words, flat_ids, out_words)
     if bad >= 0:
         raise validate.out_of_range_error(ids, bad, table.shape[0])
+    return out
 
 
-def _table_words(table: np.ndarray, word: np.dtype) -> np.ndarray:
-    """The table's word view, remembered for the last table seen (weakly).
+def _copy_one_row(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """One id is one contiguous row: a slice copy, a single memcpy.
+
+    The compiled call's fixed cost (argument typing, word views) is larger
+    than copying one row (docs/backends.md), and a decode step of one token
+    is the most frequent lookup there is.
+    """
+    row = ids.item()
+    if not 0 <= row < len(table):
+        raise validate.out_of_range_error(ids, 0, len(table))
+    source = np.asarray(table)[row : row + 1]  # np.asarray: np.memmap's slices copy slowly
+    if out is None:
+        copy = source.copy()
+        return copy if ids.ndim == 1 else copy.reshape(ids.shape + copy.shape[1:])
+    out[...] = source  # out has ids.shape + (dim,) with a single row: (1, dim) broadcasts
+    return out
+
+
+def _words_of(table: np.ndarray) -> tuple[np.ndarray, int]:
+    """The table's word view and row length, remembered for the last table seen (weakly).
 
     A view costs about 0.4 us, a quarter of a one-token lookup; decode loops
-    gather from the same table over and over.
+    gather from the same table over and over. The memo is keyed on the shape
+    too: numpy lets a caller reassign ``table.shape`` in place, and a stale
+    view would then disagree with the output's row length.
     """
-    global _last_table_words
-    table_ref, words = _last_table_words  # one read: another thread may replace the pair
-    if table_ref() is table:
-        return words
+    global _last_table
+    table_ref, shape, words = _last_table  # one read: another thread may replace the triple
+    if table_ref() is table and table.shape == shape:
+        return words, shape[1]
+    word = word_dtype(table.shape[1] * table.dtype.itemsize)
     # np.asarray drops np.memmap's subclass, whose view() and typing are slow.
     words = np.asarray(table).view(word)
-    _last_table_words = (weakref.ref(table), words)  # one assignment, atomic
-    return words
+    _last_table = (weakref.ref(table), table.shape, words)  # one assignment, atomic
+    return words, table.shape[1]
 
 
 def _no_table() -> None:
     return None
 
 
-_last_table_words: tuple[Any, Any] = (_no_table, None)
+_last_table: tuple[Any, Any, Any] = (_no_table, None, None)
 
 
-def _run(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray, out_bytes: int) -> int:
+def _run(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
     k = _kernels_module or kernels()
     if len(flat_ids) < PARALLEL_MIN_ROWS or _forked_after_pool_start:
         return k.gather_serial(table_words, flat_ids, out_words)
@@ -145,7 +167,7 @@ def _run(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray, o
     try:
         _note_pool_started()
         n_blocks = max(1, min(len(flat_ids), thread_count() * BLOCKS_PER_THREAD))
-        if out_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and k.can_stream(out_words):
+        if out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and k.can_stream(out_words):
             return k.gather_parallel_stream(table_words, flat_ids, out_words, n_blocks, PREFETCH_DISTANCE)
         return k.gather_parallel(table_words, flat_ids, out_words, n_blocks)
     finally:

@@ -27,14 +27,13 @@ def not_supported_reasons(table: Any, ids: Any, out: Any) -> list[str]:
     return []
 
 
-def empty(shape: tuple[int, ...], table: Any) -> np.ndarray:
-    return np.empty(shape, dtype=table.dtype)
-
-
-def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     validate.check_ids_in_range(ids, table.shape[0])
+    if out is None:
+        out = np.empty(validate.output_shape(ids, table), dtype=table.dtype)
     # np.asarray drops np.memmap's subclass (a view, not a copy).
     np.take(np.asarray(table), ids, axis=0, out=out, mode="clip")
+    return out
 
 
 def describe() -> dict[str, Any]:
