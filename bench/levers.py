@@ -35,9 +35,8 @@ def variants(kernels, threads):
         "slice assignment, 1 block/thread": lambda t, i, o: gather_slice_assignment(t, i, o, one),
         "word loop, 1 block/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, one),
         "word loop, 4 blocks/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, four),
-        "+ non-temporal stores": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, 0),
-        "+ prefetch 1 row ahead": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, 1),
-        "+ prefetch 4 rows ahead": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, 4),
+        "+ non-temporal stores": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, False),
+        "+ prefetch of the next row, line by line": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, True),
     }
 
 

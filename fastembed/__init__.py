@@ -24,6 +24,7 @@ __all__ = [
     "Selection",
     "deferred_id_checks",
     "raise_deferred_id_errors",
+    "wait_for_compiles",
     "__version__",
 ]
 
@@ -45,3 +46,17 @@ def select_backend(table: Any, ids: Any, out: Any = None) -> Selection:
     if out is not None:
         validate.check_out(out, ids, table)
     return explain(table, ids, out)
+
+
+def wait_for_compiles() -> None:
+    """Block until every kernel compiling in the background is ready.
+
+    The first large CPU lookup of a process is served by the serial kernel
+    while the parallel one compiles on a background thread (about a second
+    with an empty numba cache). A server that wants parallel speed from its
+    first request makes one lookup of a typical batch at start-up, then calls
+    this.
+    """
+    from .backends import background_compile
+
+    background_compile.wait()

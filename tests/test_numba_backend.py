@@ -20,7 +20,8 @@ THREAD_SECONDS = 10.0
 
 @pytest.fixture(params=["serial", "parallel", "stream"])
 def kernel_path(request, monkeypatch):
-    """Force each kernel path on small data by moving the thresholds."""
+    """Force each kernel path on small data by moving the thresholds (compiling in the foreground)."""
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     if request.param == "serial":
         monkeypatch.setattr(numba_backend, "PARALLEL_MIN_ROWS", 10**9)
     else:
@@ -110,6 +111,9 @@ def _child_lookup(seed: int) -> bool:
 def test_fork_pool_after_the_parent_used_the_thread_pool():
     table = random_table(2000, 128, seed=1)
     ids = np.random.default_rng(0).integers(0, 2000, 5000)
+    fastembed.lookup(table, ids, backend="numba")
+    fastembed.wait_for_compiles()
+    assert numba_backend._pool_started
     assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])  # parallel in the parent
     context = multiprocessing.get_context("fork")
     with context.Pool(2) as pool:
@@ -176,3 +180,55 @@ def test_table_reshaped_in_place_is_not_gathered_with_a_stale_view():
     out = poisoned((40, 16), table.dtype)
     fastembed.lookup(table, ids, out=out, backend="numba")
     assert_bit_equal(out, table[ids])
+
+
+class _KernelSpy:
+    """Wraps a kernel dispatcher and records the batch size of every call."""
+
+    def __init__(self, kernel):
+        self.kernel, self.batches = kernel, []
+
+    def __call__(self, table, ids, out, *rest):
+        self.batches.append(ids.size)
+        return self.kernel(table, ids, out, *rest)
+
+
+def test_first_parallel_batch_is_served_while_its_kernel_compiles(monkeypatch):
+    """Until the background compile is ready, batches run serially, exactly; then in parallel."""
+    background_compile = numba_backend.background_compile
+    background_compile.forget()
+    kernels = numba_backend.kernels()
+    spy = _KernelSpy(kernels.gather_parallel)
+    monkeypatch.setattr(kernels, "gather_parallel", spy)
+    release = threading.Event()
+    original_first_call = numba_backend._first_parallel_call
+
+    def held_first_call(*arguments):
+        release.wait(30)  # the compile "takes" until the test releases it
+        original_first_call(*arguments)
+
+    monkeypatch.setattr(numba_backend, "_first_parallel_call", held_first_call)
+    table = random_table(500, 64)
+    ids = np.random.default_rng(5).integers(0, 500, 300)
+    for _ in range(3):
+        out = poisoned((300, 64), table.dtype)
+        assert_bit_equal(fastembed.lookup(table, ids, out=out, backend="numba"), table[ids])
+    assert spy.batches == []  # served by the serial kernel meanwhile
+    release.set()
+    fastembed.wait_for_compiles()
+    assert spy.batches == [0]  # the compile's own call: empty slices of the real arguments
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+    assert spy.batches == [0, 300]
+
+
+def test_fork_waits_for_a_background_compile():
+    """A child forked mid-compile would inherit numba's compile lock held: fork waits instead."""
+    background_compile = numba_backend.background_compile
+    background_compile.forget()
+    key = ("test", "slow compile")
+    background_compile.start(key, lambda: time.sleep(0.5))
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:
+        ready_in_child = pool.apply_async(background_compile.is_ready, (key,)).get(timeout=60)
+    assert ready_in_child
+    background_compile.forget()

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from .. import validate
+from . import background_compile
 
 NAME = "numba"
 
@@ -47,9 +48,12 @@ PARALLEL_MIN_ROWS = 32
 #: From this output size on, non-temporal stores win over cached stores
 #: (an output this size no longer stays in the last-level cache anyway).
 STREAM_MIN_OUT_BYTES = 16 * 2**20
-#: Rows prefetched ahead by the streaming kernel: 0 (off), since prefetching
-#: 1 or 4 rows ahead measured within noise (bench/levers.py, docs/backends.md).
-PREFETCH_DISTANCE = 0
+#: The streaming kernel prefetches the next row line by line as it copies
+#: this one (+10% measured; a burst of a whole row ahead was within noise).
+PREFETCH_NEXT_ROW = True
+#: Serve a batch serially while its parallel kernel compiles on a background
+#: thread (see background_compile); False compiles in the caller's thread.
+COMPILE_IN_BACKGROUND = True
 #: Blocks of rows per thread in the parallel kernels (load balance).
 BLOCKS_PER_THREAD = 4
 
@@ -162,16 +166,29 @@ def _run(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -
     k = _kernels_module or kernels()
     if len(flat_ids) < PARALLEL_MIN_ROWS or _forked_after_pool_start:
         return k.gather_serial(table_words, flat_ids, out_words)
+    stream = out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and k.can_stream(out_words)
+    kernel = k.gather_parallel_stream if stream else k.gather_parallel
+    options = (PREFETCH_NEXT_ROW,) if stream else ()
+    key = (kernel, table_words.dtype, flat_ids.dtype)
+    if COMPILE_IN_BACKGROUND and not background_compile.is_ready(key):
+        k.gather_serial(table_words, flat_ids[:0], out_words[:0])  # compile the serial kernel first, here
+        background_compile.start(key, lambda: _first_parallel_call(kernel, table_words[:0], flat_ids[:0], out_words[:0], options))
+        return k.gather_serial(table_words, flat_ids, out_words)
     if not _parallel_lock.acquire(blocking=False):
         return k.gather_serial(table_words, flat_ids, out_words)
     try:
         _note_pool_started()
         n_blocks = max(1, min(len(flat_ids), thread_count() * BLOCKS_PER_THREAD))
-        if out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and k.can_stream(out_words):
-            return k.gather_parallel_stream(table_words, flat_ids, out_words, n_blocks, PREFETCH_DISTANCE)
-        return k.gather_parallel(table_words, flat_ids, out_words, n_blocks)
+        return kernel(table_words, flat_ids, out_words, n_blocks, *options)
     finally:
         _parallel_lock.release()
+
+
+def _first_parallel_call(kernel: Any, table_words: np.ndarray, no_ids: np.ndarray, no_rows: np.ndarray, options: tuple) -> None:
+    """Compile `kernel` for these argument types (empty slices of the real ones) and start the pool."""
+    with _parallel_lock:
+        _note_pool_started()
+        kernel(table_words, no_ids, no_rows, 1, *options)
 
 
 def thread_count() -> int:

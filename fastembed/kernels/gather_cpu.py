@@ -35,39 +35,63 @@ def first_bad_position(ids, vocab_size):
     return -1
 
 
-@njit(inline="always", **_JIT)
-def _copy_row(table, row, out, i):
-    # An explicit word loop: LLVM vectorises it into wide loads and stores,
-    # whereas slice assignment lowers to an element loop with an overlap check.
-    for w in range(table.shape[1]):
-        out[i, w] = table[row, w]
-
-
-@njit(inline="always", **_JIT)
-def _stream_row(dst, src, row_bytes):
-    # row_bytes is a multiple of 16. Whole cache lines (64 bytes) first, so
-    # each line is completed in the write-combining buffer by consecutive
-    # stores, then the remaining 16-byte pieces.
-    whole_lines = row_bytes - row_bytes % 64
-    for offset in range(0, whole_lines, 64):
-        stream_store_16(dst + offset, src + offset)
-        stream_store_16(dst + offset + 16, src + offset + 16)
-        stream_store_16(dst + offset + 32, src + offset + 32)
-        stream_store_16(dst + offset + 48, src + offset + 48)
-    for offset in range(whole_lines, row_bytes, 16):
-        stream_store_16(dst + offset, src + offset)
-
-
-@njit(inline="always", **_JIT)
-def _prefetch_row(src, row_bytes):
-    for offset in range(0, row_bytes, 64):
-        prefetch(src + offset)
-
-
-@njit(inline="always", **_JIT)
+@njit(**_JIT)
 def _block(block, n_blocks, n):
     """[start, stop) of block number `block` when n rows are cut into n_blocks."""
     return block * n // n_blocks, (block + 1) * n // n_blocks
+
+
+# The row loops are plain functions that the serial and parallel kernels
+# share; LLVM inlines them into each kernel.
+
+
+@njit(**_JIT)
+def copy_rows(table, ids, out, start, stop):
+    """out[i] = table[ids[i]] for i in [start, stop), with ordinary stores."""
+    for i in range(start, stop):
+        row = ids[i]
+        # An explicit word loop: LLVM vectorises it into wide loads and stores,
+        # whereas slice assignment lowers to an element loop with an overlap check.
+        for w in range(table.shape[1]):
+            out[i, w] = table[row, w]
+
+
+@njit(**_JIT)
+def stream_rows(table, ids, out, start, stop, prefetch_next_row):
+    """As :func:`copy_rows`, with non-temporal stores; rows a multiple of 16 bytes.
+
+    With ``prefetch_next_row``, each cache line copied comes with a prefetch
+    of the same line of the next row: the next row is in flight while this
+    one is copied, which the hardware prefetcher (it follows one address
+    stream and stops at page boundaries) cannot guess from random ids.
+    """
+    row_bytes = table.shape[1] * table.itemsize
+    table_address = table.ctypes.data
+    out_address = out.ctypes.data
+    for i in range(start, stop):
+        source = table_address + np.uintp(ids[i]) * row_bytes
+        following = ids[i + 1] if i + 1 < stop else ids[i]
+        _stream_row(
+            out_address + np.uintp(i) * row_bytes, source, row_bytes,
+            prefetch_next_row, table_address + np.uintp(following) * row_bytes,
+        )
+    store_fence()
+
+
+@njit(**_JIT)
+def _stream_row(destination, source, row_bytes, prefetch_ahead, ahead):
+    # Whole cache lines first, each completed in the write-combining buffer by
+    # consecutive stores, then the remaining 16-byte pieces.
+    whole_lines = row_bytes - row_bytes % 64
+    for offset in range(0, whole_lines, 64):
+        if prefetch_ahead:
+            prefetch(ahead + offset)
+        stream_store_16(destination + offset, source + offset)
+        stream_store_16(destination + offset + 16, source + offset + 16)
+        stream_store_16(destination + offset + 32, source + offset + 32)
+        stream_store_16(destination + offset + 48, source + offset + 48)
+    for offset in range(whole_lines, row_bytes, 16):
+        stream_store_16(destination + offset, source + offset)
 
 
 @njit(**_JIT)
@@ -76,8 +100,7 @@ def gather_serial(table, ids, out):
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
-    for i in range(ids.size):
-        _copy_row(table, ids[i], out, i)
+    copy_rows(table, ids, out, 0, ids.size)
     return -1
 
 
@@ -94,36 +117,25 @@ def gather_parallel(table, ids, out, n_blocks):
         return bad
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, ids.size)
-        for i in range(start, stop):
-            _copy_row(table, ids[i], out, i)
+        copy_rows(table, ids, out, start, stop)
     return -1
 
 
 @njit(parallel=True, **_JIT)
-def gather_parallel_stream(table, ids, out, n_blocks, prefetch_distance):
-    """As :func:`gather_parallel`, with non-temporal stores and prefetch.
+def gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row):
+    """As :func:`gather_parallel`, with non-temporal stores (and prefetch).
 
     For outputs much larger than the last-level cache. Non-temporal 16-byte
     stores fault on unaligned addresses: the caller must pass an ``out``
     whose address is 16-byte aligned and rows that are a multiple of 16 bytes
-    (see :func:`can_stream`). ``prefetch_distance`` rows ahead are
-    prefetched (0 disables it).
+    (see :func:`can_stream`).
     """
-    row_bytes = table.shape[1] * table.itemsize
-    table_address = table.ctypes.data
-    out_address = out.ctypes.data
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, ids.size)
-        for i in range(start, stop):
-            ahead = i + prefetch_distance
-            if prefetch_distance > 0 and ahead < stop:
-                _prefetch_row(table_address + np.uintp(ids[ahead]) * row_bytes, row_bytes)
-            source = table_address + np.uintp(ids[i]) * row_bytes
-            _stream_row(out_address + np.uintp(i) * row_bytes, source, row_bytes)
-        store_fence()
+        stream_rows(table, ids, out, start, stop, prefetch_next_row)
     return -1
 
 
@@ -146,7 +158,8 @@ def copy_parallel(src, dst, n_blocks):
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, src.shape[0])
         for i in range(start, stop):
-            _copy_row(src, i, dst, i)
+            for w in range(src.shape[1]):
+                dst[i, w] = src[i, w]
 
 
 @njit(parallel=True, **_JIT)
@@ -157,5 +170,5 @@ def copy_parallel_stream(src, dst, n_blocks):
         start, stop = _block(block, n_blocks, src.shape[0])
         for i in range(start, stop):
             offset = np.uintp(i) * row_bytes
-            _stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes)
+            _stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes, False, 0)
         store_fence()
