@@ -187,19 +187,20 @@ def check_out(out: Any, ids: Any, table: Any) -> None:
     expected_shape = output_shape(ids, table)
     if not (isinstance(out, np.ndarray) or is_gpu_array(out)):
         raise TypeError(f"out must be an array, got {type(out).__module__}.{type(out).__qualname__}")
-    both_on_host = isinstance(out, np.ndarray) and isinstance(table, np.ndarray)
-    if not both_on_host and device_of(out) != device_of(table):
+    on_host = isinstance(out, np.ndarray)
+    if on_host != isinstance(table, np.ndarray) or (not on_host and device_of(out) != device_of(table)):
         raise TypeError(
             f"out lives on {device_of(out)} but the table lives on {device_of(table)}; they must be on the same device"
         )
     if tuple(out.shape) != expected_shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {expected_shape} (ids.shape + (dim,))")
-    if np.dtype(out.dtype) != np.dtype(table.dtype):
+    if out.dtype != table.dtype:
         raise TypeError(f"out has dtype {np.dtype(out.dtype)}, expected the table's dtype {np.dtype(table.dtype)}")
-    if not out.flags.c_contiguous:
+    flags = out.flags
+    if not flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous, got strides {tuple(out.strides)}")
-    if isinstance(out, np.ndarray):
-        if not out.flags.writeable:
+    if on_host:
+        if not flags.writeable:
             raise ValueError("out is read-only")
         if np.shares_memory(out, table):
             raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")
