@@ -32,7 +32,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> A
 
 
 def gather(table: Any, ids: Any, out: Any, backend: str) -> Any:
-    """``lookup`` for a table that has already been validated."""
+    """``lookup`` for a table that has already been validated (``Embedding`` calls it directly)."""
     ids = validate.as_ids(ids, table)
     if out is not None:
         validate.check_out(out, ids, table)

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 #: Id dtypes the kernels take natively; any other integer dtype is converted.
-NATIVE_ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))  # a set: the test is on every call
+NATIVE_ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
+_INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)  # numpy's builtin dtypes are singletons
 
 
 def device_of(array: Any) -> str:
@@ -86,7 +87,8 @@ def as_ids(ids: Any, table: Any) -> Any:
     and for ids on another device than the table.
     """
     if type(ids) is np.ndarray and isinstance(table, np.ndarray):  # the common case, kept cheap
-        if ids.dtype in NATIVE_ID_DTYPES:
+        dtype = ids.dtype
+        if dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES:
             return ids
         _check_integer_dtype(ids.dtype)
         return _native_ids(ids, table.shape[0])

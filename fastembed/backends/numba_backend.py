@@ -101,18 +101,26 @@ def word_dtype(row_bytes: int) -> np.dtype:
 
 
 def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    if ids.size == 1:
+    n = ids.size
+    if n == 1:
         return _copy_one_row(table, ids, out)
-    table_words, dim = _words_of(table)
+    memo = _last_table  # one read: another thread may replace it
+    if memo[0]() is not table or table.shape != memo[1]:
+        memo = _remember(table)
+    _, shape, table_words = memo
     if out is None:
-        out = np.empty((len(ids), dim) if ids.ndim == 1 else ids.shape + (dim,), table.dtype)
-    if ids.size == 0:
+        out = np.empty((n, shape[1]) if ids.ndim == 1 else ids.shape + shape[1:], table.dtype)
+    if n == 0:
         return out
-    flat_ids = ids if ids.ndim == 1 else ids.reshape(-1)  # a copy only for non-contiguous ids
-    out_words = out.view(table_words.dtype)  # the last axis, in words; out is C-contiguous
-    if out_words.ndim != 2:
-        out_words = out_words.reshape(flat_ids.size, table_words.shape[1])
-    bad = _run(table_words, flat_ids, out_words)
+    # Rows in words, as the kernels take them (views; a copy only for non-contiguous ids).
+    if ids.ndim == 1:
+        flat_ids, out_words = ids, out.view(table_words.dtype)
+    else:
+        flat_ids, out_words = ids.reshape(-1), out.view(table_words.dtype).reshape(n, table_words.shape[1])
+    if n < PARALLEL_MIN_ROWS or _forked_after_pool_start:
+        bad = (_kernels_module or kernels()).gather_serial(table_words, flat_ids, out_words)
+    else:
+        bad = _run_parallel(table_words, flat_ids, out_words)
     if bad >= 0:
         raise validate.out_of_range_error(ids, bad, table.shape[0])
     return out
@@ -136,23 +144,21 @@ def _copy_one_row(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) ->
     return out
 
 
-def _words_of(table: np.ndarray) -> tuple[np.ndarray, int]:
-    """The table's word view and row length, remembered for the last table seen (weakly).
+def _remember(table: np.ndarray) -> tuple[Any, tuple[int, ...], np.ndarray]:
+    """Make (weak reference, shape, word view) of `table` the remembered triple, and return it.
 
-    A view costs about 0.4 us, a quarter of a one-token lookup; decode loops
-    gather from the same table over and over. The memo is keyed on the shape
-    too: numpy lets a caller reassign ``table.shape`` in place, and a stale
-    view would then disagree with the output's row length.
+    :func:`gather` reuses the triple while the same table comes back with the
+    same shape: a view costs about 0.4 us, a quarter of a one-token lookup,
+    and decode loops gather from one table over and over. The shape is part
+    of the key because numpy lets a caller reassign ``table.shape`` in place,
+    and a stale view would then disagree with the output's row length.
     """
     global _last_table
-    table_ref, shape, words = _last_table  # one read: another thread may replace the triple
-    if table_ref() is table and table.shape == shape:
-        return words, shape[1]
     word = word_dtype(table.shape[1] * table.dtype.itemsize)
     # np.asarray drops np.memmap's subclass, whose view() and typing are slow.
-    words = np.asarray(table).view(word)
-    _last_table = (weakref.ref(table), table.shape, words)  # one assignment, atomic
-    return words, table.shape[1]
+    memo = (weakref.ref(table), table.shape, np.asarray(table).view(word))
+    _last_table = memo  # one assignment, atomic
+    return memo
 
 
 def _no_table() -> None:
@@ -162,10 +168,8 @@ def _no_table() -> None:
 _last_table: tuple[Any, Any, Any] = (_no_table, None, None)
 
 
-def _run(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
+def _run_parallel(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
     k = _kernels_module or kernels()
-    if len(flat_ids) < PARALLEL_MIN_ROWS or _forked_after_pool_start:
-        return k.gather_serial(table_words, flat_ids, out_words)
     stream = out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and k.can_stream(out_words)
     kernel = k.gather_parallel_stream if stream else k.gather_parallel
     options = (PREFETCH_NEXT_ROW,) if stream else ()

@@ -4,7 +4,11 @@ Method (docs/benchmarks.md): within one process, every repetition runs every
 contender once (A B C A B C ...), each on a fresh id set, so drift of a
 shared machine hits all contenders alike and the table is read from memory,
 not cache. Small batches time a loop of calls over a rotating pool of id sets
-(a single call is too short for the clock).
+(a single call is too short for the clock); the pool spans at least
+POOL_MIN_BYTES of rows and each contender draws its own sets from it, so no
+contender reads rows that another one has just brought into the cache. The
+6-id uniform case is the exception by design: the reference sentence, the
+same six rows every call (see ids.py).
 
 What differs between the host and a GPU (the clock, where ids live, how
 memory is counted) is a :class:`Platform`; the loop is the same.
@@ -62,6 +66,16 @@ class Platform:
     allocated_by_one_call: Callable[[Callable[[Any], Any], Any], int | None]
 
 
+#: Distinct rows an id pool spans at least: far more than a last-level cache,
+#: so that small batches, too, read rows from memory.
+POOL_MIN_BYTES = 256 * 2**20
+
+
+def pool_size(batch: int, row_bytes: int, inner: int, repetitions: int, warmup: int) -> int:
+    """How many id sets to draw: enough for every sample, and at least POOL_MIN_BYTES of rows."""
+    return max(max(inner, 8) + repetitions + warmup, -(-POOL_MIN_BYTES // max(1, batch * row_bytes)))
+
+
 def calls_per_sample(batch: int, row_bytes: int) -> int:
     """Enough calls that one sample lasts about a millisecond or more."""
     return max(1, min(200, (4 * 2**20) // max(1, batch * row_bytes)))
@@ -110,7 +124,7 @@ def measure_case(
 ) -> list[Result]:
     row_bytes = table.shape[1] * table.dtype.itemsize
     inner = calls_per_sample(batch, row_bytes)
-    host_pool = id_sets(distribution, batch, table.shape[0], max(inner, 8) + repetitions + warmup, seed)
+    host_pool = id_sets(distribution, batch, table.shape[0], pool_size(batch, row_bytes, inner, repetitions, warmup), seed)
     pools = {
         dtype: [platform.ids_to_device(ids.astype(dtype)) for ids in host_pool]
         for dtype in {contender.id_dtype for contender in contenders}
@@ -130,8 +144,10 @@ def measure_case(
             device=platform.device,
         )
     for repetition in range(warmup + repetitions):
-        for name, (call, pool) in prepared.items():
-            id_list = [pool[(repetition * inner + k) % len(pool)] for k in range(inner)]
+        for index, (name, (call, pool)) in enumerate(prepared.items()):
+            # Each contender gets its own id sets: none reads rows another has just cached.
+            first = (repetition * len(prepared) + index) * inner
+            id_list = [pool[(first + k) % len(pool)] for k in range(inner)]
             elapsed = platform.seconds_per_call(call, id_list)
             if repetition >= warmup:
                 results[name].samples_s.append(elapsed)
