@@ -1,6 +1,7 @@
 """Measure each lever of the numba gather in one process (docs/backends.md, "The levers").
 
     python bench/levers.py [--reps 15] [--batches 8192,65536]
+    python bench/levers.py --parallel-threshold [--gap-ms 2] [--batches 2,4,8,16,32,64,128,512]
 
 Default 129,280 x 4,096 float16 table, uniform ids (8,192 and 65,536 by default) into
 a preallocated output; every variant runs once per repetition on fresh ids
@@ -51,12 +52,54 @@ def copies(kernels, threads):
     }
 
 
+def parallel_threshold(table: np.ndarray, batches: list[int], repetitions: int, gap_s: float) -> None:
+    """Serial vs parallel kernel per call: where the thread wake-up starts to pay.
+
+    With a gap, each call is timed alone after sleeping `gap_s`, as between
+    the decode steps of a model, when the pool's threads have gone to sleep.
+    """
+    kernels, blocks = numba_backend.kernels(), numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD
+    rng = np.random.default_rng(0)
+    calls_per_sample = 20 if gap_s else 200
+    print(f"gap between calls: {gap_s * 1e3:g} ms")
+    print("| ids | serial | parallel | serial / parallel |\n| --- | --- | --- | --- |")
+    for n in batches:
+        out = np.empty((n, table.shape[1]), np.uint64)
+        pool = [rng.integers(0, table.shape[0], n) for _ in range(4000)]
+        calls = {
+            "serial": lambda ids: kernels.gather_serial(table, ids, out),
+            "parallel": lambda ids: kernels.gather_parallel(table, ids, out, min(n, blocks)),
+        }
+        samples: dict[str, list[float]] = {name: [] for name in calls}
+        for repetition in range(repetitions + 2):
+            for index, (name, call) in enumerate(calls.items()):
+                first = (repetition * len(calls) + index) * calls_per_sample % (len(pool) - calls_per_sample)
+                elapsed = 0.0
+                for ids in pool[first : first + calls_per_sample]:
+                    if gap_s:
+                        time.sleep(gap_s)
+                    started = time.perf_counter()
+                    call(ids)
+                    elapsed += time.perf_counter() - started
+                if repetition >= 2:
+                    samples[name].append(elapsed / calls_per_sample)
+        serial, parallel = (statistics.median(samples[name]) for name in calls)
+        print(f"| {n} | {serial * 1e6:.1f} us | {parallel * 1e6:.1f} us | {serial / parallel:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--batches", default="8192,65536", help="comma-separated id counts")
+    parser.add_argument("--batches", help="comma-separated id counts (default 8192,65536; 8,...,512 for --parallel-threshold)")
+    parser.add_argument("--parallel-threshold", action="store_true", help="serial vs parallel kernel at small batches")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="--parallel-threshold: sleep between calls (ms)")
     arguments = parser.parse_args()
     table = fastembed.Embedding.random().table.view(np.uint64)
+    if arguments.parallel_threshold:
+        batches = arguments.batches or "2,4,8,16,32,64,128,512"
+        parallel_threshold(table, [int(b) for b in batches.split(",")], arguments.reps, arguments.gap_ms / 1e3)
+        return
+    arguments.batches = arguments.batches or "8192,65536"
     kernels, threads = numba_backend.kernels(), numba_backend.thread_count()
     gathers, limits = variants(kernels, threads), copies(kernels, threads)
     rng = np.random.default_rng(0)
