@@ -40,6 +40,8 @@ def test_runner_writes_table_json_and_plot(tmp_path):
     assert all(len(r["samples_us"]) == 3 and r["gbps"] > 0 for r in rows)
     assert payload["machine"]["cpu_count"] >= 1
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
+    markdown = (tmp_path / "results.md").read_text().splitlines()
+    assert len(markdown) == 2 + len(rows) and "| cpu | 512 | zipf | fastembed auto out= |" in "\n".join(markdown)
 
 
 def test_gate_thresholds_file_is_valid():

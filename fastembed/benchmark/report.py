@@ -32,7 +32,7 @@ def machine_facts() -> dict[str, Any]:
     return {
         "fastembed": fastembed.__version__, "python": platform.python_version(), "platform": platform.platform(),
         "cpu": facts["cpu"], "cpu_count": os.cpu_count(), "numba_threads": threads, "versions": versions,
-        "backends": facts["backends"],
+        "backends": facts["backends"], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
 
 
@@ -78,6 +78,20 @@ def _bytes(value: int | None) -> str:
         if abs(value) < 1024 or unit == "GiB":
             break
     return f"{value:.1f} {unit}"
+
+
+def write_markdown(path: Path, rows: list[dict[str, Any]]) -> None:
+    """The same table as the terminal's, as Markdown (docs/benchmarks.md pastes it)."""
+    lines = ["| device | batch | ids | contender | median | GB/s | of limit | vs fancy | alloc/call |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        speedup = row["speedup_vs_numpy"] if row["device"] == "cpu" else row["speedup_vs_cupy"]
+        lines.append(
+            f"| {row['device']} | {row['batch']} | {row['distribution']} | {row['contender']} | {_time(row['median_us'])} "
+            f"| {row['gbps']:.1f} | {_ratio(row['fraction_of_limit'])} | {_ratio(speedup, 'x')} "
+            f"| {_bytes(row['allocated_per_call'])} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
