@@ -10,7 +10,6 @@ prints a table and writes JSON and PNG plots into --out.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -90,17 +89,7 @@ def gpu_usable() -> bool:
     return not cuda_backend.unavailable_reasons()
 
 
-#: OpenMP threads (numba's, torch's) spin for a while after each parallel call.
-#: Interleaved contenders on few cores would then run against another
-#: runtime's spinning threads (measured: the allocating 8,192-id lookup fell
-#: from 1.7x to 0.8x numpy); passive waiting keeps contenders independent.
-#: Read by OpenMP when it loads, so it is set before anything imports numba or
-#: torch; an explicit OMP_WAIT_POLICY in the environment wins.
-OMP_WAIT_POLICY = "PASSIVE"
-
-
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
     arguments = parse_arguments(argv)
     try:
         from rich.console import Console
