@@ -175,8 +175,10 @@ def _run_parallel(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.n
     options = (PREFETCH_NEXT_ROW,) if stream else ()
     key = (kernel, table_words.dtype, flat_ids.dtype)
     if COMPILE_IN_BACKGROUND and not background_compile.is_ready(key):
-        k.gather_serial(table_words, flat_ids[:0], out_words[:0])  # compile the serial kernel first, here
-        background_compile.start(key, lambda: _first_parallel_call(kernel, table_words[:0], flat_ids[:0], out_words[:0], options))
+        # Empty slices have the real arguments' types: the compile specialises for them.
+        no_ids, no_rows = flat_ids[:0], out_words[:0]
+        k.gather_serial(table_words, no_ids, no_rows)  # the serial kernel compiles first, here
+        background_compile.start(key, lambda: _first_parallel_call(kernel, table_words, no_ids, no_rows, options))
         return k.gather_serial(table_words, flat_ids, out_words)
     if not _parallel_lock.acquire(blocking=False):
         return k.gather_serial(table_words, flat_ids, out_words)
@@ -188,8 +190,10 @@ def _run_parallel(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.n
         _parallel_lock.release()
 
 
-def _first_parallel_call(kernel: Any, table_words: np.ndarray, no_ids: np.ndarray, no_rows: np.ndarray, options: tuple) -> None:
-    """Compile `kernel` for these argument types (empty slices of the real ones) and start the pool."""
+def _first_parallel_call(
+    kernel: Any, table_words: np.ndarray, no_ids: np.ndarray, no_rows: np.ndarray, options: tuple
+) -> None:
+    """Compile `kernel` for these argument types with a call that copies nothing, and start the pool."""
     with _parallel_lock:
         _note_pool_started()
         kernel(table_words, no_ids, no_rows, 1, *options)

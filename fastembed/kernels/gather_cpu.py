@@ -42,7 +42,8 @@ def _block(block, n_blocks, n):
 
 
 # The row loops are plain functions that the serial and parallel kernels
-# share; LLVM inlines them into each kernel.
+# share, called once per block of rows (bench/levers.py measured no cost
+# against the earlier, Numba-inlined form).
 
 
 @njit(**_JIT)
