@@ -107,16 +107,15 @@ def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) ->
     memo = _last_table  # one read: another thread may replace it
     if memo[0]() is not table or table.shape != memo[1]:
         memo = _remember(table)
-    _, shape, table_words = memo
+    _, shape, table_words, word = memo
+    one_dimensional = ids.ndim == 1
     if out is None:
-        out = np.empty((n, shape[1]) if ids.ndim == 1 else ids.shape + shape[1:], table.dtype)
-    if n == 0:
-        return out
+        out = np.empty((n, shape[1]) if one_dimensional else ids.shape + shape[1:], table.dtype)
     # Rows in words, as the kernels take them (views; a copy only for non-contiguous ids).
-    if ids.ndim == 1:
-        flat_ids, out_words = ids, out.view(table_words.dtype)
+    if one_dimensional:
+        flat_ids, out_words = ids, out.view(word)
     else:
-        flat_ids, out_words = ids.reshape(-1), out.view(table_words.dtype).reshape(n, table_words.shape[1])
+        flat_ids, out_words = ids.reshape(-1), out.view(word).reshape(n, table_words.shape[1])
     if n < PARALLEL_MIN_ROWS or _forked_after_pool_start:
         bad = (_kernels_module or kernels()).gather_serial(table_words, flat_ids, out_words)
     else:
@@ -144,10 +143,10 @@ def _copy_one_row(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) ->
     return out
 
 
-def _remember(table: np.ndarray) -> tuple[Any, tuple[int, ...], np.ndarray]:
-    """Make (weak reference, shape, word view) of `table` the remembered triple, and return it.
+def _remember(table: np.ndarray) -> tuple[Any, tuple[int, ...], np.ndarray, np.dtype]:
+    """Make (weak reference, shape, word view, word dtype) of `table` the remembered memo; return it.
 
-    :func:`gather` reuses the triple while the same table comes back with the
+    :func:`gather` reuses the memo while the same table comes back with the
     same shape: a view costs about 0.4 us, a quarter of a one-token lookup,
     and decode loops gather from one table over and over. The shape is part
     of the key because numpy lets a caller reassign ``table.shape`` in place,
@@ -156,7 +155,7 @@ def _remember(table: np.ndarray) -> tuple[Any, tuple[int, ...], np.ndarray]:
     global _last_table
     word = word_dtype(table.shape[1] * table.dtype.itemsize)
     # np.asarray drops np.memmap's subclass, whose view() and typing are slow.
-    memo = (weakref.ref(table), table.shape, np.asarray(table).view(word))
+    memo = (weakref.ref(table), table.shape, np.asarray(table).view(word), word)
     _last_table = memo  # one assignment, atomic
     return memo
 
@@ -165,7 +164,7 @@ def _no_table() -> None:
     return None
 
 
-_last_table: tuple[Any, Any, Any] = (_no_table, None, None)
+_last_table: tuple[Any, Any, Any, Any] = (_no_table, None, None, None)
 
 
 def _run_parallel(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
