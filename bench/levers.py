@@ -5,7 +5,9 @@
 
 Default 129,280 x 4,096 float16 table, uniform ids (8,192 and 65,536 by default) into
 a preallocated output; every variant runs once per repetition on fresh ids
-(interleaved), medians reported as GB/s = 2 x rows x row bytes / time.
+(interleaved, the caches settled before each: see
+fastembed.benchmark.measure.settle_host_caches), medians reported as
+GB/s = 2 x rows x row bytes / time.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from numba import njit, prange
 
 import fastembed
 from fastembed.backends import numba_backend
+from fastembed.benchmark.measure import settle_host_caches
 from fastembed.kernels.cpu_intrinsics import store_fence
 from fastembed.kernels.gather_cpu import _stream_row
 
@@ -153,6 +156,7 @@ def main() -> None:
         for repetition in range(arguments.reps + 2):
             for name, gather in gathers.items():
                 ids = rng.integers(0, table.shape[0], n)
+                settle_host_caches()  # no variant pays for the dirty lines of the one before
                 started = time.perf_counter()
                 gather(table, ids, out)
                 if repetition >= 2:
@@ -160,6 +164,7 @@ def main() -> None:
                 assert np.array_equal(out[:4], table[ids[:4]])
             for name, copy in limits.items():
                 start = int(rng.integers(0, table.shape[0] - n))
+                settle_host_caches()
                 started = time.perf_counter()
                 copy(table[start : start + n], out)
                 if repetition >= 2:

@@ -3,7 +3,9 @@
 Method (docs/benchmarks.md): within one process, every repetition runs every
 contender once (A B C A B C ...), each on a fresh id set, so drift of a
 shared machine hits all contenders alike and the table is read from memory,
-not cache. Small batches time a loop of calls over a rotating pool of id sets
+not cache. Before each timed sample the platform settles the caches (on the
+host: a read of twice the last-level cache), so no contender pays for the
+dirty lines its predecessor left. Small batches time a loop of calls over a rotating pool of id sets
 (a single call is too short for the clock); the pool spans at least
 POOL_MIN_BYTES of rows and each contender draws its own sets from it, so no
 contender reads rows that another one has just brought into the cache. The
@@ -15,6 +17,7 @@ memory is counted) is a :class:`Platform`; the loop is the same.
 """
 from __future__ import annotations
 
+import glob
 import os
 import statistics
 import time
@@ -64,6 +67,8 @@ class Platform:
     seconds_per_call: Callable[[Callable[[Any], Any], list[Any]], float]
     memory_in_use: Callable[[], int]
     allocated_by_one_call: Callable[[Callable[[Any], Any], Any], int | None]
+    #: Run before every timed sample: leaves the caches as no contender left them.
+    settle: Callable[[], None] = lambda: None
 
 
 #: Distinct rows an id pool spans at least: far more than a last-level cache,
@@ -109,7 +114,35 @@ def _host_allocated_by_one_call(call: Callable[[Any], Any], ids: Any) -> int:
         tracemalloc.stop()
 
 
-HOST = Platform("cpu", lambda ids: ids, _host_seconds_per_call, rss_bytes, _host_allocated_by_one_call)
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of cpu0 per Linux sysfs; 32 MiB where sysfs does not say."""
+    sizes = []
+    for size_file in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with open(size_file) as text:
+            size = text.read().strip()
+        multiplier = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        sizes.append(int(size.rstrip("KMG")) * multiplier)
+    return max(sizes, default=32 * 2**20)
+
+
+_scrub_buffer: np.ndarray | None = None
+
+
+def settle_host_caches() -> None:
+    """Read a buffer of twice the last-level cache (at least 64 MiB).
+
+    A contender that wrote its output with ordinary stores leaves those lines
+    dirty in the cache; whoever runs next would pay for writing them back.
+    Reading this buffer evicts them outside the timed region, so no contender
+    is charged for its predecessor's output.
+    """
+    global _scrub_buffer
+    if _scrub_buffer is None:
+        _scrub_buffer = np.ones(max(2 * last_level_cache_bytes(), 64 * 2**20) // 8, np.uint64)
+    _scrub_buffer.sum()
+
+
+HOST = Platform("cpu", lambda ids: ids, _host_seconds_per_call, rss_bytes, _host_allocated_by_one_call, settle_host_caches)
 
 
 def measure_case(
@@ -148,6 +181,7 @@ def measure_case(
             # Each contender gets its own id sets: none reads rows another has just cached.
             first = (repetition * len(prepared) + index) * inner
             id_list = [pool[(first + k) % len(pool)] for k in range(inner)]
+            platform.settle()
             elapsed = platform.seconds_per_call(call, id_list)
             if repetition >= warmup:
                 results[name].samples_s.append(elapsed)

@@ -1,0 +1,177 @@
+"""Levers of the streaming gather that were measured and not adopted (docs/backends.md).
+
+    python bench/rejected_levers.py [--reps 15] [--batches 8192,65536]
+
+Default 129,280 x 4,096 float16 table, uniform ids. Every variant below runs
+once per repetition on fresh ids (in an order rotated each repetition, the
+caches settled before each), interleaved with the kernel fastembed uses and
+with the best copy (parallel, non-temporal stores); medians reported as
+GB/s = 2 x rows x row bytes / time and as a fraction of that copy. The last
+rows compare an allocating lookup with cached and with non-temporal stores.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+import fastembed
+from fastembed.backends import numba_backend
+from fastembed.benchmark.measure import settle_host_caches
+from fastembed.kernels.cpu_intrinsics import prefetch, store_fence, stream_store_16
+from fastembed.kernels.gather_cpu import _stream_row
+
+
+@njit(nogil=True)
+def _copy_line(destination, source):
+    stream_store_16(destination, source)
+    stream_store_16(destination + 16, source + 16)
+    stream_store_16(destination + 32, source + 32)
+    stream_store_16(destination + 48, source + 48)
+
+
+@njit(parallel=True, nogil=True)
+def prefetch_rows_ahead(table, ids, out, n_blocks, distance):
+    """fastembed's kernel, prefetching row i + distance instead of i + 1."""
+    row_bytes, n = table.shape[1] * table.itemsize, ids.size
+    for block in prange(n_blocks):
+        start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
+        for i in range(start, stop):
+            ahead = ids[min(i + distance, stop - 1)]
+            _stream_row(out.ctypes.data + np.uintp(i) * row_bytes, table.ctypes.data + np.uintp(ids[i]) * row_bytes,
+                        row_bytes, True, table.ctypes.data + np.uintp(ahead) * row_bytes)
+        store_fence()
+    return -1
+
+
+@njit(parallel=True, nogil=True)
+def two_prefetches_per_line(table, ids, out, n_blocks):
+    """The next row requested twice as fast: two prefetches per line over the first half of each row."""
+    row_bytes, n = table.shape[1] * table.itemsize, ids.size
+    half = row_bytes // 2
+    for block in prange(n_blocks):
+        start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
+        for i in range(start, stop):
+            source = table.ctypes.data + np.uintp(ids[i]) * row_bytes
+            following = table.ctypes.data + np.uintp(ids[min(i + 1, stop - 1)]) * row_bytes
+            destination = out.ctypes.data + np.uintp(i) * row_bytes
+            for offset in range(0, half, 64):
+                prefetch(following + 2 * offset)
+                prefetch(following + 2 * offset + 64)
+                _copy_line(destination + offset, source + offset)
+            for offset in range(half, row_bytes, 64):
+                _copy_line(destination + offset, source + offset)
+        store_fence()
+    return -1
+
+
+@njit(parallel=True, nogil=True)
+def two_rows_interleaved(table, ids, out, n_blocks):
+    """Two rows copied line by line in turn: two read streams, and two write streams, per thread."""
+    row_bytes, n = table.shape[1] * table.itemsize, ids.size
+    for block in prange(n_blocks):
+        start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
+        for i in range(start, stop, 2):
+            first = table.ctypes.data + np.uintp(ids[i]) * row_bytes
+            second = table.ctypes.data + np.uintp(ids[min(i + 1, stop - 1)]) * row_bytes
+            destination = out.ctypes.data + np.uintp(i) * row_bytes
+            pair = i + 1 < stop
+            for offset in range(0, row_bytes, 64):
+                _copy_line(destination + offset, first + offset)
+                if pair:
+                    _copy_line(destination + row_bytes + offset, second + offset)
+        store_fence()
+    return -1
+
+
+def _on_threads(threads: int, call: Callable[[], object]) -> None:
+    previous = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        call()
+    finally:
+        numba.set_num_threads(previous)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--batches", default="8192,65536", help="comma-separated id counts")
+    arguments = parser.parse_args()
+    table = fastembed.Embedding.random().table
+    words = table.view(np.uint64)
+    kernels, threads = numba_backend.kernels(), numba_backend.thread_count()
+    blocks = 4 * threads
+    rng = np.random.default_rng(0)
+    batches = [int(b) for b in arguments.batches.split(",")]
+    rows: dict[str, list[str]] = {}
+    for n in batches:
+        out = np.empty((n, words.shape[1]), np.uint64)
+        padded = np.empty(n * words.shape[1] + 8, np.uint64)
+        skip = (-padded.ctypes.data % 64) // 8
+        aligned_out = padded[skip : skip + n * words.shape[1]].reshape(n, words.shape[1])
+        def fresh() -> np.ndarray:
+            return np.empty((n, words.shape[1]), np.uint64)
+
+        # name -> (kernel call taking ids and an output, the output it writes)
+        gathers: dict[str, tuple[Callable[[np.ndarray, np.ndarray], object], Callable[[], np.ndarray]]] = {
+            "fastembed: next row prefetched line by line": (
+                lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, True), lambda: out),
+            "prefetch 1 row ahead (this script)": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 1), lambda: out),
+            "prefetch 2 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 2), lambda: out),
+            "prefetch 4 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 4), lambda: out),
+            "two prefetches per line, first half of the row": (
+                lambda i, o: two_prefetches_per_line(words, i, o, blocks), lambda: out),
+            "two rows interleaved": (lambda i, o: two_rows_interleaved(words, i, o, blocks), lambda: out),
+            "output aligned to 64 bytes (numpy's: 16)": (
+                lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, True), lambda: aligned_out),
+            "fastembed's kernel on one thread": (
+                lambda i, o: _on_threads(1, lambda: kernels.gather_parallel_stream(words, i, o, 4, True)), lambda: out),
+            "allocating lookup, non-temporal stores": (
+                lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, True), fresh),
+            "allocating lookup, cached stores": (lambda i, o: kernels.gather_parallel(words, i, o, blocks), fresh),
+        }
+        copies: dict[str, Callable[[np.ndarray], object]] = {
+            "copy: numba, non-temporal stores (the limit)": lambda s: kernels.copy_parallel_stream(s, out, blocks),
+            "copy: numba, non-temporal stores, one thread": lambda s: _on_threads(
+                1, lambda: kernels.copy_parallel_stream(s, out, 4)),
+        }
+        samples: dict[str, list[float]] = {name: [] for name in [*gathers, *copies]}
+        for repetition in range(arguments.reps + 2):
+            # Rotated each repetition: no variant always runs right after the copies.
+            order = list(gathers.items())
+            order = order[repetition % len(order):] + order[: repetition % len(order)]
+            for name, (gather, output) in order:
+                ids = rng.integers(0, words.shape[0], n)
+                settle_host_caches()  # the previous variant's dirty lines are written back before timing
+                started = time.perf_counter()
+                written = output()  # a fresh np.empty for the allocating rows, timed with the gather
+                gather(ids, written)
+                if repetition >= 2:
+                    samples[name].append(time.perf_counter() - started)
+                elif repetition == 0:
+                    assert np.array_equal(written, words[ids]), name
+                del written  # a fresh output is freed here, not inside the next variant's timing
+            for name, copy in copies.items():
+                start = int(rng.integers(0, words.shape[0] - n))
+                settle_host_caches()
+                started = time.perf_counter()
+                copy(words[start : start + n])
+                if repetition >= 2:
+                    samples[name].append(time.perf_counter() - started)
+        limit = statistics.median(samples["copy: numba, non-temporal stores (the limit)"])
+        for name, values in samples.items():
+            median = statistics.median(values)
+            rows.setdefault(name, []).append(f"{2 * n * words.shape[1] * 8 / median / 1e9:.1f} GB/s ({limit / median:.2f})")
+    print(f"| variant | {' | '.join(f'{n} ids' for n in batches)} |\n| --- |{' --- |' * len(batches)}")
+    for name, cells in rows.items():
+        print(f"| {name} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
