@@ -2,6 +2,7 @@
 
     python bench/levers.py [--reps 15] [--batches 8192,65536]
     python bench/levers.py --parallel-threshold [--gap-ms 2] [--batches 2,4,8,16,32,64,128,512]
+    python bench/levers.py --stream-threshold [--batches 32,64,...,4096]
 
 Default 129,280 x 4,096 float16 table, uniform ids (8,192 and 65,536 by default) into
 a preallocated output; every variant runs once per repetition on fresh ids
@@ -126,18 +127,49 @@ def _memory_mapped(table: np.ndarray) -> np.ndarray:
     return np.asarray(mapped)
 
 
+def stream_threshold(table: np.ndarray, batches: list[int], repetitions: int) -> None:
+    """Cached vs non-temporal stores, alone and with the caller's read of the output."""
+    kernels, blocks = numba_backend.kernels(), numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD
+    rng = np.random.default_rng(0)
+    print("| ids | output | cached | streaming | cached + read | streaming + read |\n| --- | --- | --- | --- | --- | --- |")
+    for n in batches:
+        out = np.empty((n, table.shape[1]), np.uint64)
+        stores = {
+            "cached": lambda ids: kernels.gather_parallel(table, ids, out, min(n, blocks)),
+            "streaming": lambda ids: kernels.gather_parallel_stream(table, ids, out, min(n, blocks), True),
+        }
+        samples: dict[tuple[str, bool], list[float]] = {(name, read): [] for read in (False, True) for name in stores}
+        for repetition in range(repetitions + 2):
+            for (name, read), values in samples.items():
+                ids = rng.integers(0, table.shape[0], n)
+                settle_host_caches()
+                started = time.perf_counter()
+                stores[name](ids)
+                if read:
+                    np.bitwise_xor.reduce(out, axis=None)
+                if repetition >= 2:
+                    values.append(time.perf_counter() - started)
+        cells = [f"{statistics.median(samples[key]) * 1e3:.3f} ms" for key in samples]
+        print(f"| {n} | {out.nbytes / 2**20:g} MiB | {' | '.join(cells)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--batches", help="comma-separated id counts (default 8192,65536; 8,...,512 for --parallel-threshold)")
     parser.add_argument("--parallel-threshold", action="store_true", help="serial vs parallel kernel at small batches")
     parser.add_argument("--gap-ms", type=float, default=0.0, help="--parallel-threshold: sleep between calls (ms)")
+    parser.add_argument("--stream-threshold", action="store_true", help="cached vs non-temporal stores by output size")
     parser.add_argument("--mmap", action="store_true",
                         help="gather from a memory-mapped .npy of the table (page cache, 4 KiB pages) instead")
     arguments = parser.parse_args()
     table = fastembed.Embedding.random().table.view(np.uint64)
     if arguments.mmap:
         table = _memory_mapped(table)
+    if arguments.stream_threshold:
+        batches = arguments.batches or "32,64,128,256,512,1024,2048,4096"
+        stream_threshold(table, [int(b) for b in batches.split(",")], arguments.reps)
+        return
     if arguments.parallel_threshold:
         batches = arguments.batches or "2,4,8,16,32,64,128,512"
         parallel_threshold(table, [int(b) for b in batches.split(",")], arguments.reps, arguments.gap_ms / 1e3)

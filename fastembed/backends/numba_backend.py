@@ -45,9 +45,10 @@ NAME = "numba"
 #: Below this many ids the serial kernel wins (measured crossover 16-32 ids;
 #: see docs/backends.md): waking the thread pool costs microseconds.
 PARALLEL_MIN_ROWS = 32
-#: From this output size on, non-temporal stores win over cached stores
-#: (an output this size no longer stays in the last-level cache anyway).
-STREAM_MIN_OUT_BYTES = 16 * 2**20
+#: From this output size on, non-temporal stores win over cached stores, even
+#: counting the caller's read of the output that cached stores leave in the
+#: cache (bench/levers.py --stream-threshold: cached wins up to 1 MiB).
+STREAM_MIN_OUT_BYTES = 2 * 2**20
 #: The streaming kernel prefetches the next row line by line as it copies
 #: this one (+10% measured; a burst of a whole row ahead was within noise).
 PREFETCH_NEXT_ROW = True
