@@ -110,20 +110,51 @@ def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) ->
         memo = _remember(table)
     _, shape, table_words, word = memo
     one_dimensional = ids.ndim == 1
+    parallel = n >= PARALLEL_MIN_ROWS and not _forked_after_pool_start
     if out is None:
         out = np.empty((n, shape[1]) if one_dimensional else ids.shape + shape[1:], table.dtype)
+        if parallel:
+            _fault_in(out)
     # Rows in words, as the kernels take them (views; a copy only for non-contiguous ids).
     if one_dimensional:
         flat_ids, out_words = ids, out.view(word)
     else:
         flat_ids, out_words = ids.reshape(-1), out.view(word).reshape(n, table_words.shape[1])
-    if n < PARALLEL_MIN_ROWS or _forked_after_pool_start:
-        bad = (_kernels_module or kernels()).gather_serial(table_words, flat_ids, out_words)
-    else:
+    if parallel:
         bad = _run_parallel(table_words, flat_ids, out_words)
+    else:
+        bad = (_kernels_module or kernels()).gather_serial(table_words, flat_ids, out_words)
     if bad >= 0:
         raise validate.out_of_range_error(ids, bad, table.shape[0])
     return out
+
+
+def _fault_in(out: np.ndarray) -> None:
+    """Write one byte per page of a new output, on this thread, before threads write it.
+
+    Pages of a fresh allocation are mapped (and zeroed by the OS) on first
+    write. When the parallel kernel's threads took those faults at once,
+    about one large allocating lookup in six stalled for 30-300 ms on the
+    development VM; faulted in on one thread first, none did (docs/backends.md).
+    numpy asks for transparent huge pages from 4 MiB on: one write per 2 MiB
+    then maps a whole huge page.
+    """
+    flat = out.reshape(-1).view(np.uint8)
+    stride = _HUGE_PAGE if flat.size >= _NUMPY_HUGE_PAGE_MIN and _numpy_advises_huge_pages() else _PAGE
+    flat[::stride] = 0
+    flat[-1:] = 0
+
+
+_PAGE, _HUGE_PAGE, _NUMPY_HUGE_PAGE_MIN = 4096, 2 * 2**20, 4 * 2**20
+
+
+@lru_cache(maxsize=None)
+def _numpy_advises_huge_pages() -> bool:
+    try:
+        from numpy._core.multiarray import _get_madvise_hugepage
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _get_madvise_hugepage
+    return bool(_get_madvise_hugepage())
 
 
 def _copy_one_row(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:

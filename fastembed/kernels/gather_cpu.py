@@ -144,7 +144,7 @@ def can_stream(out) -> bool:
     """Whether the streaming kernels may write `out` (2-D words): 16-byte aligned rows.
 
     A plain Python check (its ctypes lookup costs microseconds, nothing next
-    to the 16 MiB outputs that stream), kept out of the kernels so that each
+    to the 2 MiB or larger outputs that stream), kept out of the kernels so that each
     kernel compiles alone.
     """
     return (out.shape[1] * out.itemsize) % 16 == 0 and out.ctypes.data % 16 == 0
