@@ -52,8 +52,8 @@ def wait_for_compiles() -> None:
     """Block until every kernel compiling in the background is ready.
 
     The first large CPU lookup of a process is served by the serial kernel
-    while the parallel one compiles on a background thread (about a second
-    with an empty numba cache). A server that wants parallel speed from its
+    while the parallel one compiles on a background thread (1-2 s with an
+    empty numba cache on the development machine). A server that wants parallel speed from its
     first request makes one lookup of a typical batch at start-up, then calls
     this.
     """

@@ -1,7 +1,7 @@
 """Compile kernels on a background thread while calls are served another way.
 
-Numba compiles a parallel kernel in about a second (more on a slow machine);
-a serial kernel compiles in a fraction of that. The numba backend therefore
+Numba compiles a parallel kernel in 1-2 s on the development machine; a
+serial kernel in a fraction of that. The numba backend therefore
 serves a batch whose parallel kernel is not compiled yet with the serial
 kernel, and compiles the parallel one here, once per key, off the caller's
 thread. Later calls find the key ready and run in parallel.

@@ -42,15 +42,16 @@ from . import background_compile
 
 NAME = "numba"
 
-#: Below this many ids the serial kernel wins (measured crossover 16-32 ids;
-#: see docs/backends.md): waking the thread pool costs microseconds.
+#: Below this many ids the serial kernel runs: waking the thread pool costs
+#: microseconds (measured crossover: 8-16 ids in a tight loop, 32-64 with
+#: 2 ms between calls; docs/backends.md).
 PARALLEL_MIN_ROWS = 32
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the
 #: cache (bench/levers.py --stream-threshold: cached wins up to 1 MiB).
 STREAM_MIN_OUT_BYTES = 2 * 2**20
 #: The streaming kernel prefetches the next row line by line as it copies
-#: this one (+10% measured; a burst of a whole row ahead was within noise).
+#: this one (+8-18% measured; a burst of a whole row ahead was within noise).
 PREFETCH_NEXT_ROW = True
 #: Serve a batch serially while its parallel kernel compiles on a background
 #: thread (see background_compile); False compiles in the caller's thread.
@@ -113,7 +114,7 @@ def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) ->
     parallel = n >= PARALLEL_MIN_ROWS and not _forked_after_pool_start
     if out is None:
         out = np.empty((n, shape[1]) if one_dimensional else ids.shape + shape[1:], table.dtype)
-        if parallel:
+        if parallel and out.nbytes >= _FAULT_IN_MIN_BYTES:
             _fault_in(out)
     # Rows in words, as the kernels take them (views; a copy only for non-contiguous ids).
     if one_dimensional:
@@ -133,11 +134,12 @@ def _fault_in(out: np.ndarray) -> None:
     """Write one byte per page of a new output, on this thread, before threads write it.
 
     Pages of a fresh allocation are mapped (and zeroed by the OS) on first
-    write. When the parallel kernel's threads took those faults at once,
-    about one large allocating lookup in six stalled for 30-300 ms on the
-    development VM; faulted in on one thread first, none did (docs/backends.md).
-    numpy asks for transparent huge pages from 4 MiB on: one write per 2 MiB
-    then maps a whole huge page.
+    write. When the parallel kernel's threads took those faults at once, 2-11
+    of 41-61 allocating lookups of 64 and 512 MiB stalled (the worst 67-450 ms)
+    on the development VM; faulted in on one thread first, none did
+    (bench/allocating.py, docs/backends.md). numpy asks for transparent huge
+    pages from 4 MiB on: one write per 2 MiB then maps a whole huge page.
+    Smaller outputs are left alone (no stall was measured there).
     """
     flat = out.reshape(-1).view(np.uint8)
     stride = _HUGE_PAGE if flat.size >= _NUMPY_HUGE_PAGE_MIN and _numpy_advises_huge_pages() else _PAGE
@@ -146,15 +148,18 @@ def _fault_in(out: np.ndarray) -> None:
 
 
 _PAGE, _HUGE_PAGE, _NUMPY_HUGE_PAGE_MIN = 4096, 2 * 2**20, 4 * 2**20
+_FAULT_IN_MIN_BYTES = _NUMPY_HUGE_PAGE_MIN
 
 
 @lru_cache(maxsize=None)
 def _numpy_advises_huge_pages() -> bool:
-    try:
-        from numpy._core.multiarray import _get_madvise_hugepage
-    except ImportError:  # numpy 1.x
-        from numpy.core.multiarray import _get_madvise_hugepage
-    return bool(_get_madvise_hugepage())
+    """numpy's private switch for madvise(MADV_HUGEPAGE); False (4 KiB strides) when it cannot be read."""
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            return bool(importlib.import_module(module)._get_madvise_hugepage())
+        except (ImportError, AttributeError):
+            continue
+    return False
 
 
 def _copy_one_row(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:

@@ -5,8 +5,8 @@ contender once (A B C A B C ...), each on a fresh id set, so drift of a
 shared machine hits all contenders alike and the table is read from memory,
 not cache. Before each timed sample the platform settles the caches (on the
 host: a read of twice the last-level cache), so no contender pays for the
-dirty lines its predecessor left. Small batches time a loop of calls over a rotating pool of id sets
-(a single call is too short for the clock); the pool spans at least
+dirty lines its predecessor left. Small batches time a loop of calls over a
+rotating pool of id sets (a single call is too short for the clock); the pool spans at least
 POOL_MIN_BYTES of rows and each contender draws its own sets from it, so no
 contender reads rows that another one has just brought into the cache. The
 6-id uniform case is the exception by design: the reference sentence, the
@@ -121,7 +121,8 @@ def last_level_cache_bytes() -> int:
         with open(size_file) as text:
             size = text.read().strip()
         multiplier = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
-        sizes.append(int(size.rstrip("KMG")) * multiplier)
+        if size.rstrip("KMG").isdigit():  # anything else: not a size this reader knows
+            sizes.append(int(size.rstrip("KMG")) * multiplier)
     return max(sizes, default=32 * 2**20)
 
 
