@@ -22,6 +22,7 @@ N = 4096
 
 def allocated(function) -> int:
     function()  # warm-up: compile, caches
+    fastembed.wait_for_compiles()  # a compile thread's allocations would count too
     tracemalloc.start()
     try:
         tracemalloc.reset_peak()
@@ -78,3 +79,24 @@ def test_the_audit_can_fail(table):
     ids = IDS_CASES["int64"]()
     wasteful = lambda: np.concatenate([table[ids], table[ids]])  # noqa: E731
     assert allocated(wasteful) > ids.size * 512 * 2 + ids.nbytes + SLACK
+
+
+@pytest.mark.parametrize("n_ids", [1, 6, 100])
+@pytest.mark.parametrize("kind", ["array", "np.memmap"])
+def test_a_dropped_table_is_freed(tmp_path, backend, n_ids, kind):
+    """No backend keeps a table alive after its caller dropped it (a 1 GiB table held on would be a leak)."""
+    import gc
+    import weakref
+
+    table = random_table(300, 64)
+    if kind == "np.memmap":
+        np.save(tmp_path / "table.npy", table)
+        table = np.load(tmp_path / "table.npy", mmap_mode="r")
+    ids = np.random.default_rng(0).integers(0, 300, n_ids)
+    fastembed.lookup(table, ids, backend=backend)
+    fastembed.lookup(table, ids, out=np.empty((n_ids, 64), table.dtype), backend=backend)
+    fastembed.wait_for_compiles()  # a background compile holds its arguments until it is done
+    alive = weakref.ref(table)
+    del table
+    gc.collect()
+    assert alive() is None
