@@ -186,7 +186,6 @@ def check_out(out: Any, ids: Any, table: Any) -> None:
     Raises TypeError (wrong type, dtype or device) or ValueError (wrong shape,
     not C-contiguous, read-only, overlapping the table or the ids).
     """
-    expected_shape = output_shape(ids, table)
     if not (isinstance(out, np.ndarray) or is_gpu_array(out)):
         raise TypeError(f"out must be an array, got {type(out).__module__}.{type(out).__qualname__}")
     on_host = isinstance(out, np.ndarray)
@@ -194,8 +193,10 @@ def check_out(out: Any, ids: Any, table: Any) -> None:
         raise TypeError(
             f"out lives on {device_of(out)} but the table lives on {device_of(table)}; they must be on the same device"
         )
-    if tuple(out.shape) != expected_shape:
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {expected_shape} (ids.shape + (dim,))")
+    if out.shape != ids.shape + table.shape[1:]:
+        raise ValueError(
+            f"out has shape {tuple(out.shape)}, expected {output_shape(ids, table)} (ids.shape + (dim,))"
+        )
     if out.dtype != table.dtype:
         raise TypeError(f"out has dtype {np.dtype(out.dtype)}, expected the table's dtype {np.dtype(table.dtype)}")
     flags = out.flags
@@ -204,12 +205,25 @@ def check_out(out: Any, ids: Any, table: Any) -> None:
     if on_host:
         if not flags.writeable:
             raise ValueError("out is read-only")
-        if np.shares_memory(out, table):
+        if _host_arrays_may_overlap(out, flags.owndata, table):
             raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")
-        if isinstance(ids, np.ndarray) and np.shares_memory(out, ids):
+        if isinstance(ids, np.ndarray) and _host_arrays_may_overlap(out, flags.owndata, ids):
             raise ValueError("out overlaps the ids: gathering into it would overwrite ids being read")
     elif _gpu_ranges_overlap(out, table) or _gpu_ranges_overlap(out, ids):
         raise ValueError("out overlaps the table or the ids on the GPU")
+
+
+def _host_arrays_may_overlap(out: np.ndarray, out_owns_data: bool, other: np.ndarray) -> bool:
+    """Whether `out` and `other` share memory.
+
+    Two different arrays that each own their buffer (numpy allocated it and
+    will free it) cannot overlap; that shortcut costs two attribute reads,
+    where ``np.shares_memory`` costs about 0.3 us, a tenth of a one-token
+    lookup. Views and memory maps take the exact test.
+    """
+    if out_owns_data and other is not out and other.flags.owndata:
+        return False
+    return bool(np.shares_memory(out, other))
 
 
 def _gpu_ranges_overlap(a: Any, b: Any) -> bool:

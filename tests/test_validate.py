@@ -6,7 +6,7 @@ import pytest
 
 import fastembed
 from fastembed import dispatch
-from conftest import poisoned, random_table
+from conftest import assert_bit_equal, poisoned, random_table
 
 
 class FakeGpuArray:
@@ -114,6 +114,19 @@ def test_out_overlapping_table_or_ids(backend):
     out = ids_and_out.view(np.float16)[4 : 4 + 16].reshape(2, 8)  # bytes 8..40 overlap ids[1]
     with pytest.raises(ValueError, match="overlaps the ids"):
         fastembed.lookup(table, ids, out=out, backend=backend)
+    # An out that owns its buffer, with the table a view of it or the same array: still found.
+    out = poisoned((2, 8), np.float16)
+    for table in (out[:], out):
+        with pytest.raises(ValueError, match="overlaps the table"):
+            fastembed.lookup(table, [0, 1], out=out, backend=backend)
+
+
+def test_out_owning_its_buffer_passes_the_overlap_checks(backend):
+    """Two arrays that each own their buffer cannot overlap: the cheap path accepts them."""
+    table, ids = random_table(100, 8), np.array([3, 99])
+    out = poisoned((2, 8), table.dtype)
+    assert out.flags.owndata and table.flags.owndata and ids.flags.owndata
+    assert_bit_equal(fastembed.lookup(table, ids, out=out, backend=backend), table[ids])
 
 
 def test_device_mismatch_names_both_devices(table):
