@@ -1,10 +1,12 @@
 """Small-batch latency, layer by layer (docs/backends.md, "Small batches").
 
-    python bench/latency.py [--batches 1,6] [--reps 21]
+    python bench/latency.py [--batches 1,6] [--reps 21] [--same-ids | --cold]
 
 Default 129,280 x 4,096 float16 table. Every variant runs a block of calls
 over a rotating pool of 2,000 fresh id sets, interleaved with the others,
 repeated --reps times; medians per call and the ratio to numpy ``table[ids]``.
+With --cold, every call is timed alone after the caches were emptied (as
+after a model's forward pass between two lookups), --reps times.
 The rows below the end-to-end calls isolate what one id costs in the numba
 backend: its slice copy against the compiled serial kernel with the word
 views it needs.
@@ -21,6 +23,7 @@ import numpy as np
 import fastembed
 from fastembed.backends import numba_backend
 from fastembed.benchmark.ids import REFERENCE_IDS
+from fastembed.benchmark.measure import settle_host_caches
 
 POOL = 2000
 
@@ -56,6 +59,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--same-ids", action="store_true",
                         help="every call gathers the same rows (cached; for 6 ids: the reference sentence)")
+    parser.add_argument("--cold", action="store_true",
+                        help="time each call alone, after reading twice the last-level cache")
     arguments = parser.parse_args()
     table = fastembed.Embedding.random().table
     rng = np.random.default_rng(0)
@@ -71,9 +76,13 @@ def main() -> None:
             _seconds_per_call(call, pool[:50])
         fastembed.wait_for_compiles()
         samples: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(arguments.reps):
+        for repetition in range(arguments.reps):
             for name, call in calls.items():
-                samples[name].append(_seconds_per_call(call, pool))
+                if arguments.cold:
+                    settle_host_caches()
+                    samples[name].append(_seconds_per_call(call, pool[repetition : repetition + 1]))
+                else:
+                    samples[name].append(_seconds_per_call(call, pool))
         baseline = statistics.median(samples["numpy table[ids]"])
         for name, values in samples.items():
             median = statistics.median(values)

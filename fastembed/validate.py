@@ -186,6 +186,22 @@ def check_out(out: Any, ids: Any, table: Any) -> None:
     Raises TypeError (wrong type, dtype or device) or ValueError (wrong shape,
     not C-contiguous, read-only, overlapping the table or the ids).
     """
+    if type(out) is np.ndarray and type(ids) is np.ndarray and isinstance(table, np.ndarray):
+        # The common case, kept cheap: every check below passes (the overlap
+        # checks through the ownership shortcut of _host_arrays_may_overlap).
+        flags = out.flags
+        if (
+            out.shape == ids.shape + table.shape[1:]
+            and out.dtype == table.dtype
+            and flags.c_contiguous
+            and flags.writeable
+            and flags.owndata
+            and out is not table
+            and out is not ids
+            and table.flags.owndata
+            and ids.flags.owndata
+        ):
+            return
     if not (isinstance(out, np.ndarray) or is_gpu_array(out)):
         raise TypeError(f"out must be an array, got {type(out).__module__}.{type(out).__qualname__}")
     on_host = isinstance(out, np.ndarray)

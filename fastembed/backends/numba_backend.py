@@ -236,7 +236,7 @@ def _run_parallel(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.n
         return k.gather_serial(table_words, flat_ids, out_words)
     try:
         _note_pool_started()
-        n_blocks = max(1, min(len(flat_ids), thread_count() * BLOCKS_PER_THREAD))
+        n_blocks = max(1, min(len(flat_ids), _blocks_per_call()))
         return kernel(table_words, flat_ids, out_words, n_blocks, *options)
     finally:
         _parallel_lock.release()
@@ -249,6 +249,19 @@ def _first_parallel_call(
     with _parallel_lock:
         _note_pool_started()
         kernel(table_words, no_ids, no_rows, 1, *options)
+
+
+@lru_cache(maxsize=None)
+def _blocks_per_call() -> int:
+    """BLOCKS_PER_THREAD for each thread of numba's pool, read once.
+
+    numba.get_num_threads() costs 1-2 us a call (a 64-id lookup takes about
+    40); a caller's numba.set_num_threads() still decides how many threads
+    share the blocks.
+    """
+    import numba
+
+    return max(1, numba.config.NUMBA_NUM_THREADS) * BLOCKS_PER_THREAD
 
 
 def thread_count() -> int:
