@@ -3,6 +3,7 @@
     python bench/levers.py [--reps 15] [--batches 8192,65536]
     python bench/levers.py --parallel-threshold [--gap-ms 2] [--batches 2,4,8,16,32,64,128,512]
     python bench/levers.py --stream-threshold [--batches 32,64,...,4096]
+    python bench/levers.py --id-patterns [--batches 8192,65536]
 
 Default 129,280 x 4,096 float16 table, uniform ids (8,192 and 65,536 by default) into
 a preallocated output; every variant runs once per repetition on fresh ids
@@ -153,6 +154,56 @@ def stream_threshold(table: np.ndarray, batches: list[int], repetitions: int) ->
         print(f"| {n} | {out.nbytes / 2**20:g} MiB | {' | '.join(cells)} |")
 
 
+def id_patterns(table: np.ndarray, batches: list[int], repetitions: int) -> None:
+    """fastembed's streaming kernel on ids that read the table in runs of 1, 2, 8 rows or all in order.
+
+    Sequential ids make the gather a copy through the gather's own code; the
+    shorter the runs, the more the memory system pays per scattered block.
+    Interleaved with the non-temporal copy, caches settled before each call.
+    """
+    kernels, blocks = numba_backend.kernels(), numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD
+    rng = np.random.default_rng(0)
+    vocab_size = table.shape[0]
+
+    def runs_of(length: int, n: int) -> np.ndarray:
+        starts = rng.integers(0, vocab_size // length, n // length) * length
+        return (starts[:, None] + np.arange(length)).reshape(-1)
+
+    patterns = {
+        "sequential ids (a copy through the gather kernel)": lambda n: np.arange(start := int(rng.integers(0, vocab_size - n)), start + n),
+        "random runs of 8 rows (64 KiB)": lambda n: runs_of(8, n),
+        "random runs of 2 rows (16 KiB)": lambda n: runs_of(2, n),
+        "uniform random ids (8 KiB rows)": lambda n: rng.integers(0, vocab_size, n),
+    }
+    limit = "copy: numba, non-temporal stores"
+    cells: dict[str, list[str]] = {}
+    for n in batches:
+        out = np.empty((n, table.shape[1]), np.uint64)
+        samples: dict[str, list[float]] = {name: [] for name in [*patterns, limit]}
+        for repetition in range(repetitions + 2):
+            for name in samples:
+                if name == limit:
+                    start = int(rng.integers(0, vocab_size - n))
+                    source = table[start : start + n]
+                    call = lambda: kernels.copy_parallel_stream(source, out, blocks)  # noqa: E731
+                else:
+                    ids = patterns[name](n)
+                    call = lambda: kernels.gather_parallel_stream(table, ids, out, blocks, True)  # noqa: E731
+                settle_host_caches()
+                started = time.perf_counter()
+                call()
+                if repetition >= 2:
+                    samples[name].append(time.perf_counter() - started)
+        copy_time = statistics.median(samples[limit])
+        for name, values in samples.items():
+            median = statistics.median(values)
+            cells.setdefault(name, []).append(
+                f"{2 * n * table.shape[1] * 8 / median / 1e9:.1f} GB/s ({copy_time / median:.2f})")
+    print(f"| ids read as | {' | '.join(f'{n} ids' for n in batches)} |\n| --- |{' --- |' * len(batches)}")
+    for name, row in cells.items():
+        print(f"| {name} | {' | '.join(row)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=15)
@@ -160,6 +211,8 @@ def main() -> None:
     parser.add_argument("--parallel-threshold", action="store_true", help="serial vs parallel kernel at small batches")
     parser.add_argument("--gap-ms", type=float, default=0.0, help="--parallel-threshold: sleep between calls (ms)")
     parser.add_argument("--stream-threshold", action="store_true", help="cached vs non-temporal stores by output size")
+    parser.add_argument("--id-patterns", action="store_true",
+                        help="the streaming kernel on ids read in runs of 1, 2, 8 rows or in order, vs the copy")
     parser.add_argument("--mmap", action="store_true",
                         help="gather from a memory-mapped .npy of the table (page cache, 4 KiB pages) instead")
     arguments = parser.parse_args()
@@ -169,6 +222,9 @@ def main() -> None:
     if arguments.stream_threshold:
         batches = arguments.batches or "32,64,128,256,512,1024,2048,4096"
         stream_threshold(table, [int(b) for b in batches.split(",")], arguments.reps)
+        return
+    if arguments.id_patterns:
+        id_patterns(table, [int(b) for b in (arguments.batches or "8192,65536").split(",")], arguments.reps)
         return
     if arguments.parallel_threshold:
         batches = arguments.batches or "2,4,8,16,32,64,128,512"
