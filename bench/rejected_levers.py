@@ -18,13 +18,45 @@ from typing import Callable
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 import fastembed
 from fastembed.backends import numba_backend
 from fastembed.benchmark.measure import settle_host_caches
 from fastembed.kernels.cpu_intrinsics import prefetch, store_fence, stream_store_16
 from fastembed.kernels.gather_cpu import _stream_row
+
+
+_I32 = ir.IntType(32)
+
+
+@intrinsic
+def prefetch_non_temporal(typingctx, address):
+    """PREFETCHNTA: fetch a line for one use, keeping it out of the outer caches where the CPU can."""
+    def codegen(context, builder, signature, args):
+        byte_pointer = ir.IntType(8).as_pointer()
+        llvm_prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, _I32, _I32, _I32]), "llvm.prefetch.p0")
+        builder.call(llvm_prefetch, [builder.inttoptr(args[0], byte_pointer), _I32(0), _I32(0), _I32(1)])
+        return context.get_dummy_value()
+
+    return types.void(types.uintp), codegen
+
+
+@intrinsic
+def stream_store_32(typingctx, dst, src):
+    """A 32-byte non-temporal store (AVX2 VMOVNTDQ); dst 32-byte aligned."""
+    def codegen(context, builder, signature, args):
+        pointer = ir.VectorType(ir.IntType(64), 4).as_pointer()
+        value = builder.load(builder.inttoptr(args[1], pointer), align=1)
+        store = builder.store(value, builder.inttoptr(args[0], pointer), align=32)
+        store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+        return context.get_dummy_value()
+
+    return types.void(types.uintp, types.uintp), codegen
 
 
 @njit(nogil=True)
@@ -89,6 +121,54 @@ def two_rows_interleaved(table, ids, out, n_blocks):
     return -1
 
 
+@njit(parallel=True, nogil=True)
+def prefetch_variants(table, ids, out, n_blocks, every_nth_line, non_temporal, wide_stores):
+    """fastembed's kernel with the prefetch thinned to every n-th line, or PREFETCHNTA, or 32-byte stores."""
+    row_bytes, n = table.shape[1] * table.itemsize, ids.size
+    for block in prange(n_blocks):
+        start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
+        for i in range(start, stop):
+            source = table.ctypes.data + np.uintp(ids[i]) * row_bytes
+            following = table.ctypes.data + np.uintp(ids[min(i + 1, stop - 1)]) * row_bytes
+            destination = out.ctypes.data + np.uintp(i) * row_bytes
+            for offset in range(0, row_bytes, 64):
+                if offset % (64 * every_nth_line) == 0:
+                    if non_temporal:
+                        prefetch_non_temporal(following + offset)
+                    else:
+                        prefetch(following + offset)
+                if wide_stores:
+                    stream_store_32(destination + offset, source + offset)
+                    stream_store_32(destination + offset + 32, source + offset + 32)
+                else:
+                    _copy_line(destination + offset, source + offset)
+        store_fence()
+    return -1
+
+
+@njit(parallel=True, nogil=True)
+def page_heads_at_row_start(table, ids, out, n_blocks, lines_per_page):
+    """At the start of each row, prefetch the first lines of each 4 KiB page of the next (the hardware follows on)."""
+    row_bytes, n = table.shape[1] * table.itemsize, ids.size
+    for block in prange(n_blocks):
+        start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
+        for i in range(start, stop):
+            following = table.ctypes.data + np.uintp(ids[min(i + 1, stop - 1)]) * row_bytes
+            for page in range(0, row_bytes, 4096):
+                for line in range(lines_per_page):
+                    prefetch(following + page + 64 * line)
+            _stream_row(out.ctypes.data + np.uintp(i) * row_bytes, table.ctypes.data + np.uintp(ids[i]) * row_bytes,
+                        row_bytes, False, 0)
+        store_fence()
+    return -1
+
+
+def _chunked(call: Callable[[], object]) -> None:
+    """Run `call` with numba's dynamic scheduling (chunks of one block handed out as threads free up)."""
+    with numba.parallel_chunksize(1):
+        call()
+
+
 def _on_threads(threads: int, call: Callable[[], object]) -> None:
     previous = numba.get_num_threads()
     numba.set_num_threads(threads)
@@ -128,6 +208,18 @@ def main() -> None:
             "two prefetches per line, first half of the row": (
                 lambda i, o: two_prefetches_per_line(words, i, o, blocks), lambda: out),
             "two rows interleaved": (lambda i, o: two_rows_interleaved(words, i, o, blocks), lambda: out),
+            "prefetch on every 2nd line only": (
+                lambda i, o: prefetch_variants(words, i, o, blocks, 2, False, False), lambda: out),
+            "prefetch on every 4th line only": (
+                lambda i, o: prefetch_variants(words, i, o, blocks, 4, False, False), lambda: out),
+            "PREFETCHNTA instead of PREFETCHT0": (
+                lambda i, o: prefetch_variants(words, i, o, blocks, 1, True, False), lambda: out),
+            "32-byte non-temporal stores (AVX2; 64-byte aligned output)": (
+                lambda i, o: prefetch_variants(words, i, o, blocks, 1, False, True), lambda: aligned_out),
+            "first 4 lines of each 4 KiB page of the next row, at row start": (
+                lambda i, o: page_heads_at_row_start(words, i, o, blocks, 4), lambda: out),
+            "dynamic scheduling, 16 blocks per thread": (
+                lambda i, o: _chunked(lambda: kernels.gather_parallel_stream(words, i, o, 4 * blocks, True)), lambda: out),
             "output aligned to 64 bytes (numpy's: 16)": (
                 lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, True), lambda: aligned_out),
             "fastembed's kernel on one thread": (
