@@ -26,6 +26,9 @@ from fastembed.benchmark.measure import settle_host_caches
 from fastembed.kernels.cpu_intrinsics import store_fence
 from fastembed.kernels.gather_cpu import _stream_row
 
+#: The streaming kernel's prefetch options as the numba backend ships them.
+SHIPPED = (numba_backend.PREFETCH_NEXT_ROW, numba_backend.TOUCH_PAGES_ROWS_AHEAD)
+
 
 @njit(parallel=True, nogil=True)
 def gather_slice_assignment(table, ids, out, n_blocks):
@@ -62,8 +65,12 @@ def variants(kernels, threads):
         "slice assignment, 1 block/thread": lambda t, i, o: gather_slice_assignment(t, i, o, one),
         "word loop, 1 block/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, one),
         "word loop, 4 blocks/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, four),
-        "+ non-temporal stores": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, False),
-        "+ prefetch of the next row, line by line": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, True),
+        "+ non-temporal stores": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, False, 0),
+        "+ prefetch of the next row, line by line": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, True, 0),
+        "+ pages of the row 4 ahead touched": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, True, 4),
+        "+ pages of the row 8 ahead touched (fastembed)": lambda t, i, o: kernels.gather_parallel_stream(
+            t, i, o, four, True, 8),
+        "+ pages of the row 16 ahead touched": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, True, 16),
         "rows in sorted id order (np.argsort timed too)": lambda t, i, o: gather_in_sorted_order(
             t, i, np.argsort(i, kind="stable"), o, four),
     }
@@ -137,7 +144,7 @@ def stream_threshold(table: np.ndarray, batches: list[int], repetitions: int) ->
         out = np.empty((n, table.shape[1]), np.uint64)
         stores = {
             "cached": lambda ids: kernels.gather_parallel(table, ids, out, min(n, blocks)),
-            "streaming": lambda ids: kernels.gather_parallel_stream(table, ids, out, min(n, blocks), True),
+            "streaming": lambda ids: kernels.gather_parallel_stream(table, ids, out, min(n, blocks), *SHIPPED),
         }
         samples: dict[tuple[str, bool], list[float]] = {(name, read): [] for read in (False, True) for name in stores}
         for repetition in range(repetitions + 2):
@@ -188,7 +195,7 @@ def id_patterns(table: np.ndarray, batches: list[int], repetitions: int) -> None
                     call = lambda: kernels.copy_parallel_stream(source, out, blocks)  # noqa: E731
                 else:
                     ids = patterns[name](n)
-                    call = lambda: kernels.gather_parallel_stream(table, ids, out, blocks, True)  # noqa: E731
+                    call = lambda: kernels.gather_parallel_stream(table, ids, out, blocks, *SHIPPED)  # noqa: E731
                 settle_host_caches()
                 started = time.perf_counter()
                 call()

@@ -29,6 +29,9 @@ from fastembed.benchmark.measure import settle_host_caches
 from fastembed.kernels.cpu_intrinsics import prefetch, store_fence, stream_store_16
 from fastembed.kernels.gather_cpu import _stream_row
 
+#: The streaming kernel's prefetch options as the numba backend ships them.
+SHIPPED = (numba_backend.PREFETCH_NEXT_ROW, numba_backend.TOUCH_PAGES_ROWS_AHEAD)
+
 
 _I32 = ir.IntType(32)
 
@@ -200,9 +203,9 @@ def main() -> None:
 
         # name -> (kernel call taking ids and an output, the output it writes)
         gathers: dict[str, tuple[Callable[[np.ndarray, np.ndarray], object], Callable[[], np.ndarray]]] = {
-            "fastembed: next row prefetched line by line": (
-                lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, True), lambda: out),
-            "prefetch 1 row ahead (this script)": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 1), lambda: out),
+            "fastembed: next row line by line + pages of row 8 ahead": (
+                lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, *SHIPPED), lambda: out),
+            "next row line by line only (this script)": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 1), lambda: out),
             "prefetch 2 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 2), lambda: out),
             "prefetch 4 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 4), lambda: out),
             "two prefetches per line, first half of the row": (
@@ -219,13 +222,13 @@ def main() -> None:
             "first 4 lines of each 4 KiB page of the next row, at row start": (
                 lambda i, o: page_heads_at_row_start(words, i, o, blocks, 4), lambda: out),
             "dynamic scheduling, 16 blocks per thread": (
-                lambda i, o: _chunked(lambda: kernels.gather_parallel_stream(words, i, o, 4 * blocks, True)), lambda: out),
+                lambda i, o: _chunked(lambda: kernels.gather_parallel_stream(words, i, o, 4 * blocks, *SHIPPED)), lambda: out),
             "output aligned to 64 bytes (numpy's: 16)": (
-                lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, True), lambda: aligned_out),
+                lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, *SHIPPED), lambda: aligned_out),
             "fastembed's kernel on one thread": (
-                lambda i, o: _on_threads(1, lambda: kernels.gather_parallel_stream(words, i, o, 4, True)), lambda: out),
+                lambda i, o: _on_threads(1, lambda: kernels.gather_parallel_stream(words, i, o, 4, *SHIPPED)), lambda: out),
             "allocating lookup, non-temporal stores": (
-                lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, True), fresh),
+                lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, *SHIPPED), fresh),
             "allocating lookup, cached stores": (lambda i, o: kernels.gather_parallel(words, i, o, blocks), fresh),
         }
         copies: dict[str, Callable[[np.ndarray], object]] = {

@@ -41,6 +41,20 @@ def test_every_kernel_path_is_exact(kernel_path, dtype, width, id_dtype):
     assert_bit_equal(out, table[ids])
 
 
+@pytest.mark.parametrize("prefetch_next_row", [False, True])
+@pytest.mark.parametrize("touch_pages_rows_ahead", [0, 1, 8, 10**6])
+@pytest.mark.parametrize("n_blocks", [1, 3, 64])
+def test_streaming_kernel_prefetch_options_are_exact(prefetch_next_row, touch_pages_rows_ahead, n_blocks):
+    """Every prefetch setting, with blocks shorter and longer than the distance ahead, copies exactly."""
+    kernels = numba_backend.kernels()
+    table = random_table(500, 4104, seed=n_blocks).view(np.uint64)  # 8,208-byte rows: 3 pages, a partial one
+    ids = np.random.default_rng(touch_pages_rows_ahead).integers(0, 500, 37)
+    out = poisoned((37, table.shape[1]), np.uint64)
+    assert kernels.can_stream(out)
+    assert kernels.gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_pages_rows_ahead) == -1
+    assert_bit_equal(out, table[ids])
+
+
 def test_bad_ids_on_every_kernel_path_leave_out_untouched(kernel_path):
     table = random_table(100, 64)
     ids = np.arange(200) % 100

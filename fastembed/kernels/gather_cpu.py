@@ -58,18 +58,27 @@ def copy_rows(table, ids, out, start, stop):
 
 
 @njit(**_JIT)
-def stream_rows(table, ids, out, start, stop, prefetch_next_row):
+def stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_rows_ahead):
     """As :func:`copy_rows`, with non-temporal stores; rows a multiple of 16 bytes.
 
     With ``prefetch_next_row``, each cache line copied comes with a prefetch
     of the same line of the next row: the next row is in flight while this
     one is copied, which the hardware prefetcher (it follows one address
     stream and stops at page boundaries) cannot guess from random ids.
+
+    With ``touch_pages_rows_ahead`` > 0, each row also starts with one
+    prefetch per 4 KiB page of the row that many rows ahead: random rows
+    each need new page translations, and rows drawn from a narrower address
+    range gather faster (docs/backends.md), so these are started early.
     """
     row_bytes = table.shape[1] * table.itemsize
     table_address = table.ctypes.data
     out_address = out.ctypes.data
     for i in range(start, stop):
+        if touch_pages_rows_ahead > 0:
+            far = table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes
+            for page in range(0, row_bytes, 4096):
+                prefetch(far + page)
         source = table_address + np.uintp(ids[i]) * row_bytes
         following = ids[i + 1] if i + 1 < stop else ids[i]
         _stream_row(
@@ -123,8 +132,8 @@ def gather_parallel(table, ids, out, n_blocks):
 
 
 @njit(parallel=True, **_JIT)
-def gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row):
-    """As :func:`gather_parallel`, with non-temporal stores (and prefetch).
+def gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_pages_rows_ahead):
+    """As :func:`gather_parallel`, with non-temporal stores and prefetches (see :func:`stream_rows`).
 
     For outputs much larger than the last-level cache. Non-temporal 16-byte
     stores fault on unaligned addresses: the caller must pass an ``out``
@@ -136,7 +145,7 @@ def gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row):
         return bad
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, ids.size)
-        stream_rows(table, ids, out, start, stop, prefetch_next_row)
+        stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_rows_ahead)
     return -1
 
 
