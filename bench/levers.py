@@ -166,6 +166,8 @@ def id_patterns(table: np.ndarray, batches: list[int], repetitions: int) -> None
 
     Sequential ids make the gather a copy through the gather's own code; the
     shorter the runs, the more the memory system pays per scattered block.
+    Random rows from a window of the table (8,192 rows: 64 MiB) instead of
+    the whole table show what the spread of the addresses costs.
     Interleaved with the non-temporal copy, caches settled before each call.
     """
     kernels, blocks = numba_backend.kernels(), numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD
@@ -176,8 +178,14 @@ def id_patterns(table: np.ndarray, batches: list[int], repetitions: int) -> None
         starts = rng.integers(0, vocab_size // length, n // length) * length
         return (starts[:, None] + np.arange(length)).reshape(-1)
 
+    def from_window(n: int, window: int) -> np.ndarray:
+        """n distinct rows in random order, from `window` consecutive rows somewhere in the table."""
+        return int(rng.integers(0, vocab_size - window + 1)) + rng.permutation(window)[:n]
+
     patterns = {
         "sequential ids (a copy through the gather kernel)": lambda n: np.arange(start := int(rng.integers(0, vocab_size - n)), start + n),
+        "random order within a window of n rows": lambda n: from_window(n, n),
+        "n random rows of a window of 4n rows (or the table)": lambda n: from_window(n, min(4 * n, vocab_size)),
         "random runs of 8 rows (64 KiB)": lambda n: runs_of(8, n),
         "random runs of 2 rows (16 KiB)": lambda n: runs_of(2, n),
         "uniform random ids (8 KiB rows)": lambda n: rng.integers(0, vocab_size, n),
