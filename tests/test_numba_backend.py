@@ -196,6 +196,16 @@ def test_table_reshaped_in_place_is_not_gathered_with_a_stale_view():
     assert_bit_equal(out, table[ids])
 
 
+def test_remembered_table_cannot_move_under_the_borrowed_view():
+    """The remembered word view borrows the table's memory; numpy must refuse to reallocate it meanwhile."""
+    table = random_table(64, 32)
+    ids = np.arange(40) % 64
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+    with pytest.raises(ValueError, match="cannot resize"):
+        table.resize((128, 32))
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+
+
 class _KernelSpy:
     """Wraps a kernel dispatcher and records the batch size of every call."""
 
