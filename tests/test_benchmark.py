@@ -90,6 +90,26 @@ def test_summary_groups_by_device_and_uses_each_device_baseline():
     assert gpu["best_copy"] == "copy device-to-device"
 
 
+def test_ratios_pair_samples_of_the_same_repetition():
+    """A slow phase of the machine shifts medians; ratios taken within each repetition stay put."""
+    from fastembed.benchmark.measure import Result, summarise
+
+    # Everybody runs 1.8x slower in repetitions 0-2; the slow phase reaches the
+    # contender in repetition 3 as well. Its median is then a slow sample while
+    # numpy's is a fast one (a ratio of medians would say 1.11x), yet in six of
+    # seven repetitions it was exactly 2x faster than numpy.
+    numpy_times = [7.2, 7.2, 7.2, 4.0, 4.0, 4.0, 4.0]
+    fastembed_times = [3.6, 3.6, 3.6, 3.6, 2.0, 2.0, 2.0]
+    copy_times = [1.8, 1.8, 1.8, 1.0, 1.0, 1.0, 1.0]
+    rows = summarise([
+        Result("fastembed auto out=", "fastembed", 8, "uniform", fastembed_times, 1000, False),
+        Result("numpy table[ids]", "peer", 8, "uniform", numpy_times, 1000, True),
+        Result("copy numba", "limit", 8, "uniform", copy_times, 1000, False),
+    ])
+    row = next(r for r in rows if r["contender"] == "fastembed auto out=")
+    assert row["speedup_vs_numpy"] == 2.0 and row["fraction_of_limit"] == 0.5
+
+
 def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
     import importlib.util
 

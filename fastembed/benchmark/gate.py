@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .measure import paired_ratio_of_samples
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -63,5 +65,5 @@ def measured_ratio(check: Check, rows: list[dict[str, Any]]) -> float | None:
         return None
     if check.metric == "speedup_vs_contender":
         versus = median_row(check.versus)
-        return None if versus is None else versus["median_us"] / row["median_us"]
+        return None if versus is None else paired_ratio_of_samples(versus["samples_us"], row["samples_us"])
     return row[check.metric]

@@ -183,6 +183,12 @@ def measure_case(
             first = (repetition * len(prepared) + index) * inner
             id_list = [pool[(first + k) % len(pool)] for k in range(inner)]
             platform.settle()
+            if inner > 1:
+                # A loop of small calls is timed warm: the first call after the
+                # settling read would otherwise add its cold Python layers
+                # (tens of us) to every call's average. bench/latency.py --cold
+                # measures that case.
+                call(pool[(first + inner) % len(pool)])
             elapsed = platform.seconds_per_call(call, id_list)
             if repetition >= warmup:
                 results[name].samples_s.append(elapsed)
@@ -190,26 +196,44 @@ def measure_case(
 
 
 def summarise(results: list[Result]) -> list[dict[str, Any]]:
-    """Per result: median us, GB/s, fraction of the best copy (the limit), speedup over fancy indexing."""
+    """Per result: median us, GB/s, fraction of the best copy (the limit), speedup over fancy indexing.
+
+    Ratios are medians of per-repetition ratios: every repetition measures
+    all contenders back to back, so a slow phase of a shared machine (it
+    comes and goes over seconds) slows both sides of a ratio alike, where a
+    ratio of two medians could pick one from a slow phase and the other
+    from a fast one. The best copy is the copy with the lowest median.
+    """
     rows = []
     for (device, batch, distribution), group in _group(results).items():
         copies = [r for r in group if r.kind == "limit" and r.contender != ALLOCATING_LIMIT]
         best_copy = min(copies, key=lambda r: r.median_s, default=None)
-        alloc_limit = next((r.median_s for r in group if r.contender == ALLOCATING_LIMIT), None)
-        baselines = {key: next((r.median_s for r in group if r.contender == name), None) for key, name in BASELINES.items()}
+        alloc_limit = next((r for r in group if r.contender == ALLOCATING_LIMIT), None)
+        baselines = {key: next((r for r in group if r.contender == name), None) for key, name in BASELINES.items()}
         for r in group:
-            reference = alloc_limit if r.allocates_output else (best_copy.median_s if best_copy else None)
+            reference = alloc_limit if r.allocates_output else best_copy
             row = {
                 "device": device, "contender": r.contender, "kind": r.kind, "batch": batch, "distribution": distribution,
                 "median_us": r.median_s * 1e6, "gbps": r.gbps,
-                "fraction_of_limit": (reference / r.median_s) if reference else None,
+                "fraction_of_limit": paired_ratio(reference, r) if reference else None,
                 "allocated_per_call": r.allocated_per_call, "memory_growth": r.memory_growth,
                 "best_copy": best_copy.contender if best_copy else None,
                 "samples_us": [s * 1e6 for s in r.samples_s],
             }
-            row.update({key: (base / r.median_s if base else None) for key, base in baselines.items()})
+            row.update({key: (paired_ratio(base, r) if base else None) for key, base in baselines.items()})
             rows.append(row)
     return rows
+
+
+def paired_ratio(reference: Result, contender: Result) -> float:
+    """Median over repetitions of reference time / contender time, both from the same repetition."""
+    return paired_ratio_of_samples(reference.samples_s, contender.samples_s)
+
+
+def paired_ratio_of_samples(reference: list[float], contender: list[float]) -> float:
+    if len(reference) != len(contender) or not reference:
+        raise ValueError(f"paired samples differ in number: {len(reference)} vs {len(contender)}")
+    return statistics.median(a / b for a, b in zip(reference, contender))
 
 
 def _group(results: list[Result]) -> dict[tuple[str, int, str], list[Result]]:
