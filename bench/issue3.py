@@ -5,7 +5,7 @@
 Points 2-4 (large batches against the best copy and torch, allocating
 lookups, small-batch latency): the benchmark's measurements, judged against
 the targets in bench/issue3.toml (``fastembed-bench --gate --thresholds
-bench/issue3.toml``: ratios of medians from one process, interleaved, fresh
+bench/issue3.toml``: per-repetition ratios from one process, interleaved, fresh
 ids). Point 5 (compile cost): the first lookup in fresh processes with an
 empty and a filled numba cache, against 2 s (bench/first_call.py).
 Prints every measured ratio with PASS or FAIL; exits 1 if any target is

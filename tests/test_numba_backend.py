@@ -196,6 +196,17 @@ def test_table_reshaped_in_place_is_not_gathered_with_a_stale_view():
     assert_bit_equal(out, table[ids])
 
 
+def test_table_dtype_reassigned_in_place_gives_outputs_of_the_new_dtype():
+    """numpy lets a caller assign table.dtype (same item size, same shape): the output follows it."""
+    table = random_table(64, 32)
+    ids = np.arange(40) % 64
+    fastembed.lookup(table, ids, backend="numba")
+    table.dtype = np.int16
+    result = fastembed.lookup(table, ids, backend="numba")
+    assert result.dtype == np.int16
+    assert_bit_equal(result, table[ids])
+
+
 def test_remembered_table_cannot_move_under_the_borrowed_view():
     """The remembered word view borrows the table's memory; numpy must refuse to reallocate it meanwhile."""
     table = random_table(64, 32)
