@@ -70,6 +70,13 @@ def _copy_line(destination, source):
     stream_store_16(destination + 48, source + 48)
 
 
+@njit(nogil=True, inline="always")
+def _row_addresses(table, ids, out, i, ahead, row_bytes):
+    """Addresses of row ids[i] and row ids[ahead] in the table, and of row i in out."""
+    return (table.ctypes.data + np.uintp(ids[i]) * row_bytes, table.ctypes.data + np.uintp(ids[ahead]) * row_bytes,
+            out.ctypes.data + np.uintp(i) * row_bytes)
+
+
 @njit(parallel=True, nogil=True)
 def prefetch_rows_ahead(table, ids, out, n_blocks, distance):
     """fastembed's kernel, prefetching row i + distance instead of i + 1."""
@@ -77,9 +84,8 @@ def prefetch_rows_ahead(table, ids, out, n_blocks, distance):
     for block in prange(n_blocks):
         start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
         for i in range(start, stop):
-            ahead = ids[min(i + distance, stop - 1)]
-            _stream_row(out.ctypes.data + np.uintp(i) * row_bytes, table.ctypes.data + np.uintp(ids[i]) * row_bytes,
-                        row_bytes, True, table.ctypes.data + np.uintp(ahead) * row_bytes)
+            source, ahead, destination = _row_addresses(table, ids, out, i, min(i + distance, stop - 1), row_bytes)
+            _stream_row(destination, source, row_bytes, True, ahead)
         store_fence()
     return -1
 
@@ -92,9 +98,7 @@ def two_prefetches_per_line(table, ids, out, n_blocks):
     for block in prange(n_blocks):
         start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
         for i in range(start, stop):
-            source = table.ctypes.data + np.uintp(ids[i]) * row_bytes
-            following = table.ctypes.data + np.uintp(ids[min(i + 1, stop - 1)]) * row_bytes
-            destination = out.ctypes.data + np.uintp(i) * row_bytes
+            source, following, destination = _row_addresses(table, ids, out, i, min(i + 1, stop - 1), row_bytes)
             for offset in range(0, half, 64):
                 prefetch(following + 2 * offset)
                 prefetch(following + 2 * offset + 64)
@@ -131,9 +135,7 @@ def prefetch_variants(table, ids, out, n_blocks, every_nth_line, non_temporal, w
     for block in prange(n_blocks):
         start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
         for i in range(start, stop):
-            source = table.ctypes.data + np.uintp(ids[i]) * row_bytes
-            following = table.ctypes.data + np.uintp(ids[min(i + 1, stop - 1)]) * row_bytes
-            destination = out.ctypes.data + np.uintp(i) * row_bytes
+            source, following, destination = _row_addresses(table, ids, out, i, min(i + 1, stop - 1), row_bytes)
             for offset in range(0, row_bytes, 64):
                 if offset % (64 * every_nth_line) == 0:
                     if non_temporal:
