@@ -54,7 +54,8 @@ STREAM_MIN_OUT_BYTES = 2 * 2**20
 #: this one (+8-18% measured; a burst of a whole row ahead was within noise).
 PREFETCH_NEXT_ROW = True
 #: ... and touches each 4 KiB page of the row this many rows ahead (0: off):
-#: +1-5% in three runs of bench/levers.py (distances 4-16 alike).
+#: 0.3-5% faster in all five runs measured, never slower (distances 4-16 alike;
+#: bench/levers.py, docs/backends.md).
 TOUCH_PAGES_ROWS_AHEAD = 8
 #: Serve a batch serially while its parallel kernel compiles on a background
 #: thread (see background_compile); False compiles in the caller's thread.
