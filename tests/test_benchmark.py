@@ -90,6 +90,12 @@ def test_summary_groups_by_device_and_uses_each_device_baseline():
     assert gpu["best_copy"] == "copy device-to-device"
 
 
+@pytest.mark.parametrize("reps", ["0", "-1"])
+def test_bench_refuses_fewer_than_one_repetition(reps):
+    result = bench("--reps", reps, *SMALL)
+    assert result.returncode == 2 and "--reps: must be 1 or more" in result.stderr
+
+
 def test_ratios_pair_samples_of_the_same_repetition():
     """A slow phase of the machine shifts medians; ratios taken within each repetition stay put."""
     from fastembed.benchmark.measure import Result, summarise

@@ -232,6 +232,8 @@ def _run_parallel(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.n
     key = (kernel, table_words.dtype, flat_ids.dtype)
     if COMPILE_IN_BACKGROUND and not background_compile.is_ready(key):
         # Empty slices have the real arguments' types: the compile specialises for them.
+        # The compile call gathers no row, so it never reads through table_words
+        # (a borrowed view: it does not keep the table alive, see _remember).
         no_ids, no_rows = flat_ids[:0], out_words[:0]
         k.gather_serial(table_words, no_ids, no_rows)  # the serial kernel compiles first, here
         background_compile.start(key, lambda: _first_parallel_call(kernel, table_words, no_ids, no_rows, options))

@@ -26,7 +26,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", help="comma-separated fastembed backends to measure (default: all available)")
     parser.add_argument("--batch", help=f"comma-separated batch sizes (default: {','.join(map(str, BATCHES))})")
     parser.add_argument("--dist", help="comma-separated id distributions: uniform, zipf (default: both)")
-    parser.add_argument("--reps", type=int, help="timed repetitions per case (default 15, quick 5)")
+    parser.add_argument("--reps", type=_positive_int, help="timed repetitions per case (default 15, quick 5)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
     parser.add_argument("--vocab-size", type=int, default=129280)
     parser.add_argument("--dim", type=int, default=4096)
@@ -36,6 +36,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gate", action="store_true", help="run the CI performance gate; exit 1 on any FAIL")
     parser.add_argument("--thresholds", type=Path, default=DEFAULT_THRESHOLDS, help="gate thresholds (TOML)")
     return parser.parse_args(argv)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _csv(value: str | None, default: tuple, cast=str) -> list:

@@ -1,4 +1,4 @@
-"""Interleaved timing of contenders: warm-up, fresh ids per repetition, medians.
+"""Interleaved timing of contenders: warm-up, fresh ids per repetition, paired ratios.
 
 Method (docs/benchmarks.md): within one process, every repetition runs every
 contender once (A B C A B C ...), each on a fresh id set, so drift of a
@@ -6,11 +6,15 @@ shared machine hits all contenders alike and the table is read from memory,
 not cache. Before each timed sample the platform settles the caches (on the
 host: a read of twice the last-level cache), so no contender pays for the
 dirty lines its predecessor left. Small batches time a loop of calls over a
-rotating pool of id sets (a single call is too short for the clock); the pool spans at least
+rotating pool of id sets (a single call is too short for the clock), after
+one untimed call (the loop is timed warm); the pool spans at least
 POOL_MIN_BYTES of rows and each contender draws its own sets from it, so no
 contender reads rows that another one has just brought into the cache. The
 6-id uniform case is the exception by design: the reference sentence, the
 same six rows every call (see ids.py).
+
+Ratios between contenders are medians of per-repetition ratios (see
+:func:`summarise`).
 
 What differs between the host and a GPU (the clock, where ids live, how
 memory is counted) is a :class:`Platform`; the loop is the same.
