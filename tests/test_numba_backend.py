@@ -175,6 +175,34 @@ def test_one_id_row_copy_is_exact(shape, id_dtype, with_out, tmp_path):
         assert_bit_equal(result, table[ids.reshape(-1)].reshape(shape + (13,)))
 
 
+@pytest.mark.parametrize("take_max_rows", [0, 16])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("shape", [(0,), (2,), (16,), (17,), (4, 4), (2, 1, 3), (0, 3)])
+def test_few_ids_without_out_are_exact(monkeypatch, take_max_rows, dtype, id_dtype, shape, tmp_path):
+    """Up to TAKE_MAX_ROWS ids without out go through numpy's take; either side of it, plain and mapped tables."""
+    monkeypatch.setattr(numba_backend, "TAKE_MAX_ROWS", take_max_rows)
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+    table = random_table(90, 21, dtype, seed=len(shape))
+    np.save(tmp_path / "table.npy", table)
+    ids = np.random.default_rng(7).integers(0, 90, shape).astype(id_dtype)
+    mapped = np.load(tmp_path / "table.npy", mmap_mode="r").view(table.dtype)  # .npy stores bfloat16 as void
+    for source in (table, mapped):
+        result = fastembed.lookup(source, ids, backend="numba")
+        assert type(result) is np.ndarray and result.shape == shape + (21,)
+        assert_bit_equal(result, table[ids.reshape(-1)].reshape(shape + (21,)))
+
+
+@pytest.mark.parametrize("bad_id", [-1, -(2**31), 90, 2**31 - 1])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_few_bad_ids_without_out_name_the_first(bad_id, id_dtype):
+    """numpy's take would count a negative id from the end: the take path must refuse it like any other."""
+    table = random_table(90, 21)
+    ids = np.array([[3, 89, 0], [bad_id, 5, bad_id]], id_dtype)
+    with pytest.raises(IndexError, match=rf"id {bad_id} at position \(1, 0\) is out of range"):
+        fastembed.lookup(table, ids, backend="numba")
+
+
 @pytest.mark.parametrize("bad_id", [-1, 70, 2**40])
 def test_one_bad_id_leaves_out_untouched(bad_id):
     table = random_table(70, 13)

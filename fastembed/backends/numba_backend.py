@@ -9,6 +9,9 @@ Which kernel runs (each constant was measured; see docs/backends.md):
 
 - one id: a slice copy of the row (one memcpy), no compiled call at all: the
   call's fixed cost is larger than the copy;
+- up to ``TAKE_MAX_ROWS`` ids and no ``out``: numpy's ``take``, which
+  allocates and copies in one C call, cheaper than the compiled call's
+  fixed cost at these sizes;
 - fewer than ``PARALLEL_MIN_ROWS`` ids: the serial kernel, on the calling
   thread, so a decode step pays no thread wake-up;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
@@ -46,6 +49,10 @@ NAME = "numba"
 #: microseconds (measured crossover: 8-16 ids in a tight loop, 32-64 with
 #: 2 ms between calls; docs/backends.md).
 PARALLEL_MIN_ROWS = 32
+#: Up to this many ids, a lookup without ``out`` is numpy's ``take``: as fast
+#: or faster than np.empty + word views + the serial kernel from 2 to 16 ids,
+#: cached rows or not, and slower from 24 on (bench/latency.py, docs/backends.md).
+TAKE_MAX_ROWS = 16
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the
 #: cache (bench/levers.py --stream-threshold: cached wins up to 1 MiB).
@@ -110,6 +117,8 @@ def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) ->
     n = ids.size
     if n == 1:
         return _copy_one_row(table, ids, out)
+    if out is None and n <= TAKE_MAX_ROWS:
+        return _take_few_rows(table, ids)
     memo = _last_table  # one read: another thread may replace it
     if memo[0]() is not table or table.shape != memo[1]:
         memo = _remember(table)
@@ -182,6 +191,22 @@ def _copy_one_row(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) ->
         return copy if ids.ndim == 1 else copy.reshape(ids.shape + copy.shape[1:])
     out[...] = source  # out has ids.shape + (dim,) with a single row: (1, dim) broadcasts
     return out
+
+
+def _take_few_rows(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """A new ``ids.shape + (dim,)`` array of a few rows, through numpy's take (one C call).
+
+    take raises for ids past the end but counts negative ids from the end,
+    as Python does: the smallest id is checked first (argmin and item: 0.3
+    us, where ids.min() costs 1.5). Either way the error names the first bad id.
+    """
+    if ids.size and ids.item(ids.argmin()) < 0:
+        validate.check_ids_in_range(ids, len(table))  # raises
+    try:
+        return np.asarray(table).take(ids, axis=0)  # np.asarray: np.memmap's take returns a memmap
+    except IndexError:
+        validate.check_ids_in_range(ids, len(table))  # raises, naming position and value
+        raise
 
 
 def _remember(table: np.ndarray) -> tuple[Any, tuple[int, ...], np.ndarray, np.dtype]:
