@@ -10,7 +10,7 @@ after a model's forward pass between two lookups), --reps times.
 The rows below the end-to-end calls isolate what the numba backend's paths
 for few ids cost: the compiled serial kernel with the word views it needs,
 numpy's take (2 to TAKE_MAX_ROWS ids without out) and the slice copy (1 id).
-``--batches 2,4,8,16,24,31`` shows where take stops paying.
+``--batches 8,16,20,24,31`` shows where take stops paying.
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def variants(table: np.ndarray, n: int) -> dict[str, Callable[[np.ndarray], Any]
         "fastembed.lookup(table, ids, out=out)": lambda ids: fastembed.lookup(table, ids, out=out),
         "numba backend alone": lambda ids: numba_backend.gather(table, ids),
         "np.empty + word views + compiled serial kernel": compiled_serial,
-        "numpy take (the numba backend's path for 2-16 ids)": lambda ids: table.take(ids, axis=0),
+        "numpy take + negative-id check (the numba backend's path for 2-24 ids)": lambda ids: (
+            numba_backend._take_few_rows(table, ids)),
     }
     if n == 1:
         found["slice copy of the row (the numba backend's one-id path)"] = lambda ids: table[ids[0] : ids[0] + 1].copy()

@@ -49,10 +49,11 @@ NAME = "numba"
 #: microseconds (measured crossover: 8-16 ids in a tight loop, 32-64 with
 #: 2 ms between calls; docs/backends.md).
 PARALLEL_MIN_ROWS = 32
-#: Up to this many ids, a lookup without ``out`` is numpy's ``take``: as fast
-#: or faster than np.empty + word views + the serial kernel from 2 to 16 ids,
-#: cached rows or not, and slower from 24 on (bench/latency.py, docs/backends.md).
-TAKE_MAX_ROWS = 16
+#: Up to this many ids, a lookup without ``out`` is numpy's ``take`` (with its
+#: negative-id check): 3-15% faster than np.empty + word views + the serial
+#: kernel from 2 to 24 ids, cached rows or not; even at 31 (bench/latency.py,
+#: docs/backends.md).
+TAKE_MAX_ROWS = 24
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the
 #: cache (bench/levers.py --stream-threshold: cached wins up to 1 MiB).
