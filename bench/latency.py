@@ -9,8 +9,8 @@ With --cold, every call is timed alone after the caches were emptied (as
 after a model's forward pass between two lookups), --reps times.
 The rows below the end-to-end calls isolate what the numba backend's paths
 for few ids cost: the compiled serial kernel with the word views it needs,
-numpy's take (2 to TAKE_MAX_ROWS ids without out) and the slice copy (1 id).
-``--batches 8,16,20,24,31`` shows where take stops paying.
+numpy's take (2 to PARALLEL_MIN_ROWS - 1 ids without out) and the slice copy (1 id).
+``--batches 2,4,6,8,12,16,20,24,31`` compares the first two.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def variants(table: np.ndarray, n: int) -> dict[str, Callable[[np.ndarray], Any]
         "fastembed.lookup(table, ids, out=out)": lambda ids: fastembed.lookup(table, ids, out=out),
         "numba backend alone": lambda ids: numba_backend.gather(table, ids),
         "np.empty + word views + compiled serial kernel": compiled_serial,
-        "numpy take + negative-id check (the numba backend's path for 2-24 ids)": lambda ids: (
+        "numpy take + negative-id check (the numba backend's path for 2-31 ids)": lambda ids: (
             numba_backend._take_few_rows(table, ids)),
     }
     if n == 1:

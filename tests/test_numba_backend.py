@@ -175,13 +175,13 @@ def test_one_id_row_copy_is_exact(shape, id_dtype, with_out, tmp_path):
         assert_bit_equal(result, table[ids.reshape(-1)].reshape(shape + (13,)))
 
 
-@pytest.mark.parametrize("take_max_rows", [0, 16])
+@pytest.mark.parametrize("parallel_min_rows", [1, 32])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("shape", [(0,), (2,), (16,), (17,), (4, 4), (2, 1, 3), (0, 3)])
-def test_few_ids_without_out_are_exact(monkeypatch, take_max_rows, dtype, id_dtype, shape, tmp_path):
-    """Up to TAKE_MAX_ROWS ids without out go through numpy's take; either side of it, plain and mapped tables."""
-    monkeypatch.setattr(numba_backend, "TAKE_MAX_ROWS", take_max_rows)
+@pytest.mark.parametrize("shape", [(0,), (2,), (31,), (32,), (4, 4), (2, 1, 3), (0, 3)])
+def test_few_ids_without_out_are_exact(monkeypatch, parallel_min_rows, dtype, id_dtype, shape, tmp_path):
+    """Below PARALLEL_MIN_ROWS ids, lookups without out go through numpy's take; plain and mapped tables."""
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_ROWS", parallel_min_rows)
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     table = random_table(90, 21, dtype, seed=len(shape))
     np.save(tmp_path / "table.npy", table)

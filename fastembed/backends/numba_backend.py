@@ -9,11 +9,10 @@ Which kernel runs (each constant was measured; see docs/backends.md):
 
 - one id: a slice copy of the row (one memcpy), no compiled call at all: the
   call's fixed cost is larger than the copy;
-- up to ``TAKE_MAX_ROWS`` ids and no ``out``: numpy's ``take``, which
-  allocates and copies in one C call, cheaper than the compiled call's
-  fixed cost at these sizes;
-- fewer than ``PARALLEL_MIN_ROWS`` ids: the serial kernel, on the calling
-  thread, so a decode step pays no thread wake-up;
+- fewer than ``PARALLEL_MIN_ROWS`` ids: the calling thread alone, so a
+  decode step pays no thread wake-up. Without ``out``, numpy's ``take``,
+  which allocates and copies in one C call (as fast as np.empty + the
+  compiled call or faster at every such size); with ``out``, the serial kernel;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
   16-byte aligned: the parallel kernel with non-temporal stores;
 - otherwise the parallel kernel with ordinary (cached) stores.
@@ -49,11 +48,6 @@ NAME = "numba"
 #: microseconds (measured crossover: 8-16 ids in a tight loop, 32-64 with
 #: 2 ms between calls; docs/backends.md).
 PARALLEL_MIN_ROWS = 32
-#: Up to this many ids, a lookup without ``out`` is numpy's ``take`` (with its
-#: negative-id check): 3-15% faster than np.empty + word views + the serial
-#: kernel from 2 to 24 ids, cached rows or not; even at 31 (bench/latency.py,
-#: docs/backends.md).
-TAKE_MAX_ROWS = 24
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the
 #: cache (bench/levers.py --stream-threshold: cached wins up to 1 MiB).
@@ -118,7 +112,7 @@ def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) ->
     n = ids.size
     if n == 1:
         return _copy_one_row(table, ids, out)
-    if out is None and n <= TAKE_MAX_ROWS:
+    if out is None and n < PARALLEL_MIN_ROWS:
         return _take_few_rows(table, ids)
     memo = _last_table  # one read: another thread may replace it
     if memo[0]() is not table or table.shape != memo[1]:
