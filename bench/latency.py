@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 import fastembed
-from fastembed.backends import numba_backend
+from fastembed.backends import numba_backend, numpy_backend
 from fastembed.benchmark.ids import REFERENCE_IDS
 from fastembed.benchmark.measure import settle_host_caches
 
@@ -49,7 +49,7 @@ def variants(table: np.ndarray, n: int) -> dict[str, Callable[[np.ndarray], Any]
         "numba backend alone": lambda ids: numba_backend.gather(table, ids),
         "np.empty + word views + compiled serial kernel": compiled_serial,
         "numpy take + negative-id check (the numba backend's path for 2-31 ids)": lambda ids: (
-            numba_backend._take_few_rows(table, ids)),
+            numpy_backend.take_new(table, ids)),
     }
     if n == 1:
         found["slice copy of the row (the numba backend's one-id path)"] = lambda ids: table[ids[0] : ids[0] + 1].copy()
