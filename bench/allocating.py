@@ -1,9 +1,10 @@
 """Allocating lookups: who faults the new output's pages in (docs/backends.md).
 
     python bench/allocating.py [--reps 41] [--batches 8192,65536]
+    python bench/allocating.py --idle-memory [--reps 5]
 
 Default 129,280 x 4,096 float16 table, uniform fresh ids, caches settled
-before each call, variants interleaved. Compares numpy ``table[ids]`` with
+before each call, variants interleaved in an order that rotates. Compares numpy ``table[ids]`` with
 ``fastembed.lookup(table, ids)`` as it is (the new output faulted in on the
 calling thread first), with the parallel kernel's threads taking the page
 faults as they write, and with numba's threads faulting the output in, in a
@@ -55,11 +56,42 @@ def pool_fault_in(out: np.ndarray) -> None:
     flat_bytes[-1:] = 0
 
 
+def idle_memory(gaps_s: list[float], repetitions: int) -> None:
+    """Fault in 512 MiB just freed after sleeping each gap: on the calling thread, then on numba's threads.
+
+    A guest whose virtio balloon reports free pages to the host (Linux free
+    page reporting, 2 MiB blocks free for about 2 s) gets those pages back
+    from the host on first touch, at a cost the guest cannot see.
+    """
+    for fault_in in (numba_backend._fault_in, pool_fault_in):  # compile, and settle the pool
+        _fault_in_new(fault_in, 2**20)
+    print("| gap | fault-in of 512 MiB on | median | slowest |\n| --- | --- | --- | --- |")
+    for gap in gaps_s:
+        for name, fault_in in (("the calling thread", numba_backend._fault_in), ("numba's threads", pool_fault_in)):
+            samples = []
+            for _ in range(repetitions):
+                _fault_in_new(fault_in, 512 * 2**20)  # memory just freed: what the next one reuses
+                time.sleep(gap)
+                samples.append(_fault_in_new(fault_in, 512 * 2**20))
+            print(f"| {gap:g} s | {name} | {statistics.median(samples) * 1e3:.0f} ms | {max(samples) * 1e3:.0f} ms |")
+
+
+def _fault_in_new(fault_in: Callable[[np.ndarray], None], nbytes: int) -> float:
+    started = time.perf_counter()
+    fault_in(np.empty(nbytes, np.uint8))
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=41)
     parser.add_argument("--batches", default="8192,65536")
+    parser.add_argument("--idle-memory", action="store_true",
+                        help="fault-in of freed memory after 0, 0.5 and 5 s idle (--reps 5 is plenty)")
     arguments = parser.parse_args()
+    if arguments.idle_memory:
+        idle_memory([0.0, 0.5, 5.0], arguments.reps)
+        return
     table = fastembed.Embedding.random().table
     rng = np.random.default_rng(0)
     calls: dict[str, Callable[[np.ndarray], Any]] = {
@@ -75,8 +107,12 @@ def main() -> None:
             call(rng.integers(0, table.shape[0], n))
         fastembed.wait_for_compiles()
         samples: dict[str, list[float]] = {name: [] for name in calls}
-        for _ in range(arguments.reps):
-            for name, call in calls.items():
+        names = list(calls)
+        for repetition in range(arguments.reps):
+            # The order rotates: a variant's memory comes from the one before it, and
+            # the guest may have handed freed pages back to the host (docs/backends.md).
+            for name in names[repetition % len(names):] + names[: repetition % len(names)]:
+                call = calls[name]
                 ids = rng.integers(0, table.shape[0], n)
                 settle_host_caches()
                 started = time.perf_counter()
