@@ -98,7 +98,7 @@ def refresh() -> None:
     """Forget cached availability and re-read FASTEMBED_BACKEND (after installing cupy, say)."""
     global _available
     _available = None
-    _auto_by_table_type.clear()
+    _selected.clear()
     for module in BACKENDS.values():
         cache_clear = getattr(module.unavailable_reasons, "cache_clear", None)
         if cache_clear:
@@ -108,10 +108,19 @@ def refresh() -> None:
 
 def select(table: Any, ids: Any, out: Any, backend: str = AUTO) -> ModuleType:
     """The backend module that serves this call; raises if a named one cannot."""
-    if backend == AUTO and _environment_choice == AUTO:
-        remembered = _auto_by_table_type.get(type(table))
-        if remembered is not None:
-            return remembered
+    key = (backend, _environment_choice, type(table))
+    remembered = _selected.get(key)
+    if remembered is not None:
+        return remembered
+    module = _choose(table, ids, out, backend)
+    # Support depends only on the table's type (the backend contract), so the
+    # answer is remembered per requested backend, FASTEMBED_BACKEND and table
+    # type: one dict lookup per call. refresh() forgets it.
+    _selected[key] = module
+    return module
+
+
+def _choose(table: Any, ids: Any, out: Any, backend: str) -> ModuleType:
     choice = requested_choice(backend)
     if choice != AUTO:
         module = BACKENDS[choice]
@@ -121,14 +130,11 @@ def select(table: Any, ids: Any, out: Any, backend: str = AUTO) -> ModuleType:
         return module
     for module in available_backends():
         if not module.not_supported_reasons(table, ids, out):
-            # Support depends only on the table's type (the backend contract),
-            # so auto's answer is remembered per type: one dict lookup per call.
-            _auto_by_table_type[type(table)] = module
             return module
     raise AssertionError("unreachable: the numpy backend serves every host table")
 
 
-_auto_by_table_type: dict[type, ModuleType] = {}
+_selected: dict[tuple[str, str, type], ModuleType] = {}
 
 
 def explain(table: Any, ids: Any, out: Any = None, backend: str = AUTO) -> Selection:

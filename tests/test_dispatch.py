@@ -44,7 +44,7 @@ def test_auto_picks_numba_for_host_tables_when_available():
 def test_a_host_table_never_goes_to_the_gpu(monkeypatch):
     monkeypatch.setattr(dispatch.cuda_backend, "unavailable_reasons", lambda: [])
     monkeypatch.setattr(dispatch, "_available", None)
-    monkeypatch.setattr(dispatch, "_auto_by_table_type", {})
+    monkeypatch.setattr(dispatch, "_selected", {})
     selection = fastembed.select_backend(random_table(10, 4), [1])
     assert selection.backend != "cuda"
     assert "host array" in " ".join(selection.skipped["cuda"])
@@ -78,7 +78,7 @@ def test_environment_variable_sets_the_default(monkeypatch):
 def test_numba_missing_falls_back_to_numpy_with_reason(monkeypatch):
     monkeypatch.setattr(dispatch.numba_backend, "unavailable_reasons", lambda: ["numba is not installed"])
     monkeypatch.setattr(dispatch, "_available", None)
-    monkeypatch.setattr(dispatch, "_auto_by_table_type", {})
+    monkeypatch.setattr(dispatch, "_selected", {})
     table = random_table(10, 4)
     selection = fastembed.select_backend(table, [1])
     assert selection.backend == "numpy"
@@ -98,3 +98,24 @@ def test_environment_variable_is_read_at_import():
     monkey = dict(os.environ)
     dispatch.read_environment()  # the current process' value again
     assert dispatch._environment_choice == (monkey.get("FASTEMBED_BACKEND") or "auto")
+
+
+def test_remembered_choices_follow_the_request_and_refresh(monkeypatch):
+    """select() remembers its answer per requested backend and table type, never across them."""
+    if dispatch.numba_backend.unavailable_reasons():
+        pytest.skip("needs numba: auto picks it over numpy")
+    table, ids = random_table(10, 4), np.array([1])
+    for _ in range(2):  # the second round comes from the memory
+        assert dispatch.select(table, ids, None, "numpy").NAME == "numpy"
+        assert dispatch.select(table, ids, None, "numba").NAME == "numba"
+        assert dispatch.select(table, ids, None).NAME == "numba"
+    monkeypatch.setattr(dispatch.numba_backend, "unavailable_reasons", lambda: ["numba is not installed"])
+    dispatch.refresh()
+    try:
+        assert dispatch.select(table, ids, None).NAME == "numpy"
+        with pytest.raises(fastembed.BackendUnavailableError, match="numba is not installed"):
+            dispatch.select(table, ids, None, "numba")
+    finally:
+        monkeypatch.undo()
+        dispatch.refresh()
+    assert dispatch.select(table, ids, None).NAME == "numba"
