@@ -4,11 +4,11 @@
     python bench/allocating.py --idle-memory [--reps 5]
 
 Default 129,280 x 4,096 float16 table, uniform fresh ids, caches settled
-before each call, variants interleaved in an order that rotates. Compares numpy ``table[ids]`` with
-``fastembed.lookup(table, ids)`` as it is (the new output faulted in on the
-calling thread first), with the parallel kernel's threads taking the page
-faults as they write, and with numba's threads faulting the output in, in a
-pass of their own, before the gather. Reports the median, the mean, the 95th
+before each call, variants interleaved in an order that rotates. Compares
+numpy ``table[ids]`` with ``fastembed.lookup(table, ids)`` as it is (the new
+output faulted in on the calling thread first), with the parallel kernel's
+threads taking the page faults as they write, and with numba's threads
+faulting the output in, in a pass of their own, before the gather. Reports the median, the mean, the 95th
 percentile and the calls that took more than twice numpy's median ("stalls",
 one yardstick for every variant): the mean and the stalls are what a caller
 feels, and what the faulting-in is for.
@@ -127,6 +127,7 @@ def main() -> None:
             stalls = sum(value > 2 * numpy_median for value in values)
             print(f"| {n} | {name} | {median * 1e3:.1f} ms | {numpy_median / median:.2f}x | {mean * 1e3:.1f} ms "
                   f"| {numpy_mean / mean:.2f}x | {p95 * 1e3:.1f} ms | {stalls}/{len(values)} | {max(values) * 1e3:.0f} ms |")
+
 
 if __name__ == "__main__":
     main()

@@ -12,9 +12,9 @@ Which kernel runs (each constant was measured; see docs/backends.md):
 - fewer than ``PARALLEL_MIN_ROWS`` ids: the calling thread alone, so a
   decode step pays no thread wake-up. Without ``out``, numpy's ``take``
   (the numpy backend's :func:`~.numpy_backend.take_new`), which allocates
-  and copies in one C call (5-20% faster than np.empty +
-  the compiled call at 2-12 ids, within 5% either way at 16-31); with
-  ``out``, the serial kernel;
+  and copies in one C call (0.79-0.99x the time of np.empty + the
+  compiled call at 2-12 ids, 0.88-1.05x at 16-31); with ``out``, the
+  serial kernel;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
   16-byte aligned: the parallel kernel with non-temporal stores;
 - otherwise the parallel kernel with ordinary (cached) stores.
