@@ -18,6 +18,19 @@ def test_import_is_cheap_and_loads_neither_numba_nor_cupy():
     assert loaded.strip() == "[]"
 
 
+def test_decode_step_lookups_without_out_import_no_numba():
+    """Fewer than PARALLEL_MIN_ROWS ids without out go through numpy's take: nothing to compile."""
+    code = (
+        "import sys, numpy as np, fastembed\n"
+        "t = fastembed.Embedding.random(100, 8).table\n"
+        "rows = [fastembed.lookup(t, [7]), fastembed.lookup(t, np.arange(6)), fastembed.Embedding(t)(np.arange(31))]\n"
+        "print(fastembed.select_backend(t, [1]).backend, 'numba' in sys.modules)"
+    )
+    backend, numba_loaded = run_python(code).split()
+    if backend == "numba":  # numba installed and picked, yet not imported
+        assert numba_loaded == "False"
+
+
 def test_works_with_numba_and_cupy_missing():
     code = (
         "import sys; sys.modules['numba'] = None; sys.modules['cupy'] = None\n"
