@@ -109,7 +109,11 @@ def refresh() -> None:
 def select(table: Any, ids: Any, out: Any, backend: str = AUTO) -> ModuleType:
     """The backend module that serves this call; raises if a named one cannot."""
     key = (backend, _environment_choice, type(table))
-    remembered = _selected.get(key)
+    try:
+        remembered = _selected.get(key)
+    except TypeError:  # an unhashable backend argument (a list, say)
+        raise TypeError(f"backend must be a string, one of {', '.join([AUTO, *BACKENDS])}; "
+                        f"got {type(backend).__name__}") from None
     if remembered is not None:
         return remembered
     module = _choose(table, ids, out, backend)

@@ -119,3 +119,9 @@ def test_remembered_choices_follow_the_request_and_refresh(monkeypatch):
         monkeypatch.undo()
         dispatch.refresh()
     assert dispatch.select(table, ids, None).NAME == "numba"
+
+
+@pytest.mark.parametrize("backend", [["numba"], {"name": "numba"}])
+def test_a_backend_that_is_not_a_string_is_named_in_the_error(backend):
+    with pytest.raises(TypeError, match="backend must be a string, one of auto, cuda, numba, numpy; got"):
+        fastembed.lookup(random_table(10, 4), [1], backend=backend)

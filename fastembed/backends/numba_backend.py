@@ -144,11 +144,12 @@ def _fault_in(out: np.ndarray) -> None:
     """Write one byte per page of a new output, on this thread, before threads write it.
 
     Pages of a fresh allocation are mapped (and zeroed by the OS) on first
-    write. When the parallel kernel's threads took those faults at once, 2-11
-    of 41-61 allocating lookups of 64 and 512 MiB stalled (the worst 67-450 ms)
-    on the development VM; faulted in on one thread first, none did
-    (bench/allocating.py, docs/backends.md). numpy asks for transparent huge
-    pages from 4 MiB on: one write per 2 MiB then maps a whole huge page.
+    write. When two threads took those faults at once, 3-15 of 121 allocating
+    lookups of 64 and 512 MiB stalled (slower than twice numpy's median, the
+    slowest 109-797 ms) on the development VM; faulted in on one thread first,
+    0-2 did (bench/allocating.py --reps 121, docs/backends.md). numpy asks
+    for transparent huge pages from 4 MiB on: one write per 2 MiB then maps
+    a whole huge page.
     Smaller outputs are left alone (no stall was measured there).
     """
     flat = out.reshape(-1).view(np.uint8)
