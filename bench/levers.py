@@ -4,6 +4,7 @@
     python bench/levers.py --parallel-threshold [--gap-ms 2] [--batches 2,4,8,16,32,64,128,512]
     python bench/levers.py --stream-threshold [--batches 32,64,...,4096]
     python bench/levers.py --id-patterns [--batches 8192,65536]
+    python bench/levers.py --alias-offsets [0,16,...,4080] [--batches 8192,65536]
 
 Default 129,280 x 4,096 float16 table, uniform ids (8,192 and 65,536 by default) into
 a preallocated output; every variant runs once per repetition on fresh ids
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import numpy as np
 from numba import njit, prange
@@ -26,8 +28,9 @@ from fastembed.benchmark.measure import settle_host_caches
 from fastembed.kernels.cpu_intrinsics import store_fence
 from fastembed.kernels.gather_cpu import _stream_row
 
-#: The streaming kernel's prefetch options as the numba backend ships them.
-SHIPPED = (numba_backend.PREFETCH_NEXT_ROW, numba_backend.TOUCH_PAGES_ROWS_AHEAD)
+#: The streaming kernel's options (prefetches, alias window) as the numba backend ships them.
+SHIPPED = (numba_backend.PREFETCH_NEXT_ROW, numba_backend.TOUCH_PAGES_ROWS_AHEAD, numba_backend.ALIAS_WINDOW)
+ALIAS_WINDOW = numba_backend.ALIAS_WINDOW
 
 
 @njit(parallel=True, nogil=True)
@@ -54,23 +57,26 @@ def gather_in_sorted_order(table, ids, order, out, n_blocks):
         for k in range(start, stop):
             i, following = order[k], order[k + 1 if k + 1 < stop else k]
             _stream_row(out.ctypes.data + np.uintp(i) * row_bytes, table.ctypes.data + np.uintp(ids[i]) * row_bytes,
-                        row_bytes, True, table.ctypes.data + np.uintp(ids[following]) * row_bytes)
+                        row_bytes, True, table.ctypes.data + np.uintp(ids[following]) * row_bytes, ALIAS_WINDOW)
         store_fence()
     return -1
 
 
 def variants(kernels, threads):
     one, four = threads, 4 * threads
+    def stream(prefetch_next_row: bool, touch_pages_rows_ahead: int) -> Callable:
+        return lambda t, i, o: kernels.gather_parallel_stream(
+            t, i, o, four, prefetch_next_row, touch_pages_rows_ahead, ALIAS_WINDOW)
+
     return {
         "slice assignment, 1 block/thread": lambda t, i, o: gather_slice_assignment(t, i, o, one),
         "word loop, 1 block/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, one),
         "word loop, 4 blocks/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, four),
-        "+ non-temporal stores": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, False, 0),
-        "+ prefetch of the next row, line by line": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, True, 0),
-        "+ pages of the row 4 ahead touched": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, True, 4),
-        "+ pages of the row 8 ahead touched (fastembed)": lambda t, i, o: kernels.gather_parallel_stream(
-            t, i, o, four, True, 8),
-        "+ pages of the row 16 ahead touched": lambda t, i, o: kernels.gather_parallel_stream(t, i, o, four, True, 16),
+        "+ non-temporal stores": stream(False, 0),
+        "+ prefetch of the next row, line by line": stream(True, 0),
+        "+ pages of the row 4 ahead touched": stream(True, 4),
+        "+ pages of the row 8 ahead touched (fastembed)": stream(True, 8),
+        "+ pages of the row 16 ahead touched": stream(True, 16),
         "rows in sorted id order (np.argsort timed too)": lambda t, i, o: gather_in_sorted_order(
             t, i, np.argsort(i, kind="stable"), o, four),
     }
@@ -83,7 +89,7 @@ def copies(kernels, threads):
     return {
         "copy: np.copyto": numpy_copy,
         "copy: numba, cached stores": lambda s, o: kernels.copy_parallel(s, o, 4 * threads),
-        "copy: numba, non-temporal stores": lambda s, o: kernels.copy_parallel_stream(s, o, 4 * threads),
+        "copy: numba, non-temporal stores": lambda s, o: kernels.copy_parallel_stream(s, o, 4 * threads, ALIAS_WINDOW),
     }
 
 
@@ -200,7 +206,7 @@ def id_patterns(table: np.ndarray, batches: list[int], repetitions: int) -> None
                 if name == limit:
                     start = int(rng.integers(0, vocab_size - n))
                     source = table[start : start + n]
-                    call = lambda: kernels.copy_parallel_stream(source, out, blocks)  # noqa: E731
+                    call = lambda: kernels.copy_parallel_stream(source, out, blocks, ALIAS_WINDOW)  # noqa: E731
                 else:
                     ids = patterns[name](n)
                     call = lambda: kernels.gather_parallel_stream(table, ids, out, blocks, *SHIPPED)  # noqa: E731
@@ -219,6 +225,57 @@ def id_patterns(table: np.ndarray, batches: list[int], repetitions: int) -> None
         print(f"| {name} | {' | '.join(row)} |")
 
 
+def alias_offsets(table: np.ndarray, batches: list[int], repetitions: int, distances: list[int]) -> None:
+    """The streaming kernel at several distances between table and output modulo 4 KiB (4K aliasing).
+
+    The output is one buffer, shifted so that (table address - output
+    address) mod 4096 takes each distance; every row then has that distance,
+    8 KiB rows being whole pages. Rows copied forward only (alias window 0),
+    backward only (4096) and as fastembed ships them (ALIAS_WINDOW), against
+    the non-temporal copy (into a fresh numpy array: distance 0), variants
+    rotated each repetition.
+    """
+    kernels, blocks = numba_backend.kernels(), numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD
+    rng = np.random.default_rng(0)
+    windows = {"forward": 0, "backward": 4096, f"fastembed (window {ALIAS_WINDOW})": ALIAS_WINDOW}
+    limit = "copy: numba, non-temporal stores"
+    cells: dict[str, list[str]] = {}
+    for n in batches:
+        copy_out = np.empty((n, table.shape[1]), np.uint64)
+        buffer = np.empty(n * table.nbytes // len(table) + 4096, np.uint8)
+        outs = {}
+        for distance in distances:
+            shift = (table.ctypes.data - distance - buffer.ctypes.data) % 4096
+            outs[distance] = buffer[shift : shift + copy_out.nbytes].view(np.uint64).reshape(copy_out.shape)
+            assert kernels.can_stream(outs[distance]), f"distance {distance}: the output must be 16-byte aligned"
+        cases = [(name, distance) for distance in distances for name in windows] + [(limit, 0)]
+        samples: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+        for repetition in range(repetitions + 2):
+            for name, distance in cases[repetition % len(cases):] + cases[: repetition % len(cases)]:
+                if name == limit:
+                    start = int(rng.integers(0, table.shape[0] - n))
+                    source = table[start : start + n]
+                    call = lambda: kernels.copy_parallel_stream(source, copy_out, blocks, ALIAS_WINDOW)  # noqa: E731
+                else:
+                    ids, out = rng.integers(0, table.shape[0], n), outs[distance]
+                    options = (*SHIPPED[:2], windows[name])
+                    call = lambda: kernels.gather_parallel_stream(table, ids, out, blocks, *options)  # noqa: E731
+                settle_host_caches()
+                started = time.perf_counter()
+                call()
+                if repetition >= 2:
+                    samples[(name, distance)].append(time.perf_counter() - started)
+        copy_times = samples[(limit, 0)]
+        for (name, distance), values in samples.items():
+            fraction = statistics.median(c / v for c, v in zip(copy_times, values))
+            gbps = 2 * n * table.shape[1] * 8 / statistics.median(values) / 1e9
+            cells.setdefault(f"{name} | {distance if name != limit else '-'}", []).append(f"{gbps:.1f} GB/s ({fraction:.2f})")
+    print(f"| rows copied | table - out mod 4096 | {' | '.join(f'{n} ids' for n in batches)} |")
+    print(f"| --- | --- |{' --- |' * len(batches)}")
+    for key, row in cells.items():
+        print(f"| {key} | {' | '.join(row)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=15)
@@ -228,6 +285,8 @@ def main() -> None:
     parser.add_argument("--stream-threshold", action="store_true", help="cached vs non-temporal stores by output size")
     parser.add_argument("--id-patterns", action="store_true",
                         help="the streaming kernel on ids read in runs of 1, 2, 8 rows or in order, vs the copy")
+    parser.add_argument("--alias-offsets", nargs="?", const="0,16,2048,4032,4048,4064,4080",
+                        help="the streaming kernel at these (table - out) mod 4096 distances, forward / backward / shipped")
     parser.add_argument("--mmap", action="store_true",
                         help="gather from a memory-mapped .npy of the table (page cache, 4 KiB pages) instead")
     arguments = parser.parse_args()
@@ -237,6 +296,10 @@ def main() -> None:
     if arguments.stream_threshold:
         batches = arguments.batches or "32,64,128,256,512,1024,2048,4096"
         stream_threshold(table, [int(b) for b in batches.split(",")], arguments.reps)
+        return
+    if arguments.alias_offsets:
+        distances = [int(d) for d in arguments.alias_offsets.split(",")]
+        alias_offsets(table, [int(b) for b in (arguments.batches or "8192,65536").split(",")], arguments.reps, distances)
         return
     if arguments.id_patterns:
         id_patterns(table, [int(b) for b in (arguments.batches or "8192,65536").split(",")], arguments.reps)

@@ -29,8 +29,9 @@ from fastembed.benchmark.measure import settle_host_caches
 from fastembed.kernels.cpu_intrinsics import prefetch, store_fence, stream_store_16
 from fastembed.kernels.gather_cpu import _stream_row
 
-#: The streaming kernel's prefetch options as the numba backend ships them.
-SHIPPED = (numba_backend.PREFETCH_NEXT_ROW, numba_backend.TOUCH_PAGES_ROWS_AHEAD)
+#: The streaming kernel's options (prefetches, alias window) as the numba backend ships them.
+SHIPPED = (numba_backend.PREFETCH_NEXT_ROW, numba_backend.TOUCH_PAGES_ROWS_AHEAD, numba_backend.ALIAS_WINDOW)
+ALIAS_WINDOW = numba_backend.ALIAS_WINDOW
 
 
 _I32 = ir.IntType(32)
@@ -85,7 +86,7 @@ def prefetch_rows_ahead(table, ids, out, n_blocks, distance):
         start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
         for i in range(start, stop):
             source, ahead, destination = _row_addresses(table, ids, out, i, min(i + distance, stop - 1), row_bytes)
-            _stream_row(destination, source, row_bytes, True, ahead)
+            _stream_row(destination, source, row_bytes, True, ahead, ALIAS_WINDOW)
         store_fence()
     return -1
 
@@ -163,7 +164,7 @@ def page_heads_at_row_start(table, ids, out, n_blocks, lines_per_page):
                 for line in range(lines_per_page):
                     prefetch(following + page + 64 * line)
             _stream_row(out.ctypes.data + np.uintp(i) * row_bytes, table.ctypes.data + np.uintp(ids[i]) * row_bytes,
-                        row_bytes, False, 0)
+                        row_bytes, False, 0, ALIAS_WINDOW)
         store_fence()
     return -1
 
@@ -234,9 +235,9 @@ def main() -> None:
             "allocating lookup, cached stores": (lambda i, o: kernels.gather_parallel(words, i, o, blocks), fresh),
         }
         copies: dict[str, Callable[[np.ndarray], object]] = {
-            "copy: numba, non-temporal stores (the limit)": lambda s: kernels.copy_parallel_stream(s, out, blocks),
+            "copy: numba, non-temporal stores (the limit)": lambda s: kernels.copy_parallel_stream(s, out, blocks, ALIAS_WINDOW),
             "copy: numba, non-temporal stores, one thread": lambda s: _on_threads(
-                1, lambda: kernels.copy_parallel_stream(s, out, 4)),
+                1, lambda: kernels.copy_parallel_stream(s, out, 4, ALIAS_WINDOW)),
         }
         samples: dict[str, list[float]] = {name: [] for name in [*gathers, *copies]}
         for repetition in range(arguments.reps + 2):

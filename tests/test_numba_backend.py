@@ -51,8 +51,53 @@ def test_streaming_kernel_prefetch_options_are_exact(prefetch_next_row, touch_pa
     ids = np.random.default_rng(touch_pages_rows_ahead).integers(0, 500, 37)
     out = poisoned((37, table.shape[1]), np.uint64)
     assert kernels.can_stream(out)
-    assert kernels.gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_pages_rows_ahead) == -1
+    window = numba_backend.ALIAS_WINDOW
+    assert kernels.gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_pages_rows_ahead, window) == -1
     assert_bit_equal(out, table[ids])
+
+
+def test_rows_whose_source_sits_just_below_the_destination_modulo_4k_are_copied_backward():
+    """The direction rule itself (its speed is measured by bench/levers.py --alias-offsets)."""
+    copies_backward = numba_backend.kernels().copies_backward
+    window = numba_backend.ALIAS_WINDOW
+    destination = 10 * 4096 + 512
+    for source_minus_destination in (-16, -window, -1, 4096 - 16, -4096 - 16):
+        assert copies_backward(destination, destination + source_minus_destination, window)
+    for source_minus_destination in (0, 16, -window - 16, 2048, 4096, -4096):
+        assert not copies_backward(destination, destination + source_minus_destination, window)
+    assert not copies_backward(destination, destination - 16, 0)
+    assert copies_backward(destination, destination + 16, 4096)
+
+
+@pytest.mark.parametrize("alias_window", [0, numba_backend.ALIAS_WINDOW, 4096])
+@pytest.mark.parametrize("row_bytes", [48, 8192, 8208, 8240])
+@pytest.mark.parametrize("distance", [0, 16, 4064, 4080])
+def test_streaming_kernels_copy_rows_forward_and_backward_exactly(alias_window, row_bytes, distance):
+    """Rows copied forward, backward or either by their distance modulo 4 KiB: exact, nothing written outside out.
+
+    Window 0 copies every row forward, 4096 every row backward. With the
+    shipped window, 8 KiB rows all take the direction of `distance`; rows of
+    other sizes each have their own distance, and both directions occur.
+    """
+    kernels = numba_backend.kernels()
+    n = 300
+    table = random_table(n, row_bytes // 2, seed=row_bytes).view(np.uint64)
+    ids = np.random.default_rng(distance).permutation(n)
+    out_buffer = np.full(n * row_bytes + 8192, 0xA5, np.uint8)
+    shift = (table.ctypes.data - distance - out_buffer.ctypes.data) % 4096
+    out = out_buffer[shift : shift + n * row_bytes].view(np.uint64).reshape(n, table.shape[1])
+    assert kernels.can_stream(out)
+    row_distances = (table.ctypes.data + ids * row_bytes - out.ctypes.data - np.arange(n) * row_bytes) % 4096
+    backward = row_distances >= 4096 - alias_window
+    if alias_window == numba_backend.ALIAS_WINDOW and row_bytes % 4096:
+        assert 0 < backward.sum() < n  # the test covers both directions in one call
+    assert kernels.gather_parallel_stream(table, ids, out, 3, True, 8, alias_window) == -1
+    assert_bit_equal(out, table[ids])
+    assert (out_buffer[:shift] == 0xA5).all() and (out_buffer[shift + out.nbytes :] == 0xA5).all()
+    out_buffer[...] = 0xA5
+    kernels.copy_parallel_stream(table, out, 3, alias_window)
+    assert_bit_equal(out, table)
+    assert (out_buffer[:shift] == 0xA5).all() and (out_buffer[shift + out.nbytes :] == 0xA5).all()
 
 
 def test_bad_ids_on_every_kernel_path_leave_out_untouched(kernel_path):

@@ -61,6 +61,11 @@ PREFETCH_NEXT_ROW = True
 #: 0.3-5% faster in all five runs measured, never slower (distances 4-16 alike;
 #: bench/levers.py, docs/backends.md).
 TOUCH_PAGES_ROWS_AHEAD = 8
+#: ... and copies a row backward when its source sits 1 to this many bytes
+#: below its destination modulo 4 KiB, where a forward copy's loads wait on
+#: its own stores (4K aliasing: 0.65-0.68 of the copy instead of 0.86-0.87
+#: at 16 bytes; backward, 0.85 and 0.79; bench/levers.py --alias-offsets).
+ALIAS_WINDOW = 32
 #: Serve a batch serially while its parallel kernel compiles on a background
 #: thread (see background_compile); False compiles in the caller's thread.
 COMPILE_IN_BACKGROUND = True
@@ -235,7 +240,7 @@ def _run_parallel(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.n
     k = _kernels_module or kernels()
     stream = out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and k.can_stream(out_words)
     kernel = k.gather_parallel_stream if stream else k.gather_parallel
-    options = (PREFETCH_NEXT_ROW, TOUCH_PAGES_ROWS_AHEAD) if stream else ()
+    options = (PREFETCH_NEXT_ROW, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW) if stream else ()
     key = (kernel, table_words.dtype, flat_ids.dtype)
     if COMPILE_IN_BACKGROUND and not background_compile.is_ready(key):
         # Empty slices have the real arguments' types: the compile specialises for them.

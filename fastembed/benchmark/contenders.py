@@ -110,9 +110,11 @@ def _copy_numba(stream: bool) -> Callable:
         word = numba_backend.word_dtype(table.shape[1] * table.dtype.itemsize)
         out = np.empty((n, table.shape[1]), table.dtype).view(word)
         source = _copy_sources(table, n)
-        copy = kernels.copy_parallel_stream if stream and kernels.can_stream(out) else kernels.copy_parallel
         blocks = max(1, numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD)
-        return lambda ids: copy(source(ids).view(word), out, blocks)
+        if stream and kernels.can_stream(out):
+            window = numba_backend.ALIAS_WINDOW
+            return lambda ids: kernels.copy_parallel_stream(source(ids).view(word), out, blocks, window)
+        return lambda ids: kernels.copy_parallel(source(ids).view(word), out, blocks)
 
     return prepare
 

@@ -58,7 +58,7 @@ def copy_rows(table, ids, out, start, stop):
 
 
 @njit(**_JIT)
-def stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_rows_ahead):
+def stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_rows_ahead, alias_window):
     """As :func:`copy_rows`, with non-temporal stores; rows a multiple of 16 bytes.
 
     With ``prefetch_next_row``, each cache line copied comes with a prefetch
@@ -70,6 +70,8 @@ def stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_row
     prefetch per 4 KiB page of the row that many rows ahead: random rows
     each need new page translations, and rows drawn from a narrower address
     range gather faster (docs/backends.md), so these are started early.
+
+    ``alias_window``: see :func:`_stream_row`.
     """
     row_bytes = table.shape[1] * table.itemsize
     table_address = table.ctypes.data
@@ -83,13 +85,37 @@ def stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_row
         following = ids[i + 1] if i + 1 < stop else ids[i]
         _stream_row(
             out_address + np.uintp(i) * row_bytes, source, row_bytes,
-            prefetch_next_row, table_address + np.uintp(following) * row_bytes,
+            prefetch_next_row, table_address + np.uintp(following) * row_bytes, alias_window,
         )
     store_fence()
 
 
 @njit(**_JIT)
-def _stream_row(destination, source, row_bytes, prefetch_ahead, ahead):
+def copies_backward(destination, source, alias_window):
+    """Whether a row from `source` to `destination` is copied backward (4K aliasing).
+
+    A load is checked against the stores still in flight by the low 12 bits
+    of the addresses, and one that seems to match waits for them. Copying
+    forward, each load comes right after the stores just below its offset,
+    so a source that sits 1 to ``alias_window`` bytes below the destination,
+    modulo 4 KiB, makes nearly every load wait. Those rows are copied
+    backward, where loads follow stores above them. 0 copies every row
+    forward, 4096 every row backward.
+    """
+    return (source - destination) & 4095 >= 4096 - alias_window
+
+
+@njit(**_JIT)
+def _stream_row(destination, source, row_bytes, prefetch_ahead, ahead, alias_window):
+    """Copy one row with non-temporal stores, in the direction :func:`copies_backward` picks."""
+    if copies_backward(destination, source, alias_window):
+        _stream_row_backward(destination, source, row_bytes, prefetch_ahead, ahead)
+    else:
+        _stream_row_forward(destination, source, row_bytes, prefetch_ahead, ahead)
+
+
+@njit(**_JIT)
+def _stream_row_forward(destination, source, row_bytes, prefetch_ahead, ahead):
     # Whole cache lines first, each completed in the write-combining buffer by
     # consecutive stores, then the remaining 16-byte pieces.
     whole_lines = row_bytes - row_bytes % 64
@@ -101,6 +127,23 @@ def _stream_row(destination, source, row_bytes, prefetch_ahead, ahead):
         stream_store_16(destination + offset + 32, source + offset + 32)
         stream_store_16(destination + offset + 48, source + offset + 48)
     for offset in range(whole_lines, row_bytes, 16):
+        stream_store_16(destination + offset, source + offset)
+
+
+@njit(**_JIT)
+def _stream_row_backward(destination, source, row_bytes, prefetch_ahead, ahead):
+    # _stream_row_forward in reverse: the 16-byte pieces after the whole
+    # lines, last first, then the whole lines from the last one down, each
+    # line from its last 16 bytes down.
+    whole_lines = row_bytes - row_bytes % 64
+    for offset in range(row_bytes - 16, whole_lines - 16, -16):
+        stream_store_16(destination + offset, source + offset)
+    for offset in range(whole_lines - 64, -64, -64):
+        if prefetch_ahead:
+            prefetch(ahead + offset)
+        stream_store_16(destination + offset + 48, source + offset + 48)
+        stream_store_16(destination + offset + 32, source + offset + 32)
+        stream_store_16(destination + offset + 16, source + offset + 16)
         stream_store_16(destination + offset, source + offset)
 
 
@@ -132,7 +175,7 @@ def gather_parallel(table, ids, out, n_blocks):
 
 
 @njit(parallel=True, **_JIT)
-def gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_pages_rows_ahead):
+def gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_pages_rows_ahead, alias_window):
     """As :func:`gather_parallel`, with non-temporal stores and prefetches (see :func:`stream_rows`).
 
     For outputs much larger than the last-level cache. Non-temporal 16-byte
@@ -145,7 +188,7 @@ def gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_p
         return bad
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, ids.size)
-        stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_rows_ahead)
+        stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_rows_ahead, alias_window)
     return -1
 
 
@@ -173,12 +216,15 @@ def copy_parallel(src, dst, n_blocks):
 
 
 @njit(parallel=True, **_JIT)
-def copy_parallel_stream(src, dst, n_blocks):
-    """As :func:`copy_parallel`, with non-temporal stores (same rule: see :func:`can_stream`)."""
+def copy_parallel_stream(src, dst, n_blocks, alias_window):
+    """As :func:`copy_parallel`, with non-temporal stores (same rule: see :func:`can_stream`).
+
+    ``alias_window``: see :func:`_stream_row`.
+    """
     row_bytes = src.shape[1] * src.itemsize
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, src.shape[0])
         for i in range(start, stop):
             offset = np.uintp(i) * row_bytes
-            _stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes, False, 0)
+            _stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes, False, 0, alias_window)
         store_fence()
