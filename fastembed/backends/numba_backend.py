@@ -63,8 +63,9 @@ PREFETCH_NEXT_ROW = True
 TOUCH_PAGES_ROWS_AHEAD = 8
 #: ... and copies a row backward when its source sits 1 to this many bytes
 #: below its destination modulo 4 KiB, where a forward copy's loads wait on
-#: its own stores (4K aliasing: 0.65-0.68 of the copy instead of 0.86-0.87
-#: at 16 bytes; backward, 0.85 and 0.79; bench/levers.py --alias-offsets).
+#: its own stores (4K aliasing). At 16 bytes below, forward reached 0.63-0.71
+#: of the copy and backward 0.79-0.86; at distance 0, forward reached 0.86-0.88
+#: (bench/levers.py --alias-offsets, docs/backends.md).
 ALIAS_WINDOW = 32
 #: Serve a batch serially while its parallel kernel compiles on a background
 #: thread (see background_compile); False compiles in the caller's thread.
