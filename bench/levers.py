@@ -64,6 +64,7 @@ def gather_in_sorted_order(table, ids, order, out, n_blocks):
 
 def variants(kernels, threads):
     one, four = threads, 4 * threads
+
     def stream(prefetch_next_row: bool, touch_pages_rows_ahead: int) -> Callable:
         return lambda t, i, o: kernels.gather_parallel_stream(
             t, i, o, four, prefetch_next_row, touch_pages_rows_ahead, ALIAS_WINDOW)
@@ -269,7 +270,8 @@ def alias_offsets(table: np.ndarray, batches: list[int], repetitions: int, dista
         for (name, distance), values in samples.items():
             fraction = statistics.median(c / v for c, v in zip(copy_times, values))
             gbps = 2 * n * table.shape[1] * 8 / statistics.median(values) / 1e9
-            cells.setdefault(f"{name} | {distance if name != limit else '-'}", []).append(f"{gbps:.1f} GB/s ({fraction:.2f})")
+            label = f"{name} | {distance if name != limit else '-'}"
+            cells.setdefault(label, []).append(f"{gbps:.1f} GB/s ({fraction:.2f})")
     print(f"| rows copied | table - out mod 4096 | {' | '.join(f'{n} ids' for n in batches)} |")
     print(f"| --- | --- |{' --- |' * len(batches)}")
     for key, row in cells.items():
@@ -286,7 +288,7 @@ def main() -> None:
     parser.add_argument("--id-patterns", action="store_true",
                         help="the streaming kernel on ids read in runs of 1, 2, 8 rows or in order, vs the copy")
     parser.add_argument("--alias-offsets", nargs="?", const="0,16,2048,4032,4048,4064,4080",
-                        help="the streaming kernel at these (table - out) mod 4096 distances, forward / backward / shipped")
+                        help="the streaming kernel at these (table - out) mod 4096 distances: forward, backward, shipped")
     parser.add_argument("--mmap", action="store_true",
                         help="gather from a memory-mapped .npy of the table (page cache, 4 KiB pages) instead")
     arguments = parser.parse_args()
@@ -299,7 +301,8 @@ def main() -> None:
         return
     if arguments.alias_offsets:
         distances = [int(d) for d in arguments.alias_offsets.split(",")]
-        alias_offsets(table, [int(b) for b in (arguments.batches or "8192,65536").split(",")], arguments.reps, distances)
+        batches = [int(b) for b in (arguments.batches or "8192,65536").split(",")]
+        alias_offsets(table, batches, arguments.reps, distances)
         return
     if arguments.id_patterns:
         id_patterns(table, [int(b) for b in (arguments.batches or "8192,65536").split(",")], arguments.reps)

@@ -235,7 +235,8 @@ def main() -> None:
             "allocating lookup, cached stores": (lambda i, o: kernels.gather_parallel(words, i, o, blocks), fresh),
         }
         copies: dict[str, Callable[[np.ndarray], object]] = {
-            "copy: numba, non-temporal stores (the limit)": lambda s: kernels.copy_parallel_stream(s, out, blocks, ALIAS_WINDOW),
+            "copy: numba, non-temporal stores (the limit)": lambda s: kernels.copy_parallel_stream(
+                s, out, blocks, ALIAS_WINDOW),
             "copy: numba, non-temporal stores, one thread": lambda s: _on_threads(
                 1, lambda: kernels.copy_parallel_stream(s, out, 4, ALIAS_WINDOW)),
         }

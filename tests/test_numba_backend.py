@@ -51,8 +51,8 @@ def test_streaming_kernel_prefetch_options_are_exact(prefetch_next_row, touch_pa
     ids = np.random.default_rng(touch_pages_rows_ahead).integers(0, 500, 37)
     out = poisoned((37, table.shape[1]), np.uint64)
     assert kernels.can_stream(out)
-    window = numba_backend.ALIAS_WINDOW
-    assert kernels.gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_pages_rows_ahead, window) == -1
+    options = (prefetch_next_row, touch_pages_rows_ahead, numba_backend.ALIAS_WINDOW)
+    assert kernels.gather_parallel_stream(table, ids, out, n_blocks, *options) == -1
     assert_bit_equal(out, table[ids])
 
 

@@ -71,7 +71,7 @@ def stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_row
     each need new page translations, and rows drawn from a narrower address
     range gather faster (docs/backends.md), so these are started early.
 
-    ``alias_window``: see :func:`_stream_row`.
+    ``alias_window``: see :func:`copies_backward`.
     """
     row_bytes = table.shape[1] * table.itemsize
     table_address = table.ctypes.data
@@ -219,7 +219,7 @@ def copy_parallel(src, dst, n_blocks):
 def copy_parallel_stream(src, dst, n_blocks, alias_window):
     """As :func:`copy_parallel`, with non-temporal stores (same rule: see :func:`can_stream`).
 
-    ``alias_window``: see :func:`_stream_row`.
+    ``alias_window``: see :func:`copies_backward`.
     """
     row_bytes = src.shape[1] * src.itemsize
     for block in prange(n_blocks):
