@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fastembed.benchmark import gate
@@ -94,6 +95,40 @@ def test_summary_groups_by_device_and_uses_each_device_baseline():
 def test_bench_refuses_fewer_than_one_repetition(reps):
     result = bench("--reps", reps, *SMALL)
     assert result.returncode == 2 and "--reps: must be 1 or more" in result.stderr
+
+
+@pytest.mark.parametrize("file_format", ["npy", "safetensors"])
+def test_bench_measures_a_table_memory_mapped_from_a_file(tmp_path, file_format):
+    """--table: the user's own table, memory-mapped; every contender runs on it and the JSON says which table."""
+    from conftest import random_table
+
+    table = random_table(3000, 264, "float16", seed=3)
+    path = tmp_path / f"model.{file_format}"
+    if file_format == "npy":
+        np.save(path, table)
+    else:
+        safetensors_numpy = pytest.importorskip("safetensors.numpy")
+        safetensors_numpy.save_file({"model.embed_tokens.weight": table, "lm_head.bias": np.ones(3000, np.float16)},
+                                    str(path))
+    result = bench("--table", str(path), "--batch", "6,512", "--dist", "uniform", "--reps", "2", "--device", "cpu",
+                   "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert f"table: {path}, 3000 x 264 float16" in result.stdout
+    payload = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert payload["table"] == {"source": str(path), "shape": [3000, 264], "dtype": "float16"}
+    names = {row["contender"] for row in payload["results"]}
+    assert {"fastembed auto out=", "numpy table[ids]", "copy numpy"} <= names
+    assert all(row["gbps"] > 0 for row in payload["results"])
+
+
+def test_bench_refuses_a_table_file_it_cannot_map(tmp_path):
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes(b"not a safetensors file")
+    result = bench("--table", str(path), "--batch", "6", "--reps", "1")
+    assert result.returncode == 2
+    assert f"--table {path}" in result.stderr and "Traceback" not in result.stderr
+    missing = bench("--table", str(tmp_path / "missing.npy"), "--batch", "6", "--reps", "1")
+    assert missing.returncode == 2 and "missing.npy" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_ratios_pair_samples_of_the_same_repetition():

@@ -5,7 +5,9 @@ every fastembed backend against numpy, torch (if installed) and the best
 contiguous copy at 1, 6, 64, 1,024, 8,192 and 65,536 ids, uniform and Zipf;
 where cupy sees a GPU, the same on a copy of the table on the GPU (cuda
 backend against cupy, torch CUDA and a device-to-device copy, CUDA events);
-prints a table and writes JSON and PNG plots into --out.
+prints a table and writes JSON and PNG plots into --out. ``--table PATH``
+measures the same on a real table instead, memory-mapped from a .npy or
+safetensors file.
 """
 from __future__ import annotations
 
@@ -31,6 +33,11 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=129280)
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--table", type=Path,
+                        help="measure this table instead of a random one: a .npy or safetensors file, memory-mapped "
+                             "read-only (--vocab-size, --dim and --dtype are then ignored)")
+    parser.add_argument("--tensor", help="--table: the tensor's name in a safetensors file (default: the one named "
+                                         "like a token embedding)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: the host, plus the GPU where one is usable (default); cpu or cuda: only that")
     parser.add_argument("--gate", action="store_true", help="run the CI performance gate; exit 1 on any FAIL")
@@ -50,6 +57,12 @@ def _csv(value: str | None, default: tuple, cast=str) -> list:
 
 
 def build_table(arguments: argparse.Namespace, console: Any) -> Any:
+    """The table to measure: --table memory-mapped, or a random one of --vocab-size x --dim --dtype.
+
+    Raises ValueError naming the file when --table cannot be read as a table.
+    """
+    if arguments.table is not None:
+        return load_table(arguments.table, arguments.tensor, console)
     from rich.progress import Progress
 
     from fastembed.tables import random_table
@@ -62,13 +75,39 @@ def build_table(arguments: argparse.Namespace, console: Any) -> Any:
     return table
 
 
-def run(arguments: argparse.Namespace, console: Any, cases: list[tuple[int, str]], repetitions: int,
-        contender_names: set[str] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
+def load_table(path: Path, tensor: str | None, console: Any) -> Any:
+    """A table memory-mapped read-only from a .npy or safetensors file, its pages read once.
+
+    Reading one byte per page brings the file into the page cache, so that
+    no contender is timed reading the disk.
+    """
+    import numpy as np
+
+    from fastembed import Embedding
+
+    try:
+        embedding = Embedding.from_npy(path) if path.suffix == ".npy" else Embedding.from_safetensors(path, tensor)
+    except (OSError, ValueError, TypeError) as error:
+        raise ValueError(f"--table {path}: {error}") from error
+    table = embedding.table
+    np.asarray(table).reshape(-1).view(np.uint8)[::4096].max(initial=0)
+    console.print(f"table: {path}, {table.shape[0]} x {table.shape[1]} {table.dtype}, {table.nbytes / 2**30:.2f} GiB, "
+                  "memory-mapped")
+    return table
+
+
+def describe_table(arguments: argparse.Namespace, table: Any) -> dict[str, Any]:
+    """Where the measured table came from, its shape and dtype (for the JSON report)."""
+    source = str(arguments.table) if arguments.table is not None else "random"
+    return {"source": source, "shape": list(table.shape), "dtype": str(table.dtype)}
+
+
+def run(arguments: argparse.Namespace, console: Any, host_table: Any, cases: list[tuple[int, str]],
+        repetitions: int, contender_names: set[str] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
     """Measure every case on the host and/or the GPU; one summary row per (device, case, contender)."""
     from .contenders import host_contenders
     from .measure import HOST, measure_case, summarise
 
-    host_table = build_table(arguments, console)
     plans = []
     if device in ("auto", "cpu"):
         plans.append((HOST, host_table, host_contenders(_csv(arguments.backend, ()) or None)))
@@ -104,24 +143,31 @@ def main(argv: list[str] | None = None) -> int:
         print("fastembed-bench needs the bench extra: pip install 'fastembed-gather[bench]'", file=sys.stderr)
         return 2
     console = Console(width=max(Console().width, 132))
-    if arguments.gate:
-        return gate(arguments, console)
-    if arguments.device == "cuda" and not gpu_usable():
+    if arguments.device == "cuda" and not gpu_usable() and not arguments.gate:
         from fastembed.backends import cuda_backend
 
         print(f"--device cuda: no usable GPU: {'; '.join(cuda_backend.unavailable_reasons())}", file=sys.stderr)
         return 2
+    started = time.perf_counter()
+    try:
+        table = build_table(arguments, console)
+    except ValueError as error:
+        print(f"fastembed-bench: {error}", file=sys.stderr)
+        return 2
+    if arguments.gate:
+        return gate(arguments, console, table)
     from . import report
 
     batches = _csv(arguments.batch, QUICK_BATCHES if arguments.quick else BATCHES, int)
     distributions = _csv(arguments.dist, ("uniform",) if arguments.quick else ("uniform", "zipf"))
     repetitions = arguments.reps or (5 if arguments.quick else 15)
-    started = time.perf_counter()
-    rows = run(arguments, console, [(b, d) for d in distributions for b in batches], repetitions, device=arguments.device)
+    cases = [(b, d) for d in distributions for b in batches]
+    rows = run(arguments, console, table, cases, repetitions, device=arguments.device)
     report.print_table(rows, console)
     arguments.out.mkdir(parents=True, exist_ok=True)
     payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
-               "machine": report.machine_facts(), "repetitions": repetitions, "results": rows}
+               "machine": report.machine_facts(), "table": describe_table(arguments, table), "repetitions": repetitions,
+               "results": rows}
     report.write_json(arguments.out / "results.json", payload)
     report.write_markdown(arguments.out / "results.md", rows)
     plots = report.write_plots(arguments.out, rows)
@@ -130,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def gate(arguments: argparse.Namespace, console: Any) -> int:
+def gate(arguments: argparse.Namespace, console: Any, table: Any) -> int:
     from rich.markup import escape
     from rich.table import Table
 
@@ -139,7 +185,7 @@ def gate(arguments: argparse.Namespace, console: Any) -> int:
     checks, repetitions = load_checks(arguments.thresholds)
     cases = list(dict.fromkeys((check.batch, check.distribution) for check in checks))
     names = {check.contender for check in checks} | {check.versus for check in checks if check.versus} | {"numpy table[ids]"}
-    rows = run(arguments, console, cases, arguments.reps or repetitions, names)
+    rows = run(arguments, console, table, cases, arguments.reps or repetitions, names)
     verdicts = judge(checks, rows)
     table = Table(title=f"fastembed-bench --gate ({arguments.thresholds})")
     for column in ("check", "metric", "measured", "threshold", "result"):

@@ -7,6 +7,7 @@ up front, so the timed call allocates only if the contender itself does.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,9 +66,12 @@ def _torch_tensor(array: np.ndarray) -> Any:
     import torch
 
     torch.set_num_threads(_cpu_count())
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        # A read-only table (memory-mapped with --table) is only ever read through the tensor.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        if array.dtype.name == "bfloat16":
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
 
 
 def _torch_index_select_out(table: np.ndarray, n: int) -> Callable:
@@ -90,6 +94,7 @@ def _copy_sources(table: np.ndarray, n: int) -> Callable[[np.ndarray], np.ndarra
     For more rows than the table has, a source of n rows is built once, here,
     so that the timed copy never allocates.
     """
+    table = np.asarray(table)  # np.memmap's slices are slower to make; the bytes are the same
     vocab_size = table.shape[0]
     if n > vocab_size:
         repeated = np.resize(table, (n, table.shape[1]))
