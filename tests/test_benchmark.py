@@ -129,6 +129,9 @@ def test_bench_refuses_a_table_file_it_cannot_map(tmp_path):
     assert f"--table {path}" in result.stderr and "Traceback" not in result.stderr
     missing = bench("--table", str(tmp_path / "missing.npy"), "--batch", "6", "--reps", "1")
     assert missing.returncode == 2 and "missing.npy" in missing.stderr and "Traceback" not in missing.stderr
+    for arguments in (["--tensor", "wte.weight"], ["--table", "table.npy", "--tensor", "wte.weight"]):
+        misplaced = bench(*arguments, "--batch", "6", "--reps", "1")
+        assert misplaced.returncode == 2 and "--tensor names a tensor of a safetensors file" in misplaced.stderr
 
 
 def test_ratios_pair_samples_of_the_same_repetition():

@@ -42,7 +42,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="auto: the host, plus the GPU where one is usable (default); cpu or cuda: only that")
     parser.add_argument("--gate", action="store_true", help="run the CI performance gate; exit 1 on any FAIL")
     parser.add_argument("--thresholds", type=Path, default=DEFAULT_THRESHOLDS, help="gate thresholds (TOML)")
-    return parser.parse_args(argv)
+    arguments = parser.parse_args(argv)
+    if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix == ".npy"):
+        parser.error("--tensor names a tensor of a safetensors file given with --table")
+    return arguments
 
 
 def _positive_int(text: str) -> int:
