@@ -97,6 +97,13 @@ def test_bench_refuses_fewer_than_one_repetition(reps):
     assert result.returncode == 2 and "--reps: must be 1 or more" in result.stderr
 
 
+@pytest.mark.parametrize("option", ["--vocab-size", "--dim"])
+def test_bench_refuses_an_empty_random_table(option):
+    """A table without rows or columns has nothing to gather (it used to crash, or loop building id sets)."""
+    result = bench(option, "0", "--batch", "6", "--reps", "1")
+    assert result.returncode == 2 and f"{option}: must be 1 or more" in result.stderr
+
+
 @pytest.mark.parametrize("file_format", ["npy", "safetensors"])
 def test_bench_measures_a_table_memory_mapped_from_a_file(tmp_path, file_format):
     """--table: the user's own table, memory-mapped; every contender runs on it and the JSON says which table."""
@@ -129,6 +136,9 @@ def test_bench_refuses_a_table_file_it_cannot_map(tmp_path):
     assert f"--table {path}" in result.stderr and "Traceback" not in result.stderr
     missing = bench("--table", str(tmp_path / "missing.npy"), "--batch", "6", "--reps", "1")
     assert missing.returncode == 2 and "missing.npy" in missing.stderr and "Traceback" not in missing.stderr
+    np.save(tmp_path / "empty.npy", np.zeros((0, 16), np.float16))
+    empty = bench("--table", str(tmp_path / "empty.npy"), "--batch", "6", "--reps", "1", "--device", "cpu")
+    assert empty.returncode == 2 and "is empty: nothing to gather" in empty.stderr and "Traceback" not in empty.stderr
     for arguments in (["--tensor", "wte.weight"], ["--table", "table.npy", "--tensor", "wte.weight"]):
         misplaced = bench(*arguments, "--batch", "6", "--reps", "1")
         assert misplaced.returncode == 2 and "--tensor names a tensor of a safetensors file" in misplaced.stderr

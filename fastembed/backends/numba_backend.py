@@ -64,7 +64,7 @@ TOUCH_PAGES_ROWS_AHEAD = 8
 #: ... and copies a row backward when its source sits 1 to this many bytes
 #: below its destination modulo 4 KiB, where a forward copy's loads wait on
 #: its own stores (4K aliasing). At 16 bytes below, forward reached 0.63-0.71
-#: of the copy and backward 0.79-0.86; at distance 0, forward reached 0.86-0.88
+#: of the copy and backward 0.79-0.85; at distance 0, forward reached 0.86-0.88
 #: (bench/levers.py --alias-offsets, docs/backends.md).
 ALIAS_WINDOW = 32
 #: Serve a batch serially while its parallel kernel compiles on a background

@@ -30,8 +30,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dist", help="comma-separated id distributions: uniform, zipf (default: both)")
     parser.add_argument("--reps", type=_positive_int, help="timed repetitions per case (default 15, quick 5)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
-    parser.add_argument("--vocab-size", type=int, default=129280)
-    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--vocab-size", type=_positive_int, default=129280)
+    parser.add_argument("--dim", type=_positive_int, default=4096)
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--table", type=Path,
                         help="measure this table instead of a random one: a .npy or safetensors file, memory-mapped "
@@ -93,7 +93,9 @@ def load_table(path: Path, tensor: str | None, console: Any) -> Any:
     except (OSError, ValueError, TypeError) as error:
         raise ValueError(f"--table {path}: {error}") from error
     table = embedding.table
-    np.asarray(table).reshape(-1).view(np.uint8)[::4096].max(initial=0)
+    if 0 in table.shape:
+        raise ValueError(f"--table {path}: shape {tuple(table.shape)} is empty: nothing to gather")
+    np.asarray(table).reshape(-1).view(np.uint8)[::4096].max()
     console.print(f"table: {path}, {table.shape[0]} x {table.shape[1]} {table.dtype}, {table.nbytes / 2**30:.2f} GiB, "
                   "memory-mapped")
     return table
