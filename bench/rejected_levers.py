@@ -141,7 +141,10 @@ def two_rows_interleaved(table, ids, out, n_blocks):
 
 @njit(parallel=True, nogil=True)
 def prefetch_variants(table, ids, out, n_blocks, every_nth_line, hint, wide_stores):
-    """fastembed's kernel with the prefetch thinned to every n-th line, another hint (see _prefetch_with_hint), or 32-byte stores."""
+    """fastembed's kernel with the prefetch thinned to every n-th line, or another hint, or 32-byte stores.
+
+    ``hint``: the prefetch's locality, as in :func:`_prefetch_with_hint` (3 is fastembed's).
+    """
     row_bytes, n = table.shape[1] * table.itemsize, ids.size
     for block in prange(n_blocks):
         start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
