@@ -8,9 +8,10 @@
 
 Default 129,280 x 4,096 float16 table, uniform ids (8,192 and 65,536 by default) into
 a preallocated output; every variant runs once per repetition on fresh ids
-(interleaved, the caches settled before each: see
-fastembed.benchmark.measure.settle_host_caches), medians reported as
-GB/s = 2 x rows x row bytes / time.
+(interleaved, in an order rotated each repetition, the caches settled before
+each: see fastembed.benchmark.measure.settle_host_caches), medians reported
+as GB/s = 2 x rows x row bytes / time, and in brackets as the median
+fraction of the non-temporal copy timed in the same repetition.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from fastembed.kernels.cpu_intrinsics import store_fence
 from fastembed.kernels.gather_cpu import _stream_row
 
 #: The streaming kernel's options (prefetches, alias window) as the numba backend ships them.
-SHIPPED = (numba_backend.PREFETCH_NEXT_ROW, numba_backend.TOUCH_PAGES_ROWS_AHEAD, numba_backend.ALIAS_WINDOW)
+SHIPPED = (numba_backend.PREFETCH_ROWS_AHEAD, numba_backend.TOUCH_PAGES_ROWS_AHEAD, numba_backend.ALIAS_WINDOW)
 ALIAS_WINDOW = numba_backend.ALIAS_WINDOW
 
 
@@ -65,19 +66,21 @@ def gather_in_sorted_order(table, ids, order, out, n_blocks):
 def variants(kernels, threads):
     one, four = threads, 4 * threads
 
-    def stream(prefetch_next_row: bool, touch_pages_rows_ahead: int) -> Callable:
+    def stream(prefetch_rows_ahead: int, touch_pages_rows_ahead: int) -> Callable:
         return lambda t, i, o: kernels.gather_parallel_stream(
-            t, i, o, four, prefetch_next_row, touch_pages_rows_ahead, ALIAS_WINDOW)
+            t, i, o, four, prefetch_rows_ahead, touch_pages_rows_ahead, ALIAS_WINDOW)
 
     return {
         "slice assignment, 1 block/thread": lambda t, i, o: gather_slice_assignment(t, i, o, one),
         "word loop, 1 block/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, one),
         "word loop, 4 blocks/thread": lambda t, i, o: kernels.gather_parallel(t, i, o, four),
-        "+ non-temporal stores": stream(False, 0),
-        "+ prefetch of the next row, line by line": stream(True, 0),
-        "+ pages of the row 4 ahead touched": stream(True, 4),
-        "+ pages of the row 8 ahead touched (fastembed)": stream(True, 8),
-        "+ pages of the row 16 ahead touched": stream(True, 16),
+        "+ non-temporal stores": stream(0, 0),
+        "+ prefetch of the next row, line by line": stream(1, 0),
+        "+ pages of the row 8 ahead touched": stream(1, 8),
+        "+ pages of the row 16 ahead touched": stream(1, 16),
+        "row 4 ahead prefetched instead, no pages touched": stream(4, 0),
+        "row 4 ahead prefetched, pages of the row 8 ahead": stream(4, 8),
+        "row 4 ahead prefetched, pages of the row 16 ahead (fastembed)": stream(4, 16),
         "rows in sorted id order (np.argsort timed too)": lambda t, i, o: gather_in_sorted_order(
             t, i, np.argsort(i, kind="stable"), o, four),
     }
@@ -322,8 +325,11 @@ def main() -> None:
         out = np.empty((n, table.shape[1]), np.uint64)
         assert kernels.can_stream(out), "the streaming variants need a 16-byte aligned output"
         samples: dict[str, list[float]] = {name: [] for name in [*gathers, *limits]}
+        names = list(gathers)
         for repetition in range(arguments.reps + 2):
-            for name, gather in gathers.items():
+            # Rotated each repetition: no variant always runs right after the copies.
+            for name in names[repetition % len(names):] + names[: repetition % len(names)]:
+                gather = gathers[name]
                 ids = rng.integers(0, table.shape[0], n)
                 settle_host_caches()  # no variant pays for the dirty lines of the one before
                 started = time.perf_counter()
@@ -338,8 +344,11 @@ def main() -> None:
                 copy(table[start : start + n], out)
                 if repetition >= 2:
                     samples[name].append(time.perf_counter() - started)
+        copy_times = samples["copy: numba, non-temporal stores"]
         for name, values in samples.items():
-            results.setdefault(name, []).append(f"{2 * n * table.shape[1] * 8 / statistics.median(values) / 1e9:.1f} GB/s")
+            gbps = 2 * n * table.shape[1] * 8 / statistics.median(values) / 1e9
+            fraction = statistics.median(c / v for c, v in zip(copy_times, values))  # of the same repetition's copy
+            results.setdefault(name, []).append(f"{gbps:.1f} GB/s ({fraction:.2f})")
     for name, cells in results.items():
         print(f"| {name} | {' | '.join(cells)} |")
 

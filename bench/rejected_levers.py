@@ -30,7 +30,7 @@ from fastembed.kernels.cpu_intrinsics import prefetch, store_fence, stream_store
 from fastembed.kernels.gather_cpu import _stream_row
 
 #: The streaming kernel's options (prefetches, alias window) as the numba backend ships them.
-SHIPPED = (numba_backend.PREFETCH_NEXT_ROW, numba_backend.TOUCH_PAGES_ROWS_AHEAD, numba_backend.ALIAS_WINDOW)
+SHIPPED = (numba_backend.PREFETCH_ROWS_AHEAD, numba_backend.TOUCH_PAGES_ROWS_AHEAD, numba_backend.ALIAS_WINDOW)
 ALIAS_WINDOW = numba_backend.ALIAS_WINDOW
 
 
@@ -89,12 +89,16 @@ def _row_addresses(table, ids, out, i, ahead, row_bytes):
 
 
 @njit(parallel=True, nogil=True)
-def prefetch_rows_ahead(table, ids, out, n_blocks, distance):
-    """fastembed's kernel, prefetching row i + distance instead of i + 1."""
+def prefetch_rows_ahead(table, ids, out, n_blocks, distance, touch_pages_rows_ahead):
+    """fastembed's kernel, prefetching row i + distance instead of i + 1 (pages touched as in stream_rows)."""
     row_bytes, n = table.shape[1] * table.itemsize, ids.size
     for block in prange(n_blocks):
         start, stop = block * n // n_blocks, (block + 1) * n // n_blocks
         for i in range(start, stop):
+            if touch_pages_rows_ahead > 0:
+                far = table.ctypes.data + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes
+                for page in range(0, row_bytes, 4096):
+                    prefetch(far + page)
             source, ahead, destination = _row_addresses(table, ids, out, i, min(i + distance, stop - 1), row_bytes)
             _stream_row(destination, source, row_bytes, True, ahead, ALIAS_WINDOW)
         store_fence()
@@ -223,11 +227,14 @@ def main() -> None:
 
         # name -> (kernel call taking ids and an output, the output it writes)
         gathers: dict[str, tuple[Callable[[np.ndarray, np.ndarray], object], Callable[[], np.ndarray]]] = {
-            "fastembed: next row line by line + pages of row 8 ahead": (
+            "fastembed: row 4 ahead line by line + pages of row 16 ahead": (
                 lambda i, o: kernels.gather_parallel_stream(words, i, o, blocks, *SHIPPED), lambda: out),
-            "next row line by line only (this script)": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 1), lambda: out),
-            "prefetch 2 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 2), lambda: out),
-            "prefetch 4 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 4), lambda: out),
+            "next row line by line only (this script)": (
+                lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 1, 0), lambda: out),
+            "prefetch 2 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 2, 0), lambda: out),
+            "prefetch 4 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 4, 0), lambda: out),
+            "next row line by line + pages of row 8 ahead (fastembed until 2026-11-29)": (
+                lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 1, 8), lambda: out),
             "two prefetches per line, first half of the row": (
                 lambda i, o: two_prefetches_per_line(words, i, o, blocks), lambda: out),
             "two rows interleaved": (lambda i, o: two_rows_interleaved(words, i, o, blocks), lambda: out),

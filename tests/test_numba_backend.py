@@ -41,17 +41,17 @@ def test_every_kernel_path_is_exact(kernel_path, dtype, width, id_dtype):
     assert_bit_equal(out, table[ids])
 
 
-@pytest.mark.parametrize("prefetch_next_row", [False, True])
-@pytest.mark.parametrize("touch_pages_rows_ahead", [0, 1, 8, 10**6])
+@pytest.mark.parametrize("prefetch_rows_ahead", [0, 1, 4, 10**6])
+@pytest.mark.parametrize("touch_pages_rows_ahead", [0, 1, 16, 10**6])
 @pytest.mark.parametrize("n_blocks", [1, 3, 64])
-def test_streaming_kernel_prefetch_options_are_exact(prefetch_next_row, touch_pages_rows_ahead, n_blocks):
+def test_streaming_kernel_prefetch_options_are_exact(prefetch_rows_ahead, touch_pages_rows_ahead, n_blocks):
     """Every prefetch setting, with blocks shorter and longer than the distance ahead, copies exactly."""
     kernels = numba_backend.kernels()
     table = random_table(500, 4104, seed=n_blocks).view(np.uint64)  # 8,208-byte rows: 3 pages, a partial one
     ids = np.random.default_rng(touch_pages_rows_ahead).integers(0, 500, 37)
     out = poisoned((37, table.shape[1]), np.uint64)
     assert kernels.can_stream(out)
-    options = (prefetch_next_row, touch_pages_rows_ahead, numba_backend.ALIAS_WINDOW)
+    options = (prefetch_rows_ahead, touch_pages_rows_ahead, numba_backend.ALIAS_WINDOW)
     assert kernels.gather_parallel_stream(table, ids, out, n_blocks, *options) == -1
     assert_bit_equal(out, table[ids])
 
@@ -91,7 +91,8 @@ def test_streaming_kernels_copy_rows_forward_and_backward_exactly(alias_window, 
     backward = row_distances >= 4096 - alias_window
     if alias_window == numba_backend.ALIAS_WINDOW and row_bytes % 4096:
         assert 0 < backward.sum() < n  # the test covers both directions in one call
-    assert kernels.gather_parallel_stream(table, ids, out, 3, True, 8, alias_window) == -1
+    prefetches = (numba_backend.PREFETCH_ROWS_AHEAD, numba_backend.TOUCH_PAGES_ROWS_AHEAD)
+    assert kernels.gather_parallel_stream(table, ids, out, 3, *prefetches, alias_window) == -1
     assert_bit_equal(out, table[ids])
     assert (out_buffer[:shift] == 0xA5).all() and (out_buffer[shift + out.nbytes :] == 0xA5).all()
     out_buffer[...] = 0xA5

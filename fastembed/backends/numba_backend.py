@@ -54,13 +54,14 @@ PARALLEL_MIN_ROWS = 32
 #: counting the caller's read of the output that cached stores leave in the
 #: cache (bench/levers.py --stream-threshold: cached wins up to 1 MiB).
 STREAM_MIN_OUT_BYTES = 2 * 2**20
-#: The streaming kernel prefetches the next row line by line as it copies
-#: this one (+8-18% measured; a burst of a whole row ahead was within noise).
-PREFETCH_NEXT_ROW = True
+#: The streaming kernel prefetches the row this many rows ahead, line by
+#: line, as it copies this one (0: off). The next row (1) gained 8-18%; a
+#: burst of a whole row ahead was within noise. 4 rows, with the page touch
+#: below at 16, beat 1 and 8 (docs/backends.md, "The levers, measured").
+PREFETCH_ROWS_AHEAD = 4
 #: ... and touches each 4 KiB page of the row this many rows ahead (0: off):
-#: 0.3-5% faster in all five runs measured, never slower (distances 4-16 alike;
-#: bench/levers.py, docs/backends.md).
-TOUCH_PAGES_ROWS_AHEAD = 8
+#: the touch was 0.3-5% faster than none in all five runs measured.
+TOUCH_PAGES_ROWS_AHEAD = 16
 #: ... and copies a row backward when its source sits 1 to this many bytes
 #: below its destination modulo 4 KiB, where a forward copy's loads wait on
 #: its own stores (4K aliasing). At 16 bytes below, forward reached 0.63-0.71
@@ -241,7 +242,7 @@ def _run_parallel(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.n
     k = _kernels_module or kernels()
     stream = out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and k.can_stream(out_words)
     kernel = k.gather_parallel_stream if stream else k.gather_parallel
-    options = (PREFETCH_NEXT_ROW, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW) if stream else ()
+    options = (PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW) if stream else ()
     key = (kernel, table_words.dtype, flat_ids.dtype)
     if COMPILE_IN_BACKGROUND and not background_compile.is_ready(key):
         # Empty slices have the real arguments' types: the compile specialises for them.

@@ -58,13 +58,14 @@ def copy_rows(table, ids, out, start, stop):
 
 
 @njit(**_JIT)
-def stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_rows_ahead, alias_window):
+def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_rows_ahead, alias_window):
     """As :func:`copy_rows`, with non-temporal stores; rows a multiple of 16 bytes.
 
-    With ``prefetch_next_row``, each cache line copied comes with a prefetch
-    of the same line of the next row: the next row is in flight while this
-    one is copied, which the hardware prefetcher (it follows one address
-    stream and stops at page boundaries) cannot guess from random ids.
+    With ``prefetch_rows_ahead`` > 0, each cache line copied comes with a
+    prefetch of the same line of the row that many rows ahead: later rows
+    are in flight while this one is copied, which the hardware prefetcher
+    (it follows one address stream and stops at page boundaries) cannot
+    guess from random ids.
 
     With ``touch_pages_rows_ahead`` > 0, each row also starts with one
     prefetch per 4 KiB page of the row that many rows ahead: random rows
@@ -82,11 +83,8 @@ def stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_row
             for page in range(0, row_bytes, 4096):
                 prefetch(far + page)
         source = table_address + np.uintp(ids[i]) * row_bytes
-        following = ids[i + 1] if i + 1 < stop else ids[i]
-        _stream_row(
-            out_address + np.uintp(i) * row_bytes, source, row_bytes,
-            prefetch_next_row, table_address + np.uintp(following) * row_bytes, alias_window,
-        )
+        ahead = table_address + np.uintp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
+        _stream_row(out_address + np.uintp(i) * row_bytes, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
     store_fence()
 
 
@@ -175,7 +173,7 @@ def gather_parallel(table, ids, out, n_blocks):
 
 
 @njit(parallel=True, **_JIT)
-def gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_pages_rows_ahead, alias_window):
+def gather_parallel_stream(table, ids, out, n_blocks, prefetch_rows_ahead, touch_pages_rows_ahead, alias_window):
     """As :func:`gather_parallel`, with non-temporal stores and prefetches (see :func:`stream_rows`).
 
     For outputs much larger than the last-level cache. Non-temporal 16-byte
@@ -188,7 +186,7 @@ def gather_parallel_stream(table, ids, out, n_blocks, prefetch_next_row, touch_p
         return bad
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, ids.size)
-        stream_rows(table, ids, out, start, stop, prefetch_next_row, touch_pages_rows_ahead, alias_window)
+        stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_rows_ahead, alias_window)
     return -1
 
 
