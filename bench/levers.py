@@ -5,6 +5,7 @@
     python bench/levers.py --stream-threshold [--batches 32,64,...,4096]
     python bench/levers.py --id-patterns [--batches 8192,65536]
     python bench/levers.py --alias-offsets [0,16,...,4080] [--batches 8192,65536]
+    python bench/levers.py --placements 6 [--batches 8192]
 
 Default 129,280 x 4,096 float16 table, uniform ids (8,192 and 65,536 by default) into
 a preallocated output; every variant runs once per repetition on fresh ids
@@ -229,6 +230,47 @@ def id_patterns(table: np.ndarray, batches: list[int], repetitions: int) -> None
         print(f"| {name} | {' | '.join(row)} |")
 
 
+def placements(count: int, batches: list[int], repetitions: int) -> None:
+    """fastembed's streaming kernel against the copy on `count` default tables allocated side by side.
+
+    The tables hold the same kind of data and differ only in where the
+    allocator (and, in a virtual machine, the host) placed them. Each
+    repetition measures every table, gather then copy from that same table,
+    so a slow phase of the machine hits all of them alike; a table whose
+    fraction stands apart is paying for its placement.
+    """
+    kernels, blocks = numba_backend.kernels(), numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD
+    tables = [fastembed.Embedding.random(seed=seed).table.view(np.uint64) for seed in range(count)]
+    rng = np.random.default_rng(0)
+    print(f"| table | address mod 2 MiB | {' | '.join(f'{n} ids: gather, copy (fraction)' for n in batches)} |")
+    print(f"| --- | --- |{' --- |' * len(batches)}")
+    cells: dict[int, list[str]] = {index: [] for index in range(count)}
+    for n in batches:
+        out, copy_out = np.empty((n, tables[0].shape[1]), np.uint64), np.empty((n, tables[0].shape[1]), np.uint64)
+        gathers: dict[int, list[float]] = {index: [] for index in range(count)}
+        copies_s: dict[int, list[float]] = {index: [] for index in range(count)}
+        for repetition in range(repetitions + 2):
+            for index, table in enumerate(tables):
+                ids, start = rng.integers(0, table.shape[0], n), int(rng.integers(0, table.shape[0] - n))
+                for samples, call in (
+                    (gathers[index], lambda: kernels.gather_parallel_stream(table, ids, out, blocks, *SHIPPED)),
+                    (copies_s[index], lambda: kernels.copy_parallel_stream(
+                        table[start : start + n], copy_out, blocks, ALIAS_WINDOW)),
+                ):
+                    settle_host_caches()
+                    started = time.perf_counter()
+                    call()
+                    if repetition >= 2:
+                        samples.append(time.perf_counter() - started)
+        for index in range(count):
+            gather_s, copy_s = statistics.median(gathers[index]), statistics.median(copies_s[index])
+            fraction = statistics.median(c / g for c, g in zip(copies_s[index], gathers[index]))
+            gbps = 2 * out.nbytes / 1e9
+            cells[index].append(f"{gbps / gather_s:.1f}, {gbps / copy_s:.1f} GB/s ({fraction:.2f})")
+    for index, table in enumerate(tables):
+        print(f"| {index} | {table.ctypes.data % 2**21 // 1024} KiB | {' | '.join(cells[index])} |")
+
+
 def alias_offsets(table: np.ndarray, batches: list[int], repetitions: int, distances: list[int]) -> None:
     """The streaming kernel at several distances between table and output modulo 4 KiB (4K aliasing).
 
@@ -292,9 +334,14 @@ def main() -> None:
                         help="the streaming kernel on ids read in runs of 1, 2, 8 rows or in order, vs the copy")
     parser.add_argument("--alias-offsets", nargs="?", const="0,16,2048,4032,4048,4064,4080",
                         help="the streaming kernel at these (table - out) mod 4096 distances: forward, backward, shipped")
+    parser.add_argument("--placements", type=int, metavar="N",
+                        help="the streaming kernel vs the copy on N tables allocated side by side (N GiB)")
     parser.add_argument("--mmap", action="store_true",
                         help="gather from a memory-mapped .npy of the table (page cache, 4 KiB pages) instead")
     arguments = parser.parse_args()
+    if arguments.placements:
+        placements(arguments.placements, [int(b) for b in (arguments.batches or "8192").split(",")], arguments.reps)
+        return
     table = fastembed.Embedding.random().table.view(np.uint64)
     if arguments.mmap:
         table = _memory_mapped(table)

@@ -233,7 +233,7 @@ def main() -> None:
                 lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 1, 0), lambda: out),
             "prefetch 2 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 2, 0), lambda: out),
             "prefetch 4 rows ahead": (lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 4, 0), lambda: out),
-            "next row line by line + pages of row 8 ahead (fastembed until 2026-11-29)": (
+            "next row line by line + pages of row 8 ahead (fastembed until commit 48b417e)": (
                 lambda i, o: prefetch_rows_ahead(words, i, o, blocks, 1, 8), lambda: out),
             "two prefetches per line, first half of the row": (
                 lambda i, o: two_prefetches_per_line(words, i, o, blocks), lambda: out),
