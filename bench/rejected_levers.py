@@ -225,6 +225,12 @@ def main() -> None:
         def fresh() -> np.ndarray:
             return np.empty((n, words.shape[1]), np.uint64)
 
+        def prefetch_variant(every_nth_line: int, hint: int, wide_stores: bool) -> tuple[Callable, Callable]:
+            """A :func:`prefetch_variants` entry; 32-byte stores need the 64-byte aligned output."""
+            output = aligned_out if wide_stores else out
+            return (lambda i, o: prefetch_variants(words, i, o, blocks, every_nth_line, hint, wide_stores),
+                    lambda: output)
+
         # name -> (kernel call taking ids and an output, the output it writes)
         gathers: dict[str, tuple[Callable[[np.ndarray, np.ndarray], object], Callable[[], np.ndarray]]] = {
             "fastembed: row 4 ahead line by line + pages of row 16 ahead": (
@@ -238,18 +244,12 @@ def main() -> None:
             "two prefetches per line, first half of the row": (
                 lambda i, o: two_prefetches_per_line(words, i, o, blocks), lambda: out),
             "two rows interleaved": (lambda i, o: two_rows_interleaved(words, i, o, blocks), lambda: out),
-            "prefetch on every 2nd line only": (
-                lambda i, o: prefetch_variants(words, i, o, blocks, 2, 3, False), lambda: out),
-            "prefetch on every 4th line only": (
-                lambda i, o: prefetch_variants(words, i, o, blocks, 4, 3, False), lambda: out),
-            "PREFETCHNTA instead of PREFETCHT0": (
-                lambda i, o: prefetch_variants(words, i, o, blocks, 1, 0, False), lambda: out),
-            "PREFETCHT1 instead of PREFETCHT0": (
-                lambda i, o: prefetch_variants(words, i, o, blocks, 1, 2, False), lambda: out),
-            "PREFETCHT2 instead of PREFETCHT0": (
-                lambda i, o: prefetch_variants(words, i, o, blocks, 1, 1, False), lambda: out),
-            "32-byte non-temporal stores (AVX2; 64-byte aligned output)": (
-                lambda i, o: prefetch_variants(words, i, o, blocks, 1, 3, True), lambda: aligned_out),
+            "prefetch on every 2nd line only": prefetch_variant(2, 3, False),
+            "prefetch on every 4th line only": prefetch_variant(4, 3, False),
+            "PREFETCHNTA instead of PREFETCHT0": prefetch_variant(1, 0, False),
+            "PREFETCHT1 instead of PREFETCHT0": prefetch_variant(1, 2, False),
+            "PREFETCHT2 instead of PREFETCHT0": prefetch_variant(1, 1, False),
+            "32-byte non-temporal stores (AVX2; 64-byte aligned output)": prefetch_variant(1, 3, True),
             "first 4 lines of each 4 KiB page of the next row, at row start": (
                 lambda i, o: page_heads_at_row_start(words, i, o, blocks, 4), lambda: out),
             "dynamic scheduling, 16 blocks per thread": (
