@@ -84,7 +84,8 @@ def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_r
                 prefetch(far + page)
         source = table_address + np.uintp(ids[i]) * row_bytes
         ahead = table_address + np.uintp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
-        _stream_row(out_address + np.uintp(i) * row_bytes, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
+        destination = out_address + np.uintp(i) * row_bytes
+        _stream_row(destination, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
     store_fence()
 
 
