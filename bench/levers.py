@@ -6,6 +6,7 @@
     python bench/levers.py --id-patterns [--batches 8192,65536]
     python bench/levers.py --alias-offsets [0,16,...,4080] [--batches 8192,65536]
     python bench/levers.py --placements 6 [--batches 8192]
+    python bench/levers.py --read-rates [--batches 8192,65536]
 
 Default 129,280 x 4,096 float16 table, uniform ids (8,192 and 65,536 by default) into
 a preallocated output; every variant runs once per repetition on fresh ids
@@ -271,6 +272,69 @@ def placements(count: int, batches: list[int], repetitions: int) -> None:
         print(f"| {index} | {table.ctypes.data % 2**21 // 1024} KiB | {' | '.join(cells[index])} |")
 
 
+@njit(parallel=True, nogil=True)
+def read_rows(table, ids, n_blocks):
+    """Read every word of rows ids[i] (no writes, no software prefetch); their xor, so nothing is optimised away."""
+    n = ids.size
+    per_block = np.zeros(n_blocks, table.dtype)
+    for block in prange(n_blocks):
+        folded = table.dtype.type(0)
+        for i in range(block * n // n_blocks, (block + 1) * n // n_blocks):
+            row = ids[i]
+            for w in range(table.shape[1]):
+                folded ^= table[row, w]
+        per_block[block] = folded
+    return per_block
+
+
+def read_rates(table: np.ndarray, batches: list[int], repetitions: int) -> None:
+    """How fast this machine reads scattered rows at all: reads alone, against the gather's own read rate.
+
+    A gather moves each byte twice (read, then write); its read rate is half
+    its GB/s. Reads alone, of uniform random rows and of rows in order, show
+    what the memory system gives scattered 8 KiB rows before any store.
+    Interleaved, caches settled before each call, medians.
+    """
+    kernels, blocks = numba_backend.kernels(), numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD
+    rng = np.random.default_rng(0)
+    vocab_size = table.shape[0]
+    print(f"| read rate (GB/s of table rows read) | {' | '.join(f'{n} ids' for n in batches)} |")
+    print(f"| --- |{' --- |' * len(batches)}")
+    cells: dict[str, list[str]] = {}
+    for n in batches:
+        out, copy_out = np.empty((n, table.shape[1]), np.uint64), np.empty((n, table.shape[1]), np.uint64)
+
+        def in_order() -> np.ndarray:
+            start = int(rng.integers(0, vocab_size - n))
+            return np.arange(start, start + n)
+
+        def uniform() -> np.ndarray:
+            return rng.integers(0, vocab_size, n)
+
+        cases: dict[str, Callable[[], object]] = {
+            "reads alone, uniform random rows": lambda: read_rows(table, uniform(), blocks),
+            "reads alone, rows in order": lambda: read_rows(table, in_order(), blocks),
+            "fastembed's gather, uniform random rows (reads)": lambda: kernels.gather_parallel_stream(
+                table, uniform(), out, blocks, *SHIPPED),
+            "copy: numba, non-temporal stores (reads)": lambda: kernels.copy_parallel_stream(
+                table[(start := int(rng.integers(0, vocab_size - n))) : start + n], copy_out, blocks, ALIAS_WINDOW),
+        }
+        read_rows(table, uniform(), blocks)  # compile outside the timing
+        samples: dict[str, list[float]] = {name: [] for name in cases}
+        names = list(cases)
+        for repetition in range(repetitions + 2):
+            for name in names[repetition % len(names):] + names[: repetition % len(names)]:
+                settle_host_caches()
+                started = time.perf_counter()
+                cases[name]()
+                if repetition >= 2:
+                    samples[name].append(time.perf_counter() - started)
+        for name, values in samples.items():
+            cells.setdefault(name, []).append(f"{out.nbytes / statistics.median(values) / 1e9:.1f}")
+    for name, row in cells.items():
+        print(f"| {name} | {' | '.join(row)} |")
+
+
 def alias_offsets(table: np.ndarray, batches: list[int], repetitions: int, distances: list[int]) -> None:
     """The streaming kernel at several distances between table and output modulo 4 KiB (4K aliasing).
 
@@ -334,11 +398,17 @@ def main() -> None:
                         help="the streaming kernel on ids read in runs of 1, 2, 8 rows or in order, vs the copy")
     parser.add_argument("--alias-offsets", nargs="?", const="0,16,2048,4032,4048,4064,4080",
                         help="the streaming kernel at these (table - out) mod 4096 distances: forward, backward, shipped")
+    parser.add_argument("--read-rates", action="store_true",
+                        help="rows read alone (uniform, in order) against the gather's and the copy's read rates")
     parser.add_argument("--placements", type=int, metavar="N",
                         help="the streaming kernel vs the copy on N tables allocated side by side (N GiB)")
     parser.add_argument("--mmap", action="store_true",
                         help="gather from a memory-mapped .npy of the table (page cache, 4 KiB pages) instead")
     arguments = parser.parse_args()
+    if arguments.read_rates:
+        read_rates(fastembed.Embedding.random().table.view(np.uint64),
+                   [int(b) for b in (arguments.batches or "8192,65536").split(",")], arguments.reps)
+        return
     if arguments.placements:
         placements(arguments.placements, [int(b) for b in (arguments.batches or "8192").split(",")], arguments.reps)
         return
