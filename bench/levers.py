@@ -99,6 +99,14 @@ def copies(kernels, threads):
     }
 
 
+def settled_seconds(call: Callable[[], object]) -> float:
+    """Seconds `call()` takes, the caches settled first: no call pays for the dirty lines of the one before."""
+    settle_host_caches()
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
 def parallel_threshold(table: np.ndarray, batches: list[int], repetitions: int, gap_s: float) -> None:
     """Serial vs parallel kernel per call: where the thread wake-up starts to pay.
 
@@ -162,13 +170,15 @@ def stream_threshold(table: np.ndarray, batches: list[int], repetitions: int) ->
         for repetition in range(repetitions + 2):
             for (name, read), values in samples.items():
                 ids = rng.integers(0, table.shape[0], n)
-                settle_host_caches()
-                started = time.perf_counter()
-                stores[name](ids)
-                if read:
-                    np.bitwise_xor.reduce(out, axis=None)
+
+                def store_then_maybe_read() -> None:
+                    stores[name](ids)
+                    if read:
+                        np.bitwise_xor.reduce(out, axis=None)
+
+                seconds = settled_seconds(store_then_maybe_read)
                 if repetition >= 2:
-                    values.append(time.perf_counter() - started)
+                    values.append(seconds)
         cells = [f"{statistics.median(samples[key]) * 1e3:.3f} ms" for key in samples]
         print(f"| {n} | {out.nbytes / 2**20:g} MiB | {' | '.join(cells)} |")
 
@@ -216,11 +226,9 @@ def id_patterns(table: np.ndarray, batches: list[int], repetitions: int) -> None
                 else:
                     ids = patterns[name](n)
                     call = lambda: kernels.gather_parallel_stream(table, ids, out, blocks, *SHIPPED)  # noqa: E731
-                settle_host_caches()
-                started = time.perf_counter()
-                call()
+                seconds = settled_seconds(call)
                 if repetition >= 2:
-                    samples[name].append(time.perf_counter() - started)
+                    samples[name].append(seconds)
         copy_time = statistics.median(samples[limit])
         for name, values in samples.items():
             median = statistics.median(values)
@@ -258,11 +266,9 @@ def placements(count: int, batches: list[int], repetitions: int) -> None:
                     (copies_s[index], lambda: kernels.copy_parallel_stream(
                         table[start : start + n], copy_out, blocks, ALIAS_WINDOW)),
                 ):
-                    settle_host_caches()
-                    started = time.perf_counter()
-                    call()
+                    seconds = settled_seconds(call)
                     if repetition >= 2:
-                        samples.append(time.perf_counter() - started)
+                        samples.append(seconds)
         for index in range(count):
             gather_s, copy_s = statistics.median(gathers[index]), statistics.median(copies_s[index])
             fraction = statistics.median(c / g for c, g in zip(copies_s[index], gathers[index]))
@@ -324,11 +330,9 @@ def read_rates(table: np.ndarray, batches: list[int], repetitions: int) -> None:
         names = list(cases)
         for repetition in range(repetitions + 2):
             for name in names[repetition % len(names):] + names[: repetition % len(names)]:
-                settle_host_caches()
-                started = time.perf_counter()
-                cases[name]()
+                seconds = settled_seconds(cases[name])
                 if repetition >= 2:
-                    samples[name].append(time.perf_counter() - started)
+                    samples[name].append(seconds)
         for name, values in samples.items():
             cells.setdefault(name, []).append(f"{out.nbytes / statistics.median(values) / 1e9:.1f}")
     for name, row in cells.items():
@@ -370,11 +374,9 @@ def alias_offsets(table: np.ndarray, batches: list[int], repetitions: int, dista
                     ids, out = rng.integers(0, table.shape[0], n), outs[distance]
                     options = (*SHIPPED[:2], windows[name])
                     call = lambda: kernels.gather_parallel_stream(table, ids, out, blocks, *options)  # noqa: E731
-                settle_host_caches()
-                started = time.perf_counter()
-                call()
+                seconds = settled_seconds(call)
                 if repetition >= 2:
-                    samples[(name, distance)].append(time.perf_counter() - started)
+                    samples[(name, distance)].append(seconds)
         copy_times = samples[(limit, 0)]
         for (name, distance), values in samples.items():
             fraction = statistics.median(c / v for c, v in zip(copy_times, values))
@@ -405,6 +407,8 @@ def main() -> None:
     parser.add_argument("--mmap", action="store_true",
                         help="gather from a memory-mapped .npy of the table (page cache, 4 KiB pages) instead")
     arguments = parser.parse_args()
+    if arguments.placements is not None and arguments.placements < 1:
+        parser.error(f"--placements needs at least one table, got {arguments.placements}")
     if arguments.read_rates:
         read_rates(fastembed.Embedding.random().table.view(np.uint64),
                    [int(b) for b in (arguments.batches or "8192,65536").split(",")], arguments.reps)
@@ -448,19 +452,15 @@ def main() -> None:
             for name in names[repetition % len(names):] + names[: repetition % len(names)]:
                 gather = gathers[name]
                 ids = rng.integers(0, table.shape[0], n)
-                settle_host_caches()  # no variant pays for the dirty lines of the one before
-                started = time.perf_counter()
-                gather(table, ids, out)
+                seconds = settled_seconds(lambda: gather(table, ids, out))
                 if repetition >= 2:
-                    samples[name].append(time.perf_counter() - started)
+                    samples[name].append(seconds)
                 assert np.array_equal(out[:4], table[ids[:4]])
             for name, copy in limits.items():
-                start = int(rng.integers(0, table.shape[0] - n))
-                settle_host_caches()
-                started = time.perf_counter()
-                copy(table[start : start + n], out)
+                source = table[int(rng.integers(0, table.shape[0] - n)) :][:n]
+                seconds = settled_seconds(lambda: copy(source, out))
                 if repetition >= 2:
-                    samples[name].append(time.perf_counter() - started)
+                    samples[name].append(seconds)
         copy_times = samples["copy: numba, non-temporal stores"]
         for name, values in samples.items():
             gbps = 2 * n * table.shape[1] * 8 / statistics.median(values) / 1e9
