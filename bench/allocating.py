@@ -2,6 +2,7 @@
 
     python bench/allocating.py [--reps 41] [--batches 8192,65536]
     python bench/allocating.py --idle-memory [--reps 5]
+    python bench/allocating.py --fault-in-only [--reps 1000]
 
 Default 129,280 x 4,096 float16 table, uniform fresh ids, caches settled
 before each call, variants interleaved in an order that rotates. Compares
@@ -105,6 +106,29 @@ def idle_memory(gaps_s: list[float], repetitions: int) -> None:
             print(f"| {gap:g} s | {name} | {statistics.median(samples) * 1e3:.0f} ms | {max(samples) * 1e3:.0f} ms |")
 
 
+def fault_in_only(nbytes: int, repetitions: int) -> None:
+    """Fault in a fresh `nbytes` output, on the calling thread and on numba's threads, in turn.
+
+    No gather and no settling: only the faults, so that a stall can be
+    blamed on faulting in, and on who does it.
+    """
+    variants = {"the calling thread": numba_backend._fault_in, "numba's threads": pool_fault_in}
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for fault_in in variants.values():  # compile, and settle the pool
+        _fault_in_new(fault_in, nbytes)
+    for repetition in range(repetitions):
+        for name in list(variants)[repetition % 2:] + list(variants)[: repetition % 2]:
+            samples[name].append(_fault_in_new(variants[name], nbytes))
+    yardstick = statistics.median(samples["the calling thread"])
+    print(f"| fault-in of {nbytes >> 20} MiB on | median | mean | 99th percentile | over 2x the calling thread's median | slowest |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, values in samples.items():
+        p99 = statistics.quantiles(values, n=100)[-1]
+        slow = sum(value > 2 * yardstick for value in values)
+        print(f"| {name} | {statistics.median(values) * 1e3:.2f} ms | {statistics.mean(values) * 1e3:.2f} ms "
+              f"| {p99 * 1e3:.1f} ms | {slow}/{len(values)} | {max(values) * 1e3:.0f} ms |")
+
+
 def _fault_in_new(fault_in: Callable[[np.ndarray], None], nbytes: int) -> float:
     started = time.perf_counter()
     fault_in(np.empty(nbytes, np.uint8))
@@ -117,9 +141,14 @@ def main() -> None:
     parser.add_argument("--batches", default="8192,65536")
     parser.add_argument("--idle-memory", action="store_true",
                         help="fault-in of freed memory after 0, 0.5 and 5 s idle (--reps 5 is plenty)")
+    parser.add_argument("--fault-in-only", action="store_true",
+                        help="fault-ins of a fresh 64 MiB output alone, by who faults (--reps 1000)")
     arguments = parser.parse_args()
     if arguments.idle_memory:
         idle_memory([0.0, 0.5, 5.0], arguments.reps)
+        return
+    if arguments.fault_in_only:
+        fault_in_only(64 * 2**20, arguments.reps)
         return
     table = fastembed.Embedding.random().table
     rng = np.random.default_rng(0)
