@@ -45,6 +45,16 @@ def test_runner_writes_table_json_and_plot(tmp_path):
     assert len(markdown) == 2 + len(rows) and "| cpu | 512 | zipf | fastembed auto out= |" in "\n".join(markdown)
 
 
+def test_plots_are_skipped_without_matplotlib(tmp_path, monkeypatch):
+    from fastembed.benchmark import report
+
+    rows = [{"device": "cpu", "distribution": "uniform", "contender": "numpy table[ids]", "kind": "peer",
+             "batch": 6, "gbps": 1.0}]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert report.write_plots(tmp_path, rows) == []
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_gate_thresholds_file_is_valid():
     checks, repetitions = gate.load_checks(ROOT / "bench" / "gate.toml")
     assert checks and repetitions >= 5

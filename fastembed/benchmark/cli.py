@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     report.write_json(arguments.out / "results.json", payload)
     report.write_markdown(arguments.out / "results.md", rows)
     plots = report.write_plots(arguments.out, rows)
-    console.print(f"wrote {arguments.out / 'results.json'}, results.md and {', '.join(str(p) for p in plots)} "
+    plotted = ", ".join(str(p) for p in plots) if plots else "no plot (matplotlib is not installed)"
+    console.print(f"wrote {arguments.out / 'results.json'}, results.md and {plotted} "
                   f"in {time.perf_counter() - started:.0f} s")
     return 0
 

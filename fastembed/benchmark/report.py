@@ -1,6 +1,7 @@
 """Presenting results: a rich terminal table, JSON with every sample, a PNG plot."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -99,7 +100,13 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def write_plots(folder: Path, rows: list[dict[str, Any]]) -> list[Path]:
-    """One throughput plot per device (uniform ids): throughput.png, throughput-cuda.png."""
+    """One throughput plot per device (uniform ids): throughput.png, throughput-cuda.png.
+
+    Returns the paths written: none where matplotlib is not installed (a GPU
+    machine may lack it; the JSON and Markdown reports carry every figure).
+    """
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
     paths = []
     for device in dict.fromkeys(r["device"] for r in rows):
         path = folder / ("throughput.png" if device == "cpu" else f"throughput-{device}.png")
