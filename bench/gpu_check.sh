@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check, for a machine with a CUDA GPU where cupy, torch, numba, pytest,
-# rich and matplotlib are already installed: installs nothing, needs no network.
+# The GPU check, for a machine with a CUDA GPU where cupy, torch and numba are
+# already installed: installs nothing, needs no network. pytest and rich come
+# from the machine or, where it lacks them, from .gpu-deps/ (made beforehand
+# by bench/gpu_deps.sh and carried along); without matplotlib the plot is skipped.
 #
 #   OUT=/some/folder bash bench/gpu_check.sh
 #
@@ -13,11 +15,18 @@ out=${OUT:-gpu-check-results}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
+# python -m MODULE ARGS..., with .gpu-deps/ at the END of sys.path: the
+# machine's own packages win, the carried ones only fill the gaps.
+run_module() {
+    python -c 'import runpy, sys; sys.path.append(sys.argv.pop(1)); del sys.argv[0]; runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)' \
+        "$PWD/.gpu-deps" "$@"
+}
+
 python -m fastembed info --json > "$out/info.json"
 python -m fastembed info
-python -m pytest -q -p no:cacheprovider tests/test_cuda_gpu.py tests/test_cuda_kernel_compiled.py 2>&1 | tee "$out/gpu-tests.txt"
+run_module pytest -q -p no:cacheprovider tests/test_cuda_gpu.py tests/test_cuda_kernel_compiled.py 2>&1 | tee "$out/gpu-tests.txt"
 tests_status=${PIPESTATUS[0]}
-python -m fastembed.benchmark.cli --device cuda --reps "${REPS:-15}" --out "$out" > "$out/bench.txt" 2>&1
+run_module fastembed.benchmark.cli --device cuda --reps "${REPS:-15}" --out "$out" > "$out/bench.txt" 2>&1
 bench_status=$?
 tail -n 5 "$out/bench.txt"
 [ -f "$out/results.json" ] && python - "$out/results.json" <<'PY'
