@@ -3,6 +3,7 @@
     python bench/allocating.py [--reps 41] [--batches 8192,65536]
     python bench/allocating.py --idle-memory [--reps 5]
     python bench/allocating.py --fault-in-only [--reps 1000]
+    python bench/allocating.py --loops [--rounds 2] [--reps 400] [--batches 8192]
 
 Default 129,280 x 4,096 float16 table, uniform fresh ids, caches settled
 before each call, variants interleaved in an order that rotates. Compares
@@ -13,12 +14,17 @@ faulting the output in, in a pass of their own, before the gather, and
 with 4 MiB of output faulted in and then gathered into, in turn. Reports
 the median, the mean, the 95th percentile and the calls that took more than twice numpy's median ("stalls",
 one yardstick for every variant): the mean and the stalls are what a caller
-feels, and what the faulting-in is for.
+feels, and what the faulting-in is for. ``--loops`` runs each variant alone
+in a process of its own, many calls in a row, as an inference loop would;
+the processes alternate.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any, Callable
 
@@ -140,6 +146,73 @@ def _fault_in_new(fault_in: Callable[[np.ndarray], None], nbytes: int) -> float:
     return time.perf_counter() - started
 
 
+def variants(table: np.ndarray) -> dict[str, Callable[[np.ndarray], Any]]:
+    """Every allocating lookup compared, by name; numpy's first (the yardstick)."""
+    return {
+        "numpy table[ids]": lambda ids: table[ids],
+        "fastembed.lookup (output faulted in first)": lambda ids: fastembed.lookup(table, ids),
+        "fastembed.lookup, threads take the faults": with_fault_in(table, lambda out: None),
+        "fastembed.lookup, numba's threads fault in first": with_fault_in(table, pool_fault_in),
+        "4 MiB faulted in, then gathered with cached stores, in turn": fault_in_and_gather_in_steps(table),
+    }
+
+
+def timed_calls(calls: dict[str, Callable[[np.ndarray], Any]], table: np.ndarray, n: int,
+                repetitions: int, rng: np.random.Generator) -> dict[str, list[float]]:
+    """Seconds per call of each of `calls` on n fresh uniform ids, in an order that rotates."""
+    for name, call in calls.items():  # warm-up (compiles), and each variant's result checked once
+        ids = rng.integers(0, table.shape[0], n)
+        assert np.array_equal(call(ids), table[ids]), name
+    fastembed.wait_for_compiles()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for repetition in range(repetitions):
+        # The order rotates: a variant's memory comes from the one before it, and
+        # the guest may have handed freed pages back to the host (docs/backends.md).
+        for name in names[repetition % len(names):] + names[: repetition % len(names)]:
+            ids = rng.integers(0, table.shape[0], n)
+            settle_host_caches()
+            started = time.perf_counter()
+            result = calls[name](ids)
+            samples[name].append(time.perf_counter() - started)
+            del result  # freed outside the next call's timing
+    return samples
+
+
+def print_rows(label: str, samples: dict[str, list[float]], numpy_samples: list[float]) -> None:
+    """One table row per variant; ratios and stalls against numpy's samples."""
+    numpy_median, numpy_mean = statistics.median(numpy_samples), statistics.mean(numpy_samples)
+    for name, values in samples.items():
+        median, mean = statistics.median(values), statistics.mean(values)
+        p95 = statistics.quantiles(values, n=20)[-1]
+        stalls = sum(value > 2 * numpy_median for value in values)
+        print(f"| {label} | {name} | {median * 1e3:.1f} ms | {numpy_median / median:.2f}x | {mean * 1e3:.1f} ms "
+              f"| {numpy_mean / mean:.2f}x | {p95 * 1e3:.1f} ms | {stalls}/{len(values)} | {max(values) * 1e3:.0f} ms |")
+
+
+def loops(batches: list[int], rounds: int, repetitions: int) -> None:
+    """Each variant alone in a fresh process, `repetitions` calls in a row; the processes alternate.
+
+    No ratios between variants: they ran in different processes, and this
+    machine's speed moves from one process to the next. A stall here is a
+    call slower than twice its own process's median.
+    """
+    names = list(variants(np.zeros((1, 1))))
+    print("| ids, round | call | median | mean | 95th percentile | 99th percentile | over 2x its median | slowest |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for n in batches:
+        for round_number in range(1, rounds + 1):
+            for name in names:
+                command = [sys.executable, __file__, "--loop-of", name, "--batches", str(n), "--reps", str(repetitions)]
+                finished = subprocess.run(command, capture_output=True, text=True, check=True)
+                values = json.loads(finished.stdout.splitlines()[-1])
+                median = statistics.median(values)
+                p95, p99 = (statistics.quantiles(values, n=100)[k] for k in (94, 98))
+                stalls = sum(value > 2 * median for value in values)
+                print(f"| {n}, {round_number} | {name} | {median * 1e3:.1f} ms | {statistics.mean(values) * 1e3:.1f} ms "
+                      f"| {p95 * 1e3:.1f} ms | {p99 * 1e3:.1f} ms | {stalls}/{len(values)} | {max(values) * 1e3:.0f} ms |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=41)
@@ -148,52 +221,37 @@ def main() -> None:
                         help="fault-in of freed memory after 0, 0.5 and 5 s idle (--reps 5 is plenty)")
     parser.add_argument("--fault-in-only", action="store_true",
                         help="fault-ins of a fresh 64 MiB output alone, by who faults (--reps 1000)")
+    parser.add_argument("--loops", action="store_true",
+                        help="each variant alone in its own process, --reps calls in a row (--batches 8192 --reps 400)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --loops: processes per variant")
+    parser.add_argument("--loop-of", help=argparse.SUPPRESS)  # one variant's loop, in a child of --loops
     arguments = parser.parse_args()
     if arguments.reps < 2:
         parser.error("--reps must be at least 2 (medians and percentiles)")
+    if arguments.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    batches = [int(b) for b in arguments.batches.split(",")]
     if arguments.idle_memory:
         idle_memory([0.0, 0.5, 5.0], arguments.reps)
         return
     if arguments.fault_in_only:
         fault_in_only(64 * 2**20, arguments.reps)
         return
+    if arguments.loops:
+        loops(batches, arguments.rounds, arguments.reps)
+        return
     table = fastembed.Embedding.random().table
     rng = np.random.default_rng(0)
-    calls: dict[str, Callable[[np.ndarray], Any]] = {
-        "numpy table[ids]": lambda ids: table[ids],
-        "fastembed.lookup (output faulted in first)": lambda ids: fastembed.lookup(table, ids),
-        "fastembed.lookup, threads take the faults": with_fault_in(table, lambda out: None),
-        "fastembed.lookup, numba's threads fault in first": with_fault_in(table, pool_fault_in),
-        "4 MiB faulted in, then gathered with cached stores, in turn": fault_in_and_gather_in_steps(table),
-    }
+    calls = variants(table)
+    if arguments.loop_of is not None:
+        samples = timed_calls({arguments.loop_of: calls[arguments.loop_of]}, table, batches[0], arguments.reps, rng)
+        print(json.dumps(samples[arguments.loop_of]))
+        return
     print("| ids | call | median | vs numpy | mean | vs numpy | 95th percentile | stalls | slowest |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for n in (int(b) for b in arguments.batches.split(",")):
-        for name, call in calls.items():  # warm-up (compiles), and each variant's result checked once
-            ids = rng.integers(0, table.shape[0], n)
-            assert np.array_equal(call(ids), table[ids]), name
-        fastembed.wait_for_compiles()
-        samples: dict[str, list[float]] = {name: [] for name in calls}
-        names = list(calls)
-        for repetition in range(arguments.reps):
-            # The order rotates: a variant's memory comes from the one before it, and
-            # the guest may have handed freed pages back to the host (docs/backends.md).
-            for name in names[repetition % len(names):] + names[: repetition % len(names)]:
-                call = calls[name]
-                ids = rng.integers(0, table.shape[0], n)
-                settle_host_caches()
-                started = time.perf_counter()
-                result = call(ids)
-                samples[name].append(time.perf_counter() - started)
-                del result  # freed outside the next call's timing
-        numpy_median = statistics.median(samples["numpy table[ids]"])
-        numpy_mean = statistics.mean(samples["numpy table[ids]"])
-        for name, values in samples.items():
-            median, mean = statistics.median(values), statistics.mean(values)
-            p95 = statistics.quantiles(values, n=20)[-1]
-            stalls = sum(value > 2 * numpy_median for value in values)
-            print(f"| {n} | {name} | {median * 1e3:.1f} ms | {numpy_median / median:.2f}x | {mean * 1e3:.1f} ms "
-                  f"| {numpy_mean / mean:.2f}x | {p95 * 1e3:.1f} ms | {stalls}/{len(values)} | {max(values) * 1e3:.0f} ms |")
+    for n in batches:
+        samples = timed_calls(calls, table, n, arguments.reps, rng)
+        print_rows(str(n), samples, samples["numpy table[ids]"])
 
 
 if __name__ == "__main__":
