@@ -217,16 +217,15 @@ def _fault_in_new(fault_in: Callable[[np.ndarray], None], nbytes: int) -> float:
     return time.perf_counter() - started
 
 
-def variants(table: np.ndarray) -> dict[str, Callable[[np.ndarray], Any]]:
-    """Every allocating lookup compared, by name; numpy's first (the yardstick)."""
-    return {
-        "numpy table[ids]": lambda ids: table[ids],
-        "fastembed.lookup (output faulted in first)": lambda ids: fastembed.lookup(table, ids),
-        "fastembed.lookup, threads take the faults": with_fault_in(table, lambda out: None),
-        "fastembed.lookup, numba's threads fault in first": with_fault_in(table, pool_fault_in),
-        "4 MiB faulted in, then gathered with cached stores, in turn": fault_in_and_gather_in_steps(table),
-        "calling thread faults 2 MiB steps, a helper thread gathers behind it": FaultAheadGather(table),
-    }
+#: Every allocating lookup compared: name -> a factory that takes the table. numpy's first (the yardstick).
+VARIANTS: dict[str, Callable[[np.ndarray], Callable[[np.ndarray], Any]]] = {
+    "numpy table[ids]": lambda table: lambda ids: table[ids],
+    "fastembed.lookup (output faulted in first)": lambda table: lambda ids: fastembed.lookup(table, ids),
+    "fastembed.lookup, threads take the faults": lambda table: with_fault_in(table, lambda out: None),
+    "fastembed.lookup, numba's threads fault in first": lambda table: with_fault_in(table, pool_fault_in),
+    "4 MiB faulted in, then gathered with cached stores, in turn": fault_in_and_gather_in_steps,
+    "calling thread faults 2 MiB steps, a helper thread gathers behind it": FaultAheadGather,
+}
 
 
 def timed_calls(calls: dict[str, Callable[[np.ndarray], Any]], table: np.ndarray, n: int,
@@ -269,7 +268,7 @@ def loops(batches: list[int], rounds: int, repetitions: int) -> None:
     machine's speed moves from one process to the next. A stall here is a
     call slower than twice its own process's median.
     """
-    names = list(variants(np.zeros((1, 1))))
+    names = list(VARIANTS)
     print("| ids, round | call | median | mean | 95th percentile | 99th percentile | over 2x its median | slowest |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in batches:
@@ -296,7 +295,7 @@ def main() -> None:
     parser.add_argument("--loops", action="store_true",
                         help="each variant alone in its own process, --reps calls in a row (--batches 8192 --reps 400)")
     parser.add_argument("--rounds", type=int, default=2, help="with --loops: processes per variant")
-    parser.add_argument("--loop-of", help=argparse.SUPPRESS)  # one variant's loop, in a child of --loops
+    parser.add_argument("--loop-of", choices=list(VARIANTS), help=argparse.SUPPRESS)  # one variant's loop, in a child of --loops
     arguments = parser.parse_args()
     if arguments.reps < 2:
         parser.error("--reps must be at least 2 (medians and percentiles)")
@@ -314,7 +313,7 @@ def main() -> None:
         return
     table = fastembed.Embedding.random().table
     rng = np.random.default_rng(0)
-    calls = variants(table)
+    calls = {name: make(table) for name, make in VARIANTS.items()}
     if arguments.loop_of is not None:
         samples = timed_calls({arguments.loop_of: calls[arguments.loop_of]}, table, batches[0], arguments.reps, rng)
         print(json.dumps(samples[arguments.loop_of]))
