@@ -154,6 +154,17 @@ def test_bench_refuses_a_table_file_it_cannot_map(tmp_path):
         assert misplaced.returncode == 2 and "--tensor names a tensor of a safetensors file" in misplaced.stderr
 
 
+def test_gate_refuses_the_gpu_it_does_not_judge(capsys):
+    """The gate judges host rows only: --gate --device cuda must not quietly gate the CPU."""
+    from fastembed.benchmark.cli import parse_arguments
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(["--gate", "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--gate checks the host only" in capsys.readouterr().err
+    assert parse_arguments(["--gate", "--device", "cpu"]).gate
+
+
 def test_ratios_pair_samples_of_the_same_repetition():
     """A slow phase of the machine shifts medians; ratios taken within each repetition stay put."""
     from fastembed.benchmark.measure import Result, summarise

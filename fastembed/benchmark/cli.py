@@ -40,11 +40,16 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                                          "like a token embedding)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: the host, plus the GPU where one is usable (default); cpu or cuda: only that")
-    parser.add_argument("--gate", action="store_true", help="run the CI performance gate; exit 1 on any FAIL")
+    parser.add_argument("--gate", action="store_true",
+                        help="run the CI performance gate on the host (its cases come from --thresholds, not --batch "
+                             "or --dist); exit 1 on any FAIL")
     parser.add_argument("--thresholds", type=Path, default=DEFAULT_THRESHOLDS, help="gate thresholds (TOML)")
     arguments = parser.parse_args(argv)
     if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix == ".npy"):
         parser.error("--tensor names a tensor of a safetensors file given with --table")
+    if arguments.gate and arguments.device == "cuda":
+        # The gate judges host rows only (gate.judge): a GPU gate would silently measure the CPU.
+        parser.error("--gate checks the host only; --device cuda has no gate thresholds (run without --gate)")
     return arguments
 
 
