@@ -40,12 +40,13 @@ def test_safetensors_round_trip_every_dtype(tmp_path, backend, dtype):
 
 def test_safetensors_name_selection(tmp_path):
     path = tmp_path / "two.safetensors"
-    tensors = {"a.wte.weight": random_table(10, 4), "b.word_embeddings.weight": random_table(12, 4), "norm": random_table(1, 4)}
+    tensors = {"encoder.embed_tokens.weight": random_table(10, 4), "decoder.embed_tokens.weight": random_table(12, 4),
+               "norm": random_table(1, 4)}
     write_safetensors(path, tensors)
-    with pytest.raises(ValueError, match="several tensors.*a.wte.weight.*b.word_embeddings.weight"):
+    with pytest.raises(ValueError, match="several tensors.*decoder.embed_tokens.weight.*encoder.embed_tokens.weight"):
         fastembed.Embedding.from_safetensors(path)
-    assert fastembed.Embedding.from_safetensors(path, name="b.word_embeddings.weight").vocab_size == 12
-    with pytest.raises(ValueError, match="no tensor named 'missing'.*a.wte.weight"):
+    assert fastembed.Embedding.from_safetensors(path, name="decoder.embed_tokens.weight").vocab_size == 12
+    with pytest.raises(ValueError, match="no tensor named 'missing'.*embed_tokens.weight"):
         fastembed.Embedding.from_safetensors(path, name="missing")
     plain = tmp_path / "plain.safetensors"
     write_safetensors(plain, {"weights": random_table(3, 3)})
@@ -94,7 +95,8 @@ F16_ENTRY = {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 8]}
         (raw_safetensors({"w.embed_tokens.weight": F16_ENTRY, "x": {**F16_ENTRY, "data_offsets": [4, 12]}}, b"\0" * 12), "overlap"),
         (raw_safetensors({"w.embed_tokens.weight": {"dtype": "F16", "shape": [8], "data_offsets": [0, 16]}}, b"\0" * 16), "no tensor is named like"),
         (raw_safetensors({"w.embed_tokens.weight": "nope"}, b""), "must be an object"),
-        (struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+        (struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000, "JSON object"),
+        (struct.pack("<Q", 200_000) + b"{\"a\":" + b"[" * 99_997 + b"]" * 99_997 + b"}", "entry must be an object"),
     ],
 )
 def test_hostile_safetensors_give_clear_value_errors(tmp_path, content, words):

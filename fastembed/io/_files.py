@@ -1,0 +1,135 @@
+"""Checks shared by the loaders: the path is a file, what a wrong file looks like, short name lists."""
+from __future__ import annotations
+
+import errno
+import os
+import zipfile
+from typing import Iterable
+
+#: How many names an error message lists before "... and N more".
+NAMES_SHOWN = 12
+
+#: How to turn a PyTorch checkpoint (zip archive or pickle) into a safetensors file.
+CONVERT_PICKLE = (
+    "convert it once, in a trusted environment, with the safetensors package: "
+    "import torch; from safetensors.torch import save_file; "
+    "save_file({k: v.contiguous().clone() for k, v in torch.load(PATH, map_location='cpu', weights_only=True).items()}, "
+    "'model.safetensors')"
+)
+
+
+def shorten(names: Iterable[str], total: int | None = None, limit: int = NAMES_SHOWN) -> str:
+    """The first `limit` names, quoted, then "... and N more" when there are more.
+
+    Args:
+        names: the names, in the order to show them (only the first `limit` are read
+            when `total` is given).
+        total: how many names there are in all, when `names` holds only the first ones.
+        limit: how many to show.
+
+    Returns:
+        A string such as ``'a', 'b' ... and 187 more``, or ``(none)``.
+    """
+    shown = []
+    count = 0
+    for name in names:
+        if len(shown) < limit:
+            shown.append(repr(name))
+        count += 1
+        if total is not None and len(shown) >= limit:
+            break
+    total = count if total is None else total
+    if not shown:
+        return "(none)"
+    text = ", ".join(shown)
+    return text + (f" ... and {total - len(shown)} more" if total > len(shown) else "")
+
+
+def check_file(path: str | os.PathLike, opener: str) -> int:
+    """The size of the regular file at `path`.
+
+    Args:
+        path: the file.
+        opener: the call that was asked to open it, for messages.
+
+    Returns:
+        Its size in bytes.
+
+    Raises:
+        FileNotFoundError: nothing exists at `path`.
+        ValueError: `path` is a directory or not a regular file.
+    """
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"{opener}: no such file", str(path)) from None
+    except NotADirectoryError:
+        raise FileNotFoundError(errno.ENOENT, f"{opener}: no such file (a parent is not a directory)", str(path)) from None
+    import stat
+
+    if stat.S_ISDIR(status.st_mode):
+        raise ValueError(
+            f"{path}: is a directory; {opener} opens one file. To open a checkpoint directory "
+            "(model.safetensors, or shards with model.safetensors.index.json) use fastembed.io.open_table"
+        )
+    if not stat.S_ISREG(status.st_mode):
+        raise ValueError(f"{path}: not a regular file; {opener} opens a regular file")
+    return status.st_size
+
+
+def describe(path: str | os.PathLike, head: bytes) -> str | None:
+    """What a file that is neither safetensors nor .npy looks like, and how to open it.
+
+    Args:
+        path: the file (a zip archive's directory is listed to tell .npz from PyTorch).
+        head: its first bytes (at least 16 when the file is that long).
+
+    Returns:
+        A sentence, or None when the file does not look like any known other format.
+    """
+    if head.startswith(b"\x93NUMPY"):
+        return "is a .npy file; open it with fastembed.Embedding.from_npy (or fastembed.io.map_npy)"
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        names = _zip_names(path)
+        if names and all(name.endswith(".npy") for name in names):
+            return (f"is a .npz archive (np.savez) of {shorten(names)}; extract one array as a .npy file "
+                    "(np.save('table.npy', np.load(PATH)[KEY])) and open it with fastembed.Embedding.from_npy")
+        if any(name.endswith("data.pkl") for name in names):
+            return f"is a PyTorch checkpoint (torch.save zip archive, a pickle); fastembed never unpickles: {CONVERT_PICKLE}"
+        return ("is a zip archive (a PyTorch torch.save checkpoint or a .npz?); fastembed reads only safetensors "
+                f"and .npy files. If it is a PyTorch checkpoint, {CONVERT_PICKLE}")
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return f"is a Python pickle (a legacy PyTorch .bin/.pt checkpoint?); fastembed never unpickles: {CONVERT_PICKLE}"
+    if head.startswith(b"GGUF"):
+        return ("is a GGUF file (llama.cpp); fastembed reads safetensors and .npy files: open the original "
+                "Hugging Face checkpoint (.safetensors) instead")
+    stripped = head.lstrip(b" \t\r\n\xef\xbb\xbf")
+    if stripped.startswith((b"{", b"[")):
+        if _mentions(path, b'"weight_map"'):
+            return ("is a sharded checkpoint's index (model.safetensors.index.json), not a tensor file; "
+                    "pass it, or its directory, to fastembed.io.open_table")
+        return "is a JSON text file, not a tensor file"
+    if head and all(byte in b"\t\n\r" or 32 <= byte < 127 or byte >= 0x80 for byte in head[:64]) and b"\0" not in head:
+        return "is a text file, not a tensor file"
+    return None
+
+
+def _zip_names(path: str | os.PathLike) -> list[str]:
+    """The member names of a zip archive (read from its central directory only), or [] if unreadable."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+        return []
+
+
+def _mentions(path: str | os.PathLike, needle: bytes, limit: int = 1 << 20) -> bool:
+    """Whether the first `limit` bytes of the file contain `needle`."""
+    with open(path, "rb") as handle:
+        return needle in handle.read(limit)
+
+
+def read_head(path: str | os.PathLike, size: int = 64) -> bytes:
+    """The first `size` bytes of a file (fewer when it is shorter)."""
+    with open(path, "rb") as handle:
+        return handle.read(size)

@@ -1,0 +1,287 @@
+"""Hugging Face checkpoints: find the token embedding by name, map only the shard that holds it.
+
+A checkpoint directory holds either one ``model.safetensors`` or shards
+``model-0000N-of-0000M.safetensors`` with ``model.safetensors.index.json``
+(``{"metadata": {"total_size": N}, "weight_map": {tensor name: shard file}}``),
+and usually a ``config.json`` whose ``vocab_size`` and ``hidden_size``
+(``d_model`` for T5, ``n_embd`` for GPT-2) give the token embedding's shape.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ._files import NAMES_SHOWN, check_file, describe, read_head, shorten
+from .npy import map_npy
+from .safetensors import TensorEntry, map_tensor, scan_safetensors_header
+
+#: Tensor-name endings that mark a token embedding, best first, with the families that use them.
+#: A name matches an ending when it equals it or ends with "." followed by it, so
+#: ``position_embeddings.weight`` or ``wpe.weight`` never match.
+TOKEN_EMBEDDING_ENDINGS: tuple[tuple[str, str], ...] = (
+    ("shared.weight", "T5, BART (shared.weight; encoder/decoder embed_tokens are tied to it)"),
+    ("embed_tokens.weight", "LLaMA, Qwen, Mistral, DeepSeek, OPT (model.embed_tokens.weight)"),
+    ("word_embeddings.weight", "BERT, RoBERTa (embeddings.word_embeddings.weight), BLOOM, Falcon"),
+    ("wte.weight", "GPT-2, GPT-J (transformer.wte.weight)"),
+    ("embed_in.weight", "GPT-NeoX, Pythia (gpt_neox.embed_in.weight)"),
+    ("tok_embeddings.weight", "Meta's original LLaMA layout, InternLM2"),
+    ("token_embedding.weight", "CLIP text encoders"),
+    ("token_embeddings.weight", "other encoders"),
+)
+#: Last resort: any "...embedding(s).weight" that is not a position or token-type embedding.
+_GENERIC_ENDINGS = ("embeddings.weight", "embedding.weight")
+_NOT_TOKEN_WORDS = ("position", "token_type", "segment", "pos_emb", "patch", "rotary", "relative")
+#: The most candidate tensors a selection looks at (real checkpoints have one to three).
+MAX_CANDIDATES = 64
+#: The largest index or config JSON read (DeepSeek-V3's index is about 9 MB).
+MAX_JSON_BYTES = 64 * 2**20
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def embedding_rank(name: str) -> int | None:
+    """How strongly a tensor's name marks it as the token embedding: 0 is best, None is not at all."""
+    for rank, (ending, _) in enumerate(TOKEN_EMBEDDING_ENDINGS):
+        if name == ending or name.endswith("." + ending):
+            return rank
+    lowered = name.lower()
+    if lowered.endswith(_GENERIC_ENDINGS) and not any(word in lowered for word in _NOT_TOKEN_WORDS):
+        return len(TOKEN_EMBEDDING_ENDINGS)
+    return None
+
+
+def is_embedding_candidate(name: str) -> bool:
+    """Whether a tensor's name looks like a token embedding (see :data:`TOKEN_EMBEDDING_ENDINGS`)."""
+    return embedding_rank(name) is not None
+
+
+def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
+                         expected: tuple[int | None, int | None] | None = None, two_d: str | None = None) -> str:
+    """The token embedding among the given tensors.
+
+    Args:
+        shapes: tensor name -> shape (other tensors may be included; they are ignored).
+        where: the file or checkpoint, for messages.
+        expected: (vocab_size, dim) from config.json (either may be None), when known.
+        two_d: the 2-D tensors to list when there is no candidate (default: those in `shapes`).
+
+    Returns:
+        The name of the single best 2-D candidate: the one whose name ending ranks first in
+        :data:`TOKEN_EMBEDDING_ENDINGS`, among those of the expected shape when it is known.
+
+    Raises:
+        ValueError: no tensor is named like a token embedding; none has the shape the
+            config gives; or several rank equally (each message lists the candidates).
+    """
+    candidates = {name: tuple(shape) for name, shape in shapes.items() if len(shape) == 2 and is_embedding_candidate(name)}
+    if not candidates:
+        if two_d is None:
+            two_d = shorten(name for name, shape in shapes.items() if len(shape) == 2)
+        raise ValueError(f"{where}: no tensor is named like a token embedding "
+                         f"({', '.join(ending for ending, _ in TOKEN_EMBEDDING_ENDINGS)}); pass name=; "
+                         f"2-D tensors: {two_d}")
+    if expected is not None and any(expected):
+        fitting = {name: shape for name, shape in candidates.items()
+                   if all(want is None or want == have for want, have in zip(expected, shape))}
+        if not fitting:
+            raise ValueError(f"{where}: config.json gives the token embedding shape {_shape_text(expected)} but no tensor "
+                             f"named like one has it; pass name= one of {_with_shapes(candidates)}")
+        candidates = fitting
+    best = min(embedding_rank(name) for name in candidates)
+    top = [name for name in candidates if embedding_rank(name) == best]
+    if len(top) == 1:
+        return top[0]
+    raise ValueError(f"{where}: several tensors look like token embeddings, pass name= one of {_with_shapes({n: candidates[n] for n in top})}")
+
+
+def _shape_text(expected: tuple[int | None, int | None]) -> str:
+    return "(" + ", ".join("?" if value is None else str(value) for value in expected) + ")"
+
+
+def _with_shapes(candidates: Mapping[str, tuple[int, ...]]) -> str:
+    return shorten(f"{name} {list(shape)}" for name, shape in candidates.items()).replace("'", "")
+
+
+def read_config_shape(directory: str | os.PathLike) -> tuple[int | None, int | None] | None:
+    """(vocab_size, hidden size) from a checkpoint's config.json, or None when there is none.
+
+    The hidden size is ``hidden_size``, ``d_model`` (T5, BART) or ``n_embd`` (GPT-2);
+    a multimodal config's ``text_config`` is read when the top level lacks them.
+
+    Raises:
+        ValueError: config.json exists but is not a readable JSON object.
+    """
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        return None
+    config = _read_json(path, "config.json")
+    for level in (config, config.get("text_config")):
+        if not isinstance(level, dict):
+            continue
+        vocab = level.get("vocab_size")
+        dim = next((level[key] for key in ("hidden_size", "d_model", "n_embd") if key in level), None)
+        vocab = vocab if type(vocab) is int and vocab > 0 else None
+        dim = dim if type(dim) is int and dim > 0 else None
+        if vocab or dim:
+            return vocab, dim
+    return None
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    size = check_file(path, "fastembed.io.open_table")
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: {what} is {size} bytes, over the {MAX_JSON_BYTES}-byte limit")
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise ValueError(f"{path}: {what} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: {what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap:
+    """Memory-map a checkpoint's token embedding (or the tensor `name`) read-only, zero-copy.
+
+    Args:
+        source: a checkpoint directory (``model.safetensors``, or shards with
+            ``model.safetensors.index.json``), an index file, one ``.safetensors``
+            file, or a ``.npy`` file.
+        name: the tensor to open; None picks the token embedding by name
+            (:data:`TOKEN_EMBEDDING_ENDINGS`), confirmed against config.json's
+            ``vocab_size`` and hidden size when the checkpoint has one. Must be None
+            for a .npy file.
+
+    Returns:
+        A read-only np.memmap of the 2-D table. For shards only the index and the headers
+        of the shards holding candidate tensors are read; only one shard is mapped.
+
+    Raises:
+        FileNotFoundError: nothing at `source`.
+        ValueError: a directory without a checkpoint; an unreadable index or config; a
+            shard named outside the directory; no such tensor; no, or several equal,
+            token-embedding candidates (listed); any error of the file loaders.
+        TypeError: BF16/F8 need ml_dtypes and it is missing.
+    """
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(2, "fastembed.io.open_table: no such file or directory", str(source))
+    if path.is_dir():
+        if (path / INDEX_NAME).is_file():
+            return _open_sharded(path / INDEX_NAME, name)
+        if (path / SINGLE_NAME).is_file():
+            return _open_single(path / SINGLE_NAME, name, read_config_shape(path))
+        raise ValueError(_no_checkpoint_message(path))
+    check_file(path, "fastembed.io.open_table")
+    head = read_head(path)
+    if head.startswith(b"\x93NUMPY"):
+        if name is not None:
+            raise ValueError(f"{path}: a .npy file holds one array; name= must be None")
+        return map_npy(path)
+    if path.name.endswith(".index.json") or (describe(path, head) or "").startswith("is a sharded checkpoint's index"):
+        return _open_sharded(path, name)
+    return _open_single(path, name, None)
+
+
+def _no_checkpoint_message(path: Path) -> str:
+    try:
+        files = sorted(entry.name for entry in path.iterdir())
+    except OSError:
+        files = []
+    hint = ""
+    if any(file.endswith((".bin", ".pt", ".pth")) for file in files):
+        hint = " It holds PyTorch pickles (.bin/.pt), which fastembed never unpickles; convert them with the safetensors package."
+    others = [file for file in files if file.endswith(".safetensors") or file.endswith(".index.json")]
+    if others:
+        hint += f" Pass one of these files instead: {shorten(others)}."
+    return (f"{path}: no checkpoint in this directory: expected {SINGLE_NAME} or {INDEX_NAME}; "
+            f"it holds {shorten(files)}.{hint}")
+
+
+def _open_single(path: Path, name: str | None, expected: tuple[int | None, int | None] | None) -> np.memmap:
+    from .safetensors import map_safetensors
+
+    if name is not None:
+        return map_safetensors(path, name)
+    chosen, header = select_in_file(path, expected)
+    return map_tensor(path, header.entries[chosen], header.data_start, chosen)
+
+
+def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | None] | None = None) -> tuple[str, Any]:
+    """The token embedding of one safetensors file, chosen as :func:`token_embedding_name` does.
+
+    Keeps at most :data:`MAX_CANDIDATES` candidate entries in memory, whatever the header holds.
+
+    Returns:
+        (name, the :class:`~fastembed.io.safetensors.SafetensorsHeader` holding its entry).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`~fastembed.io.safetensors.scan_safetensors_header`
+            and :func:`token_embedding_name`.
+    """
+    two_d: list[str] = []
+    counts = {"two_d": 0, "kept": 0}
+
+    def keep(name: str, entry: TensorEntry) -> bool:
+        if len(entry.shape) != 2:
+            return False
+        counts["two_d"] += 1
+        if len(two_d) < NAMES_SHOWN:
+            two_d.append(name)
+        if is_embedding_candidate(name) and counts["kept"] < MAX_CANDIDATES:
+            counts["kept"] += 1
+            return True
+        return False
+
+    header = scan_safetensors_header(path, keep=keep)
+    shapes = {n: e.shape for n, e in header.entries.items()}
+    return token_embedding_name(shapes, path, expected, shorten(two_d, counts["two_d"])), header
+
+
+def _open_sharded(index_path: Path, name: str | None) -> np.memmap:
+    directory = index_path.parent
+    index = _read_json(index_path, "the index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index_path}: the index's weight_map must be an object of tensor name -> shard file name")
+    if name is not None:
+        if name not in weight_map:
+            near = [n for n in weight_map if is_embedding_candidate(n)]
+            raise ValueError(f"{index_path}: no tensor named {name!r} in weight_map; tensors named like a token "
+                             f"embedding: {shorten(near)}; first tensors: {shorten(weight_map, len(weight_map))}")
+        names = [name]
+    else:
+        names = [n for n in weight_map if is_embedding_candidate(n)]
+        if not names:
+            raise ValueError(f"{index_path}: no tensor is named like a token embedding "
+                             f"({', '.join(ending for ending, _ in TOKEN_EMBEDDING_ENDINGS)}); pass name=; "
+                             f"tensors: {shorten(weight_map, len(weight_map))}")
+        if len(names) > MAX_CANDIDATES:
+            raise ValueError(f"{index_path}: {len(names)} tensors are named like token embeddings; pass name= one of {shorten(names)}")
+    by_shard: dict[str, list[str]] = {}
+    for tensor in names:
+        by_shard.setdefault(_shard_path(index_path, weight_map[tensor]), []).append(tensor)
+    found: dict[str, tuple[str, TensorEntry, int]] = {}
+    for shard, tensors in by_shard.items():
+        wanted = set(tensors)
+        header = scan_safetensors_header(shard, keep=lambda n, e, wanted=wanted: n in wanted)
+        for tensor in tensors:
+            if tensor not in header.entries:
+                raise ValueError(f"{index_path}: the index puts tensor {tensor!r} in {Path(shard).name}, which does not hold it")
+            found[tensor] = (shard, header.entries[tensor], header.data_start)
+    if name is None:
+        name = token_embedding_name({n: entry.shape for n, (_, entry, _) in found.items()}, index_path,
+                                    read_config_shape(directory))
+    shard, entry, data_start = found[name]
+    return map_tensor(shard, entry, data_start, name)
+
+
+def _shard_path(index_path: Path, shard: str) -> str:
+    """The shard file named by an index, which must be a plain file name in the index's directory."""
+    if not shard or shard in (".", "..") or "/" in shard or "\\" in shard or "\0" in shard:
+        raise ValueError(f"{index_path}: the index names shard {shard[:200]!r}; a shard must be a file name in the index's directory")
+    return str(index_path.parent / shard)

@@ -1,0 +1,82 @@
+""".npy files: the header read by numpy's own parser, every failure a ValueError, the data memory-mapped."""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+from numpy.lib import format as npy_format
+
+from ._files import check_file, describe, read_head
+
+_OPENER = "fastembed.Embedding.from_npy"
+#: numpy's own default limit on a .npy header's length (np.load's max_header_size).
+MAX_HEADER_BYTES = 10_000
+
+
+def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """The shape, Fortran order, dtype and data offset of a .npy file, checked against its size.
+
+    Args:
+        path: the file.
+
+    Returns:
+        (shape, fortran_order, dtype, offset of the first data byte).
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: a directory; not a .npy file (saying what it looks like); a corrupt
+            header (whatever numpy's parser raised on it: SyntaxError, OverflowError,
+            tokenize.TokenError, ...); object dtypes; data shorter than the header says.
+    """
+    file_size = check_file(path, _OPENER)
+    head = read_head(path)
+    if not head.startswith(b"\x93NUMPY"):
+        looks = describe(path, head)
+        raise ValueError(f"{path}: not a .npy file: it {looks}" if looks else
+                         f"{path}: not a .npy file (no \\x93NUMPY magic); {_OPENER} opens .npy files")
+    with open(path, "rb") as handle:
+        try:
+            version = npy_format.read_magic(handle)
+            shape, fortran_order, dtype = _read_header(handle, version)
+        except Exception as error:  # noqa: BLE001 - any failure of numpy's parser on hostile bytes
+            raise ValueError(f"{path}: not a readable .npy file: corrupt header ({type(error).__name__}: {error})") from None
+        offset = handle.tell()
+    if dtype.hasobject:
+        raise ValueError(f"{path}: not a readable .npy file: dtype {dtype} holds Python objects (a pickle); "
+                         "fastembed never unpickles")
+    needed = math.prod(shape) * dtype.itemsize
+    if offset + needed > file_size:
+        raise ValueError(f"{path}: truncated .npy file: the header says {needed} bytes of {dtype} data {list(shape)}, "
+                         f"the file holds {file_size - offset}")
+    return tuple(shape), bool(fortran_order), dtype, offset
+
+
+def _read_header(handle, version):  # noqa: ANN001, ANN202
+    reader = getattr(npy_format, "_read_array_header", None)
+    if reader is not None:
+        return reader(handle, version, max_header_size=MAX_HEADER_BYTES)
+    if version == (1, 0):
+        return npy_format.read_array_header_1_0(handle, max_header_size=MAX_HEADER_BYTES)
+    return npy_format.read_array_header_2_0(handle, max_header_size=MAX_HEADER_BYTES)
+
+
+def map_npy(path: str | os.PathLike) -> np.memmap:
+    """Memory-map a 2-D .npy file read-only, zero-copy.
+
+    Args:
+        path: the .npy file (format version 1, 2 or 3).
+
+    Returns:
+        A read-only np.memmap (Fortran-ordered when the file is).
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: as :func:`read_npy_header`; the array is not 2-D or is empty.
+    """
+    shape, fortran_order, dtype, offset = read_npy_header(path)
+    if len(shape) != 2:
+        raise ValueError(f"{path}: holds shape {shape}; an embedding table is 2-D")
+    if 0 in shape:
+        raise ValueError(f"{path}: holds an empty array of shape {shape}")
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran_order else "C")

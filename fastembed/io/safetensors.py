@@ -1,0 +1,369 @@
+"""safetensors files: the header checked entry by entry in bounded memory, one tensor memory-mapped.
+
+Layout: 8 bytes little-endian header length N, then N bytes of JSON
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``
+(padded with spaces), then the data; offsets count from the first byte after
+the header.
+
+Every malformed or hostile file raises ValueError naming the problem; no
+offset is trusted before it has been checked against the file's size.
+
+What a header may cost is bounded, whatever its content:
+
+* at most :data:`MAX_HEADER_BYTES` (16 MiB) of header, read into memory and
+  decoded once (the format itself allows 100 MB; real headers are far smaller,
+  see docs/loading.md);
+* each tensor entry is parsed alone and dropped: only the entries the caller
+  keeps (the one tensor asked for, or the few named like a token embedding)
+  stay in memory, plus 16 bytes of offsets per tensor for the overlap check;
+* an entry's JSON text is at most :data:`MAX_ENTRY_BYTES`, so no nesting or
+  long list inside one entry is ever built;
+* ``__metadata__`` is scanned string by string and not kept.
+
+So opening a file costs about 3x its header length in memory (the bytes, the
+decoded text, offsets) and time linear in the header length.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from array import array
+from json.decoder import scanstring
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from ..tables import resolve_dtype
+from ._files import check_file, describe, read_head, shorten
+
+#: safetensors dtype codes -> numpy dtype names (ml_dtypes for BF16 and F8).
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+_ITEMSIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+
+#: The largest header accepted. The format allows 100 MB; the largest real
+#: headers are a few hundred KiB (one shard of a mixture-of-experts model),
+#: and a header listing every one of DeepSeek-V3's ~92,000 tensors in a single
+#: file would be about 11 MB.
+MAX_HEADER_BYTES = 16 * 2**20
+#: The longest JSON text of one tensor entry (a real one is under 150 bytes).
+MAX_ENTRY_BYTES = 4096
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_OPENER = "fastembed.Embedding.from_safetensors"
+
+
+class TensorEntry(NamedTuple):
+    """One checked tensor of a safetensors header.
+
+    Attributes:
+        dtype: the safetensors dtype code ("BF16", "F32", ...).
+        shape: the tensor's shape.
+        begin: first byte of its data, counted from the start of the data section.
+        end: one past its last byte.
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class SafetensorsHeader(NamedTuple):
+    """What a header scan keeps.
+
+    Attributes:
+        entries: the tensors the scan was asked to keep, by name.
+        data_start: the file offset of the data section (8 + header length).
+        tensor_count: how many tensors the header lists in all.
+        sample: the names of the first few tensors (for messages).
+    """
+
+    entries: dict[str, TensorEntry]
+    data_start: int
+    tensor_count: int
+    sample: list[str]
+
+
+def scan_safetensors_header(
+    path: str | os.PathLike, keep: Callable[[str, TensorEntry], bool] = lambda name, entry: True, sample: int = 12
+) -> SafetensorsHeader:
+    """Check every entry of a safetensors header, keeping only those `keep` accepts.
+
+    Args:
+        path: the file.
+        keep: called with each checked entry; the entry is kept when it returns True.
+        sample: how many tensor names (in header order) to keep for messages.
+
+    Returns:
+        The kept entries, the data section's offset, the tensor count and a name sample.
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: a directory; a file that is not safetensors (saying what it looks
+            like: .npy, PyTorch zip or pickle, GGUF, an index JSON, text); a header
+            longer than :data:`MAX_HEADER_BYTES` or than the file; invalid JSON; a
+            bad dtype, shape or data_offsets (of any JSON type); overlapping tensors;
+            a tensor name given twice among the kept ones.
+    """
+    file_size = check_file(path, _OPENER)
+    head = read_head(path)
+    if file_size < 8:
+        raise ValueError(_not_safetensors(path, head, f"{file_size} bytes, shorter than the 8-byte header length"))
+    header_length = int.from_bytes(head[:8], "little")
+    if header_length > file_size - 8:
+        raise ValueError(_not_safetensors(path, head, f"header length {header_length} goes beyond the file ({file_size} bytes)"))
+    if header_length > MAX_HEADER_BYTES:
+        raise ValueError(_not_safetensors(
+            path, head, f"header length {header_length} is over fastembed's limit of {MAX_HEADER_BYTES} bytes "
+            "(real checkpoints' headers are under a few MB)"))
+    if head[8:9] != b"{":
+        raise ValueError(_not_safetensors(path, head, "the header must be a JSON object, starting with '{'"))
+    with open(path, "rb") as handle:
+        handle.seek(8)
+        raw = handle.read(header_length)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: header is not valid JSON (not UTF-8: {error})") from None
+    del raw
+    data_start = 8 + header_length
+    return _scan(path, text, data_start, file_size - data_start, keep, sample)
+
+
+def _not_safetensors(path: Any, head: bytes, problem: str) -> str:
+    looks = describe(path, head)
+    if looks is not None:
+        return f"{path}: not a safetensors file: it {looks}"
+    return f"{path}: not a safetensors file: {problem}"
+
+
+def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[[str, TensorEntry], bool],
+          sample_size: int, check_overlap: bool = True) -> SafetensorsHeader:
+    def fail(problem: str) -> ValueError:
+        return ValueError(f"{path}: header is not valid JSON: {problem}")
+
+    length = len(text)
+    pos = _WHITESPACE.match(text, 1).end()
+    kept: dict[str, TensorEntry] = {}
+    sample: list[str] = []
+    begins, ends = array("q"), array("q")
+    tensor_count = 0
+    seen_metadata = False
+    if pos < length and text[pos] == "}":
+        pos += 1
+    else:
+        while True:
+            if pos >= length or text[pos] != '"':
+                raise fail(f"expected a tensor name in double quotes at character {pos}")
+            try:
+                name, pos = scanstring(text, pos + 1, True)
+            except ValueError as error:
+                raise fail(str(error)) from None
+            pos = _WHITESPACE.match(text, pos).end()
+            if pos >= length or text[pos] != ":":
+                raise fail(f"expected ':' after {name[:80]!r}")
+            pos = _WHITESPACE.match(text, pos + 1).end()
+            if name == "__metadata__":
+                if seen_metadata:
+                    raise ValueError(f"{path}: __metadata__ is given twice")
+                seen_metadata = True
+                pos = _skip_metadata(path, text, pos)
+            else:
+                entry, pos = _entry(path, name, text, pos, data_size)
+                tensor_count += 1
+                if len(sample) < sample_size:
+                    sample.append(name)
+                if entry.end > entry.begin:
+                    begins.append(entry.begin)
+                    ends.append(entry.end)
+                if keep(name, entry):
+                    if name in kept:
+                        raise ValueError(f"{path}: tensor {name!r} is listed twice in the header")
+                    kept[name] = entry
+            pos = _WHITESPACE.match(text, pos).end()
+            if pos < length and text[pos] == ",":
+                pos = _WHITESPACE.match(text, pos + 1).end()
+                continue
+            if pos < length and text[pos] == "}":
+                pos += 1
+                break
+            raise fail(f"expected ',' or '}}' at character {pos}")
+    if text[pos:].strip(" \t\n\r"):
+        raise fail(f"extra data after the header object at character {pos}")
+    if check_overlap:
+        _check_overlap(path, text, begins, ends)
+    return SafetensorsHeader(kept, data_start, tensor_count, sample)
+
+
+def _reject_number(value: str) -> Any:
+    raise ValueError(f"non-integer number {value[:40]}")
+
+
+def _entry(path: Any, name: str, text: str, pos: int, data_size: int) -> tuple[TensorEntry, int]:
+    """Parse and check the entry object starting at text[pos]; returns it and the position after it."""
+    where = f"{path}: tensor {name!r}"
+    if text[pos:pos + 1] != "{":
+        raise ValueError(f"{where}: entry must be an object")
+    close = text.find("}", pos, pos + MAX_ENTRY_BYTES)
+    if close < 0:
+        if text.find("}", pos) < 0:
+            raise ValueError(f"{path}: header is not valid JSON: the entry of tensor {name!r} is not closed")
+        raise ValueError(f"{where}: entry is longer than {MAX_ENTRY_BYTES} characters or holds a nested object; "
+                         "an entry is a flat object of dtype, shape and data_offsets")
+    try:
+        entry = json.loads(text[pos:close + 1], parse_float=_reject_number, parse_constant=_reject_number)
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"{path}: header is not valid JSON: the entry of tensor {name!r}: {error}") from None
+    return _checked_entry(where, entry, data_size), close + 1
+
+
+def _checked_entry(where: str, entry: Any, data_size: int) -> TensorEntry:
+    dtype_code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype_code, str) or dtype_code not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{where}: unknown dtype {_short_repr(dtype_code)}; known: {', '.join(SAFETENSORS_DTYPES)}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise ValueError(f"{where}: shape must be a list of non-negative integers, got {_short_repr(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise ValueError(f"{where}: data_offsets must be two integers, got {_short_repr(offsets)}")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+        raise ValueError(f"{where}: data_offsets {offsets} lie outside the data section (0..{data_size})")
+    expected = math.prod(shape) * _ITEMSIZES.get(dtype_code, 1)
+    if end - begin != expected:
+        raise ValueError(f"{where}: shape {shape} x {dtype_code} is {expected} bytes but data_offsets span {end - begin}")
+    return TensorEntry(dtype_code, tuple(shape), begin, end)
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _skip_metadata(path: Any, text: str, pos: int) -> int:
+    """Check that text[pos] starts an object of strings (not kept); returns the position after it."""
+    def fail(problem: str) -> ValueError:
+        return ValueError(f"{path}: __metadata__ must be an object of strings: {problem}")
+
+    length = len(text)
+    if text[pos:pos + 1] != "{":
+        raise fail("it is not an object")
+    pos = _WHITESPACE.match(text, pos + 1).end()
+    if text[pos:pos + 1] == "}":
+        return pos + 1
+    while True:
+        for expected in ("key", "value"):
+            if text[pos:pos + 1] != '"':
+                raise fail(f"expected a string {expected} at character {pos}")
+            try:
+                _, pos = scanstring(text, pos + 1, True)
+            except ValueError as error:
+                raise fail(str(error)) from None
+            pos = _WHITESPACE.match(text, pos).end()
+            if expected == "key":
+                if text[pos:pos + 1] != ":":
+                    raise fail(f"expected ':' at character {pos}")
+                pos = _WHITESPACE.match(text, pos + 1).end()
+        if pos < length and text[pos] == ",":
+            pos = _WHITESPACE.match(text, pos + 1).end()
+        elif pos < length and text[pos] == "}":
+            return pos + 1
+        else:
+            raise fail(f"expected ',' or '}}' at character {pos}")
+
+
+def _check_overlap(path: Any, text: str, begins: array, ends: array) -> None:
+    """Raise naming two tensors whose data overlap (16 bytes of memory per tensor)."""
+    if len(begins) < 2:
+        return
+    begin_array = np.frombuffer(begins, dtype=np.int64)
+    end_array = np.frombuffer(ends, dtype=np.int64)
+    order = np.argsort(begin_array, kind="stable")
+    overlaps = np.flatnonzero(begin_array[order][1:] < end_array[order][:-1])
+    if overlaps.size:
+        wanted = {int(order[overlaps[0]]), int(order[overlaps[0] + 1])}
+        found: dict[int, str] = {}
+        nonempty = iter(range(len(begins)))
+
+        def keep(name: str, entry: TensorEntry) -> bool:
+            if entry.end > entry.begin:
+                index = next(nonempty)
+                if index in wanted:
+                    found[index] = name
+            return False
+
+        # A second pass, only to name the two tensors.
+        _scan(path, text, 0, 1 << 62, keep, 0, check_overlap=False)
+        first, second = (found.get(index, "?") for index in sorted(wanted, key=lambda i: begins[i]))
+        raise ValueError(f"{path}: tensors {first!r} and {second!r} overlap in the data section")
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEntry], int]:
+    """Every checked tensor entry of a safetensors file, and the data's start offset.
+
+    Keeps every entry (about 300 bytes of memory each); loaders use
+    :func:`scan_safetensors_header`, which keeps only what they need.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`scan_safetensors_header`.
+    """
+    header = scan_safetensors_header(path)
+    return header.entries, header.data_start
+
+
+def map_tensor(path: str | os.PathLike, entry: TensorEntry, data_start: int, name: str) -> np.memmap:
+    """Memory-map one checked 2-D tensor read-only.
+
+    Raises:
+        ValueError: the tensor is not 2-D or is empty.
+        TypeError: BF16/F8 need ml_dtypes and it is missing.
+    """
+    if len(entry.shape) != 2:
+        raise ValueError(f"{path}: tensor {name!r} has shape {list(entry.shape)}; an embedding table is 2-D")
+    if 0 in entry.shape:
+        raise ValueError(f"{path}: tensor {name!r} is empty (shape {list(entry.shape)})")
+    dtype = resolve_dtype(SAFETENSORS_DTYPES[entry.dtype])
+    return np.memmap(path, dtype=dtype, mode="r", offset=data_start + entry.begin, shape=entry.shape)
+
+
+def map_safetensors(path: str | os.PathLike, name: str | None = None) -> np.memmap:
+    """Memory-map one 2-D tensor of a safetensors file, read-only, without reading its data.
+
+    Args:
+        path: a .safetensors file.
+        name: the tensor; None picks the token embedding by the naming conventions of
+            the common model families (see :func:`fastembed.io.token_embedding_name`).
+
+    Returns:
+        A read-only np.memmap of the tensor.
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: as :func:`scan_safetensors_header`; no tensor `name` (listing a few);
+            no tensor or several tensors named like a token embedding (listing them);
+            the tensor is not 2-D or is empty.
+        TypeError: BF16/F8 need ml_dtypes and it is missing.
+    """
+    from .checkpoints import MAX_CANDIDATES, is_embedding_candidate, select_in_file
+
+    if name is None:
+        name, header = select_in_file(path)
+    else:
+        near: list[str] = []
+
+        def keep(tensor: str, entry: TensorEntry) -> bool:
+            if tensor != name and len(entry.shape) == 2 and is_embedding_candidate(tensor) and len(near) < MAX_CANDIDATES:
+                near.append(tensor)
+            return tensor == name
+
+        header = scan_safetensors_header(path, keep=keep)
+        if name not in header.entries:
+            raise ValueError(f"{path}: no tensor named {name!r}; tensors named like a token embedding: {shorten(near)}; "
+                             f"the header's first tensors: {shorten(header.sample, header.tensor_count)}")
+    return map_tensor(path, header.entries[name], header.data_start, name)

@@ -1,0 +1,103 @@
+"""Noticing that the file behind a memory-mapped table shrank or changed, before a lookup.
+
+A memory map follows the file, not a snapshot of it. If the file is
+truncated while mapped, a lookup that touches a page past the new end gets
+SIGBUS from the operating system and the process dies (Python cannot catch
+it). If it is overwritten in place, lookups silently return the new bytes.
+Replacing the file (writing a new one and renaming it over the path, as
+``huggingface_hub`` and most tools do) is harmless: the map keeps the old
+file's pages.
+
+:class:`FileWatch` holds the file open and compares ``os.fstat`` of it with
+what it was when the table was opened: one system call, well under a
+microsecond (docs/loading.md gives the figure and the command), against the
+microseconds of the smallest lookup. It narrows the window, it cannot close
+it: the file may still shrink between ``check()`` and the lookup.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+
+class FileChangedError(RuntimeError):
+    """The file behind a memory-mapped table shrank or was modified in place since it was opened."""
+
+
+class FileWatch:
+    """The size and modification time of a mapped file, checked on demand.
+
+    Args:
+        path: the mapped file.
+        needed_bytes: how many bytes from the file's start the table covers
+            (the map's offset plus its length).
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: the file is already shorter than `needed_bytes`.
+    """
+
+    def __init__(self, path: str | os.PathLike, needed_bytes: int) -> None:
+        self.path = os.fspath(path)
+        self.needed_bytes = int(needed_bytes)
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        status = os.fstat(self._fd)
+        self.size, self.mtime_ns = status.st_size, status.st_mtime_ns
+        if self.size < self.needed_bytes:
+            self.close()
+            raise ValueError(f"{self.path}: {self.size} bytes, shorter than the {self.needed_bytes} the table needs")
+
+    @classmethod
+    def for_table(cls, table: Any) -> "FileWatch | None":
+        """A watch for a table returned by the loaders (an np.memmap), or None for an in-memory table.
+
+        Returns:
+            A FileWatch covering the mapped bytes, or None when `table` is not an np.memmap
+            with a file name.
+        """
+        if not isinstance(table, np.memmap) or not getattr(table, "filename", None):
+            return None
+        return cls(table.filename, int(table.offset) + table.nbytes)
+
+    def check(self) -> None:
+        """Raise when the file shrank below the table or was modified in place since it was opened.
+
+        Costs one ``os.fstat`` on the open descriptor.
+
+        Raises:
+            FileChangedError: the file is now shorter than the table (a lookup could die with
+                SIGBUS), or its size or modification time changed (rows may have changed).
+            ValueError: the watch was closed.
+        """
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the FileWatch is closed")
+        status = os.fstat(self._fd)
+        if status.st_size < self.needed_bytes:
+            raise FileChangedError(
+                f"{self.path} shrank to {status.st_size} bytes while memory-mapped; the table needs "
+                f"{self.needed_bytes}. A lookup touching the lost pages would kill the process with SIGBUS: "
+                "reopen the table from a complete file")
+        if status.st_size != self.size or status.st_mtime_ns != self.mtime_ns:
+            raise FileChangedError(
+                f"{self.path} was modified in place while memory-mapped (size {self.size} -> {status.st_size}, "
+                "modification time changed): its rows may have changed; reopen the table")
+
+    def close(self) -> None:
+        """Close the descriptor (the table's memory map is not affected)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "FileWatch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
