@@ -27,7 +27,8 @@ def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.
         FileNotFoundError: no file at `path`.
         ValueError: a directory; not a .npy file (saying what it looks like); a corrupt
             header (whatever numpy's parser raised on it: SyntaxError, OverflowError,
-            tokenize.TokenError, ...); object dtypes; data shorter than the header says.
+            tokenize.TokenError, ...) or a negative dimension; object dtypes; data shorter
+            than the header says.
     """
     file_size = check_file(path, _OPENER)
     head = read_head(path)
@@ -45,6 +46,8 @@ def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.
     if dtype.hasobject:
         raise ValueError(f"{path}: not a readable .npy file: dtype {dtype} holds Python objects (a pickle); "
                          "fastembed never unpickles")
+    if not all(type(size) is int and size >= 0 for size in shape):
+        raise ValueError(f"{path}: not a readable .npy file: corrupt header (shape {shape!r})")
     needed = math.prod(shape) * dtype.itemsize
     if offset + needed > file_size:
         raise ValueError(f"{path}: truncated .npy file: the header says {needed} bytes of {dtype} data {list(shape)}, "

@@ -1,0 +1,93 @@
+"""map_npy on corrupt headers: every failure a ValueError naming the file (fuzzed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastembed
+from fastembed import io
+
+
+def npy_bytes(header: str, data: bytes = b"\0" * 32) -> bytes:
+    """A version 1.0 .npy file with this header dictionary text, padded as numpy pads it."""
+    encoded = header.encode("latin1")
+    encoded += b" " * ((64 - (10 + len(encoded) + 1) % 64) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(encoded).to_bytes(2, "little") + encoded + data
+
+
+@pytest.mark.parametrize(
+    "header, words",
+    [
+        # numpy's parser raised OverflowError, then tokenize.TokenError, for these.
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999, 4), }", "truncated .npy"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 4), '''", "corrupt header.*TokenError"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 4", "corrupt header.*TokenError"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (-2, 4), }", "corrupt header"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (2**62, 4), }", "corrupt header"),
+        ("{'descr': [1], 'fortran_order': False, 'shape': (2, 4), }", "corrupt header"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (20, 4), }", "truncated .npy.*320 bytes"),
+    ],
+)
+def test_corrupt_npy_headers_raise_value_error_naming_the_file(tmp_path, header, words):
+    path = tmp_path / "corrupt.npy"
+    path.write_bytes(npy_bytes(header))
+    with pytest.raises(ValueError, match=words) as caught:
+        io.map_npy(path)
+    assert str(path) in str(caught.value)
+
+
+def test_a_valid_handmade_header_maps(tmp_path):
+    path = tmp_path / "ok.npy"
+    data = np.arange(8, dtype="<f4").reshape(2, 4)
+    path.write_bytes(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 4), }", data.tobytes()))
+    table = io.map_npy(path)
+    assert isinstance(table, np.memmap) and not table.flags.writeable
+    np.testing.assert_array_equal(table, data)
+
+
+def test_fortran_order_and_versions_2_and_3_map_like_np_load(tmp_path):
+    table = np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4))
+    np.save(tmp_path / "f.npy", table)
+    mapped = io.map_npy(tmp_path / "f.npy")
+    assert mapped.flags.f_contiguous and np.array_equal(mapped, table)
+    for version in ((2, 0), (3, 0)):
+        path = tmp_path / f"v{version[0]}.npy"
+        with open(path, "wb") as handle:
+            np.lib.format.write_array(handle, table, version=version)
+        assert np.array_equal(io.map_npy(path), table)
+
+
+def _valid_npy() -> bytes:
+    import io as stdio
+
+    buffer = stdio.BytesIO()
+    np.save(buffer, np.arange(24, dtype=np.float16).reshape(6, 4))
+    return buffer.getvalue()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    flips=st.lists(st.tuples(st.integers(0, 127), st.integers(0, 255)), max_size=6),
+    inserts=st.lists(st.tuples(st.integers(10, 127), st.binary(min_size=1, max_size=8)), max_size=2),
+    cut=st.one_of(st.none(), st.integers(0, 200)),
+)
+def test_fuzzed_npy_headers_only_give_value_errors(tmp_path, flips, inserts, cut):
+    """Byte flips and insertions in the header (the first 128 bytes), and truncation."""
+    content = bytearray(_valid_npy())
+    for position, value in flips:
+        content[position] = value
+    for position, chunk in inserts:
+        content[position:position] = chunk
+    if cut is not None:
+        content = content[:cut]
+    path = tmp_path / "fuzz.npy"
+    path.write_bytes(bytes(content))
+    try:
+        table = fastembed.Embedding.from_npy(path).table
+    except ValueError as error:
+        assert str(path) in str(error)
+        return
+    assert table.ndim == 2 and table.nbytes <= len(content)
+    fastembed.lookup(np.ascontiguousarray(table[:1]), [0])
