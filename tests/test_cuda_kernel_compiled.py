@@ -4,10 +4,13 @@
     read-only vector loads (ld.global.nc.v4) and 16-byte stores, and ptxas
     reports zero spill bytes for every instantiation.
 (b) g++ compiles the same source with tests/cuda_emulation/cuda_host.h, which
-    runs every thread of a launch sequentially; results are compared with
-    numpy for widths 4096, 4095, 8 and 1, int32 and int64 ids, and bad ids.
-    The host side's vector-width and geometry choices drive the emulated
-    launches, so both halves of the backend are exercised.
+    runs every thread of a launch sequentially, blocks in a shuffled order,
+    and refuses every read outside the table and the ids; results are
+    compared with numpy for widths 4096, 4095, 8 and 1, int32 and int64 ids,
+    and bad ids. The host side's vector-width and geometry choices drive the
+    emulated launches, so both halves of the backend are exercised. (The
+    CuPy double, tests/cupy_double/, runs the whole backend on the same
+    emulation: tests/test_cuda_gpu.py.)
 """
 from __future__ import annotations
 
@@ -79,22 +82,32 @@ def emulated(tmp_path_factory):
     handle = ctypes.CDLL(str(library))
     handle.fe_emulated_gather.restype = ctypes.c_int
     handle.fe_emulated_gather.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
-                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong,
-                                          ctypes.c_longlong, ctypes.POINTER(ctypes.c_ulonglong)]
+                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                                          ctypes.c_longlong, ctypes.c_longlong, ctypes.POINTER(ctypes.c_ulonglong),
+                                          ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
     return handle
 
 
-def emulated_gather(handle, table: np.ndarray, ids: np.ndarray, out: np.ndarray, sm_count: int = 2) -> int:
-    """One launch, with the vector width and geometry the cuda backend would choose."""
+def emulated_gather(handle, table: np.ndarray, ids: np.ndarray, out: np.ndarray, sm_count: int = 2,
+                    vocab_size: int | None = None, expected_status: int = 0, seed: int = 0) -> int:
+    """One launch, with the vector width and geometry the cuda backend would choose, blocks shuffled.
+
+    Only the table's and the ids' bytes are readable; `vocab_size` (default:
+    the table's rows) is what the kernel is told.
+    """
     row_bytes = table.shape[1] * table.dtype.itemsize
     vec_bytes, _ = cuda_backend.vector_bytes(row_bytes, table.ctypes.data, out.ctypes.data)
     vecs_per_row = row_bytes // vec_bytes
     blocks, threads = cuda_backend.launch_geometry(ids.size, vecs_per_row, sm_count)
-    error = ctypes.c_ulonglong(NO_ERROR)
-    status = handle.fe_emulated_gather(ids.dtype.itemsize, vec_bytes, blocks, threads, table.ctypes.data,
-                                       ids.ctypes.data, out.ctypes.data, ids.size, table.shape[0], vecs_per_row,
-                                       ctypes.byref(error))
-    assert status == 0
+    order = np.random.default_rng(seed).permutation(blocks).astype(np.uint32)
+    readable = (ctypes.c_void_p * 4)(table.ctypes.data, table.ctypes.data + table.nbytes, ids.ctypes.data,
+                                     ids.ctypes.data + ids.nbytes)
+    error, fault = ctypes.c_ulonglong(NO_ERROR), ctypes.c_void_p(0)
+    status = handle.fe_emulated_gather(ids.dtype.itemsize, vec_bytes, blocks, threads, order.ctypes.data,
+                                       table.ctypes.data, ids.ctypes.data, out.ctypes.data, ids.size,
+                                       table.shape[0] if vocab_size is None else vocab_size, vecs_per_row,
+                                       ctypes.byref(error), readable, 2, ctypes.byref(fault))
+    assert status == expected_status
     return error.value
 
 
@@ -127,6 +140,21 @@ def test_emulated_bad_ids_record_first_position_and_zero_their_rows(emulated, id
     for position, row in enumerate(ids):
         expected = table[row] if 0 <= row < 40 else np.zeros(4095, table.dtype)
         np.testing.assert_array_equal(out[position].view(np.uint16), expected.view(np.uint16))
+
+
+def test_emulation_refuses_reads_outside_the_table(emulated):
+    """The check behind every emulated launch works: a kernel told of more rows than the table has faults."""
+    table = random_table(10, 64)
+    out = poisoned((2, 64), table.dtype)
+    emulated_gather(emulated, table, np.array([1, 12]), out, vocab_size=20, expected_status=2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_emulated_first_bad_position_whatever_the_block_order(emulated, seed):
+    table = random_table(30, 16)
+    ids = np.array([0] * 70 + [31] + [1] * 50 + [-3], dtype=np.int64)  # 122 rows over 64 blocks: grid-stride
+    out = poisoned((ids.size, 16), table.dtype)
+    assert emulated_gather(emulated, table, ids, out, seed=seed) == 70
 
 
 def test_vector_width_follows_row_size_and_alignment():
