@@ -162,6 +162,51 @@ def test_fuzzed_headers_only_give_clean_errors(tmp_path, flips, cut):
     fastembed.lookup(emb.table, [0])
 
 
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=6,
+)
+
+
+@pytest.mark.parametrize("field", ["dtype", "shape", "data_offsets"])
+@pytest.mark.parametrize("value", [["F16"], {"F16": 1}, None, 2.5, True, "F16", [2, 2.0], {"a": [1]}, [[0, 8]], "nan"])
+def test_every_json_type_in_an_entry_field_is_a_value_error(tmp_path, field, value):
+    """A list or object as dtype used to raise TypeError: unhashable type."""
+    entry = {**F16_ENTRY, field: value}
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(raw_safetensors({"w.embed_tokens.weight": entry}, b"\0" * 8))
+    if field == "dtype" and value == "F16":
+        assert fastembed.Embedding.from_safetensors(path).vocab_size == 2
+        return
+    with pytest.raises(ValueError, match=field if field != "dtype" else "unknown dtype"):
+        fastembed.Embedding.from_safetensors(path)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    values=st.fixed_dictionaries({}, optional={"dtype": JSON_VALUES, "shape": JSON_VALUES, "data_offsets": JSON_VALUES,
+                                               "extra": JSON_VALUES}),
+    metadata=st.one_of(st.none(), JSON_VALUES),
+    other=st.one_of(st.none(), JSON_VALUES),
+)
+def test_fuzzed_entry_values_of_every_json_type_only_give_clean_errors(tmp_path, values, metadata, other):
+    """dtype, shape, data_offsets, __metadata__ and a whole entry replaced by JSON of any type."""
+    entry = {**F16_ENTRY, **values}
+    header = {"model.embed_tokens.weight": entry}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    if other is not None:
+        header["other"] = other
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(raw_safetensors(header, np.arange(4, dtype=np.float16).tobytes()))
+    try:
+        emb = fastembed.Embedding.from_safetensors(path)
+    except ValueError:
+        return
+    assert emb.table.shape == (2, 2) and emb.table.nbytes <= path.stat().st_size
+
+
 def rss() -> int:
     import psutil
 

@@ -16,8 +16,8 @@ What a header may cost is bounded, whatever its content:
 * each tensor entry is parsed alone and dropped: only the entries the caller
   keeps (the one tensor asked for, or the few named like a token embedding)
   stay in memory, plus 16 bytes of offsets per tensor for the overlap check;
-* an entry's JSON text is at most :data:`MAX_ENTRY_BYTES`, so no nesting or
-  long list inside one entry is ever built;
+* an entry is parsed from at most :data:`MAX_ENTRY_BYTES` characters, so no
+  deep nesting or long list inside one entry is ever built;
 * ``__metadata__`` is scanned string by string and not kept.
 
 So opening a file costs about 3x its header length in memory (the bytes, the
@@ -202,26 +202,27 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
     return SafetensorsHeader(kept, data_start, tensor_count, sample)
 
 
-def _reject_number(value: str) -> Any:
-    raise ValueError(f"non-integer number {value[:40]}")
+_DECODER = json.JSONDecoder()
 
 
 def _entry(path: Any, name: str, text: str, pos: int, data_size: int) -> tuple[TensorEntry, int]:
-    """Parse and check the entry object starting at text[pos]; returns it and the position after it."""
+    """Parse and check the entry object starting at text[pos]; returns it and the position after it.
+
+    Only the next MAX_ENTRY_BYTES characters are parsed, so no entry can build more than
+    a few hundred KiB of Python objects, whatever it nests.
+    """
     where = f"{path}: tensor {name!r}"
     if text[pos:pos + 1] != "{":
         raise ValueError(f"{where}: entry must be an object")
-    close = text.find("}", pos, pos + MAX_ENTRY_BYTES)
-    if close < 0:
-        if text.find("}", pos) < 0:
-            raise ValueError(f"{path}: header is not valid JSON: the entry of tensor {name!r} is not closed")
-        raise ValueError(f"{where}: entry is longer than {MAX_ENTRY_BYTES} characters or holds a nested object; "
-                         "an entry is a flat object of dtype, shape and data_offsets")
+    chunk = text[pos:pos + MAX_ENTRY_BYTES]
     try:
-        entry = json.loads(text[pos:close + 1], parse_float=_reject_number, parse_constant=_reject_number)
+        entry, used = _DECODER.raw_decode(chunk)
     except (ValueError, RecursionError) as error:
+        if len(chunk) == MAX_ENTRY_BYTES:
+            raise ValueError(f"{where}: entry is not valid JSON within its first {MAX_ENTRY_BYTES} characters "
+                             f"(a real entry is under 200): {error}") from None
         raise ValueError(f"{path}: header is not valid JSON: the entry of tensor {name!r}: {error}") from None
-    return _checked_entry(where, entry, data_size), close + 1
+    return _checked_entry(where, entry, data_size), pos + used
 
 
 def _checked_entry(where: str, entry: Any, data_size: int) -> TensorEntry:
