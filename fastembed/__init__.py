@@ -30,32 +30,46 @@ __all__ = [
 
 
 def backends() -> list[BackendStatus]:
-    """Every known backend in priority order, whether it can run here, and if not, why."""
+    """Every known backend in priority order, whether it can run here, and if not, why.
+
+    Example:
+        >>> import fastembed
+        >>> fastembed.backends()[-1]
+        BackendStatus(name='numpy', available=True, reasons=[])
+    """
     return backend_statuses()
 
 
-def select_backend(table: Any, ids: Any, out: Any = None) -> Selection:
-    """Which backend ``backend="auto"`` would pick for this call, and why the others were skipped.
+def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto") -> Selection:
+    """Which backend ``lookup(table, ids, out=out, backend=backend)`` would use, and why the others were skipped.
 
-    Validates like ``lookup`` (same exceptions) but gathers nothing.
+    Validates like :func:`lookup` (same exceptions) but gathers nothing.
+
+    Example:
+        >>> import numpy as np, fastembed
+        >>> fastembed.select_backend(np.zeros((4, 3), np.float32), [1], backend="numpy").backend
+        'numpy'
     """
     from . import validate
 
-    validate.check_table(table)
-    ids = validate.as_ids(ids, table)
+    table_view = validate.table_snapshot(table)
+    ids_view = validate.ids_snapshot(ids, table_view)
     if out is not None:
-        validate.check_out(out, ids, table)
-    return explain(table, ids, out)
+        validate.out_snapshot(out, ids_view, table_view, table, ids)
+    return explain(table_view, backend)
 
 
 def wait_for_compiles() -> None:
     """Block until every kernel compiling in the background is ready.
 
     The first large CPU lookup of a process is served by the serial kernel
-    while the parallel one compiles on a background thread (1-2 s with an
-    empty numba cache on the development machine). A server that wants parallel speed from its
-    first request makes one lookup of a typical batch at start-up, then calls
-    this.
+    while the parallel one compiles on a background thread. A server that
+    wants parallel speed from its first request makes one lookup of a
+    typical batch at start-up, then calls this.
+
+    Example:
+        >>> import fastembed
+        >>> fastembed.wait_for_compiles()
     """
     from .backends import background_compile
 

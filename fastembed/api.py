@@ -2,9 +2,9 @@
 
 Each call validates (``fastembed.validate``), picks a backend
 (``fastembed.dispatch``) and hands over; nothing here knows a kernel.
-``lookup`` and ``Embedding.__call__`` spell out the same three steps rather
-than share a helper: one Python call is 0.1-0.2 us, 3-5% of a six-id lookup
-(docs/backends.md, "Small batches").
+``lookup`` and ``Embedding.__call__`` spell out the same steps (snapshot,
+validate, dispatch) rather than share a helper: a decode step is mostly
+Python call overhead, and one more call is a measurable part of it.
 """
 from __future__ import annotations
 
@@ -14,72 +14,119 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, validate
+from .arrays import device_of
 
 
 def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> Any:
-    """Return ``table[ids]``: shape ``ids.shape + (table.shape[1],)``, the table's dtype.
+    """Gather rows of an embedding table: ``table[ids]``.
 
-    table: 2-D C-contiguous numpy/memmap (host) or cupy (GPU) array, any dtype.
-    ids: integers of any dtype and ndim (lists and scalars as numpy accepts them)
-        in ``[0, table.shape[0])``; int32/int64 are used without a copy.
-    out: optional preallocated C-contiguous array of the result's shape and
-        dtype, on the table's device; it is filled and returned.
-    backend: "auto" (or FASTEMBED_BACKEND), "numba", "numpy" or "cuda".
+    Args:
+        table: 2-D C-contiguous numpy array, np.memmap (host) or cupy array
+            (GPU), of any fixed-size dtype.
+        ids: integers of any dtype and ndim (lists and scalars as numpy
+            accepts them) in ``[0, table.shape[0])``; int32/int64 are used
+            without a copy.
+        out: optional preallocated C-contiguous array of the result's shape
+            and dtype, on the table's device; it is filled and returned.
+        backend: ``"auto"`` (or FASTEMBED_BACKEND), ``"numba"``, ``"numpy"``
+            or ``"cuda"``.
 
-    Raises TypeError/ValueError for malformed inputs, IndexError naming the
-    first bad id's position and value, BackendUnavailableError when a named
-    backend cannot serve the call. On a host error ``out`` is left untouched.
+    Returns:
+        ``out``, or a new array on the table's device.
+
+    Shape:
+        ``ids.shape + (table.shape[1],)``, the table's dtype.
+
+    Raises:
+        TypeError: ids that are not integers; arrays of the wrong kind, dtype or device.
+        ValueError: a table or ``out`` of the wrong shape or layout.
+        IndexError: an id out of range, naming the first bad id's position and value.
+        BackendUnavailableError: a named backend cannot serve the call.
+
+    On a host error ``out`` is left untouched. Each call works on its own
+    snapshot of the arrays: another thread reshaping them meanwhile cannot
+    make it read or write out of bounds.
+
+    Example:
+        >>> import numpy as np, fastembed
+        >>> table = np.arange(12, dtype=np.float32).reshape(4, 3)
+        >>> fastembed.lookup(table, [3, 0])
+        array([[ 9., 10., 11.],
+               [ 0.,  1.,  2.]], dtype=float32)
     """
-    validate.check_table(table)
-    ids = validate.as_ids(ids, table)
-    if out is not None:
-        validate.check_out(out, ids, table)
-    return dispatch.select(table, ids, out, backend).gather(table, ids, out)
+    table_view = validate.table_snapshot(table)
+    ids_view = validate.ids_snapshot(ids, table_view)
+    if out is None:
+        return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+    out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
+    dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
+    return out
 
 
 class Embedding:
     """A callable embedding layer over a table it references, never copies.
 
     ``emb(ids, out=None, backend="auto")`` is ``lookup(emb.table, ids, ...)``
-    without re-validating the table on every call.
+    without re-validating the table on every call. The layer keeps its own
+    view of the table, taken at construction: reassigning the caller's
+    ``table.shape`` afterwards does not change the layer.
+
+    Args:
+        table: as for :func:`lookup`.
+
+    Raises:
+        TypeError, ValueError: as :func:`lookup` for a bad table.
+
+    Example:
+        >>> import numpy as np, fastembed
+        >>> emb = fastembed.Embedding(np.arange(12, dtype=np.float32).reshape(4, 3))
+        >>> emb([[1], [2]]).shape
+        (2, 1, 3)
     """
 
     def __init__(self, table: Any) -> None:
-        validate.check_table(table)
+        self._view = validate.table_snapshot(table)
         self._table = table
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto") -> Any:
-        table = self._table  # validated once, in __init__; the rest as in lookup()
-        ids = validate.as_ids(ids, table)
-        if out is not None:
-            validate.check_out(out, ids, table)
-        return dispatch.select(table, ids, out, backend).gather(table, ids, out)
+        """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors)."""
+        table_view = self._view
+        ids_view = validate.ids_snapshot(ids, table_view)
+        if out is None:
+            return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+        out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
+        dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
+        return out
 
     @property
     def table(self) -> Any:
-        """The referenced table (numpy, np.memmap or cupy array)."""
+        """The table as the caller gave it (numpy, np.memmap or cupy array)."""
         return self._table
 
     @property
     def vocab_size(self) -> int:
-        return int(self._table.shape[0])
+        """Rows in the table."""
+        return int(self._view.shape[0])
 
     @property
     def dim(self) -> int:
-        return int(self._table.shape[1])
+        """Values per row."""
+        return int(self._view.shape[1])
 
     @property
     def dtype(self) -> np.dtype:
-        return np.dtype(self._table.dtype)
+        """The table's dtype (and every result's)."""
+        return np.dtype(self._view.dtype)
 
     @property
     def nbytes(self) -> int:
-        return int(self._table.nbytes)
+        """The table's size in bytes."""
+        return int(self._view.nbytes)
 
     @property
     def device(self) -> str:
         """``"cpu"`` or ``"cuda:N"``."""
-        return validate.device_of(self._table)
+        return device_of(self._view)
 
     def __repr__(self) -> str:
         return f"Embedding(vocab_size={self.vocab_size}, dim={self.dim}, dtype={self.dtype}, device={self.device!r})"
@@ -126,7 +173,7 @@ class Embedding:
         from .backends import cuda_backend
         from .dispatch import BackendUnavailableError
 
-        reasons = cuda_backend.unavailable_reasons()
+        reasons = cuda_backend.BACKEND.unavailable_reasons()
         if reasons:
             raise BackendUnavailableError(f"cannot move the table to cuda:{device}: {'; '.join(reasons)}")
-        return cls(cuda_backend.to_device(self._table, device))
+        return Embedding(cuda_backend.to_device(self._view, device))

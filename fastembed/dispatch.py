@@ -1,23 +1,25 @@
 """The backend registry and the choice of backend for a call.
 
 Backends are tried in priority order (cuda, numba, numpy); ``auto`` takes the
-first that is available on this machine and supports the call. Data stays
+first that is available on this machine and whose declared capabilities
+(:class:`fastembed.backends.base.Capabilities`) cover the call. Data stays
 where it lives: a cupy table goes to cuda, a numpy table never moves to a
 GPU by itself. A backend chosen by name (argument, or the FASTEMBED_BACKEND
-environment variable, read at import, in place of ``auto``) is used or refused with its
-reasons; it never falls back silently.
+environment variable, read at import, in place of ``auto``) is used or
+refused with its reasons; it never falls back silently.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
-from .backends import cuda_backend, numba_backend, numpy_backend
+from .arrays import adapter_of, device_of
+from .backends import base, cuda_backend, numba_backend, numpy_backend
+from .backends.base import Backend
 
 #: Priority order for ``auto``.
-BACKENDS: dict[str, ModuleType] = {module.NAME: module for module in (cuda_backend, numba_backend, numpy_backend)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (cuda_backend.BACKEND, numba_backend.BACKEND, numpy_backend.BACKEND)}
 ENVIRONMENT_VARIABLE = "FASTEMBED_BACKEND"
 AUTO = "auto"
 
@@ -48,23 +50,56 @@ class Selection:
         return "\n".join(lines)
 
 
+def register_backend(backend: Backend, before: str | None = None) -> None:
+    """Add `backend` to the registry, with priority just above `before` (None: lowest).
+
+    Raises:
+        TypeError: `backend` does not implement :class:`~fastembed.backends.base.Backend`.
+        ValueError: its name is taken or is ``"auto"``, or `before` is unknown.
+    """
+    if not isinstance(backend, Backend):
+        raise TypeError(f"{backend!r} does not implement fastembed.backends.base.Backend")
+    if backend.name in BACKENDS or backend.name == AUTO:
+        raise ValueError(f"a backend named {backend.name!r} is already registered")
+    if before is not None and before not in BACKENDS:
+        raise ValueError(f"unknown backend {before!r}; known: {', '.join(BACKENDS)}")
+    ordered = list(BACKENDS.items())
+    position = len(ordered) if before is None else [name for name, _ in ordered].index(before)
+    ordered.insert(position, (backend.name, backend))
+    BACKENDS.clear()
+    BACKENDS.update(ordered)
+    refresh()
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a backend added with :func:`register_backend`."""
+    del BACKENDS[name]
+    refresh()
+
+
 def backend_statuses() -> list[BackendStatus]:
+    """Every registered backend in priority order, whether it can run here, and if not, why."""
     statuses = []
-    for name, module in BACKENDS.items():
-        reasons = module.unavailable_reasons()
+    for name, backend in BACKENDS.items():
+        reasons = backend.unavailable_reasons()
         statuses.append(BackendStatus(name, not reasons, list(reasons)))
     return statuses
 
 
 def read_environment() -> None:
     """(Re)read FASTEMBED_BACKEND. Done once at import: a lookup does not pay
-    for an environment read (about 1 us) on every call."""
+    for an environment read on every call."""
     global _environment_choice
     _environment_choice = os.environ.get(ENVIRONMENT_VARIABLE) or AUTO
 
 
 _environment_choice = AUTO
 read_environment()
+
+
+def environment_choice() -> str:
+    """The FASTEMBED_BACKEND value in force (``"auto"`` when unset)."""
+    return _environment_choice
 
 
 def requested_choice(backend: str) -> str:
@@ -79,73 +114,86 @@ def requested_choice(backend: str) -> str:
     return backend
 
 
-def reasons_against(module: ModuleType, table: Any, ids: Any, out: Any) -> list[str]:
-    return module.unavailable_reasons() or module.not_supported_reasons(table, ids, out)
+def reasons_against(backend: Backend, table: Any) -> list[str]:
+    """Why `backend` cannot serve a call on `table`: the machine first, then its declared capabilities."""
+    unavailable = backend.unavailable_reasons()
+    if unavailable:
+        return unavailable
+    adapter = adapter_of(table)
+    library = adapter.name if adapter is not None else type(table).__module__.partition(".")[0]
+    return base.not_supported_reasons(backend, library, device_of(table))
 
 
-def available_backends() -> tuple[ModuleType, ...]:
+def available_backends() -> tuple[Backend, ...]:
     """The backends that can run on this machine, in priority order (cached)."""
     global _available
     if _available is None:
-        _available = tuple(module for module in BACKENDS.values() if not module.unavailable_reasons())
+        _available = tuple(backend for backend in BACKENDS.values() if not backend.unavailable_reasons())
     return _available
 
 
-_available: tuple[ModuleType, ...] | None = None
+_available: tuple[Backend, ...] | None = None
 
 
 def refresh() -> None:
-    """Forget cached availability and re-read FASTEMBED_BACKEND (after installing cupy, say)."""
+    """Forget every cached answer and re-read FASTEMBED_BACKEND (after installing cupy, say).
+
+    Resets every backend's own state too (:meth:`Backend.reset`).
+    """
     global _available
     _available = None
     _selected.clear()
-    for module in BACKENDS.values():
-        cache_clear = getattr(module.unavailable_reasons, "cache_clear", None)
-        if cache_clear:
-            cache_clear()
+    for backend in BACKENDS.values():
+        backend.reset()
     read_environment()
 
 
-def select(table: Any, ids: Any, out: Any, backend: str = AUTO) -> ModuleType:
-    """The backend module that serves this call; raises if a named one cannot."""
+def select(table: Any, backend: str = AUTO) -> Backend:
+    """The backend that serves a call on `table` (a snapshot); raises if a named one cannot.
+
+    Support depends only on the table's array library and device kind, which
+    its type decides, so the answer is remembered per requested backend,
+    FASTEMBED_BACKEND and table type: one dict lookup per call.
+    """
     key = (backend, _environment_choice, type(table))
     try:
         remembered = _selected.get(key)
     except TypeError:  # an unhashable backend argument (a list, say)
-        raise TypeError(f"backend must be a string, one of {', '.join([AUTO, *BACKENDS])}; "
-                        f"got {type(backend).__name__}") from None
+        raise TypeError(
+            f"backend must be a string, one of {', '.join([AUTO, *BACKENDS])}; got {type(backend).__name__}"
+        ) from None
     if remembered is not None:
         return remembered
-    module = _choose(table, ids, out, backend)
-    # Support depends only on the table's type (the backend contract), so the
-    # answer is remembered per requested backend, FASTEMBED_BACKEND and table
-    # type: one dict lookup per call. refresh() forgets it.
-    _selected[key] = module
-    return module
+    chosen = _choose(table, backend)
+    _selected[key] = chosen
+    return chosen
 
 
-def _choose(table: Any, ids: Any, out: Any, backend: str) -> ModuleType:
+def _choose(table: Any, backend: str) -> Backend:
     choice = requested_choice(backend)
     if choice != AUTO:
-        module = BACKENDS[choice]
-        reasons = reasons_against(module, table, ids, out)
+        named = BACKENDS[choice]
+        reasons = reasons_against(named, table)
         if reasons:
             raise BackendUnavailableError(f"backend {choice!r} cannot serve this lookup: {'; '.join(reasons)}")
-        return module
-    for module in available_backends():
-        if not module.not_supported_reasons(table, ids, out):
-            return module
-    raise AssertionError("unreachable: the numpy backend serves every host table")
+        return named
+    for candidate in available_backends():
+        if not reasons_against(candidate, table):
+            return candidate
+    raise BackendUnavailableError(
+        "no backend can serve this lookup: "
+        + "; ".join(f"{name}: {', '.join(reasons_against(b, table))}" for name, b in BACKENDS.items())
+    )
 
 
-_selected: dict[tuple[str, str, type], ModuleType] = {}
+_selected: dict[tuple[str, str, type], Backend] = {}
 
 
-def explain(table: Any, ids: Any, out: Any = None, backend: str = AUTO) -> Selection:
-    """Which backend `select` picks, with the reasons every other one was skipped."""
-    chosen = select(table, ids, out, backend).NAME
+def explain(table: Any, backend: str = AUTO) -> Selection:
+    """Which backend `select` picks for `table` (a snapshot), with the reasons every other one was skipped."""
+    chosen = select(table, backend).name
     skipped = {}
-    for name, module in BACKENDS.items():
+    for name, candidate in BACKENDS.items():
         if name != chosen:
-            skipped[name] = reasons_against(module, table, ids, out) or [f"{chosen} has priority"]
+            skipped[name] = reasons_against(candidate, table) or [f"{chosen} has priority"]
     return Selection(chosen, skipped)

@@ -1,15 +1,22 @@
-"""Every input check of fastembed, in one place.
+"""Every input check of fastembed, in one place, on per-call snapshots.
 
-The API calls these before dispatching; backends never validate, except for
-the per-id bounds check, which a compiled kernel performs in its own pass and
-reports back through :func:`out_of_range_error` so that the message is the
-same whatever backend found the bad id.
+A call first takes one *snapshot* of each array it was given: a fresh view
+(:meth:`fastembed.arrays.ArrayAdapter.snapshot`) whose pointer, shape,
+strides and dtype were read in one step. Validation, allocation and the
+gather then use the snapshots alone, so another thread that reassigns
+``table.shape`` or ``ids.dtype`` meanwhile cannot make a kernel write past
+``out`` or read past the table.
+
+Backends never validate, except for the per-id bounds check, which a kernel
+performs in its own pass and reports through :func:`out_of_range_error`, so
+that the message is the same whatever backend found the bad id.
 
 Contracts:
 - a *table* is a 2-D, C-contiguous array (numpy, np.memmap or cupy) of any
   fixed-size dtype that holds no Python objects;
-- *ids* are integers of any dtype and any ndim, on the table's device;
-  int32 and int64 ids are used as they are (no converting copy);
+- *ids* are integers of any dtype and any ndim, on the table's device (host
+  ids for a GPU table are copied there); int32 and int64 ids are used as
+  they are (no converting copy);
 - *out* is a C-contiguous, writeable array of shape ``ids.shape + (dim,)``
   and the table's dtype, on the table's device, sharing no memory with the
   table or the ids.
@@ -24,114 +31,121 @@ from typing import Any
 
 import numpy as np
 
-#: Id dtypes the kernels take natively; any other integer dtype is converted.
-NATIVE_ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
+from .arrays import adapter_of, device_of
+from .backends.base import NATIVE_ID_DTYPES
+
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)  # numpy's builtin dtypes are singletons
+_NDARRAY = np.ndarray
 
 
-def device_of(array: Any) -> str:
-    """Where an array lives: ``"cpu"`` or ``"cuda:N"``.
+def table_snapshot(table: Any) -> Any:
+    """A validated snapshot of `table`.
 
-    Detected through ``__cuda_array_interface__`` so that cupy, torch and
-    numba device arrays are recognised without importing any of them.
+    Raises:
+        TypeError: not an array fastembed knows, or an object/empty dtype.
+        ValueError: not 2-D, or not C-contiguous. A non-contiguous table is
+            refused rather than silently copied: the copy would be the size
+            of the whole table.
     """
-    if hasattr(array, "__cuda_array_interface__"):
-        device = getattr(array, "device", None)
-        index = getattr(device, "id", getattr(device, "index", 0))
-        return f"cuda:{index if index is not None else 0}"
-    return "cpu"
-
-
-def is_gpu_array(array: Any) -> bool:
-    return hasattr(array, "__cuda_array_interface__")
-
-
-def check_table(table: Any) -> None:
-    """Raise unless `table` can be gathered from.
-
-    Raises TypeError (not an array, object dtype) or ValueError (not 2-D, not
-    C-contiguous). A non-contiguous table is refused rather than silently
-    copied: the copy would be the size of the whole table.
-    """
-    if type(table) is np.ndarray and table.ndim == 2 and table.flags.c_contiguous and not table.dtype.hasobject:
-        return  # the common case, kept cheap: every check below passes
-    if not isinstance(table, np.ndarray) and not is_gpu_array(table):
-        raise TypeError(
-            "table must be a numpy array, np.memmap or cupy array, "
-            f"got {type(table).__module__}.{type(table).__qualname__}"
-        )
-    if table.ndim != 2:
-        raise ValueError(
-            f"table must be 2-D (vocab_size, dim), got {table.ndim}-D with shape {tuple(table.shape)}"
-        )
-    dtype = np.dtype(table.dtype)
+    if type(table) is _NDARRAY:
+        view = table.view()
+        if view.ndim == 2 and view.flags.c_contiguous and not view.dtype.hasobject and view.dtype.itemsize:
+            return view  # the common case, kept cheap: every check below passes
+    else:
+        adapter = adapter_of(table)
+        if adapter is None:
+            raise TypeError(
+                "table must be a numpy array, np.memmap or cupy array, "
+                f"got {type(table).__module__}.{type(table).__qualname__}"
+            )
+        view = adapter.snapshot(table)
+    if view.ndim != 2:
+        raise ValueError(f"table must be 2-D (vocab_size, dim), got {view.ndim}-D with shape {tuple(view.shape)}")
+    dtype = np.dtype(view.dtype)
     if dtype.hasobject or dtype.itemsize == 0:
         raise TypeError(f"table dtype {dtype} cannot be gathered: it must be a fixed-size dtype without Python objects")
-    if not table.flags.c_contiguous:
+    if not view.flags.c_contiguous:
         raise ValueError(
-            f"table must be C-contiguous, got strides {tuple(table.strides)} for shape {tuple(table.shape)}; "
+            f"table must be C-contiguous, got strides {tuple(view.strides)} for shape {tuple(view.shape)}; "
             "fastembed never copies a table implicitly: pass np.ascontiguousarray(table) once"
         )
+    return view
 
 
-def as_ids(ids: Any, table: Any) -> Any:
-    """Return `ids` as an integer array on the table's device.
+def ids_snapshot(ids: Any, table: Any) -> Any:
+    """A snapshot of `ids` as integers on the table's device (`table`: a snapshot).
 
-    numpy ids that already are an array are returned as they are (no copy);
-    lists, tuples and scalars are converted as numpy would. An empty list
-    becomes an empty intp array, as in ``table[[]]``. Integer dtypes other
-    than int32 and int64 are converted to int64 after their range has been
-    checked (a copy of the ids, never of the table).
+    numpy int32/int64 ids are a view (no copy); lists, tuples and scalars are
+    converted as numpy would, an empty list to an empty intp array (as in
+    ``table[[]]``). Other integer dtypes are converted to int64 after their
+    range has been checked (a copy of the ids, never of the table). Host ids
+    for a GPU table are copied to its device.
 
-    Raises TypeError for non-integer ids (bool, float, complex, str, object)
-    and for ids on another device than the table.
+    Raises:
+        TypeError: non-integer ids (bool, float, complex, str, object), or
+            ids on another device than the table.
+        IndexError: an integer too large for 64 bits, or (for converted
+            dtypes) an id outside the table.
     """
-    if type(ids) is np.ndarray and isinstance(table, np.ndarray):  # the common case, kept cheap
+    if type(ids) is _NDARRAY and type(table) is _NDARRAY:  # the common case, kept cheap
         dtype = ids.dtype
         if dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES:
-            return ids
-        _check_integer_dtype(ids.dtype)
+            return ids.view()
+        _check_integer_dtype(dtype)
         return _native_ids(ids, table.shape[0])
     table_device, ids_device = device_of(table), device_of(ids)
-    if table_device != ids_device:
-        if ids_device == "cpu" and table_device.startswith("cuda"):
-            # Host ids for a GPU table are copied to the device (documented).
-            ids = _host_ids(ids)
-            _check_integer_dtype(ids.dtype)
-            ids = _native_ids(ids, table.shape[0])
-            import cupy  # a GPU table means cupy is importable
-
-            with cupy.cuda.Device(table.device.id):
-                return cupy.asarray(ids)
-        raise TypeError(
-            f"ids live on {ids_device} but the table lives on {table_device}; "
-            "move one of them explicitly (fastembed never moves data implicitly)"
-        )
+    if ids_device != table_device:
+        if ids_device != "cpu" or table_device == "cpu":
+            raise TypeError(
+                f"ids live on {ids_device} but the table lives on {table_device}; "
+                "move one of them explicitly (fastembed never moves data implicitly)"
+            )
+        # Host ids for a GPU table are copied to the device (documented), after the host-side checks.
+        host = _host_ids(ids)
+        _check_integer_dtype(host.dtype)
+        host = _native_ids(host, table.shape[0])
+        return adapter_of(table).from_host(host, table_device)  # type: ignore[union-attr]
     if ids_device != "cpu":
-        _check_integer_dtype(np.dtype(ids.dtype))
-        return _native_ids(ids, table.shape[0])
-    ids = _host_ids(ids)
-    _check_integer_dtype(ids.dtype)
-    return _native_ids(ids, table.shape[0])
+        adapter = adapter_of(ids)
+        view = adapter.snapshot(ids) if adapter is not None else ids
+        _check_integer_dtype(np.dtype(view.dtype))
+        return _native_ids(view, table.shape[0])
+    host = _host_ids(ids)
+    _check_integer_dtype(host.dtype)
+    return _native_ids(host, table.shape[0])
 
 
 def _host_ids(ids: Any) -> np.ndarray:
+    """Host ids as a numpy snapshot (a view of an array, or the array numpy converts a list to)."""
     if isinstance(ids, np.ndarray):
-        return ids if type(ids) is np.ndarray else np.asarray(ids)  # np.matrix, np.memmap: a plain view
+        return ids.view(_NDARRAY)  # np.matrix, np.memmap: a plain view
     if isinstance(ids, (bool, np.bool_)):
         raise TypeError("ids must be integers, got a bool")
     converted = np.asarray(ids)
-    if converted.size == 0 and converted.dtype.kind == "f" and not isinstance(ids, np.generic):
-        return converted.astype(np.intp)  # [] is float64 to numpy; table[[]] treats it as intp
+    if converted.dtype.kind in "fO" and not isinstance(ids, np.generic):
+        if converted.size == 0:
+            return converted.astype(np.intp)  # [] is float64 to numpy; table[[]] treats it as intp
+        _raise_if_too_large_for_64_bits(ids, converted.shape)
     return converted
+
+
+def _raise_if_too_large_for_64_bits(ids: Any, shape: tuple[int, ...]) -> None:
+    """For Python integers that numpy had to store as floats or objects: name the first that fits no 64-bit integer."""
+    values = np.empty(shape, dtype=object)
+    values[...] = ids
+    flat = values.reshape(-1)
+    if not all(isinstance(value, (int, np.integer)) and not isinstance(value, bool) for value in flat):
+        return  # genuinely not integers: the dtype check names the kind
+    for position, value in enumerate(flat):
+        if not -(2**63) <= int(value) < 2**63:
+            where: Any = position if len(shape) == 1 else tuple(int(i) for i in np.unravel_index(position, shape))
+            raise IndexError(f"id {int(value)} at position {where} does not fit a 64-bit integer: it is out of range")
 
 
 def _check_integer_dtype(dtype: np.dtype) -> None:
     if dtype.kind not in "iu":
         what = {"b": "bool", "f": "floating", "c": "complex", "U": "string", "S": "bytes", "O": "object"}
-        raise TypeError(
-            f"ids must be integers, got {what.get(dtype.kind, 'non-integer')} dtype {dtype}"
-        )
+        raise TypeError(f"ids must be integers, got {what.get(dtype.kind, 'non-integer')} dtype {dtype}")
 
 
 def _native_ids(ids: Any, vocab_size: int) -> Any:
@@ -177,73 +191,59 @@ def out_of_range_error(ids: Any, flat_position: int, vocab_size: int) -> IndexEr
 
 
 def output_shape(ids: Any, table: Any) -> tuple[int, ...]:
-    return ids.shape + (table.shape[1],)
+    """``ids.shape + (dim,)``: the shape of ``table[ids]``."""
+    return tuple(ids.shape) + (table.shape[1],)
 
 
-def check_out(out: Any, ids: Any, table: Any) -> None:
-    """Raise unless `out` can receive ``table[ids]`` without any copy.
+def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: Any) -> Any:
+    """A validated snapshot of `out` that can receive ``table[ids]`` without any copy.
 
-    Raises TypeError (wrong type, dtype or device) or ValueError (wrong shape,
-    not C-contiguous, read-only, overlapping the table or the ids).
+    `ids` and `table` are snapshots; `caller_table` and `caller_ids` are what
+    the caller passed (their ownership flags make the overlap test cheap).
+
+    Raises:
+        TypeError: wrong type, dtype or device.
+        ValueError: wrong shape, not C-contiguous, read-only, or overlapping
+            the table or the ids.
     """
-    if type(out) is np.ndarray and type(ids) is np.ndarray and isinstance(table, np.ndarray):
-        # The common case, kept cheap: every check below passes (the overlap
-        # checks through the ownership shortcut of _host_arrays_may_overlap).
-        flags = out.flags
+    if type(out) is _NDARRAY and type(table) is _NDARRAY:
+        view = out.view()
+        flags = view.flags
         if (
-            out.shape == ids.shape + table.shape[1:]
-            and out.dtype == table.dtype
+            view.shape == ids.shape + table.shape[1:]
+            and view.dtype == table.dtype
             and flags.c_contiguous
             and flags.writeable
-            and flags.owndata
-            and out is not table
-            and out is not ids
-            and table.flags.owndata
-            and ids.flags.owndata
+            and out.flags.owndata
+            and type(caller_ids) is _NDARRAY
+            and caller_ids.flags.owndata
+            and out is not caller_ids
+            and caller_table.flags.owndata
+            and out is not caller_table
         ):
-            return
-    if not (isinstance(out, np.ndarray) or is_gpu_array(out)):
+            # Different arrays that each own their buffer cannot overlap: the
+            # exact test (np.shares_memory) is left for views and memory maps.
+            return view
+    adapter = adapter_of(out)
+    if adapter is None:
         raise TypeError(f"out must be an array, got {type(out).__module__}.{type(out).__qualname__}")
-    on_host = isinstance(out, np.ndarray)
-    if on_host != isinstance(table, np.ndarray) or (not on_host and device_of(out) != device_of(table)):
+    if adapter is not adapter_of(table) or adapter.device(out) != device_of(table):
         raise TypeError(
-            f"out lives on {device_of(out)} but the table lives on {device_of(table)}; they must be on the same device"
+            f"out lives on {adapter.device(out)} but the table lives on {device_of(table)}; "
+            "they must be on the same device"
         )
-    if out.shape != ids.shape + table.shape[1:]:
-        raise ValueError(
-            f"out has shape {tuple(out.shape)}, expected {output_shape(ids, table)} (ids.shape + (dim,))"
-        )
-    if out.dtype != table.dtype:
-        raise TypeError(f"out has dtype {np.dtype(out.dtype)}, expected the table's dtype {np.dtype(table.dtype)}")
-    flags = out.flags
+    view = adapter.snapshot(out)
+    if tuple(view.shape) != output_shape(ids, table):
+        raise ValueError(f"out has shape {tuple(view.shape)}, expected {output_shape(ids, table)} (ids.shape + (dim,))")
+    if view.dtype != table.dtype:
+        raise TypeError(f"out has dtype {np.dtype(view.dtype)}, expected the table's dtype {np.dtype(table.dtype)}")
+    flags = view.flags
     if not flags.c_contiguous:
-        raise ValueError(f"out must be C-contiguous, got strides {tuple(out.strides)}")
-    if on_host:
-        if not flags.writeable:
-            raise ValueError("out is read-only")
-        if _host_arrays_may_overlap(out, flags.owndata, table):
-            raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")
-        if isinstance(ids, np.ndarray) and _host_arrays_may_overlap(out, flags.owndata, ids):
-            raise ValueError("out overlaps the ids: gathering into it would overwrite ids being read")
-    elif _gpu_ranges_overlap(out, table) or _gpu_ranges_overlap(out, ids):
-        raise ValueError("out overlaps the table or the ids on the GPU")
-
-
-def _host_arrays_may_overlap(out: np.ndarray, out_owns_data: bool, other: np.ndarray) -> bool:
-    """Whether `out` and `other` share memory.
-
-    Two different arrays that each own their buffer (numpy allocated it and
-    will free it) cannot overlap; that shortcut costs two attribute reads,
-    where ``np.shares_memory`` costs about 0.3 us, a tenth of a one-token
-    lookup. Views and memory maps take the exact test.
-    """
-    if out_owns_data and other is not out and other.flags.owndata:
-        return False
-    return bool(np.shares_memory(out, other))
-
-
-def _gpu_ranges_overlap(a: Any, b: Any) -> bool:
-    if not is_gpu_array(b):
-        return False
-    a_start, b_start = a.data.ptr, b.data.ptr
-    return a_start < b_start + b.nbytes and b_start < a_start + a.nbytes and a.nbytes > 0 and b.nbytes > 0
+        raise ValueError(f"out must be C-contiguous, got strides {tuple(view.strides)}")
+    if isinstance(view, np.ndarray) and not flags.writeable:
+        raise ValueError("out is read-only")
+    if adapter.may_share_memory(view, table):
+        raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")
+    if adapter.may_share_memory(view, ids):
+        raise ValueError("out overlaps the ids: gathering into it would overwrite ids being read")
+    return view

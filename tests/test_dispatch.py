@@ -6,7 +6,36 @@ import pytest
 
 import fastembed
 from fastembed import dispatch
+from fastembed.backends import cuda_backend, numba_backend, numpy_backend
 from conftest import assert_bit_equal, random_table
+
+NUMBA_AVAILABLE = not numba_backend.BACKEND.unavailable_reasons()
+
+
+@pytest.fixture
+def declare_unavailable(monkeypatch):
+    """Make a backend report reasons (as on a machine without its package), then restore it."""
+
+    def declare(backend, reasons):
+        monkeypatch.setattr(backend, "unavailable_reasons", lambda: list(reasons))
+        dispatch.refresh()
+
+    yield declare
+    monkeypatch.undo()
+    dispatch.refresh()
+
+
+@pytest.fixture
+def environment(monkeypatch):
+    """Set FASTEMBED_BACKEND as if at import; restored afterwards."""
+
+    def set_choice(value):
+        monkeypatch.setenv(dispatch.ENVIRONMENT_VARIABLE, value)
+        dispatch.read_environment()
+
+    yield set_choice
+    monkeypatch.undo()
+    dispatch.read_environment()
 
 
 def test_backends_report_every_backend_with_reasons():
@@ -41,13 +70,12 @@ def test_auto_picks_numba_for_host_tables_when_available():
     assert "selected:" in str(selection)
 
 
-def test_a_host_table_never_goes_to_the_gpu(monkeypatch):
-    monkeypatch.setattr(dispatch.cuda_backend, "unavailable_reasons", lambda: [])
-    monkeypatch.setattr(dispatch, "_available", None)
-    monkeypatch.setattr(dispatch, "_selected", {})
+def test_a_host_table_never_goes_to_the_gpu(declare_unavailable):
+    declare_unavailable(cuda_backend.BACKEND, [])
     selection = fastembed.select_backend(random_table(10, 4), [1])
     assert selection.backend != "cuda"
-    assert "host array" in " ".join(selection.skipped["cuda"])
+    reasons = " ".join(selection.skipped["cuda"])
+    assert "numpy array on cpu" in reasons and "gathers cupy arrays" in reasons and "to_device" in reasons
 
 
 def test_named_backend_that_cannot_serve_raises_with_reasons():
@@ -58,27 +86,25 @@ def test_named_backend_that_cannot_serve_raises_with_reasons():
 def test_named_backend_is_used(monkeypatch):
     table = random_table(10, 4)
     used = []
-    original = dispatch.numpy_backend.gather
-    monkeypatch.setattr(dispatch.numpy_backend, "gather", lambda *a: (used.append(1), original(*a))[1])
+    original = numpy_backend.BACKEND.gather
+    monkeypatch.setattr(numpy_backend.BACKEND, "gather", lambda *a: (used.append(1), original(*a))[1])
     assert_bit_equal(fastembed.lookup(table, [3], backend="numpy"), table[[3]])
     assert used == [1]
 
 
-def test_environment_variable_sets_the_default(monkeypatch):
+def test_environment_variable_sets_the_default(environment):
     table = random_table(10, 4)
-    monkeypatch.setattr(dispatch, "_environment_choice", "numpy")
-    assert dispatch.select(table, np.array([1]), None).NAME == "numpy"
-    monkeypatch.setattr(dispatch, "_environment_choice", "cuda")
+    environment("numpy")
+    assert fastembed.select_backend(table, [1]).backend == "numpy"
+    environment("cuda")
     with pytest.raises(fastembed.BackendUnavailableError):
         fastembed.lookup(table, [1])
     # an explicit argument wins over the environment
     assert_bit_equal(fastembed.lookup(table, [1], backend="numpy"), table[[1]])
 
 
-def test_numba_missing_falls_back_to_numpy_with_reason(monkeypatch):
-    monkeypatch.setattr(dispatch.numba_backend, "unavailable_reasons", lambda: ["numba is not installed"])
-    monkeypatch.setattr(dispatch, "_available", None)
-    monkeypatch.setattr(dispatch, "_selected", {})
+def test_numba_missing_falls_back_to_numpy_with_reason(declare_unavailable):
+    declare_unavailable(numba_backend.BACKEND, ["numba is not installed"])
     table = random_table(10, 4)
     selection = fastembed.select_backend(table, [1])
     assert selection.backend == "numpy"
@@ -95,30 +121,22 @@ def test_environment_variable_is_read_at_import():
     environment = dict(os.environ, FASTEMBED_BACKEND="numpy")
     output = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
     assert output.stdout.strip() == "numpy"
-    monkey = dict(os.environ)
     dispatch.read_environment()  # the current process' value again
-    assert dispatch._environment_choice == (monkey.get("FASTEMBED_BACKEND") or "auto")
+    assert dispatch.environment_choice() == (os.environ.get("FASTEMBED_BACKEND") or "auto")
 
 
-def test_remembered_choices_follow_the_request_and_refresh(monkeypatch):
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="needs numba: auto picks it over numpy")
+def test_remembered_choices_follow_the_request_and_refresh(declare_unavailable):
     """select() remembers its answer per requested backend and table type, never across them."""
-    if dispatch.numba_backend.unavailable_reasons():
-        pytest.skip("needs numba: auto picks it over numpy")
-    table, ids = random_table(10, 4), np.array([1])
+    table = random_table(10, 4)
     for _ in range(2):  # the second round comes from the memory
-        assert dispatch.select(table, ids, None, "numpy").NAME == "numpy"
-        assert dispatch.select(table, ids, None, "numba").NAME == "numba"
-        assert dispatch.select(table, ids, None).NAME == "numba"
-    monkeypatch.setattr(dispatch.numba_backend, "unavailable_reasons", lambda: ["numba is not installed"])
-    dispatch.refresh()
-    try:
-        assert dispatch.select(table, ids, None).NAME == "numpy"
-        with pytest.raises(fastembed.BackendUnavailableError, match="numba is not installed"):
-            dispatch.select(table, ids, None, "numba")
-    finally:
-        monkeypatch.undo()
-        dispatch.refresh()
-    assert dispatch.select(table, ids, None).NAME == "numba"
+        assert dispatch.select(table, "numpy").name == "numpy"
+        assert dispatch.select(table, "numba").name == "numba"
+        assert dispatch.select(table).name == "numba"
+    declare_unavailable(numba_backend.BACKEND, ["numba is not installed"])
+    assert dispatch.select(table).name == "numpy"
+    with pytest.raises(fastembed.BackendUnavailableError, match="numba is not installed"):
+        dispatch.select(table, "numba")
 
 
 @pytest.mark.parametrize("backend", [["numba"], {"name": "numba"}])

@@ -63,7 +63,8 @@ def test_int32_and_int64_ids_are_not_copied():
     table = random_table(30, 8)
     for dtype in (np.int32, np.int64):
         ids = np.arange(6, dtype=dtype)
-        assert fastembed.validate.as_ids(ids, table) is ids
+        view = fastembed.validate.ids_snapshot(ids, table)
+        assert view.__array_interface__["data"] == ids.__array_interface__["data"] and view.dtype == dtype
 
 
 def test_large_batch_with_repeats(backend):
@@ -100,7 +101,7 @@ def test_embedding_object(backend):
 def test_embedding_does_not_revalidate_the_table(monkeypatch):
     emb = fastembed.Embedding(random_table(10, 4))
     calls = []
-    monkeypatch.setattr(fastembed.validate, "check_table", lambda table: calls.append(table))
+    monkeypatch.setattr(fastembed.validate, "table_snapshot", lambda table: calls.append(table))
     emb([1, 2])
     assert calls == []
 

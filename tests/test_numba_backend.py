@@ -12,8 +12,9 @@ import fastembed
 from conftest import assert_bit_equal, poisoned, random_table
 
 numba_backend = pytest.importorskip("fastembed.backends.numba_backend")
-if numba_backend.unavailable_reasons():
-    pytest.skip(f"numba backend unavailable: {numba_backend.unavailable_reasons()}", allow_module_level=True)
+BACKEND = numba_backend.BACKEND
+if BACKEND.unavailable_reasons():
+    pytest.skip(f"numba backend unavailable: {BACKEND.unavailable_reasons()}", allow_module_level=True)
 
 THREAD_SECONDS = 10.0
 
@@ -46,7 +47,7 @@ def test_every_kernel_path_is_exact(kernel_path, dtype, width, id_dtype):
 @pytest.mark.parametrize("n_blocks", [1, 3, 64])
 def test_streaming_kernel_prefetch_options_are_exact(prefetch_rows_ahead, touch_pages_rows_ahead, n_blocks):
     """Every prefetch setting, with blocks shorter and longer than the distance ahead, copies exactly."""
-    kernels = numba_backend.kernels()
+    kernels = BACKEND.kernels()
     table = random_table(500, 4104, seed=n_blocks).view(np.uint64)  # 8,208-byte rows: 3 pages, a partial one
     ids = np.random.default_rng(touch_pages_rows_ahead).integers(0, 500, 37)
     out = poisoned((37, table.shape[1]), np.uint64)
@@ -57,8 +58,8 @@ def test_streaming_kernel_prefetch_options_are_exact(prefetch_rows_ahead, touch_
 
 
 def test_rows_whose_source_sits_just_below_the_destination_modulo_4k_are_copied_backward():
-    """The direction rule itself (its speed is measured by bench/levers.py --alias-offsets)."""
-    copies_backward = numba_backend.kernels().copies_backward
+    """The direction rule itself."""
+    copies_backward = BACKEND.kernels().copies_backward
     window = numba_backend.ALIAS_WINDOW
     destination = 10 * 4096 + 512
     for source_minus_destination in (-16, -window, -1, 4096 - 16, -4096 - 16):
@@ -79,7 +80,7 @@ def test_streaming_kernels_copy_rows_forward_and_backward_exactly(alias_window, 
     shipped window, 8 KiB rows all take the direction of `distance`; rows of
     other sizes each have their own distance, and both directions occur.
     """
-    kernels = numba_backend.kernels()
+    kernels = BACKEND.kernels()
     n = 300
     table = random_table(n, row_bytes // 2, seed=row_bytes).view(np.uint64)
     ids = np.random.default_rng(distance).permutation(n)
@@ -173,7 +174,7 @@ def test_fork_pool_after_the_parent_used_the_thread_pool():
     ids = np.random.default_rng(0).integers(0, 2000, 5000)
     fastembed.lookup(table, ids, backend="numba")
     fastembed.wait_for_compiles()
-    assert numba_backend._pool_started
+    assert BACKEND.pool_started
     assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])  # parallel in the parent
     context = multiprocessing.get_context("fork")
     with context.Pool(2) as pool:
@@ -184,7 +185,7 @@ def test_fork_pool_after_the_parent_used_the_thread_pool():
 
 
 def test_threads_alternating_tables_never_mix_them_up():
-    """The backend remembers the last table's word view; threads switching tables must not see another's."""
+    """Threads switching tables must each get their own table's rows."""
     tables = [random_table(300, 64, seed=seed) for seed in range(4)]
     errors: list[int] = []
     stop_at = time.monotonic() + 3.0
@@ -281,16 +282,6 @@ def test_table_dtype_reassigned_in_place_gives_outputs_of_the_new_dtype():
     assert_bit_equal(result, table[ids])
 
 
-def test_remembered_table_cannot_move_under_the_borrowed_view():
-    """The remembered word view borrows the table's memory; numpy must refuse to reallocate it meanwhile."""
-    table = random_table(64, 32)
-    ids = np.arange(40) % 64
-    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
-    with pytest.raises(ValueError, match="cannot resize"):
-        table.resize((128, 32))
-    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
-
-
 class _KernelSpy:
     """Wraps a kernel dispatcher and records the batch size of every call."""
 
@@ -306,17 +297,17 @@ def test_first_parallel_batch_is_served_while_its_kernel_compiles(monkeypatch):
     """Until the background compile is ready, batches run serially, exactly; then in parallel."""
     background_compile = numba_backend.background_compile
     background_compile.forget()
-    kernels = numba_backend.kernels()
+    kernels = BACKEND.kernels()
     spy = _KernelSpy(kernels.gather_parallel)
     monkeypatch.setattr(kernels, "gather_parallel", spy)
     release = threading.Event()
-    original_first_call = numba_backend._first_parallel_call
+    original_first_call = BACKEND._first_parallel_call
 
     def held_first_call(*arguments):
         release.wait(30)  # the compile "takes" until the test releases it
         original_first_call(*arguments)
 
-    monkeypatch.setattr(numba_backend, "_first_parallel_call", held_first_call)
+    monkeypatch.setattr(BACKEND, "_first_parallel_call", held_first_call)
     table = random_table(500, 64)
     ids = np.random.default_rng(5).integers(0, 500, 300)
     for _ in range(3):

@@ -6,21 +6,45 @@ serves a batch whose parallel kernel is not compiled yet with the serial
 kernel, and compiles the parallel one here, once per key, off the caller's
 thread. Later calls find the key ready and run in parallel.
 
-Fork-safety: numba compiles under one process-wide lock. A process forked
-while a compile thread holds it would inherit the lock held by a thread that
-does not exist in the child, and its first compile would hang. So a fork
-first waits for every compile started here to finish.
+Fork-safety: numba compiles under one process-wide lock, and Python imports
+under per-module locks. A process forked while another thread holds one
+would inherit it held by a thread that does not exist in the child, and the
+child's first lookup would hang. So a fork first waits for every compile
+started here to finish, and for every :func:`foreground` section (the
+kernel import, a first call that compiles on the caller's thread) that
+another thread is in. A compile lasts seconds at most, so a fork is delayed
+by that at most; a fork from inside such a section does not wait for itself.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 _guard = threading.Lock()
 _started: set[Hashable] = set()
 _ready: set[Hashable] = set()
 _threads: list[threading.Thread] = []
+_foreground_done = threading.Condition(threading.Lock())
+_foreground_threads: dict[int, int] = {}  # thread ident -> nesting depth
+
+
+@contextlib.contextmanager
+def foreground() -> Iterator[None]:
+    """Mark a section where this thread may import numba or compile: a fork waits until it ends."""
+    ident = threading.get_ident()
+    with _foreground_done:
+        _foreground_threads[ident] = _foreground_threads.get(ident, 0) + 1
+    try:
+        yield
+    finally:
+        with _foreground_done:
+            depth = _foreground_threads.pop(ident) - 1
+            if depth:
+                _foreground_threads[ident] = depth
+            else:
+                _foreground_done.notify_all()
 
 
 def is_ready(key: Hashable) -> bool:
@@ -54,9 +78,22 @@ def wait() -> None:
     with _guard:
         threads = list(_threads)
     for thread in threads:
-        thread.join()
+        if thread is not threading.current_thread():
+            thread.join()
     with _guard:
         _threads[:] = [thread for thread in _threads if thread.is_alive()]
+
+
+def _wait_before_fork() -> None:
+    """Wait for background compiles and other threads' foreground sections; hold new ones off until the fork is done."""
+    wait()
+    ident = threading.get_ident()
+    _foreground_done.acquire()
+    _foreground_done.wait_for(lambda: not (set(_foreground_threads) - {ident}))
+
+
+def _after_fork() -> None:
+    _foreground_done.release()
 
 
 def forget() -> None:
@@ -68,4 +105,4 @@ def forget() -> None:
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=wait)
+    os.register_at_fork(before=_wait_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)

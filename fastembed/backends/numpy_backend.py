@@ -1,13 +1,18 @@
-"""The NumPy backend: always available, exact, single-threaded.
+"""The NumPy backend: always available, exact, single-threaded; the readable reference.
 
-Without ``out``, ``table.take(ids, axis=0)`` allocates the result and
-copies the rows in one C call (:func:`take_new`; the numba backend uses it
-for its small allocating lookups too). With ``out``,
+Without ``out``, ``table.take(ids, axis=0)`` allocates the result and copies
+the rows in one C call (:func:`take_new`; the numba backend uses it for its
+small allocating lookups too). With ``out``,
 ``np.take(table, ids, axis=0, out=out, mode="clip")`` copies one row per id
 straight into ``out``. ``mode="clip"`` matters: with ``mode="raise"`` and
 ``out=``, numpy gathers into a temporary copy of ``out`` and copies it back
 (numpy/numpy#28636), an extra output-sized buffer. Clipping would hide bad
-ids, so the range is checked first (min and max over the ids).
+ids, so the range is checked first (min and max over the ids); clipping also
+keeps a concurrent change of the ids inside the table.
+
+A table whose data is not aligned to its itemsize (a file mapped at an odd
+offset) is gathered through a byte view of its rows: ``take`` would first
+copy the whole table to align it.
 """
 from __future__ import annotations
 
@@ -16,45 +21,64 @@ from typing import Any
 import numpy as np
 
 from .. import validate
+from .base import Capabilities
 
-NAME = "numpy"
-
-
-def unavailable_reasons() -> list[str]:
-    return []
+_BYTE = np.dtype(np.uint8)
 
 
-def not_supported_reasons(table: Any, ids: Any, out: Any) -> list[str]:
-    if not isinstance(table, np.ndarray):
-        return [f"the table lives on {validate.device_of(table)}; the numpy backend gathers host arrays"]
-    return []
+class NumpyBackend:
+    """The always-available host backend (see the module docstring)."""
+
+    name = "numpy"
+    capabilities = Capabilities(array_libraries=frozenset({"numpy"}), devices=frozenset({"cpu"}))
+
+    def unavailable_reasons(self) -> list[str]:
+        return []
+
+    def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            return take_new(table, ids)
+        validate.check_ids_in_range(ids, table.shape[0])
+        if table.flags.aligned:
+            np.take(table, ids, axis=0, out=out, mode="clip")
+        else:
+            np.take(byte_rows(table), ids, axis=0, out=out.view(_BYTE).reshape(ids.shape + (row_bytes(table),)), mode="clip")
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"numpy": np.__version__}
+
+    def reset(self) -> None:
+        """Nothing to forget: the backend keeps no state."""
 
 
-def gather(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    if out is None:
-        return take_new(table, ids)
-    validate.check_ids_in_range(ids, table.shape[0])
-    # np.asarray drops np.memmap's subclass (a view, not a copy).
-    np.take(np.asarray(table), ids, axis=0, out=out, mode="clip")
-    return out
+def byte_rows(table: np.ndarray) -> np.ndarray:
+    """The table's rows as bytes, ``(vocab_size, row_bytes)`` uint8: aligned whatever the address (a view)."""
+    return table.view(_BYTE).reshape(table.shape[0], row_bytes(table))
+
+
+def row_bytes(table: np.ndarray) -> int:
+    """Bytes per table row."""
+    return int(table.shape[1]) * table.dtype.itemsize
 
 
 def take_new(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """``table[ids]`` as a new ``ids.shape + (dim,)`` array, through numpy's take (one C call).
 
     take raises for ids past the end but counts negative ids from the end,
-    as Python does: the smallest id is checked first (argmin and item: 0.35
-    us for a few ids, where ids.min() costs 1.5). Either way the IndexError
-    names the first bad id and its position.
+    as Python does: the smallest id is checked first (argmin and item cost
+    less than min for a few ids). Either way the IndexError names the first
+    bad id and its position.
     """
     if ids.size and ids.item(ids.argmin()) < 0:
         validate.check_ids_in_range(ids, len(table))  # raises
     try:
-        return np.asarray(table).take(ids, axis=0)  # np.asarray: np.memmap's take returns a memmap
+        if table.flags.aligned:
+            return table.take(ids, axis=0)
+        return byte_rows(table).take(ids, axis=0).view(table.dtype).reshape(ids.shape + table.shape[1:])
     except IndexError:
         validate.check_ids_in_range(ids, len(table))  # raises, naming position and value
         raise
 
 
-def describe() -> dict[str, Any]:
-    return {"numpy": np.__version__}
+BACKEND = NumpyBackend()

@@ -13,7 +13,10 @@ Contract shared by every gather kernel here:
 - the return value is -1 on success, else the position of the first id
   outside ``[0, vocab_size)``; in that case nothing has been written to
   ``out``: the ids are scanned before any row is copied, inside the same
-  compiled call, so the caller's ``out`` survives an error untouched.
+  compiled call, so the caller's ``out`` survives an error untouched;
+- every row is checked again as it is copied, so ids that another thread
+  changes after the scan are never read out of bounds: such a row is
+  skipped, and the return value is -2.
 """
 from __future__ import annotations
 
@@ -46,15 +49,24 @@ def _block(block, n_blocks, n):
 # block's copy, and each loop is written (and compiled) once.
 
 
+CHANGED_DURING_COPY = -2
+
+
 @njit(**_JIT)
 def copy_rows(table, ids, out, start, stop):
-    """out[i] = table[ids[i]] for i in [start, stop), with ordinary stores."""
+    """out[i] = table[ids[i]] for i in [start, stop), with ordinary stores; returns the rows skipped as out of range."""
+    vocab_size = table.shape[0]
+    skipped = 0
     for i in range(start, stop):
         row = ids[i]
+        if row < 0 or row >= vocab_size:
+            skipped += 1
+            continue
         # An explicit word loop: LLVM vectorises it into wide loads and stores,
         # whereas slice assignment lowers to an element loop with an overlap check.
         for w in range(table.shape[1]):
             out[i, w] = table[row, w]
+    return skipped
 
 
 @njit(**_JIT)
@@ -73,20 +85,30 @@ def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_r
     range gather faster (docs/backends.md), so these are started early.
 
     ``alias_window``: see :func:`copies_backward`.
+
+    Returns the rows skipped as out of range. Prefetches of a row ahead are
+    hints: an out-of-range address there is never read.
     """
     row_bytes = table.shape[1] * table.itemsize
+    vocab_size = table.shape[0]
     table_address = table.ctypes.data
     out_address = out.ctypes.data
+    skipped = 0
     for i in range(start, stop):
         if touch_pages_rows_ahead > 0:
             far = table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes
             for page in range(0, row_bytes, 4096):
                 prefetch(far + page)
-        source = table_address + np.uintp(ids[i]) * row_bytes
+        row = ids[i]
+        if row < 0 or row >= vocab_size:
+            skipped += 1
+            continue
+        source = table_address + np.uintp(row) * row_bytes
         ahead = table_address + np.uintp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
         destination = out_address + np.uintp(i) * row_bytes
         _stream_row(destination, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
     store_fence()
+    return skipped
 
 
 @njit(**_JIT)
@@ -152,7 +174,8 @@ def gather_serial(table, ids, out):
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
-    copy_rows(table, ids, out, 0, ids.size)
+    if copy_rows(table, ids, out, 0, ids.size):
+        return CHANGED_DURING_COPY
     return -1
 
 
@@ -167,10 +190,11 @@ def gather_parallel(table, ids, out, n_blocks):
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
+    skipped = 0
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, ids.size)
-        copy_rows(table, ids, out, start, stop)
-    return -1
+        skipped += copy_rows(table, ids, out, start, stop)
+    return CHANGED_DURING_COPY if skipped else -1
 
 
 @njit(parallel=True, **_JIT)
@@ -185,10 +209,11 @@ def gather_parallel_stream(table, ids, out, n_blocks, prefetch_rows_ahead, touch
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
+    skipped = 0
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, ids.size)
-        stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_rows_ahead, alias_window)
-    return -1
+        skipped += stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_rows_ahead, alias_window)
+    return CHANGED_DURING_COPY if skipped else -1
 
 
 def can_stream(out) -> bool:

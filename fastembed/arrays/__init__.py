@@ -1,0 +1,67 @@
+"""One small adapter per array library: what fastembed needs to know of an array.
+
+Everything that depends on which library made an array (detecting it, where
+it lives, a fresh view of it, allocating beside it, address ranges) lives in
+that library's adapter, so adding an array type touches one module here plus
+its entry in :data:`ADAPTERS`. Adapters import their library lazily; the
+numpy adapter is the only one loaded by ``import fastembed``.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from . import cupy_adapter, numpy_adapter
+
+
+class ArrayAdapter(Protocol):
+    """The operations fastembed performs on arrays of one library."""
+
+    name: str
+
+    def owns(self, array: Any) -> bool:
+        """Whether `array` is an array of this library (never imports the library to say no)."""
+        ...
+
+    def device(self, array: Any) -> str:
+        """``"cpu"`` or ``"cuda:N"``."""
+        ...
+
+    def snapshot(self, array: Any) -> Any:
+        """A fresh view of `array`: its pointer, shape, strides and dtype fixed for one call.
+
+        Another thread may reassign ``array.shape`` or ``array.dtype``; the
+        view keeps what was read here, under the GIL, in one step.
+        """
+        ...
+
+    def empty(self, shape: tuple[int, ...], dtype: Any, device: str) -> Any:
+        """A new uninitialised array on `device`."""
+        ...
+
+
+#: Every known adapter; the first that owns an array describes it.
+ADAPTERS: tuple[ArrayAdapter, ...] = (numpy_adapter.ADAPTER, cupy_adapter.ADAPTER)
+
+
+def adapter_of(array: Any) -> ArrayAdapter | None:
+    """The adapter of `array`'s library, or None for anything fastembed does not know as an array."""
+    for adapter in ADAPTERS:
+        if adapter.owns(array):
+            return adapter
+    return None
+
+
+def device_of(array: Any) -> str:
+    """Where `array` lives: ``"cpu"`` for host data (and for non-arrays, which numpy would convert).
+
+    A GPU array of a library without an adapter is still recognised by its
+    ``__cuda_array_interface__``, so that errors can say where it lives.
+    """
+    adapter = adapter_of(array)
+    if adapter is not None:
+        return adapter.device(array)
+    if hasattr(array, "__cuda_array_interface__"):
+        device = getattr(array, "device", None)
+        index = getattr(device, "id", getattr(device, "index", 0))
+        return f"cuda:{index if index is not None else 0}"
+    return "cpu"

@@ -1,0 +1,49 @@
+"""CuPy arrays: CUDA device memory.
+
+Recognised by their module name and ``__cuda_array_interface__``, so telling
+a cupy array from anything else never imports cupy.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+class CupyAdapter:
+    name = "cupy"
+
+    def owns(self, array: Any) -> bool:
+        return type(array).__module__.partition(".")[0] == "cupy" and hasattr(array, "__cuda_array_interface__")
+
+    def device(self, array: Any) -> str:
+        return f"cuda:{int(array.device.id)}"
+
+    def snapshot(self, array: Any) -> Any:
+        return array.view()
+
+    def empty(self, shape: tuple[int, ...], dtype: Any, device: str) -> Any:
+        import cupy
+
+        with cupy.cuda.Device(device_index(device)):
+            return cupy.empty(shape, dtype)
+
+    def from_host(self, host: Any, device: str) -> Any:
+        """A copy of host data on `device` (ids given as numpy for a GPU table)."""
+        import cupy
+
+        with cupy.cuda.Device(device_index(device)):
+            return cupy.asarray(host)
+
+    def may_share_memory(self, first: Any, second: Any) -> bool:
+        """Whether the device byte ranges of two arrays intersect."""
+        if not self.owns(second) or first.nbytes == 0 or second.nbytes == 0:
+            return False
+        first_start, second_start = first.data.ptr, second.data.ptr
+        return first_start < second_start + second.nbytes and second_start < first_start + first.nbytes
+
+
+def device_index(device: str) -> int:
+    """The N of ``"cuda:N"``."""
+    return int(device.partition(":")[2] or 0)
+
+
+ADAPTER = CupyAdapter()

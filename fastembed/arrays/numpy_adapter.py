@@ -1,0 +1,30 @@
+"""numpy arrays (np.memmap and other subclasses included): host memory."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class NumpyAdapter:
+    name = "numpy"
+
+    def owns(self, array: Any) -> bool:
+        return isinstance(array, np.ndarray)
+
+    def device(self, array: Any) -> str:
+        return "cpu"
+
+    def snapshot(self, array: np.ndarray) -> np.ndarray:
+        # A base-class view: np.memmap's subclass makes slicing and typing slower, and the bytes are the same.
+        return array.view() if type(array) is np.ndarray else array.view(np.ndarray)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any, device: str = "cpu") -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def may_share_memory(self, first: np.ndarray, second: Any) -> bool:
+        """Whether two snapshots share memory (exact: ``np.shares_memory``)."""
+        return isinstance(second, np.ndarray) and bool(np.shares_memory(first, second))
+
+
+ADAPTER = NumpyAdapter()

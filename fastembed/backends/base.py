@@ -1,0 +1,89 @@
+"""The interface every backend implements, and the capabilities it declares.
+
+A backend is an object with a ``name``, declared :class:`Capabilities`, and
+four methods (:class:`Backend`). The dispatcher derives why a backend cannot
+serve a call from those declarations (:func:`not_supported_reasons`); no
+backend writes that logic itself. Adding a backend is one module that
+defines such an object, plus one call to
+:func:`fastembed.dispatch.register_backend`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+#: The id dtypes every kernel takes as they are; validation converts other integer ids to int64.
+NATIVE_ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can gather, declared once.
+
+    Attributes:
+        array_libraries: the array libraries whose tables it gathers, by
+            adapter name (``"numpy"``, ``"cupy"``, see :mod:`fastembed.arrays`);
+            ``ids`` and ``out`` arrive on the table's device and library.
+        devices: the device kinds it runs on (``"cpu"``, ``"cuda"``).
+        id_dtypes: the id dtypes it takes natively.
+    """
+
+    array_libraries: frozenset[str]
+    devices: frozenset[str]
+    id_dtypes: frozenset[np.dtype] = NATIVE_ID_DTYPES
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A gather implementation behind ``lookup(..., backend=NAME)``.
+
+    Contract of :meth:`gather`: ``table``, ``ids`` and ``out`` are per-call
+    snapshots made by :mod:`fastembed.validate` (fresh views that no other
+    thread can reshape) and already validated, except for the range of the
+    ids, which the backend checks and reports through
+    :func:`fastembed.validate.out_of_range_error`. It writes ``table[ids]``
+    into ``out`` (``None``: a new output of shape ``ids.shape + (dim,)``
+    where the table lives) and returns it. It never reads outside the table
+    and never writes outside ``out``, even if another thread changes the
+    ids' values meanwhile.
+    """
+
+    name: str
+    capabilities: Capabilities
+
+    def unavailable_reasons(self) -> list[str]:
+        """Why the backend cannot run on this machine at all; empty when it can (cheap after the first call)."""
+        ...
+
+    def gather(self, table: Any, ids: Any, out: Any | None) -> Any:
+        """Write ``table[ids]`` into ``out`` (or a new array) and return it."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``python -m fastembed info`` (versions, threads, devices)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget cached state (availability, compiled-kernel bookkeeping); for tests and after installs."""
+        ...
+
+
+def not_supported_reasons(backend: Backend, array_library: str, device: str) -> list[str]:
+    """Why `backend` cannot serve a call whose table is an `array_library` array on `device`.
+
+    Derived from the backend's declared :class:`Capabilities` only.
+    """
+    capabilities = backend.capabilities
+    reasons = []
+    if array_library not in capabilities.array_libraries:
+        reasons.append(
+            f"the table is a {array_library} array on {device}; the {backend.name} backend gathers "
+            f"{' or '.join(sorted(capabilities.array_libraries))} arrays"
+        )
+    elif device.split(":")[0] not in capabilities.devices:
+        reasons.append(f"the table lives on {device}; the {backend.name} backend runs on {', '.join(sorted(capabilities.devices))}")
+    if reasons and "cuda" in capabilities.devices and device == "cpu":
+        reasons.append("fastembed never moves a table implicitly: move it once with Embedding.to_device()")
+    return reasons

@@ -1,0 +1,93 @@
+"""The typed backend interface: a backend is one object that declares what it serves; adding one is one registration."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import fastembed
+from fastembed import dispatch, validate
+from fastembed.backends import base
+from conftest import assert_bit_equal, poisoned, random_table
+
+
+class RowLoopBackend:
+    """A deliberately plain backend: one Python-level row copy per id (the exercise of adding a backend)."""
+
+    name = "rowloop"
+    capabilities = base.Capabilities(array_libraries=frozenset({"numpy"}), devices=frozenset({"cpu"}))
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def unavailable_reasons(self) -> list[str]:
+        return []
+
+    def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        validate.check_ids_in_range(ids, table.shape[0])
+        if out is None:
+            out = np.empty(validate.output_shape(ids, table), table.dtype)
+        rows = out.reshape(-1, table.shape[1])
+        for position, row in enumerate(ids.reshape(-1).tolist()):
+            rows[position] = table[row]
+        self.calls += 1
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {"rows": "one Python copy per id"}
+
+    def reset(self) -> None:
+        self.calls = 0
+
+
+@pytest.fixture
+def rowloop():
+    backend = RowLoopBackend()
+    dispatch.register_backend(backend, before="numpy")
+    yield backend
+    dispatch.unregister_backend(backend.name)
+
+
+def test_every_registered_backend_implements_the_protocol():
+    for backend in dispatch.BACKENDS.values():
+        assert isinstance(backend, base.Backend), backend
+        assert backend.capabilities.array_libraries and backend.capabilities.devices
+
+
+def test_a_new_backend_is_one_object_and_one_registration(rowloop):
+    table = random_table(50, 7, "bfloat16")
+    ids = np.random.default_rng(0).integers(0, 50, (3, 4)).astype(np.int32)
+    assert [status.name for status in fastembed.backends()][-2:] == ["rowloop", "numpy"]
+    assert_bit_equal(fastembed.lookup(table, ids, backend="rowloop"), table[ids])
+    out = poisoned((3, 4, 7), table.dtype)
+    assert fastembed.lookup(table, ids, out=out, backend="rowloop") is out
+    assert_bit_equal(out, table[ids])
+    assert rowloop.calls == 2
+    with pytest.raises(IndexError, match="id 50 at position 1"):
+        fastembed.lookup(table, [0, 50], backend="rowloop")
+
+
+def test_reasons_are_derived_from_declared_capabilities(rowloop):
+    reasons = base.not_supported_reasons(rowloop, "cupy", "cuda:0")
+    assert reasons == ["the table is a cupy array on cuda:0; the rowloop backend gathers numpy arrays"]
+    cuda_like = base.Capabilities(array_libraries=frozenset({"cupy"}), devices=frozenset({"cuda"}))
+    rowloop.capabilities = cuda_like
+    try:
+        dispatch.refresh()
+        with pytest.raises(fastembed.BackendUnavailableError, match="rowloop.*numpy array on cpu.*gathers cupy arrays"):
+            fastembed.lookup(random_table(5, 2), [1], backend="rowloop")
+    finally:
+        del rowloop.capabilities
+        dispatch.refresh()
+
+
+def test_registration_refuses_duplicates_and_non_backends(rowloop):
+    with pytest.raises(ValueError, match="already registered"):
+        dispatch.register_backend(RowLoopBackend())
+    with pytest.raises(TypeError, match="does not implement"):
+        dispatch.register_backend(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        other = RowLoopBackend()
+        other.name = "other"
+        dispatch.register_backend(other, before="tpu")
