@@ -37,3 +37,13 @@ def backend(request) -> str:
 def full_table() -> np.ndarray:
     """The default 129,280 x 4,096 float16 table (about 1 GiB), built once."""
     return fastembed.Embedding.random().table
+
+
+@pytest.fixture
+def cupy_or_double():
+    """cupy for the CUDA tests: the real one where it sees a device, else the CuPy test double
+    (tests/cupy_double), installed as ``cupy`` for this test only, every cache cleared before and after."""
+    from cupy_double import gpu_cupy
+
+    with gpu_cupy() as module:
+        yield module

@@ -1,66 +1,306 @@
-"""The cuda backend on a real GPU (skipped, with the reason, where there is none)."""
+"""The cuda backend end to end: on a real GPU where cupy sees one, else on the CuPy test double.
+
+Every test takes the ``cupy_or_double`` fixture (tests/conftest.py): the
+real cupy when it imports and sees a device, otherwise the double of
+tests/cupy_double, which runs the very kernel source through the host
+emulation (blocks shuffled, reads outside the table refused). The same
+tests therefore run in CI without a GPU and unchanged on one
+(bench/gpu_check.sh).
+"""
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 
 import fastembed
+from fastembed import dispatch
 from fastembed.backends import cuda_backend
-from conftest import random_table
+from conftest import poisoned, random_table
+from cupy_double import is_double
 
-pytestmark = pytest.mark.gpu
-if cuda_backend.unavailable_reasons():
-    pytest.skip(f"no usable GPU: {'; '.join(cuda_backend.unavailable_reasons())}", allow_module_level=True)
+POISON = 0xA5
 
-import cupy  # noqa: E402  (only reached with a GPU)
 
+@pytest.fixture
+def cp(cupy_or_double):
+    return cupy_or_double
+
+
+def device_poisoned(cp, shape, dtype):
+    """A device output whose bytes are garbage, so an unwritten row cannot pass."""
+    return cp.asarray(poisoned(shape, dtype))
+
+
+def assert_rows(result, expected: np.ndarray, cp) -> None:
+    host = cp.asnumpy(result)
+    assert host.shape == expected.shape and host.dtype == expected.dtype
+    np.testing.assert_array_equal(host.view(np.uint8), np.ascontiguousarray(expected).view(np.uint8))
+
+
+def last_kernel(cp) -> str | None:
+    """The instantiation the double launched last (None on a real GPU)."""
+    return cp.launches[-1][0] if is_double(cp) and cp.launches else None
+
+
+# -- lookups on device tables -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("width", [4096, 4095, 8, 1])
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "int8", "float64"])
-def test_gpu_lookup_matches_numpy(width, id_dtype, dtype):
-    host = random_table(1000, width, dtype, seed=width)
+def test_lookup_matches_numpy(cp, width, id_dtype, dtype):
+    host = random_table(300, width, dtype, seed=width)
     emb = fastembed.Embedding(host).to_device()
-    assert emb.device == "cuda:0"
-    ids = np.random.default_rng(width).integers(0, 1000, (7, 9)).astype(id_dtype)
-    for given_ids in (ids, cupy.asarray(ids)):
-        result = emb(given_ids)
-        assert isinstance(result, cupy.ndarray) and result.shape == (7, 9, width)
-        np.testing.assert_array_equal(cupy.asnumpy(result).view(np.uint8), host[ids].view(np.uint8))
-    out = cupy.full((7, 9, width), 0xA5, dtype=cupy.uint8).view(emb.dtype) if emb.dtype.itemsize == 1 else cupy.empty((7, 9, width), emb.dtype)
-    assert emb(cupy.asarray(ids), out=out) is out
-    np.testing.assert_array_equal(cupy.asnumpy(out).view(np.uint8), host[ids].view(np.uint8))
+    assert emb.device == "cuda:0" and emb.dtype == host.dtype
+    ids = np.random.default_rng(width).integers(0, 300, (7, 9)).astype(id_dtype)
+    for given in (ids, cp.asarray(ids)):
+        result = emb(given)
+        assert isinstance(result, cp.ndarray) and result.shape == (7, 9, width)
+        assert_rows(result, host[ids], cp)
+    out = device_poisoned(cp, (7, 9, width), host.dtype)
+    assert emb(cp.asarray(ids), out=out) is out
+    assert_rows(out, host[ids], cp)
+    assert fastembed.select_backend(emb.table, ids).backend == "cuda"
 
 
-def test_gpu_bad_ids_raise_and_the_context_survives():
+@pytest.mark.parametrize(("row_bytes", "table_offset", "out_offset", "vector"), [
+    (64, 0, 0, 16), (48, 0, 0, 16), (40, 0, 0, 8), (64, 8, 0, 8), (64, 0, 24, 8), (36, 0, 0, 4), (64, 4, 0, 4),
+    (64, 0, 12, 4), (18, 0, 0, 2), (64, 2, 6, 2), (21, 0, 0, 1), (64, 1, 0, 1), (64, 0, 3, 1), (7, 5, 9, 1),
+])
+def test_every_vector_width_on_odd_widths_and_unaligned_rows(cp, row_bytes, table_offset, out_offset, vector):
+    """Tables and outputs at any byte offset (views into larger buffers): 16, 8, 4, 2 and 1-byte vectors."""
+    vocab, n = 50, 77  # more ids than the double's 64 resident blocks: grid-stride
+    host = random_table(vocab, row_bytes, "uint8", seed=row_bytes + table_offset)
+    table_buffer = cp.zeros(table_offset + vocab * row_bytes + 64, cp.uint8)
+    table_buffer[table_offset : table_offset + vocab * row_bytes] = cp.asarray(host.reshape(-1))
+    table = table_buffer[table_offset : table_offset + vocab * row_bytes].reshape(vocab, row_bytes)
+    out_buffer = cp.asarray(np.full(out_offset + n * row_bytes + 32, POISON, np.uint8))
+    out = out_buffer[out_offset : out_offset + n * row_bytes].reshape(n, row_bytes)
+    assert cuda_backend.vector_bytes(row_bytes, table.data.ptr, out.data.ptr)[0] == vector
+    ids = np.random.default_rng(vector).integers(0, vocab, n)
+    fastembed.lookup(table, ids, out=out)
+    assert_rows(out, host[ids], cp)
+    around = cp.asnumpy(out_buffer)
+    assert (around[:out_offset] == POISON).all() and (around[out_offset + n * row_bytes :] == POISON).all()
+    if is_double(cp):
+        assert last_kernel(cp).endswith(f"{dict(cuda_backend.VECTOR_TYPES)[vector]}>")
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 4), (), (1,), (2, 3, 4), (70,)])
+def test_empty_scalar_and_multidimensional_ids(cp, shape):
+    host = random_table(40, 24)
+    table = cuda_backend.to_device(host, 0)
+    ids = np.random.default_rng(1).integers(0, 40, shape)
+    for given in (ids, cp.asarray(ids), ids.astype(np.int32)):
+        result = fastembed.lookup(table, given)
+        assert result.shape == shape + (24,)
+        assert_rows(result, host[ids], cp)
+        out = device_poisoned(cp, shape + (24,), host.dtype)
+        fastembed.lookup(table, given, out=out)
+        assert_rows(out, host[ids], cp)
+
+
+def test_python_lists_strided_and_other_integer_ids(cp):
+    host = random_table(100, 16)
+    table = cuda_backend.to_device(host, 0)
+    assert_rows(fastembed.lookup(table, [3, 1, 4]), host[[3, 1, 4]], cp)
+    assert fastembed.lookup(table, []).shape == (0, 16)
+    ids = np.arange(0, 100, 3)
+    strided = cp.asarray(ids)[::2]  # not contiguous: the backend compacts it
+    assert not strided.flags.c_contiguous
+    assert_rows(fastembed.lookup(table, strided), host[ids[::2]], cp)
+    reversed_ids = cp.asarray(ids)[::-1]
+    assert_rows(fastembed.lookup(table, reversed_ids), host[ids[::-1]], cp)
+    for dtype in (np.uint8, np.int16, np.uint32, np.uint64):
+        assert_rows(fastembed.lookup(table, cp.asarray(ids.astype(dtype))), host[ids], cp)
+
+
+def test_embedding_on_a_device_table(cp):
+    host = random_table(64, 32, "float32")
+    emb = fastembed.Embedding(cp.asarray(host))
+    assert (emb.vocab_size, emb.dim, emb.device) == (64, 32, "cuda:0")
+    assert_rows(emb([[1, 2], [3, 63]]), host[[[1, 2], [3, 63]]], cp)
+    assert "cuda:0" in repr(emb)
+
+
+# -- to_device ------------------------------------------------------------------------------------------
+
+def test_to_device_dense_and_bfloat16(cp):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dtype in ("float32", ml_dtypes.bfloat16):
+        host = random_table(50, 12, dtype)
+        emb = fastembed.Embedding(host).to_device()
+        assert emb.device == "cuda:0"
+        ids = [0, 49, 7]
+        result = emb(ids)
+        if host.dtype == np.float32:
+            assert emb.dtype == np.float32
+            assert_rows(result, host[ids], cp)
+        else:  # CuPy has no bfloat16: the device table holds the same 16-bit words
+            assert emb.dtype == np.uint16
+            np.testing.assert_array_equal(cp.asnumpy(result).view(ml_dtypes.bfloat16).view(np.uint16),
+                                          host[ids].view(np.uint16))
+
+
+def test_to_device_on_a_second_device(cp):
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("one CUDA device only")
+    host = random_table(30, 20)
+    emb = fastembed.Embedding(host).to_device(1)
+    assert emb.device == "cuda:1" and emb.table.device.id == 1
+    with cp.cuda.Device(0):  # the current device is not the table's: the backend switches for the launch
+        result = emb(np.array([4, 29]))
+        assert result.device.id == 1
+        assert_rows(result, host[[4, 29]], cp)
+        with pytest.raises(IndexError, match="id 30 at position 1"):
+            emb(np.array([4, 30]))
+        out = cp.empty((2, 20), host.dtype)  # on device 0: refused
+        with pytest.raises(TypeError, match="same device"):
+            emb(np.array([1, 2]), out=out)
+    assert_rows(emb(np.array([3])), host[[3]], cp)
+
+
+# -- bad ids --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_bad_ids_raise_with_position_and_value_and_the_next_call_works(cp, id_dtype):
     host = random_table(100, 64)
     table = fastembed.Embedding(host).to_device().table
-    with pytest.raises(IndexError, match="id 100 at position 2"):
-        fastembed.lookup(table, cupy.asarray([1, 2, 100, -5]))
-    np.testing.assert_array_equal(cupy.asnumpy(fastembed.lookup(table, cupy.asarray([5, 6]))), host[[5, 6]])
+    for bad, position in (([1, 2, 100, -5], 2), ([-1], 0), ([5, 99, 7, -2147483648], 3)):
+        with pytest.raises(IndexError, match=rf"id {bad[position]} at position {position} is out of range"):
+            fastembed.lookup(table, cp.asarray(np.array(bad, id_dtype)))
+        assert_rows(fastembed.lookup(table, cp.asarray(np.array([5, 6], id_dtype))), host[[5, 6]], cp)
+    ids = np.array([[1, 2], [3, 2**40]], np.int64) if id_dtype == np.int64 else np.array([[1, 2], [3, 1000]], np.int32)
+    with pytest.raises(IndexError, match=rf"id {ids[1, 1]} at position \(1, 1\)"):
+        fastembed.lookup(table, cp.asarray(ids))
 
 
-def test_gpu_deferred_checks():
+def test_bad_rows_are_zero_in_out_and_good_rows_written(cp):
+    host = random_table(100, 40)
+    table = cuda_backend.to_device(host, 0)
+    ids = np.array([3, 100, 4, -7, 5])
+    out = device_poisoned(cp, (5, 40), host.dtype)
+    with pytest.raises(IndexError, match="id 100 at position 1"):
+        fastembed.lookup(table, ids, out=out)
+    written = cp.asnumpy(out)
+    assert not written[[1, 3]].view(np.uint16).any()
+    np.testing.assert_array_equal(written[[0, 2, 4]], host[[3, 4, 5]])
+
+
+def test_first_bad_position_wins_whatever_the_block_order(cp):
+    host = random_table(500, 8)
+    table = cuda_backend.to_device(host, 0)
+    ids = np.random.default_rng(3).integers(0, 500, 1000)
+    ids[[913, 250, 731]] = [500, 10**9, -1]
+    for _ in range(5):  # the double shuffles blocks differently on every launch
+        with pytest.raises(IndexError, match="id 1000000000 at position 250"):
+            fastembed.lookup(table, cp.asarray(ids))
+
+
+def test_deferred_checks_report_later_and_immediate_ones_stay_clean(cp):
     host = random_table(100, 64)
     table = fastembed.Embedding(host).to_device().table
+    fastembed.raise_deferred_id_errors(0)  # nothing deferred yet
     with fastembed.deferred_id_checks():
-        result = fastembed.lookup(table, cupy.asarray([1, 100, 3]))
-    assert not cupy.asnumpy(result[1]).any()
-    with pytest.raises(IndexError, match="position 1"):
+        result = fastembed.lookup(table, cp.asarray([1, 100, 3]))
+        fastembed.lookup(table, cp.asarray([7, 8, 9, 10, -1]))
+    assert not cp.asnumpy(result[1]).any()
+    assert_rows(result[::2], host[[1, 3]], cp)
+    # An immediate lookup does not report what a deferred one saw.
+    assert_rows(fastembed.lookup(table, [2]), host[[2]], cp)
+    with pytest.raises(IndexError, match="deferred CUDA lookup on device 0 .* flattened position 1"):
         fastembed.raise_deferred_id_errors(0)
     fastembed.raise_deferred_id_errors(0)  # cleared
+    assert cuda_backend.deferred_id_checks is fastembed.deferred_id_checks
 
 
-def test_gpu_empty_and_large_batches():
-    host = random_table(5000, 256)
-    table = fastembed.Embedding(host).to_device().table
-    assert fastembed.lookup(table, cupy.asarray([], dtype=cupy.int64)).shape == (0, 256)
-    ids = np.random.default_rng(0).integers(0, 5000, 200_000)
-    np.testing.assert_array_equal(cupy.asnumpy(fastembed.lookup(table, ids)), host[ids])
+def test_concurrent_threads_each_see_their_own_bad_id(cp):
+    host = random_table(64, 16)
+    table = cuda_backend.to_device(host, 0)
+    failures: list[str] = []
+
+    def work(worker: int) -> None:
+        try:
+            with cp.cuda.Device(0):
+                for call in range(15):
+                    ids = np.arange(20) % 64
+                    if call % 2:
+                        ids[worker] = 64 + worker
+                        try:
+                            fastembed.lookup(table, ids)
+                            failures.append(f"worker {worker}: no error")
+                        except IndexError as error:
+                            if f"id {64 + worker} at position {worker} " not in str(error):
+                                failures.append(f"worker {worker}: {error}")
+                    else:
+                        np.testing.assert_array_equal(cp.asnumpy(fastembed.lookup(table, ids)), host[ids])
+        except Exception as error:  # noqa: BLE001 - reported below
+            failures.append(f"worker {worker}: {type(error).__name__}: {error}")
+
+    threads = [threading.Thread(target=work, args=(worker,)) for worker in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
 
 
-def test_host_table_never_moves_to_the_gpu_implicitly():
+# -- validation and the dispatcher --------------------------------------------------------------------
+
+def test_out_is_validated_on_the_device(cp):
+    host = random_table(20, 8)
+    table = cuda_backend.to_device(host, 0)
+    ids = cp.asarray([1, 2])
+    with pytest.raises(TypeError, match="dtype"):
+        fastembed.lookup(table, ids, out=cp.empty((2, 8), cp.float32))
+    with pytest.raises(ValueError, match="shape"):
+        fastembed.lookup(table, ids, out=cp.empty((3, 8), host.dtype))
+    with pytest.raises(TypeError, match="same device"):
+        fastembed.lookup(table, ids, out=np.empty((2, 8), host.dtype))
+    with pytest.raises(ValueError, match="overlaps the table"):
+        fastembed.lookup(table, ids, out=table[:2])
+
+
+def test_dispatcher_chooses_cuda_for_device_tables_and_never_moves_host_ones(cp):
     host = random_table(10, 8)
-    assert fastembed.select_backend(host, [1]).backend != "cuda"
+    device_table = cuda_backend.to_device(host, 0)
+    assert fastembed.select_backend(device_table, [1]).backend == "cuda"
+    assert "cuda" in [status.name for status in fastembed.backends() if status.available]
+    selection = fastembed.select_backend(host, [1])
+    assert selection.backend != "cuda"
+    assert any("never moves a table implicitly" in reason for reason in selection.skipped["cuda"])
+    result = fastembed.lookup(host, [1, 2])
+    assert isinstance(result, np.ndarray)  # auto served the host table on the host
+    with pytest.raises(fastembed.BackendUnavailableError, match="cuda.*never moves a table implicitly"):
+        fastembed.lookup(host, [1], backend="cuda")
     with pytest.raises(TypeError, match="ids live on cuda:0 but the table lives on cpu"):
-        fastembed.lookup(host, cupy.asarray([1]))
+        fastembed.lookup(host, cp.asarray([1]))
+    with pytest.raises(fastembed.BackendUnavailableError, match="numpy"):
+        fastembed.lookup(device_table, [1], backend="numpy")
+
+
+def test_describe_and_reset(cp):
+    backend = cuda_backend.BACKEND
+    facts = backend.describe()
+    assert facts["cupy"] == cp.__version__ and facts["devices"][0].startswith("cuda:0 ")
+    table = cuda_backend.to_device(random_table(10, 8), 0)
+    fastembed.lookup(table, [1])
+    assert backend._modules and backend._kernels and backend._sm_counts
+    backend.reset()
+    assert not (backend._modules or backend._kernels or backend._sm_counts or backend._deferred_flags)
+    assert backend._unavailable is None
+    assert_rows(fastembed.lookup(table, [1, 9]), cp.asnumpy(table)[[1, 9]], cp)  # recompiled
+
+
+def test_the_double_is_never_left_installed():
+    """Outside the fixture the test double is gone and the backend forgot it."""
+    from cupy_double import real_cupy
+
+    if real_cupy() is not None:
+        pytest.skip("real cupy with a device")
+    reasons = cuda_backend.BACKEND.unavailable_reasons()
+    assert reasons and "cupy" in reasons[0]
+    with pytest.raises(fastembed.BackendUnavailableError, match="cupy"):
+        fastembed.Embedding(random_table(4, 4)).to_device()
+    assert dispatch.explain(random_table(4, 4)).backend != "cuda"
