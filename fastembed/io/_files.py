@@ -87,6 +87,8 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
     Returns:
         A sentence, or None when the file does not look like any known other format.
     """
+    if len(head) >= 9 and head[8:9] == b"{" and head[5:8] == b"\0\0\0":
+        return "is a safetensors file; open it with fastembed.Embedding.from_safetensors (or fastembed.io.open_table)"
     if head.startswith(b"\x93NUMPY"):
         return "is a .npy file; open it with fastembed.Embedding.from_npy (or fastembed.io.map_npy)"
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
