@@ -95,13 +95,13 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
         names = _zip_names(path)
         if names and all(name.endswith(".npy") for name in names):
             return (f"is a .npz archive (np.savez) of {shorten(names)}; extract one array as a .npy file "
-                    "(np.save('table.npy', np.load(PATH)[KEY])) and open it with fastembed.Embedding.from_npy")
+                    f"(np.save('table.npy', np.load({os.fspath(path)!r})[{names[0][:-4]!r}])) and open it with fastembed.Embedding.from_npy")
         if any(name.endswith("data.pkl") for name in names):
-            return f"is a PyTorch checkpoint (torch.save zip archive, a pickle); fastembed never unpickles: {CONVERT_PICKLE}"
+            return f"is a PyTorch checkpoint (torch.save zip archive, a pickle); fastembed never unpickles: {CONVERT_PICKLE.replace('PATH', repr(os.fspath(path)))}"
         return ("is a zip archive (a PyTorch torch.save checkpoint or a .npz?); fastembed reads only safetensors "
-                f"and .npy files. If it is a PyTorch checkpoint, {CONVERT_PICKLE}")
+                f"and .npy files. If it is a PyTorch checkpoint, {CONVERT_PICKLE.replace('PATH', repr(os.fspath(path)))}")
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        return f"is a Python pickle (a legacy PyTorch .bin/.pt checkpoint?); fastembed never unpickles: {CONVERT_PICKLE}"
+        return f"is a Python pickle (a legacy PyTorch .bin/.pt checkpoint?); fastembed never unpickles: {CONVERT_PICKLE.replace('PATH', repr(os.fspath(path)))}"
     if head.startswith(b"GGUF"):
         return ("is a GGUF file (llama.cpp); fastembed reads safetensors and .npy files: open the original "
                 "Hugging Face checkpoint (.safetensors) instead")
