@@ -207,6 +207,20 @@ def test_fuzzed_entry_values_of_every_json_type_only_give_clean_errors(tmp_path,
     assert emb.table.shape == (2, 2) and emb.table.nbytes <= path.stat().st_size
 
 
+@pytest.mark.parametrize("layout", [{"separators": (",", ":")}, {"indent": 2}, {"indent": "\t", "sort_keys": True}, {}])
+def test_every_json_layout_of_a_header_opens_the_same(tmp_path, layout):
+    """Writers lay the header out differently; the fast path and the JSON path must agree."""
+    table = np.arange(12, dtype=np.float32).reshape(3, 4)
+    header = {"__metadata__": {"format": "pt", "note": "caf\u00e9 \"x\""},
+              "model.embed_tokens.weight": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]},
+              "model.norm.weight": {"data_offsets": [48, 64], "shape": [4], "dtype": "F32"}}
+    encoded = json.dumps(header, **layout).encode() + b"   "
+    path = tmp_path / "layout.safetensors"
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + table.tobytes() + np.ones(4, np.float32).tobytes())
+    assert_bit_equal(np.asarray(io.map_safetensors(path)), table)
+    assert io.read_safetensors_header(path)[0]["model.norm.weight"] == io.TensorEntry("F32", (4,), 48, 64)
+
+
 def rss() -> int:
     import psutil
 

@@ -10,18 +10,21 @@ offset is trusted before it has been checked against the file's size.
 
 What a header may cost is bounded, whatever its content:
 
-* at most :data:`MAX_HEADER_BYTES` (16 MiB) of header, read into memory and
-  decoded once (the format itself allows 100 MB; real headers are far smaller,
-  see docs/loading.md);
-* each tensor entry is parsed alone and dropped: only the entries the caller
-  keeps (the one tensor asked for, or the few named like a token embedding)
-  stay in memory, plus 16 bytes of offsets per tensor for the overlap check;
-* an entry is parsed from at most :data:`MAX_ENTRY_BYTES` characters, so no
-  deep nesting or long list inside one entry is ever built;
-* ``__metadata__`` is scanned string by string and not kept.
+* at most :data:`MAX_HEADER_BYTES` (16 MiB) of header is read, and decoded
+  once (the format itself allows 100 MB; real headers are far smaller: see
+  :data:`MAX_HEADER_BYTES` and docs/loading.md); a longer one is refused
+  before it is read;
+* entries are matched one at a time (a regular expression for the layout
+  writers use, else a JSON parse of at most :data:`MAX_ENTRY_BYTES`
+  characters), checked and dropped: only the entries the caller keeps (the
+  tensor asked for, or the few named like a token embedding) stay in memory,
+  plus 16 bytes of offsets per tensor for the overlap check; no deep nesting
+  or long list is ever built;
+* ``__metadata__`` is matched by a regular expression and not kept.
 
-So opening a file costs about 3x its header length in memory (the bytes, the
-decoded text, offsets) and time linear in the header length.
+So opening a file costs at most about 4x its header length in memory (the
+bytes, the decoded text, the longest name) and time linear in the header
+length, whatever the header holds.
 """
 from __future__ import annotations
 
@@ -120,9 +123,8 @@ def scan_safetensors_header(
     if header_length > file_size - 8:
         raise ValueError(_not_safetensors(path, head, f"header length {header_length} goes beyond the file ({file_size} bytes)"))
     if header_length > MAX_HEADER_BYTES:
-        raise ValueError(_not_safetensors(
-            path, head, f"header length {header_length} is over fastembed's limit of {MAX_HEADER_BYTES} bytes "
-            "(real checkpoints' headers are under a few MB)"))
+        raise ValueError(f"{path}: header length {header_length} is over fastembed's limit of {MAX_HEADER_BYTES} bytes "
+                         "(real checkpoints' headers are under a few MB; see fastembed.io.safetensors.MAX_HEADER_BYTES)")
     if head[8:9] != b"{":
         raise ValueError(_not_safetensors(path, head, "the header must be a JSON object, starting with '{'"))
     with open(path, "rb") as handle:
@@ -203,6 +205,18 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
 
 
 _DECODER = json.JSONDecoder()
+_WS = r"[ \t\n\r]*+"
+#: An entry as safetensors writers lay it out (any whitespace): parsed without building JSON objects.
+_DIGITS = r"(?:0|[1-9]\d{0,19})"
+_INT = _WS + "(" + _DIGITS + ")" + _WS
+_CANONICAL_ENTRY = re.compile(
+    r"\{" + _WS + r'"dtype"' + _WS + ":" + _WS + r'"([A-Z0-9_]{1,16})"' + _WS + "," + _WS + r'"shape"' + _WS + ":" + _WS
+    + r"\[((?:" + _WS + _DIGITS + _WS + "(?:," + _WS + _DIGITS + _WS + ")*+)?)" + _WS + r"\]" + _WS + "," + _WS
+    + r'"data_offsets"' + _WS + ":" + _WS + r"\[" + _INT + "," + _INT + r"\]" + _WS + r"\}")
+_JSON_STRING = r'"(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+"'
+_PAIR = _JSON_STRING + _WS + ":" + _WS + _JSON_STRING
+#: An object of strings, matched by the regex engine without building a Python object.
+_STRING_OBJECT = re.compile(r"\{" + _WS + "(?:" + _PAIR + "(?:" + _WS + "," + _WS + _PAIR + ")*+)?" + _WS + r"\}")
 
 
 def _entry(path: Any, name: str, text: str, pos: int, data_size: int) -> tuple[TensorEntry, int]:
@@ -211,6 +225,16 @@ def _entry(path: Any, name: str, text: str, pos: int, data_size: int) -> tuple[T
     Only the next MAX_ENTRY_BYTES characters are parsed, so no entry can build more than
     a few hundred KiB of Python objects, whatever it nests.
     """
+    canonical = _CANONICAL_ENTRY.match(text, pos, pos + MAX_ENTRY_BYTES)
+    if canonical is not None:
+        dtype_code, shape_text, begin_text, end_text = canonical.groups()
+        shape = tuple(map(int, shape_text.split(","))) if shape_text else ()
+        begin, end = int(begin_text), int(end_text)
+        itemsize = _ITEMSIZES.get(dtype_code, 1)
+        if dtype_code in SAFETENSORS_DTYPES and end <= data_size and end - begin == math.prod(shape) * itemsize:
+            return TensorEntry(dtype_code, shape, begin, end), canonical.end()
+        entry = {"dtype": dtype_code, "shape": list(shape), "data_offsets": [begin, end]}
+        return _checked_entry(f"{path}: tensor {name!r}", entry, data_size), canonical.end()  # raises
     where = f"{path}: tensor {name!r}"
     if text[pos:pos + 1] != "{":
         raise ValueError(f"{where}: entry must be an object")
@@ -249,34 +273,11 @@ def _short_repr(value: Any, limit: int = 80) -> str:
 
 def _skip_metadata(path: Any, text: str, pos: int) -> int:
     """Check that text[pos] starts an object of strings (not kept); returns the position after it."""
-    def fail(problem: str) -> ValueError:
-        return ValueError(f"{path}: __metadata__ must be an object of strings: {problem}")
-
-    length = len(text)
-    if text[pos:pos + 1] != "{":
-        raise fail("it is not an object")
-    pos = _WHITESPACE.match(text, pos + 1).end()
-    if text[pos:pos + 1] == "}":
-        return pos + 1
-    while True:
-        for expected in ("key", "value"):
-            if text[pos:pos + 1] != '"':
-                raise fail(f"expected a string {expected} at character {pos}")
-            try:
-                _, pos = scanstring(text, pos + 1, True)
-            except ValueError as error:
-                raise fail(str(error)) from None
-            pos = _WHITESPACE.match(text, pos).end()
-            if expected == "key":
-                if text[pos:pos + 1] != ":":
-                    raise fail(f"expected ':' at character {pos}")
-                pos = _WHITESPACE.match(text, pos + 1).end()
-        if pos < length and text[pos] == ",":
-            pos = _WHITESPACE.match(text, pos + 1).end()
-        elif pos < length and text[pos] == "}":
-            return pos + 1
-        else:
-            raise fail(f"expected ',' or '}}' at character {pos}")
+    match = _STRING_OBJECT.match(text, pos)
+    if match is None:
+        raise ValueError(f"{path}: __metadata__ must be an object of strings (the format's str -> str map), "
+                         f"got {text[pos:pos + 60]!r}...")
+    return match.end()
 
 
 def _check_overlap(path: Any, text: str, begins: array, ends: array) -> None:

@@ -1,0 +1,148 @@
+"""What a safetensors header may cost: bounded memory for hostile headers; real-sized headers accepted.
+
+Memory is measured as the growth of ru_maxrss in a fresh subprocess (never wall time).
+"""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastembed import io
+
+MEASURE = """
+import resource, sys
+import fastembed
+from fastembed import io
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    io.map_safetensors(sys.argv[1])
+    outcome = "opened"
+except ValueError as error:
+    outcome = "ValueError"
+print(outcome, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def peak_growth(path) -> tuple[str, int]:
+    """(outcome, growth of the peak resident set in bytes) of map_safetensors(path) in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(path)], check=True, capture_output=True, text=True).stdout
+    outcome, growth = out.split()
+    return outcome, int(growth)
+
+
+def write(path, header: bytes, data: bytes = b"\0" * 8) -> int:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return len(header)
+
+
+TABLE_ENTRY = b'"wte.weight":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}'
+
+
+def tiny_entries(count: int) -> bytes:
+    """The hostile header: the table, then `count` empty tensors of about 55 bytes each."""
+    return b"{" + TABLE_ENTRY + b"".join(b',"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}' % i for i in range(count)) + b"}"
+
+
+def test_a_header_over_the_cap_is_refused_before_it_is_read(tmp_path):
+    """~1.5 million tiny entries in 84 MB (under the format's 100 MB) took 1.9 GiB to open."""
+    length = write(tmp_path / "huge.safetensors", tiny_entries(1_500_000))
+    assert io.MAX_HEADER_BYTES < length < 100_000_000
+    with pytest.raises(ValueError, match=f"header length {length} is over fastembed's limit of {io.MAX_HEADER_BYTES}"):
+        io.map_safetensors(tmp_path / "huge.safetensors")
+    outcome, growth = peak_growth(tmp_path / "huge.safetensors")
+    assert outcome == "ValueError" and growth < 4 * 2**20
+
+
+def _filled(prefix: bytes, item: str, suffix: bytes, room: int) -> bytes:
+    """prefix + as many items (item % i, comma-separated) as fit in `room` bytes + suffix."""
+    parts, used, i = [], len(prefix) + len(suffix), 0
+    while True:
+        piece = (item % i).encode()
+        if used + len(piece) + 1 > room:
+            return prefix + b",".join(parts) + suffix
+        parts.append(piece)
+        used += len(piece) + 1
+        i += 1
+
+
+def _at_the_cap(kind: str) -> bytes:
+    room = io.MAX_HEADER_BYTES - 200
+    if kind == "entries":  # the table, then ~300,000 empty tensors of about 55 bytes each
+        return _filled(b"{" + TABLE_ENTRY + b",", '"t%d":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}', b"}", room)
+    if kind == "metadata":  # over a million tiny strings in __metadata__
+        return _filled(b'{"__metadata__":{', '"%x":"v"', b"}," + TABLE_ENTRY + b"}", room)
+    if kind == "long_name":
+        return b'{"' + b"n" * (room - 80) + b'.wte.weight":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}}'
+    if kind == "nesting":  # a deep nest of lists inside one entry
+        depth = (room - 100) // 2
+        return b'{"wte.weight":{"dtype":"F16","shape":' + b"[" * depth + b"]" * depth + b',"data_offsets":[0,8]}}'
+    if kind == "long_list":  # millions of ints in one shape
+        return b'{"wte.weight":{"dtype":"F16","shape":[' + b"1," * ((room - 100) // 2) + b'2],"data_offsets":[0,8]}}'
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["entries", "metadata", "long_name", "nesting", "long_list"])
+def test_a_hostile_header_at_the_cap_costs_at_most_four_times_its_length(tmp_path, kind):
+    path = tmp_path / f"{kind}.safetensors"
+    length = write(path, _at_the_cap(kind))
+    assert io.MAX_HEADER_BYTES - 4096 < length <= io.MAX_HEADER_BYTES
+    outcome, growth = peak_growth(path)
+    assert outcome == ("ValueError" if kind in ("nesting", "long_list") else "opened")
+    assert growth < 4 * length, f"{kind}: peak grew by {growth / 2**20:.1f} MiB for a {length / 2**20:.1f} MiB header"
+
+
+def deepseek_v3_header() -> tuple[dict, int]:
+    """The header of DeepSeek-V3's 91,985 tensors (names, dtypes and shapes of its architecture) in one file."""
+    layers, experts, hidden, inter, moe_inter, vocab = 62, 256, 7168, 18432, 2048, 129280  # 61 layers + the MTP layer
+    tensors = {"model.embed_tokens.weight": ("BF16", [vocab, hidden]), "model.norm.weight": ("BF16", [hidden]),
+               "lm_head.weight": ("BF16", [vocab, hidden])}
+
+    def linear(name, rows, cols):
+        tensors[name + ".weight"] = ("F8_E4M3", [rows, cols])
+        tensors[name + ".weight_scale_inv"] = ("F32", [-(-rows // 128), -(-cols // 128)])
+
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}"
+        for name, rows, cols in [("q_a_proj", 1536, hidden), ("q_b_proj", 24576, 1536), ("kv_a_proj_with_mqa", 576, hidden),
+                                 ("kv_b_proj", 32768, 512), ("o_proj", hidden, 16384)]:
+            linear(f"{prefix}.self_attn.{name}", rows, cols)
+        for name, size in [("self_attn.q_a_layernorm", 1536), ("self_attn.kv_a_layernorm", 512),
+                           ("input_layernorm", hidden), ("post_attention_layernorm", hidden)]:
+            tensors[f"{prefix}.{name}.weight"] = ("BF16", [size])
+        if layer < 3:
+            for name, rows, cols in [("gate_proj", inter, hidden), ("up_proj", inter, hidden), ("down_proj", hidden, inter)]:
+                linear(f"{prefix}.mlp.{name}", rows, cols)
+            continue
+        tensors[f"{prefix}.mlp.gate.weight"] = ("BF16", [experts, hidden])
+        tensors[f"{prefix}.mlp.gate.e_score_correction_bias"] = ("F32", [experts])
+        for expert in [f"experts.{k}" for k in range(experts)] + ["shared_experts"]:
+            for name, rows, cols in [("gate_proj", moe_inter, hidden), ("up_proj", moe_inter, hidden), ("down_proj", hidden, moe_inter)]:
+                linear(f"{prefix}.mlp.{expert}.{name}", rows, cols)
+    itemsize = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = itemsize[dtype] * int(np.prod(shape))
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    return header, offset
+
+
+def test_all_of_deepseek_v3_in_one_file_fits_under_the_cap(tmp_path):
+    """The cap leaves room for a real checkpoint's whole header, far above any single shard's."""
+    header, data_size = deepseek_v3_header()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(header) == 91_985 and 12_000_000 < len(text) < io.MAX_HEADER_BYTES
+    path = tmp_path / "deepseek-v3-one-file.safetensors"
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(text)) + text)
+        try:
+            handle.truncate(8 + len(text) + data_size)  # sparse: 685 GB of holes
+        except OSError as error:
+            pytest.skip(f"this filesystem cannot hold a sparse 685 GB file: {error}")
+    table = io.map_safetensors(path)
+    assert table.shape == (129280, 7168) and table.offset == 8 + len(text)
