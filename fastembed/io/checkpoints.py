@@ -267,6 +267,9 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap:
         by_shard.setdefault(_shard_path(index_path, weight_map[tensor]), []).append(tensor)
     found: dict[str, tuple[str, TensorEntry, int]] = {}
     for shard, tensors in by_shard.items():
+        if not os.path.exists(shard):
+            raise FileNotFoundError(2, f"fastembed.io.open_table: {index_path.name} puts {tensors[0]!r} in a shard that is "
+                                       "missing (an incomplete download?)", shard)
         wanted = set(tensors)
         header = scan_safetensors_header(shard, keep=lambda n, e, wanted=wanted: n in wanted)
         for tensor in tensors:

@@ -1,0 +1,214 @@
+"""open_table on Hugging Face checkpoints: each family's real tensor names (reduced shapes), single and sharded."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import fastembed
+from fastembed import io
+from conftest import assert_bit_equal, random_table
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+VOCAB, DIM = 96, 16
+
+
+def _t(rows: int, cols: int | None = None, seed: int = 1) -> np.ndarray:
+    if cols is None:
+        return random_table(1, rows, "float16", seed)[0]
+    return random_table(rows, cols, "float16", seed)
+
+
+# Each family: its tensors (real names, reduced shapes), the token embedding, and its config.json keys.
+FAMILIES = {
+    "bert-all-MiniLM-L6-v2": (
+        {"embeddings.word_embeddings.weight": _t(VOCAB, DIM, 2), "embeddings.position_embeddings.weight": _t(64, DIM),
+         "embeddings.token_type_embeddings.weight": _t(2, DIM), "embeddings.LayerNorm.weight": _t(DIM),
+         "encoder.layer.0.attention.self.query.weight": _t(DIM, DIM), "pooler.dense.weight": _t(DIM, DIM)},
+        "embeddings.word_embeddings.weight", {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "bert"}),
+    "bert-base-uncased": (
+        {"bert.embeddings.word_embeddings.weight": _t(VOCAB, DIM, 2), "bert.embeddings.position_embeddings.weight": _t(64, DIM),
+         "bert.embeddings.token_type_embeddings.weight": _t(2, DIM), "cls.predictions.transform.dense.weight": _t(DIM, DIM)},
+        "bert.embeddings.word_embeddings.weight", {"vocab_size": VOCAB, "hidden_size": DIM}),
+    "roberta": (
+        {"roberta.embeddings.word_embeddings.weight": _t(VOCAB, DIM, 2), "roberta.embeddings.position_embeddings.weight": _t(VOCAB + 2, DIM),
+         "roberta.embeddings.token_type_embeddings.weight": _t(1, DIM), "lm_head.dense.weight": _t(DIM, DIM)},
+        "roberta.embeddings.word_embeddings.weight", {"vocab_size": VOCAB, "hidden_size": DIM}),
+    "gpt2": (
+        {"wte.weight": _t(VOCAB, DIM, 2), "wpe.weight": _t(128, DIM), "h.0.attn.c_attn.weight": _t(DIM, 3 * DIM), "ln_f.weight": _t(DIM)},
+        "wte.weight", {"vocab_size": VOCAB, "n_embd": DIM}),
+    "gpt2-prefixed": (
+        {"transformer.wte.weight": _t(VOCAB, DIM, 2), "transformer.wpe.weight": _t(VOCAB, DIM), "lm_head.weight": _t(VOCAB, DIM)},
+        "transformer.wte.weight", None),
+    "llama": (
+        {"model.embed_tokens.weight": _t(VOCAB, DIM, 2), "lm_head.weight": _t(VOCAB, DIM), "model.norm.weight": _t(DIM),
+         "model.layers.0.self_attn.q_proj.weight": _t(DIM, DIM), "model.layers.0.mlp.down_proj.weight": _t(DIM, 2 * DIM)},
+        "model.embed_tokens.weight", {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "llama"}),
+    "qwen2": (
+        {"model.embed_tokens.weight": _t(VOCAB, DIM, 2), "model.layers.0.self_attn.q_proj.bias": _t(DIM),
+         "model.layers.0.self_attn.k_proj.weight": _t(DIM // 2, DIM)},
+        "model.embed_tokens.weight", {"vocab_size": VOCAB, "hidden_size": DIM}),
+    "t5": (
+        {"shared.weight": _t(VOCAB, DIM, 2), "encoder.embed_tokens.weight": _t(VOCAB, DIM, 2), "decoder.embed_tokens.weight": _t(VOCAB, DIM, 2),
+         "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": _t(32, 4), "lm_head.weight": _t(VOCAB, DIM)},
+        "shared.weight", {"vocab_size": VOCAB, "d_model": DIM, "model_type": "t5"}),
+    "gpt-neox": (
+        {"gpt_neox.embed_in.weight": _t(VOCAB, DIM, 2), "embed_out.weight": _t(VOCAB, DIM),
+         "gpt_neox.layers.0.attention.query_key_value.weight": _t(3 * DIM, DIM)},
+        "gpt_neox.embed_in.weight", {"vocab_size": VOCAB, "hidden_size": DIM}),
+    "bloom": (
+        {"word_embeddings.weight": _t(VOCAB, DIM, 2), "word_embeddings_layernorm.weight": _t(DIM),
+         "word_embeddings_layernorm.bias": _t(DIM), "h.0.self_attention.query_key_value.weight": _t(3 * DIM, DIM)},
+        "word_embeddings.weight", {"vocab_size": VOCAB, "hidden_size": DIM}),
+    "falcon": (
+        {"transformer.word_embeddings.weight": _t(VOCAB, DIM, 2), "lm_head.weight": _t(VOCAB, DIM),
+         "transformer.h.0.self_attention.dense.weight": _t(DIM, DIM)},
+        "transformer.word_embeddings.weight", {"vocab_size": VOCAB, "hidden_size": DIM}),
+}
+
+
+def write_checkpoint(directory, tensors: dict[str, np.ndarray], config: dict | None, shards: int = 1) -> None:
+    """A checkpoint as transformers writes it: model.safetensors, or shards with their index."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(config))
+    if shards == 1:
+        safetensors_numpy.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map, total = {}, 0
+    for shard in range(shards):
+        file_name = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[shard::shards]}
+        safetensors_numpy.save_file(part, str(directory / file_name), metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in part})
+        total += sum(array.nbytes for array in part.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def assert_zero_copy_table(table, expected: np.ndarray) -> None:
+    assert isinstance(table, np.memmap) and not table.flags.writeable
+    assert_bit_equal(np.asarray(table), expected)
+    ids = [0, VOCAB - 1, 7, 7]
+    assert_bit_equal(fastembed.lookup(table, ids), expected[ids])
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_opens_its_token_embedding(tmp_path, family, shards):
+    tensors, embedding, config = FAMILIES[family]
+    write_checkpoint(tmp_path / family, tensors, config, shards)
+    table = io.open_table(tmp_path / family)
+    assert_zero_copy_table(table, tensors[embedding])
+    if shards > 1:
+        index = json.loads((tmp_path / family / "model.safetensors.index.json").read_text())
+        assert table.filename.endswith(index["weight_map"][embedding])
+        assert_zero_copy_table(io.open_table(tmp_path / family / "model.safetensors.index.json"), tensors[embedding])
+    else:
+        assert_zero_copy_table(io.open_table(tmp_path / family / "model.safetensors"), tensors[embedding])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_from_safetensors_picks_the_same_tensor_without_config(tmp_path, family):
+    """name=None used to fail on all-MiniLM-L6-v2: position and token-type embeddings looked like candidates."""
+    tensors, embedding, _ = FAMILIES[family]
+    safetensors_numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert_zero_copy_table(fastembed.Embedding.from_safetensors(tmp_path / "model.safetensors").table, tensors[embedding])
+
+
+def test_only_the_shard_holding_the_table_is_read(tmp_path):
+    """A DeepSeek-like checkpoint: the other shards are never opened (here they are not even safetensors)."""
+    tensors = {"model.embed_tokens.weight": random_table(VOCAB, DIM, "bfloat16", 3)}
+    tensors.update({f"model.layers.{i}.mlp.experts.{e}.down_proj.weight": _t(DIM, 4) for i in range(3) for e in range(4)})
+    write_checkpoint(tmp_path, tensors, {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "deepseek_v3"}, shards=4)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    holder = index["weight_map"]["model.embed_tokens.weight"]
+    for shard in set(index["weight_map"].values()) - {holder}:
+        (tmp_path / shard).write_bytes(b"not read")
+    table = io.open_table(tmp_path)
+    assert table.filename.endswith(holder)
+    assert_zero_copy_table(table, tensors["model.embed_tokens.weight"])
+    layer = "model.layers.2.mlp.experts.3.down_proj.weight"
+    if index["weight_map"][layer] == holder:
+        assert_bit_equal(np.asarray(io.open_table(tmp_path, name=layer)), tensors[layer])
+
+
+def test_name_selects_in_a_sharded_checkpoint(tmp_path):
+    tensors, _, config = FAMILIES["llama"]
+    write_checkpoint(tmp_path, tensors, config, shards=3)
+    assert_bit_equal(np.asarray(io.open_table(tmp_path, name="lm_head.weight")), tensors["lm_head.weight"])
+    with pytest.raises(ValueError, match="no tensor named 'embed_tokens'.*model.embed_tokens.weight"):
+        io.open_table(tmp_path, name="embed_tokens")
+    with pytest.raises(ValueError, match="2-D"):
+        io.open_table(tmp_path, name="model.norm.weight")
+
+
+def test_config_confirms_the_shape(tmp_path):
+    tensors, _, config = FAMILIES["llama"]
+    write_checkpoint(tmp_path, tensors, {**config, "vocab_size": VOCAB + 1}, shards=1)
+    with pytest.raises(ValueError, match=r"config.json gives the token embedding shape \(97, 16\).*model.embed_tokens.weight \[96, 16\]"):
+        io.open_table(tmp_path)
+
+
+def test_config_chooses_among_equal_names(tmp_path):
+    """An encoder-decoder without a shared embedding: config.json's shape picks the right one."""
+    tensors = {"encoder.embed_tokens.weight": _t(VOCAB, DIM, 4), "decoder.embed_tokens.weight": _t(VOCAB + 8, DIM, 5)}
+    write_checkpoint(tmp_path / "with", tensors, {"vocab_size": VOCAB, "d_model": DIM})
+    assert_zero_copy_table(io.open_table(tmp_path / "with"), tensors["encoder.embed_tokens.weight"])
+    write_checkpoint(tmp_path / "without", tensors, None)
+    with pytest.raises(ValueError, match=r"several tensors look like token embeddings.*decoder.embed_tokens.weight \[104, 16\]"):
+        io.open_table(tmp_path / "without")
+
+
+def test_multimodal_config_reads_text_config(tmp_path):
+    tensors = {"language_model.model.embed_tokens.weight": _t(VOCAB, DIM, 6), "vision_tower.patch_embedding.weight": _t(DIM, 12)}
+    write_checkpoint(tmp_path, tensors, {"text_config": {"vocab_size": VOCAB, "hidden_size": DIM}, "model_type": "llava"})
+    assert io.read_config_shape(tmp_path) == (VOCAB, DIM)
+    assert_zero_copy_table(io.open_table(tmp_path), tensors["language_model.model.embed_tokens.weight"])
+
+
+def test_too_many_candidates_are_listed_briefly(tmp_path):
+    tensors = {f"tower{i}.embed_tokens.weight": _t(4, 4) for i in range(40)}
+    safetensors_numpy.save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"several tensors.*\.\.\. and 28 more") as caught:
+        io.open_table(tmp_path)
+    assert len(str(caught.value)) < 1000
+
+
+def test_open_table_sources_and_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        io.open_table(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "README.md").write_text("hi")
+    with pytest.raises(ValueError, match=r"no checkpoint in this directory.*model.safetensors.*'README.md'"):
+        io.open_table(tmp_path / "empty")
+    (tmp_path / "empty" / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
+    with pytest.raises(ValueError, match="PyTorch pickles.*safetensors package"):
+        io.open_table(tmp_path / "empty")
+    table = _t(VOCAB, DIM, 8)
+    np.save(tmp_path / "table.npy", table)
+    assert_zero_copy_table(io.open_table(tmp_path / "table.npy"), table)
+    with pytest.raises(ValueError, match="name= must be None"):
+        io.open_table(tmp_path / "table.npy", name="x")
+
+
+@pytest.mark.parametrize(
+    "index, words",
+    [
+        ({"weight_map": {"model.embed_tokens.weight": "../elsewhere.safetensors"}}, "a shard must be a file name"),
+        ({"weight_map": {"model.embed_tokens.weight": "/etc/passwd"}}, "a shard must be a file name"),
+        ({"weight_map": {"model.embed_tokens.weight": 3}}, "weight_map must be an object"),
+        ({"weight_map": []}, "weight_map must be an object"),
+        ([], "must be a JSON object"),
+        ({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}, "does not hold it"),
+        ({"weight_map": {"model.embed_tokens.weight": "absent.safetensors"}}, "a shard that is missing"),
+    ],
+)
+def test_hostile_or_wrong_indexes(tmp_path, index, words):
+    safetensors_numpy.save_file({"other.weight": _t(4, 4)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises((ValueError, FileNotFoundError), match=words):
+        io.open_table(tmp_path)
