@@ -9,10 +9,15 @@ Replacing the file (writing a new one and renaming it over the path, as
 file's pages.
 
 :class:`FileWatch` holds the file open and compares ``os.fstat`` of it with
-what it was when the table was opened: one system call, well under a
-microsecond (docs/loading.md gives the figure and the command), against the
-microseconds of the smallest lookup. It narrows the window, it cannot close
-it: the file may still shrink between ``check()`` and the lookup.
+what it was when the table was opened. That is one system call: about as
+much as half of the smallest lookup (a few ids) costs, negligible next to a
+batch of thousands (docs/loading.md gives the figures and the command). So
+it is not made on every lookup: a caller that fears truncation calls
+``check()`` where it chooses (per batch, per request, on a timer). It
+narrows the window, it cannot close it: the file may still shrink between
+``check()`` and the lookup. An in-place overwrite within one tick of the
+kernel's file-time clock (a few ms) after opening leaves the modification
+time unchanged and goes unnoticed.
 """
 from __future__ import annotations
 

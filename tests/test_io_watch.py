@@ -1,0 +1,98 @@
+"""A mapped file truncated, overwritten or replaced: what the OS does, and what FileWatch.check notices."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastembed import io
+from conftest import random_table
+
+
+@pytest.fixture
+def mapped(tmp_path):
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(4096, 256, "float16"))  # 2 MiB: the last rows lie on pages far from the header
+    table = io.map_npy(path)
+    return path, table, io.FileWatch.for_table(table)
+
+
+def test_an_unchanged_file_passes(mapped):
+    path, table, watch = mapped
+    assert watch.needed_bytes == os.path.getsize(path) == table.offset + table.nbytes
+    watch.check()
+    watch.check()
+
+
+def test_a_shrunken_file_is_reported_before_any_page_is_touched(mapped):
+    path, _, watch = mapped
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(io.FileChangedError, match="shrank to .* bytes while memory-mapped.*SIGBUS"):
+        watch.check()
+
+
+def test_a_file_modified_in_place_is_reported(mapped):
+    path, _, watch = mapped
+    with open(path, "r+b") as handle:
+        handle.seek(-2, os.SEEK_END)
+        handle.write(b"\0\0")
+    status = os.stat(path)
+    # The kernel's file-time clock ticks every few ms: make the change visible whatever the tick.
+    os.utime(path, ns=(status.st_atime_ns, watch.mtime_ns + 10_000_000))
+    with pytest.raises(io.FileChangedError, match="modified in place"):
+        watch.check()
+
+
+def test_a_replaced_file_is_harmless(mapped, tmp_path):
+    path, table, watch = mapped
+    before = np.array(table[-1])
+    np.save(tmp_path / "new.npy", np.zeros((8, 8), np.float16))
+    os.replace(tmp_path / "new.npy", path)  # how downloaders update a file: the map keeps the old inode
+    watch.check()
+    np.testing.assert_array_equal(table[-1], before)
+
+
+def test_watch_contract(tmp_path, mapped):
+    _, _, watch = mapped
+    assert io.FileWatch.for_table(np.zeros((2, 2))) is None
+    watch.close()
+    with pytest.raises(ValueError, match="closed"):
+        watch.check()
+    with pytest.raises(FileNotFoundError):
+        io.FileWatch(tmp_path / "missing.npy", 10)
+    (tmp_path / "short").write_bytes(b"1234")
+    with pytest.raises(ValueError, match="shorter than the 100"):
+        io.FileWatch(tmp_path / "short", 100)
+
+
+TRUNCATE_THEN_LOOK_UP = """
+import os, sys, numpy as np, fastembed
+from fastembed import io
+path = sys.argv[1]
+table = io.map_npy(path)
+watch = io.FileWatch.for_table(table)
+os.truncate(path, 4096)
+if sys.argv[2] == "check":
+    try:
+        watch.check()
+    except io.FileChangedError:
+        print("FileChangedError")
+        sys.exit(0)
+print(fastembed.lookup(table, [table.shape[0] - 1]).sum())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the signal a lost page raises is the OS's choice")
+@pytest.mark.parametrize("check", ["check", "no-check"])
+def test_a_lookup_on_a_truncated_file_dies_of_sigbus_unless_checked(tmp_path, check):
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(4096, 256, "float16"))
+    result = subprocess.run([sys.executable, "-c", TRUNCATE_THEN_LOOK_UP, str(path), check], capture_output=True, text=True)
+    if check == "check":
+        assert result.returncode == 0 and result.stdout.strip() == "FileChangedError"
+    else:
+        assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-500:])
