@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,7 +15,10 @@ def main(argv: list[str] | None = None) -> int:
     from .info import format_report, report
 
     facts = report()
-    print(json.dumps(facts, indent=2) if arguments.json else format_report(facts))
+    try:
+        print(json.dumps(facts, indent=2) if arguments.json else format_report(facts), flush=True)
+    except BrokenPipeError:  # piped into head: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

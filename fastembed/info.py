@@ -8,9 +8,60 @@ import sys
 from typing import Any
 
 from . import __version__
+from . import dispatch
 from .dispatch import BACKENDS, backend_statuses
 
 DISTRIBUTION = "fastembed-gather"
+#: Optional packages whose versions the report lists, read from their metadata, never imported.
+OPTIONAL_PACKAGES = ("numpy", "numba", "llvmlite", "ml_dtypes", "safetensors", "torch")
+
+
+def fastembed_version() -> tuple[str, str]:
+    """This library's version and where it was read.
+
+    Returns:
+        (version, source): from the installed ``fastembed-gather`` distribution's metadata,
+        which stays right when Qdrant's ``fastembed`` distribution installed an import package
+        of the same name; else ``fastembed.__version__`` (a source checkout, not installed).
+    """
+    try:
+        return importlib.metadata.version(DISTRIBUTION), f"distribution {DISTRIBUTION}"
+    except importlib.metadata.PackageNotFoundError:
+        return __version__, "fastembed.__version__ (not installed as a distribution)"
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of :data:`OPTIONAL_PACKAGES` and of every cupy distribution, without importing them.
+
+    Returns:
+        Distribution name -> version, or None when it is not installed. cupy is listed under
+        each installed ``cupy*`` distribution (cupy-cuda12x, ...), or as "cupy": None.
+    """
+    versions: dict[str, str | None] = {}
+    for name in OPTIONAL_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    cupys = sorted({(d.metadata["Name"] or "") for d in importlib.metadata.distributions()
+                    if (d.metadata["Name"] or "").lower().startswith("cupy")})
+    for name in cupys:
+        versions[name] = importlib.metadata.version(name)
+    if not cupys:
+        versions["cupy"] = None
+    return versions
+
+
+def backend_environment() -> dict[str, Any]:
+    """FASTEMBED_BACKEND as set now, and whether it names a backend.
+
+    Returns:
+        {"value": the variable or None, "valid": bool, "valid_names": ["auto", *registered backends]}.
+        An unset or empty variable means "auto" and is valid.
+    """
+    value = os.environ.get(dispatch.ENVIRONMENT_VARIABLE)
+    valid_names = [dispatch.AUTO, *BACKENDS]
+    return {"value": value, "valid": not value or value in valid_names, "valid_names": valid_names}
 
 
 def other_fastembed_distributions() -> list[str]:
@@ -32,14 +83,17 @@ def other_fastembed_distributions() -> list[str]:
 
 
 def report() -> dict[str, Any]:
+    """Every fact ``python -m fastembed info`` prints, as JSON-serialisable values."""
     backends = []
     for status in backend_statuses():
         entry: dict[str, Any] = {"name": status.name, "available": status.available, "reasons": status.reasons}
         if status.available:
             entry.update(BACKENDS[status.name].describe())
         backends.append(entry)
+    version, version_source = fastembed_version()
     return {
-        "fastembed": __version__,
+        "fastembed": version,
+        "version_source": version_source,
         "distribution": DISTRIBUTION,
         "location": os.path.dirname(os.path.abspath(__file__)),
         "python": sys.version.split()[0],
@@ -47,7 +101,9 @@ def report() -> dict[str, Any]:
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "backends": backends,
-        "fastembed_backend_env": os.environ.get("FASTEMBED_BACKEND"),
+        "fastembed_backend_env": os.environ.get(dispatch.ENVIRONMENT_VARIABLE),
+        "backend_env": backend_environment(),
+        "packages": package_versions(),
         "conflicting_distributions": other_fastembed_distributions(),
     }
 
@@ -64,13 +120,21 @@ def _cpu_name() -> str:
 
 
 def format_report(facts: dict[str, Any]) -> str:
+    """The report as text: one fact per line, warnings last."""
+    environment = facts["backend_env"]
     lines = [
-        f"fastembed {facts['fastembed']} (distribution {facts['distribution']}) at {facts['location']}",
+        f"fastembed {facts['fastembed']} (version from {facts['version_source']}) at {facts['location']}",
         f"python {facts['python']} on {facts['platform']}",
         f"cpu: {facts['cpu']}, {facts['cpu_count']} logical cores",
-        f"FASTEMBED_BACKEND: {facts['fastembed_backend_env'] or '(unset: auto)'}",
-        "backends (priority order):",
+        "packages: " + ", ".join(f"{name} {version or 'not installed'}" for name, version in facts["packages"].items()),
+        f"FASTEMBED_BACKEND: {environment['value'] or '(unset: auto)'}",
     ]
+    if not environment["valid"]:
+        lines.append(
+            f"ERROR: FASTEMBED_BACKEND={environment['value']!r} is unknown; valid names: "
+            f"{', '.join(environment['valid_names'])}. Every lookup without backend= raises ValueError until it is fixed."
+        )
+    lines.append("backends (priority order):")
     for backend in facts["backends"]:
         state = "available" if backend["available"] else "unavailable: " + "; ".join(backend["reasons"])
         lines.append(f"  {backend['name']:<6} {state}")

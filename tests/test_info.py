@@ -54,7 +54,7 @@ def test_info_tells_the_truth_about_each_backend():
             assert reason in text
     assert "threading_layer" in text or "numba" not in {s.name for s in fastembed.backends() if s.available}
     facts = json.loads(subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], check=True, capture_output=True, text=True).stdout)
-    assert facts["fastembed"] == fastembed.__version__
+    assert facts["fastembed"] == info.fastembed_version()[0]
     assert [b["name"] for b in facts["backends"]] == ["cuda", "numba", "numpy"]
 
 
@@ -62,3 +62,70 @@ def test_info_warns_about_qdrant_fastembed(monkeypatch):
     monkeypatch.setattr(info, "other_fastembed_distributions", lambda: ["fastembed 0.9.1"])
     text = info.format_report(info.report())
     assert "WARNING: fastembed 0.9.1 also installs an import package named 'fastembed'" in text
+
+
+def run_info(*arguments: str, **environment: str) -> str:
+    import os
+
+    env = {**os.environ, **environment}
+    return subprocess.run([sys.executable, "-m", "fastembed", "info", *arguments], check=True, capture_output=True,
+                          text=True, env=env).stdout
+
+
+def test_an_unknown_fastembed_backend_is_flagged_with_the_valid_names():
+    from fastembed import dispatch
+
+    text = run_info(FASTEMBED_BACKEND="bogus")
+    valid = ", ".join(["auto", *dispatch.BACKENDS])
+    assert f"ERROR: FASTEMBED_BACKEND='bogus' is unknown; valid names: {valid}." in text
+    for good in ["auto", *dispatch.BACKENDS]:
+        assert "ERROR" not in run_info(FASTEMBED_BACKEND=good)
+    facts = json.loads(run_info("--json", FASTEMBED_BACKEND="bogus"))
+    assert facts["backend_env"] == {"value": "bogus", "valid": False, "valid_names": ["auto", *dispatch.BACKENDS]}
+
+
+def test_the_valid_names_follow_the_registry(monkeypatch):
+    from fastembed import dispatch
+
+    monkeypatch.setitem(dispatch.BACKENDS, "experimental", dispatch.BACKENDS["numpy"])
+    monkeypatch.setenv("FASTEMBED_BACKEND", "experimental")
+    assert info.backend_environment()["valid"]
+    monkeypatch.setenv("FASTEMBED_BACKEND", "Numba")
+    assert "valid names: auto, cuda, numba, numpy, experimental" in info.format_report(info.report())
+
+
+def test_package_versions_are_listed_without_importing_them():
+    code = (
+        "import sys, json, fastembed.info as i\n"
+        "facts = i.report()\n"
+        "print(json.dumps([facts['packages'], sorted(m for m in ('ml_dtypes', 'safetensors', 'torch', 'cupy') if m in sys.modules)]))"
+    )
+    packages, imported = json.loads(run_python(code))
+    assert imported == []
+    import importlib.metadata
+
+    for name in ("ml_dtypes", "safetensors", "torch"):
+        try:
+            assert packages[name] == importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            assert packages[name] is None
+    assert any(name.lower().startswith("cupy") for name in packages)
+    text = info.format_report(info.report())
+    assert "torch " in text and "safetensors " in text and "ml_dtypes " in text
+
+
+def test_the_version_comes_from_this_distribution_not_the_import_package(monkeypatch):
+    """Qdrant's 'fastembed' distribution installs a package of the same name: __version__ may be its."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(fastembed.info, "__version__", "0.7.3")  # what Qdrant's package would say
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9" if name == "fastembed-gather" else real(name))
+    assert info.fastembed_version() == ("9.9.9", "distribution fastembed-gather")
+    assert info.report()["fastembed"] == "9.9.9"
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert info.fastembed_version() == ("0.7.3", "fastembed.__version__ (not installed as a distribution)")
