@@ -304,3 +304,26 @@ def test_the_double_is_never_left_installed():
     with pytest.raises(fastembed.BackendUnavailableError, match="cupy"):
         fastembed.Embedding(random_table(4, 4)).to_device()
     assert dispatch.explain(random_table(4, 4)).backend != "cuda"
+
+
+def test_tables_without_columns_or_rows(cp):
+    no_columns = cp.empty((10, 0), cp.float32)
+    assert fastembed.lookup(no_columns, [1, 2]).shape == (2, 0)
+    with pytest.raises(IndexError, match="id 10 at position 1"):
+        fastembed.lookup(no_columns, [1, 10])
+    no_rows = cp.empty((0, 8), cp.float32)
+    assert fastembed.lookup(no_rows, []).shape == (0, 8)
+    with pytest.raises(IndexError, match="id 0 at position 0"):
+        fastembed.lookup(no_rows, [0])
+    assert fastembed.lookup(cp.asarray(random_table(5, 8)), [4]).shape == (1, 8)  # the device still works
+
+
+def test_the_backend_object_implements_the_interface():
+    from fastembed.backends.base import Backend
+
+    backend = cuda_backend.BACKEND
+    assert isinstance(backend, Backend) and backend.name == "cuda"
+    assert backend.capabilities.array_libraries == frozenset({"cupy"})
+    assert backend.capabilities.devices == frozenset({"cuda"})
+    assert not hasattr(cuda_backend, "NAME") and not hasattr(cuda_backend, "not_supported_reasons")
+    assert dispatch.BACKENDS["cuda"] is backend
