@@ -116,7 +116,7 @@ class CudaBackend:
             if n == 0:
                 return out
             # The kernel reads ids as one contiguous run: a strided view is compacted first.
-            flat_ids = (ids if ids.flags.c_contiguous else cupy.ascontiguousarray(ids)).reshape(-1)
+            flat_ids = ids if ids.ndim == 1 and ids.flags.c_contiguous else cupy.ascontiguousarray(ids).reshape(-1)
             vocab_size = int(table.shape[0])
             row_bytes = int(table.shape[1]) * table.dtype.itemsize
             size, vec_type = vector_bytes(row_bytes, table.data.ptr, out.data.ptr)
