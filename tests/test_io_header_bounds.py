@@ -1,6 +1,6 @@
 """What a safetensors header may cost: bounded memory for hostile headers; real-sized headers accepted.
 
-Memory is measured as the growth of ru_maxrss in a fresh subprocess (never wall time).
+Memory is the peak traced by tracemalloc in a fresh subprocess (never wall time).
 """
 from __future__ import annotations
 
@@ -15,21 +15,25 @@ import pytest
 from fastembed import io
 
 MEASURE = """
-import resource, sys
+import sys, tracemalloc
 import fastembed
 from fastembed import io
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tracemalloc.start()
 try:
     io.map_safetensors(sys.argv[1])
     outcome = "opened"
 except ValueError as error:
     outcome = "ValueError"
-print(outcome, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+print(outcome, tracemalloc.get_traced_memory()[1])
 """
 
 
 def peak_growth(path) -> tuple[str, int]:
-    """(outcome, growth of the peak resident set in bytes) of map_safetensors(path) in a fresh process."""
+    """(outcome, peak bytes allocated) of map_safetensors(path), traced by tracemalloc in a fresh process.
+
+    tracemalloc rather than ru_maxrss: Linux carries a parent's peak RSS across fork and exec
+    into the child's ru_maxrss, which would hide the growth.
+    """
     out = subprocess.run([sys.executable, "-c", MEASURE, str(path)], check=True, capture_output=True, text=True).stdout
     outcome, growth = out.split()
     return outcome, int(growth)
@@ -87,13 +91,13 @@ def _at_the_cap(kind: str) -> bytes:
 
 
 @pytest.mark.parametrize("kind", ["entries", "metadata", "long_name", "nesting", "long_list"])
-def test_a_hostile_header_at_the_cap_costs_at_most_four_times_its_length(tmp_path, kind):
+def test_a_hostile_header_at_the_cap_costs_about_twice_its_length(tmp_path, kind):
     path = tmp_path / f"{kind}.safetensors"
     length = write(path, _at_the_cap(kind))
     assert io.MAX_HEADER_BYTES - 4096 < length <= io.MAX_HEADER_BYTES
     outcome, growth = peak_growth(path)
     assert outcome == ("ValueError" if kind in ("nesting", "long_list") else "opened")
-    assert growth < 4 * length, f"{kind}: peak grew by {growth / 2**20:.1f} MiB for a {length / 2**20:.1f} MiB header"
+    assert growth < 2 * length + 2**20, f"{kind}: peak of {growth / 2**20:.1f} MiB for a {length / 2**20:.1f} MiB header"
 
 
 def deepseek_v3_header() -> tuple[dict, int]:

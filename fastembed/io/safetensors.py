@@ -22,8 +22,8 @@ What a header may cost is bounded, whatever its content:
   or long list is ever built;
 * ``__metadata__`` is matched by a regular expression and not kept.
 
-So opening a file costs at most about 4x its header length in memory (the
-bytes, the decoded text, the longest name) and time linear in the header
+So opening a file costs at most about twice its header length in memory (the
+bytes and the decoded text, or the text and its longest name) and time linear in the header
 length, whatever the header holds.
 """
 from __future__ import annotations
