@@ -1,6 +1,6 @@
 """What a safetensors header may cost: bounded memory for hostile headers; real-sized headers accepted.
 
-Memory is the peak traced by tracemalloc in a fresh subprocess (never wall time).
+Memory is the growth of the peak resident set in a fresh subprocess (never wall time).
 """
 from __future__ import annotations
 
@@ -18,21 +18,33 @@ MEASURE = """
 import sys, tracemalloc
 import fastembed
 from fastembed import io
-tracemalloc.start()
+
+
+def peak_rss():
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
+before = peak_rss()
+if before is None:
+    tracemalloc.start()
 try:
     io.map_safetensors(sys.argv[1])
     outcome = "opened"
 except ValueError as error:
     outcome = "ValueError"
-print(outcome, tracemalloc.get_traced_memory()[1])
+print(outcome, tracemalloc.get_traced_memory()[1] if before is None else peak_rss() - before)
 """
 
 
 def peak_growth(path) -> tuple[str, int]:
-    """(outcome, peak bytes allocated) of map_safetensors(path), traced by tracemalloc in a fresh process.
+    """(outcome, growth of the peak memory in bytes) of map_safetensors(path) in a fresh process.
 
-    tracemalloc rather than ru_maxrss: Linux carries a parent's peak RSS across fork and exec
-    into the child's ru_maxrss, which would hide the growth.
+    The peak resident set (VmHWM) where /proc exists, else the peak traced by tracemalloc.
+    Not ru_maxrss: Linux carries a parent's peak across fork and exec into the child's.
     """
     out = subprocess.run([sys.executable, "-c", MEASURE, str(path)], check=True, capture_output=True, text=True).stdout
     outcome, growth = out.split()
