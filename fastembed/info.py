@@ -7,8 +7,7 @@ import platform
 import sys
 from typing import Any
 
-from . import __version__
-from . import dispatch
+from . import __version__, dispatch
 from .dispatch import BACKENDS, backend_statuses
 
 DISTRIBUTION = "fastembed-gather"

@@ -6,12 +6,12 @@ import struct
 
 import numpy as np
 import pytest
+from conftest import REFERENCE_IDS, assert_bit_equal, random_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastembed
 from fastembed import io
-from conftest import REFERENCE_IDS, assert_bit_equal, random_table
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -239,8 +239,7 @@ def test_one_gib_file_lookup_grows_rss_by_less_than_32_mib(tmp_path_factory, bac
         with open(path, "wb") as handle:
             handle.write(struct.pack("<Q", len(header)) + header)
             rows = random_table(4096, dim)  # 32 MiB written again and again: the file is 1 GiB
-            for start in range(0, vocab_size, 4096):
-                handle.write(rows[: min(4096, vocab_size - start)].tobytes())
+            handle.writelines(rows[: min(4096, vocab_size - start)].tobytes() for start in range(0, vocab_size, 4096))
     before = rss()
     emb = fastembed.Embedding.from_safetensors(path)
     result = emb(REFERENCE_IDS, backend=backend)

@@ -16,7 +16,13 @@ and the problem.
 """
 from __future__ import annotations
 
-from .checkpoints import TOKEN_EMBEDDING_ENDINGS, embedding_rank, open_table, read_config_shape, token_embedding_name
+from .checkpoints import (
+    TOKEN_EMBEDDING_ENDINGS,
+    embedding_rank,
+    open_table,
+    read_config_shape,
+    token_embedding_name,
+)
 from .npy import map_npy, read_npy_header
 from .safetensors import (
     MAX_ENTRY_BYTES,
@@ -31,21 +37,21 @@ from .safetensors import (
 from .watch import FileChangedError, FileWatch
 
 __all__ = [
-    "map_safetensors",
-    "map_npy",
-    "open_table",
-    "read_safetensors_header",
-    "scan_safetensors_header",
-    "read_npy_header",
-    "token_embedding_name",
-    "embedding_rank",
-    "read_config_shape",
-    "FileWatch",
-    "FileChangedError",
-    "SafetensorsHeader",
-    "TensorEntry",
+    "MAX_ENTRY_BYTES",
+    "MAX_HEADER_BYTES",
     "SAFETENSORS_DTYPES",
     "TOKEN_EMBEDDING_ENDINGS",
-    "MAX_HEADER_BYTES",
-    "MAX_ENTRY_BYTES",
+    "FileChangedError",
+    "FileWatch",
+    "SafetensorsHeader",
+    "TensorEntry",
+    "embedding_rank",
+    "map_npy",
+    "map_safetensors",
+    "open_table",
+    "read_config_shape",
+    "read_npy_header",
+    "read_safetensors_header",
+    "scan_safetensors_header",
+    "token_embedding_name",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import zipfile
-from typing import Iterable
+from collections.abc import Iterable
 
 #: How many names an error message lists before "... and N more".
 NAMES_SHOWN = 12
@@ -91,7 +91,7 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
         return "is a safetensors file; open it with fastembed.Embedding.from_safetensors (or fastembed.io.open_table)"
     if head.startswith(b"\x93NUMPY"):
         return "is a .npy file; open it with fastembed.Embedding.from_npy (or fastembed.io.map_npy)"
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         names = _zip_names(path)
         if names and all(name.endswith(".npy") for name in names):
             return (f"is a .npz archive (np.savez) of {shorten(names)}; extract one array as a .npy file "

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -140,7 +141,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ValueError(f"{path}: {what} is not valid JSON: {error}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path}: {what} must be a JSON object, got {type(value).__name__}")
+        raise ValueError(f"{path}: {what} must be a JSON object, got {type(value).__name__}")  # noqa: TRY004 - a bad file
     return value
 
 
@@ -195,7 +196,7 @@ def _no_checkpoint_message(path: Path) -> str:
     hint = ""
     if any(file.endswith((".bin", ".pt", ".pth")) for file in files):
         hint = " It holds PyTorch pickles (.bin/.pt), which fastembed never unpickles; convert them with the safetensors package."
-    others = [file for file in files if file.endswith(".safetensors") or file.endswith(".index.json")]
+    others = [file for file in files if file.endswith((".safetensors", ".index.json"))]
     if others:
         hint += f" Pass one of these files instead: {shorten(others)}."
     return (f"{path}: no checkpoint in this directory: expected {SINGLE_NAME} or {INDEX_NAME}; "

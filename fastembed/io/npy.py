@@ -55,7 +55,7 @@ def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.
     return tuple(shape), bool(fortran_order), dtype, offset
 
 
-def _read_header(handle, version):  # noqa: ANN001, ANN202
+def _read_header(handle, version):
     reader = getattr(npy_format, "_read_array_header", None)
     if reader is not None:
         return reader(handle, version, max_header_size=MAX_HEADER_BYTES)

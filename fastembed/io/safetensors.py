@@ -33,8 +33,9 @@ import math
 import os
 import re
 from array import array
+from collections.abc import Callable
 from json.decoder import scanstring
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 

@@ -21,6 +21,7 @@ time unchanged and goes unnoticed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -55,7 +56,7 @@ class FileWatch:
             raise ValueError(f"{self.path}: {self.size} bytes, shorter than the {self.needed_bytes} the table needs")
 
     @classmethod
-    def for_table(cls, table: Any) -> "FileWatch | None":
+    def for_table(cls, table: Any) -> FileWatch | None:
         """A watch for a table returned by the loaders (an np.memmap), or None for an in-memory table.
 
         Returns:
@@ -95,14 +96,12 @@ class FileWatch:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "FileWatch":
+    def __enter__(self) -> FileWatch:  # noqa: PYI034 - final class
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # at interpreter shutdown os may be gone
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
