@@ -36,6 +36,10 @@ FAMILIES = {
         {"roberta.embeddings.word_embeddings.weight": _t(VOCAB, DIM, 2), "roberta.embeddings.position_embeddings.weight": _t(VOCAB + 2, DIM),
          "roberta.embeddings.token_type_embeddings.weight": _t(1, DIM), "lm_head.dense.weight": _t(DIM, DIM)},
         "roberta.embeddings.word_embeddings.weight", {"vocab_size": VOCAB, "hidden_size": DIM}),
+    "albert": (
+        {"albert.embeddings.word_embeddings.weight": _t(VOCAB, DIM // 2, 2), "albert.embeddings.position_embeddings.weight": _t(64, DIM // 2),
+         "albert.encoder.embedding_hidden_mapping_in.weight": _t(DIM, DIM // 2)},
+        "albert.embeddings.word_embeddings.weight", {"vocab_size": VOCAB, "embedding_size": DIM // 2, "hidden_size": DIM}),
     "gpt2": (
         {"wte.weight": _t(VOCAB, DIM, 2), "wpe.weight": _t(128, DIM), "h.0.attn.c_attn.weight": _t(DIM, 3 * DIM), "ln_f.weight": _t(DIM)},
         "wte.weight", {"vocab_size": VOCAB, "n_embd": DIM}),

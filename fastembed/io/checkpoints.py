@@ -40,6 +40,9 @@ _NOT_TOKEN_WORDS = ("position", "token_type", "segment", "pos_emb", "patch", "ro
 MAX_CANDIDATES = 64
 #: The largest index or config JSON read (DeepSeek-V3's index is about 9 MB).
 MAX_JSON_BYTES = 64 * 2**20
+#: config.json keys of the token embedding's width, first found wins: ALBERT and ELECTRA
+#: (embedding_size) and OPT-350m (word_embed_proj_dim) embed narrower than hidden_size.
+_DIM_KEYS = ("embedding_size", "word_embed_proj_dim", "hidden_size", "d_model", "n_embd")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -110,7 +113,8 @@ def _with_shapes(candidates: Mapping[str, tuple[int, ...]]) -> str:
 def read_config_shape(directory: str | os.PathLike) -> tuple[int | None, int | None] | None:
     """(vocab_size, hidden size) from a checkpoint's config.json, or None when there is none.
 
-    The hidden size is ``hidden_size``, ``d_model`` (T5, BART) or ``n_embd`` (GPT-2);
+    The width is ``embedding_size`` (ALBERT, ELECTRA), ``word_embed_proj_dim`` (OPT-350m),
+    ``hidden_size``, ``d_model`` (T5, BART) or ``n_embd`` (GPT-2), the first present;
     a multimodal config's ``text_config`` is read when the top level lacks them.
 
     Raises:
@@ -124,7 +128,7 @@ def read_config_shape(directory: str | os.PathLike) -> tuple[int | None, int | N
         if not isinstance(level, dict):
             continue
         vocab = level.get("vocab_size")
-        dim = next((level[key] for key in ("hidden_size", "d_model", "n_embd") if key in level), None)
+        dim = next((level[key] for key in _DIM_KEYS if key in level), None)
         vocab = vocab if type(vocab) is int and vocab > 0 else None
         dim = dim if type(dim) is int and dim > 0 else None
         if vocab or dim:
