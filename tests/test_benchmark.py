@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from fastembed.benchmark import gate
 from fastembed.benchmark.ids import REFERENCE_IDS, id_sets
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--vocab-size", "20000", "--dim", "1024"]
+SMALL = ["--vocab-size", "2000", "--dim", "64"]
 
 
 def bench(*arguments: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -55,37 +56,166 @@ def test_plots_are_skipped_without_matplotlib(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_gate_thresholds_file_is_valid():
-    checks, repetitions = gate.load_checks(ROOT / "bench" / "gate.toml")
-    assert checks and repetitions >= 5
+def test_gate_thresholds_ship_with_the_package_and_load_outside_a_checkout(tmp_path):
+    """The gate's loader reads the packaged thresholds from any working directory (not bench/ of a checkout)."""
+    code = ("from fastembed.benchmark import gate; checks, reps = gate.load_checks(); "
+            "print(len(checks), reps, sorted({c.metric for c in checks}))")
+    environment = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                            env=environment, timeout=120)
+    assert result.returncode == 0, result.stderr
+    count, repetitions, metrics = result.stdout.split(" ", 2)
+    assert int(count) >= 5 and int(repetitions) >= 5 and "served_by" in metrics
+    checks, _ = gate.load_checks()
     assert {check.metric for check in checks} <= set(gate.METRICS)
+    assert all(" " not in check.contender for check in checks)  # ids, not display names
+
+
+def test_gate_thresholds_name_contenders_that_exist():
+    from fastembed.benchmark.contenders import host_contenders
+
+    ids = {contender.id for contender in host_contenders()} | {"fastembed-numpy-out", "fastembed-numba-out"}
+    checks, _ = gate.load_checks()
+    assert gate.contender_ids(checks) <= ids
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read it"),
+    ("repetitions = [", "not valid TOML"),
+    ("repetitions = 3\n", "no [[check]] tables"),
+    ('[[check]]\nname = "x"\ncontender = "a"\nmetric = "speed"\nbatch = 8\ndistribution = "uniform"\nmin = 1\n',
+     "unknown metric"),
+    ('[[check]]\nname = "x"\ncontender = "a"\nmetric = "served_by"\nbatch = 8\ndistribution = "uniform"\n',
+     "'expect_backend' goes with served_by"),
+    ('[[check]]\nname = "x"\ncontender = "a"\nmetric = "speedup_vs_numpy"\nbatch = 8\ndistribution = "uniform"\n'
+     'color = 1\nmin = 1\n', "unexpected keyword argument 'color'"),
+])
+def test_gate_refuses_a_bad_thresholds_file_before_building_the_table(tmp_path, content, message):
+    """Exit 2 at once: the default 1 GiB table is never built (the run would take many seconds)."""
+    path = tmp_path / "thresholds.toml"
+    if content is not None:
+        path.write_text(content)
+    result = bench("--gate", "--thresholds", str(path), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert "building" not in result.stdout and "table:" not in result.stdout
 
 
 def test_judge_passes_and_fails_on_ratios():
     check = gate.Check("c", "x", "speedup_vs_numpy", 8, "uniform", 1.5)
-    rows = [{"contender": "x", "batch": 8, "distribution": "uniform", "speedup_vs_numpy": 2.0}]
+    rows = [{"id": "x", "batch": 8, "distribution": "uniform", "speedup_vs_numpy": 2.0}]
     assert gate.judge([check], rows)[0].passed
     rows[0]["speedup_vs_numpy"] = 1.2
     assert not gate.judge([check], rows)[0].passed
     assert not gate.judge([check], [])[0].passed  # a missing measurement fails
 
 
-def test_gate_fails_a_slow_backend(tmp_path):
-    """With FASTEMBED_BACKEND=numpy the gate's fastembed contenders lose their speed: it must exit 1."""
-    environment = dict(os.environ, FASTEMBED_BACKEND="numpy")
-    result = bench("--gate", *SMALL, "--reps", "3", "--out", str(tmp_path), env=environment)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "FAIL" in result.stdout
-    verdicts = json.loads((tmp_path / "gate.json").read_text())["verdicts"]
-    # The check built to catch a lost kernel: fastembed against its own numpy backend.
-    assert any(not v["passed"] for v in verdicts if "vs numpy backend" in v["check"]["name"])
+def test_judge_checks_the_serving_backend_exactly():
+    check = gate.Check("c", "x", "served_by", 8, "uniform", expect_backend="numba")
+    rows = [{"id": "x", "contender": "renamed label", "batch": 8, "distribution": "uniform", "served_by": "numba"}]
+    assert gate.judge([check], rows)[0].passed  # keyed on the id: the label does not matter
+    rows[0]["served_by"] = "numpy"
+    verdict = gate.judge([check], rows)[0]
+    assert not verdict.passed and verdict.measured == "numpy"
+
+
+def _measure(table, contenders, batch, repetitions=3):
+    from fastembed.benchmark.measure import measure_case, summarise
+
+    return summarise(measure_case(table, contenders, batch, "uniform", repetitions))
+
+
+def test_each_fastembed_row_records_the_backend_that_served_it():
+    """served_by is what fastembed.select_backend reports for the prepared call: a fact, not a timing."""
+    import fastembed
+    from fastembed.benchmark.contenders import host_contenders
+
+    from fastembed.tables import random_table
+
+    table = random_table(2000, 64, "float16")
+    wanted = {"fastembed-auto-out", "fastembed-auto-alloc", "fastembed-numpy-out", "numpy-fancy"}
+    rows = _measure(table, [c for c in host_contenders() if c.id in wanted], 512, repetitions=1)
+    served = {row["id"]: row["served_by"] for row in rows}
+    out = np.empty((512, 64), np.float16)
+    assert served["fastembed-auto-out"] == fastembed.select_backend(table, np.zeros(512, np.int64), out).backend
+    assert served["fastembed-auto-alloc"] == fastembed.select_backend(table, np.zeros(512, np.int64)).backend
+    assert served["fastembed-numpy-out"] == "numpy"
+    assert served["numpy-fancy"] is None
+
+
+def test_gate_fails_when_auto_does_not_pick_numba(tmp_path):
+    """FASTEMBED_BACKEND=numpy: the served_by check fails, exactly, whatever the timings."""
+    if not any(s.name == "numba" and s.available for s in __import__("fastembed").backends()):
+        pytest.skip("numba is not available here")
+    thresholds = tmp_path / "served.toml"
+    thresholds.write_text('repetitions = 1\n[[check]]\nname = "auto picks numba"\ncontender = "fastembed-auto-out"\n'
+                          'metric = "served_by"\nexpect_backend = "numba"\nbatch = 64\ndistribution = "uniform"\n')
+    arguments = ("--gate", "--thresholds", str(thresholds), "--vocab-size", "2000", "--dim", "64")
+    passed = bench(*arguments, "--out", str(tmp_path / "numba"))
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    failed = bench(*arguments, "--out", str(tmp_path / "numpy"), env=dict(os.environ, FASTEMBED_BACKEND="numpy"))
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    verdict = json.loads((tmp_path / "numpy" / "gate.json").read_text())["verdicts"][0]
+    assert verdict["measured"] == "numpy" and not verdict["passed"]
+
+
+#: How long a slowed contender sleeps after each real lookup: hundreds of times a lookup of the
+#: test table, and far longer than a descheduled thread of a busy machine stalls a call.
+SLOW_CALL_S = 0.2
+
+
+def _slowed(contender, new_id=None):
+    """`contender` whose every call does its real lookup, then sleeps SLOW_CALL_S: a kernel slowed hundreds of times."""
+    from dataclasses import replace
+
+    def prepare(table, n):
+        call = contender.prepare(table, n)
+
+        def slow(ids):
+            result = call(ids)
+            time.sleep(SLOW_CALL_S)
+            return result
+
+        return slow
+
+    return replace(contender, prepare=prepare, id=new_id or contender.id, name=f"{contender.name} (slowed)")
+
+
+def test_gate_ratio_checks_fail_a_slowed_kernel():
+    """The packaged ratio checks of the auto contender, against a fastembed slowed hundreds of times.
+
+    It takes the real contender's id, so the gate's own checks judge it. The
+    margins are enormous: its ratios come out at a few hundredths where the
+    thresholds ask for 0.65 to 2. A second slowed copy shows that the same
+    check passes when both sides do the same (a ratio of 1 give or take a
+    stall of a few milliseconds in 200).
+    """
+    from fastembed.benchmark.contenders import host_contenders
+    from fastembed.tables import random_table
+
+    table = random_table(2000, 256, "float16")
+    by_id = {c.id: c for c in host_contenders()}
+    limits = [c for c in by_id.values() if c.kind == "limit"]
+    contenders = [_slowed(by_id["fastembed-auto-out"]), by_id["fastembed-numpy-out"], by_id["numpy-fancy"], *limits]
+    checks = [c for c in gate.load_checks()[0] if c.contender == "fastembed-auto-out" and c.metric != "served_by"]
+    assert {c.metric for c in checks} == {"fraction_of_limit", "speedup_vs_contender", "speedup_vs_numpy"}
+    for batch in sorted({c.batch for c in checks}):
+        rows = _measure(table, contenders, batch)
+        for verdict in gate.judge([c for c in checks if c.batch == batch], rows):
+            assert not verdict.passed, (verdict.check.name, verdict.measured)
+            assert verdict.measured < verdict.check.min / 4, (verdict.check.name, verdict.measured)
+
+    twins = [_slowed(by_id["fastembed-numpy-out"]), _slowed(by_id["fastembed-numpy-out"], "twin"), *limits]
+    same = gate.Check("same code", "fastembed-numpy-out", "speedup_vs_contender", 64, "uniform", 0.5, versus="twin")
+    assert gate.judge([same], _measure(table, twins, 64))[0].passed
 
 
 def test_summary_groups_by_device_and_uses_each_device_baseline():
     from fastembed.benchmark.measure import Result, summarise
 
     def result(name, kind, seconds, device, allocates=False):
-        return Result(name, kind, 8, "uniform", [seconds] * 3, 1000, allocates, device=device)
+        ids = {"numpy table[ids]": "numpy-fancy"}  # the others' ids: derived from their names
+        return Result(name, kind, 8, "uniform", [seconds] * 3, 1000, allocates, device=device, id=ids.get(name, ""))
 
     rows = summarise([
         result("fastembed auto out=", "fastembed", 2.0, "cpu"), result("numpy table[ids]", "peer", 4.0, "cpu", True),
@@ -98,7 +228,7 @@ def test_summary_groups_by_device_and_uses_each_device_baseline():
     assert cpu["fraction_of_limit"] == 0.5 and cpu["speedup_vs_numpy"] == 2.0 and cpu["speedup_vs_cupy"] is None
     assert gpu["fraction_of_limit"] == 0.5 and gpu["speedup_vs_cupy"] == 3.0 and gpu["speedup_vs_numpy"] is None
     assert by_name[("cuda", "cupy table[ids]")]["fraction_of_limit"] == 0.5  # allocating: against copy alloc
-    assert gpu["best_copy"] == "copy device-to-device"
+    assert gpu["best_copy"] == "copy-device-to-device"
 
 
 @pytest.mark.parametrize("reps", ["0", "-1"])
@@ -148,7 +278,7 @@ def test_bench_refuses_a_table_file_it_cannot_map(tmp_path):
     assert missing.returncode == 2 and "missing.npy" in missing.stderr and "Traceback" not in missing.stderr
     np.save(tmp_path / "empty.npy", np.zeros((0, 16), np.float16))
     empty = bench("--table", str(tmp_path / "empty.npy"), "--batch", "6", "--reps", "1", "--device", "cpu")
-    assert empty.returncode == 2 and "is empty: nothing to gather" in empty.stderr and "Traceback" not in empty.stderr
+    assert empty.returncode == 2 and "empty" in empty.stderr and "Traceback" not in empty.stderr
     for arguments in (["--tensor", "wte.weight"], ["--table", "table.npy", "--tensor", "wte.weight"]):
         misplaced = bench(*arguments, "--batch", "6", "--reps", "1")
         assert misplaced.returncode == 2 and "--tensor names a tensor of a safetensors file" in misplaced.stderr
@@ -178,7 +308,7 @@ def test_ratios_pair_samples_of_the_same_repetition():
     copy_times = [1.8, 1.8, 1.8, 1.0, 1.0, 1.0, 1.0]
     rows = summarise([
         Result("fastembed auto out=", "fastembed", 8, "uniform", fastembed_times, 1000, False),
-        Result("numpy table[ids]", "peer", 8, "uniform", numpy_times, 1000, True),
+        Result("numpy table[ids]", "peer", 8, "uniform", numpy_times, 1000, True, id="numpy-fancy"),
         Result("copy numba", "limit", 8, "uniform", copy_times, 1000, False),
     ])
     row = next(r for r in rows if r["contender"] == "fastembed auto out=")
@@ -194,3 +324,153 @@ def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
         pytest.skip("cupy is installed")
     result = bench("--device", "cuda", *SMALL)
     assert result.returncode == 2 and "no usable GPU" in result.stderr
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--batch", "0"], "--batch: must be 1 or more, got 0"),
+    (["--batch", "-5"], "--batch: must be 1 or more, got -5"),
+    (["--batch", "abc"], "--batch: not an integer: 'abc'"),
+    (["--batch", "6,"], "--batch: not an integer: ''"),
+    (["--batch", str(2**40)], "--batch: 1099511627776 is more than"),
+    (["--dist", "bogus"], "--dist: unknown 'bogus'; choose from uniform, zipf"),
+    (["--dtype", "bogus"], "--dtype:"),
+    (["--dtype", "object"], "--dtype: 'object' is not a numeric dtype"),
+    (["--backend", "bogus"], "--backend: unknown 'bogus'; choose from"),
+    (["--reps", "x"], "--reps: not an integer: 'x'"),
+    (["--thresholds", "gate.toml"], "--thresholds goes with --gate"),
+])
+def test_bench_refuses_bad_arguments_at_once(arguments, message):
+    """One line, exit 2, before any table is built (they used to crash late, or grow memory without bound)."""
+    result = bench(*arguments)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("fastembed-bench: error:")
+    assert "table:" not in result.stdout
+
+
+def test_bench_refuses_an_unwritable_out_before_measuring(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = bench("--out", str(blocker / "results"))
+    assert result.returncode == 2 and f"--out {blocker / 'results'}: cannot write results there" in result.stderr
+    assert "Traceback" not in result.stderr and "table:" not in result.stdout
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        result = bench("--out", str(locked))
+        assert result.returncode == 2 and "cannot write results there" in result.stderr
+
+
+def test_output_fits_a_narrow_terminal_names_the_table_and_plots_both_distributions(tmp_path):
+    environment = dict(os.environ, COLUMNS="80")
+    result = bench(*SMALL, "--batch", "6,64", "--dist", "uniform,zipf", "--reps", "1", "--out", str(tmp_path),
+                   env=environment)
+    assert result.returncode == 0, result.stderr
+    table_lines = [line for line in result.stdout.splitlines() if line[:1] in "┏┃┡│├└"]
+    assert table_lines and max(len(line) for line in table_lines) <= 80
+    assert "2000 x 64 float16 table (random)" in result.stdout
+    assert "of its" in result.stdout
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        assert "pip install torch" in result.stdout
+    wide = bench(*SMALL, "--batch", "6", "--dist", "uniform", "--reps", "1", "--out", str(tmp_path / "wide"),
+                 env=dict(os.environ, COLUMNS="200"))
+    assert "alloc" in wide.stdout and "mem +" in wide.stdout
+    assert "alloc" not in result.stdout.split("┡")[0]  # narrow: the memory columns are dropped
+
+
+def test_plot_draws_a_panel_per_distribution(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from fastembed.benchmark import report
+
+    rows = [{"device": "cpu", "distribution": d, "id": i, "contender": i, "kind": k, "batch": b, "gbps": 1.0 + b,
+             "allocates_output": False}
+            for d in ("uniform", "zipf") for b in (1, 8) for i, k in
+            (("fastembed-auto-out", "fastembed"), ("copy-numpy", "limit"), ("read-scattered", "limit"))]
+    titles = []
+    original = matplotlib.figure.Figure.savefig
+
+    def spy(figure, *arguments, **keywords):
+        titles.extend(axes.get_title() for axes in figure.axes)
+        titles.append(figure._suptitle.get_text())
+        labels = [line.get_label() for axes in figure.axes for line in axes.get_lines()]
+        assert labels.count("limit: scattered read of the same rows") == 2
+        return original(figure, *arguments, **keywords)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
+    table = {"source": "random", "shape": [10, 4], "dtype": "float16"}
+    assert report.write_plots(tmp_path, rows, table) == [tmp_path / "throughput.png"]
+    assert titles == ["uniform ids", "zipf ids", "fastembed-bench on cpu: 10 x 4 float16 table (random)"]
+
+
+def test_fraction_of_limit_never_exceeds_one_and_names_the_limit():
+    """Allocating rows are held to the allocating copy; anything faster than the copies becomes the limit."""
+    from fastembed.benchmark.measure import Result, summarise
+
+    rows = summarise([
+        Result("fastembed auto out=", "fastembed", 8, "uniform", [2.0, 2.0, 2.0], 1000, False, id="fastembed-auto-out"),
+        Result("copy numba", "limit", 8, "uniform", [1.0, 1.0, 1.0], 1000, False, id="copy-numba"),
+        Result("numpy table[ids]", "peer", 8, "uniform", [1.0, 1.0, 1.0], 1000, True, id="numpy-fancy"),
+        Result("fastembed auto alloc", "fastembed", 8, "uniform", [4.0, 4.0, 4.0], 1000, True, id="fastembed-auto-alloc"),
+        Result("copy alloc", "limit", 8, "uniform", [2.0, 2.0, 2.0], 1000, True, id="copy-alloc"),
+        Result("scattered read", "limit", 8, "uniform", [0.5, 0.5, 0.5], 1000, False, id="read-scattered"),
+    ])
+    by_id = {row["id"]: row for row in rows}
+    assert by_id["fastembed-auto-out"]["fraction_of_limit"] == 0.5
+    assert by_id["fastembed-auto-out"]["limit"] == "copy-numba"
+    assert by_id["fastembed-auto-alloc"]["fraction_of_limit"] == 0.25  # numpy's fancy indexing beat the copy
+    assert by_id["fastembed-auto-alloc"]["limit"] == "numpy-fancy"
+    assert by_id["numpy-fancy"]["fraction_of_limit"] == 1.0
+    assert by_id["copy-alloc"]["fraction_of_limit"] == 0.5
+    assert all(row["fraction_of_limit"] is None or row["fraction_of_limit"] <= 1 for row in rows)
+    assert by_id["read-scattered"]["fraction_of_limit"] is None
+    assert by_id["fastembed-auto-out"]["fraction_of_scattered_read"] == 0.25
+
+
+def test_contender_ids_are_stable_and_unique():
+    from fastembed.benchmark.contenders import Contender, host_contenders
+
+    contenders = host_contenders()
+    ids = [c.id for c in contenders]
+    assert len(set(ids)) == len(ids)
+    assert {"fastembed-auto-out", "fastembed-auto-alloc", "numpy-fancy", "copy-numpy", "copy-alloc"} <= set(ids)
+    assert Contender("cupy table[ids]", "peer", True, lambda t, n: None).id == "cupy-table-ids"
+
+
+def test_copy_kernels_copy_and_read_exactly():
+    """The benchmark's own limit kernels: exact copies, and a scattered read that depends on every word read."""
+    pytest.importorskip("numba")
+    from fastembed.benchmark import copy_kernels
+
+    rng = np.random.default_rng(1)
+    source = copy_kernels.word_view(rng.integers(0, 2**16, (300, 40), dtype=np.uint16).view(np.float16))
+    destination = np.zeros_like(source)
+    copy_kernels.copy_parallel(source, destination, copy_kernels.block_count())
+    assert (destination == source).all()
+    if copy_kernels.can_stream(destination) and __import__("platform").machine().lower() in ("x86_64", "amd64"):
+        destination[:] = 0
+        copy_kernels.copy_parallel_stream(source, destination, copy_kernels.block_count(), copy_kernels.ALIAS_WINDOW)
+        assert (destination == source).all()
+    ids = rng.integers(0, 300, 1000)
+    expected = np.bitwise_xor.reduce(source[ids].reshape(-1))
+    assert copy_kernels.read_scattered(source, ids, copy_kernels.block_count()) == expected
+    assert copy_kernels.read_scattered(source, ids[:0], 3) == 0
+    assert copy_kernels.word_view(np.zeros((2, 3), np.float16)).dtype == np.uint16  # 6-byte rows: 2-byte words
+
+
+def test_contenders_use_no_private_backend_internals():
+    source = (ROOT / "fastembed" / "benchmark" / "contenders.py").read_text()
+    assert "numba_backend" not in source and "BLOCKS_PER_THREAD" not in source and "gather_cpu" not in source
+
+
+def test_scattered_read_is_reported_as_a_limit(tmp_path):
+    result = bench(*SMALL, "--batch", "64", "--dist", "uniform", "--reps", "1", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    read = next(row for row in rows if row["id"] == "read-scattered")
+    assert read["kind"] == "limit" and read["gbps"] > 0 and read["contender"] == "scattered read"
+    assert all(row["fraction_of_scattered_read"] > 0 for row in rows)
+    assert "scattered read" in result.stdout

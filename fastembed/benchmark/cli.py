@@ -12,6 +12,7 @@ safetensors file.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,20 +20,35 @@ from typing import Any
 
 BATCHES = (1, 6, 64, 1024, 8192, 65536)
 QUICK_BATCHES = (1, 6, 1024, 8192)
-DEFAULT_THRESHOLDS = Path("bench/gate.toml")
+#: Larger batches than this are refused: every contender holds its own output of that many rows.
+MAX_BATCH = 2**20
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, every value checked before any work: a bad one exits 2 with a one-line error.
+
+    That includes --out (created, and a probe file written and removed in it)
+    and, with --gate, the thresholds file (read and checked).
+    """
+    import fastembed
+
+    from .ids import DISTRIBUTIONS
+
+    backends = [status.name for status in fastembed.backends() if status.name != "cuda"]
     parser = argparse.ArgumentParser(prog="fastembed-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer batches and repetitions (< 60 s on 2 cores)")
-    parser.add_argument("--backend", help="comma-separated fastembed backends to measure (default: all available)")
-    parser.add_argument("--batch", help=f"comma-separated batch sizes (default: {','.join(map(str, BATCHES))})")
-    parser.add_argument("--dist", help="comma-separated id distributions: uniform, zipf (default: both)")
+    parser.add_argument("--backend", type=_choices(backends),
+                        help=f"comma-separated fastembed backends to measure one by one: {', '.join(backends)} "
+                             "(default: all available)")
+    parser.add_argument("--batch", type=_batches,
+                        help=f"comma-separated batch sizes, 1 to {MAX_BATCH} (default: {','.join(map(str, BATCHES))})")
+    parser.add_argument("--dist", type=_choices(DISTRIBUTIONS),
+                        help=f"comma-separated id distributions: {', '.join(DISTRIBUTIONS)} (default: both)")
     parser.add_argument("--reps", type=_positive_int, help="timed repetitions per case (default 15, quick 5)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
     parser.add_argument("--vocab-size", type=_positive_int, default=129280)
     parser.add_argument("--dim", type=_positive_int, default=4096)
-    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--dtype", type=_dtype, default="float16", help="float16 (default), bfloat16, float32, ...")
     parser.add_argument("--table", type=Path,
                         help="measure this table instead of a random one: a .npy or safetensors file, memory-mapped "
                              "read-only (--vocab-size, --dim and --dtype are then ignored)")
@@ -43,25 +59,81 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gate", action="store_true",
                         help="run the CI performance gate on the host (its cases come from --thresholds, not --batch "
                              "or --dist); exit 1 on any FAIL")
-    parser.add_argument("--thresholds", type=Path, default=DEFAULT_THRESHOLDS, help="gate thresholds (TOML)")
+    parser.add_argument("--thresholds", type=Path,
+                        help="gate thresholds (TOML; default: the thresholds.toml shipped with fastembed.benchmark)")
     arguments = parser.parse_args(argv)
     if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix == ".npy"):
         parser.error("--tensor names a tensor of a safetensors file given with --table")
     if arguments.gate and arguments.device == "cuda":
         # The gate judges host rows only (gate.judge): a GPU gate would silently measure the CPU.
         parser.error("--gate checks the host only; --device cuda has no gate thresholds (run without --gate)")
+    if arguments.thresholds is not None and not arguments.gate:
+        parser.error("--thresholds goes with --gate")
+    arguments.checks, arguments.gate_repetitions = None, None
+    if arguments.gate:
+        from .gate import load_checks
+
+        try:
+            arguments.checks, arguments.gate_repetitions = load_checks(arguments.thresholds)
+        except ValueError as error:
+            parser.error(str(error))
+    problem = _unwritable(arguments.out)
+    if problem:
+        parser.error(f"--out {arguments.out}: {problem}")
     return arguments
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
     return value
 
 
-def _csv(value: str | None, default: tuple, cast=str) -> list:
-    return [cast(part) for part in value.split(",")] if value else list(default)
+def _batches(text: str) -> list[int]:
+    values = [_positive_int(part.strip()) for part in text.split(",")]
+    too_large = [value for value in values if value > MAX_BATCH]
+    if too_large:
+        raise argparse.ArgumentTypeError(f"{too_large[0]} is more than {MAX_BATCH} ids")
+    return values
+
+
+def _choices(known: tuple[str, ...] | list[str]):
+    def parse(text: str) -> list[str]:
+        values = [part.strip() for part in text.split(",")]
+        unknown = [value for value in values if value not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown[0]!r}; choose from {', '.join(known)}")
+        return values
+
+    return parse
+
+
+def _dtype(text: str) -> str:
+    from fastembed.tables import resolve_dtype
+
+    try:
+        dtype = resolve_dtype(text)
+    except TypeError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if dtype.kind not in "biufc" and dtype.type.__module__ != "ml_dtypes":
+        raise argparse.ArgumentTypeError(f"{text!r} is not a numeric dtype")
+    return text
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why results cannot be written into `folder` (created if missing), or None when they can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".fastembed-bench-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        return f"cannot write results there: {error.strerror or error}"
+    return None
 
 
 def build_table(arguments: argparse.Namespace, console: Any) -> Any:
@@ -79,7 +151,8 @@ def build_table(arguments: argparse.Namespace, console: Any) -> Any:
         task = progress.add_task(f"building {arguments.vocab_size} x {arguments.dim} {arguments.dtype} table", total=1.0)
         table = random_table(arguments.vocab_size, arguments.dim, arguments.dtype,
                              progress=lambda fraction: progress.update(task, completed=fraction))
-    console.print(f"table: {table.shape[0]} x {table.shape[1]} {table.dtype}, {table.nbytes / 2**30:.2f} GiB")
+    console.print(f"table: {table.shape[0]} x {table.shape[1]} {table.dtype}, {table.nbytes / 2**30:.2f} GiB",
+                  soft_wrap=True)
     return table
 
 
@@ -102,7 +175,7 @@ def load_table(path: Path, tensor: str | None, console: Any) -> Any:
         raise ValueError(f"--table {path}: shape {tuple(table.shape)} is empty: nothing to gather")
     np.asarray(table).reshape(-1).view(np.uint8)[::4096].max()
     console.print(f"table: {path}, {table.shape[0]} x {table.shape[1]} {table.dtype}, {table.nbytes / 2**30:.2f} GiB, "
-                  "memory-mapped")
+                  "memory-mapped", soft_wrap=True, markup=False)
     return table
 
 
@@ -113,14 +186,19 @@ def describe_table(arguments: argparse.Namespace, table: Any) -> dict[str, Any]:
 
 
 def run(arguments: argparse.Namespace, console: Any, host_table: Any, cases: list[tuple[int, str]],
-        repetitions: int, contender_names: set[str] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
-    """Measure every case on the host and/or the GPU; one summary row per (device, case, contender)."""
-    from .contenders import host_contenders
+        repetitions: int, contender_ids: set[str] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
+    """Measure every case on the host and/or the GPU; one summary row per (device, case, contender).
+
+    ``contender_ids``: measure only these (and the limits); default: all.
+    """
+    from .contenders import TORCH_HINT, host_contenders, torch_installed
     from .measure import HOST, measure_case, summarise
 
     plans = []
     if device in ("auto", "cpu"):
-        plans.append((HOST, host_table, host_contenders(_csv(arguments.backend, ()) or None)))
+        plans.append((HOST, host_table, host_contenders(arguments.backend)))
+        if not torch_installed() and not contender_ids:
+            console.print(TORCH_HINT, style="yellow", soft_wrap=True)
     if device == "cuda" or (device == "auto" and gpu_usable()):
         from fastembed import Embedding
 
@@ -131,8 +209,8 @@ def run(arguments: argparse.Namespace, console: Any, host_table: Any, cases: lis
         plans.append((GPU, gpu_table, gpu_contenders()))
     results = []
     for platform, table, contenders in plans:
-        if contender_names:
-            contenders = [c for c in contenders if c.name in contender_names or c.kind == "limit"]
+        if contender_ids:
+            contenders = [c for c in contenders if c.id in contender_ids or c.kind == "limit"]
         for batch, distribution in cases:
             console.print(f"[dim]measuring {batch} {distribution} ids on {platform.device} ...[/dim]")
             results += measure_case(table, contenders, batch, distribution, repetitions, platform=platform)
@@ -152,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("fastembed-bench needs the bench extra: pip install 'fastembed-gather[bench]'", file=sys.stderr)
         return 2
-    console = Console(width=max(Console().width, 132))
+    console = Console()  # rich sizes it to the terminal (80 columns when not a terminal and COLUMNS is unset)
     if arguments.device == "cuda" and not gpu_usable() and not arguments.gate:
         from fastembed.backends import cuda_backend
 
@@ -164,53 +242,55 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"fastembed-bench: {error}", file=sys.stderr)
         return 2
+    described = describe_table(arguments, table)
     if arguments.gate:
-        return gate(arguments, console, table)
+        return gate(arguments, console, table, described)
     from . import report
 
-    batches = _csv(arguments.batch, QUICK_BATCHES if arguments.quick else BATCHES, int)
-    distributions = _csv(arguments.dist, ("uniform",) if arguments.quick else ("uniform", "zipf"))
+    batches = arguments.batch or list(QUICK_BATCHES if arguments.quick else BATCHES)
+    distributions = arguments.dist or ["uniform", "zipf"]
     repetitions = arguments.reps or (5 if arguments.quick else 15)
     cases = [(b, d) for d in distributions for b in batches]
     rows = run(arguments, console, table, cases, repetitions, device=arguments.device)
-    report.print_table(rows, console)
-    arguments.out.mkdir(parents=True, exist_ok=True)
+    report.print_table(rows, console, described)
     payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
-               "machine": report.machine_facts(), "table": describe_table(arguments, table), "repetitions": repetitions,
+               "machine": report.machine_facts(), "table": described, "repetitions": repetitions,
                "results": rows}
     report.write_json(arguments.out / "results.json", payload)
     report.write_markdown(arguments.out / "results.md", rows)
-    plots = report.write_plots(arguments.out, rows)
+    plots = report.write_plots(arguments.out, rows, described)
     plotted = ", ".join(str(p) for p in plots) if plots else "no plot (matplotlib is not installed)"
     console.print(f"wrote {arguments.out / 'results.json'}, results.md and {plotted} "
-                  f"in {time.perf_counter() - started:.0f} s")
+                  f"in {time.perf_counter() - started:.0f} s", soft_wrap=True, markup=False)
     return 0
 
 
-def gate(arguments: argparse.Namespace, console: Any, table: Any) -> int:
+def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dict[str, Any]) -> int:
+    """Measure the checks' cases, print and write the verdicts; 1 when any check fails, else 0."""
     from rich.markup import escape
     from rich.table import Table
 
-    from .gate import judge, load_checks
-
-    checks, repetitions = load_checks(arguments.thresholds)
-    cases = list(dict.fromkeys((check.batch, check.distribution) for check in checks))
-    names = {check.contender for check in checks} | {check.versus for check in checks if check.versus} | {"numpy table[ids]"}
-    rows = run(arguments, console, table, cases, arguments.reps or repetitions, names)
-    verdicts = judge(checks, rows)
-    table = Table(title=f"fastembed-bench --gate ({arguments.thresholds})")
-    for column in ("check", "metric", "measured", "threshold", "result"):
-        table.add_column(column, justify="left" if column in ("check", "metric") else "right")
-    for verdict in verdicts:
-        measured = "missing" if verdict.measured is None else f"{verdict.measured:.3f}"
-        result = "[green]PASS[/green]" if verdict.passed else "[red]FAIL[/red]"
-        table.add_row(escape(verdict.check.name), verdict.check.metric, measured, f">= {verdict.check.min}", result)
-    console.print(table)
-    arguments.out.mkdir(parents=True, exist_ok=True)
     from . import report
+    from .gate import contender_ids, judge
 
+    checks = arguments.checks
+    cases = list(dict.fromkeys((check.batch, check.distribution) for check in checks))
+    ids = contender_ids(checks) | {"numpy-fancy"}
+    rows = run(arguments, console, table, cases, arguments.reps or arguments.gate_repetitions, ids)
+    verdicts = judge(checks, rows)
+    source = arguments.thresholds or "packaged thresholds"
+    result_table = Table(title=f"fastembed-bench --gate ({source}) on {report.table_title(described)}")
+    for column in ("check", "metric", "measured", "threshold", "result"):
+        result_table.add_column(column, justify="left" if column in ("check", "metric") else "right")
+    for verdict in verdicts:
+        measured = verdict.measured
+        shown = "missing" if measured is None else measured if isinstance(measured, str) else f"{measured:.3f}"
+        result = "[green]PASS[/green]" if verdict.passed else "[red]FAIL[/red]"
+        result_table.add_row(escape(verdict.check.name), verdict.check.metric, escape(shown),
+                             escape(verdict.check.threshold), result)
+    console.print(result_table)
     report.write_json(arguments.out / "gate.json", {
-        "machine": report.machine_facts(),
+        "machine": report.machine_facts(), "table": described, "thresholds": str(source),
         "verdicts": [{"check": v.check.__dict__, "measured": v.measured, "passed": v.passed} for v in verdicts],
         "results": rows,
     })

@@ -1,12 +1,19 @@
-"""What is measured: fastembed's backends, what users would use instead, and copies (the limit).
+"""What is measured: fastembed's backends, what users would use instead, and the limits.
 
 A contender is prepared once per (table, batch size) and returns a callable
 ``call(ids)`` that does one lookup. Preparing allocates every output buffer
 up front, so the timed call allocates only if the contender itself does.
+
+The limits are not lookups; they tell how fast this machine moves the bytes
+a lookup moves: contiguous copies of as many rows (the "copy" limits:
+writing into a given output, or allocating it first), and a read of the
+same scattered rows that writes nothing (the "scattered read" limit).
 """
 from __future__ import annotations
 
 import importlib.util
+import platform
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -14,36 +21,70 @@ from typing import Any, Callable
 import numpy as np
 
 import fastembed
-from fastembed import dispatch
+
+#: The id of the scattered-read limit (its own limit line, not a copy).
+SCATTERED_READ = "read-scattered"
+#: Where torch's contenders come from when it is missing.
+TORCH_HINT = "torch is not installed: its contenders are not measured (add them with: pip install torch)"
+
+
+def slug(name: str) -> str:
+    """A contender id from a display name: lower case words joined by '-' ("cupy table[ids]" -> "cupy-table-ids")."""
+    return "-".join(re.findall(r"[a-z0-9]+", name.lower()))
 
 
 @dataclass(frozen=True)
 class Contender:
-    name: str
+    """One way to do the lookup (or a limit), and how to prepare it.
+
+    ``id`` is stable: reports and the gate's thresholds key on it, so a
+    change of the display ``name`` cannot break the gate. When not given it
+    is derived from the name (:func:`slug`).
+
+    ``prepare(table, n)`` returns ``call(ids)``. A fastembed contender's call
+    carries ``call.served_by``: the backend that serves it, as
+    ``fastembed.select_backend(table, ids, out)`` reports it for that table,
+    n ids and the prepared ``out`` (the backend named, when one is forced).
+    """
+
+    name: str  # display label
     kind: str  # "fastembed", "peer" or "limit"
     allocates: bool  # allocates its output on every call
     prepare: Callable[[Any, int], Callable[[Any], Any]]
     id_dtype: str = "int64"  # the dtype of the ids its calls receive
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", slug(self.name))
+
+
+def _serving(call: Callable, table: Any, n: int, out: Any, backend: str) -> Callable:
+    """`call` with ``call.served_by`` set: `backend`, or for "auto" what fastembed.select_backend picks."""
+    if backend == "auto":
+        backend = fastembed.select_backend(table, np.zeros(n, np.int64), out).backend
+    call.served_by = backend  # type: ignore[attr-defined]
+    return call
 
 
 def _fastembed_out(backend: str) -> Callable:
     def prepare(table: np.ndarray, n: int) -> Callable:
         out = np.empty((n, table.shape[1]), table.dtype)
         _compile(table, out, backend)
-        return lambda ids: fastembed.lookup(table, ids, out=out, backend=backend)
+        return _serving(lambda ids: fastembed.lookup(table, ids, out=out, backend=backend), table, n, out, backend)
 
     return prepare
 
 
 def _fastembed_alloc(table: np.ndarray, n: int) -> Callable:
     _compile(table, np.empty((n, table.shape[1]), table.dtype), "auto")
-    return lambda ids: fastembed.lookup(table, ids)
+    return _serving(lambda ids: fastembed.lookup(table, ids), table, n, None, "auto")
 
 
 def _fastembed_embedding(table: np.ndarray, n: int) -> Callable:
     embedding = fastembed.Embedding(table)
     _compile(table, np.empty((n, table.shape[1]), table.dtype), "auto")
-    return lambda ids: embedding(ids)
+    return _serving(lambda ids: embedding(ids), table, n, None, "auto")
 
 
 def _compile(table: np.ndarray, out: np.ndarray, backend: str) -> None:
@@ -109,19 +150,25 @@ def _copy_numpy(table: np.ndarray, n: int) -> Callable:
 
 def _copy_numba(stream: bool) -> Callable:
     def prepare(table: np.ndarray, n: int) -> Callable:
-        from fastembed.backends import numba_backend
+        from . import copy_kernels
 
-        kernels = numba_backend.kernels()
-        word = numba_backend.word_dtype(table.shape[1] * table.dtype.itemsize)
-        out = np.empty((n, table.shape[1]), table.dtype).view(word)
+        out = copy_kernels.word_view(np.empty((n, table.shape[1]), table.dtype))
         source = _copy_sources(table, n)
-        blocks = max(1, numba_backend.thread_count() * numba_backend.BLOCKS_PER_THREAD)
-        if stream and kernels.can_stream(out):
-            window = numba_backend.ALIAS_WINDOW
-            return lambda ids: kernels.copy_parallel_stream(source(ids).view(word), out, blocks, window)
-        return lambda ids: kernels.copy_parallel(source(ids).view(word), out, blocks)
+        blocks = copy_kernels.block_count()
+        if stream and copy_kernels.can_stream(out):
+            window = copy_kernels.ALIAS_WINDOW
+            return lambda ids: copy_kernels.copy_parallel_stream(copy_kernels.word_view(source(ids)), out, blocks, window)
+        return lambda ids: copy_kernels.copy_parallel(copy_kernels.word_view(source(ids)), out, blocks)
 
     return prepare
+
+
+def _read_scattered(table: np.ndarray, n: int) -> Callable:
+    """Read the rows table[ids] over threads and write nothing (copy_kernels.read_scattered)."""
+    from . import copy_kernels
+
+    words, blocks = copy_kernels.word_view(table), copy_kernels.block_count()
+    return lambda ids: copy_kernels.read_scattered(words, ids, blocks)
 
 
 def _copy_alloc(table: np.ndarray, n: int) -> Callable:
@@ -143,23 +190,39 @@ def _cpu_count() -> int:
 
 
 def host_contenders(backends: list[str] | None = None) -> list[Contender]:
-    """Every contender that can run on this machine for a host table."""
+    """Every contender that can run on this machine for a host table.
+
+    ``backends``: the fastembed backends to measure forced one by one (default:
+    every available one); the auto contenders, peers and limits always run.
+    """
     contenders = []
-    for module in dispatch.available_backends():
-        if module.NAME == "cuda" or (backends and module.NAME not in backends):
+    available = [status.name for status in fastembed.backends() if status.available]
+    for name in available:
+        if name == "cuda" or (backends and name not in backends):
             continue
-        contenders.append(Contender(f"fastembed[{module.NAME}] out=", "fastembed", False, _fastembed_out(module.NAME)))
-    contenders.append(Contender("fastembed auto out=", "fastembed", False, _fastembed_out("auto")))
-    contenders.append(Contender("fastembed auto alloc", "fastembed", True, _fastembed_alloc))
-    contenders.append(Contender("fastembed Embedding alloc", "fastembed", True, _fastembed_embedding))
-    contenders.append(Contender("numpy table[ids]", "peer", True, _numpy_fancy))
-    contenders.append(Contender("numpy take(out=)", "peer", False, _numpy_take_out))
-    if importlib.util.find_spec("torch") is not None:
-        contenders.append(Contender("torch index_select(out=)", "peer", False, _torch_index_select_out))
-        contenders.append(Contender("torch F.embedding", "peer", True, _torch_embedding))
-    contenders.append(Contender("copy numpy", "limit", False, _copy_numpy))
-    if not dispatch.numba_backend.unavailable_reasons():
-        contenders.append(Contender("copy numba", "limit", False, _copy_numba(stream=False)))
-        contenders.append(Contender("copy numba-stream", "limit", False, _copy_numba(stream=True)))
-    contenders.append(Contender("copy alloc", "limit", True, _copy_alloc))
+        contenders.append(Contender(f"fastembed[{name}] out=", "fastembed", False, _fastembed_out(name),
+                                    id=f"fastembed-{name}-out"))
+    contenders += [
+        Contender("fastembed auto out=", "fastembed", False, _fastembed_out("auto"), id="fastembed-auto-out"),
+        Contender("fastembed auto alloc", "fastembed", True, _fastembed_alloc, id="fastembed-auto-alloc"),
+        Contender("fastembed Embedding alloc", "fastembed", True, _fastembed_embedding, id="fastembed-embedding-alloc"),
+        Contender("numpy table[ids]", "peer", True, _numpy_fancy, id="numpy-fancy"),
+        Contender("numpy take(out=)", "peer", False, _numpy_take_out, id="numpy-take-out"),
+    ]
+    if torch_installed():
+        contenders.append(Contender("torch index_select(out=)", "peer", False, _torch_index_select_out,
+                                    id="torch-index-select-out"))
+        contenders.append(Contender("torch F.embedding", "peer", True, _torch_embedding, id="torch-embedding"))
+    contenders.append(Contender("copy numpy", "limit", False, _copy_numpy, id="copy-numpy"))
+    if "numba" in available:
+        contenders.append(Contender("copy numba", "limit", False, _copy_numba(stream=False), id="copy-numba"))
+        if platform.machine().lower() in ("x86_64", "amd64"):  # non-temporal stores: x86-64 only
+            contenders.append(Contender("copy numba-stream", "limit", False, _copy_numba(stream=True),
+                                        id="copy-numba-stream"))
+        contenders.append(Contender("scattered read", "limit", False, _read_scattered, id=SCATTERED_READ))
+    contenders.append(Contender("copy alloc", "limit", True, _copy_alloc, id="copy-alloc"))
     return contenders
+
+
+def torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None

@@ -1,8 +1,15 @@
-"""The CI performance gate: ratios measured in one run against reviewed thresholds."""
+"""The CI performance gate: facts and ratios measured in one run, against reviewed thresholds.
+
+The thresholds ship with the package (``thresholds.toml`` next to this
+module), so ``fastembed-bench --gate`` works wherever fastembed is installed;
+``--thresholds FILE`` replaces them. Checks name contenders by their stable
+id (see contenders.Contender), never by display name.
+"""
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -13,57 +20,131 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-METRICS = ("fraction_of_limit", "speedup_vs_numpy", "speedup_vs_contender")
+RATIO_METRICS = ("fraction_of_limit", "speedup_vs_numpy", "speedup_vs_contender")
+#: served_by: a fact, not a ratio: the backend that served the contender must be `expect_backend`.
+METRICS = (*RATIO_METRICS, "served_by")
+#: The thresholds shipped with the package.
+PACKAGED_THRESHOLDS = "thresholds.toml"
 
 
 @dataclass(frozen=True)
 class Check:
+    """One gate check. Ratio metrics pass when measured >= ``min``; served_by when it equals ``expect_backend``."""
+
     name: str
-    contender: str
+    contender: str  # a contender id
     metric: str
     batch: int
     distribution: str
-    min: float
-    versus: str | None = None  # for speedup_vs_contender
+    min: float | None = None  # ratio metrics
+    versus: str | None = None  # a contender id, for speedup_vs_contender
+    expect_backend: str | None = None  # for served_by
+
+    @property
+    def threshold(self) -> str:
+        return f"== {self.expect_backend}" if self.metric == "served_by" else f">= {self.min}"
 
 
 @dataclass(frozen=True)
 class Verdict:
     check: Check
-    measured: float | None
+    measured: float | str | None  # a ratio, or the backend name for served_by; None: not measured
 
     @property
     def passed(self) -> bool:
-        return self.measured is not None and self.measured >= self.check.min
+        if self.measured is None:
+            return False
+        if self.check.metric == "served_by":
+            return self.measured == self.check.expect_backend
+        return self.measured >= self.check.min
 
 
-def load_checks(path: Path) -> tuple[list[Check], int]:
-    """The checks and the repetition count from a thresholds file (bench/gate.toml)."""
-    with open(path, "rb") as handle:
-        document = tomllib.load(handle)
-    checks = [Check(**entry) for entry in document["check"]]
-    for check in checks:
-        if check.metric not in METRICS:
-            raise ValueError(f"{path}: check {check.name!r} has unknown metric {check.metric!r}; known: {METRICS}")
-        if (check.metric == "speedup_vs_contender") != (check.versus is not None):
-            raise ValueError(f"{path}: check {check.name!r}: 'versus' goes with speedup_vs_contender, and only there")
-    return checks, int(document.get("repetitions", 11))
+def thresholds_text(path: Path | None = None) -> tuple[str, str]:
+    """(where, TOML text) of the thresholds: `path`, or the file shipped in this package when None.
+
+    Raises ValueError naming the file when it cannot be read.
+    """
+    if path is None:
+        resource = resources.files(__package__).joinpath(PACKAGED_THRESHOLDS)
+        where = f"packaged {PACKAGED_THRESHOLDS}"
+        try:
+            return where, resource.read_text(encoding="utf-8")
+        except OSError as error:
+            raise ValueError(f"{where} cannot be read ({error}): the package is incomplete; reinstall it") from error
+    try:
+        return str(path), Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--thresholds {path}: cannot read it: {error}") from error
+
+
+def load_checks(path: Path | None = None) -> tuple[list[Check], int]:
+    """The checks and the repetition count of a thresholds file (default: the packaged one).
+
+    Raises ValueError naming the file and the check for anything it cannot
+    use: unreadable, not TOML, no checks, unknown keys or metrics, missing
+    ``min`` / ``versus`` / ``expect_backend`` where the metric needs them.
+    """
+    where, text = thresholds_text(path)
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{where}: not valid TOML: {error}") from error
+    entries = document.get("check")
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{where}: no [[check]] tables")
+    checks = []
+    for number, entry in enumerate(entries, 1):
+        try:
+            check = Check(**entry)
+        except TypeError as error:
+            raise ValueError(f"{where}: check {number} ({entry.get('name', 'unnamed')!r}): {error}") from error
+        _validate(check, where)
+        checks.append(check)
+    repetitions = document.get("repetitions", 11)
+    if not isinstance(repetitions, int) or repetitions < 1:
+        raise ValueError(f"{where}: repetitions must be an integer >= 1, got {repetitions!r}")
+    return checks, repetitions
+
+
+def _validate(check: Check, where: str) -> None:
+    def fail(reason: str) -> None:
+        raise ValueError(f"{where}: check {check.name!r}: {reason}")
+
+    if check.metric not in METRICS:
+        fail(f"unknown metric {check.metric!r}; known: {', '.join(METRICS)}")
+    if (check.metric == "speedup_vs_contender") != (check.versus is not None):
+        fail("'versus' goes with speedup_vs_contender, and only there")
+    if (check.metric == "served_by") != (check.expect_backend is not None):
+        fail("'expect_backend' goes with served_by, and only there")
+    if (check.metric in RATIO_METRICS) != isinstance(check.min, (int, float)):
+        fail("ratio metrics need a number 'min'; served_by takes none")
+    if not isinstance(check.batch, int) or check.batch < 1:
+        fail(f"batch must be an integer >= 1, got {check.batch!r}")
 
 
 def judge(checks: list[Check], summary_rows: list[dict[str, Any]]) -> list[Verdict]:
-    """Each check's measured ratio (None when a needed measurement is missing, which fails)."""
-    return [Verdict(check, measured_ratio(check, summary_rows)) for check in checks]
+    """Each check's measurement (None when a needed measurement is missing, which fails)."""
+    return [Verdict(check, measured(check, summary_rows)) for check in checks]
 
 
-def measured_ratio(check: Check, rows: list[dict[str, Any]]) -> float | None:
-    def median_row(contender: str | None) -> dict[str, Any] | None:
-        return next((r for r in rows if r["contender"] == contender and r["batch"] == check.batch
+def measured(check: Check, rows: list[dict[str, Any]]) -> float | str | None:
+    """What `check` compares with its threshold, from the summary rows of one run (host rows only)."""
+
+    def row_of(contender: str | None) -> dict[str, Any] | None:
+        return next((r for r in rows if r.get("id") == contender and r["batch"] == check.batch
                      and r["distribution"] == check.distribution and r.get("device", "cpu") == "cpu"), None)
 
-    row = median_row(check.contender)
+    row = row_of(check.contender)
     if row is None:
         return None
+    if check.metric == "served_by":
+        return row.get("served_by")
     if check.metric == "speedup_vs_contender":
-        versus = median_row(check.versus)
+        versus = row_of(check.versus)
         return None if versus is None else paired_ratio_of_samples(versus["samples_us"], row["samples_us"])
     return row[check.metric]
+
+
+def contender_ids(checks: list[Check]) -> set[str]:
+    """Every contender id the checks read."""
+    return {check.contender for check in checks} | {check.versus for check in checks if check.versus}

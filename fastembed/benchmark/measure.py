@@ -31,12 +31,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .contenders import Contender
+from .contenders import SCATTERED_READ, Contender, slug
 from .ids import id_sets
 
-#: The "what users write" baseline per platform, and the key its speedup is reported under.
-BASELINES = {"speedup_vs_numpy": "numpy table[ids]", "speedup_vs_cupy": "cupy table[ids]"}
-#: The allocating limit's contender name (np.empty / cupy.empty + the copy).
+#: The "what users write" baseline per platform (contender ids), and the key its speedup is reported under.
+BASELINES = {"speedup_vs_numpy": "numpy-fancy", "speedup_vs_cupy": slug("cupy table[ids]")}
+#: The allocating limit's display name (np.empty / cupy.empty + the copy).
 ALLOCATING_LIMIT = "copy alloc"
 
 
@@ -47,11 +47,17 @@ class Result:
     batch: int
     distribution: str
     samples_s: list[float]
-    bytes_moved: int  # 2 * rows * row_bytes
+    bytes_moved: int  # 2 * rows * row_bytes, for every contender (the scattered read, too: see gbps)
     allocates_output: bool = False
     allocated_per_call: int | None = None  # bytes a call allocates (host: tracemalloc; GPU: device pools)
     memory_growth: int | None = None  # host RSS or device memory added by preparing and warming up
     device: str = "cpu"
+    id: str = ""  # the contender's stable id (default: derived from its name)
+    served_by: str | None = None  # fastembed contenders: the backend that serves the calls
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = slug(self.contender)
 
     @property
     def median_s(self) -> float:
@@ -59,6 +65,13 @@ class Result:
 
     @property
     def gbps(self) -> float:
+        """2 x rows x row bytes / median time, for every contender alike.
+
+        A gather reads each row once and writes it once; a copy of as many
+        rows moves the same bytes. The scattered read reads the rows and
+        writes nothing, yet is counted the same way, so that its line reads
+        as the fastest a gather could go if reading the rows were all it did.
+        """
         return self.bytes_moved / self.median_s / 1e9
 
 
@@ -170,16 +183,18 @@ def measure_case(
     prepared: dict[str, tuple[Callable, list]] = {}
     results: dict[str, Result] = {}
     for contender in contenders:
+        if contender.id in prepared:
+            raise ValueError(f"two contenders have the id {contender.id!r}")
         pool = pools[contender.id_dtype]
         memory_before = platform.memory_in_use()
         call = contender.prepare(table, batch)
         call(pool[0])
-        prepared[contender.name] = (call, pool)
-        results[contender.name] = Result(
+        prepared[contender.id] = (call, pool)
+        results[contender.id] = Result(
             contender.name, contender.kind, batch, distribution, [], 2 * batch * row_bytes, contender.allocates,
             allocated_per_call=platform.allocated_by_one_call(call, pool[1]),
             memory_growth=platform.memory_in_use() - memory_before,
-            device=platform.device,
+            device=platform.device, id=contender.id, served_by=getattr(call, "served_by", None),
         )
     for repetition in range(warmup + repetitions):
         for index, (name, (call, pool)) in enumerate(prepared.items()):
@@ -200,33 +215,66 @@ def measure_case(
 
 
 def summarise(results: list[Result]) -> list[dict[str, Any]]:
-    """Per result: median us, GB/s, fraction of the best copy (the limit), speedup over fancy indexing.
+    """Per result: median us, GB/s, the fraction of its limit, speedups over fancy indexing.
 
     Ratios are medians of per-repetition ratios: every repetition measures
     all contenders back to back, so a slow phase of a shared machine (it
     comes and goes over seconds) slows both sides of a ratio alike, where a
     ratio of two medians could pick one from a slow phase and the other
-    from a fast one. The best copy is the copy with the lowest median.
+    from a fast one.
+
+    ``fraction_of_limit`` (≤ 1): a row's limit is the fastest way measured to
+    produce the same output, repetition by repetition: the copy limits of its
+    class (writing into a given output: the contiguous copies; allocating its
+    output: the allocating copy) and every contender of that class, so a
+    contender that beats the copies (a few ids: the copies' own Python
+    overhead) reads 1, never more. ``limit`` names the contender that was
+    that limit in most repetitions (usually a copy). The scattered read is
+    a limit of its own: ``fraction_of_scattered_read`` is its time / the
+    row's (it can exceed 1 where a gather reads faster than that kernel).
+    ``best_copy`` is the writing copy with the lowest median.
     """
     rows = []
     for (device, batch, distribution), group in _group(results).items():
-        copies = [r for r in group if r.kind == "limit" and r.contender != ALLOCATING_LIMIT]
-        best_copy = min(copies, key=lambda r: r.median_s, default=None)
-        alloc_limit = next((r for r in group if r.contender == ALLOCATING_LIMIT), None)
-        baselines = {key: next((r for r in group if r.contender == name), None) for key, name in BASELINES.items()}
+        copies = [r for r in group if r.kind == "limit" and r.id != SCATTERED_READ]
+        best_copy = min((r for r in copies if not r.allocates_output), key=lambda r: r.median_s, default=None)
+        scattered_read = next((r for r in group if r.id == SCATTERED_READ), None)
+        baselines = {key: next((r for r in group if r.id == base), None) for key, base in BASELINES.items()}
         for r in group:
-            reference = alloc_limit if r.allocates_output else best_copy
+            fraction, limit = None, None
+            if r.id != SCATTERED_READ:
+                own_copies = [c for c in copies if c.allocates_output == r.allocates_output]
+                if own_copies:
+                    candidates = own_copies + [c for c in group if c.kind != "limit"
+                                               and c.allocates_output == r.allocates_output]
+                    fraction, limit = _fraction_of_fastest(candidates, r)
             row = {
-                "device": device, "contender": r.contender, "kind": r.kind, "batch": batch, "distribution": distribution,
-                "median_us": r.median_s * 1e6, "gbps": r.gbps,
-                "fraction_of_limit": paired_ratio(reference, r) if reference else None,
+                "device": device, "id": r.id, "contender": r.contender, "kind": r.kind, "batch": batch,
+                "distribution": distribution, "median_us": r.median_s * 1e6, "gbps": r.gbps,
+                "fraction_of_limit": fraction, "limit": limit,
+                "fraction_of_scattered_read": paired_ratio(scattered_read, r) if scattered_read else None,
+                "served_by": r.served_by, "allocates_output": r.allocates_output,
                 "allocated_per_call": r.allocated_per_call, "memory_growth": r.memory_growth,
-                "best_copy": best_copy.contender if best_copy else None,
+                "best_copy": best_copy.id if best_copy else None,
                 "samples_us": [s * 1e6 for s in r.samples_s],
             }
             row.update({key: (paired_ratio(base, r) if base else None) for key, base in baselines.items()})
             rows.append(row)
     return rows
+
+
+def _fraction_of_fastest(candidates: list[Result], result: Result) -> tuple[float, str]:
+    """Median over repetitions of (fastest candidate's time / result's time), and the most often fastest one's id."""
+    if not any(c is result for c in candidates):
+        candidates = candidates + [result]
+    if any(len(c.samples_s) != len(result.samples_s) for c in candidates):
+        raise ValueError("paired samples differ in number between contenders of one case")
+    fastest = [min(candidates, key=lambda c: c.samples_s[k]) for k in range(len(result.samples_s))]
+    ratios = [f.samples_s[k] / result.samples_s[k] for k, f in enumerate(fastest)]
+    counts: dict[str, int] = {}
+    for f in fastest:
+        counts[f.id] = counts.get(f.id, 0) + 1
+    return statistics.median(ratios), max(counts, key=counts.get)
 
 
 def paired_ratio(reference: Result, contender: Result) -> float:

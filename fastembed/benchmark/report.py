@@ -37,28 +37,69 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
-def print_table(rows: list[dict[str, Any]], console: Any) -> None:
+def table_title(table: dict[str, Any] | None) -> str:
+    """The measured table in words: "129280 x 4096 float16 table (random)"."""
+    if not table:
+        return "table"
+    return f"{' x '.join(map(str, table['shape']))} {table['dtype']} table ({table['source']})"
+
+
+#: Terminal columns: (key, header, justify). Headers of two lines keep columns narrow.
+_COLUMNS = [
+    ("device", "device", "left"), ("batch", "batch", "right"), ("ids", "ids", "left"),
+    ("contender", "contender", "left"), ("median", "median", "right"), ("gbps", "GB/s", "right"),
+    ("limit", "of its\nlimit", "right"), ("read", "of\nread", "right"), ("fancy", "vs\nfancy", "right"),
+    ("alloc", "alloc\n/call", "right"), ("memory", "mem +", "right"),
+]
+#: Dropped in this order while the table is wider than the terminal.
+_DROP_ORDER = ("memory", "alloc", "device", "read", "gbps")
+
+CAPTION = ("of its limit: the fastest way measured to produce the same output (usually a contiguous copy of as many "
+           "rows; np.empty + copy for contenders that allocate) / this time, so at most 1; of read: the scattered "
+           "read of the same rows / this time; vs fancy: numpy (cpu) or cupy (cuda) table[ids] / this time; "
+           "GB/s: 2 x rows x row bytes / time for every row, limits included")
+
+
+def print_table(rows: list[dict[str, Any]], console: Any, table: dict[str, Any] | None = None) -> None:
+    """The results as a rich table fitted to the console's width: columns dropped (least useful first) until it fits."""
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="fastembed-bench: median per call (interleaved, fresh ids); "
-                        "vs fancy = numpy (cpu) or cupy (cuda) table[ids]", show_lines=False)
-    for column in ("device", "batch", "ids", "contender", "median", "GB/s", "of limit", "vs fancy", "alloc/call", "mem +"):
-        table.add_column(column, justify="left" if column in ("device", "contender", "ids") else "right")
-    previous = None
-    for row in rows:
-        case = (row["device"], row["batch"], row["distribution"])
-        if previous is not None and case != previous:
-            table.add_section()
-        previous = case
-        style = "bold" if row["kind"] == "fastembed" else "dim" if row["kind"] == "limit" else ""
-        table.add_row(
-            row["device"], str(row["batch"]), row["distribution"], escape(row["contender"]), _time(row["median_us"]),
-            f"{row['gbps']:.1f}", _ratio(row["fraction_of_limit"]),
-            _ratio(row["speedup_vs_numpy"] if row["device"] == "cpu" else row["speedup_vs_cupy"], "x"),
-            _bytes(row["allocated_per_call"]), _bytes(row["memory_growth"]), style=style,
-        )
-    console.print(table)
+    keys = [key for key, _, _ in _COLUMNS]
+    if len({row["device"] for row in rows}) == 1:
+        keys.remove("device")  # one device: said in the title
+    cells = [_cells(row) for row in rows]
+    devices = ", ".join(dict.fromkeys(row["device"] for row in rows))
+    title = f"fastembed-bench on {devices}: {table_title(table)}, median per call (interleaved, fresh ids)"
+    for drop in (None, *_DROP_ORDER):
+        if drop in keys:
+            keys.remove(drop)
+        result = Table(title=escape(title), caption=escape(CAPTION), caption_justify="left", show_lines=False)
+        for key, header, justify in _COLUMNS:
+            if key in keys:
+                result.add_column(header, justify=justify, no_wrap=key != "contender")
+        previous = None
+        for row, cell in zip(rows, cells):
+            case = (row["device"], row["batch"], row["distribution"])
+            if previous is not None and case != previous:
+                result.add_section()
+            previous = case
+            style = "bold" if row["kind"] == "fastembed" else "dim" if row["kind"] == "limit" else ""
+            result.add_row(*(escape(cell[key]) for key in keys), style=style)
+        natural = console.measure(result, options=console.options.update(max_width=10**6)).maximum
+        if natural <= console.width:
+            break
+    console.print(result)
+
+
+def _cells(row: dict[str, Any]) -> dict[str, str]:
+    speedup = row["speedup_vs_numpy"] if row["device"] == "cpu" else row.get("speedup_vs_cupy")
+    return {
+        "device": row["device"], "batch": str(row["batch"]), "ids": row["distribution"], "contender": row["contender"],
+        "median": _time(row["median_us"]), "gbps": f"{row['gbps']:.1f}", "limit": _ratio(row["fraction_of_limit"]),
+        "read": _ratio(row.get("fraction_of_scattered_read")), "fancy": _ratio(speedup, "x"),
+        "alloc": _bytes(row["allocated_per_call"]), "memory": _bytes(row["memory_growth"]),
+    }
 
 
 def _time(us: float) -> str:
@@ -82,15 +123,15 @@ def _bytes(value: int | None) -> str:
 
 
 def write_markdown(path: Path, rows: list[dict[str, Any]]) -> None:
-    """The same table as the terminal's, as Markdown (docs/benchmarks.md pastes it)."""
-    lines = ["| device | batch | ids | contender | median | GB/s | of limit | vs fancy | alloc/call |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """The same table as the terminal's, every column, as Markdown (docs/benchmarks.md pastes it)."""
+    lines = ["| device | batch | ids | contender | median | GB/s | of its limit | limit | of read | vs fancy | alloc/call |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
-        speedup = row["speedup_vs_numpy"] if row["device"] == "cpu" else row["speedup_vs_cupy"]
+        cell = _cells(row)
         lines.append(
-            f"| {row['device']} | {row['batch']} | {row['distribution']} | {row['contender']} | {_time(row['median_us'])} "
-            f"| {row['gbps']:.1f} | {_ratio(row['fraction_of_limit'])} | {_ratio(speedup, 'x')} "
-            f"| {_bytes(row['allocated_per_call'])} |"
+            f"| {row['device']} | {row['batch']} | {row['distribution']} | {row['contender']} | {cell['median']} "
+            f"| {cell['gbps']} | {cell['limit']} | {row.get('limit') or '-'} | {cell['read']} | {cell['fancy']} "
+            f"| {cell['alloc']} |"
         )
     path.write_text("\n".join(lines) + "\n")
 
@@ -99,8 +140,8 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=1))
 
 
-def write_plots(folder: Path, rows: list[dict[str, Any]]) -> list[Path]:
-    """One throughput plot per device (uniform ids): throughput.png, throughput-cuda.png.
+def write_plots(folder: Path, rows: list[dict[str, Any]], table: dict[str, Any] | None = None) -> list[Path]:
+    """One throughput figure per device (throughput.png, throughput-cuda.png), a panel per id distribution.
 
     Returns the paths written: none where matplotlib is not installed (a GPU
     machine may lack it; the JSON and Markdown reports carry every figure).
@@ -110,37 +151,53 @@ def write_plots(folder: Path, rows: list[dict[str, Any]]) -> list[Path]:
     paths = []
     for device in dict.fromkeys(r["device"] for r in rows):
         path = folder / ("throughput.png" if device == "cpu" else f"throughput-{device}.png")
-        write_plot(path, [r for r in rows if r["device"] == device], title=f"fastembed-bench on {device}")
+        write_plot(path, [r for r in rows if r["device"] == device],
+                   title=f"fastembed-bench on {device}: {table_title(table)}")
         paths.append(path)
     return paths
 
 
-def write_plot(path: Path, rows: list[dict[str, Any]], distribution: str = "uniform", title: str = "fastembed-bench") -> None:
-    """Throughput against batch size per contender; the best copy drawn as the limit line."""
+def write_plot(path: Path, rows: list[dict[str, Any]], title: str = "fastembed-bench") -> None:
+    """Throughput against batch size per contender, one panel per id distribution.
+
+    The limits are drawn as lines: the best contiguous copy (dashed) and the
+    scattered read of the same rows (dotted), both in GB/s as
+    2 x rows x row bytes / time like every contender.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    selected = [r for r in rows if r["distribution"] == distribution]
-    if not selected:
-        selected, distribution = rows, rows[0]["distribution"]
-    figure, axes = plt.subplots(figsize=(9, 5.5))
-    for name in dict.fromkeys(r["contender"] for r in selected if r["kind"] != "limit"):
-        points = sorted((r["batch"], r["gbps"]) for r in selected if r["contender"] == name)
-        axes.plot(*zip(*points), marker="o", label=name, linewidth=2.2 if name.startswith("fastembed") else 1.2)
-    limit: dict[int, float] = {}
-    for r in selected:
-        if r["kind"] == "limit" and r["contender"] != "copy alloc":
-            limit[r["batch"]] = max(limit.get(r["batch"], 0.0), r["gbps"])
-    if limit:
-        axes.plot(*zip(*sorted(limit.items())), color="black", linestyle="--", label="limit: best contiguous copy")
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("ids per lookup")
-    axes.set_ylabel("GB/s  (2 x rows x row bytes / time)")
-    axes.set_title(f"{title}, {distribution} ids")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8)
+    from .contenders import SCATTERED_READ
+
+    distributions = list(dict.fromkeys(r["distribution"] for r in rows))
+    figure, panels = plt.subplots(1, len(distributions), figsize=(7.5 * len(distributions), 5.5), sharey=True,
+                                  squeeze=False)
+    for axes, distribution in zip(panels[0], distributions):
+        selected = [r for r in rows if r["distribution"] == distribution]
+        for name in dict.fromkeys(r["contender"] for r in selected if r["kind"] != "limit"):
+            points = sorted((r["batch"], r["gbps"]) for r in selected if r["contender"] == name)
+            axes.plot(*zip(*points), marker="o", label=name, linewidth=2.2 if name.startswith("fastembed") else 1.2)
+        copy: dict[int, float] = {}
+        read: dict[int, float] = {}
+        for r in selected:
+            if r["kind"] == "limit" and r["id"] == SCATTERED_READ:
+                read[r["batch"]] = r["gbps"]
+            elif r["kind"] == "limit" and not r.get("allocates_output"):
+                copy[r["batch"]] = max(copy.get(r["batch"], 0.0), r["gbps"])
+        if copy:
+            axes.plot(*zip(*sorted(copy.items())), color="black", linestyle="--", label="limit: best contiguous copy")
+        if read:
+            axes.plot(*zip(*sorted(read.items())), color="dimgray", linestyle=":", linewidth=2,
+                      label="limit: scattered read of the same rows")
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("ids per lookup")
+        axes.set_title(f"{distribution} ids")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=7)
+    panels[0][0].set_ylabel("GB/s  (2 x rows x row bytes / time)")
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -1,0 +1,145 @@
+"""The benchmark's physical limits on the CPU, compiled with Numba: copies and a scattered read.
+
+None of these is a gather, and fastembed's lookup never calls them; they
+tell how fast the machine can move the bytes a gather moves:
+
+- :func:`copy_parallel` and :func:`copy_parallel_stream` copy a contiguous
+  block of rows over threads (ordinary and non-temporal stores): the limit
+  of writing an output of that size;
+- :func:`read_scattered` reads the rows a gather would read (the same ids)
+  and writes nothing: the limit of reading scattered rows at all.
+
+Arrays are 2-D unsigned machine words (see :func:`word_view`): Numba has no
+float16 on the CPU, and words are what a gather moves. Importing this module
+imports numba.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from fastembed.kernels.cpu_intrinsics import store_fence, stream_store_16
+
+_JIT = dict(cache=True, nogil=True, boundscheck=False)
+
+#: Blocks of rows per thread: several, so that one slow thread does not hold the others up.
+BLOCKS_PER_THREAD = 4
+#: Rows whose source sits 1 to this many bytes below the destination (modulo
+#: 4 KiB) are streamed backward (see :func:`copies_backward`).
+ALIAS_WINDOW = 32
+
+_WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
+
+
+def block_count() -> int:
+    """Blocks of rows for the parallel kernels: BLOCKS_PER_THREAD per thread of numba's pool."""
+    return max(1, numba.get_num_threads()) * BLOCKS_PER_THREAD
+
+
+def word_view(array: np.ndarray) -> np.ndarray:
+    """`array` (2-D, rows contiguous) as its rows' widest unsigned words: 8, 4, 2 or 1 bytes."""
+    array = np.asarray(array)  # np.memmap: a plain view of the same bytes
+    row_bytes = array.shape[1] * array.dtype.itemsize
+    word = next(w for w in _WORDS if row_bytes % w.itemsize == 0)
+    return array.view(np.uint8).view(word) if array.dtype.itemsize == 1 else array.view(word)
+
+
+def can_stream(destination: np.ndarray) -> bool:
+    """Whether :func:`copy_parallel_stream` may write `destination`: 16-byte aligned rows.
+
+    Non-temporal 16-byte stores fault on unaligned addresses.
+    """
+    return (destination.shape[1] * destination.itemsize) % 16 == 0 and destination.ctypes.data % 16 == 0
+
+
+@njit(**_JIT)
+def _block(block, n_blocks, n):
+    """[start, stop) of block number `block` when n rows are cut into n_blocks."""
+    return block * n // n_blocks, (block + 1) * n // n_blocks
+
+
+@njit(parallel=True, **_JIT)
+def copy_parallel(src, dst, n_blocks):
+    """Copy ``src`` into ``dst`` (the same 2-D word shape) in ``n_blocks`` blocks of rows over threads."""
+    for block in prange(n_blocks):
+        start, stop = _block(block, n_blocks, src.shape[0])
+        for i in range(start, stop):
+            for w in range(src.shape[1]):
+                dst[i, w] = src[i, w]
+
+
+@njit(parallel=True, **_JIT)
+def copy_parallel_stream(src, dst, n_blocks, alias_window):
+    """As :func:`copy_parallel`, with non-temporal stores; ``dst`` must pass :func:`can_stream`.
+
+    ``alias_window``: see :func:`copies_backward`.
+    """
+    row_bytes = src.shape[1] * src.itemsize
+    for block in prange(n_blocks):
+        start, stop = _block(block, n_blocks, src.shape[0])
+        for i in range(start, stop):
+            offset = np.uintp(i) * row_bytes
+            _stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes, alias_window)
+        store_fence()
+
+
+@njit(parallel=True, **_JIT)
+def read_scattered(table, ids, n_blocks):
+    """Read every word of rows ``table[ids]`` over threads, write nothing; returns their XOR.
+
+    Each block XORs its rows' words into its own accumulator, and the result
+    depends on every word read, so the compiler cannot drop a read. Ids are
+    not checked: the caller passes ids within the table.
+    """
+    sums = np.zeros(n_blocks, table.dtype)
+    for block in prange(n_blocks):
+        start, stop = _block(block, n_blocks, ids.size)
+        accumulator = sums[block]
+        for i in range(start, stop):
+            row = ids[i]
+            for w in range(table.shape[1]):
+                accumulator ^= table[row, w]
+        sums[block] = accumulator
+    result = sums[0]
+    for block in range(1, n_blocks):
+        result ^= sums[block]
+    return result
+
+
+@njit(**_JIT)
+def copies_backward(destination, source, alias_window):
+    """Whether a row from `source` to `destination` is copied backward (4K aliasing).
+
+    A load is checked against the stores still in flight by the low 12 bits
+    of the addresses, and one that seems to match waits for them. Copying
+    forward, each load comes right after the stores just below its offset,
+    so a source that sits 1 to ``alias_window`` bytes below the destination,
+    modulo 4 KiB, makes nearly every load wait; those rows are copied
+    backward, where loads follow stores above them.
+    """
+    return (source - destination) & 4095 >= 4096 - alias_window
+
+
+@njit(**_JIT)
+def _stream_row(destination, source, row_bytes, alias_window):
+    """Copy one row (addresses as integers) with non-temporal 16-byte stores."""
+    whole_lines = row_bytes - row_bytes % 64
+    if copies_backward(destination, source, alias_window):
+        for offset in range(row_bytes - 16, whole_lines - 16, -16):
+            stream_store_16(destination + offset, source + offset)
+        for offset in range(whole_lines - 64, -64, -64):
+            stream_store_16(destination + offset + 48, source + offset + 48)
+            stream_store_16(destination + offset + 32, source + offset + 32)
+            stream_store_16(destination + offset + 16, source + offset + 16)
+            stream_store_16(destination + offset, source + offset)
+    else:
+        # Whole cache lines first, each completed in the write-combining buffer
+        # by consecutive stores, then the remaining 16-byte pieces.
+        for offset in range(0, whole_lines, 64):
+            stream_store_16(destination + offset, source + offset)
+            stream_store_16(destination + offset + 16, source + offset + 16)
+            stream_store_16(destination + offset + 32, source + offset + 32)
+            stream_store_16(destination + offset + 48, source + offset + 48)
+        for offset in range(whole_lines, row_bytes, 16):
+            stream_store_16(destination + offset, source + offset)
