@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import zipfile
 from collections.abc import Iterable
 
@@ -65,8 +66,6 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
         raise FileNotFoundError(errno.ENOENT, f"{opener}: no such file", str(path)) from None
     except NotADirectoryError:
         raise FileNotFoundError(errno.ENOENT, f"{opener}: no such file (a parent is not a directory)", str(path)) from None
-    import stat
-
     if stat.S_ISDIR(status.st_mode):
         raise ValueError(
             f"{path}: is a directory; {opener} opens one file. To open a checkpoint directory "
