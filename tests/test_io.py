@@ -221,6 +221,26 @@ def test_every_json_layout_of_a_header_opens_the_same(tmp_path, layout):
     assert io.read_safetensors_header(path)[0]["model.norm.weight"] == io.TensorEntry("F32", (4,), 48, 64)
 
 
+@pytest.mark.parametrize("metadata, opens", [
+    ({"format": "pt", "note": "caf\u00e9 \\ \"x\" \n"}, True), ({}, True), ({"a": 1}, False), ({"a": ["b"]}, False),
+    ({"a": {"b": "c"}}, False), ([], False), ("pt", False), (None, False),
+])
+@pytest.mark.parametrize("regex", [True, False])
+def test_metadata_must_be_strings_with_and_without_the_regex(tmp_path, monkeypatch, metadata, opens, regex):
+    """Python 3.10 has no possessive quantifiers: a string-by-string scan replaces the regex there."""
+    from fastembed.io import safetensors as module
+
+    if not regex:
+        monkeypatch.setattr(module, "_STRING_OBJECT", None)
+    path = tmp_path / "meta.safetensors"
+    path.write_bytes(raw_safetensors({"__metadata__": metadata, "wte.weight": F16_ENTRY}, b"\0" * 8))
+    if opens:
+        assert io.map_safetensors(path).shape == (2, 2)
+    else:
+        with pytest.raises(ValueError, match="__metadata__ must be an object of strings"):
+            io.map_safetensors(path)
+
+
 def rss() -> int:
     import psutil
 

@@ -20,7 +20,8 @@ What a header may cost is bounded, whatever its content:
   tensor asked for, or the few named like a token embedding) stay in memory,
   plus 16 bytes of offsets per tensor for the overlap check; no deep nesting
   or long list is ever built;
-* ``__metadata__`` is matched by a regular expression and not kept.
+* ``__metadata__`` is matched by a regular expression (string by string
+  before Python 3.11) and not kept.
 
 So opening a file costs at most about twice its header length in memory (the
 bytes and the decoded text, or the text and its longest name) and time linear in the header
@@ -206,18 +207,33 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
 
 
 _DECODER = json.JSONDecoder()
-_WS = r"[ \t\n\r]*+"
-#: An entry as safetensors writers lay it out (any whitespace): parsed without building JSON objects.
+_WS = r"[ \t\n\r]*"
 _DIGITS = r"(?:0|[1-9]\d{0,19})"
 _INT = _WS + "(" + _DIGITS + ")" + _WS
+#: An entry as safetensors writers lay it out (any whitespace): parsed without building JSON objects.
+#: Matched within MAX_ENTRY_BYTES characters, so backtracking is bounded.
 _CANONICAL_ENTRY = re.compile(
     r"\{" + _WS + r'"dtype"' + _WS + ":" + _WS + r'"([A-Z0-9_]{1,16})"' + _WS + "," + _WS + r'"shape"' + _WS + ":" + _WS
-    + r"\[((?:" + _WS + _DIGITS + _WS + "(?:," + _WS + _DIGITS + _WS + ")*+)?)" + _WS + r"\]" + _WS + "," + _WS
+    + r"\[((?:" + _WS + _DIGITS + _WS + "(?:," + _WS + _DIGITS + _WS + ")*)?)" + _WS + r"\]" + _WS + "," + _WS
     + r'"data_offsets"' + _WS + ":" + _WS + r"\[" + _INT + "," + _INT + r"\]" + _WS + r"\}")
-_JSON_STRING = r'"(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+"'
-_PAIR = _JSON_STRING + _WS + ":" + _WS + _JSON_STRING
-#: An object of strings, matched by the regex engine without building a Python object.
-_STRING_OBJECT = re.compile(r"\{" + _WS + "(?:" + _PAIR + "(?:" + _WS + "," + _WS + _PAIR + ")*+)?" + _WS + r"\}")
+
+
+def _string_object_pattern() -> re.Pattern[str] | None:
+    """An object of strings, matched by the regex engine without building a Python object.
+
+    Needs possessive quantifiers (Python 3.11+), which keep no backtracking state over a
+    16 MiB metadata object; None before 3.11, where a scanstring loop serves.
+    """
+    ws = "[ \t\n\r]*+"
+    string = r'"(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+"'
+    pair = string + ws + ":" + ws + string
+    try:
+        return re.compile(r"\{" + ws + "(?:" + pair + "(?:" + ws + "," + ws + pair + ")*+)?" + ws + r"\}")
+    except re.error:
+        return None
+
+
+_STRING_OBJECT = _string_object_pattern()
 
 
 def _entry(path: Any, name: str, text: str, pos: int, data_size: int) -> tuple[TensorEntry, int]:
@@ -274,11 +290,44 @@ def _short_repr(value: Any, limit: int = 80) -> str:
 
 def _skip_metadata(path: Any, text: str, pos: int) -> int:
     """Check that text[pos] starts an object of strings (not kept); returns the position after it."""
-    match = _STRING_OBJECT.match(text, pos)
-    if match is None:
-        raise ValueError(f"{path}: __metadata__ must be an object of strings (the format's str -> str map), "
-                         f"got {text[pos:pos + 60]!r}...")
-    return match.end()
+    if _STRING_OBJECT is not None:
+        match = _STRING_OBJECT.match(text, pos)
+        if match is None:
+            raise ValueError(f"{path}: __metadata__ must be an object of strings (the format's str -> str map), "
+                             f"got {text[pos:pos + 60]!r}...")
+        return match.end()
+    return _skip_metadata_slowly(path, text, pos)
+
+
+def _skip_metadata_slowly(path: Any, text: str, pos: int) -> int:
+    """_skip_metadata one string at a time (Python 3.10): no string is kept."""
+    def fail(problem: str) -> ValueError:
+        return ValueError(f"{path}: __metadata__ must be an object of strings (the format's str -> str map): {problem}")
+
+    if text[pos:pos + 1] != "{":
+        raise fail("it is not an object")
+    pos = _WHITESPACE.match(text, pos + 1).end()
+    if text[pos:pos + 1] == "}":
+        return pos + 1
+    while True:
+        for expected in ("key", "value"):
+            if text[pos:pos + 1] != '"':
+                raise fail(f"expected a string {expected} at character {pos}")
+            try:
+                _, pos = scanstring(text, pos + 1, True)
+            except ValueError as error:
+                raise fail(str(error)) from None
+            pos = _WHITESPACE.match(text, pos).end()
+            if expected == "key":
+                if text[pos:pos + 1] != ":":
+                    raise fail(f"expected ':' at character {pos}")
+                pos = _WHITESPACE.match(text, pos + 1).end()
+        if text[pos:pos + 1] == ",":
+            pos = _WHITESPACE.match(text, pos + 1).end()
+        elif text[pos:pos + 1] == "}":
+            return pos + 1
+        else:
+            raise fail(f"expected ',' or '}}' at character {pos}")
 
 
 def _check_overlap(path: Any, text: str, begins: array, ends: array) -> None:
