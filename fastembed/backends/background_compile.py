@@ -18,6 +18,7 @@ by that at most; a fork from inside such a section does not wait for itself.
 from __future__ import annotations
 
 import contextlib
+import logging  # noqa: F401 - imported here so that its fork hooks are never registered mid-fork (numba imports it)
 import os
 import threading
 from typing import Any, Callable, Hashable, Iterator
@@ -85,15 +86,20 @@ def wait() -> None:
 
 
 def _wait_before_fork() -> None:
-    """Wait for background compiles and other threads' foreground sections; hold new ones off until the fork is done."""
-    wait()
+    """Hold off new compiles and foreground sections, then wait for the running ones; released after the fork."""
     ident = threading.get_ident()
+    _guard.acquire()  # a thread inside start() holds it while its compile thread starts
+    for thread in list(_threads):
+        if thread is not threading.current_thread():
+            thread.join()
+    _threads[:] = [thread for thread in _threads if thread.is_alive()]
     _foreground_done.acquire()
     _foreground_done.wait_for(lambda: not (set(_foreground_threads) - {ident}))
 
 
 def _after_fork() -> None:
     _foreground_done.release()
+    _guard.release()
 
 
 def forget() -> None:

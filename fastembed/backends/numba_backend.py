@@ -227,7 +227,7 @@ class NumbaBackend:
                 return int(kernel(table_words, flat_ids, out_words, n_blocks, *options))
             return self._compile_then_call(kernel, table_words, flat_ids, out_words, n_blocks, *options)
         except Exception as error:  # a threading layer that cannot load, say
-            self._parallel_error = f"{type(error).__name__}: {error}"
+            self._parallel_error = _one_line(error)
         finally:
             self._parallel_lock.release()
         return self._compile_then_call(kernels.gather_serial, table_words, flat_ids, out_words)
@@ -245,7 +245,7 @@ class NumbaBackend:
             try:
                 kernel(table_words, no_ids, no_rows, 1, *options)
             except Exception as error:
-                self._parallel_error = f"{type(error).__name__}: {error}"
+                self._parallel_error = _one_line(error)
 
     def after_fork_in_child(self) -> None:
         self.forked_after_pool_start = self.pool_started
@@ -257,9 +257,14 @@ class NumbaBackend:
             return {}
         import numba
 
+        try:
+            threads: Any = numba.get_num_threads()  # starts the thread pool, which may fail to load
+        except Exception as error:  # noqa: BLE001 - reported, not raised: info must always print
+            threads = f"unavailable: {_one_line(error)}"
+            self._parallel_error = self._parallel_error or threads
         facts: dict[str, Any] = {
             "numba": numba.__version__,
-            "threads": numba.get_num_threads(),
+            "threads": threads,
             "threading_layer": _threading_layer(),
             "parallel_min_rows": PARALLEL_MIN_ROWS,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
@@ -268,6 +273,11 @@ class NumbaBackend:
         if self._parallel_error is not None:
             facts["parallel_kernels"] = f"unavailable, serving serially: {self._parallel_error}"
         return facts
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def kernel_table(table: np.ndarray) -> tuple[np.ndarray, np.dtype]:

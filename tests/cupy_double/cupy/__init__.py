@@ -301,7 +301,11 @@ class ndarray:
         return self._host
 
     # -- attributes ---------------------------------------------------------------------------------
-    shape = property(lambda self: self._host.shape)
+    def _set_shape(self, shape: Any) -> None:
+        """In place, as cupy allows for contiguous arrays (a new host view: the old one may be held by readers)."""
+        self._host = self._host.reshape(shape)
+
+    shape = property(lambda self: self._host.shape, _set_shape)
     dtype = property(lambda self: self._host.dtype)
     strides = property(lambda self: self._host.strides)
     size = property(lambda self: int(self._host.size))

@@ -1,0 +1,337 @@
+"""What other threads, forks, interrupts and odd settings do to a lookup: never a crash, a hang or a wrong row.
+
+Races and forks run in child processes, so that a crash or a hang is seen as
+an exit status or a timeout instead of taking the test run down with it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fastembed
+from fastembed.backends import cuda_backend, numba_backend
+from conftest import CPU_BACKENDS, assert_bit_equal, poisoned, random_table
+
+NUMBA_AVAILABLE = not numba_backend.BACKEND.unavailable_reasons()
+CUPY_DOUBLE = Path(__file__).parent / "cupy_double"  # a folder whose `cupy` is the CuPy test double
+needs_numba = pytest.mark.skipif(not NUMBA_AVAILABLE, reason="the numba backend is unavailable here")
+RACE_SECONDS = float(os.environ.get("FASTEMBED_RACE_SECONDS", "10"))
+
+
+def cuda_available() -> bool:
+    return not cuda_backend.BACKEND.unavailable_reasons()
+
+
+def run_child(code: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter; a hang fails the test with what the child printed."""
+    environment = dict(os.environ, **(env or {}))
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                              timeout=timeout, env=environment)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"the child hung for {timeout} s; it printed: {expired.stdout!r} {expired.stderr!r}")
+
+
+def assert_child_ok(result: subprocess.CompletedProcess, expected_last_line: str = "ok") -> None:
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stdout[-2000:]} {result.stderr[-4000:]}"
+    assert result.stdout.strip().splitlines()[-1] == expected_last_line, result.stdout[-2000:]
+
+
+# -- another thread reshapes the table ------------------------------------------------------------
+
+RESHAPE_RACE = """
+import sys, threading, time, numpy as np, fastembed
+sys.setswitchinterval(1e-6)   # switch threads as often as possible: every window between two reads is tried
+backend, seconds = {backend!r}, {seconds}
+table = np.arange(64 * 16, dtype=np.float64).reshape(64, 16)
+if backend == "cuda":   # on the CuPy test double (or a real GPU), the same race on a device table
+    import cupy
+    table = cupy.asarray(table)
+    asnumpy, empty, full = cupy.asnumpy, cupy.empty, cupy.full
+else:
+    asnumpy, empty, full = np.asarray, np.empty, np.full
+stop = time.monotonic() + seconds
+def reshape_forever():
+    while time.monotonic() < stop:
+        table.shape = (32, 32)
+        time.sleep(0)   # let the other thread run while the table has each shape
+        table.shape = (64, 16)
+        time.sleep(0)
+threading.Thread(target=reshape_forever, daemon=True).start()
+cases = [(ids_shape, with_out) for ids_shape in ((40,), (5, 8)) for with_out in (False, True)]
+counts = {{"lookups": 0, "refused": 0}}
+while time.monotonic() < stop:
+    for ids_shape, with_out in cases:
+        ids = (np.arange(40) % 32).reshape(ids_shape)
+        buffer = full(40 * 16 + 1024, -123.0)
+        out = buffer[:640].reshape(ids_shape + (16,)) if with_out else None
+        exact = empty(ids_shape + (16,)) if with_out else None  # an exact-size buffer: corruption aborts
+        try:
+            result = fastembed.lookup(table, ids, out=out, backend=backend)
+            fastembed.lookup(table, ids, out=exact, backend=backend)
+            counts["lookups"] += 1
+        except ValueError:
+            counts["refused"] += 1  # the shape changed between two of the caller's own reads: a clean refusal
+            continue
+        assert (asnumpy(buffer)[640:] == -123.0).all(), "a write past the end of out"
+        result = asnumpy(result)
+        rows = result.reshape(-1, result.shape[-1])
+        width = rows.shape[1]
+        assert width in (16, 32), width
+        # every row is a row of the table as it was shaped at some moment: consecutive values
+        assert (np.diff(rows, axis=1) == 1).all() and (rows[:, 0] % width == 0).all(), "a wrong row"
+print(counts)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("backend", [*CPU_BACKENDS, "cuda"])
+def test_table_reshaped_by_another_thread_never_writes_outside_out(backend):
+    env = {}
+    if backend == "cuda" and not cuda_available():
+        env["PYTHONPATH"] = os.pathsep.join([str(CUPY_DOUBLE), os.environ.get("PYTHONPATH", "")])
+    result = run_child(RESHAPE_RACE.format(backend=backend, seconds=RACE_SECONDS), timeout=RACE_SECONDS + 120, env=env)
+    assert_child_ok(result)
+
+
+IDS_RACE = """
+import sys, threading, time, numpy as np, fastembed
+sys.setswitchinterval(1e-6)
+backend, seconds = {backend!r}, {seconds}
+vocab, width = 300, 64
+guarded = np.full((vocab + 2, width), -7.0, np.float32)   # a poisoned row on each side of the table
+table = guarded[1:-1]
+table[...] = np.arange(vocab * width, dtype=np.float32).reshape(vocab, width)
+ids = np.random.default_rng(0).integers(0, vocab, 5000)
+stop = time.monotonic() + seconds
+def scribble():
+    rng = np.random.default_rng(1)
+    while time.monotonic() < stop:
+        position = int(rng.integers(0, ids.size))
+        ids[position] = rng.choice([-1, vocab, 2**40])
+        ids[position] = rng.integers(0, vocab)
+threading.Thread(target=scribble, daemon=True).start()
+outcomes = {{}}
+while time.monotonic() < stop:
+    try:
+        rows = fastembed.lookup(table, ids, backend=backend)
+        outcome = "ok"
+        assert not (rows == -7.0).all(axis=1).any(), "a row read from outside the table"
+    except (IndexError, RuntimeError) as error:
+        outcome = type(error).__name__
+    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+print(outcomes)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_ids_changed_by_another_thread_never_read_outside_the_table(backend):
+    seconds = min(RACE_SECONDS, 5.0)
+    assert_child_ok(run_child(IDS_RACE.format(backend=backend, seconds=seconds), timeout=seconds + 120))
+
+
+def test_embedding_keeps_its_own_view_of_the_table(backend):
+    table = random_table(80, 16)
+    copy = table.copy()
+    emb = fastembed.Embedding(table)
+    table.shape = (40, 32)
+    ids = np.array([3, 79, 0])
+    assert (emb.vocab_size, emb.dim) == (80, 16)
+    assert_bit_equal(emb(ids, backend=backend), copy[ids])
+    table.shape = (1280,)
+    assert_bit_equal(emb(ids, backend=backend), copy[ids])
+
+
+# -- forks and interrupts during the first lookup --------------------------------------------------
+
+FORK_DURING_FIRST_LOOKUP = """
+import os, threading, time, numpy as np, fastembed
+table = fastembed.Embedding.random(500, 16, "float32").table
+ids = np.arange(40) % 500
+expected = table[ids]
+def first_lookup():
+    fastembed.lookup(table, ids, out=np.empty((40, 16), np.float32))
+threading.Thread(target=first_lookup).start()
+time.sleep({delay})
+pid = os.fork()
+if pid == 0:
+    ok = np.array_equal(fastembed.lookup(table, ids, out=np.empty((40, 16), np.float32)), expected)
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+print("ok" if os.waitstatus_to_exitcode(status) == 0 else "child failed")
+"""
+
+
+FORK_MOMENTS = [("warm", delay) for delay in (0.0, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5)] + [
+    ("cold", delay) for delay in (0.0, 0.1, 0.3, 0.5)  # an empty numba cache: import and compile take longer
+]
+
+
+@needs_numba
+@pytest.mark.parametrize("cache, delay", FORK_MOMENTS)
+def test_a_fork_during_the_first_lookup_never_hangs_the_child(cache, delay, tmp_path):
+    env = {"NUMBA_CACHE_DIR": str(tmp_path)} if cache == "cold" else {}
+    assert_child_ok(run_child(FORK_DURING_FIRST_LOOKUP.format(delay=delay), timeout=120, env=env))
+
+
+FORK_POOL_DURING_WARM_UP = """
+import multiprocessing, threading, numpy as np, fastembed
+table = fastembed.Embedding.random(2000, 64).table
+def lookup(seed):
+    ids = np.random.default_rng(seed).integers(0, 2000, 3000)
+    return bool(np.array_equal(fastembed.lookup(table, ids), table[ids]))
+warm_up = threading.Thread(target=lookup, args=(0,))
+warm_up.start()
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    results = pool.map_async(lookup, range(1, 7)).get(timeout=100)
+warm_up.join()
+print(results)
+print("ok" if all(results) and lookup(9) else "wrong rows")
+"""
+
+
+@needs_numba
+def test_a_fork_pool_created_during_warm_up_returns():
+    assert_child_ok(run_child(FORK_POOL_DURING_WARM_UP, timeout=150))
+
+
+INTERRUPTED_FIRST_LOOKUP = """
+import signal, numpy as np, fastembed
+table = fastembed.Embedding.random(500, 16).table
+ids = np.arange(100) % 500
+signal.setitimer(signal.ITIMER_REAL, {delay})
+signal.signal(signal.SIGALRM, signal.default_int_handler)   # the alarm raises KeyboardInterrupt, as Ctrl-C does
+try:
+    fastembed.lookup(table, ids)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+signal.setitimer(signal.ITIMER_REAL, 0)
+for _ in range(3):
+    assert np.array_equal(fastembed.lookup(table, ids), table[ids])
+    assert np.array_equal(fastembed.lookup(table, ids, out=np.empty((100, 16), np.float16)), table[ids])
+fastembed.wait_for_compiles()
+assert np.array_equal(fastembed.lookup(table, ids), table[ids])
+print("ok")
+"""
+
+
+@needs_numba
+@pytest.mark.parametrize("delay", [0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8])
+def test_an_interrupted_first_lookup_leaves_later_lookups_working(delay):
+    assert_child_ok(run_child(INTERRUPTED_FIRST_LOOKUP.format(delay=delay), timeout=120))
+
+
+# -- settings that disable parts of numba ----------------------------------------------------------
+
+SETTINGS_CHECK = """
+import numpy as np, fastembed
+from fastembed.backends import cuda_backend, numba_backend
+table = fastembed.Embedding.random(3000, 64).table
+for n in (1, 6, 40, 2000, 2000, 2000):
+    ids = np.random.default_rng(n).integers(0, 3000, n)
+    assert np.array_equal(fastembed.lookup(table, ids), table[ids]), n
+    out = np.empty((n, 64), table.dtype)
+    assert np.array_equal(fastembed.lookup(table, ids, out=out), table[ids]), n
+    fastembed.wait_for_compiles()
+print(fastembed.select_backend(table, np.arange(100)).backend)
+print(numba_backend.BACKEND.unavailable_reasons())
+print(numba_backend.BACKEND.describe().get("parallel_kernels", "parallel"))
+print("ok")
+"""
+
+
+@needs_numba
+def test_a_threading_layer_that_cannot_load_leaves_the_serial_kernel_serving():
+    import importlib.util
+
+    if importlib.util.find_spec("tbb") is not None:
+        pytest.skip("tbb is installed: the layer loads")
+    result = run_child(SETTINGS_CHECK, timeout=120, env={"NUMBA_THREADING_LAYER": "tbb"})
+    assert_child_ok(result)
+    backend, reasons, parallel = result.stdout.strip().splitlines()[-4:-1]
+    assert backend == "numba" and reasons == "[]"
+    assert parallel.startswith("unavailable, serving serially") and "threading layer" in parallel.lower()
+
+
+@needs_numba
+def test_numba_disable_jit_makes_auto_serve_through_numpy():
+    result = run_child(SETTINGS_CHECK, timeout=120, env={"NUMBA_DISABLE_JIT": "1"})
+    assert_child_ok(result)
+    backend, reasons, _ = result.stdout.strip().splitlines()[-4:-1]
+    assert backend == "numpy" and "NUMBA_DISABLE_JIT" in reasons
+    info = subprocess.run([sys.executable, "-m", "fastembed", "info"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, NUMBA_DISABLE_JIT="1"))
+    assert "NUMBA_DISABLE_JIT" in info.stdout
+
+
+NO_COMPILE_AFTER_WARM_UP = """
+import numpy as np, fastembed
+from fastembed.backends import cuda_backend, numba_backend
+table = fastembed.Embedding.random(3000, 64).table
+ids = np.random.default_rng(0).integers(0, 3000, 1000)
+fastembed.lookup(table, ids)                       # the warm-up lookup
+fastembed.lookup(table, ids, out=np.empty((1000, 64), table.dtype))
+fastembed.wait_for_compiles()
+kernels = numba_backend.BACKEND.kernels()
+def signatures():
+    return {{name: len(getattr(kernels, name).signatures) for name in ("gather_serial", "gather_parallel")}}
+before = signatures()
+np.save({path!r}, table)
+mapped = np.load({path!r}, mmap_mode="r")          # read-only, like every memory-mapped table
+strided = np.repeat(ids, 2)[::2]                   # non-contiguous ids
+frozen = ids.copy(); frozen.flags.writeable = False
+for source in (table, mapped):
+    for given in (ids, strided, frozen, ids.reshape(10, 100)):
+        for n in (40, 1000):
+            part = given.reshape(-1)[:n]
+            assert np.array_equal(fastembed.lookup(source, part), table[part])
+            assert np.array_equal(fastembed.lookup(source, part, out=np.empty((n, 64), table.dtype)), table[part])
+after = signatures()
+print(before, after)
+print("ok" if before == after else "compiled after warm-up")
+"""
+
+
+@needs_numba
+def test_no_lookup_after_warm_up_compiles_for_read_only_tables_or_strided_ids(tmp_path):
+    assert_child_ok(run_child(NO_COMPILE_AFTER_WARM_UP.format(path=str(tmp_path / "table.npy")), timeout=180))
+
+
+# -- valid tables of every item size ---------------------------------------------------------------
+
+ODD_DTYPES = ["S1", "S3", "S5", "V3", "V7", "S9", "V11", "S13", "V15", "S16", "u2", "V6", "V12",
+              np.dtype([("a", "u1"), ("b", "<u2")]), np.dtype([("a", "<f4"), ("b", "u1")])]
+
+
+@pytest.mark.parametrize("dtype", ODD_DTYPES, ids=str)
+@pytest.mark.parametrize("width", [1, 2, 3, 8])
+@pytest.mark.parametrize("n_ids", [1, 6, 40])
+def test_every_item_size_gathers_bit_exact(backend, dtype, width, n_ids):
+    dtype = np.dtype(dtype)
+    raw = np.random.default_rng(width).integers(0, 256, 97 * width * dtype.itemsize, dtype=np.uint8)
+    table = raw.view(dtype).reshape(97, width)
+    ids = np.random.default_rng(n_ids).integers(0, 97, n_ids)
+    expected = table[ids]
+    assert_bit_equal(fastembed.lookup(table, ids, backend=backend), expected)
+    out = poisoned((n_ids, width), dtype)
+    assert fastembed.lookup(table, ids, out=out, backend=backend) is out
+    assert_bit_equal(out, expected)
+
+
+def test_ids_beyond_64_bits_say_so(backend):
+    table = random_table(10, 4)
+    with pytest.raises(IndexError, match=r"id 9223372036854775808 at position 0 does not fit a 64-bit integer"):
+        fastembed.lookup(table, [2**63, -1], backend=backend)
+    with pytest.raises(IndexError, match=r"id 18446744073709551616 at position \(1, 0\) does not fit"):
+        fastembed.lookup(table, [[1], [2**64]], backend=backend)
+    with pytest.raises(TypeError, match="floating"):
+        fastembed.lookup(table, [1.5, 2**63], backend=backend)
