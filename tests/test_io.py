@@ -133,20 +133,39 @@ def _numpy_dtype_without_bfloat16(real_dtype):
     return dtype
 
 
-def _valid_file_bytes() -> bytes:
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=6,
+)
+
+
+def _valid_file_bytes(replacements: dict | None = None) -> bytes:
+    """A valid file; `replacements` swaps fields of the table's entry (or "entry"/"metadata" whole) for other JSON."""
     table = np.arange(24, dtype=np.float16).reshape(6, 4)
-    header = {"__metadata__": {"format": "pt"}, "model.embed_tokens.weight": {"dtype": "F16", "shape": [6, 4], "data_offsets": [0, 48]},
+    entry = {"dtype": "F16", "shape": [6, 4], "data_offsets": [0, 48]}
+    metadata = {"format": "pt"}
+    for field, value in (replacements or {}).items():
+        if field == "entry":
+            entry = value
+        elif field == "metadata":
+            metadata = value
+        elif isinstance(entry, dict):
+            entry[field] = value
+    header = {"__metadata__": metadata, "model.embed_tokens.weight": entry,
               "norm.weight": {"dtype": "F32", "shape": [4], "data_offsets": [48, 64]}}
     return raw_safetensors(header, table.tobytes() + np.ones(4, np.float32).tobytes())
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
+    replacements=st.dictionaries(st.sampled_from(["dtype", "shape", "data_offsets", "entry", "metadata"]), JSON_VALUES, max_size=3),
     flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=6),
     cut=st.one_of(st.none(), st.integers(0, 400)),
 )
-def test_fuzzed_headers_only_give_clean_errors(tmp_path, flips, cut):
-    content = bytearray(_valid_file_bytes())
+def test_fuzzed_headers_only_give_clean_errors(tmp_path, replacements, flips, cut):
+    """Fields replaced by JSON of every type (a list as dtype raised TypeError), then byte flips and cuts."""
+    content = bytearray(_valid_file_bytes(replacements))
     for position, value in flips:
         content[position % len(content)] = value
     if cut is not None:
@@ -160,13 +179,6 @@ def test_fuzzed_headers_only_give_clean_errors(tmp_path, flips, cut):
     # Whatever still parses must be a consistent table inside the file.
     assert emb.table.ndim == 2 and emb.table.nbytes <= len(content)
     fastembed.lookup(emb.table, [0])
-
-
-JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=6),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=3),
-    max_leaves=6,
-)
 
 
 @pytest.mark.parametrize("field", ["dtype", "shape", "data_offsets"])
