@@ -8,6 +8,7 @@ and usually a ``config.json`` whose ``vocab_size`` and ``hidden_size``
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Mapping
@@ -90,7 +91,7 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
                          f"2-D tensors: {two_d}")
     if expected is not None and any(expected):
         fitting = {name: shape for name, shape in candidates.items()
-                   if all(want is None or want == have for want, have in zip(expected, shape))}
+                   if all(want is None or want == have for want, have in zip(expected, shape, strict=True))}
         if not fitting:
             raise ValueError(f"{where}: config.json gives the token embedding shape {_shape_text(expected)} but no tensor "
                              f"named like one has it; pass name= one of {_with_shapes(candidates)}")
@@ -157,9 +158,10 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap:
             ``model.safetensors.index.json``), an index file, one ``.safetensors``
             file, or a ``.npy`` file.
         name: the tensor to open; None picks the token embedding by name
-            (:data:`TOKEN_EMBEDDING_ENDINGS`), confirmed against config.json's
-            ``vocab_size`` and hidden size when the checkpoint has one. Must be None
-            for a .npy file.
+            (:data:`TOKEN_EMBEDDING_ENDINGS`), confirmed against the ``vocab_size``
+            and width in the config.json beside a checkpoint directory's or an
+            index's files (:func:`read_config_shape`); a single file given alone is
+            chosen by name only. Must be None for a .npy file.
 
     Returns:
         A read-only np.memmap of the 2-D table. For shards only the index and the headers
@@ -174,7 +176,7 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap:
     """
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(2, "fastembed.io.open_table: no such file or directory", str(source))
+        raise FileNotFoundError(errno.ENOENT, "fastembed.io.open_table: no such file or directory", str(source))
     if path.is_dir():
         if (path / INDEX_NAME).is_file():
             return _open_sharded(path / INDEX_NAME, name)
@@ -273,7 +275,7 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap:
     found: dict[str, tuple[str, TensorEntry, int]] = {}
     for shard, tensors in by_shard.items():
         if not os.path.exists(shard):
-            raise FileNotFoundError(2, f"fastembed.io.open_table: {index_path.name} puts {tensors[0]!r} in a shard that is "
+            raise FileNotFoundError(errno.ENOENT, f"fastembed.io.open_table: {index_path.name} puts {tensors[0]!r} in a shard that is "
                                        "missing (an incomplete download?)", shard)
         wanted = set(tensors)
         header = scan_safetensors_header(shard, keep=lambda n, e, wanted=wanted: n in wanted)
