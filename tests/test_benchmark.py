@@ -199,6 +199,7 @@ def test_gate_ratio_checks_fail_a_slowed_kernel():
     contenders = [_slowed(by_id["fastembed-auto-out"]), by_id["fastembed-numpy-out"], by_id["numpy-fancy"], *limits]
     checks = [c for c in gate.load_checks()[0] if c.contender == "fastembed-auto-out" and c.metric != "served_by"]
     assert {c.metric for c in checks} == {"fraction_of_limit", "speedup_vs_contender", "speedup_vs_numpy"}
+    assert min(c.batch for c in checks) * 512 >= 4 * 2**20  # one call per sample: a few sleeps in all
     for batch in sorted({c.batch for c in checks}):
         rows = _measure(table, contenders, batch)
         for verdict in gate.judge([c for c in checks if c.batch == batch], rows):
@@ -206,8 +207,9 @@ def test_gate_ratio_checks_fail_a_slowed_kernel():
             assert verdict.measured < verdict.check.min / 4, (verdict.check.name, verdict.measured)
 
     twins = [_slowed(by_id["fastembed-numpy-out"]), _slowed(by_id["fastembed-numpy-out"], "twin"), *limits]
-    same = gate.Check("same code", "fastembed-numpy-out", "speedup_vs_contender", 64, "uniform", 0.5, versus="twin")
-    assert gate.judge([same], _measure(table, twins, 64))[0].passed
+    # 8192 rows of 512 bytes: one call per sample (measure.calls_per_sample), so a few sleeps in all.
+    same = gate.Check("same code", "fastembed-numpy-out", "speedup_vs_contender", 8192, "uniform", 0.5, versus="twin")
+    assert gate.judge([same], _measure(table, twins, 8192))[0].passed
 
 
 def test_summary_groups_by_device_and_uses_each_device_baseline():

@@ -1,13 +1,17 @@
 """``fastembed-bench``: the benchmark (the project's main job) and the CI gate.
 
 With no arguments: builds the default 129,280 x 4,096 float16 table, measures
-every fastembed backend against numpy, torch (if installed) and the best
-contiguous copy at 1, 6, 64, 1,024, 8,192 and 65,536 ids, uniform and Zipf;
+every fastembed backend against numpy, torch (if installed) and two physical
+limits (the best contiguous copy of as many rows, and a read of the same
+scattered rows) at 1, 6, 64, 1,024, 8,192 and 65,536 ids, uniform and Zipf;
 where cupy sees a GPU, the same on a copy of the table on the GPU (cuda
 backend against cupy, torch CUDA and a device-to-device copy, CUDA events);
-prints a table and writes JSON and PNG plots into --out. ``--table PATH``
-measures the same on a real table instead, memory-mapped from a .npy or
-safetensors file.
+prints a table fitted to the terminal and writes JSON, Markdown and PNG plots
+(a panel per id distribution) into --out. ``--table PATH`` measures the same
+on a real table instead, memory-mapped from a .npy or safetensors file.
+
+Every argument, --out (it must be writable) and, with --gate, the thresholds
+file are checked before any table is built: a bad one exits 2 at once.
 """
 from __future__ import annotations
 
