@@ -87,6 +87,7 @@ class Embedding:
     def __init__(self, table: Any) -> None:
         self._view = validate.table_snapshot(table)
         self._table = table
+        self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto") -> Any:
         """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors)."""
@@ -134,7 +135,7 @@ class Embedding:
     @classmethod
     def random(
         cls, vocab_size: int = 129280, dim: int = 4096, dtype: Any = "float16", seed: int = 0
-    ) -> "Embedding":
+    ) -> Embedding:
         """A table of random values (never zeros for floats), built in seconds.
 
         Floats: random sign, magnitudes in [1/64, 1/32) (an embedding's
@@ -146,26 +147,91 @@ class Embedding:
         return cls(random_table(vocab_size, dim, dtype, seed))
 
     @classmethod
-    def from_safetensors(cls, path: str | os.PathLike, name: str | None = None) -> "Embedding":
-        """Memory-map one tensor of a safetensors file, read-only, zero-copy.
+    def from_safetensors(cls, path: str | os.PathLike, name: str | None = None) -> Embedding:
+        """Memory-map one 2-D tensor of a safetensors file, read-only, zero-copy.
 
-        name=None picks the single 2-D tensor named like a token embedding
-        (``embed_tokens.weight``, ``wte.weight``, ...) or raises listing the
-        candidates. Raises ValueError for corrupt or hostile files, TypeError
-        when BF16/F8 needs ml_dtypes and it is missing.
+        Args:
+            path: the ``.safetensors`` file.
+            name: the tensor; None picks the token embedding by the naming
+                conventions of the common model families (see docs/loading.md)
+                or raises listing the candidates.
+
+        Raises:
+            FileNotFoundError: no file at `path`.
+            ValueError: a directory, another file format, or a corrupt or hostile header.
+            TypeError: BF16/F8 tensors need ml_dtypes and it is missing.
         """
         from .io import map_safetensors
 
-        return cls(map_safetensors(path, name))
+        return cls._opened(map_safetensors(path, name))
 
     @classmethod
-    def from_npy(cls, path: str | os.PathLike) -> "Embedding":
-        """Memory-map a 2-D .npy file, read-only, zero-copy."""
+    def from_npy(cls, path: str | os.PathLike) -> Embedding:
+        """Memory-map a 2-D .npy file, read-only, zero-copy.
+
+        Raises:
+            FileNotFoundError: no file at `path`.
+            ValueError: a directory, another file format, a corrupt header, or not 2-D.
+        """
         from .io import map_npy
 
-        return cls(map_npy(path))
+        return cls._opened(map_npy(path))
 
-    def to_device(self, device: int = 0) -> "Embedding":
+    @classmethod
+    def from_pretrained(cls, source: Any, name: str | None = None) -> Embedding:
+        """The token embedding of a checkpoint, memory-mapped read-only, zero-copy; or of an array.
+
+        Args:
+            source: a Hugging Face checkpoint directory (one ``model.safetensors``
+                or shards with ``model.safetensors.index.json``: only the shard
+                holding the table is mapped), an index file, a ``.safetensors``
+                or ``.npy`` file, or a table array (used as it is).
+            name: the tensor; None picks the token embedding by the naming
+                conventions of the common families, confirmed by ``config.json``
+                where there is one.
+
+        Raises:
+            FileNotFoundError: no such path.
+            ValueError: no checkpoint there, another file format, an ambiguous
+                or missing tensor, a corrupt header.
+
+        Example:
+            >>> import numpy as np, fastembed
+            >>> fastembed.Embedding.from_pretrained(np.ones((8, 4), np.float32)).dim
+            4
+        """
+        if not isinstance(source, (str, os.PathLike)):
+            return cls(source)
+        from .io import open_table
+
+        return cls._opened(open_table(source, name))
+
+    @classmethod
+    def _opened(cls, table: Any) -> Embedding:
+        """An Embedding over a table the loaders mapped from a file, watching that file."""
+        from .io import FileWatch
+
+        embedding = cls(table)
+        embedding._watch = FileWatch.for_table(table)
+        return embedding
+
+    def check_file(self) -> None:
+        """Raise if the file behind a mapped table shrank or was modified in place since it was opened.
+
+        A lookup touching a page that a truncation removed would kill the
+        process (SIGBUS); this check costs one system call, so it is left to
+        the caller's rhythm (per request, per batch). It narrows the window;
+        it cannot close it.
+
+        Raises:
+            fastembed.io.FileChangedError: the file changed.
+            ValueError: the table was not opened from a file by fastembed.
+        """
+        if self._watch is None:
+            raise ValueError("this table was not memory-mapped from a file by fastembed: there is no file to check")
+        self._watch.check()
+
+    def to_device(self, device: int = 0) -> Embedding:
         """An Embedding over a copy of this table on CUDA device `device` (explicit, one copy).
 
         Raises BackendUnavailableError when cupy or a device is missing.

@@ -1,7 +1,8 @@
 """Making tables: dtype names (bfloat16 through ml_dtypes) and random tables."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -9,7 +9,7 @@ import pytest
 import fastembed
 from fastembed import dispatch, validate
 from fastembed.backends import base
-from conftest import assert_bit_equal, poisoned, random_table
+from helpers import assert_bit_equal, poisoned, random_table
 
 
 class RowLoopBackend:

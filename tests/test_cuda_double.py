@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fastembed.backends import cuda_backend
 from cupy_double import is_double
+from fastembed.backends import cuda_backend
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import fastembed
+from cupy_double import is_double
 from fastembed import dispatch
 from fastembed.backends import cuda_backend
-from conftest import poisoned, random_table
-from cupy_double import is_double
+from helpers import poisoned, random_table
 
 POISON = 0xA5
 

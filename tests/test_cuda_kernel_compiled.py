@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from fastembed.backends import cuda_backend
-from conftest import poisoned, random_table
+from helpers import poisoned, random_table
 
 KERNEL = cuda_backend.KERNEL_SOURCE
 EMULATION = Path(__file__).parent / "cuda_emulation"

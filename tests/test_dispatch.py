@@ -1,13 +1,12 @@
 """The dispatcher: priority, data stays where it lives, named choices never fall back."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import fastembed
 from fastembed import dispatch
 from fastembed.backends import cuda_backend, numba_backend, numpy_backend
-from conftest import assert_bit_equal, random_table
+from helpers import assert_bit_equal, random_table
 
 NUMBA_AVAILABLE = not numba_backend.BACKEND.unavailable_reasons()
 

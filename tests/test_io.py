@@ -6,12 +6,12 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import REFERENCE_IDS, assert_bit_equal, random_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastembed
 from fastembed import io
+from helpers import REFERENCE_IDS, assert_bit_equal, random_table
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

@@ -5,10 +5,10 @@ import json
 
 import numpy as np
 import pytest
-from conftest import assert_bit_equal, random_table
 
 import fastembed
 from fastembed import io
+from helpers import assert_bit_equal, random_table
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

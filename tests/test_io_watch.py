@@ -8,9 +8,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import random_table
 
 from fastembed import io
+from helpers import random_table
 
 
 @pytest.fixture

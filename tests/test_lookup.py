@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import fastembed
-from conftest import REFERENCE_IDS, assert_bit_equal, poisoned, random_table
+from helpers import REFERENCE_IDS, assert_bit_equal, poisoned, random_table
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "complex64"]
 WIDTHS = [1, 3, 4, 7, 8, 33, 4095, 4096]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import fastembed
-from conftest import random_table
+from helpers import random_table
 
 SLACK = 64 * 1024
 N = 4096

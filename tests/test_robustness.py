@@ -16,7 +16,7 @@ import pytest
 
 import fastembed
 from fastembed.backends import cuda_backend, numba_backend
-from conftest import CPU_BACKENDS, assert_bit_equal, poisoned, random_table
+from helpers import CPU_BACKENDS, assert_bit_equal, poisoned, random_table
 
 NUMBA_AVAILABLE = not numba_backend.BACKEND.unavailable_reasons()
 CUPY_DOUBLE = Path(__file__).parent / "cupy_double"  # a folder whose `cupy` is the CuPy test double

@@ -6,7 +6,7 @@ import pytest
 
 import fastembed
 from fastembed import dispatch
-from conftest import assert_bit_equal, poisoned, random_table
+from helpers import assert_bit_equal, poisoned, random_table
 
 
 class FakeGpuArray:

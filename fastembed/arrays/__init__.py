@@ -38,6 +38,14 @@ class ArrayAdapter(Protocol):
         """A new uninitialised array on `device`."""
         ...
 
+    def from_host(self, host: Any, device: str) -> Any:
+        """Host data (a numpy array) as an array of this library on `device` (a copy where the device is not the host)."""
+        ...
+
+    def may_share_memory(self, first: Any, second: Any) -> bool:
+        """Whether two arrays of this library share memory (exact for contiguous arrays)."""
+        ...
+
 
 #: Every known adapter; the first that owns an array describes it.
 ADAPTERS: tuple[ArrayAdapter, ...] = (numpy_adapter.ADAPTER, cupy_adapter.ADAPTER)

@@ -22,6 +22,9 @@ class NumpyAdapter:
     def empty(self, shape: tuple[int, ...], dtype: Any, device: str = "cpu") -> np.ndarray:
         return np.empty(shape, dtype)
 
+    def from_host(self, host: np.ndarray, device: str = "cpu") -> np.ndarray:
+        return host
+
     def may_share_memory(self, first: np.ndarray, second: Any) -> bool:
         """Whether two snapshots share memory (exact: ``np.shares_memory``)."""
         return isinstance(second, np.ndarray) and bool(np.shares_memory(first, second))

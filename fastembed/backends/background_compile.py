@@ -21,7 +21,8 @@ import contextlib
 import logging  # noqa: F401 - imported here so that its fork hooks are never registered mid-fork (numba imports it)
 import os
 import threading
-from typing import Any, Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 _guard = threading.Lock()
 _started: set[Hashable] = set()

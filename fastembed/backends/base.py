@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 #: The id dtypes every kernel takes as they are; validation converts other integer ids to int64.
-NATIVE_ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
+NATIVE_ID_DTYPES: frozenset[np.dtype] = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,9 @@ import contextlib
 import contextvars
 import importlib.util
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 

@@ -44,7 +44,7 @@ import os
 import platform
 import sys
 import threading
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -77,7 +77,7 @@ BLOCKS_PER_THREAD = 4
 
 _STREAMING_CPU = platform.machine().lower() in ("x86_64", "amd64")
 #: The word each row is copied in, by ``row_bytes % 8``: the widest dividing the row.
-_WORD_FOR_REMAINDER = {0: np.dtype(np.uint64), 4: np.dtype(np.uint32), 2: np.dtype(np.uint16), 6: np.dtype(np.uint16)}
+_WORD_FOR_REMAINDER: dict[int, np.dtype] = {0: np.dtype(np.uint64), 4: np.dtype(np.uint32), 2: np.dtype(np.uint16), 6: np.dtype(np.uint16)}
 _BYTE = np.dtype(np.uint8)
 #: A kernel's return value when a row's id was found out of range while copying
 #: (only possible when another thread changed the ids after they were checked).
@@ -336,7 +336,7 @@ _PAGE, _HUGE_PAGE, _NUMPY_HUGE_PAGE_MIN = 4096, 2 * 2**20, 4 * 2**20
 _FAULT_IN_MIN_BYTES = _NUMPY_HUGE_PAGE_MIN
 
 
-@lru_cache(maxsize=None)
+@cache
 def _numpy_advises_huge_pages() -> bool:
     """numpy's private switch for madvise(MADV_HUGEPAGE); False (4 KiB strides) when it cannot be read."""
     for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
@@ -360,7 +360,7 @@ def _copy_one_row(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) ->
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _blocks_per_call() -> int:
     """BLOCKS_PER_THREAD for each thread of numba's pool, read once.
 
@@ -369,7 +369,7 @@ def _blocks_per_call() -> int:
     """
     import numba
 
-    return max(1, numba.config.NUMBA_NUM_THREADS) * BLOCKS_PER_THREAD
+    return max(1, int(numba.config.NUMBA_NUM_THREADS)) * BLOCKS_PER_THREAD  # type: ignore[attr-defined]
 
 
 def thread_count() -> int:
@@ -385,7 +385,7 @@ def _threading_layer() -> str:
     try:
         return str(numba.threading_layer())
     except ValueError:
-        return f"not started yet (configured: {numba.config.THREADING_LAYER})"
+        return f"not started yet (configured: {numba.config.THREADING_LAYER})"  # type: ignore[attr-defined]
 
 
 BACKEND = NumbaBackend()

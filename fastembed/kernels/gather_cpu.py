@@ -20,12 +20,14 @@ Contract shared by every gather kernel here:
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit, prange
 
 from .cpu_intrinsics import prefetch, store_fence, stream_store_16
 
-_JIT = dict(cache=True, nogil=True, boundscheck=False)
+_JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
 
 
 @njit(**_JIT)
@@ -224,31 +226,3 @@ def can_stream(out) -> bool:
     kernel compiles alone.
     """
     return (out.shape[1] * out.itemsize) % 16 == 0 and out.ctypes.data % 16 == 0
-
-
-@njit(parallel=True, **_JIT)
-def copy_parallel(src, dst, n_blocks):
-    """Contiguous copy of ``src`` into ``dst`` (same 2-D word shape) over threads.
-
-    Not a gather: one of the benchmark's candidates for the physical limit.
-    """
-    for block in prange(n_blocks):
-        start, stop = _block(block, n_blocks, src.shape[0])
-        for i in range(start, stop):
-            for w in range(src.shape[1]):
-                dst[i, w] = src[i, w]
-
-
-@njit(parallel=True, **_JIT)
-def copy_parallel_stream(src, dst, n_blocks, alias_window):
-    """As :func:`copy_parallel`, with non-temporal stores (same rule: see :func:`can_stream`).
-
-    ``alias_window``: see :func:`copies_backward`.
-    """
-    row_bytes = src.shape[1] * src.itemsize
-    for block in prange(n_blocks):
-        start, stop = _block(block, n_blocks, src.shape[0])
-        for i in range(start, stop):
-            offset = np.uintp(i) * row_bytes
-            _stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes, False, 0, alias_window)
-        store_fence()

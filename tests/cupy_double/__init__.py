@@ -13,9 +13,9 @@ import contextlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator
 
 FOLDER = Path(__file__).resolve().parent
 _double: ModuleType | None = None

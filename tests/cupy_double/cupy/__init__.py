@@ -112,7 +112,7 @@ class Device:
     def synchronize(self) -> None:
         _check_device(self.id)
 
-    def __enter__(self) -> "Device":
+    def __enter__(self) -> Device:
         self._saved.append(_current())
         _state.device = self.id
         return self
@@ -135,7 +135,7 @@ class Device:
 class _Allocation:
     """Host bytes standing in for one device allocation, with canaries on both sides."""
 
-    live: "weakref.WeakSet[_Allocation]" = weakref.WeakSet()
+    live: weakref.WeakSet[_Allocation] = weakref.WeakSet()
 
     def __init__(self, size: int, device_id: int) -> None:
         _check_device(device_id)
@@ -175,7 +175,7 @@ class MemoryPointer:
         if not self._allocation.holds(self.ptr, size):
             raise CUDADriverError(f"CUDA_ERROR_INVALID_VALUE: {size} bytes at {self.ptr:#x} run past their allocation")
 
-    def copy_from_device_async(self, src: "MemoryPointer", size: int, stream: Any = None) -> None:
+    def copy_from_device_async(self, src: MemoryPointer, size: int, stream: Any = None) -> None:
         _check_device(self._allocation.device)
         self._span(size)
         src._span(size)
@@ -234,7 +234,7 @@ class _Flags:
         return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous, "OWNDATA": self.owndata}[key]
 
 
-def _device_copy(host: np.ndarray, device_id: int) -> "ndarray":
+def _device_copy(host: np.ndarray, device_id: int) -> ndarray:
     host = np.asarray(host)
     result = ndarray(host.shape, _supported(host.dtype), _device=device_id)
     result._host[...] = host
@@ -281,7 +281,7 @@ class ndarray:
         self._owndata = True
 
     @classmethod
-    def _view_of(cls, host: np.ndarray, allocation: _Allocation) -> "ndarray":
+    def _view_of(cls, host: np.ndarray, allocation: _Allocation) -> ndarray:
         array = cls.__new__(cls)
         array._allocation, array._host, array._owndata = allocation, host, False
         return array
@@ -331,25 +331,25 @@ class ndarray:
                         "Please use `.get()` to construct a NumPy array explicitly.")
 
     # -- views, copies, host transfers -------------------------------------------------------------
-    def view(self, dtype: Any = None) -> "ndarray":
+    def view(self, dtype: Any = None) -> ndarray:
         host = self._host.view() if dtype is None else self._host.view(_supported(dtype))
         return ndarray._view_of(host, self._allocation)
 
-    def reshape(self, *shape: Any, order: str = "C") -> "ndarray":
+    def reshape(self, *shape: Any, order: str = "C") -> ndarray:
         if len(shape) == 1 and not np.isscalar(shape[0]):
             shape = tuple(shape[0])
         return self._wrap(self._host.reshape(shape, order=order))
 
-    def ravel(self, order: str = "C") -> "ndarray":
+    def ravel(self, order: str = "C") -> ndarray:
         return self._wrap(self._host.ravel(order))
 
-    def astype(self, dtype: Any, copy: bool = True, **kwargs: Any) -> "ndarray":
+    def astype(self, dtype: Any, copy: bool = True, **kwargs: Any) -> ndarray:
         resolved = _supported(dtype)
         if not copy and resolved == self.dtype:
             return self
         return _device_copy(self._live().astype(resolved), self._allocation.device)
 
-    def copy(self, order: str = "C") -> "ndarray":
+    def copy(self, order: str = "C") -> ndarray:
         return _device_copy(self._live(), self._allocation.device)
 
     def get(self, stream: Any = None, order: str = "C", out: Any = None) -> np.ndarray:
@@ -366,7 +366,7 @@ class ndarray:
         self._live().fill(value)
 
     # -- indexing ------------------------------------------------------------------------------------
-    def __getitem__(self, key: Any) -> "ndarray":
+    def __getitem__(self, key: Any) -> ndarray:
         return self._wrap(self._live()[_unwrap_key(key)])
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -403,10 +403,10 @@ class ndarray:
     # -- operators: see _OPERATORS, attached below the class
     __hash__ = None  # type: ignore[assignment]
 
-    def __invert__(self) -> "ndarray":
+    def __invert__(self) -> ndarray:
         return self._wrap(~self._live())
 
-    def __neg__(self) -> "ndarray":
+    def __neg__(self) -> ndarray:
         return self._wrap(-self._live())
 
     def __repr__(self) -> str:
@@ -519,7 +519,7 @@ def shares_memory(a: ndarray, b: ndarray, max_work: Any = None) -> bool:
 class Stream:
     """cupy.cuda.Stream: the double runs everything at once, so synchronising is a no-op."""
 
-    null: "Stream"
+    null: Stream
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
         self.ptr = 0 if null else id(self)
@@ -527,13 +527,13 @@ class Stream:
     def synchronize(self) -> None:
         _check_device(_current())
 
-    def __enter__(self) -> "Stream":
+    def __enter__(self) -> Stream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         pass
 
-    def use(self) -> "Stream":
+    def use(self) -> Stream:
         return self
 
 
@@ -658,7 +658,7 @@ class RawModule:
                 raise CompileException(f"name expression {name!r} is not an instantiation of gather_rows")
         self._library = _library(code, options)
 
-    def get_function(self, name: str) -> "RawKernel":
+    def get_function(self, name: str) -> RawKernel:
         if self.name_expressions is None or name not in self.name_expressions:
             raise KeyError(f"{name!r} was not among the name expressions the module was compiled with")
         id_type, vec_type = _NAME.match(name).groups()  # type: ignore[union-attr]

@@ -1,0 +1,30 @@
+"""Helpers the tests share: random tables (never zeros), poisoned outputs, bit-exact comparison."""
+from __future__ import annotations
+
+import numpy as np
+
+import fastembed
+
+REFERENCE_IDS = [5237, 23872, 301, 16652, 19602, 1148]
+#: The CPU backends that can run here, by name, in priority order.
+CPU_BACKENDS = [status.name for status in fastembed.backends() if status.available and status.name != "cuda"]
+POISON_BYTE = 0xA5
+
+
+def random_table(vocab_size: int, dim: int, dtype="float16", seed: int = 0) -> np.ndarray:
+    """A table of random values (never zeros for floats)."""
+    return fastembed.Embedding.random(vocab_size, dim, dtype, seed).table
+
+
+def poisoned(shape, dtype) -> np.ndarray:
+    """An output buffer whose bytes are garbage, so an unwritten row cannot pass."""
+    out = np.empty(shape, dtype=dtype)
+    out.view(np.uint8).reshape(-1)[:] = POISON_BYTE
+    return out
+
+
+def assert_bit_equal(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Same shape, dtype and bytes."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    np.testing.assert_array_equal(actual.view(np.uint8), np.ascontiguousarray(expected).view(np.uint8))
