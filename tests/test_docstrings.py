@@ -1,0 +1,36 @@
+"""The runnable examples in the public API's docstrings run, and every public name has a docstring."""
+from __future__ import annotations
+
+import doctest
+import importlib
+import inspect
+
+import pytest
+
+import fastembed
+
+MODULES = ["fastembed", "fastembed.api", "fastembed.dispatch", "fastembed.validate", "fastembed.io",
+           "fastembed.io.checkpoints", "fastembed.tables", "fastembed.arrays", "fastembed.backends.base"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    failures, attempted = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert failures == 0
+    if name in ("fastembed", "fastembed.api"):
+        assert attempted >= 3, f"{name}: the public API's examples were not found"
+
+
+@pytest.mark.parametrize("name", fastembed.__all__)
+def test_public_names_are_documented(name):
+    value = getattr(fastembed, name)
+    if isinstance(value, str):
+        return
+    assert inspect.getdoc(value), f"fastembed.{name} has no docstring"
+
+
+@pytest.mark.parametrize("function", [fastembed.lookup, fastembed.Embedding, fastembed.select_backend,
+                                      fastembed.Embedding.from_pretrained])
+def test_the_main_entry_points_carry_a_runnable_example(function):
+    assert ">>>" in inspect.getdoc(function)
