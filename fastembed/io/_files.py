@@ -31,7 +31,7 @@ def shorten(names: Iterable[str], total: int | None = None, limit: int = NAMES_S
     Returns:
         A string such as ``'a', 'b' ... and 187 more``, or ``(none)``.
     """
-    shown = []
+    shown: list[str] = []
     count = 0
     for name in names:
         if len(shown) < limit:

@@ -96,8 +96,9 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
             raise ValueError(f"{where}: config.json gives the token embedding shape {_shape_text(expected)} but no tensor "
                              f"named like one has it; pass name= one of {_with_shapes(candidates)}")
         candidates = fitting
-    best = min(embedding_rank(name) for name in candidates)
-    top = [name for name in candidates if embedding_rank(name) == best]
+    ranks = {name: embedding_rank(name) for name in candidates}
+    best = min(rank for rank in ranks.values() if rank is not None)
+    top = [name for name, rank in ranks.items() if rank == best]
     if len(top) == 1:
         return top[0]
     raise ValueError(f"{where}: several tensors look like token embeddings, pass name= one of {_with_shapes({n: candidates[n] for n in top})}")
@@ -278,7 +279,7 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap:
             raise FileNotFoundError(errno.ENOENT, f"fastembed.io.open_table: {index_path.name} puts {tensors[0]!r} in a shard that is "
                                        "missing (an incomplete download?)", shard)
         wanted = set(tensors)
-        header = scan_safetensors_header(shard, keep=lambda n, e, wanted=wanted: n in wanted)
+        header = scan_safetensors_header(shard, keep=lambda name, entry: name in wanted)
         for tensor in tensors:
             if tensor not in header.entries:
                 raise ValueError(f"{index_path}: the index puts tensor {tensor!r} in {Path(shard).name}, which does not hold it")

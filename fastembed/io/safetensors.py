@@ -35,7 +35,7 @@ import os
 import re
 from array import array
 from collections.abc import Callable
-from json.decoder import scanstring
+from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -61,6 +61,12 @@ MAX_HEADER_BYTES = 16 * 2**20
 MAX_ENTRY_BYTES = 4096
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _skip_whitespace(text: str, pos: int) -> int:
+    """The first position at or after `pos` that is not JSON whitespace."""
+    match = _WHITESPACE.match(text, pos)
+    return match.end() if match is not None else pos
 _OPENER = "fastembed.Embedding.from_safetensors"
 
 
@@ -154,7 +160,7 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
         return ValueError(f"{path}: header is not valid JSON: {problem}")
 
     length = len(text)
-    pos = _WHITESPACE.match(text, 1).end()
+    pos = _skip_whitespace(text, 1)
     kept: dict[str, TensorEntry] = {}
     sample: list[str] = []
     begins, ends = array("q"), array("q")
@@ -170,10 +176,10 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
                 name, pos = scanstring(text, pos + 1, True)
             except ValueError as error:
                 raise fail(str(error)) from None
-            pos = _WHITESPACE.match(text, pos).end()
+            pos = _skip_whitespace(text, pos)
             if pos >= length or text[pos] != ":":
                 raise fail(f"expected ':' after {name[:80]!r}")
-            pos = _WHITESPACE.match(text, pos + 1).end()
+            pos = _skip_whitespace(text, pos + 1)
             if name == "__metadata__":
                 if seen_metadata:
                     raise ValueError(f"{path}: __metadata__ is given twice")
@@ -191,9 +197,9 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
                     if name in kept:
                         raise ValueError(f"{path}: tensor {name!r} is listed twice in the header")
                     kept[name] = entry
-            pos = _WHITESPACE.match(text, pos).end()
+            pos = _skip_whitespace(text, pos)
             if pos < length and text[pos] == ",":
-                pos = _WHITESPACE.match(text, pos + 1).end()
+                pos = _skip_whitespace(text, pos + 1)
                 continue
             if pos < length and text[pos] == "}":
                 pos += 1
@@ -306,7 +312,7 @@ def _skip_metadata_slowly(path: Any, text: str, pos: int) -> int:
 
     if text[pos:pos + 1] != "{":
         raise fail("it is not an object")
-    pos = _WHITESPACE.match(text, pos + 1).end()
+    pos = _skip_whitespace(text, pos + 1)
     if text[pos:pos + 1] == "}":
         return pos + 1
     while True:
@@ -317,13 +323,13 @@ def _skip_metadata_slowly(path: Any, text: str, pos: int) -> int:
                 _, pos = scanstring(text, pos + 1, True)
             except ValueError as error:
                 raise fail(str(error)) from None
-            pos = _WHITESPACE.match(text, pos).end()
+            pos = _skip_whitespace(text, pos)
             if expected == "key":
                 if text[pos:pos + 1] != ":":
                     raise fail(f"expected ':' at character {pos}")
-                pos = _WHITESPACE.match(text, pos + 1).end()
+                pos = _skip_whitespace(text, pos + 1)
         if text[pos:pos + 1] == ",":
-            pos = _WHITESPACE.match(text, pos + 1).end()
+            pos = _skip_whitespace(text, pos + 1)
         elif text[pos:pos + 1] == "}":
             return pos + 1
         else:

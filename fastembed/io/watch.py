@@ -65,7 +65,7 @@ class FileWatch:
         """
         if not isinstance(table, np.memmap) or not getattr(table, "filename", None):
             return None
-        return cls(table.filename, int(table.offset) + table.nbytes)
+        return cls(str(table.filename), int(table.offset) + table.nbytes)
 
     def check(self) -> None:
         """Raise when the file shrank below the table or was modified in place since it was opened.
