@@ -286,15 +286,16 @@ def test_bench_refuses_a_table_file_it_cannot_map(tmp_path):
         assert misplaced.returncode == 2 and "--tensor names a tensor of a safetensors file" in misplaced.stderr
 
 
-def test_gate_refuses_the_gpu_it_does_not_judge(capsys):
+def test_gate_refuses_the_gpu_it_does_not_judge(capsys, tmp_path):
     """The gate judges host rows only: --gate --device cuda must not quietly gate the CPU."""
     from fastembed.benchmark.cli import parse_arguments
 
     with pytest.raises(SystemExit) as exit_info:
-        parse_arguments(["--gate", "--device", "cuda"])
+        parse_arguments(["--gate", "--device", "cuda", "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "--gate checks the host only" in capsys.readouterr().err
-    assert parse_arguments(["--gate", "--device", "cpu"]).gate
+    arguments = parse_arguments(["--gate", "--device", "cpu", "--out", str(tmp_path)])
+    assert arguments.gate and arguments.checks  # the thresholds are loaded while parsing
 
 
 def test_ratios_pair_samples_of_the_same_repetition():
