@@ -249,7 +249,7 @@ def test_bench_refuses_an_empty_random_table(option):
 @pytest.mark.parametrize("file_format", ["npy", "safetensors"])
 def test_bench_measures_a_table_memory_mapped_from_a_file(tmp_path, file_format):
     """--table: the user's own table, memory-mapped; every contender runs on it and the JSON says which table."""
-    from conftest import random_table
+    from fastembed.tables import random_table
 
     table = random_table(3000, 264, "float16", seed=3)
     path = tmp_path / f"model.{file_format}"

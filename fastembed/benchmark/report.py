@@ -54,10 +54,14 @@ _COLUMNS = [
 #: Dropped in this order while the table is wider than the terminal.
 _DROP_ORDER = ("memory", "alloc", "device", "read", "gbps")
 
-CAPTION = ("of its limit: the fastest way measured to produce the same output (usually a contiguous copy of as many "
-           "rows; np.empty + copy for contenders that allocate) / this time, so at most 1; of read: the scattered "
-           "read of the same rows / this time; vs fancy: numpy (cpu) or cupy (cuda) table[ids] / this time; "
-           "GB/s: 2 x rows x row bytes / time for every row, limits included")
+#: What the ratio columns mean, per column key (the caption lists those shown).
+_EXPLAINED = {
+    "limit": "of its limit: the fastest way measured to produce the same output (usually a contiguous copy of as "
+             "many rows; np.empty + copy for contenders that allocate) / this time, so at most 1",
+    "read": "of read: the scattered read of the same rows (nothing written) / this time",
+    "fancy": "vs fancy: numpy (cpu) or cupy (cuda) table[ids] / this time",
+    "gbps": "GB/s: 2 x rows x row bytes / time for every row, limits included",
+}
 
 
 def print_table(rows: list[dict[str, Any]], console: Any, table: dict[str, Any] | None = None) -> None:
@@ -66,15 +70,19 @@ def print_table(rows: list[dict[str, Any]], console: Any, table: dict[str, Any] 
     from rich.table import Table
 
     keys = [key for key, _, _ in _COLUMNS]
+    droppable = list(_DROP_ORDER)
     if len({row["device"] for row in rows}) == 1:
         keys.remove("device")  # one device: said in the title
+    else:
+        droppable.remove("device")  # rows of several devices: each row says which
     cells = [_cells(row) for row in rows]
     devices = ", ".join(dict.fromkeys(row["device"] for row in rows))
     title = f"fastembed-bench on {devices}: {table_title(table)}, median per call (interleaved, fresh ids)"
-    for drop in (None, *_DROP_ORDER):
+    for drop in (None, *droppable):
         if drop in keys:
             keys.remove(drop)
-        result = Table(title=escape(title), caption=escape(CAPTION), caption_justify="left", show_lines=False)
+        caption = "; ".join(text for key, text in _EXPLAINED.items() if key in keys)
+        result = Table(title=escape(title), caption=escape(caption), caption_justify="left", show_lines=False)
         for key, header, justify in _COLUMNS:
             if key in keys:
                 result.add_column(header, justify=justify, no_wrap=key != "contender")
