@@ -183,6 +183,28 @@ def _copy_alloc(table: np.ndarray, n: int) -> Callable:
     return call
 
 
+def _copy_alloc_numba(stream: bool) -> Callable:
+    """np.empty + the parallel numba copy: the allocating limit where the new output's page faults are taken over threads."""
+
+    def prepare(table: np.ndarray, n: int) -> Callable:
+        from . import copy_kernels
+
+        source, blocks, window = _copy_sources(table, n), copy_kernels.block_count(), copy_kernels.ALIAS_WINDOW
+
+        def call(ids: np.ndarray) -> np.ndarray:
+            out = np.empty((n, table.shape[1]), table.dtype)
+            words, rows = copy_kernels.word_view(out), copy_kernels.word_view(source(ids))
+            if stream and copy_kernels.can_stream(words):
+                copy_kernels.copy_parallel_stream(rows, words, blocks, window)
+            else:
+                copy_kernels.copy_parallel(rows, words, blocks)
+            return out
+
+        return call
+
+    return prepare
+
+
 def _cpu_count() -> int:
     import os
 
@@ -214,13 +236,16 @@ def host_contenders(backends: list[str] | None = None) -> list[Contender]:
                                     id="torch-index-select-out"))
         contenders.append(Contender("torch F.embedding", "peer", True, _torch_embedding, id="torch-embedding"))
     contenders.append(Contender("copy numpy", "limit", False, _copy_numpy, id="copy-numpy"))
+    stream = platform.machine().lower() in ("x86_64", "amd64")  # non-temporal stores: x86-64 only
     if "numba" in available:
         contenders.append(Contender("copy numba", "limit", False, _copy_numba(stream=False), id="copy-numba"))
-        if platform.machine().lower() in ("x86_64", "amd64"):  # non-temporal stores: x86-64 only
+        if stream:
             contenders.append(Contender("copy numba-stream", "limit", False, _copy_numba(stream=True),
                                         id="copy-numba-stream"))
         contenders.append(Contender("scattered read", "limit", False, _read_scattered, id=SCATTERED_READ))
     contenders.append(Contender("copy alloc", "limit", True, _copy_alloc, id="copy-alloc"))
+    if "numba" in available:
+        contenders.append(Contender("copy alloc numba", "limit", True, _copy_alloc_numba(stream), id="copy-alloc-numba"))
     return contenders
 
 

@@ -226,7 +226,7 @@ def summarise(results: list[Result]) -> list[dict[str, Any]]:
     ``fraction_of_limit`` (≤ 1): a row's limit is the fastest way measured to
     produce the same output, repetition by repetition: the copy limits of its
     class (writing into a given output: the contiguous copies; allocating its
-    output: the allocating copy) and every contender of that class, so a
+    output: the allocating copies) and every contender of that class, so a
     contender that beats the copies (a few ids: the copies' own Python
     overhead) reads 1, never more. ``limit`` names the contender that was
     that limit in most repetitions (usually a copy). The scattered read is
