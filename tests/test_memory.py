@@ -100,3 +100,26 @@ def test_a_dropped_table_is_freed(tmp_path, backend, n_ids, kind):
     del table
     gc.collect()
     assert alive() is None
+
+
+@pytest.fixture(scope="module")
+def unaligned_table(table):
+    """The same rows, starting one byte past an aligned address: numpy flags it unaligned."""
+    buffer = np.empty(table.nbytes + 1, np.uint8)
+    view = buffer[1:].view(table.dtype).reshape(table.shape)
+    view[...] = table
+    assert not view.flags.aligned
+    return view
+
+
+@pytest.mark.parametrize("n_ids", [1, 6, 31, 40, 4096])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_an_unaligned_table_is_never_copied(unaligned_table, table, backend, n_ids, with_out):
+    """numpy's take copies a whole table it finds unaligned; every path here reads its rows in place."""
+    ids = np.random.default_rng(n_ids).integers(0, table.shape[0], n_ids)
+    out = np.empty((n_ids, table.shape[1]), table.dtype) if with_out else None
+    call = lambda: fastembed.lookup(unaligned_table, ids, out=out, backend=backend)  # noqa: E731
+    result = call()
+    np.testing.assert_array_equal(result.view(np.uint16), table[ids].view(np.uint16))
+    output = 0 if with_out else n_ids * table.shape[1] * table.dtype.itemsize
+    assert allocated(call) <= output + ids.nbytes + SLACK
