@@ -129,7 +129,6 @@ def test_each_fastembed_row_records_the_backend_that_served_it():
     """served_by is what fastembed.select_backend reports for the prepared call: a fact, not a timing."""
     import fastembed
     from fastembed.benchmark.contenders import host_contenders
-
     from fastembed.tables import random_table
 
     table = random_table(2000, 64, "float16")

@@ -15,8 +15,9 @@ import importlib.util
 import platform
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

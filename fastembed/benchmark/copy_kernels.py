@@ -15,13 +15,15 @@ imports numba.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 from numba import njit, prange
 
 from fastembed.kernels.cpu_intrinsics import store_fence, stream_store_16
 
-_JIT = dict(cache=True, nogil=True, boundscheck=False)
+_JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
 
 #: Blocks of rows per thread: several, so that one slow thread does not hold the others up.
 BLOCKS_PER_THREAD = 4

@@ -52,11 +52,9 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        if self.measured is None:
-            return False
         if self.check.metric == "served_by":
-            return self.measured == self.check.expect_backend
-        return self.measured >= self.check.min
+            return self.measured is not None and self.measured == self.check.expect_backend
+        return isinstance(self.measured, (int, float)) and self.check.min is not None and self.measured >= self.check.min
 
 
 def thresholds_text(path: Path | None = None) -> tuple[str, str]:

@@ -26,8 +26,9 @@ import os
 import statistics
 import time
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -274,7 +275,7 @@ def _fraction_of_fastest(candidates: list[Result], result: Result) -> tuple[floa
     counts: dict[str, int] = {}
     for f in fastest:
         counts[f.id] = counts.get(f.id, 0) + 1
-    return statistics.median(ratios), max(counts, key=counts.get)
+    return statistics.median(ratios), max(counts, key=lambda name: counts[name])
 
 
 def paired_ratio(reference: Result, contender: Result) -> float:
@@ -285,7 +286,7 @@ def paired_ratio(reference: Result, contender: Result) -> float:
 def paired_ratio_of_samples(reference: list[float], contender: list[float]) -> float:
     if len(reference) != len(contender) or not reference:
         raise ValueError(f"paired samples differ in number: {len(reference)} vs {len(contender)}")
-    return statistics.median(a / b for a, b in zip(reference, contender))
+    return statistics.median(a / b for a, b in zip(reference, contender, strict=True))
 
 
 def _group(results: list[Result]) -> dict[tuple[str, int, str], list[Result]]:

@@ -6,7 +6,7 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -45,7 +45,7 @@ def table_title(table: dict[str, Any] | None) -> str:
 
 
 #: Terminal columns: (key, header, justify). Headers of two lines keep columns narrow.
-_COLUMNS = [
+_COLUMNS: list[tuple[str, str, Literal["left", "right"]]] = [
     ("device", "device", "left"), ("batch", "batch", "right"), ("ids", "ids", "left"),
     ("contender", "contender", "left"), ("median", "median", "right"), ("gbps", "GB/s", "right"),
     ("limit", "of its\nlimit", "right"), ("read", "of\nread", "right"), ("fancy", "vs\nfancy", "right"),
@@ -87,7 +87,7 @@ def print_table(rows: list[dict[str, Any]], console: Any, table: dict[str, Any] 
             if key in keys:
                 result.add_column(header, justify=justify, no_wrap=key != "contender")
         previous = None
-        for row, cell in zip(rows, cells):
+        for row, cell in zip(rows, cells, strict=True):
             case = (row["device"], row["batch"], row["distribution"])
             if previous is not None and case != previous:
                 result.add_section()
@@ -123,11 +123,12 @@ def _bytes(value: int | None) -> str:
         return "-"
     if abs(value) < 1024:
         return f"{value} B"
+    scaled = float(value)
     for unit in ("KiB", "MiB", "GiB"):
-        value /= 1024
-        if abs(value) < 1024 or unit == "GiB":
+        scaled /= 1024
+        if abs(scaled) < 1024 or unit == "GiB":
             break
-    return f"{value:.1f} {unit}"
+    return f"{scaled:.1f} {unit}"
 
 
 def write_markdown(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -182,11 +183,11 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str = "fastembed-b
     distributions = list(dict.fromkeys(r["distribution"] for r in rows))
     figure, panels = plt.subplots(1, len(distributions), figsize=(7.5 * len(distributions), 5.5), sharey=True,
                                   squeeze=False)
-    for axes, distribution in zip(panels[0], distributions):
+    for axes, distribution in zip(panels[0], distributions, strict=True):
         selected = [r for r in rows if r["distribution"] == distribution]
         for name in dict.fromkeys(r["contender"] for r in selected if r["kind"] != "limit"):
             points = sorted((r["batch"], r["gbps"]) for r in selected if r["contender"] == name)
-            axes.plot(*zip(*points), marker="o", label=name, linewidth=2.2 if name.startswith("fastembed") else 1.2)
+            axes.plot(*zip(*points, strict=True), marker="o", label=name, linewidth=2.2 if name.startswith("fastembed") else 1.2)
         copy: dict[int, float] = {}
         read: dict[int, float] = {}
         for r in selected:
@@ -195,9 +196,9 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str = "fastembed-b
             elif r["kind"] == "limit" and not r.get("allocates_output"):
                 copy[r["batch"]] = max(copy.get(r["batch"], 0.0), r["gbps"])
         if copy:
-            axes.plot(*zip(*sorted(copy.items())), color="black", linestyle="--", label="limit: best contiguous copy")
+            axes.plot(*zip(*sorted(copy.items()), strict=True), color="black", linestyle="--", label="limit: best contiguous copy")
         if read:
-            axes.plot(*zip(*sorted(read.items())), color="dimgray", linestyle=":", linewidth=2,
+            axes.plot(*zip(*sorted(read.items()), strict=True), color="dimgray", linestyle=":", linewidth=2,
                       label="limit: scattered read of the same rows")
         axes.set_xscale("log", base=2)
         axes.set_xlabel("ids per lookup")
