@@ -19,11 +19,15 @@ def test_import_is_cheap_and_loads_neither_numba_nor_cupy():
 
 
 def test_decode_step_lookups_without_out_import_no_numba():
-    """Fewer than PARALLEL_MIN_ROWS ids without out go through numpy's take: nothing to compile."""
+    """Outputs below PARALLEL_MIN_BYTES without out go through numpy's take: nothing to compile."""
+    from fastembed.backends.numba_backend import PARALLEL_MIN_BYTES
+
+    largest_serial = (PARALLEL_MIN_BYTES - 1) // (256 * 2)  # ids whose float16 rows of 256 stay below it
     code = (
         "import sys, numpy as np, fastembed\n"
-        "t = fastembed.Embedding.random(100, 8).table\n"
-        "rows = [fastembed.lookup(t, [7]), fastembed.lookup(t, np.arange(6)), fastembed.Embedding(t)(np.arange(31))]\n"
+        "t = fastembed.Embedding.random(100, 256).table\n"
+        "rows = [fastembed.lookup(t, [7]), fastembed.lookup(t, np.arange(6)),\n"
+        f"        fastembed.Embedding(t)(np.arange({largest_serial}) % 100)]\n"
         "print(fastembed.select_backend(t, [1]).backend, 'numba' in sys.modules)"
     )
     backend, numba_loaded = run_python(code).split()

@@ -24,9 +24,9 @@ def kernel_path(request, monkeypatch):
     """Force each kernel path on small data by moving the thresholds (compiling in the foreground)."""
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     if request.param == "serial":
-        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_ROWS", 10**9)
+        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 2**62)
     else:
-        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_ROWS", 1)
+        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
         monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 0 if request.param == "stream" else 2**62)
     return request.param
 
@@ -141,7 +141,7 @@ def test_concurrent_threads_get_exact_results():
     def worker(index: int) -> None:
         rng = np.random.default_rng(index)
         while time.monotonic() < stop_at:
-            n = int(rng.choice([1, 6, 64, 700, 3000]))
+            n = int(rng.choice([1, 6, 64, 700, 5000]))  # 5,000 rows of 512 bytes: parallel
             ids = rng.integers(0, 5000, n).astype(rng.choice([np.int32, np.int64]))
             result = fastembed.lookup(table, ids, backend="numba")
             if not np.array_equal(result.view(np.uint16), table[ids].view(np.uint16)):
@@ -161,13 +161,13 @@ def test_concurrent_threads_get_exact_results():
 
 def _child_lookup(seed: int) -> bool:
     table = random_table(2000, 128, seed=1)
-    ids = np.random.default_rng(seed).integers(0, 2000, 5000)
+    ids = np.random.default_rng(seed).integers(0, 2000, 10000)
     return bool(np.array_equal(fastembed.lookup(table, ids, backend="numba"), table[ids]))
 
 
 def test_fork_pool_after_the_parent_used_the_thread_pool():
     table = random_table(2000, 128, seed=1)
-    ids = np.random.default_rng(0).integers(0, 2000, 5000)
+    ids = np.random.default_rng(0).integers(0, 2000, 10000)  # 2.4 MiB of rows: parallel
     fastembed.lookup(table, ids, backend="numba")
     fastembed.wait_for_compiles()
     assert BACKEND.pool_started
@@ -223,10 +223,10 @@ def test_one_id_row_copy_is_exact(shape, id_dtype, with_out, tmp_path):
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("shape", [(0,), (2,), (31,), (32,), (4, 4), (2, 1, 3), (0, 3)])
 def test_few_ids_without_out_are_exact(monkeypatch, parallel_min_rows, dtype, id_dtype, shape, tmp_path):
-    """Below PARALLEL_MIN_ROWS ids, lookups without out go through numpy's take; plain and mapped tables."""
-    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_ROWS", parallel_min_rows)
-    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+    """Below PARALLEL_MIN_BYTES, lookups without out go through numpy's take; plain and mapped tables."""
     table = random_table(90, 21, dtype, seed=len(shape))
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", parallel_min_rows * 21 * table.dtype.itemsize)
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     np.save(tmp_path / "table.npy", table)
     ids = np.random.default_rng(7).integers(0, 90, shape).astype(id_dtype)
     mapped = np.load(tmp_path / "table.npy", mmap_mode="r").view(table.dtype)  # .npy stores bfloat16 as void
@@ -293,6 +293,7 @@ def test_first_parallel_batch_is_served_while_its_kernel_compiles(monkeypatch):
     """Until the background compile is ready, batches run serially, exactly; then in parallel."""
     background_compile = numba_backend.background_compile
     background_compile.forget()
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     kernels = BACKEND.kernels()
     spy = _KernelSpy(kernels.gather_parallel)
     monkeypatch.setattr(kernels, "gather_parallel", spy)

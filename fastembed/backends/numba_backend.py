@@ -8,8 +8,8 @@ dtype (float16, bfloat16, float32, int8, S3, packed structs, ...).
 Which kernel runs (docs/backends.md gives each constant's evidence):
 
 - one id: a slice copy of the row (one memcpy), no compiled call at all;
-- fewer than ``PARALLEL_MIN_ROWS`` ids: the calling thread alone, so a
-  decode step pays no thread wake-up. Without ``out``, numpy's ``take``
+- an output smaller than ``PARALLEL_MIN_BYTES``: the calling thread alone,
+  so a decode step pays no thread wake-up. Without ``out``, numpy's ``take``
   (the numpy backend's :func:`~.numpy_backend.take_new`), which allocates
   and copies in one C call; with ``out``, the serial kernel;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
@@ -53,9 +53,10 @@ from .. import validate
 from . import background_compile, numpy_backend
 from .base import Capabilities
 
-#: Below this many ids the serial kernel runs: waking the thread pool costs
-#: microseconds, more than copying a few rows.
-PARALLEL_MIN_ROWS = 32
+#: Outputs smaller than this are gathered on the calling thread: waking a
+#: sleeping worker costs tens of microseconds, more than it saves on a copy
+#: of a few rows. In bytes, because a copy's time is in proportion to them.
+PARALLEL_MIN_BYTES = 2 * 2**20
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the cache.
 STREAM_MIN_OUT_BYTES = 2 * 2**20
@@ -112,6 +113,7 @@ class NumbaBackend:
         self.pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
         self.forked_after_pool_start = False
         self._unavailable: list[str] | None = None
+        self.wait_policy = "not loaded yet"
         self._compiled: set[tuple] = set()  # kernels known compiled, by what numba specialises on
 
     # -- availability --------------------------------------------------------
@@ -146,7 +148,9 @@ class NumbaBackend:
             if self._kernels is None:
                 loaded_before = set(sys.modules)
                 try:
-                    self._kernels = importlib.import_module("fastembed.kernels.gather_cpu")
+                    kernels = importlib.import_module("fastembed.kernels.gather_cpu")
+                    self._load_threading_layer()
+                    self._kernels = kernels
                 except BaseException as error:
                     for name in set(sys.modules) - loaded_before:
                         del sys.modules[name]
@@ -156,13 +160,45 @@ class NumbaBackend:
                     raise ImportError(self._import_error) from error
         return self._kernels
 
+    def _load_threading_layer(self) -> None:
+        """Load numba's threading layer, its OpenMP workers set to sleep when idle unless the user said otherwise.
+
+        GNU OpenMP's default is to spin for milliseconds after each parallel
+        region. A worker spinning on the CPU of the thread that runs the next
+        lookup (or any other work of the process) holds that thread off until
+        the scheduler's time slice ends: lookups took milliseconds instead of
+        a fraction of one (docs/backends.md). OpenMP reads OMP_WAIT_POLICY
+        once, when its library loads; the variable is set to ``passive`` for
+        that moment only, and only if the user has not set it, so that no
+        OpenMP runtime another library loads later sees it.
+        """
+        import numba
+
+        user_policy = os.environ.get("OMP_WAIT_POLICY")
+        already_loaded = _gomp_loaded()
+        if user_policy is not None:
+            self.wait_policy = f"{user_policy} (OMP_WAIT_POLICY set by the user)"
+        elif already_loaded:
+            self.wait_policy = "as GNU OpenMP read it when another library loaded it first"
+        else:
+            os.environ["OMP_WAIT_POLICY"] = "passive"
+            self.wait_policy = "passive (set by fastembed while numba's OpenMP runtime loaded)"
+        try:
+            numba.get_num_threads()  # loads the threading layer
+        except Exception as error:  # noqa: BLE001 - no usable layer: the serial kernel serves, and describe() says why
+            self._parallel_error = _one_line(error)
+        finally:
+            if user_policy is None and not already_loaded:
+                del os.environ["OMP_WAIT_POLICY"]
+
     # -- the gather ----------------------------------------------------------
 
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         n = ids.size
         if n == 1:
             return _copy_one_row(table, ids, out)
-        if out is None and n < PARALLEL_MIN_ROWS:
+        large = n * table.shape[1] * table.dtype.itemsize >= PARALLEL_MIN_BYTES
+        if out is None and not large:
             return numpy_backend.take_new(table, ids)
         kernels = self._kernels
         if kernels is None:
@@ -171,7 +207,7 @@ class NumbaBackend:
             except ImportError:
                 # Reported by unavailable_reasons() from now on; this call is still answered.
                 return numpy_backend.BACKEND.gather(table, ids, out)
-        parallel = n >= PARALLEL_MIN_ROWS and not self.forked_after_pool_start and self._parallel_error is None
+        parallel = large and not self.forked_after_pool_start and self._parallel_error is None
         if out is None:
             out = np.empty(ids.shape + table.shape[1:], table.dtype)
             if parallel and out.nbytes >= _FAULT_IN_MIN_BYTES:
@@ -266,13 +302,23 @@ class NumbaBackend:
             "numba": numba.__version__,
             "threads": threads,
             "threading_layer": _threading_layer(),
-            "parallel_min_rows": PARALLEL_MIN_ROWS,
+            "parallel_min_bytes": PARALLEL_MIN_BYTES,
+            "omp_wait_policy": self.wait_policy,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
             "streaming_stores": _STREAMING_CPU,
         }
         if self._parallel_error is not None:
             facts["parallel_kernels"] = f"unavailable, serving serially: {self._parallel_error}"
         return facts
+
+
+def _gomp_loaded() -> bool:
+    """Whether GNU OpenMP is already mapped into this process (Linux; False where /proc cannot tell)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:
+        return False
 
 
 def _one_line(error: BaseException) -> str:
