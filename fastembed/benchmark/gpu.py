@@ -18,7 +18,8 @@ from __future__ import annotations
 import collections
 import functools
 import importlib.util
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import fastembed
 
@@ -183,7 +184,7 @@ def _copy_alloc(table: Any, n: int) -> Callable:
     return call
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_cuda_available() -> bool:
     if importlib.util.find_spec("torch") is None:
         return False

@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -278,8 +278,7 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap:
         if not os.path.exists(shard):
             raise FileNotFoundError(errno.ENOENT, f"fastembed.io.open_table: {index_path.name} puts {tensors[0]!r} in a shard that is "
                                        "missing (an incomplete download?)", shard)
-        wanted = set(tensors)
-        header = scan_safetensors_header(shard, keep=lambda name, entry: name in wanted)
+        header = scan_safetensors_header(shard, keep=_named(set(tensors)))
         for tensor in tensors:
             if tensor not in header.entries:
                 raise ValueError(f"{index_path}: the index puts tensor {tensor!r} in {Path(shard).name}, which does not hold it")
@@ -296,3 +295,8 @@ def _shard_path(index_path: Path, shard: str) -> str:
     if not shard or shard in (".", "..") or "/" in shard or "\\" in shard or "\0" in shard:
         raise ValueError(f"{index_path}: the index names shard {shard[:200]!r}; a shard must be a file name in the index's directory")
     return str(index_path.parent / shard)
+
+
+def _named(names: set[str]) -> Callable[[str, Any], bool]:
+    """A header filter that keeps the entries of these tensor names."""
+    return lambda name, entry: name in names
