@@ -476,3 +476,32 @@ def test_scattered_read_is_reported_as_a_limit(tmp_path):
     assert read["kind"] == "limit" and read["gbps"] > 0 and read["contender"] == "scattered read"
     assert all(row["fraction_of_scattered_read"] > 0 for row in rows)
     assert "scattered read" in result.stdout
+
+
+def test_processes_mode_reports_spread_tails_and_goals(tmp_path):
+    """--processes runs fresh interpreters and writes their samples; the numbers themselves are not judged here."""
+    from fastembed.benchmark import cli
+
+    assert cli.main(["--processes", "2", "--vocab-size", "3000", "--dim", "64", "--batch", "64,700",
+                     "--reps", "5", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "processes.json").read_text())
+    assert len(payload["samples"]) == 2
+    assert {(row["batch"], row["contender"]) for row in payload["results"]} == {
+        (batch, name) for batch in (64, 700) for name in ("fastembed-out", "fastembed-alloc", "numpy-fancy")}
+    for row in payload["results"]:
+        assert len(row["median_us"]) == 2 and row["spread"] >= 1.0 and row["worst_p99_over_median"] >= 1.0
+    assert payload["goals"] and all(set(goal) == {"goal", "met"} for goal in payload["goals"])
+
+
+@pytest.mark.parametrize("arguments, words", [
+    (["--load"], "--load goes with --processes"),
+    (["--processes", "2", "--gate"], "not with --gate"),
+    (["--processes", "0"], "must be 1 or more"),
+])
+def test_processes_arguments_are_checked_first(arguments, words, capsys):
+    from fastembed.benchmark import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(arguments)
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err

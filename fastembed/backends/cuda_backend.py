@@ -240,11 +240,6 @@ def _probe() -> list[str]:
 BACKEND = CudaBackend()
 
 
-def unavailable_reasons() -> list[str]:
-    """``BACKEND.unavailable_reasons()`` (kept for callers that ask the module)."""
-    return BACKEND.unavailable_reasons()
-
-
 def to_device(table: Any, device_id: int) -> Any:
     """A copy of a host table on `device_id` (the one explicit host-to-device move).
 

@@ -63,6 +63,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gate", action="store_true",
                         help="run the CI performance gate on the host (its cases come from --thresholds, not --batch "
                              "or --dist); exit 1 on any FAIL")
+    parser.add_argument("--processes", type=_positive_int,
+                        help="time the lookups in this many fresh interpreters, one after another, and report the "
+                             "spread between them and each one's 99th percentile (batches: --batch, default "
+                             "64,1024,4096,65536; uniform ids)")
+    parser.add_argument("--load", action="store_true",
+                        help="--processes: a CPU-bound process pinned to one CPU runs meanwhile")
     parser.add_argument("--thresholds", type=Path,
                         help="gate thresholds (TOML; default: the thresholds.toml shipped with fastembed.benchmark)")
     arguments = parser.parse_args(argv)
@@ -73,6 +79,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--gate checks the host only; --device cuda has no gate thresholds (run without --gate)")
     if arguments.thresholds is not None and not arguments.gate:
         parser.error("--thresholds goes with --gate")
+    if arguments.load and not arguments.processes:
+        parser.error("--load goes with --processes")
+    if arguments.processes and (arguments.gate or arguments.device == "cuda"):
+        parser.error("--processes measures the host's lookups on their own: not with --gate or --device cuda")
     arguments.checks, arguments.gate_repetitions = None, None
     if arguments.gate:
         from .gate import load_checks
@@ -224,7 +234,7 @@ def run(arguments: argparse.Namespace, console: Any, host_table: Any, cases: lis
 def gpu_usable() -> bool:
     from fastembed.backends import cuda_backend
 
-    return not cuda_backend.unavailable_reasons()
+    return not cuda_backend.BACKEND.unavailable_reasons()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if arguments.device == "cuda" and not gpu_usable() and not arguments.gate:
         from fastembed.backends import cuda_backend
 
-        print(f"--device cuda: no usable GPU: {'; '.join(cuda_backend.unavailable_reasons())}", file=sys.stderr)
+        print(f"--device cuda: no usable GPU: {'; '.join(cuda_backend.BACKEND.unavailable_reasons())}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     try:
@@ -249,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     described = describe_table(arguments, table)
     if arguments.gate:
         return gate(arguments, console, table, described)
+    if arguments.processes:
+        return processes(arguments, console, table, described, argv)
     from . import report
 
     batches = arguments.batch or list(QUICK_BATCHES if arguments.quick else BATCHES)
@@ -266,6 +278,31 @@ def main(argv: list[str] | None = None) -> int:
     plotted = ", ".join(str(p) for p in plots) if plots else "no plot (matplotlib is not installed)"
     console.print(f"wrote {arguments.out / 'results.json'}, results.md and {plotted} "
                   f"in {time.perf_counter() - started:.0f} s", soft_wrap=True, markup=False)
+    return 0
+
+
+def processes(arguments: argparse.Namespace, console: Any, table: Any, described: dict[str, Any],
+              argv: list[str] | None) -> int:
+    """The multi-process run (see :mod:`.processes`): print the table and the goals, write processes.json."""
+    from . import processes as multi
+    from . import report
+
+    batches = arguments.batch or list(multi.BATCHES)
+    reps = arguments.reps or multi.REPS
+    with multi.saved_table(table) as path:
+        runs = multi.run(path, arguments.processes, batches, reps, arguments.load,
+                         progress=lambda done: console.print(f"[dim]process {done}/{arguments.processes} done[/dim]"))
+    rows = multi.summarise(runs)
+    verdicts = multi.goals(rows, arguments.load)
+    load = ", a CPU-bound process pinned to one CPU meanwhile" if arguments.load else ""
+    multi.print_report(rows, verdicts, console,
+                       f"{arguments.processes} fresh processes{load}: {report.table_title(described)}")
+    report.write_json(arguments.out / "processes.json", {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
+        "machine": report.machine_facts(), "table": described, "load": arguments.load, "reps": reps,
+        "results": rows, "goals": [{"goal": goal, "met": met} for goal, met in verdicts], "samples": runs,
+    })
+    console.print(f"wrote {arguments.out / 'processes.json'}", soft_wrap=True, markup=False)
     return 0
 
 

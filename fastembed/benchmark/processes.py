@@ -1,0 +1,188 @@
+"""``fastembed-bench --processes N``: the same lookups in N fresh interpreters, one after another.
+
+A speed a user can count on must hold in every process: thread placement,
+page placement and compile caches differ from one interpreter to the next.
+Each worker process maps the same table file read-only (the page cache
+shares it), makes one warm-up lookup per case, waits for background
+compiles, then times ``reps`` single calls per contender, interleaved, each
+with fresh uniform ids:
+
+- ``fastembed out=``: ``lookup(table, ids, out=out)``;
+- ``fastembed alloc``: ``lookup(table, ids)``;
+- ``numpy table[ids]``: what users write instead (allocating).
+
+The parent reports, per batch size and contender, the spread of the
+per-process medians (slowest over fastest), each process's 99th percentile
+over its median, and fastembed's speed against numpy (the median, within
+each process, of numpy's time over fastembed's in the same repetition; the
+lowest process is reported). ``--load`` runs a CPU-bound process pinned to
+one CPU meanwhile, as a competing job on a shared machine would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Batch sizes of the multi-process run: a decode step, mid-size batches, a prefill.
+BATCHES = (64, 1024, 4096, 65536)
+CONTENDERS = ("fastembed-out", "fastembed-alloc", "numpy-fancy")
+LABELS = {"fastembed-out": "fastembed out=", "fastembed-alloc": "fastembed alloc", "numpy-fancy": "numpy table[ids]"}
+#: Timed calls per contender and batch in each process (fewer for the largest batches).
+REPS = 100
+
+
+def reps_for(batch: int, row_bytes: int, reps: int) -> int:
+    """Fewer repetitions for outputs of tens of MiB, so that a process takes seconds."""
+    return max(15, min(reps, int(reps * (8 * 2**20) / max(1, batch * row_bytes)))) if batch * row_bytes > 8 * 2**20 else reps
+
+
+def worker(table_path: str, batches: list[int], reps: int, seed: int) -> dict[str, Any]:
+    """One process's samples: {batch: {contender: [seconds per call, ...]}} (run in a fresh interpreter)."""
+    import fastembed
+
+    table = np.load(table_path, mmap_mode="r")
+    rng = np.random.default_rng(seed)
+    samples: dict[str, Any] = {}
+    for batch in batches:
+        out = np.empty((batch, table.shape[1]), table.dtype)
+        calls = {
+            "fastembed-out": lambda ids: fastembed.lookup(table, ids, out=out),
+            "fastembed-alloc": lambda ids: fastembed.lookup(table, ids),
+            "numpy-fancy": lambda ids: np.asarray(table)[ids],
+        }
+        for call in calls.values():
+            call(rng.integers(0, table.shape[0], batch))
+        fastembed.wait_for_compiles()
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(reps_for(batch, table.shape[1] * table.dtype.itemsize, reps)):
+            for name, call in calls.items():
+                ids = rng.integers(0, table.shape[0], batch)
+                started = time.perf_counter()
+                result = call(ids)
+                times[name].append(time.perf_counter() - started)
+                del result
+        samples[str(batch)] = times
+    return samples
+
+
+@contextmanager
+def competing_load(enabled: bool) -> Iterator[None]:
+    """A CPU-bound process pinned to the last CPU while the block runs (nothing when not enabled)."""
+    if not enabled:
+        yield
+        return
+    cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+    load = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield
+    finally:
+        load.kill()
+        load.wait()
+
+
+def run(table_path: Path, processes: int, batches: list[int], reps: int, load: bool,
+        progress: Any = None) -> list[dict[str, Any]]:
+    """Samples of `processes` fresh interpreters, run one after another."""
+    runs = []
+    with competing_load(load):
+        for index in range(processes):
+            code = ("import json, sys; from fastembed.benchmark.processes import worker; "
+                    "print(json.dumps(worker(sys.argv[1], [int(b) for b in sys.argv[2].split(',')], "
+                    "int(sys.argv[3]), int(sys.argv[4]))))")
+            result = subprocess.run([sys.executable, "-c", code, str(table_path), ",".join(map(str, batches)),
+                                     str(reps), str(index)], capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                raise RuntimeError(f"worker process {index} failed: {result.stderr.strip()[-2000:]}")
+            runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+            if progress is not None:
+                progress(index + 1)
+    return runs
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per batch and contender: medians per process, their spread, 99th percentiles, speed against numpy."""
+    rows = []
+    for batch in runs[0]:
+        for name in CONTENDERS:
+            medians, tails, versus_numpy = [], [], []
+            for samples in runs:
+                times = samples[batch][name]
+                median = statistics.median(times)
+                medians.append(median)
+                tails.append(float(np.percentile(times, 99)) / median)
+                numpy_times = samples[batch]["numpy-fancy"]
+                versus_numpy.append(statistics.median(n / t for n, t in zip(numpy_times, times, strict=True)))
+            rows.append({
+                "batch": int(batch), "contender": name, "label": LABELS[name],
+                "median_us": [m * 1e6 for m in medians],
+                "spread": max(medians) / min(medians),
+                "worst_p99_over_median": max(tails),
+                "lowest_speedup_vs_numpy": min(versus_numpy),
+                "median_speedup_vs_numpy": statistics.median(versus_numpy),
+            })
+    return rows
+
+
+def goals(rows: list[dict[str, Any]], load: bool) -> list[tuple[str, bool]]:
+    """The goals a user can count on, each with whether this run met it."""
+    tail_limit = 3.0 if load else 2.0
+    results = []
+    for row in rows:
+        if row["contender"] == "numpy-fancy":
+            continue
+        where = f"{row['label']} at {row['batch']} ids"
+        if not load:
+            results.append((f"{where}: slowest process median within 1.25x of the fastest", row["spread"] <= 1.25))
+        results.append((f"{where}: every process's 99th percentile within {tail_limit:g}x of its median",
+                        row["worst_p99_over_median"] <= tail_limit))
+        if row["contender"] == "fastembed-alloc" or load:
+            results.append((f"{where}: at least as fast as numpy table[ids] in every process",
+                            row["lowest_speedup_vs_numpy"] >= 1.0))
+    return results
+
+
+@contextmanager
+def saved_table(table: Any) -> Iterator[Path]:
+    """The table as a .npy file the workers can map: the file itself when it is one, else a temporary copy."""
+    filename = getattr(table, "filename", None)
+    if filename and str(filename).endswith(".npy") and getattr(table, "offset", None) is not None:
+        yield Path(filename)
+        return
+    with tempfile.TemporaryDirectory(prefix="fastembed-bench-") as folder:
+        path = Path(folder) / "table.npy"
+        np.save(path, np.asarray(table))
+        yield path
+
+
+def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], console: Any, title: str) -> None:
+    """The per-batch table and the goals, with rich."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=escape(title))
+    for column in ("ids", "contender", "median per process (min-max)", "spread", "worst p99/median", "vs numpy (lowest)"):
+        table.add_column(column, justify="left" if column in ("contender",) else "right")
+    for row in rows:
+        low, high = min(row["median_us"]), max(row["median_us"])
+        versus = "-" if row["contender"] == "numpy-fancy" else f"{row['lowest_speedup_vs_numpy']:.2f}x"
+        table.add_row(str(row["batch"]), escape(row["label"]), f"{_time(low)} - {_time(high)}", f"{row['spread']:.2f}",
+                      f"{row['worst_p99_over_median']:.2f}", versus)
+    console.print(table)
+    for goal, met in verdicts:
+        console.print(f"{'[green]met[/green]' if met else '[red]missed[/red]'}  {escape(goal)}")
+
+
+def _time(us: float) -> str:
+    return f"{us:.0f} us" if us < 1000 else f"{us / 1000:.2f} ms"
