@@ -278,44 +278,44 @@ def test_table_dtype_reassigned_in_place_gives_outputs_of_the_new_dtype():
     assert_bit_equal(result, table[ids])
 
 
-class _KernelSpy:
-    """Wraps a kernel dispatcher and records the batch size of every call."""
+class _Spy:
+    """Wraps a callable and records the batch size of every call."""
 
-    def __init__(self, kernel):
-        self.kernel, self.batches = kernel, []
+    def __init__(self, function):
+        self.function, self.batches = function, []
 
-    def __call__(self, table, ids, out, *rest):
+    def __call__(self, table, ids, *rest):
         self.batches.append(ids.size)
-        return self.kernel(table, ids, out, *rest)
+        return self.function(table, ids, *rest)
 
 
-def test_first_parallel_batch_is_served_while_its_kernel_compiles(monkeypatch):
-    """Until the background compile is ready, batches run serially, exactly; then in parallel."""
-    background_compile = numba_backend.background_compile
-    background_compile.forget()
+def test_batches_are_served_by_numpy_while_their_kernels_compile(monkeypatch):
+    """A new argument signature compiles on a background thread; numpy serves, exactly, until it is ready."""
+    numba_backend.background_compile.forget()
+    BACKEND.reset()
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     kernels = BACKEND.kernels()
-    spy = _KernelSpy(kernels.gather_parallel)
-    monkeypatch.setattr(kernels, "gather_parallel", spy)
+    parallel, fallback = _Spy(kernels.gather_parallel), _Spy(numba_backend.numpy_backend.BACKEND.gather)
+    monkeypatch.setattr(kernels, "gather_parallel", parallel)
+    monkeypatch.setattr(numba_backend.numpy_backend.BACKEND, "gather", fallback)
     release = threading.Event()
-    original_first_call = BACKEND._first_parallel_call
+    original_compile = BACKEND._compile_now
 
-    def held_first_call(*arguments):
+    def held_compile(*arguments):
         release.wait(30)  # the compile "takes" until the test releases it
-        original_first_call(*arguments)
+        original_compile(*arguments)
 
-    monkeypatch.setattr(BACKEND, "_first_parallel_call", held_first_call)
+    monkeypatch.setattr(BACKEND, "_compile_now", held_compile)
     table = random_table(500, 64)
-    ids = np.random.default_rng(5).integers(0, 500, 300)
+    ids = np.random.default_rng(5).integers(0, 500, 300).astype(np.int32)  # a signature no other test compiled
     for _ in range(3):
         out = poisoned((300, 64), table.dtype)
         assert_bit_equal(fastembed.lookup(table, ids, out=out, backend="numba"), table[ids])
-    assert spy.batches == []  # served by the serial kernel meanwhile
+    assert fallback.batches == [300] * 3 and parallel.batches == []
     release.set()
     fastembed.wait_for_compiles()
-    assert spy.batches == [0]  # the compile's own call: empty slices of the real arguments
     assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
-    assert spy.batches == [0, 300]
+    assert fallback.batches == [300] * 3 and parallel.batches == [1, 300]  # the compile's call: one bad id, no row
 
 
 def test_fork_waits_for_a_background_compile():

@@ -16,10 +16,12 @@ Which kernel runs (docs/backends.md gives each constant's evidence):
   16-byte aligned: the parallel kernel with non-temporal stores;
 - otherwise the parallel kernel with ordinary (cached) stores.
 
-Every kernel sees one array type per word and id dtype: read-only tables
-(every memory map) and strided or read-only ids are presented as writeable
-C-contiguous arrays, so that a lookup after warm-up never compiles on the
-caller's thread.
+No lookup compiles on the caller's thread: numba is imported, and the
+kernels compiled for each new argument signature (word and id dtypes,
+read-only table, alignment), on a background thread, while the numpy
+backend serves those calls (:mod:`.background_compile`). Ids are made 1-D,
+C-contiguous and writeable first (a copy only when they are not), so that
+strided ids need no signature of their own.
 
 Safety, whatever threading layer numba picked:
 
@@ -33,6 +35,7 @@ Safety, whatever threading layer numba picked:
 - a fork waits until no thread is importing numba or compiling a kernel
   for this backend (:mod:`.background_compile`): a child would otherwise
   inherit the import or compile lock held by a thread it does not have;
+- an import of numba that is interrupted is undone, so the next one starts afresh;
 - a parallel kernel that cannot run (a threading layer that fails to load)
   leaves the serial kernel serving, with the reason in ``describe()``.
 """
@@ -70,8 +73,9 @@ TOUCH_PAGES_ROWS_AHEAD = 16
 #: below its destination modulo 4 KiB, where a forward copy's loads wait on
 #: its own stores (4K aliasing).
 ALIAS_WINDOW = 32
-#: Serve a batch serially while its parallel kernel compiles on a background
-#: thread (see background_compile); False compiles in the caller's thread.
+#: Import numba and compile each new signature on a background thread while
+#: the numpy backend serves (see background_compile); False does both in the
+#: caller's thread.
 COMPILE_IN_BACKGROUND = True
 #: Blocks of rows per thread in the parallel kernels (load balance).
 BLOCKS_PER_THREAD = 4
@@ -200,25 +204,24 @@ class NumbaBackend:
         large = n * table.shape[1] * table.dtype.itemsize >= PARALLEL_MIN_BYTES
         if out is None and not large:
             return numpy_backend.take_new(table, ids)
+        if self._import_error is not None:  # numba failed to load: reported by unavailable_reasons()
+            return numpy_backend.BACKEND.gather(table, ids, out)
+        table_words, word = kernel_table(table)
+        flat_ids = kernel_ids(ids)
+        signature = _signature(table_words, flat_ids, out)
+        if signature not in self._compiled and not self._compile(signature, table_words, flat_ids):
+            return numpy_backend.BACKEND.gather(table, ids, out)  # compiling in the background meanwhile
         kernels = self._kernels
-        if kernels is None:
-            try:
-                kernels = self.kernels()
-            except ImportError:
-                # Reported by unavailable_reasons() from now on; this call is still answered.
-                return numpy_backend.BACKEND.gather(table, ids, out)
         parallel = large and not self.forked_after_pool_start and self._parallel_error is None
         if out is None:
             out = np.empty(ids.shape + table.shape[1:], table.dtype)
             if parallel and out.nbytes >= _FAULT_IN_MIN_BYTES:
                 _fault_in(out)
-        table_words, word = kernel_table(table)
-        flat_ids = kernel_ids(ids)
         out_words = _row_words(out, n, word)
         if parallel:
             status = self._run_parallel(kernels, table_words, flat_ids, out_words)
         else:
-            status = self._compile_then_call(kernels.gather_serial, table_words, flat_ids, out_words)
+            status = int(kernels.gather_serial(table_words, flat_ids, out_words))
         if status == _CHANGED_DURING_COPY:
             validate.check_ids_in_range(ids, table.shape[0])
             raise RuntimeError("the ids changed while they were being gathered (another thread wrote them)")
@@ -226,62 +229,61 @@ class NumbaBackend:
             raise validate.out_of_range_error(ids, status, table.shape[0])
         return out
 
-    def _compile_then_call(self, kernel: Any, table_words: np.ndarray, *arguments: Any) -> int:
-        """Call a kernel; a call that may compile first is marked, so that a fork waits for it.
+    def _compile(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray) -> bool:
+        """Make the kernels for `signature` ready (importing numba first if needed); True when they are ready now.
 
-        The key holds what numba specialises on here (the views are always
-        C-contiguous, writeable, 1-D ids and 2-D words): dtypes and alignment.
+        With COMPILE_IN_BACKGROUND, numba is imported and a new signature
+        compiled on a background thread (the call is served by the numpy
+        backend meanwhile), so no lookup ever imports numba or compiles on
+        the caller's thread; otherwise here.
         """
-        flat_ids, out_words = arguments[0], arguments[1]
-        key = (kernel, table_words.dtype, table_words.flags.aligned, flat_ids.dtype, flat_ids.flags.aligned,
-               out_words.flags.aligned)
-        if key in self._compiled:
-            return int(kernel(table_words, *arguments))
+        templates = _templates(table_words, flat_ids, signature)
+        if COMPILE_IN_BACKGROUND:
+            background_compile.start(("kernels", *signature), lambda: self._compile_now(signature, templates))
+            return signature in self._compiled
         with background_compile.foreground():
-            status = int(kernel(table_words, *arguments))
-        self._compiled.add(key)
-        return status
+            self._compile_now(signature, templates)
+        return signature in self._compiled
+
+    def _compile_now(self, signature: tuple, templates: tuple) -> None:
+        """Compile every kernel for these argument types with calls that gather no row.
+
+        The templates have the arguments' types (dtype, read-only flag,
+        alignment) but none of their memory, so a compile keeps no table
+        alive. A parallel kernel that cannot run (no usable threading layer)
+        is remembered: the serial kernel then serves every batch, and
+        ``describe()`` says why.
+        """
+        try:
+            kernels = self.kernels()
+        except ImportError:
+            return  # kept as the backend's reason: unavailable_reasons() reports it
+        table_words, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
+        kernels.gather_serial(table_words, no_ids, no_rows)
+        if self._parallel_error is None and not self.forked_after_pool_start:
+            with self._parallel_lock:
+                self.pool_started = True
+                try:
+                    kernels.gather_parallel(table_words, no_ids, no_rows, 1)
+                    if _STREAMING_CPU:
+                        kernels.gather_parallel_stream(table_words, no_ids, no_rows, 1, PREFETCH_ROWS_AHEAD,
+                                                       TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
+                except Exception as error:  # noqa: BLE001 - kept, reported by describe()
+                    self._parallel_error = _one_line(error)
+        self._compiled.add(signature)
 
     def _run_parallel(self, kernels: Any, table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
-        stream = out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words)
-        kernel = kernels.gather_parallel_stream if stream else kernels.gather_parallel
-        options = (PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW) if stream else ()
-        key = (kernel, table_words.dtype, table_words.flags.aligned, flat_ids.dtype)
-        if COMPILE_IN_BACKGROUND and not background_compile.is_ready(key):
-            # Empty slices have the real arguments' types: the compile specialises for
-            # them and gathers no row. The serial kernel serves meanwhile.
-            no_ids, no_rows = flat_ids[:0], out_words[:0]
-            self._compile_then_call(kernels.gather_serial, table_words, no_ids, no_rows)
-            background_compile.start(key, lambda: self._first_parallel_call(kernel, table_words, no_ids, no_rows, options))
-            return self._compile_then_call(kernels.gather_serial, table_words, flat_ids, out_words)
-        if self._parallel_error is not None or not self._parallel_lock.acquire(blocking=False):
-            return self._compile_then_call(kernels.gather_serial, table_words, flat_ids, out_words)
+        if not self._parallel_lock.acquire(blocking=False):
+            return int(kernels.gather_serial(table_words, flat_ids, out_words))
         try:
             self.pool_started = True
             n_blocks = max(1, min(len(flat_ids), _blocks_per_call()))
-            if COMPILE_IN_BACKGROUND:
-                return int(kernel(table_words, flat_ids, out_words, n_blocks, *options))
-            return self._compile_then_call(kernel, table_words, flat_ids, out_words, n_blocks, *options)
-        except Exception as error:  # a threading layer that cannot load, say
-            self._parallel_error = _one_line(error)
+            if out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words):
+                return int(kernels.gather_parallel_stream(table_words, flat_ids, out_words, n_blocks,
+                                                          PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW))
+            return int(kernels.gather_parallel(table_words, flat_ids, out_words, n_blocks))
         finally:
             self._parallel_lock.release()
-        return self._compile_then_call(kernels.gather_serial, table_words, flat_ids, out_words)
-
-    def _first_parallel_call(
-        self, kernel: Any, table_words: np.ndarray, no_ids: np.ndarray, no_rows: np.ndarray, options: tuple
-    ) -> None:
-        """Compile `kernel` for these argument types with a call that copies nothing, and start the pool.
-
-        A failure here (no usable threading layer) is remembered: the serial
-        kernel then serves every batch, and ``describe()`` says why.
-        """
-        with self._parallel_lock:
-            self.pool_started = True
-            try:
-                kernel(table_words, no_ids, no_rows, 1, *options)
-            except Exception as error:
-                self._parallel_error = _one_line(error)
 
     def after_fork_in_child(self) -> None:
         self.forked_after_pool_start = self.pool_started
@@ -336,8 +338,6 @@ def kernel_table(table: np.ndarray) -> tuple[np.ndarray, np.dtype]:
     row_bytes = table.shape[1] * table.dtype.itemsize
     word = word_dtype(row_bytes)
     words = (table if table.dtype.itemsize % word.itemsize == 0 else table.view(_BYTE)).view(word)
-    if not words.flags.writeable:
-        words = np.asarray(_WriteableView(words))
     return words, word
 
 
@@ -355,12 +355,32 @@ def _row_words(out: np.ndarray, n: int, word: np.dtype) -> np.ndarray:
     return byte_or_item.view(word).reshape(n, -1) if n else byte_or_item.view(word).reshape(0, 0)
 
 
-class _WriteableView:
-    """An array interface that presents `array`'s memory as writeable, keeping `array` alive."""
+def _signature(table_words: np.ndarray, flat_ids: np.ndarray, out: np.ndarray | None) -> tuple:
+    """What numba specialises the kernels on here (the views are always C-contiguous): dtypes, flags."""
+    out_aligned = True if out is None else bool(out.flags.aligned) and out.ctypes.data % table_words.itemsize == 0
+    return (table_words.dtype, table_words.flags.writeable, table_words.flags.aligned, flat_ids.dtype,
+            flat_ids.flags.aligned, out_aligned)
 
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
-        self.__array_interface__ = dict(array.__array_interface__, data=(array.__array_interface__["data"][0], False))
+
+def _templates(table_words: np.ndarray, flat_ids: np.ndarray, signature: tuple) -> tuple:
+    """Small arrays of the kernels' argument types for `signature`, sharing no memory with the real ones."""
+    word = table_words.dtype
+    _, writeable, table_aligned, id_dtype, ids_aligned, out_aligned = signature
+    table = _shaped(word, (1, table_words.shape[1]), table_aligned)
+    table.flags.writeable = writeable
+    # One id, out of range: every kernel returns from its scan of the ids before it copies anything.
+    # (Arrays of one element, because numpy calls every empty array aligned.)
+    bad_id = _shaped(id_dtype, (1,), ids_aligned)
+    bad_id[0] = -1
+    return table, bad_id, _shaped(word, (1, table_words.shape[1]), out_aligned)
+
+
+def _shaped(dtype: np.dtype, shape: tuple[int, ...], aligned: bool) -> np.ndarray:
+    """A zeroed C-contiguous array, at an address aligned to its item size or deliberately not."""
+    size = int(np.prod(shape)) * dtype.itemsize
+    buffer = np.zeros(size + 2 * dtype.itemsize, np.uint8)
+    start = (-buffer.ctypes.data) % dtype.itemsize + (0 if aligned or dtype.itemsize == 1 else 1)
+    return buffer[start : start + size].view(dtype).reshape(shape)
 
 
 def _fault_in(out: np.ndarray) -> None:
