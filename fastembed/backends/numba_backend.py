@@ -208,7 +208,8 @@ class NumbaBackend:
             return numpy_backend.BACKEND.gather(table, ids, out)
         table_words, word = kernel_table(table)
         flat_ids = kernel_ids(ids)
-        signature = _signature(table_words, flat_ids, out)
+        out_words = None if out is None else _row_words(out, n, word)
+        signature = _signature(table_words, flat_ids, out_words)
         if signature not in self._compiled and not self._compile(signature, table_words, flat_ids):
             return numpy_backend.BACKEND.gather(table, ids, out)  # compiling in the background meanwhile
         kernels = self._kernels
@@ -217,7 +218,7 @@ class NumbaBackend:
             out = np.empty(ids.shape + table.shape[1:], table.dtype)
             if parallel and out.nbytes >= _FAULT_IN_MIN_BYTES:
                 _fault_in(out)
-        out_words = _row_words(out, n, word)
+            out_words = _row_words(out, n, word)
         if parallel:
             status = self._run_parallel(kernels, table_words, flat_ids, out_words)
         else:
@@ -355,11 +356,14 @@ def _row_words(out: np.ndarray, n: int, word: np.dtype) -> np.ndarray:
     return byte_or_item.view(word).reshape(n, -1) if n else byte_or_item.view(word).reshape(0, 0)
 
 
-def _signature(table_words: np.ndarray, flat_ids: np.ndarray, out: np.ndarray | None) -> tuple:
-    """What numba specialises the kernels on here (the views are always C-contiguous): dtypes, flags."""
-    out_aligned = True if out is None else bool(out.flags.aligned) and out.ctypes.data % table_words.itemsize == 0
-    return (table_words.dtype, table_words.flags.writeable, table_words.flags.aligned, flat_ids.dtype,
-            flat_ids.flags.aligned, out_aligned)
+def _signature(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray | None) -> tuple:
+    """What numba specialises the kernels on here (the views are always C-contiguous): dtypes, flags.
+
+    A new output (None) is always aligned.
+    """
+    table_flags, ids_flags = table_words.flags, flat_ids.flags
+    return (table_words.dtype, table_flags.writeable, table_flags.aligned, flat_ids.dtype, ids_flags.aligned,
+            out_words is None or out_words.flags.aligned)
 
 
 def _templates(table_words: np.ndarray, flat_ids: np.ndarray, signature: tuple) -> tuple:
