@@ -208,8 +208,8 @@ class NumbaBackend:
             return numpy_backend.BACKEND.gather(table, ids, out)
         table_words, word = kernel_table(table)
         flat_ids = kernel_ids(ids)
-        out_words = None if out is None else _row_words(out, n, word)
-        signature = _signature(table_words, flat_ids, out_words)
+        given_words = None if out is None else _row_words(out, n, word)
+        signature = _signature(table_words, flat_ids, given_words)
         if signature not in self._compiled and not self._compile(signature, table_words, flat_ids):
             return numpy_backend.BACKEND.gather(table, ids, out)  # compiling in the background meanwhile
         kernels = self._kernels
@@ -218,7 +218,7 @@ class NumbaBackend:
             out = np.empty(ids.shape + table.shape[1:], table.dtype)
             if parallel and out.nbytes >= _FAULT_IN_MIN_BYTES:
                 _fault_in(out)
-            out_words = _row_words(out, n, word)
+        out_words = _row_words(out, n, word) if given_words is None else given_words
         if parallel:
             status = self._run_parallel(kernels, table_words, flat_ids, out_words)
         else:
