@@ -23,8 +23,9 @@ THREAD_SECONDS = 10.0
 def kernel_path(request, monkeypatch):
     """Force each kernel path on small data by moving the thresholds (compiling in the foreground)."""
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
-    if request.param == "serial":
-        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 2**62)
+    if request.param == "serial":  # as in a forked child: the serial kernel, however large the batch
+        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(BACKEND, "forked_after_pool_start", True)
     else:
         monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
         monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 0 if request.param == "stream" else 2**62)

@@ -47,6 +47,8 @@ def assert_child_ok(result: subprocess.CompletedProcess, expected_last_line: str
 
 RESHAPE_RACE = """
 import sys, threading, time, numpy as np, fastembed
+from fastembed.backends import numba_backend
+numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels serve these small tables too
 sys.setswitchinterval(1e-6)   # switch threads as often as possible: every window between two reads is tried
 backend, seconds = {backend!r}, {seconds}
 table = np.arange(64 * 16, dtype=np.float64).reshape(64, 16)
@@ -102,6 +104,8 @@ def test_table_reshaped_by_another_thread_never_writes_outside_out(backend):
 
 IDS_RACE = """
 import sys, threading, time, numpy as np, fastembed
+from fastembed.backends import numba_backend
+numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels serve these small tables too
 sys.setswitchinterval(1e-6)
 backend, seconds = {backend!r}, {seconds}
 vocab, width = 300, 64
@@ -153,6 +157,8 @@ def test_embedding_keeps_its_own_view_of_the_table(backend):
 
 FORK_DURING_FIRST_LOOKUP = """
 import os, threading, time, numpy as np, fastembed
+from fastembed.backends import numba_backend
+numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels (and their compile) serve these small tables too
 table = fastembed.Embedding.random(500, 16, "float32").table
 ids = np.arange(40) % 500
 expected = table[ids]
@@ -184,6 +190,8 @@ def test_a_fork_during_the_first_lookup_never_hangs_the_child(cache, delay, tmp_
 
 FORK_POOL_DURING_WARM_UP = """
 import multiprocessing, threading, numpy as np, fastembed
+from fastembed.backends import numba_backend
+numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels (and their compile) serve these small tables too
 table = fastembed.Embedding.random(2000, 64).table
 def lookup(seed):
     ids = np.random.default_rng(seed).integers(0, 2000, 3000)
@@ -205,6 +213,8 @@ def test_a_fork_pool_created_during_warm_up_returns():
 
 INTERRUPTED_FIRST_LOOKUP = """
 import signal, numpy as np, fastembed
+from fastembed.backends import numba_backend
+numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels (and their compile) serve these small tables too
 table = fastembed.Embedding.random(500, 16).table
 ids = np.arange(100) % 500
 signal.setitimer(signal.ITIMER_REAL, {delay})

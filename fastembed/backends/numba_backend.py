@@ -8,10 +8,9 @@ dtype (float16, bfloat16, float32, int8, S3, packed structs, ...).
 Which kernel runs (docs/backends.md gives each constant's evidence):
 
 - one id: a slice copy of the row (one memcpy), no compiled call at all;
-- an output smaller than ``PARALLEL_MIN_BYTES``: the calling thread alone,
-  so a decode step pays no thread wake-up. Without ``out``, numpy's ``take``
-  (the numpy backend's :func:`~.numpy_backend.take_new`), which allocates
-  and copies in one C call; with ``out``, the serial kernel;
+- an output smaller than ``PARALLEL_MIN_BYTES``: numpy's ``take`` on the
+  calling thread (the numpy backend), so a decode step pays no thread
+  wake-up and no compile; the serial kernel was no faster there;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
   16-byte aligned: the parallel kernel with non-temporal stores;
 - otherwise the parallel kernel with ordinary (cached) stores.
@@ -56,9 +55,9 @@ from .. import validate
 from . import background_compile, numpy_backend
 from .base import Capabilities
 
-#: Outputs smaller than this are gathered on the calling thread: waking a
-#: sleeping worker costs tens of microseconds, more than it saves on a copy
-#: of a few rows. In bytes, because a copy's time is in proportion to them.
+#: Outputs smaller than this are gathered by numpy's take on the calling
+#: thread: waking a sleeping worker costs tens of microseconds, more than it
+#: saves on a copy of a few rows. In bytes: a copy's time is in proportion to them.
 PARALLEL_MIN_BYTES = 2 * 2**20
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the cache.
@@ -201,10 +200,9 @@ class NumbaBackend:
         n = ids.size
         if n == 1:
             return _copy_one_row(table, ids, out)
-        large = n * table.shape[1] * table.dtype.itemsize >= PARALLEL_MIN_BYTES
-        if out is None and not large:
-            return numpy_backend.take_new(table, ids)
-        if self._import_error is not None:  # numba failed to load: reported by unavailable_reasons()
+        if n * table.shape[1] * table.dtype.itemsize < PARALLEL_MIN_BYTES or self._import_error is not None:
+            # Small: numpy's take on this thread (the serial kernel is no faster). Or numba failed to load,
+            # which unavailable_reasons() reports.
             return numpy_backend.BACKEND.gather(table, ids, out)
         table_words, word = kernel_table(table)
         flat_ids = kernel_ids(ids)
@@ -213,7 +211,7 @@ class NumbaBackend:
         if signature not in self._compiled and not self._compile(signature, table_words, flat_ids):
             return numpy_backend.BACKEND.gather(table, ids, out)  # compiling in the background meanwhile
         kernels = self._kernels
-        parallel = large and not self.forked_after_pool_start and self._parallel_error is None
+        parallel = not self.forked_after_pool_start and self._parallel_error is None
         if out is None:
             out = np.empty(ids.shape + table.shape[1:], table.dtype)
             if parallel and out.nbytes >= _FAULT_IN_MIN_BYTES:

@@ -38,11 +38,11 @@ class NumpyBackend:
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         if out is None:
             return take_new(table, ids)
-        validate.check_ids_in_range(ids, table.shape[0])
+        check_range(ids, table.shape[0])
         if table.flags.aligned:
-            np.take(table, ids, axis=0, out=out, mode="clip")
+            table.take(ids, axis=0, out=out, mode="clip")
         else:
-            np.take(byte_rows(table), ids, axis=0, out=out.view(_BYTE).reshape(ids.shape + (row_bytes(table),)), mode="clip")
+            byte_rows(table).take(ids, axis=0, out=out.view(_BYTE).reshape(ids.shape + (row_bytes(table),)), mode="clip")
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -55,6 +55,16 @@ class NumpyBackend:
 def byte_rows(table: np.ndarray) -> np.ndarray:
     """The table's rows as bytes, ``(vocab_size, row_bytes)`` uint8: aligned whatever the address (a view)."""
     return table.view(_BYTE).reshape(table.shape[0], row_bytes(table))
+
+
+def check_range(ids: np.ndarray, vocab_size: int) -> None:
+    """Raise the IndexError of :func:`fastembed.validate.out_of_range_error` for the first id outside the table.
+
+    The smallest and the largest id are found by position (argmin, argmax:
+    cheaper than min and max for the few ids of a decode step).
+    """
+    if ids.size and (ids.item(ids.argmin()) < 0 or ids.item(ids.argmax()) >= vocab_size):
+        validate.check_ids_in_range(ids, vocab_size)  # raises, naming position and value
 
 
 def row_bytes(table: np.ndarray) -> int:
