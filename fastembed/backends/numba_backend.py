@@ -203,7 +203,7 @@ class NumbaBackend:
         if n * table.shape[1] * table.dtype.itemsize < PARALLEL_MIN_BYTES or self._import_error is not None:
             # Small: numpy's take on this thread (the serial kernel is no faster). Or numba failed to load,
             # which unavailable_reasons() reports.
-            return numpy_backend.BACKEND.gather(table, ids, out)
+            return numpy_backend.take_new(table, ids) if out is None else numpy_backend.take_into(table, ids, out)
         table_words, word = kernel_table(table)
         flat_ids = kernel_ids(ids)
         given_words = None if out is None else _row_words(out, n, word)

@@ -36,14 +36,7 @@ class NumpyBackend:
         return []
 
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        if out is None:
-            return take_new(table, ids)
-        check_range(ids, table.shape[0])
-        if table.flags.aligned:
-            table.take(ids, axis=0, out=out, mode="clip")
-        else:
-            byte_rows(table).take(ids, axis=0, out=out.view(_BYTE).reshape(ids.shape + (row_bytes(table),)), mode="clip")
-        return out
+        return take_new(table, ids) if out is None else take_into(table, ids, out)
 
     def describe(self) -> dict[str, Any]:
         return {"numpy": np.__version__}
@@ -55,6 +48,16 @@ class NumpyBackend:
 def byte_rows(table: np.ndarray) -> np.ndarray:
     """The table's rows as bytes, ``(vocab_size, row_bytes)`` uint8: aligned whatever the address (a view)."""
     return table.view(_BYTE).reshape(table.shape[0], row_bytes(table))
+
+
+def take_into(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Write ``table[ids]`` into `out` with numpy's take, after a range check; return `out`."""
+    check_range(ids, table.shape[0])
+    if table.flags.aligned:
+        table.take(ids, axis=0, out=out, mode="clip")
+    else:
+        byte_rows(table).take(ids, axis=0, out=out.view(_BYTE).reshape(ids.shape + (row_bytes(table),)), mode="clip")
+    return out
 
 
 def check_range(ids: np.ndarray, vocab_size: int) -> None:
