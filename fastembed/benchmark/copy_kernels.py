@@ -21,14 +21,15 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from fastembed.kernels.cpu_intrinsics import store_fence, stream_store_16
+from fastembed.kernels.cpu_intrinsics import store_fence
+from fastembed.kernels.gather_cpu import stream_row
 
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
 
 #: Blocks of rows per thread: several, so that one slow thread does not hold the others up.
 BLOCKS_PER_THREAD = 4
 #: Rows whose source sits 1 to this many bytes below the destination (modulo
-#: 4 KiB) are streamed backward (see :func:`copies_backward`).
+#: 4 KiB) are streamed backward (see :func:`fastembed.kernels.gather_cpu.copies_backward`).
 ALIAS_WINDOW = 32
 
 _WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
@@ -75,14 +76,14 @@ def copy_parallel(src, dst, n_blocks):
 def copy_parallel_stream(src, dst, n_blocks, alias_window):
     """As :func:`copy_parallel`, with non-temporal stores; ``dst`` must pass :func:`can_stream`.
 
-    ``alias_window``: see :func:`copies_backward`.
+    ``alias_window``: see :func:`fastembed.kernels.gather_cpu.copies_backward`.
     """
     row_bytes = src.shape[1] * src.itemsize
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, src.shape[0])
         for i in range(start, stop):
             offset = np.uintp(i) * row_bytes
-            _stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes, alias_window)
+            stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes, False, 0, alias_window)
         store_fence()
 
 
@@ -107,41 +108,3 @@ def read_scattered(table, ids, n_blocks):
     for block in range(1, n_blocks):
         result ^= sums[block]
     return result
-
-
-@njit(**_JIT)
-def copies_backward(destination, source, alias_window):
-    """Whether a row from `source` to `destination` is copied backward (4K aliasing).
-
-    A load is checked against the stores still in flight by the low 12 bits
-    of the addresses, and one that seems to match waits for them. Copying
-    forward, each load comes right after the stores just below its offset,
-    so a source that sits 1 to ``alias_window`` bytes below the destination,
-    modulo 4 KiB, makes nearly every load wait; those rows are copied
-    backward, where loads follow stores above them.
-    """
-    return (source - destination) & 4095 >= 4096 - alias_window
-
-
-@njit(**_JIT)
-def _stream_row(destination, source, row_bytes, alias_window):
-    """Copy one row (addresses as integers) with non-temporal 16-byte stores."""
-    whole_lines = row_bytes - row_bytes % 64
-    if copies_backward(destination, source, alias_window):
-        for offset in range(row_bytes - 16, whole_lines - 16, -16):
-            stream_store_16(destination + offset, source + offset)
-        for offset in range(whole_lines - 64, -64, -64):
-            stream_store_16(destination + offset + 48, source + offset + 48)
-            stream_store_16(destination + offset + 32, source + offset + 32)
-            stream_store_16(destination + offset + 16, source + offset + 16)
-            stream_store_16(destination + offset, source + offset)
-    else:
-        # Whole cache lines first, each completed in the write-combining buffer
-        # by consecutive stores, then the remaining 16-byte pieces.
-        for offset in range(0, whole_lines, 64):
-            stream_store_16(destination + offset, source + offset)
-            stream_store_16(destination + offset + 16, source + offset + 16)
-            stream_store_16(destination + offset + 32, source + offset + 32)
-            stream_store_16(destination + offset + 48, source + offset + 48)
-        for offset in range(whole_lines, row_bytes, 16):
-            stream_store_16(destination + offset, source + offset)

@@ -108,7 +108,7 @@ def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_r
         source = table_address + np.uintp(row) * row_bytes
         ahead = table_address + np.uintp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
         destination = out_address + np.uintp(i) * row_bytes
-        _stream_row(destination, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
+        stream_row(destination, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
     store_fence()
     return skipped
 
@@ -129,8 +129,12 @@ def copies_backward(destination, source, alias_window):
 
 
 @njit(**_JIT)
-def _stream_row(destination, source, row_bytes, prefetch_ahead, ahead, alias_window):
-    """Copy one row with non-temporal stores, in the direction :func:`copies_backward` picks."""
+def stream_row(destination, source, row_bytes, prefetch_ahead, ahead, alias_window):
+    """Copy one row (addresses as integers) with non-temporal stores, in the direction :func:`copies_backward` picks.
+
+    With `prefetch_ahead`, each cache line copied comes with a prefetch of the
+    same line at address `ahead`.
+    """
     if copies_backward(destination, source, alias_window):
         _stream_row_backward(destination, source, row_bytes, prefetch_ahead, ahead)
     else:
