@@ -63,6 +63,17 @@ MAX_ENTRY_BYTES = 4096
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
+def _string(text: str, pos: int, fail: Callable[[str], ValueError], what: str) -> tuple[str, int]:
+    """The JSON string starting at `pos`, and the position after it and any whitespace; `fail` makes the error."""
+    if text[pos:pos + 1] != '"':
+        raise fail(f"expected {what} at character {pos}")
+    try:
+        value, pos = scanstring(text, pos + 1, True)
+    except ValueError as error:
+        raise fail(str(error)) from None
+    return value, _skip_whitespace(text, pos)
+
+
 def _skip_whitespace(text: str, pos: int) -> int:
     """The first position at or after `pos` that is not JSON whitespace."""
     match = _WHITESPACE.match(text, pos)
@@ -170,13 +181,7 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
         pos += 1
     else:
         while True:
-            if pos >= length or text[pos] != '"':
-                raise fail(f"expected a tensor name in double quotes at character {pos}")
-            try:
-                name, pos = scanstring(text, pos + 1, True)
-            except ValueError as error:
-                raise fail(str(error)) from None
-            pos = _skip_whitespace(text, pos)
+            name, pos = _string(text, pos, fail, "a tensor name in double quotes")
             if pos >= length or text[pos] != ":":
                 raise fail(f"expected ':' after {name[:80]!r}")
             pos = _skip_whitespace(text, pos + 1)
@@ -317,13 +322,7 @@ def _skip_metadata_slowly(path: Any, text: str, pos: int) -> int:
         return pos + 1
     while True:
         for expected in ("key", "value"):
-            if text[pos:pos + 1] != '"':
-                raise fail(f"expected a string {expected} at character {pos}")
-            try:
-                _, pos = scanstring(text, pos + 1, True)
-            except ValueError as error:
-                raise fail(str(error)) from None
-            pos = _skip_whitespace(text, pos)
+            _, pos = _string(text, pos, fail, f"a string {expected}")
             if expected == "key":
                 if text[pos:pos + 1] != ":":
                     raise fail(f"expected ':' at character {pos}")
