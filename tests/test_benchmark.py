@@ -505,3 +505,12 @@ def test_processes_arguments_are_checked_first(arguments, words, capsys):
         cli.main(arguments)
     assert exit_info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_pytest_benchmark_suite_runs():
+    """bench/ holds the pytest-benchmark suite; here each of its cases runs once (--benchmark-disable)."""
+    suite = Path(__file__).resolve().parent.parent / "bench"
+    result = subprocess.run([sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider",
+                             "--benchmark-disable", "-x"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
