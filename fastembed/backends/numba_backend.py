@@ -290,12 +290,22 @@ class NumbaBackend:
     # -- facts ---------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
+        """Versions, threads, the threading layer and its wait policy, the thresholds.
+
+        Loads numba and its threading layer the way a lookup does (with the
+        wait policy of :meth:`_load_threading_layer`), so that asking for the
+        facts never loads OpenMP with another policy first.
+        """
         if self.unavailable_reasons():
             return {}
+        try:
+            self.kernels()
+        except ImportError as error:
+            return {"error": str(error)}
         import numba
 
         try:
-            threads: Any = numba.get_num_threads()  # starts the thread pool, which may fail to load
+            threads: Any = numba.get_num_threads()  # the layer is loaded: this reads the pool's size
         except Exception as error:  # noqa: BLE001 - reported, not raised: info must always print
             threads = f"unavailable: {_one_line(error)}"
             self._parallel_error = self._parallel_error or threads
@@ -438,13 +448,6 @@ def _blocks_per_call() -> int:
     import numba
 
     return max(1, int(numba.config.NUMBA_NUM_THREADS)) * BLOCKS_PER_THREAD  # type: ignore[attr-defined]
-
-
-def thread_count() -> int:
-    """Threads numba's parallel kernels use now."""
-    import numba
-
-    return int(numba.get_num_threads())
 
 
 def _threading_layer() -> str:

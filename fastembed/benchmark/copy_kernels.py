@@ -36,7 +36,14 @@ _WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtyp
 
 
 def block_count() -> int:
-    """Blocks of rows for the parallel kernels: BLOCKS_PER_THREAD per thread of numba's pool."""
+    """Blocks of rows for the parallel kernels: BLOCKS_PER_THREAD per thread of numba's pool.
+
+    The numba backend loads numba's threading layer first, so that the copies
+    run with the same OpenMP wait policy as the gathers they are compared with.
+    """
+    from fastembed.backends.numba_backend import BACKEND
+
+    BACKEND.kernels()
     return max(1, numba.get_num_threads()) * BLOCKS_PER_THREAD
 
 
