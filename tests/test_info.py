@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 import fastembed
 from fastembed import info
@@ -133,3 +136,18 @@ def test_the_version_comes_from_this_distribution_not_the_import_package(monkeyp
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
     assert info.fastembed_version() == ("0.7.3", "fastembed.__version__ (not installed as a distribution)")
+
+
+def _numba_facts(environment: dict[str, str]) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    output = subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], capture_output=True, text=True,
+                            check=True, env={**env, **environment}).stdout
+    return next(backend for backend in json.loads(output)["backends"] if backend["name"] == "numba")
+
+
+def test_info_reports_the_openmp_wait_policy_and_respects_the_users():
+    numba = _numba_facts({})
+    if not numba["available"] or numba.get("threading_layer") != "omp":
+        pytest.skip("numba's OpenMP layer is not in use here")
+    assert numba["omp_wait_policy"].startswith("passive (set by fastembed")
+    assert _numba_facts({"OMP_WAIT_POLICY": "active"})["omp_wait_policy"] == "active (OMP_WAIT_POLICY set by the user)"
