@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, validate
-from .arrays import device_of
+from .arrays import device_of, result_like
+
+_NDARRAY = np.ndarray
 
 
 def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> Any:
@@ -57,7 +59,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> A
     table_view = validate.table_snapshot(table)
     ids_view = validate.ids_snapshot(ids, table_view)
     if out is None:
-        return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+        result = dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+        return result if type(table) is _NDARRAY else result_like(result, table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
     dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
     return out
@@ -87,6 +90,7 @@ class Embedding:
     def __init__(self, table: Any) -> None:
         self._view = validate.table_snapshot(table)
         self._table = table
+        self._numpy = type(table) is _NDARRAY  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto") -> Any:
@@ -94,7 +98,8 @@ class Embedding:
         table_view = self._view
         ids_view = validate.ids_snapshot(ids, table_view)
         if out is None:
-            return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+            result = dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+            return result if self._numpy else result_like(result, self._table)
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
         dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
         return out

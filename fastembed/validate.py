@@ -12,14 +12,18 @@ performs in its own pass and reports through :func:`out_of_range_error`, so
 that the message is the same whatever backend found the bad id.
 
 Contracts:
-- a *table* is a 2-D, C-contiguous array (numpy, np.memmap or cupy) of any
-  fixed-size dtype that holds no Python objects;
+- a *table* is a 2-D, C-contiguous array (numpy, np.memmap, cupy, or a torch
+  CPU tensor) of any fixed-size dtype that holds no Python objects;
 - *ids* are integers of any dtype and any ndim, on the table's device (host
   ids for a GPU table are copied there); int32 and int64 ids are used as
   they are (no converting copy);
 - *out* is a C-contiguous, writeable array of shape ``ids.shape + (dim,)``
   and the table's dtype, on the table's device, sharing no memory with the
   table or the ids.
+
+A torch CPU tensor (table, ids or out) is snapshotted as a numpy array over
+its memory (zero-copy, :mod:`fastembed.arrays.torch_adapter`), so every check
+below, and the backends, see numpy.
 
 Errors: TypeError for the wrong kind of thing, ValueError for the wrong
 shape/layout, IndexError for an id out of range. Nothing the caller owns is
@@ -55,7 +59,7 @@ def table_snapshot(table: Any) -> Any:
         adapter = adapter_of(table)
         if adapter is None:
             raise TypeError(
-                "table must be a numpy array, np.memmap or cupy array, "
+                "table must be a numpy array, np.memmap, cupy array or torch CPU tensor, "
                 f"got {type(table).__module__}.{type(table).__qualname__}"
             )
         view = adapter.snapshot(table)
@@ -67,7 +71,8 @@ def table_snapshot(table: Any) -> Any:
     if not view.flags.c_contiguous:
         raise ValueError(
             f"table must be C-contiguous, got strides {tuple(view.strides)} for shape {tuple(view.shape)}; "
-            "fastembed never copies a table implicitly: pass np.ascontiguousarray(table) once"
+            "fastembed never copies a table implicitly: pass np.ascontiguousarray(table) "
+            "(a torch tensor: table.contiguous()) once"
         )
     return view
 
@@ -119,6 +124,9 @@ def _host_ids(ids: Any) -> np.ndarray:
     """Host ids as a numpy snapshot (a view of an array, or the array numpy converts a list to)."""
     if isinstance(ids, np.ndarray):
         return ids.view(_NDARRAY)  # np.matrix, np.memmap: a plain view
+    adapter = adapter_of(ids)
+    if adapter is not None:
+        return adapter.snapshot(ids)  # a host tensor: a numpy view of it
     if isinstance(ids, (bool, np.bool_)):
         raise TypeError("ids must be integers, got a bool")
     converted = np.asarray(ids)
@@ -227,12 +235,21 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     adapter = adapter_of(out)
     if adapter is None:
         raise TypeError(f"out must be an array, got {type(out).__module__}.{type(out).__qualname__}")
-    if adapter is not adapter_of(table) or adapter.device(out) != device_of(table):
+    if adapter.device(out) != device_of(table):
         raise TypeError(
             f"out lives on {adapter.device(out)} but the table lives on {device_of(table)}; "
             "they must be on the same device"
         )
-    view = adapter.snapshot(out)
+    if getattr(out, "requires_grad", False):
+        raise ValueError(
+            "out requires grad: lookup writes it in place and records no autograd; pass a tensor that does not"
+        )
+    view = adapter.snapshot(out)  # a torch CPU tensor: a numpy view over its memory, like the table's snapshot
+    if adapter_of(view) is not adapter_of(table):
+        raise TypeError(
+            f"out is a {type(out).__module__} array and the table a {type(table).__module__} array; "
+            "the kernels write only into arrays of the table's kind"
+        )
     if tuple(view.shape) != output_shape(ids, table):
         raise ValueError(f"out has shape {tuple(view.shape)}, expected {output_shape(ids, table)} (ids.shape + (dim,))")
     if view.dtype != table.dtype:

@@ -4,13 +4,15 @@ Everything that depends on which library made an array (detecting it, where
 it lives, a fresh view of it, allocating beside it, address ranges) lives in
 that library's adapter, so adding an array type touches one module here plus
 its entry in :data:`ADAPTERS`. Adapters import their library lazily; the
-numpy adapter is the only one loaded by ``import fastembed``.
+numpy adapter is the only one loaded by ``import fastembed`` (the cupy and
+torch adapter modules are loaded, but never import cupy or torch until they
+are given one of their arrays).
 """
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from . import cupy_adapter, numpy_adapter
+from . import cupy_adapter, numpy_adapter, torch_adapter
 
 
 class ArrayAdapter(Protocol):
@@ -46,9 +48,17 @@ class ArrayAdapter(Protocol):
         """Whether two arrays of this library share memory (exact for contiguous arrays)."""
         ...
 
+    def wrap(self, result: Any) -> Any:
+        """A result gathered from a snapshot, as an array of this library (zero-copy).
+
+        The identity where snapshots are this library's own arrays (numpy,
+        cupy); a tensor over the numpy result's memory for torch.
+        """
+        ...
+
 
 #: Every known adapter; the first that owns an array describes it.
-ADAPTERS: tuple[ArrayAdapter, ...] = (numpy_adapter.ADAPTER, cupy_adapter.ADAPTER)
+ADAPTERS: tuple[ArrayAdapter, ...] = (numpy_adapter.ADAPTER, cupy_adapter.ADAPTER, torch_adapter.ADAPTER)
 
 
 def adapter_of(array: Any) -> ArrayAdapter | None:
@@ -57,6 +67,18 @@ def adapter_of(array: Any) -> ArrayAdapter | None:
         if adapter.owns(array):
             return adapter
     return None
+
+
+def result_like(result: Any, table: Any) -> Any:
+    """`result` (gathered from a snapshot of `table`) as an array of the caller's `table`'s library.
+
+    The one place a result is wrapped back: lookup and Embedding call it only
+    when the caller's table is not a plain numpy array, so that path costs
+    nothing. A numpy table with ids or ``out`` of another library still
+    returns numpy: the result follows the table.
+    """
+    adapter = adapter_of(table)
+    return result if adapter is None else adapter.wrap(result)
 
 
 def device_of(array: Any) -> str:

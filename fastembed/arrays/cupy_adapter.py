@@ -40,6 +40,9 @@ class CupyAdapter:
         first_start, second_start = first.data.ptr, second.data.ptr
         return first_start < second_start + second.nbytes and second_start < first_start + first.nbytes
 
+    def wrap(self, result: Any) -> Any:
+        return result
+
 
 def device_index(device: str) -> int:
     """The N of ``"cuda:N"``."""

@@ -29,5 +29,8 @@ class NumpyAdapter:
         """Whether two snapshots share memory (exact: ``np.shares_memory``)."""
         return isinstance(second, np.ndarray) and bool(np.shares_memory(first, second))
 
+    def wrap(self, result: np.ndarray) -> np.ndarray:
+        return result
+
 
 ADAPTER = NumpyAdapter()

@@ -1,0 +1,257 @@
+"""torch CPU tensors in and out of lookup and Embedding, zero-copy (fastembed/arrays/torch_adapter.py, docs/interop.md)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI installs its CPU build: .ci/run)")
+
+import fastembed  # noqa: E402
+from fastembed.arrays import torch_adapter  # noqa: E402
+from helpers import CPU_BACKENDS  # noqa: E402
+
+VOCAB, DIM = 97, 24
+TABLE_DTYPES = ["float16", "float32", "bfloat16", "int8"]
+#: The integer dtype of the same width, for bit-exact comparisons.
+BITS = {torch.float16: torch.int16, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int8: torch.int8}
+
+
+def torch_table(dtype: str, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == "int8":
+        return torch.randint(-128, 128, (VOCAB, DIM), dtype=torch.int8, generator=generator)
+    values = torch.randn((VOCAB, DIM), generator=generator) + 0.5  # never all zeros
+    return values.to(getattr(torch, dtype))
+
+
+def poisoned_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A nonzero byte pattern, so that an unwritten element cannot pass."""
+    out = torch.empty(shape, dtype=dtype)
+    out.view(torch.uint8).fill_(0xA5)
+    return out
+
+
+def expected_rows(table: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
+    return table[torch.from_numpy(np.asarray(ids, np.int64))]
+
+
+def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert isinstance(actual, torch.Tensor), type(actual)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (actual.dtype, actual.shape)
+    assert torch.equal(actual.view(BITS[actual.dtype]), expected.view(BITS[expected.dtype]))
+
+
+def numpy_address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+@pytest.mark.parametrize("dtype", TABLE_DTYPES)
+@pytest.mark.parametrize("ids_kind", ["numpy", "torch"])
+@pytest.mark.parametrize("ids_dtype", ["int32", "int64", "int16"])
+@pytest.mark.parametrize("ids_shape", [(6,), (2, 3)])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_torch_table_gathers_bit_exact(backend, dtype, ids_kind, ids_dtype, ids_shape, with_out):
+    table = torch_table(dtype)
+    host_ids = np.array([5, 96, 0, 41, 41, 17], dtype=ids_dtype).reshape(ids_shape)
+    ids = host_ids if ids_kind == "numpy" else torch.from_numpy(host_ids)
+    expected = expected_rows(table, host_ids)
+    if with_out:
+        out = poisoned_tensor(ids_shape + (DIM,), table.dtype)
+        address = out.data_ptr()
+        result = fastembed.lookup(table, ids, out=out, backend=backend)
+        assert result is out and out.data_ptr() == address  # the caller's tensor, written in place
+    else:
+        result = fastembed.lookup(table, ids, backend=backend)
+    assert_bit_equal(result, expected)
+
+
+@pytest.mark.parametrize("dtype", TABLE_DTYPES)
+def test_embedding_over_a_torch_table(backend, dtype):
+    table = torch_table(dtype)
+    emb = fastembed.Embedding(table)
+    assert emb.table is table
+    assert (emb.vocab_size, emb.dim, emb.device) == (VOCAB, DIM, "cpu")
+    assert emb.dtype.name == dtype
+    ids = torch.tensor([[3, 1], [96, 3]], dtype=torch.int32)
+    assert_bit_equal(emb(ids, backend=backend), expected_rows(table, ids.numpy()))
+    out = poisoned_tensor((2, 2, DIM), table.dtype)
+    assert emb(ids, out=out, backend=backend) is out
+    assert_bit_equal(out, expected_rows(table, ids.numpy()))
+
+
+def test_embedding_sees_later_writes_to_the_torch_table(backend):
+    """No copy was taken: the layer reads the caller's tensor memory."""
+    table = torch_table("float32")
+    emb = fastembed.Embedding(table)
+    table[7] = 42.0
+    assert torch.equal(emb([7], backend=backend), torch.full((1, DIM), 42.0))
+    bf16 = torch_table("bfloat16")
+    emb16 = fastembed.Embedding(bf16)
+    bf16[3] = -2.5
+    assert torch.equal(emb16([3], backend=backend), torch.full((1, DIM), -2.5, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", TABLE_DTYPES)
+def test_snapshots_and_results_share_memory(dtype):
+    table = torch_table(dtype)
+    view = torch_adapter.ADAPTER.snapshot(table)
+    assert isinstance(view, np.ndarray) and view.shape == (VOCAB, DIM)
+    assert numpy_address(view) == table.data_ptr()
+    back = torch_adapter.ADAPTER.wrap(view)
+    assert back.dtype == table.dtype and back.data_ptr() == table.data_ptr()
+
+
+def test_result_is_a_tensor_over_the_gathered_memory():
+    table = torch_table("bfloat16")
+    result = fastembed.lookup(table, [1, 2])
+    assert result.dtype == torch.bfloat16 and result.is_contiguous()
+    assert numpy_address(torch_adapter.ADAPTER.snapshot(result)) == result.data_ptr()
+
+
+def test_numpy_table_with_torch_ids_returns_numpy(backend):
+    table = torch_table("float32").numpy()
+    ids = torch.tensor([[4, 0], [2, 96]], dtype=torch.int64)
+    result = fastembed.lookup(table, ids, backend=backend)
+    assert type(result) is np.ndarray
+    np.testing.assert_array_equal(result, table[ids.numpy()])
+    assert type(fastembed.Embedding(table)(torch.tensor([1], dtype=torch.int16))) is np.ndarray
+
+
+def test_out_of_the_other_cpu_kind_is_written_and_returned(backend):
+    table = torch_table("float16")
+    out = np.full((2, DIM), 7, np.float16)
+    assert fastembed.lookup(table, [9, 8], out=out, backend=backend) is out
+    np.testing.assert_array_equal(out, table.numpy()[[9, 8]])
+    host = table.numpy()
+    tensor_out = poisoned_tensor((2, DIM), torch.float16)
+    assert fastembed.lookup(host, [9, 8], out=tensor_out, backend=backend) is tensor_out
+    assert_bit_equal(tensor_out, expected_rows(table, np.array([9, 8])))
+
+
+def test_requires_grad_table_is_gathered_without_autograd(backend):
+    table = torch_table("float32").requires_grad_()
+    result = fastembed.lookup(table, [1, 5], backend=backend)
+    assert not result.requires_grad
+    assert_bit_equal(result, expected_rows(table.detach(), np.array([1, 5])))
+    parameter = torch.nn.Parameter(torch_table("float16"))
+    emb = fastembed.Embedding(parameter)
+    assert_bit_equal(emb([0, 2], backend=backend), expected_rows(parameter.detach(), np.array([0, 2])))
+    with torch.no_grad():
+        parameter[2] = 1.0
+    assert torch.equal(emb([2], backend=backend), torch.ones((1, DIM), dtype=torch.float16))
+
+
+def test_out_that_requires_grad_is_refused():
+    table = torch_table("float32")
+    out = torch.zeros((1, DIM), requires_grad=True)
+    with pytest.raises(ValueError, match="requires grad"):
+        fastembed.lookup(table, [1], out=out)
+    assert not out.detach().any()
+
+
+def test_non_contiguous_torch_table_is_refused_but_strided_ids_are_fine(backend):
+    table = torch_table("float32")
+    with pytest.raises(ValueError, match="C-contiguous.*contiguous\\(\\)"):
+        fastembed.lookup(table.t(), [0])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        fastembed.Embedding(table[:, ::2])
+    ids = torch.arange(20, dtype=torch.int64)[::3]
+    assert not ids.is_contiguous()
+    assert_bit_equal(fastembed.lookup(table, ids, backend=backend), expected_rows(table, ids.numpy()))
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32, torch.int16])
+def test_bad_torch_ids_raise_index_error_with_position_and_value(backend, ids_dtype):
+    table = torch_table("float16")
+    out = poisoned_tensor((2, 2, DIM), torch.float16)
+    before = out.clone()
+    ids = torch.tensor([[1, 2], [VOCAB, 3]], dtype=ids_dtype)
+    with pytest.raises(IndexError, match=rf"id {VOCAB} at position \(1, 0\) is out of range"):
+        fastembed.lookup(table, ids, out=out, backend=backend)
+    assert torch.equal(out.view(torch.int16), before.view(torch.int16))  # untouched on a host error
+    with pytest.raises(IndexError, match=r"id -1 at position 1 is out of range"):
+        fastembed.lookup(table, torch.tensor([0, -1], dtype=ids_dtype), backend=backend)
+
+
+def test_non_integer_torch_ids_are_refused():
+    table = torch_table("float32")
+    with pytest.raises(TypeError, match="ids must be integers, got floating"):
+        fastembed.lookup(table, torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="ids must be integers, got bool"):
+        fastembed.lookup(table, torch.tensor([True]))
+
+
+def test_out_checks_apply_to_torch_out():
+    table = torch_table("float32")
+    with pytest.raises(TypeError, match="out has dtype float16"):
+        fastembed.lookup(table, [1], out=torch.empty((1, DIM), dtype=torch.float16))
+    with pytest.raises(ValueError, match="out has shape"):
+        fastembed.lookup(table, [1], out=torch.empty((2, DIM)))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        fastembed.lookup(table, [1, 2], out=torch.empty((DIM, 2)).t())
+    with pytest.raises(ValueError, match="overlaps the table"):
+        fastembed.lookup(table, [5, 6], out=table[:2])
+
+
+def test_scalar_and_empty_ids():
+    table = torch_table("bfloat16")
+    scalar = fastembed.lookup(table, torch.tensor(4))
+    assert scalar.shape == (DIM,) and torch.equal(scalar.view(torch.int16), table[4].view(torch.int16))
+    empty = fastembed.lookup(table, torch.empty((0,), dtype=torch.int64))
+    assert isinstance(empty, torch.Tensor) and empty.shape == (0, DIM) and empty.dtype == torch.bfloat16
+
+
+def test_float8_tables_travel_through_ml_dtypes():
+    table = torch_table("float32").to(torch.float8_e4m3fn)
+    result = fastembed.lookup(table, [3, 0])
+    assert result.dtype == torch.float8_e4m3fn
+    assert torch.equal(result.view(torch.uint8), table[[3, 0]].view(torch.uint8))
+
+
+def test_dispatch_still_picks_a_cpu_backend_for_torch_inputs():
+    table = torch_table("float16")
+    selection = fastembed.select_backend(table, torch.tensor([1, 2]), out=torch.empty((2, DIM), dtype=torch.float16))
+    assert selection.backend == CPU_BACKENDS[0]
+    assert fastembed.select_backend(table, [1], backend="numpy").backend == "numpy"
+
+
+def fake_cuda_tensor(index: int = 1):
+    """Something torch_adapter takes for a torch CUDA tensor (there is no GPU here)."""
+    fake = types.new_class("Tensor")
+    fake.__module__ = "torch"
+    fake.__dlpack__ = lambda self: None
+    fake.device = types.SimpleNamespace(type="cuda", index=index)
+    return fake()
+
+
+def test_torch_cuda_tensors_are_refused_naming_where_each_lives():
+    table = torch_table("float32")
+    assert torch_adapter.ADAPTER.device(fake_cuda_tensor(1)) == "cuda:1"
+    with pytest.raises(TypeError, match=r"torch CUDA tensors are not supported yet; use cupy \(Embedding.to_device\(\)\)"):
+        fastembed.lookup(fake_cuda_tensor(), [1])
+    with pytest.raises(TypeError, match="ids live on cuda:1 but the table lives on cpu"):
+        fastembed.lookup(table, fake_cuda_tensor())
+    with pytest.raises(TypeError, match="out lives on cuda:1 but the table lives on cpu"):
+        fastembed.lookup(table, [1], out=fake_cuda_tensor())
+    with pytest.raises(TypeError, match="not supported"):
+        fastembed.lookup(torch.empty((4, 3), device="meta"), [1])
+
+
+def test_torch_objects_that_are_not_tensors_are_not_arrays():
+    with pytest.raises(TypeError, match="table must be a numpy array, np.memmap, cupy array or torch CPU tensor"):
+        fastembed.lookup(torch.UntypedStorage(16), [0])
+
+
+def test_import_fastembed_does_not_import_torch():
+    code = (
+        "import sys, numpy as np, fastembed\n"
+        "fastembed.lookup(np.ones((4, 3), np.float32), [1, 2])\n"
+        "fastembed.Embedding(np.ones((4, 3), np.float32))(np.array([0]), out=np.empty((1, 3), np.float32))\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
