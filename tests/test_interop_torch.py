@@ -212,6 +212,12 @@ def test_float8_tables_travel_through_ml_dtypes():
     assert torch.equal(result.view(torch.uint8), table[[3, 0]].view(torch.uint8))
 
 
+def test_bfloat16_without_ml_dtypes_is_a_clear_type_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes raises ImportError
+    with pytest.raises(TypeError, match=r"torch bfloat16 tensors need ml_dtypes.*fastembed-gather\[bfloat16\]"):
+        fastembed.lookup(torch_table("bfloat16"), [1])
+
+
 def test_dispatch_still_picks_a_cpu_backend_for_torch_inputs():
     table = torch_table("float16")
     selection = fastembed.select_backend(table, torch.tensor([1, 2]), out=torch.empty((2, DIM), dtype=torch.float16))

@@ -17,12 +17,10 @@ from typing import Any
 
 import numpy as np
 
-#: torch dtype name -> (torch integer dtype of the same width, ml_dtypes name) for dtypes numpy has not.
-_VIA_INTEGER = {
-    "bfloat16": ("int16", "bfloat16"),
-    "float8_e4m3fn": ("uint8", "float8_e4m3fn"),
-    "float8_e5m2": ("uint8", "float8_e5m2"),
-}
+#: torch dtype name -> the torch integer dtype of the same width, for the dtypes numpy has not (ml_dtypes has them).
+_VIA_INTEGER = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+#: The same, keyed by torch dtype objects (torch dtype -> (torch integer dtype, name)); built on first use.
+_via_torch: dict[Any, tuple[Any, str]] | None = None
 
 CUDA_NOT_SUPPORTED = "torch CUDA tensors are not supported yet; use cupy (Embedding.to_device())"
 
@@ -47,29 +45,25 @@ class TorchAdapter:
             if device.startswith("cuda"):
                 raise TypeError(f"{CUDA_NOT_SUPPORTED} (got a tensor on {device})")
             raise TypeError(f"torch tensors on {device} are not supported; fastembed reads CPU tensors")
-        import torch
-
-        tensor = array.detach()  # a view without autograd history: lookup does not record autograd
-        name = str(tensor.dtype).rpartition(".")[2]
-        via = _VIA_INTEGER.get(name)
+        tensor = array.detach() if array.requires_grad else array  # no copy: lookup does not record autograd
+        via = _via_integer().get(tensor.dtype)
         if via is None:
             try:
                 return np.from_dlpack(tensor)
             except (BufferError, RuntimeError, TypeError) as error:
                 raise TypeError(f"torch dtype {tensor.dtype} cannot be seen as a numpy array: {error}") from None
-        import ml_dtypes
-
-        integers = np.from_dlpack(tensor.view(getattr(torch, via[0])))
-        return integers.view(getattr(ml_dtypes, via[1]))
+        return np.from_dlpack(tensor.view(via[0])).view(_ml_dtype(via[1]))
 
     def wrap(self, result: np.ndarray) -> Any:
         """A host result (a numpy array) as a tensor over the same memory."""
         import torch
 
-        via = _VIA_INTEGER.get(np.dtype(result.dtype).name)
-        if via is None:
+        if result.dtype.kind != "V":  # numpy's own dtypes; ml_dtypes' (bfloat16, float8) are kind V
             return torch.from_dlpack(result)
-        return torch.from_dlpack(result.view(np.dtype(via[0]))).view(getattr(torch, result.dtype.name))
+        name = result.dtype.name
+        if name not in _VIA_INTEGER:
+            raise TypeError(f"a {name} result has no torch dtype")
+        return torch.from_dlpack(result.view(np.dtype(_VIA_INTEGER[name]))).view(getattr(torch, name))
 
     def empty(self, shape: tuple[int, ...], dtype: Any, device: str = "cpu") -> Any:
         return self.wrap(np.empty(shape, dtype))
@@ -82,6 +76,29 @@ class TorchAdapter:
     def may_share_memory(self, first: np.ndarray, second: Any) -> bool:
         """Whether two snapshots share memory (they are numpy arrays: exact, ``np.shares_memory``)."""
         return isinstance(second, np.ndarray) and bool(np.shares_memory(first, second))
+
+
+def _via_integer() -> dict[Any, tuple[Any, str]]:
+    global _via_torch
+    if _via_torch is None:
+        import torch
+
+        _via_torch = {
+            getattr(torch, name): (getattr(torch, integer), name)
+            for name, integer in _VIA_INTEGER.items()
+            if hasattr(torch, name)
+        }
+    return _via_torch
+
+
+def _ml_dtype(name: str) -> Any:
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(
+            f"torch {name} tensors need ml_dtypes (numpy has no {name}): pip install 'fastembed-gather[bfloat16]'"
+        ) from None
+    return getattr(ml_dtypes, name)
 
 
 ADAPTER = TorchAdapter()
