@@ -23,8 +23,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> A
     """Gather rows of an embedding table: ``table[ids]``.
 
     Args:
-        table: 2-D C-contiguous numpy array, np.memmap (host) or cupy array
-            (GPU), of any fixed-size dtype.
+        table: 2-D C-contiguous numpy array, np.memmap or torch CPU tensor
+            (host), or cupy array (GPU), of any fixed-size dtype.
         ids: integers of any dtype and ndim (lists and scalars as numpy
             accepts them) in ``[0, table.shape[0])``; int32/int64 are used
             without a copy.
@@ -34,7 +34,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> A
             or ``"cuda"``.
 
     Returns:
-        ``out``, or a new array on the table's device.
+        ``out``, or a new array of the table's kind on the table's device
+        (a torch tensor for a torch table; see docs/interop.md).
 
     Shape:
         ``ids.shape + (table.shape[1],)``, the table's dtype.
@@ -106,7 +107,7 @@ class Embedding:
 
     @property
     def table(self) -> Any:
-        """The table as the caller gave it (numpy, np.memmap or cupy array)."""
+        """The table as the caller gave it (numpy, np.memmap, torch tensor or cupy array)."""
         return self._table
 
     @property
