@@ -143,6 +143,12 @@ def test_to_device_dense_and_bfloat16(cp):
                                           host[ids].view(np.uint16))
 
 
+def test_to_device_refuses_an_item_size_cupy_cannot_carry(cp):
+    host = np.zeros((4, 2), "V3")
+    with pytest.raises(TypeError, match="cupy has no dtype of 3 bytes"):
+        fastembed.Embedding(host).to_device()
+
+
 def test_to_device_on_a_second_device(cp):
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("one CUDA device only")

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from . import numpy_adapter
+
 #: torch dtype name -> the torch integer dtype of the same width, for the dtypes numpy has not (ml_dtypes has them).
 _VIA_INTEGER = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 #: The same, keyed by torch dtype objects (torch dtype -> (torch integer dtype, name)); built on first use.
@@ -73,9 +75,8 @@ class TorchAdapter:
             raise TypeError(CUDA_NOT_SUPPORTED)
         return self.wrap(host)
 
-    def may_share_memory(self, first: np.ndarray, second: Any) -> bool:
-        """Whether two snapshots share memory (they are numpy arrays: exact, ``np.shares_memory``)."""
-        return isinstance(second, np.ndarray) and bool(np.shares_memory(first, second))
+    #: Snapshots of tensors are numpy arrays: the numpy adapter's exact test applies.
+    may_share_memory = staticmethod(numpy_adapter.ADAPTER.may_share_memory)
 
 
 def _via_integer() -> dict[Any, tuple[Any, str]]:

@@ -154,19 +154,25 @@ class CudaBackend:
 
     # -- per-device state -----------------------------------------------------------------------------
 
+    def _once(self, cache: dict[Any, Any], key: Any, make: Any) -> Any:
+        """``cache[key]``, made by ``make()`` by one thread only the first time."""
+        value = cache.get(key)
+        if value is None:
+            with self._lock:
+                value = cache.get(key)
+                if value is None:
+                    value = cache[key] = make()
+        return value
+
     def _module(self, device_id: int) -> Any:
-        module = self._modules.get(device_id)
-        if module is None:
+        def compile_module() -> Any:
             import cupy
 
-            with self._lock:
-                module = self._modules.get(device_id)
-                if module is None:
-                    with cupy.cuda.Device(device_id):
-                        module = cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=COMPILE_OPTIONS,
-                                                name_expressions=list(KERNEL_NAMES))
-                    self._modules[device_id] = module
-        return module
+            with cupy.cuda.Device(device_id):
+                return cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=COMPILE_OPTIONS,
+                                      name_expressions=list(KERNEL_NAMES))
+
+        return self._once(self._modules, device_id, compile_module)
 
     def _kernel(self, device_id: int, id_type: str, vec_type: str) -> Any:
         key = (device_id, id_type, vec_type)
@@ -192,13 +198,7 @@ class CudaBackend:
         return flag
 
     def _deferred_flag(self, device_id: int) -> Any:
-        flag = self._deferred_flags.get(device_id)
-        if flag is None:
-            with self._lock:
-                flag = self._deferred_flags.get(device_id)
-                if flag is None:
-                    flag = self._deferred_flags[device_id] = self._new_flag(device_id)
-        return flag
+        return self._once(self._deferred_flags, device_id, lambda: self._new_flag(device_id))
 
     def _sm_count(self, device_id: int) -> int:
         count = self._sm_counts.get(device_id)
@@ -251,6 +251,9 @@ def to_device(table: Any, device_id: int) -> Any:
 
     host = np.ascontiguousarray(table)
     if host.dtype.kind == "V" or host.dtype.type.__module__.partition(".")[0] == "ml_dtypes":
+        if host.dtype.itemsize not in (1, 2, 4, 8):
+            raise TypeError(f"cannot move a table of dtype {host.dtype} to the GPU: cupy has no dtype of "
+                            f"{host.dtype.itemsize} bytes to carry it")
         host = host.view(f"u{host.dtype.itemsize}")
     with cupy.cuda.Device(device_id):
         return cupy.asarray(host)
