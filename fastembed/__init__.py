@@ -62,10 +62,10 @@ def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto")
 def wait_for_compiles() -> None:
     """Block until every kernel compiling in the background is ready.
 
-    The first large CPU lookup of a process is served by the serial kernel
-    while the parallel one compiles on a background thread. A server that
-    wants parallel speed from its first request makes one lookup of a
-    typical batch at start-up, then calls this.
+    No lookup compiles on the caller's thread: a call whose kernels are
+    not compiled yet is served by numpy's take while they compile on a
+    background thread. A server that wants full speed from its first
+    request makes one lookup of a typical batch at start-up, then calls this.
 
     Example:
         >>> import fastembed
