@@ -36,10 +36,6 @@ class ArrayAdapter(Protocol):
         """
         ...
 
-    def empty(self, shape: tuple[int, ...], dtype: Any, device: str) -> Any:
-        """A new uninitialised array on `device`."""
-        ...
-
     def from_host(self, host: Any, device: str) -> Any:
         """Host data (a numpy array) as an array of this library on `device` (a copy where the device is not the host)."""
         ...

@@ -20,12 +20,6 @@ class CupyAdapter:
     def snapshot(self, array: Any) -> Any:
         return array.view()
 
-    def empty(self, shape: tuple[int, ...], dtype: Any, device: str) -> Any:
-        import cupy
-
-        with cupy.cuda.Device(device_index(device)):
-            return cupy.empty(shape, dtype)
-
     def from_host(self, host: Any, device: str) -> Any:
         """A copy of host data on `device` (ids given as numpy for a GPU table)."""
         import cupy

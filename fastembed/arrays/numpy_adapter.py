@@ -19,9 +19,6 @@ class NumpyAdapter:
         # A base-class view: np.memmap's subclass makes slicing and typing slower, and the bytes are the same.
         return array.view() if type(array) is np.ndarray else array.view(np.ndarray)
 
-    def empty(self, shape: tuple[int, ...], dtype: Any, device: str = "cpu") -> np.ndarray:
-        return np.empty(shape, dtype)
-
     def from_host(self, host: np.ndarray, device: str = "cpu") -> np.ndarray:
         return host
 

@@ -67,9 +67,6 @@ class TorchAdapter:
             raise TypeError(f"a {name} result has no torch dtype")
         return torch.from_dlpack(result.view(np.dtype(_VIA_INTEGER[name]))).view(getattr(torch, name))
 
-    def empty(self, shape: tuple[int, ...], dtype: Any, device: str = "cpu") -> Any:
-        return self.wrap(np.empty(shape, dtype))
-
     def from_host(self, host: np.ndarray, device: str = "cpu") -> Any:
         if device != "cpu":
             raise TypeError(CUDA_NOT_SUPPORTED)
