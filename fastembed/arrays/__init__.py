@@ -1,7 +1,7 @@
 """One small adapter per array library: what fastembed needs to know of an array.
 
 Everything that depends on which library made an array (detecting it, where
-it lives, a fresh view of it, allocating beside it, address ranges) lives in
+it lives, a fresh view of it, copying host ids to it, address ranges) lives in
 that library's adapter, so adding an array type touches one module here plus
 its entry in :data:`ADAPTERS`. Adapters import their library lazily; the
 numpy adapter is the only one loaded by ``import fastembed`` (the cupy and
