@@ -16,6 +16,9 @@ import numpy as np
 
 #: The id dtypes every kernel takes as they are; validation converts other integer ids to int64.
 NATIVE_ID_DTYPES: frozenset[np.dtype] = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
+#: The format name of an ordinary (not quantized) table.
+DENSE = "dense"
+DENSE_ONLY: frozenset[str] = frozenset({DENSE})
 
 
 @dataclass(frozen=True)
@@ -28,11 +31,16 @@ class Capabilities:
             ``ids`` and ``out`` arrive on the table's device and library.
         devices: the device kinds it runs on (``"cpu"``, ``"cuda"``).
         id_dtypes: the id dtypes it takes natively.
+        formats: the table formats it gathers: ``"dense"`` (any fixed-size
+            dtype) and the names of the block formats it dequantizes
+            (:data:`fastembed.formats.FORMATS`), for which it implements
+            :class:`DequantizingBackend`.
     """
 
     array_libraries: frozenset[str]
     devices: frozenset[str]
     id_dtypes: frozenset[np.dtype] = NATIVE_ID_DTYPES
+    formats: frozenset[str] = DENSE_ONLY
 
 
 @runtime_checkable
@@ -70,13 +78,33 @@ class Backend(Protocol):
         ...
 
 
-def not_supported_reasons(backend: Backend, array_library: str, device: str) -> list[str]:
-    """Why `backend` cannot serve a call whose table is an `array_library` array on `device`.
+@runtime_checkable
+class DequantizingBackend(Backend, Protocol):
+    """A backend that also gathers quantized tables (it declares their formats in its capabilities).
+
+    Contract of :meth:`dequantize`: as :meth:`Backend.gather`, for a
+    :class:`fastembed.formats.QuantizedTable` snapshot whose ``data`` (and
+    ``scales``) live where the backend runs. It writes the dequantized rows
+    ``dequantize_rows(table.data[ids], ...)`` (float32, bit for bit the
+    reference of :mod:`fastembed.formats`) converted to `dtype` (float32,
+    float16 or bfloat16: rounded to nearest even) into ``out`` (``None``: a
+    new ``ids.shape + (dim,)`` array of `dtype`) and returns it.
+    """
+
+    def dequantize(self, table: Any, ids: Any, out: Any | None, dtype: np.dtype) -> Any:
+        """Write the dequantized ``table[ids]`` as `dtype` into ``out`` (or a new array) and return it."""
+        ...
+
+
+def not_supported_reasons(backend: Backend, array_library: str, device: str, table_format: str = DENSE) -> list[str]:
+    """Why `backend` cannot serve a call whose table is an `array_library` array on `device` in `table_format`.
 
     Derived from the backend's declared :class:`Capabilities` only.
     """
     capabilities = backend.capabilities
     reasons = []
+    if table_format not in capabilities.formats:
+        reasons.append(f"the {backend.name} backend does not gather {table_format} tables")
     if array_library not in capabilities.array_libraries:
         reasons.append(
             f"the table is a {array_library} array on {device}; the {backend.name} backend gathers "
