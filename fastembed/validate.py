@@ -77,6 +77,43 @@ def table_snapshot(table: Any) -> Any:
     return view
 
 
+def check_quantized(table: Any) -> None:
+    """Check that a :class:`fastembed.formats.QuantizedTable`'s arrays fit its format.
+
+    Raises:
+        TypeError: `data` is not a uint8 array fastembed knows, or `scales`
+            is not float32, or is on another device than `data`.
+        ValueError: `data` is not 2-D and C-contiguous, its rows are not
+            ``format.row_bytes(dim)`` bytes, or the scales are missing, extra
+            or not one per row.
+    """
+    fmt, data, scales = table.format, table.data, table.scales
+    adapter = adapter_of(data)
+    if adapter is None or np.dtype(data.dtype) != np.uint8:
+        raise TypeError(
+            f"a {fmt.name} table's data must be a uint8 array (numpy, np.memmap or cupy), got "
+            f"{type(data).__module__}.{type(data).__qualname__} of dtype {getattr(data, 'dtype', None)}"
+        )
+    expected = fmt.row_bytes(table.dim)
+    if data.ndim != 2 or data.shape[1] != expected:
+        raise ValueError(
+            f"a {fmt.name} table of dim {table.dim} holds rows of {expected} bytes: data must have shape "
+            f"(vocab_size, {expected}), got {tuple(data.shape)}"
+        )
+    if not data.flags.c_contiguous:
+        raise ValueError(f"a {fmt.name} table's data must be C-contiguous, got strides {tuple(data.strides)}")
+    if not fmt.row_scale:
+        if scales is not None:
+            raise ValueError(f"the {fmt.name} format keeps its scales inside the blocks: scales must be None")
+        return
+    if scales is None or adapter_of(scales) is not adapter or np.dtype(scales.dtype) != np.float32:
+        raise TypeError(f"a {fmt.name} table needs float32 scales, one per row, in the same array library as its data")
+    if device_of(scales) != device_of(data):
+        raise TypeError(f"the scales live on {device_of(scales)} but the rows on {device_of(data)}")
+    if tuple(scales.shape) != (data.shape[0],) or not scales.flags.c_contiguous:
+        raise ValueError(f"scales must be C-contiguous of shape ({data.shape[0]},), got {tuple(scales.shape)}")
+
+
 def ids_snapshot(ids: Any, table: Any) -> Any:
     """A snapshot of `ids` as integers on the table's device (`table`: a snapshot).
 
