@@ -15,21 +15,28 @@ import numpy as np
 
 from . import dispatch, validate
 from .arrays import device_of, result_like
+from .formats import QuantizedTable
 
 _NDARRAY = np.ndarray
 
 
-def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> Any:
+def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend: str = "auto") -> Any:
     """Gather rows of an embedding table: ``table[ids]``.
 
     Args:
         table: 2-D C-contiguous numpy array, np.memmap or torch CPU tensor
-            (host), or cupy array (GPU), of any fixed-size dtype.
+            (host), or cupy array (GPU), of any fixed-size dtype; or a
+            :class:`fastembed.formats.QuantizedTable` (GGUF block formats,
+            fp8 with row scales), dequantized while gathering.
         ids: integers of any dtype and ndim (lists and scalars as numpy
             accepts them) in ``[0, table.shape[0])``; int32/int64 are used
             without a copy.
         out: optional preallocated C-contiguous array of the result's shape
             and dtype, on the table's device; it is filled and returned.
+        dtype: the result's dtype. None: the table's dtype (float32 for a
+            quantized table). A quantized table dequantizes into float32,
+            float16 or bfloat16; a dense float host table casts into those
+            or float64 (rounding to nearest even).
         backend: ``"auto"`` (or FASTEMBED_BACKEND), ``"numba"``, ``"numpy"``
             or ``"cuda"``.
 
@@ -38,7 +45,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> A
         (a torch tensor for a torch table; see docs/interop.md).
 
     Shape:
-        ``ids.shape + (table.shape[1],)``, the table's dtype.
+        ``ids.shape + (table.shape[1],)``, the output dtype.
 
     Raises:
         TypeError: ids that are not integers; arrays of the wrong kind, dtype or device.
@@ -59,12 +66,32 @@ def lookup(table: Any, ids: Any, *, out: Any = None, backend: str = "auto") -> A
     """
     table_view = validate.table_snapshot(table)
     ids_view = validate.ids_snapshot(ids, table_view)
+    if dtype is not None or type(table_view) is QuantizedTable:
+        return _converting_lookup(table_view, ids_view, out, dtype, backend, table, ids)
     if out is None:
         result = dispatch.select(table_view, backend).gather(table_view, ids_view, None)
         return result if type(table) is _NDARRAY else result_like(result, table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
     dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
     return out
+
+
+def _converting_lookup(table_view: Any, ids_view: Any, out: Any, dtype: Any, backend: str, table: Any, ids: Any) -> Any:
+    """The steps of :func:`lookup` for a quantized table or an explicit ``dtype=``."""
+    target = validate.output_dtype(table_view, dtype)
+    out_view = None if out is None else validate.out_snapshot(out, ids_view, table_view, table, ids, target)
+    chosen = dispatch.select(table_view, backend)
+    if type(table_view) is QuantizedTable:
+        result = chosen.dequantize(table_view, ids_view, out_view, target)  # type: ignore[attr-defined]
+    elif target == table_view.dtype:
+        result = chosen.gather(table_view, ids_view, out_view)
+    else:
+        from .casting import gather_cast
+
+        result = gather_cast(chosen, table_view, ids_view, out_view, target)
+    if out is not None:
+        return out
+    return result if type(table) is _NDARRAY or type(table) is QuantizedTable else result_like(result, table)
 
 
 class Embedding:
@@ -94,10 +121,12 @@ class Embedding:
         self._numpy = type(table) is _NDARRAY  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
 
-    def __call__(self, ids: Any, out: Any = None, backend: str = "auto") -> Any:
+    def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:
         """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors)."""
         table_view = self._view
         ids_view = validate.ids_snapshot(ids, table_view)
+        if dtype is not None or type(table_view) is QuantizedTable:
+            return _converting_lookup(table_view, ids_view, out, dtype, backend, self._table, ids)
         if out is None:
             result = dispatch.select(table_view, backend).gather(table_view, ids_view, None)
             return result if self._numpy else result_like(result, self._table)
@@ -107,8 +136,13 @@ class Embedding:
 
     @property
     def table(self) -> Any:
-        """The table as the caller gave it (numpy, np.memmap, torch tensor or cupy array)."""
+        """The table as the caller gave it (numpy, np.memmap, torch tensor, cupy array or QuantizedTable)."""
         return self._table
+
+    @property
+    def format(self) -> str:
+        """``"dense"``, or the block format of a quantized table (``"q8_0"``, see docs/quantized.md)."""
+        return self._view.format.name if type(self._view) is QuantizedTable else "dense"
 
     @property
     def vocab_size(self) -> int:
@@ -122,21 +156,22 @@ class Embedding:
 
     @property
     def dtype(self) -> np.dtype:
-        """The table's dtype (and every result's)."""
-        return np.dtype(self._view.dtype)
+        """The dtype of results without ``dtype=``: the table's, float32 for a quantized table."""
+        return validate.output_dtype(self._view, None)
 
     @property
     def nbytes(self) -> int:
-        """The table's size in bytes."""
+        """The table's size in bytes (a quantized table's rows and scales)."""
         return int(self._view.nbytes)
 
     @property
     def device(self) -> str:
         """``"cpu"`` or ``"cuda:N"``."""
-        return device_of(self._view)
+        return device_of(validate.storage(self._view))
 
     def __repr__(self) -> str:
-        return f"Embedding(vocab_size={self.vocab_size}, dim={self.dim}, dtype={self.dtype}, device={self.device!r})"
+        kind = f"format={self.format!r}" if self.format != "dense" else f"dtype={self.dtype}"
+        return f"Embedding(vocab_size={self.vocab_size}, dim={self.dim}, {kind}, device={self.device!r})"
 
     @classmethod
     def random(
@@ -190,8 +225,8 @@ class Embedding:
         Args:
             source: a Hugging Face checkpoint directory (one ``model.safetensors``
                 or shards with ``model.safetensors.index.json``: only the shard
-                holding the table is mapped), an index file, a ``.safetensors``
-                or ``.npy`` file, or a table array (used as it is).
+                holding the table is mapped), an index file, a ``.safetensors``,
+                ``.gguf`` or ``.npy`` file, or a table array (used as it is).
             name: the tensor; None picks the token embedding by the naming
                 conventions of the common families, confirmed by ``config.json``
                 where there is one.
@@ -221,6 +256,84 @@ class Embedding:
         embedding._watch = FileWatch.for_table(table)
         return embedding
 
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike, name: str | None = None) -> Embedding:
+        """Memory-map one 2-D tensor of a GGUF file (v2, v3), read-only, zero-copy.
+
+        Args:
+            path: the ``.gguf`` file (a llama.cpp model).
+            name: the tensor; None means ``token_embd.weight``.
+
+        Returns:
+            An Embedding over a :class:`~fastembed.formats.QuantizedTable` for the
+            block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; results
+            float32 unless ``dtype=`` asks for float16 or bfloat16), or over a
+            dense array for F32, F16 and BF16.
+
+        Raises:
+            FileNotFoundError: no file at `path`.
+            ValueError: not a GGUF file, a corrupt or hostile header, a missing
+                tensor, or a tensor type fastembed does not gather (named).
+        """
+        from .io import map_gguf
+
+        return cls._opened(map_gguf(path, name))
+
+    def save(self, path: str | os.PathLike, name: str | None = None) -> None:
+        """Write the table to `path`: ``.gguf`` (dense float tables and the GGUF block formats) or ``.safetensors``.
+
+        A quantized table's safetensors file holds its rows as bytes, its row
+        scales beside them and its format in the metadata; loading it back
+        (:meth:`from_safetensors`, :meth:`from_pretrained`) gives the same bytes.
+
+        Args:
+            path: the file to write (replaced if it exists).
+            name: the tensor's name; None: ``token_embd.weight`` in GGUF, ``weight`` in safetensors.
+
+        Raises:
+            ValueError: a suffix other than ``.gguf``/``.safetensors``, or a format the file type cannot hold.
+        """
+        from .io import save_table
+
+        save_table(path, self._view, name)
+
+    def quantize(self, kind: str) -> Embedding:
+        """A new Embedding over this table quantized into `kind`: ``"q8_0"`` or ``"fp8_e4m3"``.
+
+        ``q8_0`` is ggml's layout (blocks of 32 values: a float16 scale
+        ``absmax / 127`` and 32 int8), byte for byte what llama.cpp writes;
+        ``fp8_e4m3`` keeps one float8_e4m3fn per value and one float32 scale
+        ``absmax / 448`` per row. Error bounds: docs/quantized.md. The table is
+        read a few MiB of rows at a time; the new table is the only large allocation.
+
+        Raises:
+            ValueError: an unknown kind, a kind fastembed cannot produce, a dim
+                that is not a whole number of blocks, or NaN/infinite values.
+            TypeError: a table that is not a float table on the host, or already quantized.
+
+        Example:
+            >>> import fastembed
+            >>> emb = fastembed.Embedding.random(1000, 64).quantize("q8_0")
+            >>> emb.format, emb(0).dtype
+            ('q8_0', dtype('float32'))
+        """
+        from .formats import QuantizedTable, block_format, quantize_rows
+
+        fmt = block_format(kind)
+        view = self._view
+        if type(view) is QuantizedTable or not isinstance(view, np.ndarray) or not validate.is_float_dtype(view.dtype):
+            raise TypeError(f"quantize() takes a dense floating-point host table, not {self!r}")
+        vocab_size, dim = view.shape
+        data = np.empty((vocab_size, fmt.row_bytes(dim)), dtype=np.uint8)
+        scales = np.empty(vocab_size, dtype=np.float32) if fmt.row_scale else None
+        step = max(1, (4 << 20) // (4 * dim))
+        for start in range(0, vocab_size, step):
+            rows, row_scales = quantize_rows(view[start : start + step], fmt)
+            data[start : start + step] = rows
+            if scales is not None:
+                scales[start : start + step] = row_scales
+        return Embedding(QuantizedTable(data, fmt, dim, scales))
+
     def check_file(self) -> None:
         """Raise if the file behind a mapped table shrank or was modified in place since it was opened.
 
@@ -248,4 +361,4 @@ class Embedding:
         reasons = cuda_backend.BACKEND.unavailable_reasons()
         if reasons:
             raise BackendUnavailableError(f"cannot move the table to cuda:{device}: {'; '.join(reasons)}")
-        return Embedding(cuda_backend.to_device(self._view, device))
+        return Embedding(cuda_backend.to_device(self._view, device))  # a QuantizedTable moves its data and scales

@@ -17,6 +17,7 @@ from typing import Any
 from .arrays import adapter_of, device_of
 from .backends import base, cuda_backend, numba_backend, numpy_backend
 from .backends.base import Backend
+from .formats import QuantizedTable
 
 #: Priority order for ``auto``.
 BACKENDS: dict[str, Backend] = {b.name: b for b in (cuda_backend.BACKEND, numba_backend.BACKEND, numpy_backend.BACKEND)}
@@ -59,6 +60,8 @@ def register_backend(backend: Backend, before: str | None = None) -> None:
     """
     if not isinstance(backend, Backend):
         raise TypeError(f"{backend!r} does not implement fastembed.backends.base.Backend")
+    if backend.capabilities.formats - base.DENSE_ONLY and not isinstance(backend, base.DequantizingBackend):
+        raise TypeError(f"{backend!r} declares quantized formats but has no dequantize method")
     if backend.name in BACKENDS or backend.name == AUTO:
         raise ValueError(f"a backend named {backend.name!r} is already registered")
     if before is not None and before not in BACKENDS:
@@ -119,9 +122,11 @@ def reasons_against(backend: Backend, table: Any) -> list[str]:
     unavailable = backend.unavailable_reasons()
     if unavailable:
         return unavailable
-    adapter = adapter_of(table)
-    library = adapter.name if adapter is not None else type(table).__module__.partition(".")[0]
-    return base.not_supported_reasons(backend, library, device_of(table))
+    quantized = type(table) is QuantizedTable
+    rows = table.data if quantized else table
+    adapter = adapter_of(rows)
+    library = adapter.name if adapter is not None else type(rows).__module__.partition(".")[0]
+    return base.not_supported_reasons(backend, library, device_of(rows), table.format.name if quantized else base.DENSE)
 
 
 def available_backends() -> tuple[Backend, ...]:
@@ -152,10 +157,12 @@ def select(table: Any, backend: str = AUTO) -> Backend:
     """The backend that serves a call on `table` (a snapshot); raises if a named one cannot.
 
     Support depends only on the table's array library and device kind, which
-    its type decides, so the answer is remembered per requested backend,
-    FASTEMBED_BACKEND and table type: one dict lookup per call.
+    its type decides, and its format, so the answer is remembered per
+    requested backend, FASTEMBED_BACKEND, table type and format: one dict
+    lookup per call.
     """
-    key = (backend, _environment_choice, type(table))
+    kind = type(table)
+    key = (backend, _environment_choice, kind if kind is not QuantizedTable else (type(table.data), table.format.name))
     try:
         remembered = _selected.get(key)
     except TypeError:  # an unhashable backend argument (a list, say)
@@ -186,7 +193,7 @@ def _choose(table: Any, backend: str) -> Backend:
     )
 
 
-_selected: dict[tuple[str, str, type], Backend] = {}
+_selected: dict[tuple[str, str, Any], Backend] = {}
 
 
 def explain(table: Any, backend: str = AUTO) -> Selection:

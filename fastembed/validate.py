@@ -17,9 +17,13 @@ Contracts:
 - *ids* are integers of any dtype and any ndim, on the table's device (host
   ids for a GPU table are copied there); int32 and int64 ids are used as
   they are (no converting copy);
+- a *quantized table* is a :class:`fastembed.formats.QuantizedTable` whose
+  arrays fit its format (:func:`check_quantized`); it dequantizes into
+  float32, float16 or bfloat16 (float32 unless ``dtype=`` says otherwise);
 - *out* is a C-contiguous, writeable array of shape ``ids.shape + (dim,)``
-  and the table's dtype, on the table's device, sharing no memory with the
-  table or the ids.
+  and the output dtype (:func:`output_dtype`: the table's dtype unless
+  ``dtype=`` asks for another), on the table's device, sharing no memory
+  with the table or the ids.
 
 A torch CPU tensor (table, ids or out) is snapshotted as a numpy array over
 its memory (zero-copy, :mod:`fastembed.arrays.torch_adapter`), so every check
@@ -37,6 +41,8 @@ import numpy as np
 
 from .arrays import adapter_of, device_of
 from .backends.base import NATIVE_ID_DTYPES
+from .formats import OUTPUT_DTYPES, QuantizedTable
+from .tables import resolve_dtype
 
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)  # numpy's builtin dtypes are singletons
 _NDARRAY = np.ndarray
@@ -55,6 +61,8 @@ def table_snapshot(table: Any) -> Any:
         view = table.view()
         if view.ndim == 2 and view.flags.c_contiguous and not view.dtype.hasobject and view.dtype.itemsize:
             return view  # the common case, kept cheap: every check below passes
+    elif type(table) is QuantizedTable:
+        return _quantized_snapshot(table)
     else:
         adapter = adapter_of(table)
         if adapter is None:
@@ -75,6 +83,62 @@ def table_snapshot(table: Any) -> Any:
             "(a torch tensor: table.contiguous()) once"
         )
     return view
+
+
+def _quantized_snapshot(table: QuantizedTable) -> QuantizedTable:
+    """A QuantizedTable over fresh views of `table`'s arrays, checked again (another thread may change them)."""
+    data, scales = table.data, table.scales
+    data_adapter = adapter_of(data)
+    scales_adapter = adapter_of(scales)
+    return QuantizedTable(
+        data if data_adapter is None else data_adapter.snapshot(data),
+        table.format,
+        table.dim,
+        scales if scales_adapter is None else scales_adapter.snapshot(scales),
+    )
+
+
+def storage(table: Any) -> Any:
+    """The array holding a table's rows: the table itself, or a quantized table's ``data``."""
+    return table.data if type(table) is QuantizedTable else table
+
+
+def output_dtype(table: Any, dtype: Any) -> np.dtype:
+    """The dtype of ``table[ids]`` for a call with ``dtype=dtype`` (`table`: a snapshot).
+
+    None means the table's dtype, or float32 for a quantized table. A
+    quantized table dequantizes into float32, float16 or bfloat16; a dense
+    floating-point table casts into those or float64 (rounding to nearest
+    even); any other table gives its own dtype only.
+
+    Raises:
+        TypeError: a dtype the table cannot be gathered into, naming the choices.
+    """
+    if type(table) is QuantizedTable:
+        if dtype is None:
+            return np.dtype(np.float32)
+        target = resolve_dtype(dtype)
+        if target.name not in OUTPUT_DTYPES:
+            raise TypeError(f"a {table.format.name} table dequantizes into {', '.join(OUTPUT_DTYPES)}, not {target}")
+        return target
+    source = np.dtype(table.dtype)
+    if dtype is None:
+        return source
+    target = resolve_dtype(dtype)
+    if target == source:
+        return source
+    if is_float_dtype(source) and target.name in (*OUTPUT_DTYPES, "float64"):
+        return target
+    raise TypeError(
+        f"a {source} table can be gathered into its own dtype"
+        + (f" or {', '.join(OUTPUT_DTYPES)}, float64" if is_float_dtype(source) else "")
+        + f", not {target}"
+    )
+
+
+def is_float_dtype(dtype: np.dtype) -> bool:
+    """numpy floats and the ml_dtypes floats (bfloat16, float8): what casts to another float."""
+    return dtype.kind == "f" or (dtype.type.__module__ == "ml_dtypes" and "float" in dtype.name)
 
 
 def check_quantized(table: Any) -> None:
@@ -135,7 +199,8 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
             return ids.view()
         _check_integer_dtype(dtype)
         return _native_ids(ids, table.shape[0])
-    table_device, ids_device = device_of(table), device_of(ids)
+    rows = storage(table)
+    table_device, ids_device = device_of(rows), device_of(ids)
     if ids_device != table_device:
         if ids_device != "cpu" or table_device == "cpu":
             raise TypeError(
@@ -146,7 +211,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         host = _host_ids(ids)
         _check_integer_dtype(host.dtype)
         host = _native_ids(host, table.shape[0])
-        return adapter_of(table).from_host(host, table_device)  # type: ignore[union-attr]
+        return adapter_of(rows).from_host(host, table_device)  # type: ignore[union-attr]
     if ids_device != "cpu":
         adapter = adapter_of(ids)
         view = adapter.snapshot(ids) if adapter is not None else ids
@@ -240,11 +305,12 @@ def output_shape(ids: Any, table: Any) -> tuple[int, ...]:
     return tuple(ids.shape) + (table.shape[1],)
 
 
-def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: Any) -> Any:
+def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: Any, dtype: Any = None) -> Any:
     """A validated snapshot of `out` that can receive ``table[ids]`` without any copy.
 
     `ids` and `table` are snapshots; `caller_table` and `caller_ids` are what
-    the caller passed (their ownership flags make the overlap test cheap).
+    the caller passed (their ownership flags make the overlap test cheap);
+    `dtype` is the output dtype (:func:`output_dtype`; None: the table's).
 
     Raises:
         TypeError: wrong type, dtype or device.
@@ -256,7 +322,7 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
         flags = view.flags
         if (
             view.shape == ids.shape + table.shape[1:]
-            and view.dtype == table.dtype
+            and view.dtype == (table.dtype if dtype is None else dtype)
             and flags.c_contiguous
             and flags.writeable
             and out.flags.owndata
@@ -272,9 +338,10 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     adapter = adapter_of(out)
     if adapter is None:
         raise TypeError(f"out must be an array, got {type(out).__module__}.{type(out).__qualname__}")
-    if adapter.device(out) != device_of(table):
+    rows = storage(table)
+    if adapter.device(out) != device_of(rows):
         raise TypeError(
-            f"out lives on {adapter.device(out)} but the table lives on {device_of(table)}; "
+            f"out lives on {adapter.device(out)} but the table lives on {device_of(rows)}; "
             "they must be on the same device"
         )
     if getattr(out, "requires_grad", False):
@@ -282,21 +349,23 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             "out requires grad: lookup writes it in place and records no autograd; pass a tensor that does not"
         )
     view = adapter.snapshot(out)  # a torch CPU tensor: a numpy view over its memory, like the table's snapshot
-    if adapter_of(view) is not adapter_of(table):
+    if adapter_of(view) is not adapter_of(rows):
         raise TypeError(
             f"out is a {type(out).__module__} array and the table a {type(table).__module__} array; "
             "the kernels write only into arrays of the table's kind"
         )
     if tuple(view.shape) != output_shape(ids, table):
         raise ValueError(f"out has shape {tuple(view.shape)}, expected {output_shape(ids, table)} (ids.shape + (dim,))")
-    if view.dtype != table.dtype:
-        raise TypeError(f"out has dtype {np.dtype(view.dtype)}, expected the table's dtype {np.dtype(table.dtype)}")
+    expected = np.dtype(table.dtype) if dtype is None else np.dtype(dtype)
+    if view.dtype != expected:
+        raise TypeError(f"out has dtype {np.dtype(view.dtype)}, expected {expected} (the output dtype of this lookup)")
     flags = view.flags
     if not flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous, got strides {tuple(view.strides)}")
     if isinstance(view, np.ndarray) and not flags.writeable:
         raise ValueError("out is read-only")
-    if adapter.may_share_memory(view, table):
+    scales = table.scales if type(table) is QuantizedTable else None
+    if adapter.may_share_memory(view, rows) or (scales is not None and adapter.may_share_memory(view, scales)):
         raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")
     if adapter.may_share_memory(view, ids):
         raise ValueError("out overlaps the ids: gathering into it would overwrite ids being read")

@@ -13,6 +13,10 @@ keeps a concurrent change of the ids inside the table.
 A table whose data is not aligned to its itemsize (a file mapped at an odd
 offset) is gathered through a byte view of its rows: ``take`` would first
 copy the whole table to align it.
+
+A quantized table is gathered as bytes and dequantized by the readable
+reference of :mod:`fastembed.formats`, a bounded number of rows at a time
+(:func:`dequantize_into`).
 """
 from __future__ import annotations
 
@@ -21,22 +25,32 @@ from typing import Any
 import numpy as np
 
 from .. import validate
-from .base import Capabilities
+from ..formats import FORMATS, QuantizedTable, dequantize_rows
+from .base import DENSE, Capabilities
 
 _BYTE = np.dtype(np.uint8)
+#: Rows dequantized per step: bounds the float32 temporaries of the reference to a few MiB.
+_DEQUANTIZE_ROWS_PER_STEP = 256
 
 
 class NumpyBackend:
     """The always-available host backend (see the module docstring)."""
 
     name = "numpy"
-    capabilities = Capabilities(array_libraries=frozenset({"numpy"}), devices=frozenset({"cpu"}))
+    capabilities = Capabilities(
+        array_libraries=frozenset({"numpy"}), devices=frozenset({"cpu"}), formats=frozenset({DENSE, *FORMATS})
+    )
 
     def unavailable_reasons(self) -> list[str]:
         return []
 
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         return take_new(table, ids) if out is None else take_into(table, ids, out)
+
+    def dequantize(self, table: QuantizedTable, ids: np.ndarray, out: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
+        if out is None:
+            out = np.empty(ids.shape + (table.dim,), dtype=dtype)
+        return dequantize_into(table, ids, out)
 
     def describe(self) -> dict[str, Any]:
         return {"numpy": np.__version__}
@@ -92,6 +106,26 @@ def take_new(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     except IndexError:
         validate.check_ids_in_range(ids, len(table))  # raises, naming position and value
         raise
+
+
+def dequantize_into(table: QuantizedTable, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Write the dequantized rows ``table[ids]`` into `out` (its dtype: float32, float16 or bfloat16); return `out`.
+
+    The reference every other backend matches bit for bit: float32 values
+    from :func:`fastembed.formats.dequantize_rows`, converted by numpy's
+    (or ml_dtypes') cast, which rounds to nearest even. Ids are range-checked
+    first and clipped while gathering, so a concurrent change of the ids
+    cannot read outside the table.
+    """
+    check_range(ids, table.data.shape[0])
+    flat_ids = ids.reshape(-1)
+    rows_out = out.reshape(-1, table.dim)
+    for start in range(0, flat_ids.size, _DEQUANTIZE_ROWS_PER_STEP):
+        chosen = flat_ids[start : start + _DEQUANTIZE_ROWS_PER_STEP]
+        data = table.data.take(chosen, axis=0, mode="clip")
+        scales = None if table.scales is None else table.scales.take(chosen, mode="clip")
+        rows_out[start : start + chosen.size] = dequantize_rows(data, scales, table.format, table.dim)
+    return out
 
 
 BACKEND = NumpyBackend()

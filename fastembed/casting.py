@@ -1,0 +1,47 @@
+"""A dense gather into another dtype (``lookup(..., dtype=)``), through a bounded scratch buffer.
+
+The backend gathers a few rows at a time into a scratch array of the
+table's dtype, and numpy's cast (ml_dtypes' for bfloat16) writes them into
+the output: the only allocations are the output and the scratch, which is
+bounded (:data:`SCRATCH_BYTES`), never a table-sized or output-sized
+temporary. Host tables only: a GPU table gathers in its own dtype.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .backends.base import Backend
+
+#: Bytes of the scratch rows: small enough to stay in the cache between the gather and the cast.
+SCRATCH_BYTES = 1 << 20
+
+
+def gather_cast(backend: Backend, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
+    """``table[ids].astype(dtype)`` written into `out` (or a new array), gathered by `backend`.
+
+    Args:
+        backend: the backend that gathers the rows (host tables).
+        table, ids, out: validated snapshots (``out`` of `dtype`, or None).
+        dtype: the output dtype (validated by :func:`fastembed.validate.output_dtype`).
+
+    Raises:
+        TypeError: a table that is not a host (numpy) array.
+        IndexError: an id out of range, before anything is written.
+    """
+    if not isinstance(table, np.ndarray):
+        raise TypeError(f"dtype= casts host tables only; gather this {type(table).__module__} table in its own dtype and cast the result")
+    from .backends.numpy_backend import check_range
+
+    check_range(ids, table.shape[0])
+    if out is None:
+        out = np.empty(ids.shape + (table.shape[1],), dtype=dtype)
+    flat_ids = ids.reshape(-1)
+    rows_out = out.reshape(-1, table.shape[1])
+    step = max(1, SCRATCH_BYTES // max(1, table.shape[1] * table.dtype.itemsize))
+    scratch = np.empty((min(step, flat_ids.size), table.shape[1]), dtype=table.dtype)
+    for start in range(0, flat_ids.size, step):
+        chosen = flat_ids[start : start + step]
+        rows = scratch[: chosen.size]
+        backend.gather(table, chosen, rows)
+        rows_out[start : start + chosen.size] = rows
+    return out

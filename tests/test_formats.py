@@ -1,0 +1,113 @@
+"""The block formats' numpy reference against llama.cpp's own (gguf.quants), the quantizers, and their error bounds."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fastembed.formats import FORMATS, QuantizedTable, block_format, dequantize_rows, quantize_rows, row_bytes
+from helpers import assert_bit_equal, random_quantized
+
+gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package is the reference for the GGUF layouts")
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
+
+GGUF_FORMATS = [name for name, fmt in FORMATS.items() if fmt.ggml_type is not None]
+
+
+@pytest.mark.parametrize("name", GGUF_FORMATS)
+def test_block_sizes_are_ggmls(name):
+    fmt = FORMATS[name]
+    assert GGML_QUANT_SIZES[GGMLQuantizationType(fmt.ggml_type)] == (fmt.block_values, fmt.block_bytes)
+    assert GGMLQuantizationType(fmt.ggml_type).name.lower() == name
+
+
+@pytest.mark.parametrize("name", GGUF_FORMATS)
+@pytest.mark.parametrize("dim", [256, 768])
+def test_reference_dequantization_is_ggufs_bit_for_bit(name, dim):
+    table = random_quantized(name, 37, dim, seed=dim)
+    expected = gguf_quants.dequantize(table.data, GGMLQuantizationType(FORMATS[name].ggml_type))
+    assert_bit_equal(dequantize_rows(table.data, None, table.format, dim), expected.astype(np.float32))
+
+
+def test_q8_0_quantizer_is_ggmls_byte_for_byte():
+    rows = np.random.default_rng(1).normal(0, 0.02, (50, 256)).astype(np.float32)
+    rows[3] = 0  # an all-zero block: scale 0, values 0
+    data, scales = quantize_rows(rows, FORMATS["q8_0"])
+    assert scales is None
+    assert_bit_equal(data, gguf_quants.quantize(rows, GGMLQuantizationType.Q8_0))
+
+
+def test_q8_0_error_is_bounded_by_its_block_scale():
+    """|x - dequant(x)| <= d/2 + 127 * |d - d16| <= 0.5625 * d per block of 32, with d = absmax / 127."""
+    rows = np.random.default_rng(2).standard_t(3, (64, 512)).astype(np.float32)
+    data, _ = quantize_rows(rows, FORMATS["q8_0"])
+    error = np.abs(dequantize_rows(data, None, FORMATS["q8_0"], 512) - rows).reshape(-1, 32)
+    d = np.abs(rows).reshape(-1, 32).max(axis=1) / 127
+    assert (error.max(axis=1) <= 0.5625 * d).all()
+
+
+def test_fp8_e4m3_error_is_relative_with_a_subnormal_floor():
+    """|x - dequant(x)| <= |x| / 16 + scale / 512 with scale = absmax / 448 per row (3 mantissa bits, subnormals below 2**-6)."""
+    rows = np.random.default_rng(3).standard_t(3, (64, 300)).astype(np.float32)
+    data, scales = quantize_rows(rows, FORMATS["fp8_e4m3"])
+    assert data.dtype == np.uint8 and scales.dtype == np.float32
+    error = np.abs(dequantize_rows(data, scales, FORMATS["fp8_e4m3"], 300) - rows)
+    assert (error <= np.abs(rows) / 16 + scales[:, None] / 512).all()
+    assert_bit_equal(scales, (np.abs(rows).max(axis=1) / np.float32(448)).astype(np.float32))
+
+
+def test_fp8_values_are_ml_dtypes_float8_e4m3fn():
+    rows = np.random.default_rng(4).normal(0, 1, (4, 16)).astype(np.float32)
+    data, scales = quantize_rows(rows, FORMATS["fp8_e4m3"])
+    assert_bit_equal(data, (rows / scales[:, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+def test_a_zero_row_quantizes_to_zeros():
+    for name in ("q8_0", "fp8_e4m3"):
+        data, scales = quantize_rows(np.zeros((2, 64), np.float32), FORMATS[name])
+        assert not dequantize_rows(data, scales, FORMATS[name], 64).any()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_values_cannot_be_quantized(bad):
+    rows = np.ones((2, 64), np.float32)
+    rows[1, 5] = bad
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        quantize_rows(rows, FORMATS["q8_0"])
+
+
+def test_formats_that_come_from_files_only_are_refused_by_the_quantizer():
+    with pytest.raises(ValueError, match="q4_k tables come from GGUF"):
+        quantize_rows(np.ones((1, 256), np.float32), FORMATS["q4_k"])
+
+
+def test_unknown_format_names_list_the_known_ones():
+    with pytest.raises(ValueError, match="unknown quantized format 'q3_x'.*q8_0"):
+        block_format("q3_x")
+    assert block_format("Q8_0") is FORMATS["q8_0"]
+
+
+def test_row_bytes_come_from_the_format():
+    assert FORMATS["q4_k"].row_bytes(4096) == 16 * 144
+    assert row_bytes(random_quantized("q6_k", 3, 512)) == 2 * 210
+    assert row_bytes(np.zeros((3, 5), np.float16)) == 10
+    with pytest.raises(ValueError, match="multiple of 32 values, not 48"):
+        FORMATS["q8_0"].row_bytes(48)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: QuantizedTable(np.zeros((4, 68), np.int8), "q8_0", 64), TypeError, "uint8"),
+        (lambda: QuantizedTable(np.zeros((4, 67), np.uint8), "q8_0", 64), ValueError, r"\(vocab_size, 68\)"),
+        (lambda: QuantizedTable(np.zeros((4, 136), np.uint8)[:, ::2], "q8_0", 64), ValueError, "C-contiguous"),
+        (lambda: QuantizedTable(np.zeros((4, 68), np.uint8), "q8_0", 64, np.ones(4, np.float32)), ValueError, "inside the blocks"),
+        (lambda: QuantizedTable(np.zeros((4, 64), np.uint8), "fp8_e4m3", 64), TypeError, "float32 scales"),
+        (lambda: QuantizedTable(np.zeros((4, 64), np.uint8), "fp8_e4m3", 64, np.ones(4)), TypeError, "float32 scales"),
+        (lambda: QuantizedTable(np.zeros((4, 64), np.uint8), "fp8_e4m3", 64, np.ones(3, np.float32)), ValueError, r"\(4,\)"),
+        (lambda: QuantizedTable([[0] * 68], "q8_0", 64), TypeError, "uint8 array"),
+    ],
+)
+def test_quantized_tables_that_do_not_fit_their_format_are_refused(make, error, message):
+    with pytest.raises(error, match=message):
+        make()

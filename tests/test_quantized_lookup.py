@@ -1,0 +1,128 @@
+"""Quantized tables through the public API: every CPU backend that declares a format, every output dtype, every error."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fastembed
+from fastembed.dispatch import BACKENDS
+from fastembed.formats import FORMATS, dequantize_rows
+from helpers import CPU_BACKENDS, assert_bit_equal, poisoned, random_quantized
+
+OUTPUT_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+DECLARED = [(backend, name) for backend in CPU_BACKENDS for name in FORMATS if name in BACKENDS[backend].capabilities.formats]
+
+
+def reference(table, ids, dtype=np.float32):
+    flat = np.asarray(ids).reshape(-1)
+    scales = None if table.scales is None else table.scales[flat]
+    rows = dequantize_rows(table.data[flat], scales, table.format, table.dim)
+    return rows.astype(dtype).reshape(np.shape(ids) + (table.dim,))
+
+
+@pytest.mark.parametrize(("backend", "name"), DECLARED)
+@pytest.mark.parametrize("dtype", OUTPUT_DTYPES, ids=str)
+def test_every_declared_format_gathers_the_reference_bit_for_bit(backend, name, dtype):
+    table = random_quantized(name, 300, 512, seed=len(name))
+    rng = np.random.default_rng(5)
+    for ids in (rng.integers(0, 300, 40), rng.integers(0, 300, (3, 5)).astype(np.int32), np.array([299]), np.array([], np.int64)):
+        assert_bit_equal(fastembed.lookup(table, ids, dtype=dtype, backend=backend), reference(table, ids, dtype))
+        out = poisoned(ids.shape + (512,), dtype)
+        assert fastembed.lookup(table, ids, out=out, dtype=dtype, backend=backend) is out
+        assert_bit_equal(out, reference(table, ids, dtype))
+
+
+@pytest.mark.parametrize(("backend", "name"), DECLARED)
+def test_an_out_of_range_id_leaves_out_untouched(backend, name):
+    table = random_quantized(name, 50, 256)
+    out = poisoned((3, 256), np.float32)
+    before = out.copy()
+    with pytest.raises(IndexError, match="id 50 at position 2 is out of range for a table of 50 rows"):
+        fastembed.lookup(table, [0, 1, 50], out=out, backend=backend)
+    assert_bit_equal(out, before)
+    with pytest.raises(IndexError, match="id -1 at position 0"):
+        fastembed.lookup(table, [-1], backend=backend)
+
+
+def test_the_default_output_is_float32_and_auto_picks_a_backend_that_declares_the_format():
+    emb = fastembed.Embedding(random_quantized("q4_k", 20, 256))
+    assert emb.dtype == np.float32 and emb.format == "q4_k" and emb.dim == 256 and emb.vocab_size == 20
+    assert emb.nbytes == 20 * 144
+    assert "q4_k" in repr(emb)
+    result = emb([[1, 2], [3, 4]])
+    assert result.dtype == np.float32 and result.shape == (2, 2, 256)
+    assert fastembed.explain(emb.table).backend in {b for b, name in DECLARED if name == "q4_k"}
+
+
+def test_an_embedding_keeps_its_own_view_of_a_quantized_table():
+    table = random_quantized("q8_0", 20, 64)
+    emb = fastembed.Embedding(table)
+    expected = emb([3])
+    table.data = np.zeros((1, 68), np.uint8)  # the caller rebinds its table's rows
+    assert_bit_equal(emb([3]), expected)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.float64, "float8_e4m3fn"])
+def test_quantized_tables_dequantize_into_float32_float16_or_bfloat16_only(dtype):
+    with pytest.raises(TypeError, match="dequantizes into float32, float16, bfloat16"):
+        fastembed.lookup(random_quantized("q8_0", 4, 32), [1], dtype=dtype)
+
+
+def test_out_must_have_the_output_dtype():
+    table = random_quantized("q8_0", 4, 32)
+    with pytest.raises(TypeError, match="expected float16"):
+        fastembed.lookup(table, [1], out=np.empty((1, 32), np.float32), dtype=np.float16)
+    with pytest.raises(ValueError, match=r"expected \(2, 32\)"):
+        fastembed.lookup(table, [1, 2], out=np.empty((1, 32), np.float32))
+
+
+def test_out_overlapping_the_scales_is_refused():
+    table = random_quantized("fp8_e4m3", 8, 1)
+    with pytest.raises(ValueError, match="overlaps the table"):
+        fastembed.lookup(table, [1], out=table.scales[:1].reshape(1, 1))
+
+
+def test_a_backend_that_does_not_declare_a_format_says_so():
+    from fastembed.backends.base import not_supported_reasons
+
+    reasons = not_supported_reasons(BACKENDS["numpy"], "numpy", "cpu", "q9_9")
+    assert reasons == ["the numpy backend does not gather q9_9 tables"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(("source", "target"), [("float16", "float32"), ("float32", "float16"), ("float32", "bfloat16"), ("bfloat16", "float64")])
+def test_dense_tables_cast_into_the_requested_dtype(backend, source, target):
+    table = fastembed.tables.random_table(3000, 40, source)
+    ids = np.random.default_rng(6).integers(0, 3000, (7, 300))
+    expected = table[ids].astype(fastembed.tables.resolve_dtype(target))
+    assert_bit_equal(fastembed.lookup(table, ids, dtype=target, backend=backend), expected)
+    out = poisoned(ids.shape + (40,), expected.dtype)
+    fastembed.Embedding(table)(ids, out=out, backend=backend, dtype=target)
+    assert_bit_equal(out, expected)
+    assert fastembed.lookup(table, ids, dtype=source, backend=backend).dtype == table.dtype
+
+
+def test_dense_casts_refuse_what_is_not_a_float_cast():
+    with pytest.raises(TypeError, match="int32 table can be gathered into its own dtype, not float32"):
+        fastembed.lookup(np.zeros((3, 2), np.int32), [1], dtype=np.float32)
+    with pytest.raises(TypeError, match="not int8"):
+        fastembed.lookup(np.zeros((3, 2), np.float32), [1], dtype=np.int8)
+
+
+def test_quantize_then_lookup_is_close_to_the_dense_rows():
+    emb = fastembed.Embedding.random(2000, 128, "float32")
+    ids = np.arange(0, 2000, 7)
+    for kind, tolerance in (("q8_0", 0.0625 / 127 * 0.57), ("fp8_e4m3", 0.0625 / 16)):
+        quantized = emb.quantize(kind)
+        assert quantized.format == kind and quantized.vocab_size == 2000 and quantized.dim == 128
+        assert np.abs(quantized(ids) - emb(ids)).max() <= tolerance
+
+
+def test_quantize_refuses_what_it_cannot_quantize():
+    with pytest.raises(TypeError, match="dense floating-point host table"):
+        fastembed.Embedding(np.zeros((4, 32), np.int16)).quantize("q8_0")
+    with pytest.raises(TypeError, match="dense floating-point host table"):
+        fastembed.Embedding(random_quantized("q8_0", 4, 32)).quantize("q8_0")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fastembed.Embedding(np.ones((4, 40), np.float32)).quantize("q8_0")
