@@ -1,4 +1,4 @@
-"""Making tables: dtype names (bfloat16 through ml_dtypes) and random tables."""
+"""Making tables: dtype names (bfloat16 through ml_dtypes), random tables, random quantized tables."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -77,3 +77,36 @@ def _fill_random_bytes(flat_bytes: np.ndarray, rng: np.random.Generator, progres
     tail = flat_bytes.size - 8 * words
     if tail:
         flat_bytes[8 * words :] = rng.integers(0, 256, tail, dtype=np.uint8)
+
+
+#: Byte offsets of the float16 scale fields in a block of each GGUF layout.
+_SCALE_FIELDS = {
+    "q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+}
+
+
+def random_quantized_table(fmt_name: str, vocab_size: int, dim: int, seed: int = 0) -> Any:
+    """A :class:`fastembed.formats.QuantizedTable` of random blocks of `fmt_name`'s layout.
+
+    Every byte is random except the float16 scale fields (finite: random sign
+    and mantissa, magnitudes 2**-10 to 2**-3) and float8 NaN codes (zeroed);
+    row scales are uniform in [1e-4, 1e-2). What a gather moves, and so its
+    speed, does not depend on the values: benchmarks of the formats only
+    llama.cpp writes use these, and tests use them as varied inputs.
+    """
+    from .formats import QuantizedTable, block_format
+
+    fmt = block_format(fmt_name)
+    rng = np.random.default_rng(seed)
+    data = np.empty((vocab_size, fmt.row_bytes(dim)), dtype=np.uint8)
+    _fill_random_bytes(data.reshape(-1), rng, None)
+    blocks = data.reshape(-1, fmt.block_bytes)
+    for offset in _SCALE_FIELDS.get(fmt.name, ()):
+        bits = blocks[:, offset : offset + 2].view("<u2")
+        bits &= np.uint16(0x83FF)  # sign and mantissa kept
+        bits |= (rng.integers(5, 12, bits.shape, dtype=np.uint16) << 10).astype("<u2")
+    scales = None
+    if fmt.row_scale:
+        data[(data & 0x7F) == 0x7F] = 0
+        scales = rng.uniform(1e-4, 1e-2, vocab_size).astype(np.float32)
+    return QuantizedTable(data, fmt, dim, scales)

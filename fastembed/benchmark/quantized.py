@@ -1,0 +1,184 @@
+"""``fastembed-bench --format``: quantized tables against the dense float16 gather and the numpy reference.
+
+Each format's table is the measured dense table quantized by fastembed
+(``q8_0``, ``fp8_e4m3``), or, for the formats only llama.cpp writes (the
+K-quants, Q4_0 ...), random blocks of that layout with finite scales: the
+bytes a gather moves, and so its speed, do not depend on the values. A
+``--table model.gguf`` is measured as it is, against a random float16 table
+of its shape.
+
+Contenders run interleaved in one process (:func:`.measure.measure_case`),
+all writing with ``out=`` into one shared output per dtype: the dense float16
+gather, and per format the dequantizing gather into float16, float32 and
+bfloat16. ``numpy reference`` is ``gguf.quants.dequantize`` of the gathered
+blocks (fastembed's own reference for fp8), timed apart on at most
+:data:`REFERENCE_MAX_IDS` ids with fewer repetitions (it is tens of times
+slower) and compared in rows per second. Bytes moved count what a call
+really reads and writes: the quantized rows (and their scales) plus the
+output.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import fastembed
+from fastembed.formats import QuantizedTable, dequantize_rows
+from fastembed.tables import random_quantized_table
+
+from .contenders import Contender
+from .measure import HOST, Result, measure_case
+
+DEFAULT_FORMATS = ("q8_0", "q4_0", "q4_k", "q6_k", "fp8_e4m3")
+BATCHES = (64, 1024, 8192, 65536)
+OUTPUT_DTYPES = ("float16", "float32", "bfloat16")
+#: The numpy reference is timed on at most this many ids (its rows per second do not depend on the batch).
+REFERENCE_MAX_IDS = 8192
+REFERENCE_REPETITIONS = 3
+#: Goals: rows per second over the dense float16 gather, float16 output with out=, at 8,192 and 65,536 ids.
+GOALS = {"q8_0": 1.25, "q4_0": 1.4, "q4_k": 1.4, "q6_k": 1.2, "fp8_e4m3": 1.3}
+#: Goal: every format at least this many times the numpy reference's rows per second.
+REFERENCE_GOAL = 10.0
+
+
+def quantized_tables(dense: np.ndarray, names: list[str], seed: int = 0) -> dict[str, tuple[QuantizedTable, str]]:
+    """Per format name: the table to measure and where it came from ("quantized by fastembed" or "random blocks")."""
+    tables = {}
+    for name in names:
+        if name in ("q8_0", "fp8_e4m3") and dense.dtype.kind == "f":
+            tables[name] = (fastembed.Embedding(dense).quantize(name).table, "quantized by fastembed")
+        else:
+            tables[name] = (random_quantized_table(name, dense.shape[0], dense.shape[1], seed), "random blocks")
+    return tables
+
+
+def _into(table: Any, out_by_dtype: dict[str, np.ndarray], dtype: str) -> Callable[[Any, int], Callable]:
+    def prepare(_dense: np.ndarray, n: int) -> Callable:
+        out = out_by_dtype[dtype][:n]
+        fastembed.lookup(table, np.zeros(n, np.int64), out=out, dtype=dtype)
+        fastembed.wait_for_compiles()
+        call = lambda ids: fastembed.lookup(table, ids, out=out, dtype=dtype)  # noqa: E731
+        call.served_by = fastembed.explain(_storage_view(table)).backend  # type: ignore[attr-defined]
+        return call
+
+    return prepare
+
+
+def _storage_view(table: Any) -> Any:
+    from fastembed import validate
+
+    return validate.table_snapshot(table)
+
+
+def _reference(table: QuantizedTable) -> Callable[[Any, int], Callable]:
+    def prepare(_dense: np.ndarray, n: int) -> Callable:
+        if table.format.ggml_type is None:
+            return lambda ids: dequantize_rows(table.data[ids], table.scales[ids], table.format, table.dim)
+        import gguf.quants
+        from gguf.constants import GGMLQuantizationType
+
+        kind = GGMLQuantizationType(table.format.ggml_type)
+        return lambda ids: gguf.quants.dequantize(table.data[ids], kind)
+
+    return prepare
+
+
+def moved_bytes(table: Any, dtype: str) -> int:
+    """Bytes one row's lookup reads and writes: the stored row (and its scale) plus the output row."""
+    dim = table.shape[1]
+    out_bytes = dim * np.dtype(fastembed.tables.resolve_dtype(dtype)).itemsize
+    if isinstance(table, QuantizedTable):
+        return int(table.data.shape[1]) + (4 if table.scales is not None else 0) + out_bytes
+    return dim * table.dtype.itemsize + out_bytes
+
+
+def run(dense: np.ndarray, tables: dict[str, tuple[QuantizedTable, str]], batches: list[int], repetitions: int,
+        progress: Callable[[str], None] = lambda message: None) -> list[dict[str, Any]]:
+    """Measure every format at every batch; one row per (batch, format, output dtype), plus the dense baseline."""
+    largest = max(batches)
+    out_by_dtype = {dtype: np.empty((largest, dense.shape[1]), fastembed.tables.resolve_dtype(dtype))
+                    for dtype in OUTPUT_DTYPES}
+    contenders = [Contender("dense float16 out=", "fastembed", False, _into(dense, out_by_dtype, "float16"),
+                            id="dense-float16")]
+    for name, (table, _source) in tables.items():
+        contenders += [Contender(f"{name} -> {dtype} out=", "fastembed", False, _into(table, out_by_dtype, dtype),
+                                 id=f"{name}-{dtype}") for dtype in OUTPUT_DTYPES]
+    references = [Contender(f"{name} numpy reference", "peer", True, _reference(table), id=f"{name}-reference")
+                  for name, (table, _source) in tables.items()]
+    rows = []
+    for batch in batches:
+        progress(f"measuring {batch} uniform ids ...")
+        results = {r.id: r for r in measure_case(dense, contenders, batch, "uniform", repetitions, platform=HOST)}
+        reference_batch = min(batch, REFERENCE_MAX_IDS)
+        progress(f"measuring the numpy reference on {reference_batch} ids ...")
+        reference = {r.id: r for r in measure_case(dense, references, reference_batch, "uniform",
+                                                   REFERENCE_REPETITIONS, warmup=1, platform=HOST)}
+        rows += _rows(results, reference, dense, tables, batch, reference_batch)
+    return rows
+
+
+def _rows(results: dict[str, Result], reference: dict[str, Result], dense: np.ndarray,
+          tables: dict[str, tuple[QuantizedTable, str]], batch: int, reference_batch: int) -> list[dict[str, Any]]:
+    baseline = results["dense-float16"]
+    rows = [_row("dense", "float16", baseline, baseline, None, dense, batch, "the measured table")]
+    for name, (table, source) in tables.items():
+        ref = reference[f"{name}-reference"]
+        ref_rows_per_s = reference_batch / ref.median_s
+        for dtype in OUTPUT_DTYPES:
+            rows.append(_row(name, dtype, results[f"{name}-{dtype}"], baseline, ref_rows_per_s, table, batch, source))
+    return rows
+
+
+def _row(name: str, dtype: str, result: Result, baseline: Result, reference_rows_per_s: float | None, table: Any,
+         batch: int, source: str) -> dict[str, Any]:
+    ratios = [b / r for b, r in zip(baseline.samples_s, result.samples_s, strict=True)]
+    rows_per_s = batch / result.median_s
+    return {
+        "format": name, "dtype": dtype, "batch": batch, "source": source, "served_by": result.served_by,
+        "median_us": result.median_s * 1e6, "rows_per_s": rows_per_s,
+        "gbps_moved": batch * moved_bytes(table, dtype) / result.median_s / 1e9,
+        "vs_dense_float16": statistics.median(ratios),
+        "vs_numpy_reference": None if reference_rows_per_s is None else rows_per_s / reference_rows_per_s,
+        "table_mib": _table_bytes(table) / 2**20, "samples_us": [s * 1e6 for s in result.samples_s],
+    }
+
+
+def _table_bytes(table: Any) -> int:
+    return int(table.nbytes)
+
+
+def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """Each goal (float16 output, out=, at 8,192 and 65,536 ids) and whether the rows meet it."""
+    verdicts = []
+    for row in rows:
+        if row["format"] == "dense" or row["dtype"] != "float16" or row["batch"] not in (8192, 65536):
+            continue
+        if row["format"] in GOALS:
+            goal = GOALS[row["format"]]
+            verdicts.append((f"{row['format']} at {row['batch']} ids: >= {goal}x the dense float16 rows/s "
+                             f"(measured {row['vs_dense_float16']:.2f}x)", row["vs_dense_float16"] >= goal))
+        verdicts.append((f"{row['format']} at {row['batch']} ids: >= {REFERENCE_GOAL:.0f}x the numpy reference "
+                         f"(measured {row['vs_numpy_reference']:.1f}x)", row["vs_numpy_reference"] >= REFERENCE_GOAL))
+    return verdicts
+
+
+def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], console: Any, title: str) -> None:
+    """The rows as a rich table, then the goals with PASS/MISS."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("format", "output", "ids", "served by", "median", "Mrows/s", "GB/s moved", "vs dense f16",
+                   "vs numpy ref", "table MiB"):
+        table.add_column(column, justify="left" if column in ("format", "output", "served by") else "right")
+    for row in rows:
+        reference = row["vs_numpy_reference"]
+        table.add_row(row["format"], row["dtype"], str(row["batch"]), str(row["served_by"]),
+                      f"{row['median_us']:.0f} us", f"{row['rows_per_s'] / 1e6:.2f}", f"{row['gbps_moved']:.1f}",
+                      f"{row['vs_dense_float16']:.2f}x", "" if reference is None else f"{reference:.0f}x",
+                      f"{row['table_mib']:.0f}")
+    console.print(table)
+    for goal, met in verdicts:
+        console.print(("[green]MET[/green]  " if met else "[red]MISS[/red] ") + goal, soft_wrap=True)
