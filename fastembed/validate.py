@@ -12,8 +12,9 @@ performs in its own pass and reports through :func:`out_of_range_error`, so
 that the message is the same whatever backend found the bad id.
 
 Contracts:
-- a *table* is a 2-D, C-contiguous array (numpy, np.memmap, cupy, or a torch
-  CPU tensor) of any fixed-size dtype that holds no Python objects;
+- a *table* is a 2-D, C-contiguous array (numpy, np.memmap, cupy, a torch
+  CPU tensor or a JAX CPU array) of any fixed-size dtype that holds no
+  Python objects;
 - *ids* are integers of any dtype and any ndim, on the table's device (host
   ids for a GPU table are copied there); int32 and int64 ids are used as
   they are (no converting copy);
@@ -27,7 +28,9 @@ Contracts:
 
 A torch CPU tensor (table, ids or out) is snapshotted as a numpy array over
 its memory (zero-copy, :mod:`fastembed.arrays.torch_adapter`), so every check
-below, and the backends, see numpy.
+below, and the backends, see numpy. So is a JAX CPU array (table or ids,
+read-only: :mod:`fastembed.arrays.jax_adapter`); JAX arrays are immutable,
+so one is never accepted as out.
 
 Errors: TypeError for the wrong kind of thing, ValueError for the wrong
 shape/layout, IndexError for an id out of range. Nothing the caller owns is
@@ -67,7 +70,7 @@ def table_snapshot(table: Any) -> Any:
         adapter = adapter_of(table)
         if adapter is None:
             raise TypeError(
-                "table must be a numpy array, np.memmap, cupy array or torch CPU tensor, "
+                "table must be a numpy array, np.memmap, cupy array or torch CPU tensor, or a JAX CPU array; "
                 f"got {type(table).__module__}.{type(table).__qualname__}"
             )
         view = adapter.snapshot(table)
@@ -329,6 +332,7 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             and type(caller_ids) is _NDARRAY
             and caller_ids.flags.owndata
             and out is not caller_ids
+            and type(caller_table) is _NDARRAY  # a tensor or JAX table has no flags: the exact test below
             and caller_table.flags.owndata
             and out is not caller_table
         ):
@@ -338,6 +342,11 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     adapter = adapter_of(out)
     if adapter is None:
         raise TypeError(f"out must be an array, got {type(out).__module__}.{type(out).__qualname__}")
+    if getattr(adapter, "immutable", False):
+        raise TypeError(
+            f"out is a {adapter.name} array, and {adapter.name} arrays are immutable: lookup cannot write into one; "
+            "pass a numpy out (np.empty(ids.shape + (dim,), dtype)), or no out to get a new array of the table's kind"
+        )
     rows = storage(table)
     if adapter.device(out) != device_of(rows):
         raise TypeError(

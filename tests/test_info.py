@@ -16,8 +16,10 @@ def run_python(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
 
 
-def test_import_is_cheap_and_loads_neither_numba_nor_cupy():
-    loaded = run_python("import sys, fastembed; print(sorted(m for m in ('numba', 'cupy', 'llvmlite') if m in sys.modules))")
+def test_import_is_cheap_and_loads_neither_numba_nor_cupy_nor_jax():
+    loaded = run_python(
+        "import sys, fastembed; print(sorted(m for m in ('numba', 'cupy', 'llvmlite', 'jax', 'jaxlib') if m in sys.modules))"
+    )
     assert loaded.strip() == "[]"
 
 

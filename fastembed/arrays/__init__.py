@@ -4,19 +4,23 @@ Everything that depends on which library made an array (detecting it, where
 it lives, a fresh view of it, copying host ids to it, address ranges) lives in
 that library's adapter, so adding an array type touches one module here plus
 its entry in :data:`ADAPTERS`. Adapters import their library lazily; the
-numpy adapter is the only one loaded by ``import fastembed`` (the cupy and
-torch adapter modules are loaded, but never import cupy or torch until they
-are given one of their arrays).
+numpy adapter is the only one loaded by ``import fastembed`` (the cupy, torch
+and jax adapter modules are loaded, but never import their library until they
+are given one of its arrays).
 """
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from . import cupy_adapter, numpy_adapter, torch_adapter
+from . import cupy_adapter, jax_adapter, numpy_adapter, torch_adapter
 
 
 class ArrayAdapter(Protocol):
-    """The operations fastembed performs on arrays of one library."""
+    """The operations fastembed performs on arrays of one library.
+
+    An adapter whose arrays cannot be written (jax) also sets
+    ``immutable = True``: validation refuses such an array as ``out``.
+    """
 
     name: str
 
@@ -48,13 +52,19 @@ class ArrayAdapter(Protocol):
         """A result gathered from a snapshot, as an array of this library (zero-copy).
 
         The identity where snapshots are this library's own arrays (numpy,
-        cupy); a tensor over the numpy result's memory for torch.
+        cupy); a tensor over the numpy result's memory for torch; a JAX
+        array for jax (sharing that memory where JAX allows).
         """
         ...
 
 
 #: Every known adapter; the first that owns an array describes it.
-ADAPTERS: tuple[ArrayAdapter, ...] = (numpy_adapter.ADAPTER, cupy_adapter.ADAPTER, torch_adapter.ADAPTER)
+ADAPTERS: tuple[ArrayAdapter, ...] = (
+    numpy_adapter.ADAPTER,
+    cupy_adapter.ADAPTER,
+    torch_adapter.ADAPTER,
+    jax_adapter.ADAPTER,
+)
 
 
 def adapter_of(array: Any) -> ArrayAdapter | None:
