@@ -77,7 +77,7 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
 
 
 def describe(path: str | os.PathLike, head: bytes) -> str | None:
-    """What a file that is neither safetensors nor .npy looks like, and how to open it.
+    """What a file looks like when it is not what a loader expected, and how to open it.
 
     Args:
         path: the file (a zip archive's directory is listed to tell .npz from PyTorch).
@@ -102,8 +102,7 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
         return f"is a Python pickle (a legacy PyTorch .bin/.pt checkpoint?); fastembed never unpickles: {CONVERT_PICKLE.replace('PATH', repr(os.fspath(path)))}"
     if head.startswith(b"GGUF"):
-        return ("is a GGUF file (llama.cpp); fastembed reads safetensors and .npy files: open the original "
-                "Hugging Face checkpoint (.safetensors) instead")
+        return "is a GGUF file (llama.cpp); open it with fastembed.Embedding.from_gguf (or fastembed.io.open_table)"
     stripped = head.lstrip(b" \t\r\n\xef\xbb\xbf")
     if stripped.startswith((b"{", b"[")):
         if _mentions(path, b'"weight_map"'):

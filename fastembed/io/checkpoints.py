@@ -17,9 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from ..formats import QuantizedTable
 from ._files import NAMES_SHOWN, check_file, describe, read_head, shorten
+from .gguf import map_gguf
 from .npy import map_npy
-from .safetensors import TensorEntry, map_tensor, scan_safetensors_header
+from .safetensors import SCALES_SUFFIX, TENSOR_KEY, TensorEntry, map_entry, map_tensor, scan_safetensors_header
 
 #: Tensor-name endings that mark a token embedding, best first, with the families that use them.
 #: A name matches an ending when it equals it or ends with "." followed by it, so
@@ -151,22 +153,26 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return value
 
 
-def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap:
+def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap | QuantizedTable:
     """Memory-map a checkpoint's token embedding (or the tensor `name`) read-only, zero-copy.
 
     Args:
         source: a checkpoint directory (``model.safetensors``, or shards with
             ``model.safetensors.index.json``), an index file, one ``.safetensors``
-            file, or a ``.npy`` file.
+            file, a ``.gguf`` file (:func:`~fastembed.io.map_gguf`), or a ``.npy`` file.
         name: the tensor to open; None picks the token embedding by name
-            (:data:`TOKEN_EMBEDDING_ENDINGS`), confirmed against the ``vocab_size``
-            and width in the config.json beside a checkpoint directory's or an
-            index's files (:func:`read_config_shape`); a single file given alone is
-            chosen by name only. Must be None for a .npy file.
+            (:data:`TOKEN_EMBEDDING_ENDINGS`; ``token_embd.weight`` in a GGUF file),
+            confirmed against the ``vocab_size`` and width in the config.json beside a
+            checkpoint directory's or an index's files (:func:`read_config_shape`); a
+            single file given alone is chosen by name only (a file fastembed saved names
+            its table in its metadata). Must be None for a .npy file.
 
     Returns:
-        A read-only np.memmap of the 2-D table. For shards only the index and the headers
-        of the shards holding candidate tensors are read; only one shard is mapped.
+        A read-only np.memmap of the 2-D table, or a
+        :class:`~fastembed.formats.QuantizedTable` of memory-mapped rows (GGUF's
+        quantized types, a quantized table fastembed saved). For shards only the index
+        and the headers of the shards holding candidate tensors are read; only one shard
+        is mapped.
 
     Raises:
         FileNotFoundError: nothing at `source`.
@@ -190,6 +196,8 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap:
         if name is not None:
             raise ValueError(f"{path}: a .npy file holds one array; name= must be None")
         return map_npy(path)
+    if head.startswith(b"GGUF") or path.suffix.lower() == ".gguf":
+        return map_gguf(path, name)
     if path.name.endswith(".index.json") or (describe(path, head) or "").startswith("is a sharded checkpoint's index"):
         return _open_sharded(path, name)
     return _open_single(path, name, None)
@@ -210,19 +218,22 @@ def _no_checkpoint_message(path: Path) -> str:
             f"it holds {shorten(files)}.{hint}")
 
 
-def _open_single(path: Path, name: str | None, expected: tuple[int | None, int | None] | None) -> np.memmap:
+def _open_single(path: Path, name: str | None,
+                 expected: tuple[int | None, int | None] | None) -> np.memmap | QuantizedTable:
     from .safetensors import map_safetensors
 
     if name is not None:
         return map_safetensors(path, name)
     chosen, header = select_in_file(path, expected)
-    return map_tensor(path, header.entries[chosen], header.data_start, chosen)
+    return map_entry(path, header, chosen)
 
 
 def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | None] | None = None) -> tuple[str, Any]:
     """The token embedding of one safetensors file, chosen as :func:`token_embedding_name` does.
 
-    Keeps at most :data:`MAX_CANDIDATES` candidate entries in memory, whatever the header holds.
+    A file fastembed saved names its table in its ``fastembed.tensor`` metadata, which
+    wins (`expected` aside). Keeps at most :data:`MAX_CANDIDATES` candidate entries in
+    memory, whatever the header holds.
 
     Returns:
         (name, the :class:`~fastembed.io.safetensors.SafetensorsHeader` holding its entry).
@@ -246,6 +257,12 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
         return False
 
     header = scan_safetensors_header(path, keep=keep)
+    tagged = header.metadata.get(TENSOR_KEY)
+    if tagged is not None:
+        header = scan_safetensors_header(path, keep=_named({tagged, tagged + SCALES_SUFFIX}))
+        if tagged not in header.entries:
+            raise ValueError(f"{path}: the metadata {TENSOR_KEY} names tensor {tagged!r}, which the header does not hold")
+        return tagged, header
     shapes = {n: e.shape for n, e in header.entries.items()}
     return token_embedding_name(shapes, path, expected, shorten(two_d, counts["two_d"])), header
 

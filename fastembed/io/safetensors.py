@@ -34,12 +34,14 @@ import math
 import os
 import re
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from json.decoder import scanstring  # type: ignore[attr-defined]
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..formats import QuantizedTable, block_format
 from ..tables import resolve_dtype
 from ._files import check_file, describe, read_head, shorten
 
@@ -59,6 +61,16 @@ _ITEMSIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16":
 MAX_HEADER_BYTES = 16 * 2**20
 #: The longest JSON text of one tensor entry (a real one is under 150 bytes).
 MAX_ENTRY_BYTES = 4096
+
+#: Keys of ``__metadata__`` that describe a table saved by fastembed (:func:`fastembed.io.save_table`):
+#: the table's tensor, and for a quantized table its block format and its values per row.
+#: The rows are the uint8 tensor; a format with row scales keeps them, float32, in ``<tensor>.scales``.
+METADATA_PREFIX = "fastembed."
+TENSOR_KEY = "fastembed.tensor"
+FORMAT_KEY = "fastembed.format"
+DIM_KEY = "fastembed.dim"
+SCALES_SUFFIX = ".scales"
+_FASTEMBED_KEYS = frozenset((TENSOR_KEY, FORMAT_KEY, DIM_KEY))
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
@@ -105,12 +117,16 @@ class SafetensorsHeader(NamedTuple):
         data_start: the file offset of the data section (8 + header length).
         tensor_count: how many tensors the header lists in all.
         sample: the names of the first few tensors (for messages).
+        metadata: the ``__metadata__`` entries fastembed writes (:data:`TENSOR_KEY`,
+            :data:`FORMAT_KEY`, :data:`DIM_KEY`, see :func:`fastembed.io.save_table`);
+            no other entry is kept.
     """
 
     entries: dict[str, TensorEntry]
     data_start: int
     tensor_count: int
     sample: list[str]
+    metadata: Mapping[str, str] = MappingProxyType({})
 
 
 def scan_safetensors_header(
@@ -177,6 +193,7 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
     begins, ends = array("q"), array("q")
     tensor_count = 0
     seen_metadata = False
+    metadata: dict[str, str] = {}
     if pos < length and text[pos] == "}":
         pos += 1
     else:
@@ -189,7 +206,10 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
                 if seen_metadata:
                     raise ValueError(f"{path}: __metadata__ is given twice")
                 seen_metadata = True
-                pos = _skip_metadata(path, text, pos)
+                start, pos = pos, _skip_metadata(path, text, pos)
+                # fastembed's keys are in the text as they are, unless spelled with \u escapes.
+                if text.find(METADATA_PREFIX, start, pos) != -1 or text.find("\\u", start, pos) != -1:
+                    _skip_metadata_slowly(path, text, start, metadata)
             else:
                 entry, pos = _entry(path, name, text, pos, data_size)
                 tensor_count += 1
@@ -214,7 +234,7 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
         raise fail(f"extra data after the header object at character {pos}")
     if check_overlap:
         _check_overlap(path, text, begins, ends)
-    return SafetensorsHeader(kept, data_start, tensor_count, sample)
+    return SafetensorsHeader(kept, data_start, tensor_count, sample, metadata)
 
 
 _DECODER = json.JSONDecoder()
@@ -310,8 +330,8 @@ def _skip_metadata(path: Any, text: str, pos: int) -> int:
     return _skip_metadata_slowly(path, text, pos)
 
 
-def _skip_metadata_slowly(path: Any, text: str, pos: int) -> int:
-    """_skip_metadata one string at a time (Python 3.10): no string is kept."""
+def _skip_metadata_slowly(path: Any, text: str, pos: int, collect: dict[str, str] | None = None) -> int:
+    """_skip_metadata one string at a time (Python 3.10); keeps fastembed's own entries in `collect`."""
     def fail(problem: str) -> ValueError:
         return ValueError(f"{path}: __metadata__ must be an object of strings (the format's str -> str map): {problem}")
 
@@ -321,12 +341,14 @@ def _skip_metadata_slowly(path: Any, text: str, pos: int) -> int:
     if text[pos:pos + 1] == "}":
         return pos + 1
     while True:
-        for expected in ("key", "value"):
-            _, pos = _string(text, pos, fail, f"a string {expected}")
-            if expected == "key":
-                if text[pos:pos + 1] != ":":
-                    raise fail(f"expected ':' at character {pos}")
-                pos = _skip_whitespace(text, pos + 1)
+        key, pos = _string(text, pos, fail, "a string key")
+        if text[pos:pos + 1] != ":":
+            raise fail(f"expected ':' at character {pos}")
+        value, pos = _string(text, _skip_whitespace(text, pos + 1), fail, "a string value")
+        if collect is not None and key in _FASTEMBED_KEYS:
+            if len(value) > MAX_ENTRY_BYTES:
+                raise ValueError(f"{path}: __metadata__ {key} is {len(value)} characters long, over {MAX_ENTRY_BYTES}")
+            collect[key] = value
         if text[pos:pos + 1] == ",":
             pos = _skip_whitespace(text, pos + 1)
         elif text[pos:pos + 1] == "}":
@@ -389,22 +411,66 @@ def map_tensor(path: str | os.PathLike, entry: TensorEntry, data_start: int, nam
     return np.memmap(path, dtype=dtype, mode="r", offset=data_start + entry.begin, shape=entry.shape)
 
 
-def map_safetensors(path: str | os.PathLike, name: str | None = None) -> np.memmap:
+def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> np.memmap | QuantizedTable:
+    """Memory-map the kept tensor `name`: a dense table, or the quantized table fastembed's metadata describes.
+
+    A tensor the header's ``fastembed.tensor`` metadata names, with a
+    ``fastembed.format``, is a :class:`~fastembed.formats.QuantizedTable`: its uint8
+    rows, and for a format with row scales the float32 ``<name>.scales`` (which
+    `header` must have kept), both mapped read-only.
+
+    Raises:
+        ValueError: as :func:`map_tensor`; fastembed metadata that does not fit the tensors.
+        TypeError: BF16/F8 need ml_dtypes and it is missing.
+    """
+    metadata = header.metadata
+    if metadata.get(TENSOR_KEY) != name or FORMAT_KEY not in metadata:
+        return map_tensor(path, header.entries[name], header.data_start, name)
+    where = f"{path}: tensor {name!r}"
+    try:
+        fmt = block_format(metadata[FORMAT_KEY])
+        dim = int(metadata.get(DIM_KEY, ""))
+        row_bytes = fmt.row_bytes(dim)
+    except ValueError as error:
+        raise ValueError(f"{where}: the metadata {FORMAT_KEY}={metadata[FORMAT_KEY]!r}, "
+                         f"{DIM_KEY}={metadata.get(DIM_KEY)!r} do not describe a quantized table: {error}") from None
+    entry = header.entries[name]
+    if entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] != row_bytes or entry.shape[0] == 0:
+        raise ValueError(f"{where}: a {fmt.name} table of dim {dim} is stored as U8 rows of shape "
+                         f"(vocab_size, {row_bytes}), not {entry.dtype} {list(entry.shape)}")
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=header.data_start + entry.begin, shape=entry.shape)
+    if not fmt.row_scale:
+        return QuantizedTable(data, fmt, dim)
+    scales_entry = header.entries.get(name + SCALES_SUFFIX)
+    if scales_entry is None or scales_entry.dtype != "F32" or scales_entry.shape != entry.shape[:1]:
+        found = "missing" if scales_entry is None else f"{scales_entry.dtype} {list(scales_entry.shape)}"
+        raise ValueError(f"{where}: a {fmt.name} table keeps its row scales as F32 [{entry.shape[0]}] in "
+                         f"{name + SCALES_SUFFIX!r}, found {found}")
+    scales = np.memmap(path, dtype="<f4", mode="r", offset=header.data_start + scales_entry.begin, shape=scales_entry.shape)
+    return QuantizedTable(data, fmt, dim, scales)
+
+
+def map_safetensors(path: str | os.PathLike, name: str | None = None) -> np.memmap | QuantizedTable:
     """Memory-map one 2-D tensor of a safetensors file, read-only, without reading its data.
 
     Args:
         path: a .safetensors file.
-        name: the tensor; None picks the token embedding by the naming conventions of
-            the common model families (see :func:`fastembed.io.token_embedding_name`).
+        name: the tensor; None picks the one fastembed's ``fastembed.tensor`` metadata
+            names (a file written by :func:`fastembed.io.save_table`), else the token
+            embedding by the naming conventions of the common model families (see
+            :func:`fastembed.io.token_embedding_name`).
 
     Returns:
-        A read-only np.memmap of the tensor.
+        A read-only np.memmap of the tensor; or, for a quantized table fastembed saved
+        (``fastembed.format`` metadata), a :class:`~fastembed.formats.QuantizedTable` of
+        memory-mapped rows (and row scales).
 
     Raises:
         FileNotFoundError: no file at `path`.
         ValueError: as :func:`scan_safetensors_header`; no tensor `name` (listing a few);
             no tensor or several tensors named like a token embedding (listing them);
-            the tensor is not 2-D or is empty.
+            the tensor is not 2-D or is empty; fastembed metadata that does not fit
+            the tensors.
         TypeError: BF16/F8 need ml_dtypes and it is missing.
     """
     from .checkpoints import MAX_CANDIDATES, is_embedding_candidate, select_in_file
@@ -413,14 +479,15 @@ def map_safetensors(path: str | os.PathLike, name: str | None = None) -> np.memm
         name, header = select_in_file(path)
     else:
         near: list[str] = []
+        wanted = (name, name + SCALES_SUFFIX)
 
         def keep(tensor: str, entry: TensorEntry) -> bool:
             if tensor != name and len(entry.shape) == 2 and is_embedding_candidate(tensor) and len(near) < MAX_CANDIDATES:
                 near.append(tensor)
-            return tensor == name
+            return tensor in wanted
 
         header = scan_safetensors_header(path, keep=keep)
         if name not in header.entries:
             raise ValueError(f"{path}: no tensor named {name!r}; tensors named like a token embedding: {shorten(near)}; "
                              f"the header's first tensors: {shorten(header.sample, header.tensor_count)}")
-    return map_tensor(path, header.entries[name], header.data_start, name)
+    return map_entry(path, header, name)

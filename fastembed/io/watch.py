@@ -28,6 +28,13 @@ from typing import Any
 import numpy as np
 
 
+def _filename(array: Any) -> str | None:
+    """The file an np.memmap maps, or None for anything else."""
+    if not isinstance(array, np.memmap) or not getattr(array, "filename", None):
+        return None
+    return str(array.filename)
+
+
 class FileChangedError(RuntimeError):
     """The file behind a memory-mapped table shrank or was modified in place since it was opened."""
 
@@ -57,15 +64,25 @@ class FileWatch:
 
     @classmethod
     def for_table(cls, table: Any) -> FileWatch | None:
-        """A watch for a table returned by the loaders (an np.memmap), or None for an in-memory table.
+        """A watch for a table returned by the loaders, or None for an in-memory table.
+
+        Args:
+            table: an np.memmap, or a :class:`~fastembed.formats.QuantizedTable` whose
+                ``data`` is one (its ``scales``, when they are a map of the same file, are
+                covered too).
 
         Returns:
-            A FileWatch covering the mapped bytes, or None when `table` is not an np.memmap
-            with a file name.
+            A FileWatch covering the mapped bytes, or None when the table's rows are not an
+            np.memmap with a file name.
         """
-        if not isinstance(table, np.memmap) or not getattr(table, "filename", None):
+        from ..formats import QuantizedTable
+
+        maps = [table.data, table.scales] if isinstance(table, QuantizedTable) else [table]
+        filename = _filename(maps[0])
+        if filename is None:
             return None
-        return cls(str(table.filename), int(table.offset) + table.nbytes)
+        needed = max(int(array.offset) + int(array.nbytes) for array in maps if _filename(array) == filename)
+        return cls(filename, needed)
 
     def check(self) -> None:
         """Raise when the file shrank below the table or was modified in place since it was opened.

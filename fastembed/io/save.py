@@ -1,0 +1,178 @@
+"""Writing a table to a file the loaders map back, byte for byte: GGUF or safetensors.
+
+* ``.gguf``: a GGUF version 3 file holding one tensor (``token_embd.weight`` by
+  default): float32, float16 and bfloat16 tables as F32, F16 and BF16, and
+  quantized tables whose format has a GGUF type (Q8_0, Q4_K, ...), their rows'
+  bytes as they are. Written here (the format is a short header and the rows),
+  so no GGUF package is needed.
+* ``.safetensors``: through the ``safetensors`` package. A dense table is one
+  tensor (``weight`` by default); a quantized table is its uint8 rows under
+  the name, plus the float32 row scales under ``<name>.scales`` when its
+  format has them. ``__metadata__`` names the table (``fastembed.tensor``) and,
+  for a quantized table, its format and values per row (``fastembed.format``,
+  ``fastembed.dim``), so :func:`~fastembed.io.map_safetensors` finds it without
+  a name and maps it back as a QuantizedTable.
+
+The file is written beside its destination and renamed over it at the end, so
+a table mapped from the destination keeps its old pages (see docs/loading.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..formats import QuantizedTable
+from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
+from .safetensors import DIM_KEY, FORMAT_KEY, SCALES_SUFFIX, TENSOR_KEY
+
+#: The tensor name a table is saved under in a safetensors file when none is given.
+SAFETENSORS_NAME = "weight"
+#: GGUF type codes of the dense dtypes a GGUF file holds.
+_GGUF_DENSE = {"float32": 0, "float16": 1, "bfloat16": 30}
+#: Bytes written at a time (a memory-mapped table is streamed, never copied whole).
+_CHUNK_BYTES = 64 * 2**20
+
+
+def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> None:
+    """Write `table` to a ``.gguf`` or ``.safetensors`` file that the loaders map back byte for byte.
+
+    Args:
+        path: the file to write; its suffix chooses the format. An existing file is
+            replaced (by a rename: a table mapped from it keeps its old contents).
+        table: a 2-D host array (numpy, np.memmap) or a :class:`~fastembed.formats.QuantizedTable`
+            on the host.
+        name: the tensor's name; None gives ``token_embd.weight`` in GGUF (what
+            :func:`~fastembed.io.map_gguf` opens by default) and ``weight`` in safetensors.
+
+    Raises:
+        ValueError: another suffix; an empty or non-2-D table; a dtype or format the
+            chosen file cannot hold (GGUF: float32/float16/bfloat16 and the formats with
+            a GGUF type; fp8_e4m3 goes to .safetensors).
+        TypeError: a table that is not on the host.
+        ImportError: ``.safetensors`` needs the safetensors package and it is missing.
+
+    Example:
+        >>> import numpy as np, tempfile, os
+        >>> from fastembed.io import map_gguf, save_table
+        >>> path = os.path.join(tempfile.mkdtemp(), "table.gguf")
+        >>> save_table(path, np.ones((4, 8), np.float16))
+        >>> map_gguf(path).shape
+        (4, 8)
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".gguf", ".safetensors"):
+        raise ValueError(f"{path}: save_table writes .gguf and .safetensors files, not {suffix or 'a file without a suffix'!r} "
+                         "(a dense table goes to .npy with numpy.save)")
+    table = _host_table(path, table)
+    if suffix == ".gguf":
+        _write_gguf(path, table, TOKEN_EMBEDDING if name is None else name)
+    else:
+        _write_safetensors(path, table, SAFETENSORS_NAME if name is None else name)
+
+
+def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
+    """`table` as a 2-D, non-empty, little-endian host array, or a QuantizedTable with host arrays."""
+    if isinstance(table, QuantizedTable):
+        for array in (table.data, table.scales):
+            if array is not None and not isinstance(array, np.ndarray):
+                raise TypeError(f"{path}: save_table writes host tables; this {table.format.name} table's arrays are "
+                                f"{type(array).__module__}.{type(array).__qualname__} (copy them to the host first)")
+        if table.shape[0] == 0:
+            raise ValueError(f"{path}: the table is empty (shape {table.shape})")
+        return table
+    try:
+        array = np.asarray(table)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"{path}: save_table writes host tables, got {type(table).__module__}.{type(table).__qualname__} "
+                        f"(copy it to the host first): {error}") from None
+    if array.ndim != 2 or 0 in array.shape:
+        raise ValueError(f"{path}: a table is a non-empty 2-D array, got shape {array.shape}")
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return array
+
+
+def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
+    """A GGUF v3 file: one metadata entry (general.alignment), one tensor, its rows."""
+    if isinstance(table, QuantizedTable):
+        ggml_type, rows, dim = table.format.ggml_type, table.data, table.dim
+        if ggml_type is None:
+            raise ValueError(f"{path}: GGUF has no type for {table.format.name} tables; save it as .safetensors")
+    else:
+        ggml_type, rows, dim = _GGUF_DENSE.get(table.dtype.name), table, table.shape[1]
+        if ggml_type is None:
+            raise ValueError(f"{path}: GGUF holds float32, float16 and bfloat16 tables, not {table.dtype}; "
+                             "save it as .safetensors")
+    head = _gguf_header(name, dim, rows.shape[0], ggml_type)
+    data_bytes = rows.shape[0] * rows.shape[1] * rows.dtype.itemsize
+
+    def write(temporary: str) -> None:
+        with open(temporary, "wb") as handle:
+            handle.write(head)
+            for chunk in _row_chunks(rows):
+                handle.write(chunk)
+            handle.write(b"\0" * (-data_bytes % DEFAULT_ALIGNMENT))
+
+    _replace(path, write)
+
+
+def _gguf_string(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _gguf_header(name: str, dim: int, vocab_size: int, ggml_type: int) -> bytes:
+    """Everything before the data, padded to the alignment; dims are innermost first: ``[dim, vocab_size]``."""
+    alignment = _gguf_string("general.alignment") + struct.pack("<II", 4, DEFAULT_ALIGNMENT)
+    tensor = _gguf_string(name) + struct.pack("<IQQIQ", 2, dim, vocab_size, ggml_type, 0)
+    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + alignment + tensor
+    return head + b"\0" * (-len(head) % DEFAULT_ALIGNMENT)
+
+
+def _row_chunks(rows: np.ndarray) -> Iterator[memoryview]:
+    """The bytes of `rows`, in C order, a few MiB at a time."""
+    step = max(1, _CHUNK_BYTES // max(1, rows.shape[1] * rows.dtype.itemsize))
+    for start in range(0, rows.shape[0], step):
+        chunk = np.ascontiguousarray(rows[start:start + step])
+        yield chunk.reshape(-1).view(np.uint8).data
+
+
+def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
+    """The table as safetensors tensors, with the metadata that lets the loaders find and rebuild it."""
+    try:
+        from safetensors.numpy import save_file
+    except ImportError:
+        raise ImportError("writing .safetensors files needs the safetensors package (pip install safetensors)") from None
+    metadata = {TENSOR_KEY: name}
+    if isinstance(table, QuantizedTable):
+        tensors = {name: np.ascontiguousarray(table.data)}
+        metadata.update({FORMAT_KEY: table.format.name, DIM_KEY: str(table.dim)})
+        if table.scales is not None:
+            tensors[name + SCALES_SUFFIX] = np.ascontiguousarray(table.scales, dtype="<f4")
+    else:
+        tensors = {name: np.ascontiguousarray(table)}
+    _replace(path, lambda temporary: save_file(tensors, temporary, metadata=metadata))
+
+
+def _replace(path: Any, write: Callable[[str], None]) -> None:
+    """Write a new file beside `path` with `write` (given its name), then rename it over `path`."""
+    directory, base = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # Created here with 0o666 less the umask, as for any new file; the writer may replace it with a private one.
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        mode = os.stat(temporary).st_mode
+        write(temporary)
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

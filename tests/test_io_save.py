@@ -1,0 +1,263 @@
+"""save_table: dense and quantized tables to .gguf and .safetensors, mapped back byte for byte, zero-copy."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fastembed
+from fastembed import io
+from fastembed.formats import FORMATS, QuantizedTable, quantize_rows
+from test_io_gguf import assert_maps_the_file, tensor_for, write_gguf
+
+gguf = pytest.importorskip("gguf")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+VOCAB, DIM = 40, 64
+
+
+def rows(dtype="float32", seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((VOCAB, DIM)).astype(np.float32).astype(dtype)
+
+
+def quantized(name: str) -> QuantizedTable:
+    data, scales = quantize_rows(rows(), FORMATS[name])
+    return QuantizedTable(data, name, DIM, scales)
+
+
+def same_bytes(actual, expected) -> None:
+    np.testing.assert_array_equal(np.asarray(actual).view(np.uint8), np.ascontiguousarray(expected).view(np.uint8))
+
+
+@pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_dense_table_round_trips(tmp_path, suffix, dtype):
+    table = rows(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    path = tmp_path / f"table{suffix}"
+    io.save_table(path, table)
+    loaded = io.open_table(path)
+    assert loaded.dtype == table.dtype and loaded.shape == table.shape
+    same_bytes(loaded, table)
+    assert_maps_the_file(loaded, path)
+    if suffix == ".gguf":
+        (reference,) = gguf.GGUFReader(str(path)).tensors  # the reference reader agrees
+        assert reference.name == "token_embd.weight" and reference.tensor_type.name == {"float32": "F32", "float16": "F16"}.get(dtype, "BF16")
+        same_bytes(np.asarray(reference.data), table)
+        assert os.path.getsize(path) % 32 == 0
+    else:
+        assert set(safetensors_numpy.load_file(str(path))) == {"weight"}
+
+
+def test_q8_0_round_trips_through_gguf_and_safetensors(tmp_path):
+    table = quantized("q8_0")
+    for path in (tmp_path / "q8.gguf", tmp_path / "q8.safetensors"):
+        io.save_table(path, table)
+        loaded = io.open_table(path)
+        assert isinstance(loaded, QuantizedTable) and loaded.format.name == "q8_0" and loaded.shape == (VOCAB, DIM)
+        assert loaded.scales is None
+        same_bytes(loaded.data, table.data)
+        assert_maps_the_file(loaded.data, path)
+    (reference,) = gguf.GGUFReader(str(tmp_path / "q8.gguf")).tensors
+    np.testing.assert_array_equal(gguf.quants.dequantize(np.asarray(reference.data), reference.tensor_type),
+                                  gguf.quants.dequantize(table.data, gguf.GGMLQuantizationType.Q8_0))
+
+
+def test_fp8_e4m3_round_trips_through_safetensors_with_its_scales_mapped(tmp_path):
+    table = quantized("fp8_e4m3")
+    path = tmp_path / "fp8.safetensors"
+    io.save_table(path, table, name="model.embed_tokens.weight")
+    loaded = io.map_safetensors(path)
+    assert isinstance(loaded, QuantizedTable) and loaded.format.name == "fp8_e4m3" and loaded.dim == DIM
+    same_bytes(loaded.data, table.data)
+    same_bytes(loaded.scales, table.scales)
+    assert loaded.scales.dtype == np.float32
+    assert_maps_the_file(loaded.data, path)
+    assert_maps_the_file(loaded.scales, path)
+    header = json.loads(path.read_bytes()[8:8 + struct.unpack("<Q", path.read_bytes()[:8])[0]])
+    assert header["__metadata__"] == {"fastembed.tensor": "model.embed_tokens.weight", "fastembed.format": "fp8_e4m3",
+                                      "fastembed.dim": str(DIM)}
+    assert header["model.embed_tokens.weight.scales"]["dtype"] == "F32"
+    assert isinstance(io.map_safetensors(path, "model.embed_tokens.weight"), QuantizedTable)
+    with io.FileWatch.for_table(loaded) as watch:
+        assert watch.needed_bytes == max(a.offset + a.nbytes for a in (loaded.data, loaded.scales))
+        assert watch.needed_bytes == os.path.getsize(path)
+        watch.check()
+    with pytest.raises(ValueError, match="GGUF has no type for fp8_e4m3 tables; save it as .safetensors"):
+        io.save_table(tmp_path / "fp8.gguf", table)
+    assert not os.path.exists(tmp_path / "fp8.gguf")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_every_gguf_format_saves_back_to_the_same_bytes(tmp_path, type_name):
+    array, raw_dtype, raw = tensor_for(type_name, 5)
+    write_gguf(tmp_path / "source.gguf", [("token_embd.weight", array, raw_dtype)])
+    table = io.map_gguf(tmp_path / "source.gguf")
+    for suffix in (".gguf", ".safetensors"):
+        io.save_table(tmp_path / f"copy{suffix}", table)
+        copy = io.open_table(tmp_path / f"copy{suffix}")
+        assert copy.format is table.format and copy.dim == table.dim
+        same_bytes(copy.data, raw)
+
+
+def test_names_and_selection(tmp_path):
+    table = rows("float16")
+    io.save_table(tmp_path / "named.gguf", table, name="output.weight")
+    assert io.map_gguf(tmp_path / "named.gguf", "output.weight").shape == (VOCAB, DIM)
+    with pytest.raises(ValueError, match="no tensor named 'token_embd.weight'.*'output.weight'"):
+        io.map_gguf(tmp_path / "named.gguf")
+    io.save_table(tmp_path / "named.safetensors", table, name="anything")  # found by its metadata, not its name
+    same_bytes(io.open_table(tmp_path / "named.safetensors"), table)
+    same_bytes(fastembed.Embedding.from_safetensors(tmp_path / "named.safetensors").table, table)
+
+
+def test_saving_over_a_mapped_file_leaves_the_mapped_table_as_it_was(tmp_path):
+    path = tmp_path / "table.gguf"
+    first, second = rows("float16", 1), rows("float16", 2)
+    io.save_table(path, first)
+    mapped = io.map_gguf(path)
+    io.save_table(path, second)
+    same_bytes(mapped, first)
+    same_bytes(io.map_gguf(path), second)
+    assert sorted(os.listdir(tmp_path)) == ["table.gguf"]
+
+
+def test_strided_and_big_endian_tables_are_written_as_they_read(tmp_path):
+    wide = rows("float32")
+    io.save_table(tmp_path / "strided.gguf", wide[:, ::2])
+    same_bytes(io.map_gguf(tmp_path / "strided.gguf"), np.ascontiguousarray(wide[:, ::2]))
+    big = wide.astype(">f4")
+    for suffix in (".gguf", ".safetensors"):
+        io.save_table(tmp_path / f"big{suffix}", big)
+        loaded = io.open_table(tmp_path / f"big{suffix}")
+        np.testing.assert_array_equal(loaded, wide)
+
+
+def test_a_new_file_gets_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ("t.gguf", "t.safetensors"):
+        io.save_table(tmp_path / name, rows())
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~umask
+
+
+class _DeviceArray:
+    """Stands in for a GPU array, which numpy refuses to convert implicitly."""
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed")
+
+
+@pytest.mark.parametrize(
+    "file_name, table, error, words",
+    [
+        ("t.npy", rows(), ValueError, "writes .gguf and .safetensors files, not '.npy'"),
+        ("table", rows(), ValueError, "not 'a file without a suffix'"),
+        ("t.gguf", rows("int8"), ValueError, "GGUF holds float32, float16 and bfloat16 tables, not int8"),
+        ("t.gguf", rows()[0], ValueError, "non-empty 2-D array, got shape \\(64,\\)"),
+        ("t.safetensors", rows()[:0], ValueError, "non-empty 2-D array"),
+        ("t.gguf", _DeviceArray(), TypeError, "writes host tables"),
+    ],
+)
+def test_tables_a_file_cannot_hold_are_refused(tmp_path, file_name, table, error, words):
+    with pytest.raises(error, match=words) as caught:
+        io.save_table(tmp_path / file_name, table)
+    assert str(tmp_path / file_name) in str(caught.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_int8_goes_to_safetensors(tmp_path):
+    table = rows("int8")
+    io.save_table(tmp_path / "t.safetensors", table)
+    same_bytes(io.map_safetensors(tmp_path / "t.safetensors"), table)
+
+
+def test_without_the_safetensors_package_the_message_names_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+    with pytest.raises(ImportError, match="pip install safetensors"):
+        io.save_table(tmp_path / "t.safetensors", rows())
+    assert os.listdir(tmp_path) == []
+
+
+def write_tagged(path, tensors: dict, metadata: dict) -> None:
+    safetensors_numpy.save_file(tensors, str(path), metadata=metadata)
+
+
+FP8 = quantized("fp8_e4m3")
+TAG = {"fastembed.tensor": "w", "fastembed.format": "fp8_e4m3", "fastembed.dim": str(DIM)}
+
+
+@pytest.mark.parametrize(
+    "tensors, metadata, words",
+    [
+        ({"w": FP8.data}, TAG, "keeps its row scales as F32 \\[40\\] in 'w.scales', found missing"),
+        ({"w": FP8.data, "w.scales": FP8.scales.astype(np.float16)}, TAG, "found F16 \\[40\\]"),
+        ({"w": FP8.data, "w.scales": FP8.scales[:5]}, TAG, "found F32 \\[5\\]"),
+        ({"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.format": "q9"}, "unknown quantized format 'q9'"),
+        ({"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.dim": "sixty"}, "do not describe a quantized table"),
+        ({"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.dim": "65"}, "not U8 \\[40, 64\\]"),
+        ({"w": FP8.data.view(np.int8), "w.scales": FP8.scales}, TAG, "stored as U8 rows of shape \\(vocab_size, 64\\), not I8"),
+        ({"w": FP8.data}, {**TAG, "fastembed.format": "q8_0", "fastembed.dim": "32"}, "a q8_0 table of dim 32"),
+        ({"w": FP8.data}, {"fastembed.tensor": "v"}, "names tensor 'v', which the header does not hold"),
+    ],
+)
+def test_fastembed_metadata_that_does_not_fit_is_a_value_error(tmp_path, tensors, metadata, words):
+    path = tmp_path / "tagged.safetensors"
+    write_tagged(path, tensors, metadata)
+    with pytest.raises(ValueError, match=words) as caught:
+        io.open_table(path)
+    assert str(caught.value).startswith(f"{path}: ")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(metadata=st.dictionaries(st.sampled_from(["fastembed.tensor", "fastembed.format", "fastembed.dim", "fastembed.x", "other"]),
+                                st.one_of(st.sampled_from(["w", "w.scales", "fp8_e4m3", "q8_0", "q6_k", "64", "2", "0", "-64"]),
+                                          st.text(max_size=6)), max_size=4))
+def test_fuzzed_fastembed_metadata_only_gives_value_errors(tmp_path, metadata):
+    path = tmp_path / "fuzz.safetensors"
+    write_tagged(path, {"w": FP8.data, "w.scales": FP8.scales, "model.embed_tokens.weight": rows("float16")}, metadata)
+    try:
+        table = io.open_table(path)
+    except ValueError:
+        return
+    data = table.data if isinstance(table, QuantizedTable) else table
+    assert data.ndim == 2 and data.offset + data.nbytes <= os.path.getsize(path)
+
+
+@pytest.mark.parametrize("regex", [True, False])
+def test_metadata_among_many_strings_is_found_exactly(tmp_path, monkeypatch, regex):
+    """Only the fastembed keys are kept, whatever else the metadata holds (and a lookalike inside a string is no key)."""
+    if not regex:  # Python 3.10 checks the metadata string by string
+        monkeypatch.setattr(io.safetensors, "_STRING_OBJECT", None)
+    path = tmp_path / "meta.safetensors"
+    noise = {f"k{i}": "fastembed.tensor" for i in range(500)}
+    write_tagged(path, {"w": FP8.data, "w.scales": FP8.scales}, {**noise, 'x"fastembed.format': "q8_0", **TAG})
+    header = io.scan_safetensors_header(path)
+    assert dict(header.metadata) == TAG
+    assert isinstance(io.map_safetensors(path), QuantizedTable)
+
+
+def test_metadata_keys_spelled_with_escapes_are_found(tmp_path):
+    """JSON may spell a key with \\u escapes; the header means the same key."""
+    data = FP8.data.tobytes() + FP8.scales.tobytes()
+    header = ('{"__metadata__":{"\\u0066astembed.tensor":"w","fastembed\\u002eformat":"fp8_e4m3","fastembed.dim":"64"},'
+              f'"w":{{"dtype":"U8","shape":[{VOCAB},{DIM}],"data_offsets":[0,{FP8.data.nbytes}]}},'
+              f'"w.scales":{{"dtype":"F32","shape":[{VOCAB}],"data_offsets":[{FP8.data.nbytes},{len(data)}]}}}}').encode()
+    path = tmp_path / "escaped.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    table = io.map_safetensors(path)
+    assert isinstance(table, QuantizedTable) and table.format.name == "fp8_e4m3"
+    same_bytes(table.scales, FP8.scales)
+
+
+def test_a_long_fastembed_metadata_value_is_refused(tmp_path):
+    path = tmp_path / "long.safetensors"
+    write_tagged(path, {"w": FP8.data}, {"fastembed.tensor": "w" * 5000})
+    with pytest.raises(ValueError, match="fastembed.tensor is 5000 characters long"):
+        io.map_safetensors(path)
