@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, validate
-from .arrays import device_of, result_like
+from .arrays import aligned_result, device_of, result_like
 from .formats import QuantizedTable
 
 _NDARRAY = np.ndarray
@@ -24,8 +24,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     """Gather rows of an embedding table: ``table[ids]``.
 
     Args:
-        table: 2-D C-contiguous numpy array, np.memmap or torch CPU tensor
-            (host), or cupy array (GPU), of any fixed-size dtype; or a
+        table: 2-D C-contiguous numpy array, np.memmap, torch CPU tensor or
+            JAX CPU array (host), or cupy array (GPU), of any fixed-size dtype; or a
             :class:`fastembed.formats.QuantizedTable` (GGUF block formats,
             fp8 with row scales), dequantized while gathering.
         ids: integers of any dtype and ndim (lists and scalars as numpy
@@ -42,7 +42,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
 
     Returns:
         ``out``, or a new array of the table's kind on the table's device
-        (a torch tensor for a torch table; see docs/interop.md).
+        (a torch tensor for a torch table, a JAX array for a JAX table,
+        sharing the result's memory; see docs/interop.md).
 
     Shape:
         ``ids.shape + (table.shape[1],)``, the output dtype.
@@ -69,17 +70,28 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     if dtype is not None or type(table_view) is QuantizedTable:
         return _converting_lookup(table_view, ids_view, out, dtype, backend, table, ids)
     if out is None:
-        result = dispatch.select(table_view, backend).gather(table_view, ids_view, None)
-        return result if type(table) is _NDARRAY else result_like(result, table)
+        if type(table) is _NDARRAY:
+            return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+        return _wrapped_lookup(table_view, ids_view, backend, table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
     dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
     return out
 
 
+def _wrapped_lookup(table_view: Any, ids_view: Any, backend: str, table: Any) -> Any:
+    """The result of a lookup on a table of another library than numpy, as an array of that library."""
+    buffer = aligned_result(table, validate.output_shape(ids_view, table_view), table_view.dtype)
+    return result_like(dispatch.select(table_view, backend).gather(table_view, ids_view, buffer), table)
+
+
 def _converting_lookup(table_view: Any, ids_view: Any, out: Any, dtype: Any, backend: str, table: Any, ids: Any) -> Any:
     """The steps of :func:`lookup` for a quantized table or an explicit ``dtype=``."""
     target = validate.output_dtype(table_view, dtype)
-    out_view = None if out is None else validate.out_snapshot(out, ids_view, table_view, table, ids, target)
+    rows = validate.storage(table)  # a quantized table's results follow its data's library
+    if out is None:
+        out_view = aligned_result(rows, validate.output_shape(ids_view, table_view), target)
+    else:
+        out_view = validate.out_snapshot(out, ids_view, table_view, table, ids, target)
     chosen = dispatch.select(table_view, backend)
     if type(table_view) is QuantizedTable:
         result = chosen.dequantize(table_view, ids_view, out_view, target)  # type: ignore[attr-defined]
@@ -91,7 +103,7 @@ def _converting_lookup(table_view: Any, ids_view: Any, out: Any, dtype: Any, bac
         result = gather_cast(chosen, table_view, ids_view, out_view, target)
     if out is not None:
         return out
-    return result if type(table) is _NDARRAY or type(table) is QuantizedTable else result_like(result, table)
+    return result if type(rows) is _NDARRAY else result_like(result, rows)
 
 
 class Embedding:
@@ -128,15 +140,16 @@ class Embedding:
         if dtype is not None or type(table_view) is QuantizedTable:
             return _converting_lookup(table_view, ids_view, out, dtype, backend, self._table, ids)
         if out is None:
-            result = dispatch.select(table_view, backend).gather(table_view, ids_view, None)
-            return result if self._numpy else result_like(result, self._table)
+            if self._numpy:
+                return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+            return _wrapped_lookup(table_view, ids_view, backend, self._table)
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
         dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
         return out
 
     @property
     def table(self) -> Any:
-        """The table as the caller gave it (numpy, np.memmap, torch tensor, cupy array or QuantizedTable)."""
+        """The table as the caller gave it (numpy, np.memmap, torch tensor, JAX array, cupy array or QuantizedTable)."""
         return self._table
 
     @property

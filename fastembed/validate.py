@@ -156,6 +156,8 @@ def check_quantized(table: Any) -> None:
     """
     fmt, data, scales = table.format, table.data, table.scales
     adapter = adapter_of(data)
+    if adapter is not None:
+        data = adapter.snapshot(data)  # a torch or JAX host array: a numpy view, as the gather will see it
     if adapter is None or np.dtype(data.dtype) != np.uint8:
         raise TypeError(
             f"a {fmt.name} table's data must be a uint8 array (numpy, np.memmap or cupy), got "
@@ -175,6 +177,7 @@ def check_quantized(table: Any) -> None:
         return
     if scales is None or adapter_of(scales) is not adapter or np.dtype(scales.dtype) != np.float32:
         raise TypeError(f"a {fmt.name} table needs float32 scales, one per row, in the same array library as its data")
+    scales = adapter.snapshot(scales)
     if device_of(scales) != device_of(data):
         raise TypeError(f"the scales live on {device_of(scales)} but the rows on {device_of(data)}")
     if tuple(scales.shape) != (data.shape[0],) or not scales.flags.c_contiguous:

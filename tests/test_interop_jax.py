@@ -57,11 +57,9 @@ def address(array) -> int:
 
 def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = jax_adapter.JAX_HOST_ALIGNMENT) -> np.ndarray:
     """A numpy array whose data starts at a multiple of `alignment` bytes."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    buffer = np.empty(nbytes + alignment, np.uint8)
-    start = -address(buffer) % alignment
-    return buffer[start : start + nbytes].view(dtype).reshape(shape)
+    from fastembed.arrays.numpy_adapter import aligned_empty as package_aligned_empty
+
+    return package_aligned_empty(shape, np.dtype(dtype), alignment)
 
 
 @pytest.mark.parametrize("dtype", TABLE_DTYPES)
@@ -306,3 +304,31 @@ def test_import_fastembed_does_not_import_jax():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("how", ["lookup", "embedding", "dtype="])
+def test_results_of_a_jax_table_are_never_copied(monkeypatch, dtype, how):
+    """fastembed allocates a JAX table's result at JAX's alignment, so wrapping it shares the buffer."""
+    import fastembed.api
+
+    buffers = []
+
+    def recorded(table, shape, dtype):
+        buffer = fastembed.arrays.aligned_result(table, shape, dtype)
+        buffers.append(buffer)
+        return buffer
+
+    monkeypatch.setattr(fastembed.api, "aligned_result", recorded)
+    table = jax_table(dtype)
+    ids = np.random.default_rng(1).integers(0, VOCAB, (50, 3))
+    if how == "lookup":
+        result = fastembed.lookup(table, ids)
+    elif how == "embedding":
+        result = fastembed.Embedding(table)(ids)
+    else:
+        result = fastembed.lookup(table, ids, dtype="float32")
+    assert isinstance(result, jax.Array) and len(buffers) == 1
+    assert address(result) == address(buffers[0])
+    expected = numpy_table(dtype)[ids]
+    assert_jax_bit_equal(result, expected.astype(np.float32) if how == "dtype=" else expected)

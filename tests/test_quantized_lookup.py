@@ -126,3 +126,17 @@ def test_quantize_refuses_what_it_cannot_quantize():
         fastembed.Embedding(random_quantized("q8_0", 4, 32)).quantize("q8_0")
     with pytest.raises(ValueError, match="multiple of 32"):
         fastembed.Embedding(np.ones((4, 40), np.float32)).quantize("q8_0")
+
+
+def test_a_quantized_table_over_torch_or_jax_bytes_gives_their_kind_of_result():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    table = random_quantized("q4_0", 30, 64)
+    expected = reference(table, [3, 29])
+    over_torch = fastembed.formats.QuantizedTable(torch.from_numpy(table.data), "q4_0", 64)
+    result = fastembed.lookup(over_torch, [3, 29])
+    assert isinstance(result, torch.Tensor)
+    assert_bit_equal(result.numpy(), expected)
+    jnp = pytest.importorskip("jax.numpy", reason="jax is not installed")
+    result = fastembed.lookup(fastembed.formats.QuantizedTable(jnp.asarray(table.data), "q4_0", 64), [3, 29])
+    assert type(result).__module__.startswith("jax")
+    assert_bit_equal(np.asarray(result), expected)

@@ -23,6 +23,9 @@ class ArrayAdapter(Protocol):
     """
 
     name: str
+    #: Byte alignment a host result must have for :meth:`wrap` to share it
+    #: (0: any); fastembed then allocates such results itself, so none is copied.
+    result_alignment: int
 
     def owns(self, array: Any) -> bool:
         """Whether `array` is an array of this library (never imports the library to say no)."""
@@ -85,6 +88,19 @@ def result_like(result: Any, table: Any) -> Any:
     """
     adapter = adapter_of(table)
     return result if adapter is None else adapter.wrap(result)
+
+
+def aligned_result(table: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    """A new host array for the result of a lookup on the caller's `table`, or None to let the backend allocate.
+
+    Not None only where the table's library shares a host result's memory
+    at a stricter alignment than numpy gives (:attr:`ArrayAdapter.result_alignment`).
+    """
+    adapter = adapter_of(table)
+    alignment = 0 if adapter is None else adapter.result_alignment
+    if not alignment:
+        return None
+    return numpy_adapter.aligned_empty(shape, dtype, alignment)
 
 
 def device_of(array: Any) -> str:

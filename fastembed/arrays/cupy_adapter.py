@@ -10,6 +10,7 @@ from typing import Any
 
 class CupyAdapter:
     name = "cupy"
+    result_alignment = 0
 
     def owns(self, array: Any) -> bool:
         return type(array).__module__.partition(".")[0] == "cupy" and hasattr(array, "__cuda_array_interface__")

@@ -35,6 +35,7 @@ _MODULES = ("jax", "jaxlib")
 
 class JaxAdapter:
     name = "jax"
+    result_alignment = JAX_HOST_ALIGNMENT
     #: JAX arrays cannot be written: fastembed refuses one as ``out``.
     immutable = True
 

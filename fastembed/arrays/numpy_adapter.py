@@ -8,6 +8,7 @@ import numpy as np
 
 class NumpyAdapter:
     name = "numpy"
+    result_alignment = 0
 
     def owns(self, array: Any) -> bool:
         return isinstance(array, np.ndarray)
@@ -31,3 +32,12 @@ class NumpyAdapter:
 
 
 ADAPTER = NumpyAdapter()
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any, alignment: int) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data address is a multiple of `alignment` bytes."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)

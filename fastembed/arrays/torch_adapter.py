@@ -29,6 +29,7 @@ CUDA_NOT_SUPPORTED = "torch CUDA tensors are not supported yet; use cupy (Embedd
 
 class TorchAdapter:
     name = "torch"
+    result_alignment = 0
 
     def owns(self, array: Any) -> bool:
         # __dlpack__ tells a tensor (nn.Parameter included) from torch's other types (Size, storages, dtypes).
