@@ -22,6 +22,15 @@ kernel and a synchronisation on every call.
 Flags: immediate checks use one flag per thread and device (two threads
 checking at once never read each other's error); deferred lookups share
 one flag per device until :func:`raise_deferred_id_errors` reads it.
+
+Quantized tables (:class:`fastembed.formats.QuantizedTable` over cupy
+arrays) are dequantized while gathering by ``fastembed/kernels/dequant.cu``,
+one module per format compiled on first use, into float32, float16 or
+bfloat16 (cupy has no bfloat16: those results are uint16 words).
+:meth:`CudaBackend.dequantize` checks the ids in a first small kernel and
+raises before anything is written, so a caller's ``out`` is untouched by a
+bad id; inside :func:`deferred_id_checks` it skips that check and behaves
+like the gather (bad rows zero, the position kept for later).
 """
 from __future__ import annotations
 
@@ -36,9 +45,11 @@ from typing import Any
 import numpy as np
 
 from .. import validate
-from .base import Capabilities
+from ..formats import QuantizedTable
+from .base import DENSE, Capabilities
 
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "gather.cu"
+DEQUANT_SOURCE = KERNEL_SOURCE.with_name("dequant.cu")
 #: (vector bytes, the CUDA type used for it); the widest that fits is used.
 VECTOR_TYPES = ((16, "uint4"), (8, "uint2"), (4, "unsigned int"), (2, "unsigned short"), (1, "unsigned char"))
 ID_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
@@ -50,6 +61,18 @@ BLOCKS_PER_SM = 32
 #: The flag's value while no bad id has been seen.
 NO_ERROR = np.uint64(0xFFFFFFFFFFFFFFFF)
 COMPILE_OPTIONS = ("-std=c++17",)
+#: The dequantizing kernels must round every product and sum on its own, as the reference does.
+DEQUANT_COMPILE_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false")
+#: Per format: (its type in dequant.cu, values one thread dequantizes per step; sizes the launch only).
+DEQUANT_FORMATS = {
+    "q8_0": ("Q8_0", 16), "q4_0": ("Q4_0", 16), "q4_1": ("Q4_1", 16), "q5_0": ("Q5_0", 16), "q5_1": ("Q5_1", 16),
+    "q4_k": ("Q4_K", 16), "q5_k": ("Q5_K", 16), "q6_k": ("Q6_K", 32), "fp8_e4m3": ("FP8_E4M3", 8),
+}
+#: Output dtype name -> (its type in dequant.cu, the cupy dtype holding it).
+DEQUANT_OUTPUTS = {"float32": ("F32", np.dtype(np.float32)), "float16": ("F16", np.dtype(np.float16)),
+                   "bfloat16": ("BF16", np.dtype(np.uint16))}
+#: Threads per block of the id check (one id per thread, grid-stride beyond the grid).
+CHECK_THREADS = 256
 
 _deferred: contextvars.ContextVar[bool] = contextvars.ContextVar("fastembed_deferred_id_checks", default=False)
 
@@ -62,11 +85,27 @@ def _kernel_name(id_type: str, vec_type: str) -> str:
 KERNEL_NAMES = tuple(_kernel_name(id_type, vec_type) for id_type in ID_TYPES.values() for _, vec_type in VECTOR_TYPES)
 
 
+def dequant_kernel_name(format_name: str, output: str, id_type: str) -> str:
+    """The name expression of the dequantizing kernel for a format, output dtype name and CUDA id type."""
+    return f"dequant_rows<{DEQUANT_FORMATS[format_name][0]}, {DEQUANT_OUTPUTS[output][0]}, {id_type}>"
+
+
+def check_kernel_name(id_type: str) -> str:
+    return f"check_ids<{id_type}>"
+
+
+def dequant_kernel_names(format_name: str) -> tuple[str, ...]:
+    """Every instantiation the module of `format_name` is compiled with: each output and id type, and the id checks."""
+    return tuple(dequant_kernel_name(format_name, output, id_type) for output in DEQUANT_OUTPUTS
+                 for id_type in ID_TYPES.values()) + tuple(check_kernel_name(t) for t in ID_TYPES.values())
+
+
 class CudaBackend:
     """Gathers rows of a cupy table on its CUDA device (see the module docstring)."""
 
     name = "cuda"
-    capabilities = Capabilities(array_libraries=frozenset({"cupy"}), devices=frozenset({"cuda"}))
+    capabilities = Capabilities(array_libraries=frozenset({"cupy"}), devices=frozenset({"cuda"}),
+                                formats=frozenset({DENSE, *DEQUANT_FORMATS}))
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -81,10 +120,13 @@ class CudaBackend:
         with self._lock:
             self._unavailable: list[str] | None = None
             self._modules: dict[int, Any] = {}
-            self._kernels: dict[tuple[int, str, str], Any] = {}
+            self._kernels: dict[tuple[int, str, str], Any] = {}  # also (device, format, name) of dequant kernels
             self._deferred_flags: dict[int, Any] = {}
             self._thread_flags = threading.local()  # .flags: {device id: flag} of one thread
             self._sm_counts: dict[int, int] = {}
+            self._dequant_modules: dict[tuple[int, str], Any] = {}
+            self._scratch_flags: dict[int, Any] = {}
+            self._no_scales: dict[int, Any] = {}
 
     # -- availability ---------------------------------------------------------------------------------
 
@@ -139,6 +181,75 @@ class CudaBackend:
                     raise validate.out_of_range_error(ids, position, vocab_size)
         return out
 
+    def dequantize(self, table: QuantizedTable, ids: Any, out: Any | None, dtype: np.dtype) -> Any:
+        """Write the dequantized ``table[ids]`` as `dtype` into ``out`` (None: a new cupy array) and return it.
+
+        ``table`` is a validated :class:`QuantizedTable` over cupy arrays,
+        ``ids`` an int32/int64 cupy array and ``out`` a C-contiguous cupy
+        array of ``ids.shape + (dim,)`` on the table's device (uint16 words
+        for bfloat16). Results are bit for bit
+        :func:`fastembed.formats.dequantize_rows` rounded to `dtype`.
+
+        Raises:
+            IndexError: a bad id (:func:`fastembed.validate.out_of_range_error`),
+                before anything is written; inside :func:`deferred_id_checks`
+                the rows of bad ids are zero and nothing is raised.
+            TypeError: ids, a format or a dtype this backend has no kernel for.
+        """
+        import cupy
+
+        data, fmt, dim = table.data, table.format, int(table.dim)
+        device_id = int(data.device.id)
+        id_type = ID_TYPES.get(np.dtype(ids.dtype))
+        if id_type is None:
+            raise TypeError(f"the cuda backend takes int32 or int64 ids, got {np.dtype(ids.dtype)}")
+        output = np.dtype(dtype).name
+        if fmt.name not in DEQUANT_FORMATS or output not in DEQUANT_OUTPUTS:
+            raise TypeError(f"the cuda backend dequantizes {', '.join(DEQUANT_FORMATS)} into "
+                            f"{', '.join(DEQUANT_OUTPUTS)}, not {fmt.name} into {output}")
+        with cupy.cuda.Device(device_id):
+            if out is None:
+                out = cupy.empty(tuple(ids.shape) + (dim,), dtype=DEQUANT_OUTPUTS[output][1])
+            n = int(ids.size)
+            if n == 0:
+                return out
+            flat_ids = ids if ids.ndim == 1 and ids.flags.c_contiguous else cupy.ascontiguousarray(ids).reshape(-1)
+            vocab_size = int(data.shape[0])
+            flag = self._row_flag(device_id, fmt.name, id_type, ids, flat_ids, vocab_size)
+            scales = table.scales if fmt.row_scale else self._no_scales_array(device_id)
+            kernel = self._kernel_of(device_id, fmt.name, dequant_kernel_name(fmt.name, output, id_type))
+            units_per_row = -(-dim // DEQUANT_FORMATS[fmt.name][1])
+            blocks, threads = launch_geometry(n, units_per_row, self._sm_count(device_id))
+            kernel(
+                (blocks,),
+                (threads,),
+                (data, scales, flat_ids, out, np.int64(n), np.int64(vocab_size), np.int64(data.shape[1]),
+                 np.int64(dim), flag),
+            )
+        return out
+
+    def _row_flag(self, device_id: int, format_name: str, id_type: str, ids: Any, flat_ids: Any,
+                  vocab_size: int) -> Any:
+        """The flag the dequantizing kernel records bad rows in, after checking the ids unless checks are deferred."""
+        if _deferred.get():
+            return self._deferred_flag(device_id)
+        self._check_ids(device_id, format_name, id_type, ids, flat_ids, vocab_size)
+        # Checked ids can only turn bad if another writer changes them meanwhile; no one reads this flag.
+        return self._once(self._scratch_flags, device_id, lambda: self._new_flag(device_id))
+
+    def _check_ids(self, device_id: int, format_name: str, id_type: str, ids: Any, flat_ids: Any,
+                   vocab_size: int) -> None:
+        """Raise the IndexError of the first id outside [0, vocab_size) (one small kernel and one synchronisation)."""
+        flag = self._thread_flag(device_id)
+        n = int(flat_ids.size)
+        blocks = max(1, min(-(-n // CHECK_THREADS), self._sm_count(device_id) * BLOCKS_PER_SM))
+        kernel = self._kernel_of(device_id, format_name, check_kernel_name(id_type))
+        kernel((blocks,), (CHECK_THREADS,), (flat_ids, np.int64(n), np.int64(vocab_size), flag))
+        position = int(flag.get()[0])  # synchronises with the stream
+        if position != int(NO_ERROR):
+            flag.fill(NO_ERROR)
+            raise validate.out_of_range_error(ids, position, vocab_size)
+
     def describe(self) -> dict[str, Any]:
         if self.unavailable_reasons():
             return {}
@@ -180,6 +291,34 @@ class CudaBackend:
         if kernel is None:
             kernel = self._kernels[key] = self._module(device_id).get_function(_kernel_name(id_type, vec_type))
         return kernel
+
+    def _dequant_module(self, device_id: int, format_name: str) -> Any:
+        def compile_module() -> Any:
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                return cupy.RawModule(code=DEQUANT_SOURCE.read_text(), options=DEQUANT_COMPILE_OPTIONS,
+                                      name_expressions=list(dequant_kernel_names(format_name)))
+
+        return self._once(self._dequant_modules, (device_id, format_name), compile_module)
+
+    def _kernel_of(self, device_id: int, format_name: str, name: str) -> Any:
+        """Kernel `name` of the dequantizing module of `format_name` on `device_id`."""
+        key = (device_id, format_name, name)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._kernels[key] = self._dequant_module(device_id, format_name).get_function(name)
+        return kernel
+
+    def _no_scales_array(self, device_id: int) -> Any:
+        """A one-float array passed as the scales of the formats that keep theirs in the blocks (never read)."""
+        def make() -> Any:
+            import cupy
+
+            with cupy.cuda.Device(device_id):
+                return cupy.zeros(1, dtype=cupy.float32)
+
+        return self._once(self._no_scales, device_id, make)
 
     def _new_flag(self, device_id: int) -> Any:
         import cupy
@@ -246,9 +385,16 @@ def to_device(table: Any, device_id: int) -> Any:
     CuPy has no bfloat16 (or other ml_dtypes) arrays: such tables travel as
     same-size unsigned words (bfloat16 -> uint16), and lookups return those
     words; ``cupy.asnumpy(rows).view(ml_dtypes.bfloat16)`` reads them back.
+    A :class:`QuantizedTable` moves its data and scales and comes back as a
+    QuantizedTable over cupy arrays.
     """
     import cupy
 
+    if isinstance(table, QuantizedTable):
+        with cupy.cuda.Device(device_id):
+            data = cupy.asarray(np.ascontiguousarray(table.data))
+            scales = None if table.scales is None else cupy.asarray(np.ascontiguousarray(table.scales))
+        return QuantizedTable(data, table.format, table.dim, scales)
     host = np.ascontiguousarray(table)
     if host.dtype.kind == "V" or host.dtype.type.__module__.partition(".")[0] == "ml_dtypes":
         if host.dtype.itemsize not in (1, 2, 4, 8):

@@ -7,15 +7,19 @@ in guarded host allocations (256-byte canaries on both sides, 512-byte
 aligned like CuPy's pool); ``data.ptr`` is their host address.
 
 Kernels: ``RawModule(code=...)`` compiles the very code it is given with
-g++ against ``tests/cuda_emulation`` (cuda_host.h + driver.cpp; once per
-code, cached in the temp folder), and a launch runs it through that host
-emulation, blocks in a shuffled order. A launch checks what a real one
+g++ against ``tests/cuda_emulation`` (cuda_host.h + driver.cpp for
+``gather_rows``, + dequant_driver.cpp for ``dequant_rows`` and
+``check_ids``; once per code, cached in the temp folder), and a launch runs
+it through that host emulation, blocks in a shuffled order. A dequantizing
+module must be compiled with ``--fmad=false`` and without fast math, as a
+GPU would otherwise fuse multiply-adds or flush subnormals. A launch checks what a real one
 would need: grid and block tuples within CUDA's limits, exactly the
 kernel's argument C types (numpy scalars of the right width, device arrays
 for pointers: a Python int is refused), arrays on the current device,
 vector-aligned pointers. It also checks what a real one would get wrong
-silently or fatally: every read must lie inside the table or the ids (a
-read outside them is an illegal address), the output must hold the rows
+silently or fatally: every read must lie inside the arrays the kernel
+reads (table or data, scales, ids; a read outside them is an illegal
+address), the output must hold the rows
 written, and the canaries around the output and the flag must be intact.
 An illegal address poisons the device like a real sticky CUDA error:
 every later call on it raises, until the double is installed again.
@@ -600,17 +604,32 @@ cuda.memory = types.SimpleNamespace(MemoryPointer=MemoryPointer, MemoryPool=Memo
 _ID_TYPES = {"int": np.dtype(np.int32), "long long": np.dtype(np.int64)}
 _VECTOR_TYPES = {"uint4": 16, "uint2": 8, "unsigned int": 4, "unsigned short": 2, "unsigned char": 1}
 _NAME = re.compile(r"^gather_rows<\s*(int|long long)\s*,\s*(uint4|uint2|unsigned int|unsigned short|unsigned char)\s*>$")
+_DEQUANT_NAME = re.compile(r"^dequant_rows<\s*(\w+)\s*,\s*(F32|F16|BF16)\s*,\s*(int|long long)\s*>$")
+_CHECK_NAME = re.compile(r"^check_ids<\s*(int|long long)\s*>$")
+_OUTPUTS = {"F32": (0, 4), "F16": (1, 2), "BF16": (2, 2)}  # dequant.cu output type -> (driver index, bytes)
+#: Per kind of module: the driver in tests/cuda_emulation and the file name it includes the code as.
+_DRIVERS = {"gather": ("driver.cpp", "gather.cu"), "dequant": ("dequant_driver.cpp", "dequant.cu")}
+#: Options the dequantizing module must (not) be compiled with: a real GPU would otherwise fuse or flush.
+_DEQUANT_REQUIRED, _DEQUANT_FORBIDDEN = ("--fmad=false",), ("--use_fast_math", "-use_fast_math", "--ftz=true")
+_CXX_FLAGS = ("-O2", "-Wall", "-Werror", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
 _libraries: dict[str, ctypes.CDLL] = {}
 _build_lock = threading.Lock()
 #: Every launch: (kernel name, grid, block, device); tests read which instantiation ran.
 launches: collections.deque = collections.deque(maxlen=256)
 _launch_counter = iter(range(1 << 62))
+_P, _LL, _I, _U = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
+_ENTRIES = {  # entry point -> argument types (see the drivers)
+    "fe_emulated_gather": [_I, _I, _U, _U, _P, _P, _P, _P, _LL, _LL, _LL, _P, _P, _I, ctypes.POINTER(_P)],
+    "fe_emulated_dequant": [_I, _I, _I, _U, _U, _P, _P, _P, _P, _P, _LL, _LL, _LL, _LL, _P, _P, _I, ctypes.POINTER(_P)],
+    "fe_emulated_check_ids": [_I, _U, _U, _P, _P, _LL, _LL, _P, _P, _I, ctypes.POINTER(_P)],
+}
 
 
-def _library(code: str, options: tuple[str, ...]) -> ctypes.CDLL:
-    """The host emulation of `code` (a shared library built by g++, cached by content in the temp folder)."""
+def _library(code: str, options: tuple[str, ...], kind: str = "gather") -> ctypes.CDLL:
+    """The host emulation of `code` through the `kind` driver (a shared library built by g++, cached by content)."""
     standard = next((o for o in options if o.startswith("-std=")), "-std=c++17")
-    parts = [code, standard] + [(_EMULATION / name).read_text() for name in ("cuda_host.h", "driver.cpp")]
+    driver, source = _DRIVERS[kind]
+    parts = [code, standard, kind, *_CXX_FLAGS] + [(_EMULATION / name).read_text() for name in ("cuda_host.h", driver)]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     with _build_lock:
         library = _libraries.get(key)
@@ -619,26 +638,45 @@ def _library(code: str, options: tuple[str, ...]) -> ctypes.CDLL:
         path = Path(tempfile.gettempdir()) / f"fastembed-cupy-double-{key}.so"
         if not path.exists():
             with tempfile.TemporaryDirectory() as folder:
-                (Path(folder) / "gather.cu").write_text(code)
-                built = Path(folder) / "gather.so"
+                (Path(folder) / source).write_text(code)
+                built = Path(folder) / "module.so"
                 compiled = subprocess.run(
-                    ["g++", "-O2", standard, "-Wall", "-Werror", "-shared", "-fPIC", f"-I{folder}", f"-I{_EMULATION}",
-                     str(_EMULATION / "driver.cpp"), "-o", str(built)], capture_output=True, text=True)
+                    ["g++", *_CXX_FLAGS, standard, f"-I{folder}", f"-I{_EMULATION}", str(_EMULATION / driver),
+                     "-o", str(built)], capture_output=True, text=True)
                 if compiled.returncode:
                     raise CompileException(compiled.stderr)
                 os.replace(built, path)  # atomic: concurrent sessions never load half a file
         library = ctypes.CDLL(str(path))
-        entry = library.fe_emulated_gather
-        entry.restype = ctypes.c_int
-        entry.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p,
-                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_longlong,
-                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+        for entry, argtypes in _ENTRIES.items():
+            function = getattr(library, entry, None)
+            if function is not None:
+                function.restype, function.argtypes = ctypes.c_int, argtypes
+        if kind == "dequant":
+            library.fe_dequant_format_name.restype = ctypes.c_char_p
+            library.fe_dequant_format_name.argtypes = [ctypes.c_int]
         _libraries[key] = library
         return library
 
 
+def _format_indices(library: ctypes.CDLL) -> dict[str, int]:
+    """The dequant driver's format type names -> its indices."""
+    indices, index = {}, 0
+    while (name := library.fe_dequant_format_name(index)) is not None:
+        indices[name.decode()] = index
+        index += 1
+    return indices
+
+
 class CompileException(Exception):
     """cupy.cuda.compiler.CompileException: the source did not compile."""
+
+
+def _kind_of(name: str) -> str:
+    if _NAME.match(name):
+        return "gather"
+    if _DEQUANT_NAME.match(name) or _CHECK_NAME.match(name):
+        return "dequant"
+    raise CompileException(f"name expression {name!r} is not an instantiation of gather_rows, dequant_rows or check_ids")
 
 
 class RawModule:
@@ -653,29 +691,54 @@ class RawModule:
             raise TypeError(f"options must be a tuple of str, got {options!r}")
         self.code, self.options = code, options
         self.name_expressions = None if name_expressions is None else list(name_expressions)
-        for name in self.name_expressions or ():
-            if not _NAME.match(name):
-                raise CompileException(f"name expression {name!r} is not an instantiation of gather_rows")
-        self._library = _library(code, options)
+        kinds = {_kind_of(name) for name in self.name_expressions or ()}
+        if len(kinds) > 1:
+            raise CompileException("the double compiles gather_rows and the dequantizing kernels as separate modules")
+        self.kind = kinds.pop() if kinds else "gather"
+        if self.kind == "dequant" and (any(o not in options for o in _DEQUANT_REQUIRED)
+                                       or any(o in options for o in _DEQUANT_FORBIDDEN)):
+            raise CompileException(f"the dequantizing kernels must be compiled with {' '.join(_DEQUANT_REQUIRED)} and "
+                                   f"without {', '.join(_DEQUANT_FORBIDDEN)}: a GPU would otherwise fuse multiply-adds "
+                                   f"or flush subnormals and differ from the reference; got {options}")
+        self._library = _library(code, options, self.kind)
+        if self.kind == "dequant":
+            formats = _format_indices(self._library)
+            for name in self.name_expressions or ():
+                match = _DEQUANT_NAME.match(name)
+                if match and match.group(1) not in formats:
+                    raise CompileException(f"{name}: no format type {match.group(1)!r} in the source")
 
-    def get_function(self, name: str) -> RawKernel:
+    def get_function(self, name: str) -> _Kernel:
         if self.name_expressions is None or name not in self.name_expressions:
             raise KeyError(f"{name!r} was not among the name expressions the module was compiled with")
-        id_type, vec_type = _NAME.match(name).groups()  # type: ignore[union-attr]
-        return RawKernel(self._library, name, _ID_TYPES[id_type], _VECTOR_TYPES[vec_type])
+        if self.kind == "gather":
+            id_type, vec_type = _NAME.match(name).groups()  # type: ignore[union-attr]
+            return RawKernel(self._library, name, _ID_TYPES[id_type], _VECTOR_TYPES[vec_type])
+        dequant = _DEQUANT_NAME.match(name)
+        if dequant:
+            fmt, output, id_type = dequant.groups()
+            return DequantKernel(self._library, name, _ID_TYPES[id_type], _format_indices(self._library)[fmt],
+                                 *_OUTPUTS[output])
+        return CheckKernel(self._library, name, _ID_TYPES[_CHECK_NAME.match(name).group(1)])  # type: ignore[union-attr]
 
 
 def _argument_error(name: str, index: int, expected: str, got: Any) -> TypeError:
     return TypeError(f"{name}: argument {index} must be {expected}, got {type(got).__module__}.{type(got).__name__} {got!r}")
 
 
-class RawKernel:
-    """One instantiation of gather_rows<Id, Vec>; calling it launches it (synchronously, blocks shuffled)."""
+class _Kernel:
+    """What every launch checks: dimensions, argument C types, devices, ids, alignment, reads, canaries.
 
-    _SIGNATURE = ("table", "ids", "out", "n_ids", "vocab_size", "vecs_per_row", "error_position")
+    A subclass names its arguments (``_SIGNATURE``), which of them are
+    pointers and which ``long long``, and implements ``_launch``.
+    """
 
-    def __init__(self, library: ctypes.CDLL, name: str, id_dtype: np.dtype, vec_bytes: int) -> None:
-        self._library, self.name, self._id_dtype, self._vec = library, name, id_dtype, vec_bytes
+    _SIGNATURE: tuple[str, ...] = ()
+    _POINTERS: tuple[int, ...] = ()
+    _SCALARS: tuple[int, ...] = ()
+
+    def __init__(self, library: ctypes.CDLL, name: str, id_dtype: np.dtype) -> None:
+        self._library, self.name, self._id_dtype = library, name, id_dtype
 
     def __call__(self, grid: Any, block: Any, args: Any, *, shared_mem: int = 0, stream: Any = None,
                  enable_cooperative_groups: bool = False) -> None:
@@ -683,51 +746,130 @@ class RawKernel:
         grid_x, block_x = _dimension(name, "grid", grid, 2**31 - 1), _dimension(name, "block", block, 1024)
         if not isinstance(args, tuple) or len(args) != len(self._SIGNATURE):
             raise TypeError(f"{name}: args must be a tuple of {len(self._SIGNATURE)} ({', '.join(self._SIGNATURE)})")
-        table, ids, out, n_ids, vocab_size, vecs_per_row, flag = args
-        for index in (0, 1, 2, 6):
+        for index in self._POINTERS:
             if not isinstance(args[index], ndarray):
                 raise _argument_error(name, index, f"a cupy array ({self._SIGNATURE[index]} is a pointer)", args[index])
-        for index in (3, 4, 5):  # long long: exactly 8 bytes; a Python int is not a C type
+        for index in self._SCALARS:  # long long: exactly 8 bytes; a Python int is not a C type
             if type(args[index]) not in (np.int64, np.longlong):
                 raise _argument_error(name, index, "numpy.int64 (long long)", args[index])
         device_id = _current()
         _check_device(device_id)
-        for index in (0, 1, 2, 6):
+        for index in self._POINTERS:
             if args[index].device.id != device_id:
                 raise CUDADriverError(f"{name}: argument {index} lives on cuda:{args[index].device.id}, "
                                       f"launched on cuda:{device_id}: CUDA_ERROR_ILLEGAL_ADDRESS")
-        n, vocab, vecs = int(n_ids), int(vocab_size), int(vecs_per_row)
-        vec = self._vec
-        if ids.dtype != self._id_dtype:
-            raise TypeError(f"{name}: the ids are {ids.dtype}, the kernel reads {self._id_dtype}")
-        if not ids.flags.c_contiguous or ids.size != n:
-            raise ValueError(f"{name}: the kernel reads n_ids={n} consecutive ids; got ids of shape {ids.shape}, "
-                             f"strides {ids.strides}")
-        for index, array, unit in ((0, table, vec), (1, ids, ids.dtype.itemsize), (2, out, vec), (6, flag, 8)):
-            if array.size and array.data.ptr % unit:
-                raise CUDADriverError(f"{name}: argument {index} at {array.data.ptr:#x} is not {unit}-byte aligned: "
-                                      "CUDA_ERROR_MISALIGNED_ADDRESS")
-        if out.nbytes < n * vecs * vec or not out.flags.c_contiguous:
-            raise CUDADriverError(f"{name}: out holds {out.nbytes} bytes, the kernel writes {n * vecs * vec}: "
-                                  "CUDA_ERROR_ILLEGAL_ADDRESS")
-        if flag.dtype != np.uint64 or flag.size < 1:
-            raise CUDADriverError(f"{name}: the error flag must be one unsigned long long")
-        if vecs < 0 or vocab < 0 or n < 0:
+        if any(int(args[index]) < 0 for index in self._SCALARS):
             raise ValueError(f"{name}: negative sizes")
         order = np.random.default_rng(next(_launch_counter)).permutation(grid_x).astype(np.uint32)
-        readable = (ctypes.c_void_p * 4)(table.data.ptr, table.data.ptr + table.nbytes, ids.data.ptr,
-                                         ids.data.ptr + ids.nbytes)
-        fault = ctypes.c_void_p(0)
         launches.append((name, grid_x, block_x, device_id))
-        status = self._library.fe_emulated_gather(
-            ids.dtype.itemsize, vec, grid_x, block_x, order.ctypes.data, table.data.ptr, ids.data.ptr, out.data.ptr,
-            n, vocab, vecs, flag.data.ptr, readable, 2, ctypes.byref(fault))
+        fault = ctypes.c_void_p(0)
+        status, written = self._launch(grid_x, block_x, order, args, fault)
         if status == 1:
             raise CUDADriverError(f"{name}: no such instantiation in the emulation")
-        if status == 2 or not (out._allocation.canaries_intact() and flag._allocation.canaries_intact()):
-            what = f"read at {fault.value:#x} outside the table and the ids" if status == 2 else "write past an allocation"
+        if status == 2 or not all(array._allocation.canaries_intact() for array in written):
+            what = f"read at {fault.value:#x} outside the readable arrays" if status == 2 else "write past an allocation"
             _sticky[device_id] = f"{name}: {what}"
             raise CUDADriverError(f"{name}: CUDA_ERROR_ILLEGAL_ADDRESS ({what}); the device is unusable from now on")
+
+    def _launch(self, grid: int, block: int, order: np.ndarray, args: tuple, fault: ctypes.c_void_p) -> tuple[int, list]:
+        """Run the launch: (driver status, the arrays written, whose canaries are then checked)."""
+        raise NotImplementedError
+
+    def _check_ids(self, ids: ndarray, n: int) -> None:
+        if ids.dtype != self._id_dtype:
+            raise TypeError(f"{self.name}: the ids are {ids.dtype}, the kernel reads {self._id_dtype}")
+        if not ids.flags.c_contiguous or ids.size != n:
+            raise ValueError(f"{self.name}: the kernel reads n_ids={n} consecutive ids; got ids of shape {ids.shape}, "
+                             f"strides {ids.strides}")
+
+    def _check_aligned(self, *arrays: tuple[int, ndarray, int]) -> None:
+        for index, array, unit in arrays:
+            if array.size and array.data.ptr % unit:
+                raise CUDADriverError(f"{self.name}: argument {index} at {array.data.ptr:#x} is not {unit}-byte "
+                                      "aligned: CUDA_ERROR_MISALIGNED_ADDRESS")
+
+    def _check_flag(self, flag: ndarray) -> None:
+        if flag.dtype != np.uint64 or flag.size < 1:
+            raise CUDADriverError(f"{self.name}: the error flag must be one unsigned long long")
+
+    def _check_out(self, out: ndarray, nbytes: int) -> None:
+        if out.nbytes < nbytes or not out.flags.c_contiguous:
+            raise CUDADriverError(f"{self.name}: out holds {out.nbytes} bytes, the kernel writes {nbytes}: "
+                                  "CUDA_ERROR_ILLEGAL_ADDRESS")
+
+
+def _readable(*arrays: ndarray) -> Any:
+    """The (start, end) byte ranges of `arrays`, as the drivers take them."""
+    return (ctypes.c_void_p * (2 * len(arrays)))(*[p for a in arrays for p in (a.data.ptr, a.data.ptr + a.nbytes)])
+
+
+class RawKernel(_Kernel):
+    """One instantiation of gather_rows<Id, Vec>; calling it launches it (synchronously, blocks shuffled)."""
+
+    _SIGNATURE = ("table", "ids", "out", "n_ids", "vocab_size", "vecs_per_row", "error_position")
+    _POINTERS, _SCALARS = (0, 1, 2, 6), (3, 4, 5)
+
+    def __init__(self, library: ctypes.CDLL, name: str, id_dtype: np.dtype, vec_bytes: int) -> None:
+        super().__init__(library, name, id_dtype)
+        self._vec = vec_bytes
+
+    def _launch(self, grid: int, block: int, order: np.ndarray, args: tuple, fault: ctypes.c_void_p) -> tuple[int, list]:
+        table, ids, out, n_ids, vocab_size, vecs_per_row, flag = args
+        n, vocab, vecs, vec = int(n_ids), int(vocab_size), int(vecs_per_row), self._vec
+        self._check_ids(ids, n)
+        self._check_aligned((0, table, vec), (1, ids, ids.dtype.itemsize), (2, out, vec), (6, flag, 8))
+        self._check_out(out, n * vecs * vec)
+        self._check_flag(flag)
+        status = self._library.fe_emulated_gather(
+            ids.dtype.itemsize, vec, grid, block, order.ctypes.data, table.data.ptr, ids.data.ptr, out.data.ptr,
+            n, vocab, vecs, flag.data.ptr, _readable(table, ids), 2, ctypes.byref(fault))
+        return status, [out, flag]
+
+
+class DequantKernel(_Kernel):
+    """One instantiation of dequant_rows<Format, Output, Id>: reads only data, scales and ids; writes out and the flag."""
+
+    _SIGNATURE = ("data", "scales", "ids", "out", "n_ids", "vocab_size", "row_bytes", "dim", "error_position")
+    _POINTERS, _SCALARS = (0, 1, 2, 3, 8), (4, 5, 6, 7)
+
+    def __init__(self, library: ctypes.CDLL, name: str, id_dtype: np.dtype, fmt: int, output: int,
+                 output_bytes: int) -> None:
+        super().__init__(library, name, id_dtype)
+        self._format, self._output, self._output_bytes = fmt, output, output_bytes
+
+    def _launch(self, grid: int, block: int, order: np.ndarray, args: tuple, fault: ctypes.c_void_p) -> tuple[int, list]:
+        data, scales, ids, out, n_ids, vocab_size, row_bytes, dim, flag = args
+        n = int(n_ids)
+        if data.dtype != np.uint8 or scales.dtype != np.float32:
+            raise TypeError(f"{self.name}: data must be uint8 and scales float32, got {data.dtype} and {scales.dtype}")
+        if out.dtype.itemsize != self._output_bytes:
+            raise TypeError(f"{self.name}: the kernel writes {self._output_bytes}-byte values, out is {out.dtype}")
+        self._check_ids(ids, n)
+        self._check_aligned((1, scales, 4), (2, ids, ids.dtype.itemsize), (3, out, self._output_bytes), (8, flag, 8))
+        self._check_out(out, n * int(dim) * self._output_bytes)
+        self._check_flag(flag)
+        status = self._library.fe_emulated_dequant(
+            self._format, self._output, ids.dtype.itemsize, grid, block, order.ctypes.data, data.data.ptr,
+            scales.data.ptr, ids.data.ptr, out.data.ptr, n, int(vocab_size), int(row_bytes), int(dim), flag.data.ptr,
+            _readable(data, scales, ids), 3, ctypes.byref(fault))
+        return status, [out, flag]
+
+
+class CheckKernel(_Kernel):
+    """One instantiation of check_ids<Id>: reads the ids, writes only the flag."""
+
+    _SIGNATURE = ("ids", "n_ids", "vocab_size", "error_position")
+    _POINTERS, _SCALARS = (0, 3), (1, 2)
+
+    def _launch(self, grid: int, block: int, order: np.ndarray, args: tuple, fault: ctypes.c_void_p) -> tuple[int, list]:
+        ids, n_ids, vocab_size, flag = args
+        self._check_ids(ids, int(n_ids))
+        self._check_aligned((0, ids, ids.dtype.itemsize), (3, flag, 8))
+        self._check_flag(flag)
+        status = self._library.fe_emulated_check_ids(
+            ids.dtype.itemsize, grid, block, order.ctypes.data, ids.data.ptr, int(n_ids), int(vocab_size),
+            flag.data.ptr, _readable(ids), 1, ctypes.byref(fault))
+        return status, [flag]
 
 
 def _dimension(name: str, what: str, value: Any, limit: int) -> int:
