@@ -140,3 +140,23 @@ def test_a_quantized_table_over_torch_or_jax_bytes_gives_their_kind_of_result():
     result = fastembed.lookup(fastembed.formats.QuantizedTable(jnp.asarray(table.data), "q4_0", 64), [3, 29])
     assert type(result).__module__.startswith("jax")
     assert_bit_equal(np.asarray(result), expected)
+
+
+@pytest.mark.parametrize(("kind", "suffix"), [("q8_0", ".gguf"), ("q8_0", ".safetensors"), ("fp8_e4m3", ".safetensors")])
+def test_a_saved_quantized_table_loads_back_memory_mapped_and_gathers_the_same_rows(tmp_path, kind, suffix):
+    emb = fastembed.Embedding.random(500, 64, "float32").quantize(kind)
+    path = tmp_path / f"table{suffix}"
+    emb.save(path)
+    loaded = fastembed.Embedding.from_gguf(path) if suffix == ".gguf" else fastembed.Embedding.from_pretrained(path)
+    assert loaded.format == kind and isinstance(loaded.table.data, np.memmap)
+    ids = np.arange(0, 500, 3)
+    assert_bit_equal(loaded(ids, dtype="bfloat16"), emb(ids, dtype="bfloat16"))
+    loaded.check_file()
+
+
+def test_a_dense_gguf_table_opens_through_from_pretrained(tmp_path):
+    emb = fastembed.Embedding.random(100, 32, "float16")
+    emb.save(tmp_path / "model.gguf")
+    loaded = fastembed.Embedding.from_pretrained(tmp_path / "model.gguf")
+    assert loaded.format == "dense" and loaded.dtype == np.float16
+    assert_bit_equal(loaded([5, 99]), emb([5, 99]))
