@@ -108,7 +108,7 @@ try:
     import ml_dtypes
 except ImportError:
     ml_dtypes = None
-DTYPES = ("float16", "float32", "bfloat16")
+DTYPES = ("float16", "float32", "bfloat16") if ml_dtypes is not None else ("float16", "float32")
 BACKEND = cuda_backend.BACKEND
 dense = cuda_backend.to_device(fastembed.Embedding.random(vocab, dim, "float16").table, 0)
 outs = {dtype: cupy.empty((max(batches), dim), cuda_backend.DEQUANT_OUTPUTS[dtype][1]) for dtype in DTYPES}
