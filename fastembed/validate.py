@@ -368,7 +368,7 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
         )
     if tuple(view.shape) != output_shape(ids, table):
         raise ValueError(f"out has shape {tuple(view.shape)}, expected {output_shape(ids, table)} (ids.shape + (dim,))")
-    expected = np.dtype(table.dtype) if dtype is None else np.dtype(dtype)
+    expected = adapter.stored_dtype(np.dtype(table.dtype) if dtype is None else np.dtype(dtype))
     if view.dtype != expected:
         raise TypeError(f"out has dtype {np.dtype(view.dtype)}, expected {expected} (the output dtype of this lookup)")
     flags = view.flags

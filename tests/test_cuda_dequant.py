@@ -342,7 +342,7 @@ def test_lookup_end_to_end(cp, name):
         assert isinstance(result, cp.ndarray)
         assert_dequantized(cp, result, reference(host, ids, dtype))
     assert_dequantized(cp, fastembed.lookup(table, cp.asarray(ids.astype(np.int32))), reference(host, ids, "float32"))
-    for dtype in ("float32", "float16"):
+    for dtype in CHECKABLE:
         out = device_out(cp, ids.shape + (host.dim,), dtype)
         assert fastembed.lookup(table, ids, out=out, dtype=dtype) is out
         assert_dequantized(cp, out, reference(host, ids, dtype))

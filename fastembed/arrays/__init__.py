@@ -51,6 +51,10 @@ class ArrayAdapter(Protocol):
         """Whether two arrays of this library share memory (exact for contiguous arrays)."""
         ...
 
+    def stored_dtype(self, dtype: Any) -> Any:
+        """The dtype this library's arrays hold values of `dtype` in (cupy: bfloat16 as uint16 words; else `dtype`)."""
+        ...
+
     def wrap(self, result: Any) -> Any:
         """A result gathered from a snapshot, as an array of this library (zero-copy).
 

@@ -12,6 +12,13 @@ class CupyAdapter:
     name = "cupy"
     result_alignment = 0
 
+    def stored_dtype(self, dtype: Any) -> Any:
+        """CuPy has no ml_dtypes (bfloat16, float8): they live as unsigned words of the same size."""
+        import numpy as np
+
+        dtype = np.dtype(dtype)
+        return np.dtype(f"u{dtype.itemsize}") if dtype.type.__module__ == "ml_dtypes" else dtype
+
     def owns(self, array: Any) -> bool:
         return type(array).__module__.partition(".")[0] == "cupy" and hasattr(array, "__cuda_array_interface__")
 

@@ -39,6 +39,9 @@ class JaxAdapter:
     #: JAX arrays cannot be written: fastembed refuses one as ``out``.
     immutable = True
 
+    def stored_dtype(self, dtype: Any) -> Any:
+        return dtype
+
     def owns(self, array: Any) -> bool:
         # __dlpack__ tells an array (or a tracer) from jax's other types (devices, dtypes, shardings).
         return type(array).__module__.partition(".")[0] in _MODULES and hasattr(array, "__dlpack__")

@@ -10,6 +10,9 @@ class NumpyAdapter:
     name = "numpy"
     result_alignment = 0
 
+    def stored_dtype(self, dtype: Any) -> Any:
+        return dtype
+
     def owns(self, array: Any) -> bool:
         return isinstance(array, np.ndarray)
 

@@ -31,6 +31,9 @@ class TorchAdapter:
     name = "torch"
     result_alignment = 0
 
+    def stored_dtype(self, dtype: Any) -> Any:
+        return dtype
+
     def owns(self, array: Any) -> bool:
         # __dlpack__ tells a tensor (nn.Parameter included) from torch's other types (Size, storages, dtypes).
         return type(array).__module__.partition(".")[0] == "torch" and hasattr(array, "__dlpack__")
