@@ -16,6 +16,7 @@ file are checked before any table is built: a bad one exits 2 at once.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -69,6 +70,11 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                              "64,1024,4096,65536; uniform ids)")
     parser.add_argument("--load", action="store_true",
                         help="--processes: a CPU-bound process pinned to one CPU runs meanwhile")
+    parser.add_argument("--ranks", type=_positive_int,
+                        help="the vocabulary-parallel lookup (fastembed.distributed; needs torch) on this many ranks of "
+                             "this machine, each mapping its rows of the table, against one process: time per lookup "
+                             "split into local gather and communication, bytes per rank, RSS per rank (batches: "
+                             "--batch, default 1,64,1024,8192; uniform ids)")
     parser.add_argument("--thresholds", type=Path,
                         help="gate thresholds (TOML; default: the thresholds.toml shipped with fastembed.benchmark)")
     arguments = parser.parse_args(argv)
@@ -83,6 +89,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--load goes with --processes")
     if arguments.processes and (arguments.gate or arguments.device == "cuda"):
         parser.error("--processes measures the host's lookups on their own: not with --gate or --device cuda")
+    if arguments.ranks and (arguments.gate or arguments.processes or arguments.device == "cuda"):
+        parser.error("--ranks measures the host's lookups on a gloo group: not with --gate, --processes or --device cuda")
+    if arguments.ranks and importlib.util.find_spec("torch") is None:
+        parser.error("--ranks needs torch: pip install 'fastembed-gather[distributed]'")
     arguments.checks, arguments.gate_repetitions = None, None
     if arguments.gate:
         from .gate import load_checks
@@ -261,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         return gate(arguments, console, table, described)
     if arguments.processes:
         return processes(arguments, console, table, described, argv)
+    if arguments.ranks:
+        from . import ranks
+
+        return ranks.main(arguments, console, table, described, argv)
     from . import report
 
     batches = arguments.batch or list(QUICK_BATCHES if arguments.quick else BATCHES)

@@ -1,0 +1,250 @@
+"""``fastembed-bench --ranks N``: the vocabulary-parallel lookup on N ranks of this machine, against one process.
+
+Every process opens the table's file (``--table``, or the random table saved
+as a temporary .npy file). N ranks (torch.multiprocessing, a gloo group over
+a file:// rendezvous) each build
+``fastembed.distributed.VocabParallelEmbedding(path)``, which maps only that
+rank's rows. Then one fresh process maps the whole file with
+``Embedding.from_pretrained`` and makes the same lookups. Every process draws
+the same uniform ids from the same seed; per batch it makes one warm-up call
+per mode, waits for background compiles, then times ``reps`` calls per mode,
+the modes interleaved.
+
+Per batch and mode the report gives:
+
+- the time per lookup on the ranks (per repetition the slowest rank's, then
+  the median) and its parts, each the same statistic: *prepare* (checking,
+  copying and hashing the ids), *gather* (the masked local gather),
+  *agree* (the fingerprint all-gather, which includes waiting for the
+  slowest rank) and *communicate* (the integer all-reduce or reduce-scatter);
+- the bytes each rank hands to the collective, and the bytes a ring
+  algorithm sends per rank for them (all-reduce 2(N-1)/N of them,
+  reduce-scatter (N-1)/N);
+- one process's median time for the same ids, and the ratio.
+
+Below the tables: each process's resident memory (RSS) after its lookups,
+and how much it grew from just before the table was opened, beside the
+bytes of the rows it holds (a rank's shard; the single process's table).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Batch sizes of the run: a decode step, mid-size batches, a prefill chunk.
+BATCHES = (1, 64, 1024, 8192)
+MODES = ("full", "scatter")
+PHASES = ("prepare_s", "gather_s", "agree_s", "communicate_s")
+#: Timed calls per mode and batch in each process.
+REPS = 20
+#: Seconds a rank waits for one collective: a rank that dies fails the run instead of hanging it.
+TIMEOUT_S = 300.0
+
+
+def run(table_path: Path, ranks: int, batches: list[int], reps: int, seed: int = 0,
+        name: str | None = None) -> dict[str, Any]:
+    """Run the ranks, then the single process, on the table at `table_path` (tensor `name`); every process's samples.
+
+    Returns:
+        ``{"ranks": [one dict per rank], "single": dict}``; each holds ``samples``
+        (``"batch/mode"`` -> lists of seconds per phase and ``total_s``), the
+        bytes handed to the collective per case, ``rss_bytes`` after the lookups
+        and the bytes of the rows it holds.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a process failed (its traceback included).
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="fastembed-ranks-") as folder:
+        init = f"file://{Path(folder) / 'rendezvous'}"
+        mp.spawn(rank_worker, args=(ranks, init, str(table_path), name, batches, reps, seed, folder), nprocs=ranks)
+        mp.spawn(single_worker, args=(str(table_path), name, batches, reps, seed, folder), nprocs=1)
+        per_rank = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(ranks)]
+        single = json.loads(Path(folder, "single.json").read_text())
+    return {"ranks": per_rank, "single": single}
+
+
+def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | None, batches: list[int], reps: int,
+                seed: int, folder: str) -> None:
+    """One rank (run by torch.multiprocessing): its samples into ``folder/rank{rank}.json``."""
+    import torch.distributed as dist
+
+    import fastembed
+    from fastembed.distributed import VocabParallelEmbedding
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        rss_before = _rss_bytes()
+        emb = VocabParallelEmbedding(table_path, name=name, timeout=TIMEOUT_S)
+        samples, payloads = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps, seed,
+                                     fastembed.wait_for_compiles, lambda: emb.last_timings)
+        report = {"rank": rank, "rows": [emb.vocab_start, emb.vocab_end], "held_bytes": int(emb.shard.nbytes),
+                  "rss_before_bytes": rss_before, "rss_bytes": _rss_bytes(), "samples": samples,
+                  "payload_bytes": payloads}
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def single_worker(_index: int, table_path: str, name: str | None, batches: list[int], reps: int, seed: int,
+                  folder: str) -> None:
+    """The single process (run by torch.multiprocessing): the whole table, the same ids, into ``single.json``."""
+    import fastembed
+
+    rss_before = _rss_bytes()
+    emb = fastembed.Embedding.from_pretrained(table_path, name)
+    samples, _ = _measure(lambda ids, mode: emb(ids), emb.vocab_size, batches, reps, seed, fastembed.wait_for_compiles,
+                          lambda: None)
+    report = {"held_bytes": emb.nbytes, "rss_before_bytes": rss_before, "rss_bytes": _rss_bytes(), "samples": samples}
+    Path(folder, "single.json").write_text(json.dumps(report))
+
+
+def _measure(call: Any, vocab_size: int, batches: list[int], reps: int, seed: int, wait: Any,
+             timings: Any) -> tuple[dict[str, dict[str, list[float]]], dict[str, int]]:
+    """Samples per "batch/mode": total seconds per call and, where `timings()` gives them, each phase's."""
+    rng = np.random.default_rng(seed)  # every process draws the same ids in the same order
+    samples: dict[str, dict[str, list[float]]] = {}
+    payloads: dict[str, int] = {}
+    for batch in batches:
+        for mode in MODES:
+            call(rng.integers(0, vocab_size, batch), mode)
+        wait()
+        for mode in MODES:
+            samples[f"{batch}/{mode}"] = {name: [] for name in ("total_s", *PHASES)}
+        for _ in range(reps):
+            for mode in MODES:
+                ids = rng.integers(0, vocab_size, batch)
+                started = time.perf_counter()
+                call(ids, mode)
+                case = samples[f"{batch}/{mode}"]
+                case["total_s"].append(time.perf_counter() - started)
+                parts = timings()
+                if parts is not None:
+                    for name in PHASES:
+                        case[name].append(getattr(parts, name))
+                    payloads[f"{batch}/{mode}"] = int(parts.payload_bytes)
+    return samples, payloads
+
+
+def _rss_bytes() -> int:
+    from .measure import rss_bytes
+
+    return rss_bytes()
+
+
+def summarise(measured: dict[str, Any], batches: list[int]) -> list[dict[str, Any]]:
+    """One row per (batch, mode): the slowest rank's median time and phases, bytes, the single process's median."""
+    ranks, single = measured["ranks"], measured["single"]
+    world = len(ranks)
+    rows = []
+    for batch in batches:
+        for mode in MODES:
+            key = f"{batch}/{mode}"
+            row: dict[str, Any] = {"batch": batch, "mode": mode, "ranks": world}
+            for name in ("total_s", *PHASES):
+                slowest = [max(values) for values in zip(*(rank["samples"][key][name] for rank in ranks), strict=True)]
+                row[name.replace("_s", "_us")] = statistics.median(slowest) * 1e6
+            payload = max(rank["payload_bytes"][key] for rank in ranks)
+            row["payload_bytes"] = payload
+            row["ring_sent_bytes"] = int(payload * (world - 1) / world * (2 if mode == "full" else 1))
+            row["single_us"] = statistics.median(single["samples"][key]["total_s"]) * 1e6
+            row["ranks_over_single"] = row["total_us"] / row["single_us"]
+            rows.append(row)
+    return rows
+
+
+@contextmanager
+def table_file(table: Any, given: Path | None) -> Iterator[Path]:
+    """A file every process can map: `given` (--table) as it is, else the table saved as a temporary .npy file."""
+    if given is not None:
+        yield given
+        return
+    from .processes import saved_table
+
+    with saved_table(table) as path:
+        yield path
+
+
+def print_report(rows: list[dict[str, Any]], measured: dict[str, Any], console: Any, title: str) -> None:
+    """Two tables (the times against one process; the parts and bytes) and each process's memory, with rich."""
+    world = len(measured["ranks"])
+    console.print(_table(title, ("ids", "mode", "1 process", f"{world} ranks", f"{world} ranks / 1"), [
+        (row["batch"], row["mode"], _time(row["single_us"]), _time(row["total_us"]), f"{row['ranks_over_single']:.2f}")
+        for row in rows]))
+    console.print(_table(f"the {world} ranks' time per lookup in parts (the slowest rank's), and bytes per rank",
+                         ("ids", "mode", "prepare", "gather", "agree", "commu-\nnicate", "payload", "ring\nsends"), [
+        (row["batch"], row["mode"], _time(row["prepare_us"]), _time(row["gather_us"]), _time(row["agree_us"]),
+         _time(row["communicate_us"]), _bytes(row["payload_bytes"]), _bytes(row["ring_sent_bytes"]))
+        for row in rows]))
+    for rank in measured["ranks"]:
+        console.print(f"rank {rank['rank']}: rows {rank['rows'][0]}..{rank['rows'][1]}, holds "
+                      f"{_bytes(rank['held_bytes'])}; {_rss(rank)}", markup=False)
+    single = measured["single"]
+    console.print(f"1 process: holds {_bytes(single['held_bytes'])}; {_rss(single)}", markup=False)
+    console.print("(RSS counts a mapped row once a lookup has touched its page)", markup=False)
+
+
+def _rss(process: dict[str, Any]) -> str:
+    grown = process["rss_bytes"] - process["rss_before_bytes"]
+    return f"RSS {_bytes(process['rss_bytes'])} after its lookups, {_bytes(max(0, grown))} more than before the table"
+
+
+def _table(title: str, columns: tuple[str, ...], values: list[tuple[Any, ...]]) -> Any:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=escape(title), box=box.SIMPLE_HEAD)
+    for column in columns:
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for row in values:
+        table.add_row(*(escape(str(value)) for value in row))
+    return table
+
+
+def _time(us: float) -> str:
+    return f"{us:.0f} us" if us < 1000 else f"{us / 1000:.3g} ms"
+
+
+def _bytes(count: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count:.0f} B"
+
+
+def main(arguments: Any, console: Any, table: Any, described: dict[str, Any], argv: list[str] | None) -> int:
+    """``fastembed-bench --ranks N``: measure, print, write ranks.json into --out; 0 when done."""
+    import sys
+
+    from . import report
+
+    batches = arguments.batch or list(BATCHES)
+    reps = arguments.reps or (5 if arguments.quick else REPS)
+    console.print(f"[dim]{arguments.ranks} ranks, then 1 process: {len(batches)} batches x {len(MODES)} modes x "
+                  f"{reps} calls ...[/dim]")
+    with table_file(table, arguments.table) as path:
+        measured = run(path, arguments.ranks, batches, reps, name=arguments.tensor)
+    rows = summarise(measured, batches)
+    print_report(rows, measured, console,
+                 f"{arguments.ranks} ranks (gloo, this machine) against 1 process: {report.table_title(described)}")
+    report.write_json(arguments.out / "ranks.json", {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join(["fastembed-bench", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": report.machine_facts(), "table": described, "ranks": arguments.ranks, "reps": reps,
+        "cpus": os.cpu_count(), "results": rows, "processes": measured,
+    })
+    console.print(f"wrote {arguments.out / 'ranks.json'}", soft_wrap=True, markup=False)
+    return 0

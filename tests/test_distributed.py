@@ -1,0 +1,578 @@
+"""fastembed.distributed.VocabParallelEmbedding on gloo: exact results, errors agreed on every rank, no hangs.
+
+Each group of ranks is started with torch.multiprocessing and a file://
+rendezvous in tmp_path; several checks run in one group (start-up is slow).
+Every rank writes its outcome to a file and leaves with ``os._exit``; the
+parent joins with a hard deadline and kills ranks still running, so a hang
+fails the test instead of CI. ``FASTEMBED_DIST_KILL_REPEATS`` sets how many
+times the rank-killing test runs (default 4: each way to fail once); its
+groups start from a forkserver that has imported torch once, so that many
+runs stay cheap.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import mmap
+import multiprocessing
+import os
+import pickle
+import re
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI installs its CPU build: .ci/run)")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("this torch build has no gloo backend", allow_module_level=True)
+
+import fastembed  # noqa: E402
+from fastembed import distributed  # noqa: E402
+from fastembed.arrays import torch_adapter  # noqa: E402
+from fastembed.distributed import CommunicationError, VocabParallelEmbedding  # noqa: E402
+from fastembed.tables import random_table  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 41  # prime: no world size divides it
+SEED = 7
+#: (dtype, dim): each integer word the collective uses (row bytes divisible by 8, by 4, neither) and every kind of dtype.
+TABLES = [("float16", 6), ("float16", 7), ("bfloat16", 4), ("float32", 8), ("float64", 3), ("int8", 5),
+          ("uint8", 9), ("int32", 4), ("V3", 5)]
+TORCH_KINDS = ("float16", "bfloat16", "float32", "int8")
+#: Bit patterns that an arithmetic combine would not preserve: -0.0, NaNs with payloads (quiet, signalling,
+#: negative), infinity; written into rows 1 to 5.
+SPECIAL_BITS = {
+    "float16": [0x8000, 0x7E01, 0x7C01, 0xFE3F, 0xFC00],
+    "bfloat16": [0x8000, 0x7FC1, 0x7F81, 0xFFA5, 0xFF80],
+    "float32": [0x80000000, 0x7FC00001, 0x7F800001, 0xFFA00005, 0xFF800000],
+    "float64": [0x8000000000000000, 0x7FF8000000000001, 0x7FF0000000000001, 0xFFF4000000000005, 0xFFF0000000000000],
+}
+KILL_REPEATS = int(os.environ.get("FASTEMBED_DIST_KILL_REPEATS", "4"))
+KILL_TIMEOUT_S = 2.0
+#: A group that has not finished by then has hung: its ranks are killed and the test fails.
+GROUP_DEADLINE_S = 150.0
+
+
+# -- running a group of ranks ----------------------------------------------------------------------------------
+
+
+def run_ranks(folder: Path, world: int, task, *args, deadline_s: float = GROUP_DEADLINE_S,
+              start_method: str = "spawn") -> list[dict]:
+    """Run ``task(rank, world, *args)`` on `world` ranks of a fresh gloo group; each rank's outcome, by rank.
+
+    An outcome is ``{"result": ...}``, ``{"error": type name, "message": ..., "traceback": ...}``, or
+    ``{"died": exit code}`` for a rank that left without writing one. Ranks still running at the deadline
+    are killed and the test fails: a hang never outlives the test.
+    """
+    run = folder / f"group-{uuid.uuid4().hex[:8]}"
+    run.mkdir()
+    init = f"file://{run / 'rendezvous'}"
+    arguments = (world, init, str(run), task, args)
+    if start_method == "spawn":
+        context = torch.multiprocessing.spawn(_rank_main, args=arguments, nprocs=world, join=False)
+    else:
+        context = torch.multiprocessing.start_processes(_rank_main, args=arguments, nprocs=world, join=False,
+                                                        start_method=start_method)
+    deadline = time.monotonic() + deadline_s
+    for process in context.processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, process in enumerate(context.processes) if process.is_alive()]
+    for rank in hung:
+        context.processes[rank].kill()
+        context.processes[rank].join(10)
+    assert not hung, f"ranks {hung} of {world} were still running after {deadline_s:.0f} s: a hang"
+    outcomes = []
+    for rank, process in enumerate(context.processes):
+        path = run / f"rank{rank}.pickle"
+        outcomes.append(pickle.loads(path.read_bytes()) if path.exists() else {"died": process.exitcode})
+    return outcomes
+
+
+#: In a rank: the folder its group's outcomes are written to.
+_RUN_FOLDER: Path | None = None
+
+
+def _rank_main(rank: int, world: int, init: str, folder: str, task, args) -> None:
+    global _RUN_FOLDER
+    _RUN_FOLDER = Path(folder)
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        outcome = {"result": task(rank, world, *args)}
+    except BaseException as error:  # reported to the parent, which asserts on it
+        outcome = {"error": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
+    Path(folder, f"rank{rank}.pickle").write_bytes(pickle.dumps(outcome))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # never wait on a group that may still hold a collective of a dead rank
+
+
+def results(outcomes: list[dict]) -> list:
+    for rank, outcome in enumerate(outcomes):
+        assert "result" in outcome, f"rank {rank}: {outcome.get('traceback') or outcome}"
+    return [outcome["result"] for outcome in outcomes]
+
+
+# -- tables and comparisons (every rank builds the same ones) -----------------------------------------------------
+
+
+def make_table(dtype: str, dim: int, vocab: int = VOCAB) -> np.ndarray:
+    table = random_table(vocab, dim, dtype, SEED)
+    if dtype in SPECIAL_BITS:
+        unsigned = table.view(f"u{table.dtype.itemsize}")
+        for row, bits in enumerate(SPECIAL_BITS[dtype], start=1):
+            unsigned[row, :] = bits
+    return table
+
+
+def as_torch(table: np.ndarray):
+    if table.dtype.name == "bfloat16":
+        return torch.from_numpy(table.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(table)
+
+
+def host_bytes(array) -> np.ndarray:
+    """The bytes of a numpy array or torch CPU tensor, for bit-exact comparison."""
+    if isinstance(array, torch.Tensor):
+        array = torch_adapter.ADAPTER.snapshot(array)
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def same_bits(label: str, actual, expected, kind: type) -> list[str]:
+    """Failures (none when `actual` is `expected`'s kind, shape, dtype and bytes)."""
+    if not isinstance(actual, kind):
+        return [f"{label}: got a {type(actual).__name__}, expected a {kind.__name__}"]
+    if tuple(actual.shape) != tuple(expected.shape) or str(actual.dtype) != str(expected.dtype):
+        return [f"{label}: got {tuple(actual.shape)} {actual.dtype}, expected {tuple(expected.shape)} {expected.dtype}"]
+    if not np.array_equal(host_bytes(actual), host_bytes(expected)):
+        return [f"{label}: the bytes differ"]
+    return []
+
+
+def id_sets() -> list[tuple[str, object]]:
+    rng = np.random.default_rng(SEED)
+    return [
+        ("specials and repeats", np.array([0, VOCAB - 1, 1, 2, 3, 4, 5, 20, 20, 40], np.int64)),
+        ("7 int32", rng.integers(0, VOCAB, 7).astype(np.int32)),
+        ("2-D 3x5", rng.integers(0, VOCAB, (3, 5))),
+        ("2-D 2x3 int16", rng.integers(0, VOCAB, (2, 3)).astype(np.int16)),
+        ("one", np.array([VOCAB - 1])),
+        ("empty", np.array([], np.int64)),
+        ("empty 0x4", np.empty((0, 4), np.int64)),
+        ("list", [3, 1, 4, 1, 5]),
+        ("torch", torch.tensor([[9, 2], [40, 0], [7, 7]], dtype=torch.int64)),
+        ("scalar", np.int64(5)),
+    ]
+
+
+def check_lookups(emb: VocabParallelEmbedding, table, world: int, rank: int, label: str) -> list[str]:
+    """Every id set, both modes, against a single-process fastembed.lookup on the whole table."""
+    failures = []
+    kind = torch.Tensor if isinstance(table, torch.Tensor) else np.ndarray
+    for name, ids in id_sets():
+        expected = fastembed.lookup(table, ids)
+        failures += same_bits(f"{label} {name} full", emb(ids), expected, kind)
+        if np.ndim(ids) == 0:
+            continue
+        start, stop = distributed.position_range(np.shape(ids)[0], world, rank)
+        failures += same_bits(f"{label} {name} scatter", emb(ids, mode="scatter"), expected[start:stop], kind)
+    return failures
+
+
+# -- the tasks the ranks run ------------------------------------------------------------------------------------
+
+
+def exactness_task(rank: int, world: int) -> dict:
+    """Every dtype, numpy and torch tables, padded vocabularies: failures (none expected) and row ranges."""
+    failures: list[str] = []
+    for dtype, dim in TABLES:
+        table = make_table(dtype, dim)
+        failures += check_lookups(VocabParallelEmbedding(table, timeout=30), table, world, rank, f"{dtype} x{dim}")
+        if dtype in TORCH_KINDS:
+            tensor = as_torch(table)
+            failures += check_lookups(VocabParallelEmbedding(tensor, timeout=30), tensor, world, rank,
+                                      f"torch {dtype} x{dim}")
+    table = make_table("float16", 6)
+    ranges = {}
+    for pad in (8, 64):
+        emb = VocabParallelEmbedding(table, pad_to_multiple=pad, timeout=30)
+        failures += check_lookups(emb, table, world, rank, f"pad {pad}")
+        ranges[pad] = (emb.vocab_start, emb.vocab_end, emb.padded_vocab_size, int(emb.shard.shape[0]))
+    plain = VocabParallelEmbedding(table)
+    ranges[1] = (plain.vocab_start, plain.vocab_end, plain.padded_vocab_size, int(plain.shard.shape[0]))
+    shard_is_view = bool(np.shares_memory(plain.shard, table))
+    plain([1, 2, 3])
+    return {"failures": failures, "ranges": ranges, "shard_is_view": shard_is_view,
+            "timings": tuple(plain.last_timings)}
+
+
+def errors_task(rank: int, world: int, file_path: str) -> dict:
+    """Each mistake, made on every rank or on one: (error type, message, seconds) per case, then a good call."""
+    table = make_table("float16", 6)
+    emb = VocabParallelEmbedding(table, timeout=30)
+    padded = VocabParallelEmbedding(table, pad_to_multiple=64, timeout=30)
+    last = world - 1
+    cases = {
+        "values differ": lambda: emb(np.array([1, 2, rank])),
+        "shapes differ": lambda: emb(np.arange(rank + 1)),
+        "modes differ": lambda: emb([1, 2], mode="full" if rank == 0 else "scatter"),
+        "bad id on one rank": lambda: emb([1, VOCAB + 5 if rank == last else 2, 3]),
+        "bad id everywhere": lambda: emb(np.array([[1, 2], [VOCAB, 3]])),
+        "negative id everywhere": lambda: emb([0, -1], mode="scatter"),
+        "float ids on one rank": lambda: emb([1.5] if rank == last else [1]),
+        "bad mode": lambda: emb([1], mode="gather"),
+        "scalar scatter": lambda: emb(np.int64(3), mode="scatter"),
+        "padded id": lambda: padded([VOCAB + 1]),
+        "int dtypes differ": lambda: emb(np.array([4, 5], np.int32 if rank == 0 else np.int64)),
+        "different pad": lambda: VocabParallelEmbedding(table, pad_to_multiple=1 + rank, timeout=30),
+        "different tables": lambda: VocabParallelEmbedding(make_table("float16", 6 + (rank == last))),
+        "file missing on one rank": lambda: VocabParallelEmbedding(file_path + ("-missing" if rank == last else "")),
+        "bad timeout on one rank": lambda: VocabParallelEmbedding(table, timeout=-1 if rank == last else 30),
+        "name with an array": lambda: VocabParallelEmbedding(table, name="wte.weight"),
+    }
+    outcomes = {}
+    for case, call in cases.items():
+        started = time.monotonic()
+        try:
+            call()
+            outcomes[case] = ("no error", "", time.monotonic() - started)
+        except Exception as error:
+            outcomes[case] = (type(error).__name__, str(error), time.monotonic() - started)
+    expected = fastembed.lookup(table, [7, 8, 9])
+    after = same_bits("after the errors", emb([7, 8, 9]), expected, np.ndarray)
+    return {"outcomes": outcomes, "after": after,
+            "lookup message": _message(lambda: fastembed.lookup(table, np.array([[1, 2], [VOCAB, 3]])))}
+
+
+def _message(call) -> str:
+    try:
+        call()
+    except Exception as error:
+        return str(error)
+    return ""
+
+
+def checkpoint_task(rank: int, world: int, files: dict) -> dict:
+    """Tables from files: the mapping covers only this rank's rows; lookups are exact."""
+    report: dict = {"failures": [], "maps": {}}
+    for label, (path, dtype, dim, vocab) in files.items():
+        emb = VocabParallelEmbedding(path, timeout=30)
+        shard = emb.shard
+        spans = mapped_spans(path)
+        report["maps"][label] = {"spans": spans, "shard_offset": int(getattr(shard, "offset", -1)),
+                                 "shard_bytes": int(shard.nbytes), "table_bytes": vocab * dim * np.dtype(
+                                     "u2" if dtype == "bfloat16" else dtype).itemsize}
+        emb.check_file()
+        table = make_table(dtype, dim, vocab)
+        ids = np.random.default_rng(SEED).integers(0, vocab, (6, 5))
+        report["failures"] += same_bits(f"{label} full", emb(ids), fastembed.lookup(table, ids), np.ndarray)
+        start, stop = distributed.position_range(6, world, rank)
+        report["failures"] += same_bits(f"{label} scatter", emb(ids, mode="scatter"),
+                                        fastembed.lookup(table, ids)[start:stop], np.ndarray)
+        del emb, shard
+    return report
+
+
+def mapped_spans(path: str) -> list[tuple[int, int]]:
+    """(file offset, length) of every mapping of `path` in this process (Linux; empty elsewhere)."""
+    spans = []
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    target = os.path.realpath(path)
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == target:
+            low, high = (int(value, 16) for value in fields[0].split("-"))
+            spans.append((int(fields[2], 16), high - low))
+    return spans
+
+
+def kill_task(rank: int, world: int, victim: int, stage: str) -> dict:
+    """The victim leaves with os._exit at `stage` of a lookup; the others call until they raise."""
+    table = make_table("float16", 64, vocab=4099)
+    emb = VocabParallelEmbedding(table, timeout=KILL_TIMEOUT_S)
+    ids = np.random.default_rng(SEED).integers(0, 4099, 2048)
+    emb(ids)
+    if rank == victim:
+        if stage == "before the agreement":
+            emb._gather = lambda call: os._exit(17)
+        elif stage == "before the data collective":
+            emb._communicate = lambda call: os._exit(17)
+        elif stage == "at a random moment":
+            threading.Timer(0.003, os._exit, (17,)).start()
+        else:  # stops calling, alive: the others see only their timeout; it leaves once they have reported
+            others = [_RUN_FOLDER / f"rank{other}.pickle" for other in range(world) if other != rank]
+            deadline = time.monotonic() + 30
+            while not all(path.exists() for path in others) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os._exit(17)
+    calls = 0
+    while True:  # the survivors must raise, within the timeout of the victim's death
+        started = time.monotonic()
+        try:
+            emb(ids, mode="scatter" if calls % 2 else "full")
+        except CommunicationError as error:
+            again = _message(lambda: emb(ids))
+            return {"error": str(error), "seconds": time.monotonic() - started, "calls": calls, "again": again}
+        calls += 1
+        if calls > 10000:
+            return {"error": None, "calls": calls}
+
+
+# -- the tests --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def group(request, tmp_path_factory):
+    """One group per world size runs every exactness, error and file check; the tests read its outcomes."""
+    world = request.param
+    folder = tmp_path_factory.mktemp(f"ranks{world}")
+    files = write_checkpoints(folder)
+    outcomes = run_ranks(folder, world, combined_task, files)
+    return world, results(outcomes)
+
+
+def combined_task(rank: int, world: int, files: dict) -> dict:
+    """The three checks in one group (start-up is the slow part)."""
+    return {"exact": exactness_task(rank, world),
+            "errors": errors_task(rank, world, files["float16 safetensors"][0]),
+            "checkpoint": checkpoint_task(rank, world, files)}
+
+
+def write_checkpoints(folder: Path) -> dict:
+    """Tables as files (safetensors float16 and bfloat16, .npy float32): label -> (path, dtype, dim, vocab)."""
+    from safetensors.numpy import save_file
+    from safetensors.torch import save_file as save_torch_file
+
+    files = {}
+    vocab, dim = 3001, 64  # about 375 KiB of float16: many pages, so that a whole-table map would show
+    table = make_table("float16", dim, vocab)
+    path = folder / "model.safetensors"
+    save_file({"lm_head.weight": np.zeros((2, 2), np.float16), "model.embed_tokens.weight": table}, str(path))
+    files["float16 safetensors"] = (str(path), "float16", dim, vocab)
+    bf16 = make_table("bfloat16", 48, 1037)
+    path = folder / "bf16.safetensors"
+    save_torch_file({"transformer.wte.weight": as_torch(bf16).contiguous()}, str(path))
+    files["bfloat16 safetensors"] = (str(path), "bfloat16", 48, 1037)
+    path = folder / "table.npy"
+    np.save(path, make_table("float32", 20, 997))
+    files["float32 npy"] = (str(path), "float32", 20, 997)
+    return files
+
+
+def test_lookups_are_bit_exact_for_every_dtype_mode_and_ids(group):
+    world, ranks = group
+    for rank, result in enumerate(ranks):
+        assert result["exact"]["failures"] == [], f"rank {rank} of {world}"
+
+
+def test_rows_split_evenly_with_padding(group):
+    world, ranks = group
+    for pad, padded in ((1, VOCAB), (8, 48), (64, 64)):
+        spans = [result["exact"]["ranges"][pad] for result in ranks]
+        assert [span[:2] for span in spans] == [distributed.row_range(VOCAB, world, r, pad) for r in range(world)]
+        assert spans[0][0] == 0 and spans[-1][1] == padded and {span[2] for span in spans} == {padded}
+        for start, stop, _, stored in spans:
+            assert stored == max(0, min(stop, VOCAB) - min(start, VOCAB))  # padded rows are not stored
+        sizes = [stop - start for start, stop, _, _ in spans]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert all(result["exact"]["shard_is_view"] for result in ranks)
+    for result in ranks:
+        *seconds, payload = result["exact"]["timings"]
+        assert payload == 3 * 6 * 2 and all(value >= 0 for value in seconds)  # 3 rows of 6 float16
+
+
+def test_every_rank_raises_the_same_error_before_any_data_collective(group):
+    world, ranks = group
+    outcomes = [result["errors"]["outcomes"] for result in ranks]
+    expected_types = {
+        "values differ": "ValueError", "shapes differ": "ValueError", "modes differ": "ValueError",
+        "bad id on one rank": "IndexError", "bad id everywhere": "IndexError", "negative id everywhere": "IndexError",
+        "float ids on one rank": "TypeError", "bad mode": "ValueError", "scalar scatter": "ValueError",
+        "padded id": "IndexError", "int dtypes differ": "no error", "different pad": "ValueError",
+        "different tables": "ValueError", "file missing on one rank": "FileNotFoundError",
+        "bad timeout on one rank": "ValueError", "name with an array": "ValueError",
+    }
+    for case, kind in expected_types.items():
+        seen = {(outcome[case][0], outcome[case][1]) for outcome in outcomes}
+        assert len(seen) == 1, f"{case}: the ranks raised differently: {seen}"
+        assert outcomes[0][case][0] == kind, f"{case}: {outcomes[0][case]}"
+        assert max(outcome[case][2] for outcome in outcomes) < 10, f"{case}: took too long"
+    message = {case: outcomes[0][case][1] for case in expected_types}
+    assert message["bad id everywhere"] == ranks[0]["errors"]["lookup message"]  # fastembed.lookup's own words
+    assert message["bad id everywhere"].startswith(f"id {VOCAB} at position (1, 0) is out of range")
+    assert message["bad id on one rank"] == (f"id {VOCAB + 5} at position 1 is out of range for a table of {VOCAB} "
+                                             f"rows (valid ids are 0..{VOCAB - 1}) (on rank {world - 1} of {world})")
+    assert message["padded id"].startswith(f"id {VOCAB + 1} at position 0 is out of range for a table of {VOCAB} rows")
+    assert "the ranks disagree on the ids" in message["values differ"]
+    assert all(f"rank {rank}: ids of shape (3,)" in message["values differ"] for rank in range(world))
+    assert "ids of shape (1,)" in message["shapes differ"] and "ids of shape (2,)" in message["shapes differ"]
+    assert "mode 'full'" in message["modes differ"] and "mode 'scatter'" in message["modes differ"]
+    assert "ids must be integers" in message["float ids on one rank"]
+    assert f"(on rank {world - 1} of {world})" in message["float ids on one rank"]
+    assert "the ranks disagree on the table" in message["different pad"]
+    assert "the ranks disagree on the table" in message["different tables"]
+    assert "-missing" in message["file missing on one rank"]
+    assert "timeout must be a positive number" in message["bad timeout on one rank"]
+    for rank, result in enumerate(ranks):
+        assert result["errors"]["after"] == [], f"rank {rank}: the group was not usable after the errors"
+
+
+def test_a_checkpoint_rank_maps_only_its_rows(group):
+    world, ranks = group
+    page = mmap.ALLOCATIONGRANULARITY
+    for rank, result in enumerate(ranks):
+        report = result["checkpoint"]
+        assert report["failures"] == [], f"rank {rank}"
+        for label, maps in report["maps"].items():
+            if not maps["spans"]:
+                pytest.skip("no /proc/self/maps here")
+            mapped = sum(length for _, length in maps["spans"])
+            # the map starts on a page boundary at or before the shard and ends on one after it
+            assert maps["shard_bytes"] <= mapped <= maps["shard_bytes"] + 2 * page, (label, rank, maps)
+            assert mapped < maps["table_bytes"], (label, rank, maps)  # never the whole table
+            first = min(offset for offset, _ in maps["spans"])
+            assert maps["shard_offset"] - page < first <= maps["shard_offset"], (label, rank, maps)
+
+
+@pytest.mark.parametrize("repeat", range(KILL_REPEATS))
+def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(repeat, tmp_path):
+    world = 3
+    stages = ("before the agreement", "before the data collective", "at a random moment", "stops calling")
+    victim, stage = repeat % world, stages[repeat % len(stages)]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["numpy", "torch", "torch.distributed",
+                                                                      "fastembed.distributed"])
+    outcomes = run_ranks(tmp_path, world, kill_task, victim, stage, deadline_s=60, start_method="forkserver")
+    assert outcomes[victim] == {"died": 17}, outcomes[victim]
+    for rank, result in enumerate(results([o for r, o in enumerate(outcomes) if r != victim])):
+        assert result["error"] is not None, f"rank {rank} never noticed the dead rank"
+        assert "another rank died, hung or stopped calling" in result["error"]
+        assert result["seconds"] < KILL_TIMEOUT_S + 5, result
+        assert result["again"] == result["error"]  # later calls fail at once, with the same message
+        if stage == "stops calling":
+            assert result["seconds"] >= KILL_TIMEOUT_S * 0.9, result  # the timeout was what ended the wait
+
+
+def test_the_helpers_split_as_documented():
+    assert [distributed.split_range(7, 3, i) for i in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    assert [distributed.split_range(2, 3, i) for i in range(3)] == [(0, 1), (1, 2), (2, 2)]
+    assert distributed.padded_vocab_size(41, 8) == 48 and distributed.padded_vocab_size(48, 8) == 48
+    for world in range(1, 9):
+        for vocab in (1, 7, 41, 129280):
+            spans = [distributed.row_range(vocab, world, rank) for rank in range(world)]
+            assert spans[0][0] == 0 and spans[-1][1] == vocab
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    with pytest.raises(ValueError, match="part 3 of 10 items split into 3 parts"):
+        distributed.split_range(10, 3, 3)
+    with pytest.raises(ValueError, match="pad_to_multiple must be 1 or more"):
+        distributed.row_range(10, 2, 0, pad_to_multiple=0)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    failures, attempted = doctest.testmod(distributed, optionflags=doctest.ELLIPSIS)
+    assert failures == 0 and attempted >= 5
+
+
+def test_without_a_process_group_or_torch_the_errors_say_what_is_needed(monkeypatch):
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            VocabParallelEmbedding(np.ones((4, 2), np.float32))
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ImportError, match=r"fastembed-gather\[distributed\]"):
+        VocabParallelEmbedding(np.ones((4, 2), np.float32))
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, fastembed, fastembed.distributed\nassert 'torch' not in sys.modules, 'torch was imported'\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_tables_off_the_host_are_refused_clearly():
+    class CudaTensor:  # what device_of takes for a torch CUDA tensor (there is no GPU here)
+        __module__ = "torch"
+        __dlpack__ = None
+        device = type("device", (), {"type": "cuda", "index": 0})()
+
+    with pytest.raises(TypeError, match="a table on cuda:0 is not served"):
+        distributed._open_shard(CudaTensor(), None, 1, 0, 2)
+
+
+def test_torchrun_launches_two_ranks(tmp_path):
+    script = tmp_path / "lookup.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(re.findall(r"rank \d of \d: \w+", result.stdout))
+    assert lines == ["rank 0 of 2: exact", "rank 1 of 2: exact"], result.stdout + result.stderr[-3000:]
+
+
+TORCHRUN_SCRIPT = """\
+import os
+
+import numpy as np
+import torch.distributed as dist
+
+from fastembed.distributed import VocabParallelEmbedding
+from fastembed.tables import random_table
+
+dist.init_process_group("gloo")
+table = random_table(37, 8, "float16", seed=3)
+emb = VocabParallelEmbedding(table, timeout=30)
+ids = np.array([[0, 36], [5, 17]])
+rows, mine = emb(ids), emb(ids, mode="scatter")
+exact = rows.tobytes() == table[ids].tobytes() and mine.tobytes() == table[ids][emb.rank:emb.rank + 1].tobytes()
+# one write per line: two ranks printing at once never interleave their lines
+os.write(1, f"rank {emb.rank} of {emb.world_size}: {'exact' if exact else 'WRONG'}\\n".encode())
+dist.destroy_process_group()
+"""
+
+
+def test_bench_ranks_smoke(tmp_path):
+    """fastembed-bench --ranks 2 on a tiny table: every case measured on every rank and in the single process."""
+    pytest.importorskip("rich")
+    from fastembed.benchmark import cli
+
+    code = cli.main(["--ranks", "2", "--vocab-size", "50", "--dim", "8", "--batch", "1,5", "--reps", "2",
+                     "--out", str(tmp_path)])
+    assert code == 0
+    payload = json.loads((tmp_path / "ranks.json").read_text())
+    rows = {(row["batch"], row["mode"]): row for row in payload["results"]}
+    assert set(rows) == {(1, "full"), (1, "scatter"), (5, "full"), (5, "scatter")}
+    row_bytes = 8 * 2
+    assert rows[5, "full"]["payload_bytes"] == 5 * row_bytes
+    assert rows[5, "scatter"]["payload_bytes"] == 2 * 3 * row_bytes  # two slots of ceil(5 / 2) positions
+    assert rows[5, "full"]["ring_sent_bytes"] == 5 * row_bytes  # 2 (N - 1) / N of the payload, N = 2
+    for row in rows.values():
+        assert row["total_us"] > 0 and row["single_us"] > 0 and row["communicate_us"] > 0
+    assert [rank["rows"] for rank in payload["processes"]["ranks"]] == [[0, 25], [25, 50]]
+    assert all(rank["held_bytes"] == 25 * row_bytes for rank in payload["processes"]["ranks"])
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--ranks", "0"], "must be 1 or more"),
+    (["--ranks", "2", "--gate"], "--ranks measures the host's lookups"),
+    (["--ranks", "2", "--processes", "3"], "--ranks measures the host's lookups"),
+    (["--ranks", "2", "--device", "cuda"], "--ranks measures the host's lookups"),
+])
+def test_bench_ranks_arguments_are_checked_first(arguments, message, tmp_path, capsys):
+    from fastembed.benchmark import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_arguments([*arguments, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
