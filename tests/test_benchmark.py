@@ -514,3 +514,47 @@ def test_the_pytest_benchmark_suite_runs():
                              "--benchmark-disable", "-x"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def test_format_mode_measures_each_format_against_the_dense_gather_and_the_reference(tmp_path):
+    """--format writes a row per (batch, format, output dtype) plus the dense baseline; the numbers are not judged here."""
+    from fastembed.benchmark import cli
+
+    assert cli.main(["--format", "q8_0,q4_k,fp8_e4m3", "--vocab-size", "3000", "--dim", "256", "--batch", "16,300",
+                     "--reps", "2", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "quantized.json").read_text())
+    assert {(row["batch"], row["format"], row["dtype"]) for row in payload["results"]} == {
+        (batch, name, dtype) for batch in (16, 300) for name in ("q8_0", "q4_k", "fp8_e4m3")
+        for dtype in ("float16", "float32", "bfloat16")} | {(16, "dense", "float16"), (300, "dense", "float16")}
+    sources = {row["format"]: row["source"] for row in payload["results"]}
+    assert sources["q8_0"] == sources["fp8_e4m3"] == "quantized by fastembed" and sources["q4_k"] == "random blocks"
+    for row in payload["results"]:
+        assert row["rows_per_s"] > 0 and row["gbps_moved"] > 0 and row["served_by"] in ("numba", "numpy")
+        assert (row["vs_numpy_reference"] is None) == (row["format"] == "dense")
+    q4_k = next(row for row in payload["results"] if row["format"] == "q4_k")
+    assert q4_k["table_mib"] == pytest.approx(3000 * 144 / 2**20)
+
+
+def test_a_quantized_gguf_table_is_measured_by_itself(tmp_path):
+    from fastembed import Embedding
+    from fastembed.benchmark import cli
+
+    Embedding.random(2000, 64, "float32").quantize("q8_0").save(tmp_path / "model.gguf")
+    assert cli.main(["--table", str(tmp_path / "model.gguf"), "--batch", "8", "--reps", "2", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "quantized.json").read_text())
+    assert payload["table"]["format"] == "q8_0"
+    assert {row["format"] for row in payload["results"]} == {"dense", "q8_0"}
+
+
+@pytest.mark.parametrize("arguments, words", [
+    (["--format", "q9_9"], "--format: unknown 'q9_9'"),
+    (["--format", "q8_0", "--gate"], "not with --gate"),
+    (["--format", "q8_0", "--processes", "2"], "not with --gate, --processes"),
+])
+def test_format_arguments_are_checked_first(arguments, words, capsys):
+    from fastembed.benchmark import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(arguments)
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err

@@ -75,6 +75,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                              "this machine, each mapping its rows of the table, against one process: time per lookup "
                              "split into local gather and communication, bytes per rank, RSS per rank (batches: "
                              "--batch, default 1,64,1024,8192; uniform ids)")
+    parser.add_argument("--format", type=_choices(_format_names()),
+                        help="quantized tables: comma-separated formats (" + ", ".join(_format_names()) + ") made from "
+                             "the table (q8_0, fp8_e4m3 quantized by fastembed; the others random blocks of their "
+                             "layout), each gathered into float16, float32 and bfloat16 against the dense float16 "
+                             "gather and the numpy reference (batches: --batch, default 64,1024,8192,65536; uniform "
+                             "ids). A quantized --table (a .gguf file) is measured this way by itself")
     parser.add_argument("--thresholds", type=Path,
                         help="gate thresholds (TOML; default: the thresholds.toml shipped with fastembed.benchmark)")
     arguments = parser.parse_args(argv)
@@ -91,6 +97,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--processes measures the host's lookups on their own: not with --gate or --device cuda")
     if arguments.ranks and (arguments.gate or arguments.processes or arguments.device == "cuda"):
         parser.error("--ranks measures the host's lookups on a gloo group: not with --gate, --processes or --device cuda")
+    if arguments.format and (arguments.gate or arguments.processes or arguments.ranks or arguments.device == "cuda"):
+        parser.error("--format measures the host's quantized lookups on their own: not with --gate, --processes, "
+                     "--ranks or --device cuda")
     if arguments.ranks and importlib.util.find_spec("torch") is None:
         parser.error("--ranks needs torch: pip install 'fastembed-gather[distributed]'")
     arguments.checks, arguments.gate_repetitions = None, None
@@ -134,6 +143,12 @@ def _choices(known: tuple[str, ...] | list[str]):
         return values
 
     return parse
+
+
+def _format_names() -> list[str]:
+    from fastembed.formats import FORMATS
+
+    return list(FORMATS)
 
 
 def _dtype(text: str) -> str:
@@ -190,22 +205,34 @@ def load_table(path: Path, tensor: str | None, console: Any) -> Any:
 
     from fastembed import Embedding
 
+    from fastembed.formats import QuantizedTable
+
     try:
-        embedding = Embedding.from_npy(path) if path.suffix == ".npy" else Embedding.from_safetensors(path, tensor)
+        if path.suffix == ".npy":
+            embedding = Embedding.from_npy(path)
+        elif path.suffix == ".gguf":
+            embedding = Embedding.from_gguf(path, tensor)
+        else:
+            embedding = Embedding.from_safetensors(path, tensor)
     except (OSError, ValueError, TypeError) as error:
         raise ValueError(f"--table {path}: {error}") from error
     table = embedding.table
     if 0 in table.shape:
         raise ValueError(f"--table {path}: shape {tuple(table.shape)} is empty: nothing to gather")
-    np.asarray(table).reshape(-1).view(np.uint8)[::4096].max()
-    console.print(f"table: {path}, {table.shape[0]} x {table.shape[1]} {table.dtype}, {table.nbytes / 2**30:.2f} GiB, "
-                  "memory-mapped", soft_wrap=True, markup=False)
+    rows = table.data if isinstance(table, QuantizedTable) else table
+    np.asarray(rows).reshape(-1).view(np.uint8)[::4096].max()
+    console.print(f"table: {path}, {table.shape[0]} x {table.shape[1]} {embedding.format if embedding.format != 'dense' else table.dtype}, "
+                  f"{table.nbytes / 2**30:.2f} GiB, memory-mapped", soft_wrap=True, markup=False)
     return table
 
 
 def describe_table(arguments: argparse.Namespace, table: Any) -> dict[str, Any]:
     """Where the measured table came from, its shape and dtype (for the JSON report)."""
+    from fastembed.formats import QuantizedTable
+
     source = str(arguments.table) if arguments.table is not None else "random"
+    if isinstance(table, QuantizedTable):
+        return {"source": source, "shape": list(table.shape), "format": table.format.name}
     return {"source": source, "shape": list(table.shape), "dtype": str(table.dtype)}
 
 
@@ -271,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         return gate(arguments, console, table, described)
     if arguments.processes:
         return processes(arguments, console, table, described, argv)
+    if arguments.format or described.get("format"):
+        return formats(arguments, console, table, described, argv)
     if arguments.ranks:
         from . import ranks
 
@@ -317,6 +346,35 @@ def processes(arguments: argparse.Namespace, console: Any, table: Any, described
         "results": rows, "goals": [{"goal": goal, "met": met} for goal, met in verdicts], "samples": runs,
     })
     console.print(f"wrote {arguments.out / 'processes.json'}", soft_wrap=True, markup=False)
+    return 0
+
+
+def formats(arguments: argparse.Namespace, console: Any, table: Any, described: dict[str, Any],
+            argv: list[str] | None) -> int:
+    """The quantized-table run (see :mod:`.quantized`): print the table and the goals, write quantized.json."""
+    from fastembed.formats import QuantizedTable
+    from fastembed.tables import random_table
+
+    from . import quantized, report
+
+    if isinstance(table, QuantizedTable):
+        tables = {table.format.name: (table, str(arguments.table))}
+        dense = random_table(table.shape[0], table.shape[1], "float16")
+    else:
+        names = arguments.format or list(quantized.DEFAULT_FORMATS)
+        console.print(f"[dim]making the {', '.join(names)} tables ...[/dim]")
+        tables, dense = quantized.quantized_tables(table, names), table
+    batches = arguments.batch or list(quantized.BATCHES)
+    repetitions = arguments.reps or (5 if arguments.quick else 15)
+    rows = quantized.run(dense, tables, batches, repetitions, progress=lambda message: console.print(f"[dim]{message}[/dim]"))
+    verdicts = quantized.goals(rows)
+    quantized.print_report(rows, verdicts, console, f"quantized tables: {report.table_title(described)}")
+    report.write_json(arguments.out / "quantized.json", {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
+        "machine": report.machine_facts(), "table": described, "repetitions": repetitions, "results": rows,
+        "goals": [{"goal": goal, "met": met} for goal, met in verdicts],
+    })
+    console.print(f"wrote {arguments.out / 'quantized.json'}", soft_wrap=True, markup=False)
     return 0
 
 

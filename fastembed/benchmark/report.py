@@ -41,7 +41,8 @@ def table_title(table: dict[str, Any] | None) -> str:
     """The measured table in words: "129280 x 4096 float16 table (random)"."""
     if not table:
         return "table"
-    return f"{' x '.join(map(str, table['shape']))} {table['dtype']} table ({table['source']})"
+    kind = table.get("format") or table["dtype"]
+    return f"{' x '.join(map(str, table['shape']))} {kind} table ({table['source']})"
 
 
 #: Terminal columns: (key, header, justify). Headers of two lines keep columns narrow.
