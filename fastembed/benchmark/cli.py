@@ -204,7 +204,6 @@ def load_table(path: Path, tensor: str | None, console: Any) -> Any:
     import numpy as np
 
     from fastembed import Embedding
-
     from fastembed.formats import QuantizedTable
 
     try:
