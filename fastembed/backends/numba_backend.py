@@ -37,6 +37,17 @@ Safety, whatever threading layer numba picked:
 - an import of numba that is interrupted is undone, so the next one starts afresh;
 - a parallel kernel that cannot run (a threading layer that fails to load)
   leaves the serial kernel serving, with the reason in ``describe()``.
+
+Quantized tables (:meth:`NumbaBackend.dequantize`, every block format of
+:mod:`fastembed.formats`) go through :mod:`fastembed.kernels.dequant_cpu`:
+the serial kernel below ``PARALLEL_MIN_BYTES`` of output (no numpy ``take``
+can dequantize), the parallel one above, non-temporal stores from
+``STREAM_MIN_OUT_BYTES``, with the same guards, and the numpy reference
+(:func:`.numpy_backend.dequantize_into`) while the kernels compile. The
+format is a run-time argument of those kernels, and the table and ids
+reach them in one type (read-only bytes, int64 ids), so one compile per
+output word (float32, or the 16 bits of float16 and bfloat16) serves every
+table.
 """
 from __future__ import annotations
 
@@ -52,8 +63,9 @@ from typing import Any
 import numpy as np
 
 from .. import validate
+from ..formats import FORMATS, QuantizedTable
 from . import background_compile, numpy_backend
-from .base import Capabilities
+from .base import DENSE, Capabilities
 
 #: Outputs smaller than this are gathered by numpy's take on the calling
 #: thread: waking a sleeping worker costs tens of microseconds, more than it
@@ -101,7 +113,9 @@ class NumbaBackend:
     """The parallel CPU backend. All of its mutable state lives here (see :meth:`reset`)."""
 
     name = "numba"
-    capabilities = Capabilities(array_libraries=frozenset({"numpy"}), devices=frozenset({"cpu"}))
+    capabilities = Capabilities(
+        array_libraries=frozenset({"numpy"}), devices=frozenset({"cpu"}), formats=frozenset({DENSE, *FORMATS})
+    )
 
     def __init__(self) -> None:
         self._parallel_lock = threading.Lock()
@@ -112,6 +126,8 @@ class NumbaBackend:
         """Forget availability, the kernel import's failure and the parallel kernel's failure."""
         self._kernels: Any = None
         self._import_error: str | None = None
+        self._dequantize_kernels: Any = None
+        self._dequantize_error: str | None = None  # the dequantizing kernels cannot load or compile: numpy serves
         self._parallel_error: str | None = None
         self.pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
         self.forked_after_pool_start = False
@@ -149,19 +165,30 @@ class NumbaBackend:
             return self._kernels
         with background_compile.foreground(), self._import_lock:
             if self._kernels is None:
-                loaded_before = set(sys.modules)
                 try:
-                    kernels = importlib.import_module("fastembed.kernels.gather_cpu")
-                    self._load_threading_layer()
-                    self._kernels = kernels
-                except BaseException as error:
-                    for name in set(sys.modules) - loaded_before:
-                        del sys.modules[name]
-                    if not isinstance(error, Exception):
-                        raise  # an interrupt: the next call tries again
+                    self._kernels = _import_or_undo("fastembed.kernels.gather_cpu", self._load_threading_layer)
+                except Exception as error:  # an interrupt propagates: the next call tries again
                     self._import_error = f"numba failed to load: {type(error).__name__}: {error}"
                     raise ImportError(self._import_error) from error
         return self._kernels
+
+    def dequantize_kernels(self) -> Any:
+        """The dequantizing kernel module (:mod:`fastembed.kernels.dequant_cpu`), imported as :meth:`kernels` is.
+
+        Raises:
+            ImportError: numba or that module cannot be loaded (the reason is kept for ``describe()``).
+        """
+        if self._dequantize_kernels is not None:
+            return self._dequantize_kernels
+        self.kernels()
+        with background_compile.foreground(), self._import_lock:
+            if self._dequantize_kernels is None:
+                try:
+                    self._dequantize_kernels = _import_or_undo("fastembed.kernels.dequant_cpu")
+                except Exception as error:
+                    self._dequantize_error = f"failed to load: {_one_line(error)}"
+                    raise ImportError(self._dequantize_error) from error
+        return self._dequantize_kernels
 
     def _load_threading_layer(self) -> None:
         """Load numba's threading layer, its OpenMP workers set to sleep when idle unless the user said otherwise.
@@ -284,6 +311,96 @@ class NumbaBackend:
         finally:
             self._parallel_lock.release()
 
+    # -- the dequantizing gather ----------------------------------------------
+
+    def dequantize(self, table: QuantizedTable, ids: np.ndarray, out: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
+        """Write the rows ``table[ids]`` dequantized to `dtype` into `out` (or a new array); return it.
+
+        Bit for bit :func:`.numpy_backend.dequantize_into`, which serves while
+        the kernels compile and when they cannot load.
+        """
+        dtype = np.dtype(dtype)
+        n = ids.size
+        if out is None:
+            out = np.empty(ids.shape + (table.dim,), dtype)
+            if n * table.dim * dtype.itemsize >= max(PARALLEL_MIN_BYTES, _FAULT_IN_MIN_BYTES) and self._runs_parallel():
+                _fault_in(out)
+        if n == 0:
+            return out
+        word = np.dtype(np.float32) if dtype.itemsize == 4 else np.dtype(np.uint16)
+        signature = ("dequantize", word)
+        if self._import_error is not None or self._dequantize_error is not None or (
+            signature not in self._compiled and not self._compile_dequantize(signature)
+        ):
+            return numpy_backend.dequantize_into(table, ids, out)  # the kernels are compiling (or cannot load)
+        rows = out.reshape(n, table.dim).view(word)
+        staged = rows.ctypes.data % word.itemsize != 0  # numba compiles unaligned arrays apart: stage those rows
+        status = self._run_dequantize(table, _int64_ids(ids), np.empty_like(rows) if staged else rows, dtype, rows)
+        if status == _CHANGED_DURING_COPY:
+            validate.check_ids_in_range(ids, table.shape[0])
+            raise RuntimeError("the ids changed while they were being gathered (another thread wrote them)")
+        if status >= 0:
+            raise validate.out_of_range_error(ids, status, table.shape[0])
+        return out
+
+    def _run_dequantize(self, table: QuantizedTable, flat_ids: np.ndarray, rows: np.ndarray, dtype: np.dtype,
+                        destination: np.ndarray) -> int:
+        """Run the serial or parallel kernel into `rows`, then copy them into `destination` if they differ."""
+        kernels = self._dequantize_kernels
+        fmt = table.format
+        data = _read_only(table.data)
+        scales = _read_only(table.scales if fmt.row_scale else _NO_SCALES)
+        mode = kernels.BFLOAT16 if dtype.itemsize == 2 and dtype != np.float16 else kernels.FLOAT16
+        stream = rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and self._kernels.can_stream(rows)
+        arguments = (kernels.FORMAT_CODES[fmt.name], data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD)
+        if rows.nbytes < PARALLEL_MIN_BYTES or not self._runs_parallel() or not self._parallel_lock.acquire(False):
+            status = int(kernels.dequantize_serial(*arguments))
+        else:
+            try:
+                self.pool_started = True
+                status = int(kernels.dequantize_parallel(*arguments, max(1, min(len(flat_ids), _blocks_per_call()))))
+            finally:
+                self._parallel_lock.release()
+        if status == -1 and rows is not destination:
+            destination[...] = rows
+        return status
+
+    def _runs_parallel(self) -> bool:
+        return not self.forked_after_pool_start and self._parallel_error is None
+
+    def _compile_dequantize(self, signature: tuple) -> bool:
+        """As :meth:`_compile`, for the dequantizing kernels of `signature` ("dequantize", output word)."""
+        if COMPILE_IN_BACKGROUND:
+            background_compile.start(signature, lambda: self._compile_dequantize_now(signature))
+            return signature in self._compiled
+        with background_compile.foreground():
+            self._compile_dequantize_now(signature)
+        return signature in self._compiled
+
+    def _compile_dequantize_now(self, signature: tuple) -> None:
+        """Compile the dequantizing kernels for an output word with calls that dequantize no row (one bad id)."""
+        try:
+            kernels = self.dequantize_kernels()
+        except ImportError:
+            return  # kept as the reason describe() reports; numpy serves
+        data, scales = _read_only(np.zeros((1, 34), np.uint8)), _read_only(_NO_SCALES)
+        no_row = _read_only(np.full(1, -1, np.int64))  # one bad id: the kernels return before writing anything
+        arguments = (kernels.FORMAT_CODES["q8_0"], data, scales, no_row, np.zeros((1, 32), signature[1]), kernels.FLOAT16,
+                     False, 0)
+        try:
+            kernels.dequantize_serial(*arguments)
+        except Exception as error:
+            self._dequantize_error = f"failed to compile: {_one_line(error)}"
+            raise
+        if self._runs_parallel():
+            with self._parallel_lock:
+                self.pool_started = True
+                try:
+                    kernels.dequantize_parallel(*arguments, 1)
+                except Exception as error:  # noqa: BLE001 - kept, reported by describe()
+                    self._parallel_error = _one_line(error)
+        self._compiled.add(signature)
+
     def after_fork_in_child(self) -> None:
         self.forked_after_pool_start = self.pool_started
 
@@ -320,7 +437,32 @@ class NumbaBackend:
         }
         if self._parallel_error is not None:
             facts["parallel_kernels"] = f"unavailable, serving serially: {self._parallel_error}"
+        facts["dequantize_formats"] = ", ".join(FORMATS)
+        try:
+            facts["float16_conversion"] = self.dequantize_kernels().FLOAT16_CONVERSION
+        except ImportError:
+            pass
+        if self._dequantize_error is not None:
+            facts["dequantize_kernels"] = f"unavailable, the numpy reference serves: {self._dequantize_error}"
         return facts
+
+
+def _import_or_undo(name: str, then: Any = None) -> Any:
+    """Import module `name` (then call `then()`); if either fails or is interrupted, drop every module it added.
+
+    A half-initialised numba left in ``sys.modules`` would break every later
+    import; without it, the next call imports afresh.
+    """
+    loaded_before = set(sys.modules)
+    try:
+        module = importlib.import_module(name)
+        if then is not None:
+            then()
+        return module
+    except BaseException:
+        for added in set(sys.modules) - loaded_before:
+            del sys.modules[added]
+        raise
 
 
 def _gomp_loaded() -> bool:
@@ -348,6 +490,23 @@ def kernel_table(table: np.ndarray) -> tuple[np.ndarray, np.dtype]:
     word = word_dtype(row_bytes)
     words = (table if table.dtype.itemsize % word.itemsize == 0 else table.view(_BYTE)).view(word)
     return words, word
+
+
+#: The scales argument of a format without row scales.
+_NO_SCALES = np.empty(0, np.float32)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only, aligned plain ndarray (one numba type whatever the caller's array): a view, or a copy if unaligned."""
+    view = array.view(np.ndarray) if array.flags.aligned else np.array(array)
+    view.flags.writeable = False
+    return view
+
+
+def _int64_ids(ids: np.ndarray) -> np.ndarray:
+    """The ids as 1-D, C-contiguous, read-only int64 (a view when they already are int64): one kernel signature."""
+    flat = ids.reshape(-1)
+    return _read_only(flat if flat.dtype == np.int64 and flat.flags.c_contiguous else flat.astype(np.int64))
 
 
 def kernel_ids(ids: np.ndarray) -> np.ndarray:

@@ -1,0 +1,850 @@
+"""The compiled CPU dequantizing gathers (Numba): rows of a block format to float32, float16 or bfloat16.
+
+Importing this module imports numba; only the numba backend does so, lazily.
+
+Contract shared by the two kernels, :func:`dequantize_serial` and
+:func:`dequantize_parallel` (as the gather kernels of :mod:`.gather_cpu`):
+
+- ``fmt`` is the format's code, :data:`FORMAT_CODES` (a run-time argument:
+  one compile serves every format);
+- ``data`` is the table's rows as ``(vocab_size, row_bytes)`` uint8, C-contiguous;
+- ``scales`` is the ``(vocab_size,)`` float32 row scales of a ``row_scale``
+  format (fp8_e4m3), else an empty float32 array;
+- ``ids`` is 1-D int32 or int64;
+- ``out`` is ``(ids.size, dim)``, C-contiguous: float32, or uint16 holding
+  the bits of float16 or bfloat16 values as ``mode`` says (:data:`FLOAT16`,
+  :data:`BFLOAT16`, :data:`FLOAT16_BITS`); Numba has no float16 on the CPU;
+- the values are bit for bit :func:`fastembed.formats.dequantize_rows`:
+  float32 arithmetic in the reference's order, never fused (no fast-math),
+  then rounded to the nearest float16 or bfloat16, ties to even, as numpy
+  and ml_dtypes round (subnormals, overflow to infinity, NaN);
+- the return value is -1 on success, else the position of the first id
+  outside ``[0, vocab_size)``, with nothing written to ``out`` (the ids are
+  scanned first, in the same compiled call); a row whose id another thread
+  changed to one out of range after the scan is skipped, never read, and
+  the return value is :data:`CHANGED_DURING_COPY`.
+
+Each row is dequantized :data:`CHUNK` values at a time into a float32
+buffer on the stack, each block by one piece of vector IR (an intrinsic),
+then converted and stored eight values at a time, also as vector IR: numba
+runs no SLP vectorizer, and fixed-size loops over a block would stay
+scalar. Inside a row everything is addressed by plain integers (the rows,
+the buffer, the output), so no array is passed, or reference-counted, per
+chunk. With ``stream``, the stores are non-temporal (``out`` 16-byte
+aligned, rows a multiple of 16 bytes: :func:`.gather_cpu.can_stream`).
+float16 conversions use the CPU's instructions where numba compiles for
+them (x86-64 with F16C: :data:`HARDWARE_FLOAT16`), else integer bit
+operations; both round alike. Multi-byte fields are read little-endian, as
+numba's CPU targets are.
+"""
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from .cpu_intrinsics import prefetch, store_fence, stream_store_16
+from .gather_cpu import CHANGED_DURING_COPY, first_bad_position
+
+_JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
+
+#: Format codes, by name (fastembed.formats.FORMATS).
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "fp8_e4m3": 8}
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, FP8_E4M3 = range(9)
+#: ``mode`` of a uint16 output: float16 (the fastest exact conversion here), bfloat16, float16 by bit operations.
+FLOAT16, BFLOAT16, FLOAT16_BITS = 0, 1, 2
+#: Values dequantized per step: one K-quant block, eight 32-value blocks.
+CHUNK = 256
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _compiles_for_f16c() -> bool:
+    """Whether numba's target has the F16C conversions (what its JIT compiles for, cached kernels included)."""
+    from numba.core import codegen, config
+
+    features = getattr(config, "CPU_FEATURES", None)
+    if features is None:
+        features = codegen.get_host_cpu_features()
+    flags = set(str(features).split(","))
+    return _X86 and "+f16c" in flags and "+avx" in flags
+
+
+#: float16 conversions use the CPU's instructions (else the bit operations of :func:`float16_bits`).
+HARDWARE_FLOAT16 = _compiles_for_f16c()
+#: How float16 outputs are rounded, in words (for describe()).
+FLOAT16_CONVERSION = "F16C instructions" if HARDWARE_FLOAT16 else "integer bit operations"
+
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+_ADDRESS = types.intp
+
+# -- scalars: loads and stores at an address, bit casts ------------------------------------------------
+
+
+def _pointer(builder, address, element):
+    return builder.inttoptr(address, element.as_pointer())
+
+
+@intrinsic
+def _byte(typingctx, address):
+    """The byte at `address`, as uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.load(_pointer(builder, args[0], _I8)), _I32)
+
+    return types.uint32(_ADDRESS), codegen
+
+
+@intrinsic
+def _word(typingctx, address):
+    """The little-endian uint32 at `address` (any alignment)."""
+    def codegen(context, builder, signature, args):
+        return builder.load(_pointer(builder, args[0], _I32), align=1)
+
+    return types.uint32(_ADDRESS), codegen
+
+
+@intrinsic
+def _load_f32(typingctx, address):
+    def codegen(context, builder, signature, args):
+        return builder.load(_pointer(builder, args[0], _F32), align=4)
+
+    return types.float32(_ADDRESS), codegen
+
+
+@intrinsic
+def _store_f32(typingctx, address, value):
+    def codegen(context, builder, signature, args):
+        builder.store(args[1], _pointer(builder, args[0], _F32), align=4)
+        return context.get_dummy_value()
+
+    return types.void(_ADDRESS, types.float32), codegen
+
+
+@intrinsic
+def _store_u16(typingctx, address, value):
+    def codegen(context, builder, signature, args):
+        builder.store(args[1], _pointer(builder, args[0], _I16), align=2)
+        return context.get_dummy_value()
+
+    return types.void(_ADDRESS, types.uint16), codegen
+
+
+@intrinsic
+def _stack_floats(typingctx, count):
+    """The address of `count` (a literal) float32 on the calling function's stack, 32-byte aligned, for its whole call."""
+    if not isinstance(count, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, signature, args):
+        buffer = cgutils.alloca_once(builder, ir.ArrayType(_F32, count.literal_value))
+        buffer.align = 32
+        return builder.ptrtoint(buffer, context.get_value_type(_ADDRESS))
+
+    return _ADDRESS(count), codegen
+
+
+@intrinsic
+def f32_bits(typingctx, value):
+    """The bits of a float32 as a uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _I32)
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bits are a uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _F32)
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _float16_bits_hardware(typingctx, value):
+    # fptrunc rounds to nearest even: one conversion instruction where the target has one (F16C)
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _I16)
+
+    return types.uint16(types.float32), codegen
+
+
+def _half_hardware_codegen(context, builder, signature, args):
+    # fpext is exact; it quiets a signalling NaN, which every use here then multiplies or adds, as the reference does
+    return builder.fpext(builder.bitcast(builder.load(_pointer(builder, args[0], _I16), align=1), ir.HalfType()), _F32)
+
+
+def _half_bits_codegen(context, builder, signature, args):
+    # exact, NaN payloads kept: subnormals (exponent 0) are mantissa * 2**-24; infinity and NaN keep their mantissa
+    h = builder.zext(builder.load(_pointer(builder, args[0], _I16), align=1), _I32)
+    sign = builder.shl(builder.and_(h, _I32(0x8000)), _I32(16))
+    magnitude = builder.and_(h, _I32(0x7FFF))
+    shifted = builder.shl(magnitude, _I32(13))
+    normal = builder.add(shifted, _I32(112 << 23))
+    special = builder.or_(shifted, _I32(0x7F800000))
+    small = builder.bitcast(builder.fmul(builder.uitofp(magnitude, _F32), _F32(2.0**-24)), _I32)
+    bits = builder.select(builder.icmp_unsigned(">=", magnitude, _I32(0x400)), normal, small)
+    bits = builder.select(builder.icmp_unsigned(">=", magnitude, _I32(0x7C00)), special, bits)
+    return builder.bitcast(builder.or_(bits, sign), _F32)
+
+
+@intrinsic
+def _half_hardware(typingctx, address):
+    return types.float32(_ADDRESS), _half_hardware_codegen
+
+
+@intrinsic
+def half_at(typingctx, address):
+    """The little-endian float16 at `address` as float32, exactly, by integer bit operations."""
+    return types.float32(_ADDRESS), _half_bits_codegen
+
+
+#: A float16 field as float32: the conversion instruction where numba compiles for it.
+_half = _half_hardware if HARDWARE_FLOAT16 else half_at
+
+# -- scalar conversions (the last values of a row whose length is not a multiple of eight) -------------
+
+
+@njit(**_JIT)
+def float16_bits(value):
+    """float32 to the bits of the nearest float16, ties to even, exactly as numpy's ``astype(np.float16)``.
+
+    Integer bit operations: values from 65,520 up overflow to infinity, NaN
+    keeps the top of its payload (never becoming infinity), and subnormal
+    results are rounded by a float32 addition whose last place is float16's
+    smallest subnormal. :func:`_float16_bits_lanes` is the same, in vectors.
+    """
+    u = np.uint32(f32_bits(value))
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    if a >= np.uint32(0x47800000):  # 65,536 and above, infinity, NaN
+        h = np.uint32(0x7C00)
+        if a > np.uint32(0x7F800000):
+            payload = (a >> np.uint32(13)) & np.uint32(0x3FF)
+            h = np.uint32(0x7C00) | (payload if payload else np.uint32(1))
+    elif a >= np.uint32(0x38800000):  # a normal float16: rebias the exponent, round the dropped 13 bits
+        h = (a - np.uint32(0x38000000) + np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+    else:
+        h = f32_bits(f32_from_bits(a) + np.float32(0.5)) - np.uint32(0x3F000000)
+    return np.uint16(sign | h)
+
+
+@njit(**_JIT)
+def bfloat16_bits(value):
+    """float32 to the bits of the nearest bfloat16, ties to even, as ml_dtypes does (NaN: the quiet NaN of its sign)."""
+    u = np.uint32(f32_bits(value))
+    if value != value:
+        return np.uint16(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+_float16_fast = _float16_bits_hardware if HARDWARE_FLOAT16 else float16_bits
+
+
+@njit(**_JIT)
+def fp8_e4m3_value(byte):
+    """A float8_e4m3fn byte as float32, exactly as ml_dtypes converts it (0x7F and 0xFF: the quiet NaN of their sign)."""
+    b = np.uint32(byte)
+    sign = (b & np.uint32(0x80)) << np.uint32(24)
+    magnitude = b & np.uint32(0x7F)
+    small = np.uint32(f32_bits(np.float32(np.int32(magnitude)) * np.float32(2.0**-9)))  # exponent 0: magnitude * 2**-9
+    bits = (magnitude << np.uint32(20)) + np.uint32(120 << 23) if magnitude >= np.uint32(8) else small
+    if magnitude == np.uint32(0x7F):
+        bits = np.uint32(0x7FC00000)
+    return f32_from_bits(bits | sign)
+
+
+# -- vector blocks ------------------------------------------------------------------------------------
+# Each block decoder is one piece of vector IR whose loads come before its stores, so LLVM need not prove
+# that the table and the buffer never overlap. Addresses are integers; the float arithmetic is plain
+# fmul/fadd/fsub (no fast-math flags, so never fused) in the reference's order, and each integer value is
+# exact before its conversion to float.
+
+
+def _vector(element, n):
+    return ir.VectorType(element, n)
+
+
+def _constant(element, n, value):
+    """A vector of `n` times `value`, or of the values of a list."""
+    values = value if isinstance(value, list) else [value] * n
+    return ir.Constant(_vector(element, n), [element(v) for v in values])
+
+
+def _splat(builder, scalar, n):
+    vector = builder.insert_element(ir.Constant(_vector(scalar.type, 1), None), scalar, _I32(0))
+    return builder.shuffle_vector(vector, vector, _constant(_I32, n, 0))
+
+
+def _two_halves(builder, first, second, n):
+    """A vector whose first n/2 lanes are `first` and last n/2 lanes `second`."""
+    pair = builder.insert_element(builder.insert_element(ir.Constant(_vector(first.type, 2), None), first, _I32(0)),
+                                  second, _I32(1))
+    return builder.shuffle_vector(pair, pair, _constant(_I32, n, [0] * (n // 2) + [1] * (n // 2)))
+
+
+def _load(builder, address, vector_type):
+    return builder.load(builder.inttoptr(address, vector_type.as_pointer()), align=1)
+
+
+def _store(builder, address, value):
+    builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=4)
+
+
+def _nibbles(builder, packed):
+    """16 bytes to their 16 low nibbles then their 16 high nibbles (<32 x i8>)."""
+    low = builder.and_(packed, _constant(_I8, 16, 0xF))
+    high = builder.lshr(packed, _constant(_I8, 16, 4))
+    return builder.shuffle_vector(low, high, _constant(_I32, 32, list(range(32))))
+
+
+def _fifth_bit_lanes(builder, qh):
+    """A uint32 to its 32 bits, bit j in lane j, shifted to 0x10 (<32 x i32>)."""
+    bits = builder.lshr(_splat(builder, qh, 32), _constant(_I32, 32, list(range(32))))
+    return builder.shl(builder.and_(bits, _constant(_I32, 32, 1)), _constant(_I32, 32, 4))
+
+
+def _codegen(body):
+    """A codegen function for an intrinsic returning nothing whose IR `body(builder, args)` emits."""
+    def codegen(context, builder, signature, args):
+        body(builder, args)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _q8_0_body(builder, args):
+    # 32 x int8 at source; q * d
+    destination, source, d = args
+    q = builder.sitofp(_load(builder, source, _vector(_I8, 32)), _vector(_F32, 32))
+    _store(builder, destination, builder.fmul(q, _splat(builder, d, 32)))
+
+
+def _q4_0_body(builder, args):
+    # 16 bytes of nibbles at source; d * (q - 8)
+    destination, source, d = args
+    q = builder.sub(_nibbles(builder, _load(builder, source, _vector(_I8, 16))), _constant(_I8, 32, 8))
+    _store(builder, destination, builder.fmul(_splat(builder, d, 32), builder.sitofp(q, _vector(_F32, 32))))
+
+
+def _q4_1_body(builder, args):
+    # 16 bytes of nibbles at source; d * q + m
+    destination, source, d, m = args
+    q = builder.uitofp(_nibbles(builder, _load(builder, source, _vector(_I8, 16))), _vector(_F32, 32))
+    _store(builder, destination, builder.fadd(builder.fmul(_splat(builder, d, 32), q), _splat(builder, m, 32)))
+
+
+def _five_bit_values(builder, source, qh):
+    nibbles = builder.zext(_nibbles(builder, _load(builder, source, _vector(_I8, 16))), _vector(_I32, 32))
+    return builder.or_(nibbles, _fifth_bit_lanes(builder, qh))
+
+
+def _q5_0_body(builder, args):
+    # 16 bytes of nibbles at source, fifth bits in qh; d * (q - 16)
+    destination, source, d, qh = args
+    q = builder.sub(_five_bit_values(builder, source, qh), _constant(_I32, 32, 16))
+    _store(builder, destination, builder.fmul(_splat(builder, d, 32), builder.sitofp(q, _vector(_F32, 32))))
+
+
+def _q5_1_body(builder, args):
+    # 16 bytes of nibbles at source, fifth bits in qh; d * q + m
+    destination, source, d, m, qh = args
+    q = builder.uitofp(_five_bit_values(builder, source, qh), _vector(_F32, 32))
+    _store(builder, destination, builder.fadd(builder.fmul(_splat(builder, d, 32), q), _splat(builder, m, 32)))
+
+
+def _k_pair(builder, destination, low, high, scales):
+    """Two sub-blocks of 32 values (<32 x i8> each): d_low * low - m_low, then d_high * high - m_high."""
+    for k, q in enumerate((low, high)):
+        d, m = _splat(builder, scales[2 * k], 32), _splat(builder, scales[2 * k + 1], 32)
+        value = builder.fsub(builder.fmul(d, builder.uitofp(q, _vector(_F32, 32))), m)
+        _store(builder, builder.add(destination, destination.type(128 * k)), value)
+
+
+def _q4_k_body(builder, args):
+    # 32 bytes at source: 32 low nibbles then 32 high nibbles, two sub-blocks
+    destination, source, *scales = args
+    packed = _load(builder, source, _vector(_I8, 32))
+    low = builder.and_(packed, _constant(_I8, 32, 0xF))
+    high = builder.lshr(packed, _constant(_I8, 32, 4))
+    _k_pair(builder, destination, low, high, scales)
+
+
+def _q5_k_body(builder, args):
+    # as Q4_K, the fifth bits of the two sub-blocks in bits `shift` and `shift + 1` of the 32 qh bytes
+    destination, source, qh, shift, *scales = args
+    packed = _load(builder, source, _vector(_I8, 32))
+    bits = builder.lshr(_load(builder, qh, _vector(_I8, 32)), _splat(builder, builder.trunc(shift, _I8), 32))
+    low = builder.or_(builder.and_(packed, _constant(_I8, 32, 0xF)),
+                      builder.shl(builder.and_(bits, _constant(_I8, 32, 1)), _constant(_I8, 32, 4)))
+    high = builder.or_(builder.lshr(packed, _constant(_I8, 32, 4)),
+                       builder.shl(builder.and_(bits, _constant(_I8, 32, 2)), _constant(_I8, 32, 3)))
+    _k_pair(builder, destination, low, high, scales)
+
+
+def _q6_k_body(builder, args):
+    # 128 values from 64 bytes of low nibbles at source and 32 bytes of high bits at qh:
+    # value 32k + j = scale(k, j // 16) * (q - 32)
+    destination, source, qh, *scales = args
+    i8x32 = _vector(_I8, 32)
+    a = _load(builder, source, i8x32)
+    b = _load(builder, builder.add(source, source.type(32)), i8x32)
+    c = _load(builder, qh, i8x32)
+
+    def mask(value, bits):
+        return builder.and_(value, _constant(_I8, 32, bits))
+
+    def shift(op, value, by):
+        return op(value, _constant(_I8, 32, by))
+
+    quarters = (
+        builder.or_(mask(a, 0xF), shift(builder.shl, mask(c, 0x03), 4)),
+        builder.or_(mask(b, 0xF), shift(builder.shl, mask(c, 0x0C), 2)),
+        builder.or_(shift(builder.lshr, a, 4), mask(c, 0x30)),
+        builder.or_(shift(builder.lshr, b, 4), shift(builder.lshr, mask(c, 0xC0), 2)),
+    )
+    for k, q in enumerate(quarters):
+        values = builder.sitofp(builder.sub(q, _constant(_I8, 32, 32)), _vector(_F32, 32))
+        scale = _two_halves(builder, scales[2 * k], scales[2 * k + 1], 32)
+        _store(builder, builder.add(destination, destination.type(128 * k)), builder.fmul(scale, values))
+
+
+def _fp8_e4m3_body(builder, args):
+    # 32 float8_e4m3fn bytes at source; value * scale (see fp8_e4m3_value)
+    destination, source, scale = args
+    i32x32 = _vector(_I32, 32)
+    b = builder.zext(_load(builder, source, _vector(_I8, 32)), i32x32)
+    sign = builder.shl(builder.and_(b, _constant(_I32, 32, 0x80)), _constant(_I32, 32, 24))
+    magnitude = builder.and_(b, _constant(_I32, 32, 0x7F))
+    normal = builder.add(builder.shl(magnitude, _constant(_I32, 32, 20)), _constant(_I32, 32, 120 << 23))
+    small = builder.fmul(builder.uitofp(magnitude, _vector(_F32, 32)), _constant(_F32, 32, 2.0**-9))
+    bits = builder.select(builder.icmp_unsigned(">=", magnitude, _constant(_I32, 32, 8)), normal,
+                          builder.bitcast(small, i32x32))
+    bits = builder.select(builder.icmp_unsigned("==", magnitude, _constant(_I32, 32, 0x7F)),
+                          _constant(_I32, 32, 0x7FC00000), bits)
+    value = builder.bitcast(builder.or_(bits, sign), _vector(_F32, 32))
+    _store(builder, destination, builder.fmul(value, _splat(builder, scale, 32)))
+
+
+_f32, _u32 = types.float32, types.uint32
+
+
+@intrinsic
+def _q8_0_block(typingctx, destination, source, d):
+    return types.void(_ADDRESS, _ADDRESS, _f32), _codegen(_q8_0_body)
+
+
+@intrinsic
+def _q4_0_block(typingctx, destination, source, d):
+    return types.void(_ADDRESS, _ADDRESS, _f32), _codegen(_q4_0_body)
+
+
+@intrinsic
+def _q4_1_block(typingctx, destination, source, d, m):
+    return types.void(_ADDRESS, _ADDRESS, _f32, _f32), _codegen(_q4_1_body)
+
+
+@intrinsic
+def _q5_0_block(typingctx, destination, source, d, qh):
+    return types.void(_ADDRESS, _ADDRESS, _f32, _u32), _codegen(_q5_0_body)
+
+
+@intrinsic
+def _q5_1_block(typingctx, destination, source, d, m, qh):
+    return types.void(_ADDRESS, _ADDRESS, _f32, _f32, _u32), _codegen(_q5_1_body)
+
+
+@intrinsic
+def _q4_k_pair(typingctx, destination, source, d_low, m_low, d_high, m_high):
+    return types.void(_ADDRESS, _ADDRESS, _f32, _f32, _f32, _f32), _codegen(_q4_k_body)
+
+
+@intrinsic
+def _q5_k_pair(typingctx, destination, source, qh, shift, d_low, m_low, d_high, m_high):
+    return types.void(_ADDRESS, _ADDRESS, _ADDRESS, _u32, _f32, _f32, _f32, _f32), _codegen(_q5_k_body)
+
+
+@intrinsic
+def _q6_k_half(typingctx, destination, source, qh, s0, s1, s2, s3, s4, s5, s6, s7):
+    return types.void(_ADDRESS, _ADDRESS, _ADDRESS, *(_f32,) * 8), _codegen(_q6_k_body)
+
+
+@intrinsic
+def _fp8_e4m3_32(typingctx, destination, source, scale):
+    return types.void(_ADDRESS, _ADDRESS, _f32), _codegen(_fp8_e4m3_body)
+
+
+# -- eight float32 to float16 or bfloat16, as vectors -------------------------------------------------
+# The same roundings as float16_bits and bfloat16_bits (and the F16C conversion), eight lanes at a time.
+
+
+def _float16_hardware_lanes(builder, value):
+    return builder.bitcast(builder.fptrunc(value, _vector(ir.HalfType(), 8)), _vector(_I16, 8))
+
+
+def _float16_bits_lanes(builder, value):
+    def c(v):
+        return _constant(_I32, 8, v)
+
+    u = builder.bitcast(value, _vector(_I32, 8))
+    sign = builder.and_(builder.lshr(u, c(16)), c(0x8000))
+    a = builder.and_(u, c(0x7FFFFFFF))
+    odd = builder.and_(builder.lshr(a, c(13)), c(1))
+    normal = builder.lshr(builder.add(builder.add(builder.sub(a, c(0x38000000)), c(0xFFF)), odd), c(13))
+    magnitude = builder.bitcast(a, _vector(_F32, 8))
+    small = builder.sub(builder.bitcast(builder.fadd(magnitude, _constant(_F32, 8, 0.5)), _vector(_I32, 8)),
+                        c(0x3F000000))
+    payload = builder.and_(builder.lshr(a, c(13)), c(0x3FF))
+    nan = builder.or_(c(0x7C00), builder.select(builder.icmp_unsigned("==", payload, c(0)), c(1), payload))
+    h = builder.select(builder.icmp_unsigned(">=", a, c(0x38800000)), normal, small)
+    h = builder.select(builder.icmp_unsigned(">=", a, c(0x47800000)), c(0x7C00), h)
+    h = builder.select(builder.icmp_unsigned(">", a, c(0x7F800000)), nan, h)
+    return builder.trunc(builder.or_(sign, h), _vector(_I16, 8))
+
+
+def _bfloat16_lanes(builder, value):
+    def c(v):
+        return _constant(_I32, 8, v)
+
+    u = builder.bitcast(value, _vector(_I32, 8))
+    high = builder.lshr(u, c(16))
+    rounded = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), builder.and_(high, c(1))), c(16))
+    nan = builder.or_(builder.and_(high, c(0x8000)), c(0x7FC0))
+    bits = builder.select(builder.fcmp_unordered("uno", value, value), nan, rounded)
+    return builder.trunc(bits, _vector(_I16, 8))
+
+
+def _eight_halves(lanes, nontemporal):
+    """An intrinsic ``(destination, source)``: 8 float32 at `source` converted by `lanes`, stored at `destination`.
+
+    Non-temporal stores need a 16-byte aligned destination.
+    """
+    def body(builder, args):
+        destination, source = args
+        bits = lanes(builder, _load(builder, source, _vector(_F32, 8)))
+        store = builder.store(bits, builder.inttoptr(destination, bits.type.as_pointer()), align=16 if nontemporal else 2)
+        if nontemporal:
+            store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+
+    def typer(typingctx, destination, source):
+        return types.void(_ADDRESS, _ADDRESS), _codegen(body)
+
+    return intrinsic(typer)
+
+
+# The F16C conversion only where numba compiles for it: elsewhere LLVM would call a runtime routine.
+_FLOAT16_LANES = _float16_hardware_lanes if HARDWARE_FLOAT16 else _float16_bits_lanes
+_store_float16 = _eight_halves(_FLOAT16_LANES, False)
+_stream_float16 = _eight_halves(_FLOAT16_LANES, True)
+_store_bfloat16 = _eight_halves(_bfloat16_lanes, False)
+_stream_bfloat16 = _eight_halves(_bfloat16_lanes, True)
+_store_float16_bits = _eight_halves(_float16_bits_lanes, False)
+_stream_float16_bits = _eight_halves(_float16_bits_lanes, True)
+
+
+@intrinsic
+def _copy_eight_floats(typingctx, destination, source):
+    def codegen(context, builder, signature, args):
+        _store(builder, args[0], _load(builder, args[1], _vector(_F32, 8)))
+        return context.get_dummy_value()
+
+    return types.void(_ADDRESS, _ADDRESS), codegen
+
+
+# -- one chunk of one row to float32 ------------------------------------------------------------------
+# Each writes the values of the blocks (or `count` values) whose bytes start at address `source` into the
+# float32 buffer at address `buf`.
+
+
+@njit(**_JIT)
+def _q8_0(source, n_blocks, buf):
+    # d: f16 | 32 x int8
+    for block in range(n_blocks):
+        at = source + 34 * block
+        _q8_0_block(buf + 128 * block, at + 2, _half(at))
+
+
+@njit(**_JIT)
+def _q4_0(source, n_blocks, buf):
+    # d: f16 | 16 bytes, values j and j + 16 in the low and high nibble of byte j
+    for block in range(n_blocks):
+        at = source + 18 * block
+        _q4_0_block(buf + 128 * block, at + 2, _half(at))
+
+
+@njit(**_JIT)
+def _q4_1(source, n_blocks, buf):
+    # d: f16 | m: f16 | 16 bytes of nibbles as Q4_0
+    for block in range(n_blocks):
+        at = source + 20 * block
+        _q4_1_block(buf + 128 * block, at + 4, _half(at), _half(at + 2))
+
+
+@njit(**_JIT)
+def _q5_0(source, n_blocks, buf):
+    # d: f16 | qh: 4 bytes, bit j the fifth bit of value j | 16 bytes of nibbles
+    for block in range(n_blocks):
+        at = source + 22 * block
+        _q5_0_block(buf + 128 * block, at + 6, _half(at), _word(at + 2))
+
+
+@njit(**_JIT)
+def _q5_1(source, n_blocks, buf):
+    # d: f16 | m: f16 | qh: 4 bytes | 16 bytes of nibbles
+    for block in range(n_blocks):
+        at = source + 24 * block
+        _q5_1_block(buf + 128 * block, at + 8, _half(at), _half(at + 2), _word(at + 4))
+
+
+@njit(**_JIT)
+def _k_scale_min(packed, j):
+    """Six-bit scale and min number `j` (0-7) of the 12 packed bytes at address `packed`, as float32."""
+    if j < 4:
+        scale = _byte(packed + j) & np.uint32(63)
+        low = _byte(packed + j + 4) & np.uint32(63)
+    else:
+        scale = (_byte(packed + j + 4) & np.uint32(0xF)) | ((_byte(packed + j - 4) >> np.uint32(6)) << np.uint32(4))
+        low = (_byte(packed + j + 4) >> np.uint32(4)) | ((_byte(packed + j) >> np.uint32(6)) << np.uint32(4))
+    return np.float32(np.int32(scale)), np.float32(np.int32(low))
+
+
+@njit(**_JIT)
+def _k_sub_block_pair(block, group):
+    """(d * scale) and (dmin * min) of sub-blocks 2 * group and 2 * group + 1 of the Q4_K/Q5_K block at `block`."""
+    d = np.float32(_half(block))
+    dmin = _half(block + 2)
+    scale_low, min_low = _k_scale_min(block + 4, 2 * group)
+    scale_high, min_high = _k_scale_min(block + 4, 2 * group + 1)
+    return d * scale_low, dmin * min_low, d * scale_high, dmin * min_high
+
+
+@njit(**_JIT)
+def _q4_k(source, buf):
+    # d | dmin | 12 bytes of scales and mins | 128 bytes: each 32 give 32 low then 32 high nibbles;
+    # (d * scale) * q - (dmin * min) per sub-block of 32
+    for group in range(4):
+        d_low, m_low, d_high, m_high = _k_sub_block_pair(source, group)
+        _q4_k_pair(buf + 256 * group, source + 16 + 32 * group, d_low, m_low, d_high, m_high)
+
+
+@njit(**_JIT)
+def _q5_k(source, buf):
+    # d | dmin | 12 scale bytes | qh: 32 bytes, bit k of byte j the fifth bit of value 32k + j | 128 bytes of nibbles
+    for group in range(4):
+        d_low, m_low, d_high, m_high = _k_sub_block_pair(source, group)
+        _q5_k_pair(buf + 256 * group, source + 48 + 32 * group, source + 16, np.uint32(2 * group),
+                   d_low, m_low, d_high, m_high)
+
+
+@njit(**_JIT)
+def _q6_k_scale(source, d, k):
+    """d * int8 scale number `k` of the Q6_K block at `source`."""
+    return d * np.float32(np.int8(_byte(source + 192 + k)))
+
+
+@njit(**_JIT)
+def _q6_k(source, buf):
+    # ql: 128 bytes of low nibbles | qh: 64 bytes of 2-bit high parts | 16 int8 scales | d: f16;
+    # value 128h + 32k + j uses scale 8h + 2k + j // 16: (d * scale) * (q - 32)
+    d = np.float32(_half(source + 208))
+    for h in range(2):
+        s = 8 * h
+        _q6_k_half(buf + 512 * h, source + 64 * h, source + 128 + 32 * h,
+                   _q6_k_scale(source, d, s), _q6_k_scale(source, d, s + 1), _q6_k_scale(source, d, s + 2),
+                   _q6_k_scale(source, d, s + 3), _q6_k_scale(source, d, s + 4), _q6_k_scale(source, d, s + 5),
+                   _q6_k_scale(source, d, s + 6), _q6_k_scale(source, d, s + 7))
+
+
+@njit(**_JIT)
+def _fp8_e4m3(source, count, scale, buf):
+    # one float8_e4m3fn per value; value * the row's scale
+    whole = count - count % 32
+    for j in range(0, whole, 32):
+        _fp8_e4m3_32(buf + 4 * j, source + j, scale)
+    for j in range(whole, count):
+        _store_f32(buf + 4 * j, fp8_e4m3_value(_byte(source + j)) * scale)
+
+
+@njit(**_JIT)
+def _dequantize_chunk(fmt, source, count, scale, buf):
+    """The `count` values of format `fmt` whose blocks start at address `source` into the float32 at `buf`."""
+    if fmt == Q8_0:
+        _q8_0(source, count // 32, buf)
+    elif fmt == Q4_0:
+        _q4_0(source, count // 32, buf)
+    elif fmt == Q4_K:
+        _q4_k(source, buf)
+    elif fmt == Q6_K:
+        _q6_k(source, buf)
+    elif fmt == FP8_E4M3:
+        _fp8_e4m3(source, count, scale, buf)
+    elif fmt == Q4_1:
+        _q4_1(source, count // 32, buf)
+    elif fmt == Q5_0:
+        _q5_0(source, count // 32, buf)
+    elif fmt == Q5_1:
+        _q5_1(source, count // 32, buf)
+    elif fmt == Q5_K:
+        _q5_k(source, buf)
+
+
+# -- float32 values to the output ---------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def _emit(buf, destination, count, word, mode, stream):
+    """Store the `count` float32 at address `buf` at address `destination`: as float32 (`word` 4), else as `mode` says.
+
+    Streaming needs a 16-byte aligned `destination` and a multiple of 16 bytes.
+    """
+    whole = count - count % 8
+    if word == 4:
+        if stream:
+            for offset in range(0, 4 * count, 16):
+                stream_store_16(destination + offset, buf + offset)
+            return
+        for k in range(0, whole, 8):
+            _copy_eight_floats(destination + 4 * k, buf + 4 * k)
+        for j in range(whole, count):
+            _store_f32(destination + 4 * j, _load_f32(buf + 4 * j))
+        return
+    if stream:
+        if mode == FLOAT16:
+            for k in range(0, whole, 8):
+                _stream_float16(destination + 2 * k, buf + 4 * k)
+        elif mode == BFLOAT16:
+            for k in range(0, whole, 8):
+                _stream_bfloat16(destination + 2 * k, buf + 4 * k)
+        else:
+            for k in range(0, whole, 8):
+                _stream_float16_bits(destination + 2 * k, buf + 4 * k)
+    elif mode == FLOAT16:
+        for k in range(0, whole, 8):
+            _store_float16(destination + 2 * k, buf + 4 * k)
+    elif mode == BFLOAT16:
+        for k in range(0, whole, 8):
+            _store_bfloat16(destination + 2 * k, buf + 4 * k)
+    else:
+        for k in range(0, whole, 8):
+            _store_float16_bits(destination + 2 * k, buf + 4 * k)
+    for j in range(whole, count):  # the last values of a row whose dim is not a multiple of 8 (fp8_e4m3 only)
+        value = np.float32(_load_f32(buf + 4 * j))
+        if mode == FLOAT16:
+            bits = _float16_fast(value)
+        elif mode == BFLOAT16:
+            bits = bfloat16_bits(value)
+        else:
+            bits = float16_bits(value)
+        _store_u16(destination + 2 * j, bits)
+
+
+@njit(**_JIT)
+def _no_fence():
+    pass
+
+
+_fence = store_fence if _X86 else _no_fence  # SFENCE is an x86 instruction; other CPUs never stream here
+
+# -- the conversions alone, for tests ------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def round_to_halves(values, out, mode, stream):
+    """out[j] = the bits of float32 values[j] as float16 or bfloat16 (`mode`), by the kernels' own conversion code.
+
+    `values` float32 and `out` uint16, 1-D, of one size; with `stream`,
+    `out` 16-byte aligned and its size a multiple of 8.
+    """
+    buf = np.intp(_stack_floats(CHUNK))
+    for first in range(0, values.size, CHUNK):
+        count = min(CHUNK, values.size - first)
+        for j in range(count):
+            _store_f32(buf + 4 * j, values[first + j])
+        _emit(buf, np.intp(out.ctypes.data) + 2 * first, count, 2, mode, stream)
+    if stream:
+        _fence()
+    return out
+
+
+@njit(**_JIT)
+def widen_halves(halves, out):
+    """out[j] = the float16 with bits halves[j] as float32 by :func:`half_at` (the bit operations), for tests."""
+    for j in range(halves.size):
+        out[j] = half_at(np.intp(halves.ctypes.data) + 2 * j)
+    return out
+
+
+# -- the kernels ----------------------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def _vocab_size(fmt, data, scales):
+    """Rows that may be read: of `data`, and of `scales` for a row-scale format."""
+    return min(data.shape[0], scales.shape[0]) if fmt == FP8_E4M3 else data.shape[0]
+
+
+@njit(**_JIT)
+def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead):
+    """Rows [start, stop) of the output; returns the rows skipped because their id was out of range.
+
+    With ``prefetch_rows_ahead`` > 0, each chunk comes with prefetches of the
+    same bytes of the row that many rows ahead (random rows defeat the
+    hardware prefetcher); an address out of range there is a hint, never read.
+    """
+    vocab_size = _vocab_size(fmt, data, scales)
+    dim = out.shape[1]
+    word = out.itemsize
+    row_bytes = data.shape[1]
+    rows = np.intp(data.ctypes.data)
+    destination = np.intp(out.ctypes.data)
+    buf = np.intp(_stack_floats(CHUNK))
+    skipped = 0
+    for i in range(start, stop):
+        row = ids[i]
+        if row < 0 or row >= vocab_size:
+            skipped += 1
+            continue
+        source = rows + np.intp(row) * row_bytes
+        ahead = rows + np.intp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
+        scale = scales[row] if fmt == FP8_E4M3 else np.float32(1)
+        for first in range(0, dim, CHUNK):
+            count = min(CHUNK, dim - first)
+            begin, end = first * row_bytes // dim, (first + count) * row_bytes // dim
+            if prefetch_rows_ahead > 0:
+                for byte in range(begin, end, 64):
+                    prefetch(ahead + byte)
+            _dequantize_chunk(fmt, source + begin, count, scale, buf)
+            _emit(buf, destination + (np.intp(i) * dim + first) * word, count, word, mode, stream)
+    if stream:
+        _fence()
+    return skipped
+
+
+@njit(**_JIT)
+def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead):
+    """Dequantize on the calling thread."""
+    bad = first_bad_position(ids, _vocab_size(fmt, data, scales))
+    if bad >= 0:
+        return bad
+    if dequantize_range(fmt, data, scales, ids, out, 0, ids.size, mode, stream, prefetch_rows_ahead):
+        return CHANGED_DURING_COPY
+    return -1
+
+
+@njit(parallel=True, **_JIT)
+def dequantize_parallel(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, n_blocks):
+    """Dequantize in ``n_blocks`` contiguous blocks of rows spread over threads (each thread's writes sequential)."""
+    bad = first_bad_position(ids, _vocab_size(fmt, data, scales))
+    if bad >= 0:
+        return bad
+    skipped = 0
+    for block in prange(n_blocks):
+        start, stop = block * ids.size // n_blocks, (block + 1) * ids.size // n_blocks
+        skipped += dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead)
+    return CHANGED_DURING_COPY if skipped else -1

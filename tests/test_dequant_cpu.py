@@ -1,0 +1,312 @@
+"""The numba backend's dequantizing gather: every block format, output dtype and kernel path, bit for bit the reference."""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fastembed
+from fastembed.formats import FORMATS, QuantizedTable, dequantize_rows
+from fastembed.tables import random_quantized_table
+from helpers import assert_bit_equal, poisoned
+
+numba_backend = pytest.importorskip("fastembed.backends.numba_backend")
+BACKEND = numba_backend.BACKEND
+if BACKEND.unavailable_reasons():
+    pytest.skip(f"numba backend unavailable: {BACKEND.unavailable_reasons()}", allow_module_level=True)
+
+OUTPUT_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+#: Offsets of each format's float16 fields in its block.
+HALF_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2),
+               "q6_k": (208,)}
+#: float16 bits: infinities, NaN, the smallest and largest subnormals, zeros, the largest finite, one.
+SPECIAL_HALVES = [0x7C00, 0xFC00, 0x7E00, 0x0001, 0x83FF, 0x0000, 0x8000, 0x7BFF, 0x3C00]
+
+
+@pytest.fixture(autouse=True)
+def _compile_in_the_foreground(monkeypatch):
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+
+
+@pytest.fixture(params=["serial", "parallel", "stream", "serial-stream"])
+def kernel_path(request, monkeypatch):
+    """Each kernel path on small tables: thresholds moved; "serial-stream" is a forked child's big batch."""
+    if request.param != "serial":
+        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 2**62 if request.param == "parallel" else 0)
+    if request.param == "serial-stream":
+        monkeypatch.setattr(BACKEND, "forked_after_pool_start", True)
+    return request.param
+
+
+def reference(table: QuantizedTable, ids, dtype=np.float32) -> np.ndarray:
+    """fastembed.formats' reference, converted by numpy's (or ml_dtypes') cast."""
+    flat = np.asarray(ids).reshape(-1)
+    scales = None if table.scales is None else table.scales[flat]
+    with np.errstate(over="ignore", invalid="ignore"):  # the special-value tests make infinities and NaN on purpose
+        rows = dequantize_rows(table.data[flat], scales, table.format, table.dim)
+        return rows.astype(dtype).reshape(np.shape(ids) + (table.dim,))
+
+
+def dims(name: str) -> list[int]:
+    """One block, three blocks; fp8_e4m3 rows of 1, 8 and 300 values (vector lanes and scalar tails)."""
+    values = FORMATS[name].block_values
+    return [1, 8, 300] if values == 1 else [values, 3 * values]
+
+
+def lookup_both_ways(table, ids, dtype):
+    """The backend's result without out, and with a poisoned out; both must be exact (every element written)."""
+    allocated = BACKEND.dequantize(table, ids, None, dtype)
+    out = poisoned(ids.shape + (table.dim,), dtype)
+    assert BACKEND.dequantize(table, ids, out, dtype) is out
+    return allocated, out
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", OUTPUT_DTYPES, ids=str)
+def test_every_format_output_and_kernel_path_is_the_reference_bit_for_bit(kernel_path, name, dtype):
+    rng = np.random.default_rng(len(name))
+    for dim in dims(name):
+        table = random_quantized_table(name, 300, dim, seed=dim)
+        id_sets = (rng.integers(0, 300, 40), rng.integers(0, 300, (3, 5)).astype(np.int32), np.array([299]),
+                   np.array([], np.int64), np.zeros((2, 0), np.int32))
+        for ids in id_sets:
+            for result in lookup_both_ways(table, ids, dtype):
+                assert_bit_equal(result, reference(table, ids, dtype))
+
+
+@pytest.mark.parametrize("name", [name for name in FORMATS if FORMATS[name].ggml_type is not None])
+def test_the_float32_values_are_ggufs_own_dequantization(name):
+    """llama.cpp's reference (the gguf package) gives the same bits as the kernels."""
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf.constants import GGMLQuantizationType
+
+    table = random_quantized_table(name, 64, 512, seed=3)
+    ids = np.arange(64)[::-1].copy()
+    expected = gguf_quants.dequantize(table.data[ids], GGMLQuantizationType(FORMATS[name].ggml_type))
+    assert_bit_equal(BACKEND.dequantize(table, ids, None, np.float32), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", HALF_FIELDS)
+def test_special_float16_scales_round_like_the_reference(name):
+    """Infinite, NaN, subnormal, zero and largest float16 scale fields: overflow, NaN and subnormal outputs.
+
+    One special field per block, the others finite, so that no value meets
+    two NaNs of different signs (whose order of operations the reference
+    does not fix).
+    """
+    fmt = FORMATS[name]
+    table = random_quantized_table(name, 40, 3 * fmt.block_values, seed=11)
+    blocks = table.data.reshape(-1, fmt.block_bytes)
+    for k, (bits, offset) in enumerate((bits, offset) for offset in HALF_FIELDS[name] for bits in SPECIAL_HALVES):
+        blocks[3 * k + 1, offset : offset + 2] = np.array([bits], "<u2").view(np.uint8)
+    ids = np.arange(40)
+    for dtype in OUTPUT_DTYPES:
+        assert_bit_equal(BACKEND.dequantize(table, ids, None, dtype), reference(table, ids, dtype))
+    assert np.isnan(reference(table, ids)).any() and np.isinf(reference(table, ids, np.float16)).any()
+
+
+def test_fp8_special_bytes_and_row_scales_round_like_the_reference():
+    """Every float8_e4m3fn byte (NaN codes included) by finite scales; non-finite, zero and subnormal row scales."""
+    dim = 300  # 256 + 32 vector lanes, then 12 scalar values: every byte goes through both
+    data = ((np.arange(64 * dim) % 256).astype(np.uint8)).reshape(64, dim)
+    scales = np.random.default_rng(2).uniform(-4, 4, 64).astype(np.float32)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, 3e38, 1.0], np.float32)
+    finite_bytes = data[: len(specials)]
+    finite_bytes[(finite_bytes & 0x7F) == 0x7F] = 1  # a NaN value times a NaN scale: two NaNs (see above)
+    scales[: len(specials)] = specials
+    table = QuantizedTable(data, "fp8_e4m3", dim, scales)
+    ids = np.random.default_rng(4).permutation(64)
+    for dtype in OUTPUT_DTYPES:
+        assert_bit_equal(BACKEND.dequantize(table, ids, None, dtype), reference(table, ids, dtype))
+
+
+def test_every_float16_scale_field_converts_exactly():
+    """All 65,536 float16 bit patterns as Q8_0 scales of the value 1 (signalling NaNs quieted by the product, as in the reference)."""
+    blocks = np.ones((65536, 34), np.uint8)
+    blocks[:, :2] = np.arange(65536, dtype="<u2").view(np.uint8).reshape(-1, 2)
+    table = QuantizedTable(blocks.reshape(2048, 32 * 34), "q8_0", 1024)
+    ids = np.arange(2048)
+    for dtype in OUTPUT_DTYPES:
+        assert_bit_equal(BACKEND.dequantize(table, ids, None, dtype), reference(table, ids, dtype))
+
+
+def float32_patterns() -> np.ndarray:
+    """Every high half of a float32 with low halves at the rounding boundaries of float16 and bfloat16."""
+    low = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x2000, 0x3000, 0x7FFF, 0x8000, 0x8001, 0xE000, 0xFFFF], np.uint32)
+    return (np.arange(65536, dtype=np.uint32)[:, None] << 16 | low).reshape(-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_roundings_to_float16_and_bfloat16_are_numpys_and_ml_dtypes(stream):
+    """The kernels' conversion code on float32 far beyond what dequantizing makes, eight lanes and scalar tails."""
+    kernels = BACKEND.dequantize_kernels()
+    bits = float32_patterns()
+    values = bits.view(np.float32)[: bits.size - (0 if stream else 5)]  # a tail of 3 values without streaming
+    quiet = ~((bits[: values.size] & 0x7FC00000) == 0x7F800000) | ((bits[: values.size] & 0x7FFFFF) == 0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = {kernels.FLOAT16: values.astype(np.float16).view(np.uint16),
+                    kernels.FLOAT16_BITS: values.astype(np.float16).view(np.uint16),
+                    kernels.BFLOAT16: values.astype(ml_dtypes.bfloat16).view(np.uint16)}
+    for mode, want in expected.items():
+        out = poisoned(values.shape, np.uint16)
+        kernels.round_to_halves(values, out, mode, stream)
+        # the F16C instruction quiets signalling NaNs, which no dequantized value is
+        keep = quiet if mode == kernels.FLOAT16 and kernels.HARDWARE_FLOAT16 else slice(None)
+        assert_bit_equal(out[keep], want[keep])
+
+
+def test_the_scalar_conversions_agree_with_numpy_and_ml_dtypes():
+    """The scalar functions (the last values of rows) on a sample of the patterns above."""
+    kernels = BACKEND.dequantize_kernels()
+    bits = float32_patterns()[::7]
+    values = bits[(bits & 0x7F800000 != 0x7F800000) | (bits & 0x400000 != 0)].view(np.float32)  # no signalling NaN:
+    with np.errstate(over="ignore", invalid="ignore"):  # Python's float would quiet it on the way in
+        halves, brains = values.astype(np.float16).view(np.uint16), values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    assert [kernels.float16_bits(v) for v in values] == halves.tolist()
+    assert [kernels.bfloat16_bits(v) for v in values] == brains.tolist()
+
+
+def test_every_float16_field_widens_exactly_by_bit_operations():
+    """The integer conversion of float16 fields (where no F16C instruction serves) keeps even NaN payloads."""
+    halves = np.arange(65536, dtype=np.uint16)
+    widened = BACKEND.dequantize_kernels().widen_halves(halves, poisoned(65536, np.float32))
+    assert_bit_equal(widened, halves.view(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("bad_id", [-1, 300, 2**40])
+def test_out_of_range_ids_on_every_path_leave_out_untouched(kernel_path, bad_id):
+    table = random_quantized_table("q4_k", 300, 256, seed=1)
+    ids = np.arange(200) % 300
+    ids[150] = bad_id
+    ids[170] = bad_id
+    for dtype in OUTPUT_DTYPES:
+        out = poisoned((200, 256), dtype)
+        before = out.copy()
+        with pytest.raises(IndexError, match=f"id {bad_id} at position 150 is out of range for a table of 300 rows"):
+            BACKEND.dequantize(table, ids, out, dtype)
+        assert_bit_equal(out, before)
+
+
+def test_a_row_whose_id_changed_after_the_scan_is_skipped_never_read():
+    """The per-row check: what another thread's write of an id after the scan gives (the kernels' status -2)."""
+    kernels = BACKEND.dequantize_kernels()
+    table = random_quantized_table("q8_0", 50, 64)
+    ids = numba_backend._int64_ids(np.array([3, -7, 49, 50, 2**40]))
+    out = poisoned((5, 64), np.float16).view(np.uint16)
+    data, scales = numba_backend._read_only(table.data), numba_backend._read_only(numba_backend._NO_SCALES)
+    skipped = kernels.dequantize_range(kernels.FORMAT_CODES["q8_0"], data, scales, ids, out, 0, 5, kernels.FLOAT16,
+                                       False, 4)
+    assert skipped == 3
+    assert_bit_equal(out[[0, 2]].view(np.float16), reference(table, ids[[0, 2]], np.float16))
+    assert (out[[1, 3, 4]].view(np.uint8) == 0xA5).all()
+
+
+def test_int32_ids_straight_into_the_kernel():
+    """The kernels take int32 ids too (the backend widens them to int64: one compiled signature fewer)."""
+    kernels = BACKEND.dequantize_kernels()
+    table = random_quantized_table("q6_k", 30, 512)
+    ids = np.array([29, 0, 7], np.int32)
+    out = poisoned((3, 512), np.float16).view(np.uint16)
+    data, scales = numba_backend._read_only(table.data), numba_backend._read_only(numba_backend._NO_SCALES)
+    assert kernels.dequantize_serial(kernels.FORMAT_CODES["q6_k"], data, scales, ids, out, kernels.FLOAT16, False, 4) == -1
+    assert_bit_equal(out.view(np.float16), reference(table, ids, np.float16))
+    assert kernels.dequantize_serial(kernels.FORMAT_CODES["q6_k"], data, scales, ids - 8, out, kernels.FLOAT16, False, 4) == 1
+
+
+@pytest.mark.parametrize("offset", [1, 3])
+def test_unaligned_data_scales_and_out(kernel_path, offset, tmp_path):
+    """Rows, row scales and outputs at odd addresses (a file mapped at an odd offset), and a read-only mapped table."""
+    source = random_quantized_table("fp8_e4m3", 64, 40, seed=offset)
+    buffer = np.zeros(source.data.nbytes + source.scales.nbytes + 16, np.uint8)
+    data = buffer[offset : offset + source.data.nbytes].reshape(source.data.shape)
+    data[...] = source.data
+    scales = buffer[offset + data.nbytes : offset + data.nbytes + source.scales.nbytes].view(np.float32)
+    scales[...] = source.scales
+    assert not scales.flags.aligned
+    np.save(tmp_path / "rows.npy", source.data)
+    mapped = np.load(tmp_path / "rows.npy", mmap_mode="r")
+    ids = np.random.default_rng(offset).integers(0, 64, 100)
+    for table in (QuantizedTable(data, "fp8_e4m3", 40, scales), QuantizedTable(mapped, "fp8_e4m3", 40, source.scales)):
+        for dtype in OUTPUT_DTYPES:
+            out_buffer = np.full(100 * 40 * dtype.itemsize + 16, 0xA5, np.uint8)
+            out = out_buffer[offset : offset + 100 * 40 * dtype.itemsize].view(dtype).reshape(100, 40)
+            assert BACKEND.dequantize(table, ids, out, dtype) is out
+            assert_bit_equal(out, reference(source, ids, dtype))
+            assert (out_buffer[:offset] == 0xA5).all() and (out_buffer[offset + out.nbytes :] == 0xA5).all()
+
+
+def test_lookup_serves_quantized_tables_through_the_numba_backend():
+    assert set(FORMATS) <= BACKEND.capabilities.formats
+    table = random_quantized_table("q4_0", 100, 64)
+    ids = np.array([[1, 99], [50, 0]])
+    assert_bit_equal(fastembed.lookup(table, ids, dtype=np.float16, backend="numba"), reference(table, ids, np.float16))
+    facts = BACKEND.describe()
+    assert "q6_k" in facts["dequantize_formats"] and facts["float16_conversion"]
+
+
+def test_concurrent_threads_get_exact_rows(monkeypatch):
+    """Threads dequantizing at once (one takes the parallel kernel, the others the serial one): every row exact."""
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 64 * 1024)
+    tables = {name: random_quantized_table(name, 500, 256, seed=1) for name in ("q8_0", "q4_k", "fp8_e4m3")}
+    errors: list[str] = []
+    stop_at = time.monotonic() + 2.0
+
+    def worker(index: int) -> None:
+        rng = np.random.default_rng(index)
+        while time.monotonic() < stop_at and not errors:
+            name = list(tables)[int(rng.integers(0, 3))]
+            ids = rng.integers(0, 500, int(rng.choice([1, 7, 300])))
+            dtype = OUTPUT_DTYPES[int(rng.integers(0, 3))]
+            result = BACKEND.dequantize(tables[name], ids, None, dtype)
+            if not np.array_equal(result.view(np.uint8), reference(tables[name], ids, dtype).view(np.uint8)):
+                errors.append(f"thread {index}: wrong rows of {name}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+
+
+def _child_dequantize(seed: int) -> bool:
+    table = random_quantized_table("q8_0", 2000, 1024, seed=1)
+    ids = np.random.default_rng(seed).integers(0, 2000, 1500)  # 3 MB of float16: parallel in a parent
+    return bool(np.array_equal(BACKEND.dequantize(table, ids, None, np.float16).view(np.uint16),
+                               reference(table, ids, np.float16).view(np.uint16)))
+
+
+def test_a_child_forked_after_the_parallel_kernel_ran_dequantizes_serially():
+    assert _child_dequantize(0)
+    assert BACKEND.pool_started
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        assert pool.map_async(_child_dequantize, range(2)).get(timeout=120) == [True, True]
+    assert _child_dequantize(1)
+
+
+def test_numpy_serves_while_the_kernels_compile_in_the_background(monkeypatch):
+    """No compile on the caller's thread: the numpy reference serves, exactly, until the background compile is done."""
+    numba_backend.background_compile.forget()
+    BACKEND.reset()
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", True)
+    served = []
+    reference_into = numba_backend.numpy_backend.dequantize_into
+    monkeypatch.setattr(numba_backend.numpy_backend, "dequantize_into",
+                        lambda table, ids, out: served.append(ids.size) or reference_into(table, ids, out))
+    release = threading.Event()
+    compile_now = BACKEND._compile_dequantize_now
+    monkeypatch.setattr(BACKEND, "_compile_dequantize_now", lambda signature: release.wait(30) and compile_now(signature))
+    table = random_quantized_table("q5_1", 100, 96)
+    ids = np.arange(100)[::-1].copy()
+    for _ in range(2):
+        assert_bit_equal(BACKEND.dequantize(table, ids, None, np.float16), reference(table, ids, np.float16))
+    assert served == [100, 100]
+    release.set()
+    fastembed.wait_for_compiles()
+    assert_bit_equal(BACKEND.dequantize(table, ids, None, np.float16), reference(table, ids, np.float16))
+    assert served == [100, 100]
