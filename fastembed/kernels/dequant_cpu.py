@@ -28,14 +28,16 @@ Each row is dequantized :data:`CHUNK` values at a time into a float32
 buffer on the stack, each block by one piece of vector IR (an intrinsic),
 then converted and stored eight values at a time, also as vector IR: numba
 runs no SLP vectorizer, and fixed-size loops over a block would stay
-scalar. Inside a row everything is addressed by plain integers (the rows,
-the buffer, the output), so no array is passed, or reference-counted, per
-chunk. With ``stream``, the stores are non-temporal (``out`` 16-byte
-aligned, rows a multiple of 16 bytes: :func:`.gather_cpu.can_stream`).
-float16 conversions use the CPU's instructions where numba compiles for
-them (x86-64 with F16C: :data:`HARDWARE_FLOAT16`), else integer bit
-operations; both round alike. Multi-byte fields are read little-endian, as
-numba's CPU targets are.
+scalar. Streamed float16 (the common large batch) skips the buffer: each
+block rounds its values and stores them into the output itself. Inside a
+row everything is addressed by plain integers (the rows, the buffer, the
+output), so no array is passed, or reference-counted, per chunk. With
+``stream``, the stores are non-temporal (``out`` 16-byte aligned, rows a
+multiple of 16 bytes: :func:`.gather_cpu.can_stream`). float16
+conversions use the CPU's instructions where numba compiles for them
+(x86-64 with F16C: :data:`HARDWARE_FLOAT16`), else integer bit operations;
+both round alike. Multi-byte fields are read little-endian, as numba's CPU
+targets are.
 """
 from __future__ import annotations
 
@@ -310,34 +312,56 @@ def _fifth_bit_lanes(builder, qh):
     return builder.shl(builder.and_(bits, _constant(_I32, 32, 1)), _constant(_I32, 32, 4))
 
 
-def _codegen(body):
-    """A codegen function for an intrinsic returning nothing whose IR `body(builder, args)` emits."""
+def _put_floats(builder, destination, first, value):
+    """Values `first`... of a chunk (a vector) as float32 into the buffer at `destination`."""
+    _store(builder, builder.add(destination, destination.type(4 * first)), value)
+
+
+def _put_halves_streamed(builder, destination, first, value):
+    """Values `first`... of a chunk rounded to float16 and stored non-temporally into the output row at `destination`."""
+    bits = _FLOAT16_LANES(builder, value)
+    address = builder.add(destination, destination.type(2 * first))
+    store = builder.store(bits, builder.inttoptr(address, bits.type.as_pointer()), align=16)
+    store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+
+
+def _block(halves, body, *scalars):
+    """Signature and codegen of a block intrinsic ``(halves, destination, source, *scalars)``.
+
+    ``halves`` is a literal: False puts the values into a float32 buffer,
+    True rounds them to float16 and streams them into the output (16-byte
+    aligned there), skipping the buffer.
+    """
+    if not isinstance(halves, types.BooleanLiteral):
+        return None
+    put = _put_halves_streamed if halves.literal_value else _put_floats
+
     def codegen(context, builder, signature, args):
-        body(builder, args)
+        body(builder, args[1:], put)
         return context.get_dummy_value()
 
-    return codegen
+    return types.void(halves, _ADDRESS, _ADDRESS, *scalars), codegen
 
 
-def _q8_0_body(builder, args):
+def _q8_0_body(builder, args, put):
     # 32 x int8 at source; q * d
     destination, source, d = args
     q = builder.sitofp(_load(builder, source, _vector(_I8, 32)), _vector(_F32, 32))
-    _store(builder, destination, builder.fmul(q, _splat(builder, d, 32)))
+    put(builder, destination, 0, builder.fmul(q, _splat(builder, d, 32)))
 
 
-def _q4_0_body(builder, args):
+def _q4_0_body(builder, args, put):
     # 16 bytes of nibbles at source; d * (q - 8)
     destination, source, d = args
     q = builder.sub(_nibbles(builder, _load(builder, source, _vector(_I8, 16))), _constant(_I8, 32, 8))
-    _store(builder, destination, builder.fmul(_splat(builder, d, 32), builder.sitofp(q, _vector(_F32, 32))))
+    put(builder, destination, 0, builder.fmul(_splat(builder, d, 32), builder.sitofp(q, _vector(_F32, 32))))
 
 
-def _q4_1_body(builder, args):
+def _q4_1_body(builder, args, put):
     # 16 bytes of nibbles at source; d * q + m
     destination, source, d, m = args
     q = builder.uitofp(_nibbles(builder, _load(builder, source, _vector(_I8, 16))), _vector(_F32, 32))
-    _store(builder, destination, builder.fadd(builder.fmul(_splat(builder, d, 32), q), _splat(builder, m, 32)))
+    put(builder, destination, 0, builder.fadd(builder.fmul(_splat(builder, d, 32), q), _splat(builder, m, 32)))
 
 
 def _five_bit_values(builder, source, qh):
@@ -345,38 +369,37 @@ def _five_bit_values(builder, source, qh):
     return builder.or_(nibbles, _fifth_bit_lanes(builder, qh))
 
 
-def _q5_0_body(builder, args):
+def _q5_0_body(builder, args, put):
     # 16 bytes of nibbles at source, fifth bits in qh; d * (q - 16)
     destination, source, d, qh = args
     q = builder.sub(_five_bit_values(builder, source, qh), _constant(_I32, 32, 16))
-    _store(builder, destination, builder.fmul(_splat(builder, d, 32), builder.sitofp(q, _vector(_F32, 32))))
+    put(builder, destination, 0, builder.fmul(_splat(builder, d, 32), builder.sitofp(q, _vector(_F32, 32))))
 
 
-def _q5_1_body(builder, args):
+def _q5_1_body(builder, args, put):
     # 16 bytes of nibbles at source, fifth bits in qh; d * q + m
     destination, source, d, m, qh = args
     q = builder.uitofp(_five_bit_values(builder, source, qh), _vector(_F32, 32))
-    _store(builder, destination, builder.fadd(builder.fmul(_splat(builder, d, 32), q), _splat(builder, m, 32)))
+    put(builder, destination, 0, builder.fadd(builder.fmul(_splat(builder, d, 32), q), _splat(builder, m, 32)))
 
 
-def _k_pair(builder, destination, low, high, scales):
+def _k_pair(builder, put, destination, low, high, scales):
     """Two sub-blocks of 32 values (<32 x i8> each): d_low * low - m_low, then d_high * high - m_high."""
     for k, q in enumerate((low, high)):
         d, m = _splat(builder, scales[2 * k], 32), _splat(builder, scales[2 * k + 1], 32)
-        value = builder.fsub(builder.fmul(d, builder.uitofp(q, _vector(_F32, 32))), m)
-        _store(builder, builder.add(destination, destination.type(128 * k)), value)
+        put(builder, destination, 32 * k, builder.fsub(builder.fmul(d, builder.uitofp(q, _vector(_F32, 32))), m))
 
 
-def _q4_k_body(builder, args):
+def _q4_k_body(builder, args, put):
     # 32 bytes at source: 32 low nibbles then 32 high nibbles, two sub-blocks
     destination, source, *scales = args
     packed = _load(builder, source, _vector(_I8, 32))
     low = builder.and_(packed, _constant(_I8, 32, 0xF))
     high = builder.lshr(packed, _constant(_I8, 32, 4))
-    _k_pair(builder, destination, low, high, scales)
+    _k_pair(builder, put, destination, low, high, scales)
 
 
-def _q5_k_body(builder, args):
+def _q5_k_body(builder, args, put):
     # as Q4_K, the fifth bits of the two sub-blocks in bits `shift` and `shift + 1` of the 32 qh bytes
     destination, source, qh, shift, *scales = args
     packed = _load(builder, source, _vector(_I8, 32))
@@ -385,10 +408,10 @@ def _q5_k_body(builder, args):
                       builder.shl(builder.and_(bits, _constant(_I8, 32, 1)), _constant(_I8, 32, 4)))
     high = builder.or_(builder.lshr(packed, _constant(_I8, 32, 4)),
                        builder.shl(builder.and_(bits, _constant(_I8, 32, 2)), _constant(_I8, 32, 3)))
-    _k_pair(builder, destination, low, high, scales)
+    _k_pair(builder, put, destination, low, high, scales)
 
 
-def _q6_k_body(builder, args):
+def _q6_k_body(builder, args, put):
     # 128 values from 64 bytes of low nibbles at source and 32 bytes of high bits at qh:
     # value 32k + j = scale(k, j // 16) * (q - 32)
     destination, source, qh, *scales = args
@@ -412,10 +435,10 @@ def _q6_k_body(builder, args):
     for k, q in enumerate(quarters):
         values = builder.sitofp(builder.sub(q, _constant(_I8, 32, 32)), _vector(_F32, 32))
         scale = _two_halves(builder, scales[2 * k], scales[2 * k + 1], 32)
-        _store(builder, builder.add(destination, destination.type(128 * k)), builder.fmul(scale, values))
+        put(builder, destination, 32 * k, builder.fmul(scale, values))
 
 
-def _fp8_e4m3_body(builder, args):
+def _fp8_e4m3_body(builder, args, put):
     # 32 float8_e4m3fn bytes at source; value * scale (see fp8_e4m3_value)
     destination, source, scale = args
     i32x32 = _vector(_I32, 32)
@@ -429,95 +452,100 @@ def _fp8_e4m3_body(builder, args):
     bits = builder.select(builder.icmp_unsigned("==", magnitude, _constant(_I32, 32, 0x7F)),
                           _constant(_I32, 32, 0x7FC00000), bits)
     value = builder.bitcast(builder.or_(bits, sign), _vector(_F32, 32))
-    _store(builder, destination, builder.fmul(value, _splat(builder, scale, 32)))
+    put(builder, destination, 0, builder.fmul(value, _splat(builder, scale, 32)))
 
 
 _f32, _u32 = types.float32, types.uint32
 
 
-@intrinsic
-def _q8_0_block(typingctx, destination, source, d):
-    return types.void(_ADDRESS, _ADDRESS, _f32), _codegen(_q8_0_body)
+@intrinsic(prefer_literal=True)
+def _q8_0_block(typingctx, halves, destination, source, d):
+    return _block(halves, _q8_0_body, _f32)
 
 
-@intrinsic
-def _q4_0_block(typingctx, destination, source, d):
-    return types.void(_ADDRESS, _ADDRESS, _f32), _codegen(_q4_0_body)
+@intrinsic(prefer_literal=True)
+def _q4_0_block(typingctx, halves, destination, source, d):
+    return _block(halves, _q4_0_body, _f32)
 
 
-@intrinsic
-def _q4_1_block(typingctx, destination, source, d, m):
-    return types.void(_ADDRESS, _ADDRESS, _f32, _f32), _codegen(_q4_1_body)
+@intrinsic(prefer_literal=True)
+def _q4_1_block(typingctx, halves, destination, source, d, m):
+    return _block(halves, _q4_1_body, _f32, _f32)
 
 
-@intrinsic
-def _q5_0_block(typingctx, destination, source, d, qh):
-    return types.void(_ADDRESS, _ADDRESS, _f32, _u32), _codegen(_q5_0_body)
+@intrinsic(prefer_literal=True)
+def _q5_0_block(typingctx, halves, destination, source, d, qh):
+    return _block(halves, _q5_0_body, _f32, _u32)
 
 
-@intrinsic
-def _q5_1_block(typingctx, destination, source, d, m, qh):
-    return types.void(_ADDRESS, _ADDRESS, _f32, _f32, _u32), _codegen(_q5_1_body)
+@intrinsic(prefer_literal=True)
+def _q5_1_block(typingctx, halves, destination, source, d, m, qh):
+    return _block(halves, _q5_1_body, _f32, _f32, _u32)
 
 
-@intrinsic
-def _q4_k_pair(typingctx, destination, source, d_low, m_low, d_high, m_high):
-    return types.void(_ADDRESS, _ADDRESS, _f32, _f32, _f32, _f32), _codegen(_q4_k_body)
+@intrinsic(prefer_literal=True)
+def _q4_k_pair(typingctx, halves, destination, source, d_low, m_low, d_high, m_high):
+    return _block(halves, _q4_k_body, _f32, _f32, _f32, _f32)
 
 
-@intrinsic
-def _q5_k_pair(typingctx, destination, source, qh, shift, d_low, m_low, d_high, m_high):
-    return types.void(_ADDRESS, _ADDRESS, _ADDRESS, _u32, _f32, _f32, _f32, _f32), _codegen(_q5_k_body)
+@intrinsic(prefer_literal=True)
+def _q5_k_pair(typingctx, halves, destination, source, qh, shift, d_low, m_low, d_high, m_high):
+    return _block(halves, _q5_k_body, _ADDRESS, _u32, _f32, _f32, _f32, _f32)
 
 
-@intrinsic
-def _q6_k_half(typingctx, destination, source, qh, s0, s1, s2, s3, s4, s5, s6, s7):
-    return types.void(_ADDRESS, _ADDRESS, _ADDRESS, *(_f32,) * 8), _codegen(_q6_k_body)
+@intrinsic(prefer_literal=True)
+def _q6_k_half(typingctx, halves, destination, source, qh, s0, s1, s2, s3, s4, s5, s6, s7):
+    return _block(halves, _q6_k_body, _ADDRESS, *(_f32,) * 8)
 
 
-@intrinsic
-def _fp8_e4m3_32(typingctx, destination, source, scale):
-    return types.void(_ADDRESS, _ADDRESS, _f32), _codegen(_fp8_e4m3_body)
+@intrinsic(prefer_literal=True)
+def _fp8_e4m3_32(typingctx, halves, destination, source, scale):
+    return _block(halves, _fp8_e4m3_body, _f32)
 
 
-# -- eight float32 to float16 or bfloat16, as vectors -------------------------------------------------
-# The same roundings as float16_bits and bfloat16_bits (and the F16C conversion), eight lanes at a time.
+# -- float32 vectors to float16 or bfloat16 -----------------------------------------------------------
+# The same roundings as float16_bits and bfloat16_bits (and the F16C conversion), lane by lane.
 
 
 def _float16_hardware_lanes(builder, value):
-    return builder.bitcast(builder.fptrunc(value, _vector(ir.HalfType(), 8)), _vector(_I16, 8))
+    n = value.type.count
+    return builder.bitcast(builder.fptrunc(value, _vector(ir.HalfType(), n)), _vector(_I16, n))
 
 
 def _float16_bits_lanes(builder, value):
-    def c(v):
-        return _constant(_I32, 8, v)
+    n = value.type.count
 
-    u = builder.bitcast(value, _vector(_I32, 8))
+    def c(v):
+        return _constant(_I32, n, v)
+
+    u = builder.bitcast(value, _vector(_I32, n))
     sign = builder.and_(builder.lshr(u, c(16)), c(0x8000))
     a = builder.and_(u, c(0x7FFFFFFF))
     odd = builder.and_(builder.lshr(a, c(13)), c(1))
     normal = builder.lshr(builder.add(builder.add(builder.sub(a, c(0x38000000)), c(0xFFF)), odd), c(13))
-    magnitude = builder.bitcast(a, _vector(_F32, 8))
-    small = builder.sub(builder.bitcast(builder.fadd(magnitude, _constant(_F32, 8, 0.5)), _vector(_I32, 8)),
+    magnitude = builder.bitcast(a, _vector(_F32, n))
+    small = builder.sub(builder.bitcast(builder.fadd(magnitude, _constant(_F32, n, 0.5)), _vector(_I32, n)),
                         c(0x3F000000))
     payload = builder.and_(builder.lshr(a, c(13)), c(0x3FF))
     nan = builder.or_(c(0x7C00), builder.select(builder.icmp_unsigned("==", payload, c(0)), c(1), payload))
     h = builder.select(builder.icmp_unsigned(">=", a, c(0x38800000)), normal, small)
     h = builder.select(builder.icmp_unsigned(">=", a, c(0x47800000)), c(0x7C00), h)
     h = builder.select(builder.icmp_unsigned(">", a, c(0x7F800000)), nan, h)
-    return builder.trunc(builder.or_(sign, h), _vector(_I16, 8))
+    return builder.trunc(builder.or_(sign, h), _vector(_I16, n))
 
 
 def _bfloat16_lanes(builder, value):
-    def c(v):
-        return _constant(_I32, 8, v)
+    n = value.type.count
 
-    u = builder.bitcast(value, _vector(_I32, 8))
+    def c(v):
+        return _constant(_I32, n, v)
+
+    u = builder.bitcast(value, _vector(_I32, n))
     high = builder.lshr(u, c(16))
     rounded = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), builder.and_(high, c(1))), c(16))
     nan = builder.or_(builder.and_(high, c(0x8000)), c(0x7FC0))
     bits = builder.select(builder.fcmp_unordered("uno", value, value), nan, rounded)
-    return builder.trunc(bits, _vector(_I16, 8))
+    return builder.trunc(bits, _vector(_I16, n))
 
 
 def _eight_halves(lanes, nontemporal):
@@ -525,15 +553,16 @@ def _eight_halves(lanes, nontemporal):
 
     Non-temporal stores need a 16-byte aligned destination.
     """
-    def body(builder, args):
+    def codegen(context, builder, signature, args):
         destination, source = args
         bits = lanes(builder, _load(builder, source, _vector(_F32, 8)))
         store = builder.store(bits, builder.inttoptr(destination, bits.type.as_pointer()), align=16 if nontemporal else 2)
         if nontemporal:
             store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+        return context.get_dummy_value()
 
     def typer(typingctx, destination, source):
-        return types.void(_ADDRESS, _ADDRESS), _codegen(body)
+        return types.void(_ADDRESS, _ADDRESS), codegen
 
     return intrinsic(typer)
 
@@ -557,49 +586,65 @@ def _copy_eight_floats(typingctx, destination, source):
     return types.void(_ADDRESS, _ADDRESS), codegen
 
 
-# -- one chunk of one row to float32 ------------------------------------------------------------------
-# Each writes the values of the blocks (or `count` values) whose bytes start at address `source` into the
-# float32 buffer at address `buf`.
+# -- one chunk of one row ----------------------------------------------------------------------------
+# Each dequantizes the blocks (or `count` values) whose bytes start at address `source`. `halves` False:
+# into the float32 buffer at address `destination`; True: rounded to float16 and streamed straight into
+# the output row there (see _block). The block intrinsics take `halves` as a literal, hence the pairs.
 
 
 @njit(**_JIT)
-def _q8_0(source, n_blocks, buf):
+def _q8_0(source, n_blocks, destination, halves):
     # d: f16 | 32 x int8
     for block in range(n_blocks):
         at = source + 34 * block
-        _q8_0_block(buf + 128 * block, at + 2, _half(at))
+        if halves:
+            _q8_0_block(True, destination + 64 * block, at + 2, _half(at))
+        else:
+            _q8_0_block(False, destination + 128 * block, at + 2, _half(at))
 
 
 @njit(**_JIT)
-def _q4_0(source, n_blocks, buf):
+def _q4_0(source, n_blocks, destination, halves):
     # d: f16 | 16 bytes, values j and j + 16 in the low and high nibble of byte j
     for block in range(n_blocks):
         at = source + 18 * block
-        _q4_0_block(buf + 128 * block, at + 2, _half(at))
+        if halves:
+            _q4_0_block(True, destination + 64 * block, at + 2, _half(at))
+        else:
+            _q4_0_block(False, destination + 128 * block, at + 2, _half(at))
 
 
 @njit(**_JIT)
-def _q4_1(source, n_blocks, buf):
+def _q4_1(source, n_blocks, destination, halves):
     # d: f16 | m: f16 | 16 bytes of nibbles as Q4_0
     for block in range(n_blocks):
         at = source + 20 * block
-        _q4_1_block(buf + 128 * block, at + 4, _half(at), _half(at + 2))
+        if halves:
+            _q4_1_block(True, destination + 64 * block, at + 4, _half(at), _half(at + 2))
+        else:
+            _q4_1_block(False, destination + 128 * block, at + 4, _half(at), _half(at + 2))
 
 
 @njit(**_JIT)
-def _q5_0(source, n_blocks, buf):
+def _q5_0(source, n_blocks, destination, halves):
     # d: f16 | qh: 4 bytes, bit j the fifth bit of value j | 16 bytes of nibbles
     for block in range(n_blocks):
         at = source + 22 * block
-        _q5_0_block(buf + 128 * block, at + 6, _half(at), _word(at + 2))
+        if halves:
+            _q5_0_block(True, destination + 64 * block, at + 6, _half(at), _word(at + 2))
+        else:
+            _q5_0_block(False, destination + 128 * block, at + 6, _half(at), _word(at + 2))
 
 
 @njit(**_JIT)
-def _q5_1(source, n_blocks, buf):
+def _q5_1(source, n_blocks, destination, halves):
     # d: f16 | m: f16 | qh: 4 bytes | 16 bytes of nibbles
     for block in range(n_blocks):
         at = source + 24 * block
-        _q5_1_block(buf + 128 * block, at + 8, _half(at), _half(at + 2), _word(at + 4))
+        if halves:
+            _q5_1_block(True, destination + 64 * block, at + 8, _half(at), _half(at + 2), _word(at + 4))
+        else:
+            _q5_1_block(False, destination + 128 * block, at + 8, _half(at), _half(at + 2), _word(at + 4))
 
 
 @njit(**_JIT)
@@ -618,28 +663,35 @@ def _k_scale_min(packed, j):
 def _k_sub_block_pair(block, group):
     """(d * scale) and (dmin * min) of sub-blocks 2 * group and 2 * group + 1 of the Q4_K/Q5_K block at `block`."""
     d = np.float32(_half(block))
-    dmin = _half(block + 2)
+    dmin = np.float32(_half(block + 2))
     scale_low, min_low = _k_scale_min(block + 4, 2 * group)
     scale_high, min_high = _k_scale_min(block + 4, 2 * group + 1)
     return d * scale_low, dmin * min_low, d * scale_high, dmin * min_high
 
 
 @njit(**_JIT)
-def _q4_k(source, buf):
+def _q4_k(source, destination, halves):
     # d | dmin | 12 bytes of scales and mins | 128 bytes: each 32 give 32 low then 32 high nibbles;
     # (d * scale) * q - (dmin * min) per sub-block of 32
     for group in range(4):
         d_low, m_low, d_high, m_high = _k_sub_block_pair(source, group)
-        _q4_k_pair(buf + 256 * group, source + 16 + 32 * group, d_low, m_low, d_high, m_high)
+        qs = source + 16 + 32 * group
+        if halves:
+            _q4_k_pair(True, destination + 128 * group, qs, d_low, m_low, d_high, m_high)
+        else:
+            _q4_k_pair(False, destination + 256 * group, qs, d_low, m_low, d_high, m_high)
 
 
 @njit(**_JIT)
-def _q5_k(source, buf):
+def _q5_k(source, destination, halves):
     # d | dmin | 12 scale bytes | qh: 32 bytes, bit k of byte j the fifth bit of value 32k + j | 128 bytes of nibbles
     for group in range(4):
         d_low, m_low, d_high, m_high = _k_sub_block_pair(source, group)
-        _q5_k_pair(buf + 256 * group, source + 48 + 32 * group, source + 16, np.uint32(2 * group),
-                   d_low, m_low, d_high, m_high)
+        qs, shift = source + 48 + 32 * group, np.uint32(2 * group)
+        if halves:
+            _q5_k_pair(True, destination + 128 * group, qs, source + 16, shift, d_low, m_low, d_high, m_high)
+        else:
+            _q5_k_pair(False, destination + 256 * group, qs, source + 16, shift, d_low, m_low, d_high, m_high)
 
 
 @njit(**_JIT)
@@ -649,49 +701,60 @@ def _q6_k_scale(source, d, k):
 
 
 @njit(**_JIT)
-def _q6_k(source, buf):
+def _q6_k(source, destination, halves):
     # ql: 128 bytes of low nibbles | qh: 64 bytes of 2-bit high parts | 16 int8 scales | d: f16;
     # value 128h + 32k + j uses scale 8h + 2k + j // 16: (d * scale) * (q - 32)
     d = np.float32(_half(source + 208))
     for h in range(2):
-        s = 8 * h
-        _q6_k_half(buf + 512 * h, source + 64 * h, source + 128 + 32 * h,
-                   _q6_k_scale(source, d, s), _q6_k_scale(source, d, s + 1), _q6_k_scale(source, d, s + 2),
-                   _q6_k_scale(source, d, s + 3), _q6_k_scale(source, d, s + 4), _q6_k_scale(source, d, s + 5),
-                   _q6_k_scale(source, d, s + 6), _q6_k_scale(source, d, s + 7))
+        ql, qh, first = source + 64 * h, source + 128 + 32 * h, 8 * h
+        s0, s1 = _q6_k_scale(source, d, first), _q6_k_scale(source, d, first + 1)
+        s2, s3 = _q6_k_scale(source, d, first + 2), _q6_k_scale(source, d, first + 3)
+        s4, s5 = _q6_k_scale(source, d, first + 4), _q6_k_scale(source, d, first + 5)
+        s6, s7 = _q6_k_scale(source, d, first + 6), _q6_k_scale(source, d, first + 7)
+        if halves:
+            _q6_k_half(True, destination + 256 * h, ql, qh, s0, s1, s2, s3, s4, s5, s6, s7)
+        else:
+            _q6_k_half(False, destination + 512 * h, ql, qh, s0, s1, s2, s3, s4, s5, s6, s7)
 
 
 @njit(**_JIT)
-def _fp8_e4m3(source, count, scale, buf):
+def _fp8_e4m3(source, count, scale, destination, halves):
     # one float8_e4m3fn per value; value * the row's scale
     whole = count - count % 32
     for j in range(0, whole, 32):
-        _fp8_e4m3_32(buf + 4 * j, source + j, scale)
+        if halves:
+            _fp8_e4m3_32(True, destination + 2 * j, source + j, scale)
+        else:
+            _fp8_e4m3_32(False, destination + 4 * j, source + j, scale)
     for j in range(whole, count):
-        _store_f32(buf + 4 * j, fp8_e4m3_value(_byte(source + j)) * scale)
+        value = fp8_e4m3_value(_byte(source + j)) * scale
+        if halves:
+            _store_u16(destination + 2 * j, _float16_fast(value))
+        else:
+            _store_f32(destination + 4 * j, value)
 
 
 @njit(**_JIT)
-def _dequantize_chunk(fmt, source, count, scale, buf):
-    """The `count` values of format `fmt` whose blocks start at address `source` into the float32 at `buf`."""
+def _dequantize_chunk(fmt, source, count, scale, destination, halves):
+    """The `count` values of format `fmt` whose blocks start at address `source`, put at `destination` (see above)."""
     if fmt == Q8_0:
-        _q8_0(source, count // 32, buf)
+        _q8_0(source, count // 32, destination, halves)
     elif fmt == Q4_0:
-        _q4_0(source, count // 32, buf)
+        _q4_0(source, count // 32, destination, halves)
     elif fmt == Q4_K:
-        _q4_k(source, buf)
+        _q4_k(source, destination, halves)
     elif fmt == Q6_K:
-        _q6_k(source, buf)
+        _q6_k(source, destination, halves)
     elif fmt == FP8_E4M3:
-        _fp8_e4m3(source, count, scale, buf)
+        _fp8_e4m3(source, count, scale, destination, halves)
     elif fmt == Q4_1:
-        _q4_1(source, count // 32, buf)
+        _q4_1(source, count // 32, destination, halves)
     elif fmt == Q5_0:
-        _q5_0(source, count // 32, buf)
+        _q5_0(source, count // 32, destination, halves)
     elif fmt == Q5_1:
-        _q5_1(source, count // 32, buf)
+        _q5_1(source, count // 32, destination, halves)
     elif fmt == Q5_K:
-        _q5_k(source, buf)
+        _q5_k(source, destination, halves)
 
 
 # -- float32 values to the output ---------------------------------------------------------------------
@@ -804,6 +867,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     rows = np.intp(data.ctypes.data)
     destination = np.intp(out.ctypes.data)
     buf = np.intp(_stack_floats(CHUNK))
+    halves = stream and word == 2 and mode == FLOAT16  # streamed float16: the blocks write the output themselves
     skipped = 0
     for i in range(start, stop):
         row = ids[i]
@@ -819,8 +883,12 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
             if prefetch_rows_ahead > 0:
                 for byte in range(begin, end, 64):
                     prefetch(ahead + byte)
-            _dequantize_chunk(fmt, source + begin, count, scale, buf)
-            _emit(buf, destination + (np.intp(i) * dim + first) * word, count, word, mode, stream)
+            position = destination + (np.intp(i) * dim + first) * word
+            if halves:
+                _dequantize_chunk(fmt, source + begin, count, scale, position, True)
+            else:
+                _dequantize_chunk(fmt, source + begin, count, scale, buf, False)
+                _emit(buf, position, count, word, mode, stream)
     if stream:
         _fence()
     return skipped
