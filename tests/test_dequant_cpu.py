@@ -125,6 +125,16 @@ def test_fp8_special_bytes_and_row_scales_round_like_the_reference():
         assert_bit_equal(BACKEND.dequantize(table, ids, None, dtype), reference(table, ids, dtype))
 
 
+@pytest.mark.parametrize("scale", [1.0, -3.5, 1e-40, np.inf])
+def test_the_integer_bit_fp8_vectors_match_ml_dtypes(scale):
+    """The fp8 vector code used where no F16C instruction serves, on every code (NaN ones included)."""
+    codes = np.arange(256, dtype=np.uint8)
+    out = BACKEND.dequantize_kernels().fp8_e4m3_by_bits(codes, np.float32(scale), poisoned(256, np.float32))
+    with np.errstate(invalid="ignore"):
+        expected = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.float32(scale)
+    assert_bit_equal(out, expected)
+
+
 def test_every_float16_scale_field_converts_exactly():
     """All 65,536 float16 bit patterns as Q8_0 scales of the value 1 (signalling NaNs quieted by the product, as in the reference)."""
     blocks = np.ones((65536, 34), np.uint8)
