@@ -12,7 +12,7 @@ from .dispatch import BACKENDS, backend_statuses
 
 DISTRIBUTION = "fastembed-gather"
 #: Optional packages whose versions the report lists, read from their metadata, never imported.
-OPTIONAL_PACKAGES = ("numpy", "numba", "llvmlite", "ml_dtypes", "safetensors", "torch")
+OPTIONAL_PACKAGES = ("numpy", "numba", "llvmlite", "ml_dtypes", "safetensors", "gguf", "torch", "jax")
 
 
 def fastembed_version() -> tuple[str, str]:
