@@ -25,6 +25,8 @@ __all__ = [
     "deferred_id_checks",
     "raise_deferred_id_errors",
     "wait_for_compiles",
+    "empty_cache",
+    "set_output_cache_limit",
     "__version__",
 ]
 
@@ -74,3 +76,38 @@ def wait_for_compiles() -> None:
     from .backends import background_compile
 
     background_compile.wait()
+
+
+def empty_cache() -> None:
+    """Free the output buffers kept for reuse by allocating lookups (outputs in use are untouched).
+
+    Large allocating lookups (4 MiB of output or more) take their output from
+    a bounded cache of buffers whose pages are already mapped; an output goes
+    back to it when the last array or view over it is gone. See
+    docs/backends.md; ``python -m fastembed info`` shows what it holds.
+
+    Example:
+        >>> import fastembed
+        >>> fastembed.empty_cache()
+    """
+    from .backends import output_cache
+
+    output_cache.empty()
+
+
+def set_output_cache_limit(nbytes: int) -> None:
+    """Keep at most `nbytes` of free output buffers for reuse (0: none); the excess is freed now.
+
+    The default is a sixteenth of the machine's memory, at most 2 GiB, or
+    FASTEMBED_OUTPUT_CACHE_BYTES when set (read at import).
+
+    Raises:
+        ValueError: a negative or non-integer size.
+
+    Example:
+        >>> import fastembed
+        >>> fastembed.set_output_cache_limit(1 << 30)
+    """
+    from .backends import output_cache
+
+    output_cache.set_limit(nbytes)

@@ -64,7 +64,7 @@ import numpy as np
 
 from .. import validate
 from ..formats import FORMATS, QuantizedTable
-from . import background_compile, numpy_backend
+from . import background_compile, numpy_backend, output_cache
 from .base import DENSE, Capabilities
 
 #: Outputs smaller than this are gathered by numpy's take on the calling
@@ -240,9 +240,7 @@ class NumbaBackend:
         kernels = self._kernels
         parallel = not self.forked_after_pool_start and self._parallel_error is None
         if out is None:
-            out = np.empty(ids.shape + table.shape[1:], table.dtype)
-            if parallel and out.nbytes >= _FAULT_IN_MIN_BYTES:
-                _fault_in(out)
+            out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype)
         out_words = _row_words(out, n, word) if given_words is None else given_words
         if parallel:
             status = self._run_parallel(kernels, table_words, flat_ids, out_words)
@@ -322,9 +320,7 @@ class NumbaBackend:
         dtype = np.dtype(dtype)
         n = ids.size
         if out is None:
-            out = np.empty(ids.shape + (table.dim,), dtype)
-            if n * table.dim * dtype.itemsize >= max(PARALLEL_MIN_BYTES, _FAULT_IN_MIN_BYTES) and self._runs_parallel():
-                _fault_in(out)
+            out = output_cache.new_output(ids.shape + (table.dim,), dtype)
         if n == 0:
             return out
         word = np.dtype(np.float32) if dtype.itemsize == 4 else np.dtype(np.uint16)
@@ -434,6 +430,7 @@ class NumbaBackend:
             "omp_wait_policy": self.wait_policy,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
             "streaming_stores": _STREAMING_CPU,
+            "output_cache": _output_cache_fact(),
         }
         if self._parallel_error is not None:
             facts["parallel_kernels"] = f"unavailable, serving serially: {self._parallel_error}"
@@ -472,6 +469,16 @@ def _gomp_loaded() -> bool:
             return any("libgomp" in line for line in maps)
     except OSError:
         return False
+
+
+def _output_cache_fact() -> str:
+    """What the output cache holds and may hold, or why its setting is refused."""
+    try:
+        limit = output_cache.limit()
+    except ValueError as error:
+        return f"ERROR: {error}; large allocating lookups raise until it is fixed"
+    return (f"{output_cache.cached_bytes() / 2**20:.0f} MiB of outputs kept for reuse, limit {limit / 2**20:.0f} MiB "
+            f"({output_cache.ENVIRONMENT_VARIABLE}; fastembed.empty_cache())")
 
 
 def _one_line(error: BaseException) -> str:
@@ -552,36 +559,6 @@ def _shaped(dtype: np.dtype, shape: tuple[int, ...], aligned: bool) -> np.ndarra
     buffer = np.zeros(size + 2 * dtype.itemsize, np.uint8)
     start = (-buffer.ctypes.data) % dtype.itemsize + (0 if aligned or dtype.itemsize == 1 else 1)
     return buffer[start : start + size].view(dtype).reshape(shape)
-
-
-def _fault_in(out: np.ndarray) -> None:
-    """Write one byte per page of a new output, on this thread, before threads write it.
-
-    Pages of a fresh allocation are mapped (and zeroed by the OS) on first
-    write; when several threads take those faults at once, some lookups stall
-    for far longer than the copy (docs/backends.md). numpy asks for
-    transparent huge pages from 4 MiB on: one write per 2 MiB then maps a
-    whole huge page. Smaller outputs are left alone.
-    """
-    flat = out.reshape(-1).view(np.uint8)
-    stride = _HUGE_PAGE if flat.size >= _NUMPY_HUGE_PAGE_MIN and _numpy_advises_huge_pages() else _PAGE
-    flat[::stride] = 0
-    flat[-1:] = 0
-
-
-_PAGE, _HUGE_PAGE, _NUMPY_HUGE_PAGE_MIN = 4096, 2 * 2**20, 4 * 2**20
-_FAULT_IN_MIN_BYTES = _NUMPY_HUGE_PAGE_MIN
-
-
-@cache
-def _numpy_advises_huge_pages() -> bool:
-    """numpy's private switch for madvise(MADV_HUGEPAGE); False (4 KiB strides) when it cannot be read."""
-    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
-        try:
-            return bool(importlib.import_module(module)._get_madvise_hugepage())
-        except (ImportError, AttributeError):
-            continue
-    return False
 
 
 def _copy_one_row(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:

@@ -1,0 +1,183 @@
+"""Host outputs of allocating lookups: a bounded cache of memory whose pages are already mapped.
+
+An allocating lookup of thousands of rows returns a fresh output of tens to
+hundreds of MiB. The OS maps and zeroes each page of such a block on its
+first write, and glibc hands blocks this large back to the OS when they are
+freed, so every call pays for the page faults again. An output of at least
+:data:`MIN_BYTES` is therefore carved from a buffer kept here instead:
+
+- the result is a numpy array whose base is a *lease* on a buffer; every
+  view, slice, reshaped array, memoryview or tensor made from the result
+  keeps that lease alive through numpy's base chain;
+- when the last of them goes, the lease's finalizer returns the buffer to
+  the cache, so a buffer is never handed out while anything can still
+  reach it;
+- at most :func:`limit` bytes of free buffers are kept (the setting
+  ``FASTEMBED_OUTPUT_CACHE_BYTES``, read at the first large lookup, or :func:`set_limit`;
+  0 turns the cache off); a buffer that would exceed it is freed;
+  :func:`empty` releases every free buffer (``fastembed.empty_cache()``).
+
+Buffers in use are the caller's outputs and are not counted. The default
+limit is a sixteenth of the machine's memory, at most 2 GiB: room for the
+output of a 65,536-id float16 lookup of a 4,096-wide table (512 MiB) and a
+few smaller ones.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+#: Outputs smaller than this come from numpy's allocator (glibc keeps them in its heap).
+MIN_BYTES = 4 * 2**20
+#: Buffers are sized in whole huge pages, so that slightly different batch sizes share them.
+GRANULE = 2 * 2**20
+ENVIRONMENT_VARIABLE = "FASTEMBED_OUTPUT_CACHE_BYTES"
+
+_lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
+_free: list[np.ndarray] = []  # free buffers (uint8), each faulted in
+_free_bytes = 0
+
+
+def _default_limit() -> int:
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        physical = 16 * 2**30
+    return min(2 * 2**30, physical // 16)
+
+
+def _read_limit() -> int:
+    text = os.environ.get(ENVIRONMENT_VARIABLE)
+    if text is None or not text.strip():
+        return _default_limit()
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={text!r} is not a whole number of bytes") from None
+    if value < 0:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={text!r} is negative")
+    return value
+
+
+_limit: int | None = None  # read from the environment on first use
+
+
+def limit() -> int:
+    """The most bytes of free buffers kept.
+
+    Raises:
+        ValueError: FASTEMBED_OUTPUT_CACHE_BYTES is set to something other than a byte count (every large
+            allocating lookup raises it until the setting is fixed or :func:`set_limit` is called).
+    """
+    global _limit
+    if _limit is None:
+        _limit = _read_limit()
+    return _limit
+
+
+def set_limit(nbytes: int) -> None:
+    """Keep at most `nbytes` of free buffers (0 turns the cache off); frees the excess now.
+
+    Raises:
+        ValueError: a negative or non-integer size.
+    """
+    global _limit
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise ValueError(f"the output cache limit is a number of bytes >= 0, got {nbytes!r}")
+    with _lock:
+        _limit = int(nbytes)
+        _trim(_limit)
+
+
+def cached_bytes() -> int:
+    """Bytes of free buffers held now."""
+    return _free_bytes
+
+
+def empty() -> None:
+    """Free every buffer the cache holds (outputs still in use are not touched)."""
+    with _lock:
+        _trim(0)
+
+
+def new_output(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array of `shape` and `dtype`, its pages mapped.
+
+    From the cache for outputs of at least :data:`MIN_BYTES` (while the limit
+    allows any), else from numpy. Contents are whatever the buffer held: the
+    caller overwrites every element.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < MIN_BYTES or limit() == 0:
+        out = np.empty(shape, dtype)
+        if nbytes >= MIN_BYTES:
+            fault_in(out)
+        return out
+    buffer = _take(nbytes)
+    lease = _Lease(buffer)
+    weakref.finalize(lease, _give_back, buffer)
+    return np.asarray(lease)[:nbytes].view(dtype).reshape(shape)
+
+
+class _Lease:
+    """Exposes a buffer to numpy: arrays made from it keep it (their base) alive."""
+
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, buffer: np.ndarray) -> None:
+        self.__array_interface__ = {
+            "shape": buffer.shape, "typestr": "|u1", "data": (buffer.ctypes.data, False), "version": 3,
+            "buffer_owner": buffer,  # not read by numpy: keeps the buffer alive as long as the lease
+        }
+
+
+def _take(nbytes: int) -> np.ndarray:
+    """The smallest free buffer of at least `nbytes` and at most twice that, or a new one faulted in."""
+    global _free_bytes
+    with _lock:
+        fitting = [i for i, b in enumerate(_free) if nbytes <= b.size <= 2 * nbytes]
+        if fitting:
+            best = min(fitting, key=lambda i: _free[i].size)
+            buffer = _free.pop(best)
+            _free_bytes -= buffer.size
+            return buffer
+    size = -(-nbytes // GRANULE) * GRANULE
+    buffer = np.empty(size, np.uint8)
+    fault_in(buffer)
+    return buffer
+
+
+def _give_back(buffer: np.ndarray) -> None:
+    """Finalizer of a lease: keep its buffer if the limit allows, else let it go."""
+    global _free_bytes
+    with _lock:
+        if _free_bytes + buffer.size <= (_limit or 0):
+            _free.append(buffer)
+            _free_bytes += buffer.size
+
+
+def _trim(keep: int) -> None:
+    global _free_bytes
+    while _free and _free_bytes > keep:
+        largest = max(range(len(_free)), key=lambda i: _free[i].size)
+        _free_bytes -= _free.pop(largest).size
+
+
+def fault_in(out: Any) -> None:
+    """Write one byte per page of a new array, on this thread, before kernel threads write it.
+
+    Pages of a fresh allocation are mapped (and zeroed by the OS) on first
+    write; when several threads take those faults at once, some lookups
+    stall for far longer than the copy (docs/backends.md).
+    """
+    flat = out.reshape(-1).view(np.uint8)
+    flat[::_PAGE] = 0
+    flat[-1:] = 0
+
+
+_PAGE = 4096

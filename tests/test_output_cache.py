@@ -1,0 +1,155 @@
+"""The cache of output buffers behind large allocating lookups: reuse only when nothing can reach a buffer."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import fastembed
+from fastembed.backends import numba_backend, output_cache
+from helpers import assert_bit_equal, random_table
+
+SHAPE = (600, 4096)  # 4.7 MiB of float16: above output_cache.MIN_BYTES
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch):
+    monkeypatch.setattr(output_cache, "_limit", 64 * 2**20)
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+    output_cache.empty()
+    yield
+    output_cache.empty()
+
+
+def address(array: np.ndarray) -> int:
+    return int(array.ctypes.data)
+
+
+def test_a_dropped_output_is_reused():
+    first = output_cache.new_output(SHAPE, np.float16)
+    where = address(first)
+    del first
+    assert output_cache.cached_bytes() >= np.prod(SHAPE) * 2
+    second = output_cache.new_output(SHAPE, np.float16)
+    assert address(second) == where
+    assert output_cache.cached_bytes() == 0
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        lambda out: out[10:20],
+        lambda out: out.reshape(-1),
+        lambda out: out.view(np.uint8),
+        lambda out: memoryview(out),
+        lambda out: np.frombuffer(out, np.uint8),
+        lambda out: out.T,
+        lambda out: [out],
+        lambda out: np.asarray(out),
+    ],
+    ids=["slice", "reshape", "view", "memoryview", "frombuffer", "transpose", "container", "asarray"],
+)
+def test_no_buffer_is_handed_out_while_anything_reaches_it(keep):
+    out = output_cache.new_output(SHAPE, np.float16)
+    out[...] = 1.5
+    kept = keep(out)
+    span = (address(out), address(out) + out.nbytes)
+    del out
+    other = output_cache.new_output(SHAPE, np.float16)
+    assert not span[0] <= address(other) < span[1]
+    other[...] = 0
+    held = np.asarray(kept[0] if isinstance(kept, list) else kept).reshape(-1).view(np.uint8)
+    assert (held.view(np.float16) == 1.5).all() if held.size % 2 == 0 else True
+
+
+def test_a_torch_tensor_over_the_output_keeps_it():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    out = output_cache.new_output(SHAPE, np.float32)
+    out[...] = 2.0
+    tensor = torch.from_numpy(out)
+    where = address(out)
+    del out
+    assert address(output_cache.new_output(SHAPE, np.float32)) != where
+    assert bool((tensor == 2.0).all())
+
+
+def test_allocating_lookups_reuse_outputs_and_stay_exact():
+    table = random_table(5000, 4096, seed=3)
+    rng = np.random.default_rng(3)
+    results = []
+    for round_ in range(4):
+        ids = rng.integers(0, 5000, 600)
+        result = fastembed.lookup(table, ids, backend="numba")
+        assert_bit_equal(result, table[ids])
+        if round_ % 2:
+            results.append((ids, result))  # half are kept: their buffers must not be reused
+    for ids, result in results:
+        assert_bit_equal(result, table[ids])
+    assert address(results[0][1]) != address(results[1][1])
+
+
+def test_threads_never_share_a_live_output():
+    table = random_table(3000, 4096, seed=4)
+    failures = []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            ids = rng.integers(0, 3000, 600)
+            result = fastembed.lookup(table, ids, backend="numba")
+            if not np.array_equal(result.view(np.uint16), table[ids].view(np.uint16)):
+                failures.append(seed)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+def test_the_limit_bounds_what_is_kept_and_empty_cache_frees_it():
+    fastembed.set_output_cache_limit(6 * 2**20)
+    outputs = [output_cache.new_output(SHAPE, np.float16) for _ in range(3)]
+    del outputs
+    assert 0 < output_cache.cached_bytes() <= 6 * 2**20
+    fastembed.empty_cache()
+    assert output_cache.cached_bytes() == 0
+    fastembed.set_output_cache_limit(0)
+    out = output_cache.new_output(SHAPE, np.float16)
+    assert out.flags.owndata  # plain numpy memory when the cache is off
+    del out
+    assert output_cache.cached_bytes() == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1G", True])
+def test_bad_limits_are_refused(bad):
+    with pytest.raises(ValueError, match="number of bytes"):
+        fastembed.set_output_cache_limit(bad)
+
+
+@pytest.mark.parametrize(("text", "message"), [("lots", "not a whole number"), ("-3", "negative")])
+def test_a_bad_environment_setting_is_named_by_large_lookups_and_info(monkeypatch, text, message):
+    from fastembed.info import format_report, report
+
+    monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, text)
+    monkeypatch.setattr(output_cache, "_limit", None)
+    expected = f"FASTEMBED_OUTPUT_CACHE_BYTES={text!r}.*{message}"
+    with pytest.raises(ValueError, match=expected):
+        fastembed.lookup(random_table(700, 4096), np.arange(600), backend="numba")
+    assert fastembed.lookup(random_table(700, 64), np.arange(6), backend="numba").shape == (6, 64)
+    assert "ERROR: FASTEMBED_OUTPUT_CACHE_BYTES" in format_report(report())
+    fastembed.set_output_cache_limit(2**20)  # an explicit limit replaces the setting
+    assert fastembed.lookup(random_table(700, 4096), np.arange(600), backend="numba").shape == (600, 4096)
+
+
+def test_small_outputs_come_from_numpy():
+    out = output_cache.new_output((10, 64), np.float32)
+    assert out.flags.owndata
+
+
+def test_info_shows_the_cache():
+    from fastembed.info import format_report, report
+
+    assert "output_cache:" in format_report(report())
