@@ -321,7 +321,9 @@ class Embedding:
 
         Raises:
             ValueError: an unknown kind, a kind fastembed cannot produce, a dim
-                that is not a whole number of blocks, or NaN/infinite values.
+                that is not a whole number of blocks, NaN/infinite values or
+                values beyond float32's range; for q8_0, values above about
+                8.3e6 in magnitude (its block scale is a float16).
             TypeError: a table that is not a float table on the host, or already quantized.
 
         Example:

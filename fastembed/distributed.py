@@ -48,6 +48,7 @@ import numpy as np
 from . import validate
 from .api import Embedding
 from .arrays import device_of, result_like
+from .formats import QuantizedTable
 
 MODES = ("full", "scatter")
 #: Bytes of an error message or description one rank shares with the others (longer ones are cut).
@@ -196,7 +197,7 @@ class VocabParallelEmbedding:
         ValueError: this process is not in `group`; a group without CPU
             transport (NCCL alone); ranks that opened different tables;
             ``pad_to_multiple`` or ``timeout`` not positive; `name` with an array.
-        TypeError: a table not on the host (torch CUDA tensors, cupy arrays).
+        TypeError: a table not on the host (torch CUDA tensors, cupy arrays), or a quantized table.
         FileNotFoundError, ValueError, TypeError: as the loaders, for a path
             source (raised on every rank when any rank's open failed).
         CommunicationError: a rank died or did not build it within `timeout`.
@@ -493,6 +494,9 @@ def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: 
     if device != "cpu":
         raise TypeError(_NOT_ON_HOST.format(device=device))
     view = validate.table_snapshot(source)
+    if isinstance(view, QuantizedTable):
+        raise TypeError(f"VocabParallelEmbedding splits dense tables, not a {view.format.name} table; "
+                        "dequantize it first (fastembed.lookup(table, np.arange(vocab_size), dtype=...))")
     vocab_size = int(view.shape[0])
     start, stop = _stored_range(vocab_size, pad, rank, world_size)
     like = None

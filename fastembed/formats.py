@@ -216,17 +216,27 @@ def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.nd
     ``x / scale`` rounded to the nearest float8_e4m3fn).
 
     Raises:
-        ValueError: a format that cannot be produced here, or non-finite values.
+        ValueError: a format that cannot be produced here, non-finite values,
+            values beyond float32's range, or (q8_0) a block whose scale
+            overflows float16 (values above about 8.3e6 in magnitude).
     """
     rows = np.asarray(rows)
-    values = rows.astype(_F32)
+    with np.errstate(over="ignore"):
+        values = rows.astype(_F32)
     if not np.isfinite(values).all():
+        if np.isfinite(rows.astype(np.float64)).all():
+            raise ValueError(f"cannot quantize {rows.dtype} values beyond float32's range (|x| > {float(np.finfo(_F32).max):.4g})")
         raise ValueError("cannot quantize a table holding NaN or infinite values")
     n, dim = values.shape
     fmt.row_bytes(dim)
     if fmt.name == "q8_0":
         blocks = values.reshape(-1, 32)
         d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+        with np.errstate(over="ignore"):
+            if not np.isfinite(d.astype(_F16)).all():
+                largest = float(np.abs(blocks).max())
+                raise ValueError(f"q8_0 stores each block's scale absmax / 127 as float16, so it holds values up to about "
+                                 f"{65504 * 127:.4g} in magnitude, not {largest:.4g}; use fp8_e4m3 (a float32 scale per row)")
         with np.errstate(divide="ignore"):
             inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)
         q = _round_half_away(blocks * inverse).astype(np.int8)
@@ -256,6 +266,7 @@ class QuantizedTable:
         ``shape`` is ``(vocab_size, dim)``, what the rows dequantize to.
 
     Raises:
+        TypeError: a `dim` that is not an integer; arrays of the wrong kind or dtype.
         ValueError: shapes that do not fit the format (see fastembed.validate).
 
     Example:
@@ -268,11 +279,11 @@ class QuantizedTable:
     __slots__ = ("data", "format", "dim", "scales")
 
     def __init__(self, data: Any, fmt: BlockFormat | str, dim: int, scales: Any = None) -> None:
-        from .validate import check_quantized
+        from .validate import check_quantized, quantized_dim
 
         self.format = fmt if isinstance(fmt, BlockFormat) else block_format(fmt)
         self.data = data
-        self.dim = int(dim)
+        self.dim = quantized_dim(dim)
         self.scales = scales
         check_quantized(self)
 

@@ -110,7 +110,8 @@ def output_dtype(table: Any, dtype: Any) -> np.dtype:
     """The dtype of ``table[ids]`` for a call with ``dtype=dtype`` (`table`: a snapshot).
 
     None means the table's dtype, or float32 for a quantized table. A
-    quantized table dequantizes into float32, float16 or bfloat16; a dense
+    quantized table dequantizes into float32, float16 or bfloat16, in the
+    machine's byte order; a dense
     floating-point table casts into those or float64 (rounding to nearest
     even); any other table gives its own dtype only.
 
@@ -123,6 +124,9 @@ def output_dtype(table: Any, dtype: Any) -> np.dtype:
         target = resolve_dtype(dtype)
         if target.name not in OUTPUT_DTYPES:
             raise TypeError(f"a {table.format.name} table dequantizes into {', '.join(OUTPUT_DTYPES)}, not {target}")
+        if not target.isnative:
+            raise TypeError(f"a {table.format.name} table dequantizes into the machine's byte order, not {target.str}; "
+                            "pass the dtype's name and byte-swap the result if you need it")
         return target
     source = np.dtype(table.dtype)
     if dtype is None:
@@ -142,6 +146,13 @@ def output_dtype(table: Any, dtype: Any) -> np.dtype:
 def is_float_dtype(dtype: np.dtype) -> bool:
     """numpy floats and the ml_dtypes floats (bfloat16, float8): what casts to another float."""
     return dtype.kind == "f" or (dtype.type.__module__ == "ml_dtypes" and "float" in dtype.name)
+
+
+def quantized_dim(dim: Any) -> int:
+    """`dim` as an int: a Python or numpy integer (not a bool); TypeError naming it otherwise."""
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
+        raise TypeError(f"a quantized table's dim must be an integer (values per row), got {dim!r}")
+    return int(dim)
 
 
 def check_quantized(table: Any) -> None:
@@ -175,9 +186,11 @@ def check_quantized(table: Any) -> None:
         if scales is not None:
             raise ValueError(f"the {fmt.name} format keeps its scales inside the blocks: scales must be None")
         return
-    if scales is None or adapter_of(scales) is not adapter or np.dtype(scales.dtype) != np.float32:
+    if scales is None or adapter_of(scales) is not adapter:
         raise TypeError(f"a {fmt.name} table needs float32 scales, one per row, in the same array library as its data")
-    scales = adapter.snapshot(scales)
+    scales = adapter.snapshot(scales)  # torch or JAX scales: a numpy view, whose dtype numpy can compare
+    if np.dtype(scales.dtype) != np.float32:
+        raise TypeError(f"a {fmt.name} table needs float32 scales, one per row, got {np.dtype(scales.dtype)}")
     if device_of(scales) != device_of(data):
         raise TypeError(f"the scales live on {device_of(scales)} but the rows on {device_of(data)}")
     if tuple(scales.shape) != (data.shape[0],) or not scales.flags.c_contiguous:

@@ -57,9 +57,12 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
         Its size in bytes.
 
     Raises:
+        TypeError: `path` is not a str or os.PathLike (an int would be taken as a file descriptor).
         FileNotFoundError: nothing exists at `path`.
         ValueError: `path` is a directory or not a regular file.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{opener}: the path must be a str or os.PathLike, got {type(path).__module__}.{type(path).__qualname__}")
     try:
         status = os.stat(path)
     except FileNotFoundError:

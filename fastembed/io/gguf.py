@@ -287,6 +287,7 @@ def scan_gguf(path: str | os.PathLike, name: str = TOKEN_EMBEDDING) -> GGUFTenso
         are not checked against the file here (see :func:`map_gguf`).
 
     Raises:
+        TypeError: `path` is not a path, or `name` not a string.
         FileNotFoundError: no file at `path`.
         ValueError: a directory; not a GGUF file (saying what it looks like); a
             version other than 2 and 3, a big-endian file; truncated; counts the file
@@ -296,6 +297,8 @@ def scan_gguf(path: str | os.PathLike, name: str = TOKEN_EMBEDDING) -> GGUFTenso
             alignment; no tensor `name`, listing candidates; `name` given twice.
     """
     check_file(path, _OPENER)
+    if not isinstance(name, str):
+        raise TypeError(f"{path}: the tensor name must be a string, got {type(name).__qualname__}")
     head = read_head(path, 24)
     if len(head) < 24 or not head.startswith(_MAGIC):
         _header_counts(_Reader(path, head, len(head)), head)  # raises: not GGUF, or truncated

@@ -30,12 +30,14 @@ import numpy as np
 
 from ..formats import QuantizedTable
 from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
-from .safetensors import DIM_KEY, FORMAT_KEY, SCALES_SUFFIX, TENSOR_KEY
+from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
 
 #: The tensor name a table is saved under in a safetensors file when none is given.
 SAFETENSORS_NAME = "weight"
 #: GGUF type codes of the dense dtypes a GGUF file holds.
 _GGUF_DENSE = {"float32": 0, "float16": 1, "bfloat16": 30}
+#: The dense dtypes (numpy names) a safetensors file holds and the loaders map back.
+_SAFETENSORS_DENSE = frozenset(SAFETENSORS_DTYPES.values())
 #: Bytes written at a time (a memory-mapped table is streamed, never copied whole).
 _CHUNK_BYTES = 64 * 2**20
 
@@ -54,8 +56,9 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
     Raises:
         ValueError: another suffix; an empty or non-2-D table; a dtype or format the
             chosen file cannot hold (GGUF: float32/float16/bfloat16 and the formats with
-            a GGUF type; fp8_e4m3 goes to .safetensors).
-        TypeError: a table that is not on the host.
+            a GGUF type; fp8_e4m3 goes to .safetensors; safetensors: the dtypes
+            :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back).
+        TypeError: a table that is not on the host; a `name` that is not a string.
         ImportError: ``.safetensors`` needs the safetensors package and it is missing.
 
     Example:
@@ -66,6 +69,8 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
         >>> map_gguf(path).shape
         (4, 8)
     """
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"{path}: the tensor name must be a string, got {type(name).__qualname__}")
     suffix = Path(path).suffix.lower()
     if suffix not in (".gguf", ".safetensors"):
         raise ValueError(f"{path}: save_table writes .gguf and .safetensors files, not {suffix or 'a file without a suffix'!r} "
@@ -157,6 +162,9 @@ def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str)
         if table.scales is not None:
             tensors[name + SCALES_SUFFIX] = np.ascontiguousarray(table.scales, dtype="<f4")
     else:
+        if table.dtype.name not in _SAFETENSORS_DENSE:
+            raise ValueError(f"{path}: a safetensors file holds {', '.join(sorted(_SAFETENSORS_DENSE))} tables, "
+                             f"not {table.dtype}")
         tensors = {name: np.ascontiguousarray(table)}
     _replace(path, lambda temporary: save_file(tensors, temporary, metadata=metadata))
 

@@ -1,0 +1,143 @@
+"""Quantized tables, dtype=, saving and loading given careless or hostile input: a clear exception, never a wrong answer."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastembed
+from fastembed import distributed
+from fastembed.formats import FORMATS, QuantizedTable, quantize_rows
+from fastembed.io import map_gguf, save_table
+from helpers import CPU_BACKENDS, poisoned
+
+
+@pytest.fixture(autouse=True)
+def _compile_in_the_foreground(monkeypatch):
+    try:
+        import importlib
+
+        numba_backend = importlib.import_module("fastembed.backends.numba_backend")
+    except ImportError:
+        return
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+
+
+def q8_table(vocab_size: int = 10, dim: int = 64) -> tuple[QuantizedTable, np.ndarray]:
+    rows = np.random.default_rng(0).standard_normal((vocab_size, dim)).astype(np.float32)
+    data, _ = quantize_rows(rows, FORMATS["q8_0"])
+    return QuantizedTable(data, "q8_0", dim), rows
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [">f4", ">f2", np.dtype(np.float32).newbyteorder(">")], ids=str)
+def test_a_byte_swapped_output_dtype_is_refused_for_a_quantized_table(backend, dtype):
+    table, _ = q8_table()
+    with pytest.raises(TypeError, match="byte order"):
+        fastembed.lookup(table, [1, 2], dtype=dtype, backend=backend)
+    out = poisoned((2, 64), np.dtype(dtype))
+    before = out.copy()
+    with pytest.raises(TypeError, match="byte order"):
+        fastembed.lookup(table, [1, 2], out=out, dtype=dtype, backend=backend)
+    assert out.tobytes() == before.tobytes()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_torch_rows_with_torch_scales_dequantize(backend):
+    torch = pytest.importorskip("torch")
+    rows = np.random.default_rng(1).standard_normal((6, 40)).astype(np.float32)
+    data, scales = quantize_rows(rows, FORMATS["fp8_e4m3"])
+    expected = fastembed.lookup(QuantizedTable(data, "fp8_e4m3", 40, scales), [5, 0], backend=backend)
+    table = QuantizedTable(torch.from_numpy(data), "fp8_e4m3", 40, torch.from_numpy(scales))
+    result = fastembed.lookup(table, [5, 0], backend=backend)
+    assert isinstance(result, torch.Tensor)
+    np.testing.assert_array_equal(result.numpy(), expected)
+    with pytest.raises(TypeError, match="float32 scales"):
+        QuantizedTable(torch.from_numpy(data), "fp8_e4m3", 40, torch.from_numpy(scales).double())
+
+
+@pytest.mark.parametrize("dim", [64.5, 64.0, "64", None, True, [64]], ids=repr)
+def test_dim_must_be_an_integer(dim):
+    data = np.zeros((3, 68), np.uint8)
+    with pytest.raises(TypeError, match="dim must be an integer"):
+        QuantizedTable(data, "q8_0", dim)
+
+
+def test_numpy_integer_dims_are_accepted():
+    table = QuantizedTable(np.zeros((3, 68), np.uint8), "q8_0", np.int64(64))
+    assert type(table.dim) is int and table.shape == (3, 64)
+
+
+def test_a_dim_rebound_to_a_float_is_refused_at_the_next_lookup():
+    table, _ = q8_table()
+    table.dim = 64.0
+    with pytest.raises(TypeError, match="dim must be an integer"):
+        fastembed.lookup(table, [1])
+
+
+@pytest.mark.parametrize("magnitude", [1e7, 3.0e38])
+def test_q8_0_refuses_values_its_float16_block_scale_cannot_hold(magnitude):
+    rows = np.zeros((2, 64), np.float32)
+    rows[1, 40] = -magnitude
+    with pytest.raises(ValueError, match="float16"):
+        fastembed.Embedding(rows).quantize("q8_0")
+    fastembed.Embedding(rows).quantize("fp8_e4m3")  # one float32 scale per row holds it
+
+
+def test_the_largest_q8_0_block_still_round_trips_finitely():
+    rows = np.full((1, 32), 65504.0 * 127, np.float32)
+    emb = fastembed.Embedding(rows).quantize("q8_0")
+    assert np.isfinite(emb([0])).all()
+
+
+def test_float64_values_beyond_float32_are_named_when_quantizing():
+    with pytest.raises(ValueError, match="float32"):
+        fastembed.Embedding(np.full((2, 32), 1e300)).quantize("q8_0")
+
+
+@pytest.mark.parametrize("name", [5, b"token_embd.weight", 3.5])
+def test_save_and_from_gguf_refuse_a_tensor_name_that_is_not_a_string(tmp_path, name):
+    emb = fastembed.Embedding(q8_table()[0])
+    with pytest.raises(TypeError, match="name must be a string"):
+        emb.save(tmp_path / "t.gguf", name=name)
+    with pytest.raises(TypeError, match="name must be a string"):
+        emb.save(tmp_path / "t.safetensors", name=name)
+    emb.save(tmp_path / "t.gguf")
+    with pytest.raises(TypeError, match="name must be a string"):
+        fastembed.Embedding.from_gguf(tmp_path / "t.gguf", name=name)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["t.gguf"]
+
+
+@pytest.mark.parametrize("path", [3, None, 2.5], ids=repr)
+def test_loaders_refuse_a_path_that_is_not_a_path(path):
+    for opener in (fastembed.Embedding.from_gguf, fastembed.Embedding.from_npy, fastembed.Embedding.from_safetensors):
+        with pytest.raises(TypeError, match="path must be"):
+            opener(path)
+
+
+@pytest.mark.parametrize("dtype", ["S4", "U2", "V3", [("a", "<f4"), ("b", "<i2")], "M8[s]", "c8"], ids=str)
+def test_save_refuses_a_dtype_the_loaders_cannot_read_back(tmp_path, dtype):
+    emb = fastembed.Embedding(np.zeros((4, 2), dtype))
+    with pytest.raises(ValueError, match="safetensors"):
+        emb.save(tmp_path / "t.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_map_round_trip_of_every_dtype_save_accepts(tmp_path):
+    import ml_dtypes
+
+    for dtype in ("float64", "float32", "float16", ml_dtypes.bfloat16, "int8", "uint8", "int64", "bool"):
+        table = np.arange(8).reshape(4, 2).astype(dtype)
+        fastembed.Embedding(table).save(tmp_path / "t.safetensors")
+        assert fastembed.Embedding.from_safetensors(tmp_path / "t.safetensors").table.tobytes() == table.tobytes()
+
+
+def test_a_quantized_table_is_refused_clearly_by_the_vocab_parallel_layer():
+    pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="dense tables"):
+        distributed._open_shard(q8_table()[0], None, 1, 0, 2)
+
+
+def test_map_gguf_still_opens_by_default_name(tmp_path):
+    table, _ = q8_table()
+    save_table(tmp_path / "t.gguf", table)
+    assert map_gguf(tmp_path / "t.gguf").shape == (10, 64)
