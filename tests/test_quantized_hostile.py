@@ -102,9 +102,14 @@ def test_save_and_from_gguf_refuse_a_tensor_name_that_is_not_a_string(tmp_path, 
     with pytest.raises(TypeError, match="name must be a string"):
         emb.save(tmp_path / "t.safetensors", name=name)
     emb.save(tmp_path / "t.gguf")
-    with pytest.raises(TypeError, match="name must be a string"):
-        fastembed.Embedding.from_gguf(tmp_path / "t.gguf", name=name)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["t.gguf"]
+    emb.save(tmp_path / "t.safetensors")
+    for opener in (fastembed.Embedding.from_gguf, fastembed.Embedding.from_pretrained):
+        with pytest.raises(TypeError, match="name must be a string"):
+            opener(tmp_path / "t.gguf", name=name)
+    for opener in (fastembed.Embedding.from_safetensors, fastembed.Embedding.from_pretrained):
+        with pytest.raises(TypeError, match="name must be a string"):
+            opener(tmp_path / "t.safetensors", name=name)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["t.gguf", "t.safetensors"]
 
 
 @pytest.mark.parametrize("path", [3, None, 2.5], ids=repr)

@@ -79,6 +79,12 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
     return status.st_size
 
 
+def check_tensor_name(path: str | os.PathLike, name: object) -> None:
+    """Raise TypeError unless `name` (a tensor to open or write) is None or a str."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"{path}: the tensor name must be a string, got {type(name).__module__}.{type(name).__qualname__}")
+
+
 def describe(path: str | os.PathLike, head: bytes) -> str | None:
     """What a file looks like when it is not what a loader expected, and how to open it.
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..formats import QuantizedTable
-from ._files import NAMES_SHOWN, check_file, describe, read_head, shorten
+from ._files import NAMES_SHOWN, check_file, check_tensor_name, describe, read_head, shorten
 from .gguf import map_gguf
 from .npy import map_npy
 from .safetensors import SCALES_SUFFIX, TENSOR_KEY, TensorEntry, map_entry, map_tensor, scan_safetensors_header
@@ -179,8 +179,9 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
         ValueError: a directory without a checkpoint; an unreadable index or config; a
             shard named outside the directory; no such tensor; no, or several equal,
             token-embedding candidates (listed); any error of the file loaders.
-        TypeError: BF16/F8 need ml_dtypes and it is missing.
+        TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
     """
+    check_tensor_name(source, name)
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(errno.ENOENT, "fastembed.io.open_table: no such file or directory", str(source))

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..formats import FORMATS, BlockFormat, QuantizedTable
 from ..tables import resolve_dtype
-from ._files import check_file, describe, read_head, shorten
+from ._files import check_file, check_tensor_name, describe, read_head, shorten
 
 _OPENER = "fastembed.Embedding.from_gguf"
 #: The tensor ``map_gguf`` opens when no name is given: llama.cpp's token embedding.
@@ -297,8 +297,7 @@ def scan_gguf(path: str | os.PathLike, name: str = TOKEN_EMBEDDING) -> GGUFTenso
             alignment; no tensor `name`, listing candidates; `name` given twice.
     """
     check_file(path, _OPENER)
-    if not isinstance(name, str):
-        raise TypeError(f"{path}: the tensor name must be a string, got {type(name).__qualname__}")
+    check_tensor_name(path, name)
     head = read_head(path, 24)
     if len(head) < 24 or not head.startswith(_MAGIC):
         _header_counts(_Reader(path, head, len(head)), head)  # raises: not GGUF, or truncated

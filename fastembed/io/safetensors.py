@@ -43,7 +43,7 @@ import numpy as np
 
 from ..formats import QuantizedTable, block_format
 from ..tables import resolve_dtype
-from ._files import check_file, describe, read_head, shorten
+from ._files import check_file, check_tensor_name, describe, read_head, shorten
 
 #: safetensors dtype codes -> numpy dtype names (ml_dtypes for BF16 and F8).
 SAFETENSORS_DTYPES = {
@@ -471,10 +471,11 @@ def map_safetensors(path: str | os.PathLike, name: str | None = None) -> np.memm
             no tensor or several tensors named like a token embedding (listing them);
             the tensor is not 2-D or is empty; fastembed metadata that does not fit
             the tensors.
-        TypeError: BF16/F8 need ml_dtypes and it is missing.
+        TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
     """
     from .checkpoints import MAX_CANDIDATES, is_embedding_candidate, select_in_file
 
+    check_tensor_name(path, name)
     if name is None:
         name, header = select_in_file(path)
     else:

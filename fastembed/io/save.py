@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..formats import QuantizedTable
+from ._files import check_tensor_name
 from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
 from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
 
@@ -69,8 +70,7 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
         >>> map_gguf(path).shape
         (4, 8)
     """
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"{path}: the tensor name must be a string, got {type(name).__qualname__}")
+    check_tensor_name(path, name)
     suffix = Path(path).suffix.lower()
     if suffix not in (".gguf", ".safetensors"):
         raise ValueError(f"{path}: save_table writes .gguf and .safetensors files, not {suffix or 'a file without a suffix'!r} "
