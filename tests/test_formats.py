@@ -111,3 +111,12 @@ def test_row_bytes_come_from_the_format():
 def test_quantized_tables_that_do_not_fit_their_format_are_refused(make, error, message):
     with pytest.raises(error, match=message):
         make()
+
+
+def test_q8_0_error_of_blocks_with_subnormal_scales_is_bounded_by_the_subnormal_spacing():
+    """Below absmax = 127 * 2**-14 the float16 scale is subnormal: |d - d16| <= 2**-25 instead of d * 2**-11."""
+    rows = np.random.default_rng(7).uniform(-1e-3, 1e-3, (64, 256)).astype(np.float32)
+    data, _ = quantize_rows(rows, FORMATS["q8_0"])
+    error = np.abs(dequantize_rows(data, None, FORMATS["q8_0"], 256) - rows).reshape(-1, 32)
+    d = np.abs(rows).reshape(-1, 32).max(axis=1) / 127
+    assert (error.max(axis=1) <= d / 2 + 127 * 2.0**-25).all()
