@@ -81,9 +81,12 @@ def wait_for_compiles() -> None:
 def empty_cache() -> None:
     """Free the output buffers kept for reuse by allocating lookups (outputs in use are untouched).
 
-    Large allocating lookups (4 MiB of output or more) take their output from
-    a bounded cache of buffers whose pages are already mapped; an output goes
-    back to it when the last array or view over it is gone. See
+    Large allocating lookups on the host (4 MiB of output or more, without
+    ``out=``) take their output from a bounded cache of buffers whose pages
+    are already mapped; an output goes back to the cache when the last array
+    or view over it is gone. The cache keeps that memory between lookups;
+    call this to hand it back to the OS (after a burst of large batches, for
+    instance). Later lookups refill the cache as they need it. See
     docs/backends.md; ``python -m fastembed info`` shows what it holds.
 
     Example:
@@ -99,7 +102,8 @@ def set_output_cache_limit(nbytes: int) -> None:
     """Keep at most `nbytes` of free output buffers for reuse (0: none); the excess is freed now.
 
     The default is a sixteenth of the machine's memory, at most 2 GiB, or
-    FASTEMBED_OUTPUT_CACHE_BYTES when set (read at import).
+    FASTEMBED_OUTPUT_CACHE_BYTES when set (read at the first large
+    allocating lookup; a call to this function takes precedence).
 
     Raises:
         ValueError: a negative or non-integer size.

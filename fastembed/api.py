@@ -304,7 +304,10 @@ class Embedding:
             name: the tensor's name; None: ``token_embd.weight`` in GGUF, ``weight`` in safetensors.
 
         Raises:
-            ValueError: a suffix other than ``.gguf``/``.safetensors``, or a format the file type cannot hold.
+            ValueError: a suffix other than ``.gguf``/``.safetensors``, or a dtype or format the file
+                type cannot hold (GGUF: float32, float16, bfloat16 and the GGUF block formats).
+            TypeError: a table that is not on the host (copy it back first); a `name` that is not a string.
+            ImportError: ``.safetensors`` needs the safetensors package and it is missing.
         """
         from .io import save_table
 

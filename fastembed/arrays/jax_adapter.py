@@ -12,7 +12,9 @@ A result is handed back with ``jax.device_put`` onto the host, uncommitted
 (as a fresh ``jnp`` array is, so JAX moves it to wherever it is used). JAX
 shares a numpy buffer only if its address is a multiple of
 :data:`JAX_HOST_ALIGNMENT` bytes and copies it otherwise; numpy aligns its
-allocations to 16 bytes, so JAX usually copies a result once.
+allocations to 16 bytes only, so the API allocates a JAX table's result at
+that alignment (:attr:`ArrayAdapter.result_alignment`,
+:func:`fastembed.arrays.aligned_result`) and JAX shares it without a copy.
 
 Refused with a TypeError naming the reason: JAX arrays on a GPU or another
 accelerator (fastembed's CUDA backend takes cupy arrays), arrays sharded
