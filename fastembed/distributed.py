@@ -53,7 +53,7 @@ from .formats import QuantizedTable
 MODES = ("full", "scatter")
 #: Bytes of an error message or description one rank shares with the others (longer ones are cut).
 MESSAGE_BYTES = 2048
-TORCH_NEEDED = "fastembed.distributed needs torch 2.1 or later: pip install 'fastembed-gather[distributed]'"
+TORCH_NEEDED = "fastembed.distributed needs torch 2.13 or later (the release it is tested with): pip install 'fastembed-gather[distributed]'"
 #: Integer views for the SUM collectives, widest first. No int16: neither gloo nor NCCL sums it.
 _WORDS = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8))
 #: Exception types a rank's local step shares with the others by their index (+1); any other becomes a RuntimeError.

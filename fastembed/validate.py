@@ -171,7 +171,7 @@ def check_quantized(table: Any) -> None:
         data = adapter.snapshot(data)  # a torch or JAX host array: a numpy view, as the gather will see it
     if adapter is None or np.dtype(data.dtype) != np.uint8:
         raise TypeError(
-            f"a {fmt.name} table's data must be a uint8 array (numpy, np.memmap or cupy), got "
+            f"a {fmt.name} table's data must be a uint8 array (numpy, np.memmap, cupy, or a torch or JAX host array), got "
             f"{type(data).__module__}.{type(data).__qualname__} of dtype {getattr(data, 'dtype', None)}"
         )
     expected = fmt.row_bytes(table.dim)
