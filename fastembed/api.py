@@ -130,6 +130,7 @@ class Embedding:
     def __init__(self, table: Any) -> None:
         self._view = validate.table_snapshot(table)
         self._table = table
+        self._rows = validate.storage(table)  # what results are wrapped like: read once, as the view was
         self._numpy = type(table) is _NDARRAY  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
 
@@ -138,7 +139,7 @@ class Embedding:
         table_view = self._view
         ids_view = validate.ids_snapshot(ids, table_view)
         if dtype is not None or type(table_view) is QuantizedTable:
-            return _converting_lookup(table_view, ids_view, out, dtype, backend, self._table, ids)
+            return _converting_lookup(table_view, ids_view, out, dtype, backend, self._rows, ids)
         if out is None:
             if self._numpy:
                 return dispatch.select(table_view, backend).gather(table_view, ids_view, None)

@@ -57,9 +57,9 @@ def address(array) -> int:
 
 def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = jax_adapter.JAX_HOST_ALIGNMENT) -> np.ndarray:
     """A numpy array whose data starts at a multiple of `alignment` bytes."""
-    from fastembed.arrays.numpy_adapter import aligned_empty as package_aligned_empty
+    from fastembed.backends.output_cache import _aligned_empty
 
-    return package_aligned_empty(shape, np.dtype(dtype), alignment)
+    return _aligned_empty(shape, np.dtype(dtype), alignment)
 
 
 @pytest.mark.parametrize("dtype", TABLE_DTYPES)
@@ -332,3 +332,18 @@ def test_results_of_a_jax_table_are_never_copied(monkeypatch, dtype, how):
     assert address(result) == address(buffers[0])
     expected = numpy_table(dtype)[ids]
     assert_jax_bit_equal(result, expected.astype(np.float32) if how == "dtype=" else expected)
+
+
+def test_large_results_of_a_jax_table_come_from_the_output_cache():
+    from fastembed.backends import output_cache
+
+    table = jnp.asarray(numpy_table("float32"))
+    ids = np.random.default_rng(2).integers(0, VOCAB, 60000)  # 5.8 MB of float32: above the cache's minimum
+    first = fastembed.lookup(table, ids)
+    where = address(first)
+    assert where % jax_adapter.JAX_HOST_ALIGNMENT == 0
+    del first
+    second = fastembed.lookup(table, ids)
+    assert address(second) == where  # the first result's buffer, returned when JAX let it go
+    assert_jax_bit_equal(second, numpy_table("float32")[ids])
+    output_cache.empty()

@@ -104,7 +104,9 @@ def aligned_result(table: Any, shape: tuple[int, ...], dtype: Any) -> Any:
     alignment = 0 if adapter is None else adapter.result_alignment
     if not alignment:
         return None
-    return numpy_adapter.aligned_empty(shape, dtype, alignment)
+    from ..backends import output_cache  # large results come from its cache of mapped, aligned buffers
+
+    return output_cache.new_output(shape, dtype, alignment)
 
 
 def device_of(array: Any) -> str:

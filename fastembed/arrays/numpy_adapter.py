@@ -36,11 +36,3 @@ class NumpyAdapter:
 
 ADAPTER = NumpyAdapter()
 
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any, alignment: int) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data address is a multiple of `alignment` bytes."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, dtype=np.uint8)
-    start = -raw.ctypes.data % alignment
-    return raw[start : start + nbytes].view(dtype).reshape(shape)

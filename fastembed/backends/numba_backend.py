@@ -246,11 +246,7 @@ class NumbaBackend:
             status = self._run_parallel(kernels, table_words, flat_ids, out_words)
         else:
             status = int(kernels.gather_serial(table_words, flat_ids, out_words))
-        if status == _CHANGED_DURING_COPY:
-            validate.check_ids_in_range(ids, table.shape[0])
-            raise RuntimeError("the ids changed while they were being gathered (another thread wrote them)")
-        if status >= 0:
-            raise validate.out_of_range_error(ids, status, table.shape[0])
+        _raise_for_status(status, ids, table.shape[0])
         return out
 
     def _compile(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray) -> bool:
@@ -332,11 +328,7 @@ class NumbaBackend:
         rows = out.reshape(n, table.dim).view(word)
         staged = rows.ctypes.data % word.itemsize != 0  # numba compiles unaligned arrays apart: stage those rows
         status = self._run_dequantize(table, _int64_ids(ids), np.empty_like(rows) if staged else rows, dtype, rows)
-        if status == _CHANGED_DURING_COPY:
-            validate.check_ids_in_range(ids, table.shape[0])
-            raise RuntimeError("the ids changed while they were being gathered (another thread wrote them)")
-        if status >= 0:
-            raise validate.out_of_range_error(ids, status, table.shape[0])
+        _raise_for_status(status, ids, table.shape[0])
         return out
 
     def _run_dequantize(self, table: QuantizedTable, flat_ids: np.ndarray, rows: np.ndarray, dtype: np.dtype,
@@ -469,6 +461,15 @@ def _gomp_loaded() -> bool:
             return any("libgomp" in line for line in maps)
     except OSError:
         return False
+
+
+def _raise_for_status(status: int, ids: np.ndarray, vocab_size: int) -> None:
+    """Turn a kernel's status into the caller's error: -1 is success, -2 ids changed meanwhile, >= 0 a bad id's position."""
+    if status == _CHANGED_DURING_COPY:
+        validate.check_ids_in_range(ids, vocab_size)
+        raise RuntimeError("the ids changed while they were being gathered (another thread wrote them)")
+    if status >= 0:
+        raise validate.out_of_range_error(ids, status, vocab_size)
 
 
 def _output_cache_fact() -> str:

@@ -35,6 +35,8 @@ import numpy as np
 MIN_BYTES = 4 * 2**20
 #: Buffers are sized in whole huge pages, so that slightly different batch sizes share them.
 GRANULE = 2 * 2**20
+#: Every cached buffer starts at a multiple of this many bytes (a cache line; what JAX needs to share a result).
+ALIGNMENT = 64
 ENVIRONMENT_VARIABLE = "FASTEMBED_OUTPUT_CACHE_BYTES"
 
 _lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
@@ -104,17 +106,19 @@ def empty() -> None:
         _trim(0)
 
 
-def new_output(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def new_output(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 0) -> np.ndarray:
     """An uninitialised C-contiguous array of `shape` and `dtype`, its pages mapped.
 
     From the cache for outputs of at least :data:`MIN_BYTES` (while the limit
-    allows any), else from numpy. Contents are whatever the buffer held: the
+    allows any; its buffers start at a multiple of :data:`ALIGNMENT` bytes),
+    else from numpy, at a multiple of `alignment` bytes when that is not 0
+    (at most :data:`ALIGNMENT`). Contents are whatever the buffer held: the
     caller overwrites every element.
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < MIN_BYTES or limit() == 0:
-        out = np.empty(shape, dtype)
+        out = _aligned_empty(shape, dtype, alignment) if alignment else np.empty(shape, dtype)
         if nbytes >= MIN_BYTES:
             fault_in(out)
         return out
@@ -147,7 +151,7 @@ def _take(nbytes: int) -> np.ndarray:
             _free_bytes -= buffer.size
             return buffer
     size = -(-nbytes // GRANULE) * GRANULE
-    buffer = np.empty(size, np.uint8)
+    buffer = _aligned_empty((size,), np.dtype(np.uint8), ALIGNMENT)
     fault_in(buffer)
     return buffer
 
@@ -166,6 +170,14 @@ def _trim(keep: int) -> None:
     while _free and _free_bytes > keep:
         largest = max(range(len(_free)), key=lambda i: _free[i].size)
         _free_bytes -= _free.pop(largest).size
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data address is a multiple of `alignment` bytes."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def fault_in(out: Any) -> None:
