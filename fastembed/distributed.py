@@ -3,7 +3,10 @@
 Every rank of a process group builds ``VocabParallelEmbedding(source)``
 together (it is a collective, like the calls). Each rank keeps only its own
 rows: from a checkpoint path it memory-maps just its rows' bytes of the
-file, so its memory grows by its shard, not by the table.
+file, so its memory grows by its shard, not by the table. Quantized tables
+(:class:`~fastembed.formats.QuantizedTable`, a GGUF block type, a quantized
+safetensors file fastembed saved) are split the same way, by rows of bytes
+(and row scales), and dequantized by the local gather into ``dtype=``.
 
 ``emb(ids)``, called by every rank with the same ids, returns every rank the
 full rows ``table[ids]``; ``emb(ids, mode="scatter")`` returns each rank its
@@ -20,8 +23,8 @@ A call runs four steps on every rank:
 3. *agree*: one small all-gather of each rank's status and fingerprint. A
    rank's bad ids, or ids that differ between ranks, raise the same error on
    every rank here, before any data collective; the group stays usable;
-4. *communicate*: an integer SUM all-reduce (``scatter``: reduce-scatter) of
-   the rows seen as integers. Each row has one owner and every other rank
+4. *communicate*: an integer SUM all-reduce of the rows seen as integers, in
+   place (``scatter`` then keeps this rank's positions). Each row has one owner and every other rank
    contributes zeros, so each sum is ``x + 0 + ... + 0``: the owner's bits,
    exact for every dtype, -0.0 and NaN payloads included.
 
@@ -159,9 +162,9 @@ def position_range(count: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 class _Shard(NamedTuple):
-    """One rank's rows: the numpy view gathered from, the caller's kind of the same rows, the file watch."""
+    """One rank's rows: the numpy view (or QuantizedTable of numpy views) gathered from, the caller's kind, the watch."""
 
-    rows: np.ndarray
+    rows: Any  # np.ndarray, or a QuantizedTable of this rank's rows (and row scales)
     like: Any  # None for numpy tables; else the rows in the caller's library, so results follow the table's kind
     watch: Any  # a FileWatch over the mapped rows for a path source, else None
     vocab_size: int
@@ -178,9 +181,11 @@ class VocabParallelEmbedding:
 
     Args:
         source: a checkpoint path, as for :meth:`fastembed.Embedding.from_pretrained`
-            (each rank memory-maps only its rows' bytes), or a host table
-            (numpy array, np.memmap, torch CPU tensor: each rank keeps a view of
-            its rows; the array stays as big as the caller keeps it).
+            (each rank memory-maps only its rows' bytes, and a quantized table's
+            row scales), or a host table (numpy array, np.memmap, torch CPU
+            tensor, or a :class:`~fastembed.formats.QuantizedTable` of them:
+            each rank keeps a view of its rows; the array stays as big as the
+            caller keeps it).
         group: the process group (default: the default group). Its backend
             must carry CPU tensors: gloo, or ``"cpu:gloo,cuda:nccl"``.
         name: the tensor in a checkpoint (None: the token embedding, by name).
@@ -197,7 +202,7 @@ class VocabParallelEmbedding:
         ValueError: this process is not in `group`; a group without CPU
             transport (NCCL alone); ranks that opened different tables;
             ``pad_to_multiple`` or ``timeout`` not positive; `name` with an array.
-        TypeError: a table not on the host (torch CUDA tensors, cupy arrays), or a quantized table.
+        TypeError: a table not on the host (torch CUDA tensors, cupy arrays).
         FileNotFoundError, ValueError, TypeError: as the loaders, for a path
             source (raised on every rank when any rank's open failed).
         CommunicationError: a rank died or did not build it within `timeout`.
@@ -205,7 +210,8 @@ class VocabParallelEmbedding:
     Shape:
         ``emb(ids)``: ``ids.shape + (dim,)``; ``emb(ids, mode="scatter")``:
         ``(stop - start,) + ids.shape[1:] + (dim,)`` with ``(start, stop) =
-        position_range(ids.shape[0], world_size, rank)``. The table's dtype.
+        position_range(ids.shape[0], world_size, rank)``. The table's dtype, or
+        ``dtype=`` (a quantized table: float32 unless ``dtype=`` says otherwise).
 
     Example (run by every rank, after ``torch.distributed.init_process_group("gloo")``;
     docs/distributed.md has complete scripts)::
@@ -245,7 +251,7 @@ class VocabParallelEmbedding:
         except Exception as caught:
             error = caught
         described = "" if shard is None else (
-            f"a {shard.vocab_size} x {shard.rows.shape[1]} {shard.rows.dtype} table, pad_to_multiple={pad_to_multiple}")
+            f"a {shard.vocab_size} x {shard.rows.shape[1]} {_kind(shard.rows)} table, pad_to_multiple={pad_to_multiple}")
         self._agree(error, _digest(described.encode()), lambda: described, "the table",
                     "every rank must open a table of the same shape and dtype, with the same pad_to_multiple")
         assert shard is not None  # _agree raised otherwise
@@ -255,15 +261,26 @@ class VocabParallelEmbedding:
         self.vocab_start, self.vocab_end = row_range(shard.vocab_size, self.world_size, self.rank, pad_to_multiple)
         rows = shard.rows
         self._stored = int(rows.shape[0])
-        self._dim, self._dtype = int(rows.shape[1]), rows.dtype
-        self._local = Embedding(rows.view(np.ndarray)) if self._stored else None
+        self._dim = int(rows.shape[1])
+        self._quantized = isinstance(rows, QuantizedTable)
+        self._dtype = validate.output_dtype(rows, None)  # results without dtype=: float32 for a quantized table
+        local = rows if self._quantized else rows.view(np.ndarray)
+        self._local = Embedding(local) if self._stored else None
         self._phantom = np.empty((self.vocab_size, 0), np.uint8)  # ids are checked against the whole vocabulary
-        self._word = next(word for word in _WORDS if (self._dim * rows.dtype.itemsize) % word.itemsize == 0)
 
     @property
     def shard(self) -> Any:
-        """This rank's stored rows ``table[vocab_start:min(vocab_end, vocab_size)]`` (a torch tensor for a torch table)."""
-        return self._shard.rows if self._shard.like is None else self._shard.like
+        """This rank's stored rows ``table[vocab_start:min(vocab_end, vocab_size)]``.
+
+        A torch tensor for a torch table; a :class:`~fastembed.formats.QuantizedTable`
+        of this rank's rows (and row scales) for a quantized table.
+        """
+        return self._shard.rows if self._shard.like is None or self._quantized else self._shard.like
+
+    @property
+    def format(self) -> str:
+        """``"dense"``, or the block format of a quantized table (``"q8_0"``), as :attr:`fastembed.Embedding.format`."""
+        return self._shard.rows.format.name if self._quantized else "dense"
 
     @property
     def dim(self) -> int:
@@ -272,7 +289,7 @@ class VocabParallelEmbedding:
 
     @property
     def dtype(self) -> np.dtype:
-        """The table's dtype (and every result's), as numpy (bfloat16 through ml_dtypes)."""
+        """The dtype of results without ``dtype=``: the table's, float32 for a quantized table (bfloat16 via ml_dtypes)."""
         return np.dtype(self._dtype)
 
     def check_file(self) -> None:
@@ -289,29 +306,36 @@ class VocabParallelEmbedding:
         self._shard.watch.check()
 
     def __repr__(self) -> str:
-        return (f"VocabParallelEmbedding(vocab_size={self.vocab_size}, dim={self._dim}, dtype={self._dtype}, "
+        kind = f"format={self.format!r}" if self._quantized else f"dtype={self._dtype}"
+        return (f"VocabParallelEmbedding(vocab_size={self.vocab_size}, dim={self._dim}, {kind}, "
                 f"rank={self.rank}, world_size={self.world_size}, rows={self.vocab_start}..{self.vocab_end})")
 
-    def __call__(self, ids: Any, mode: str = "full") -> Any:
+    def __call__(self, ids: Any, mode: str = "full", *, dtype: Any = None) -> Any:
         """``table[ids]`` on every rank (``mode="full"``), or this rank's slice of the positions (``"scatter"``).
 
         Every rank must call with the same ids (same shape and values; their
-        integer dtype may differ) and the same mode.
+        integer dtype may differ), the same mode and the same dtype.
 
         Args:
             ids: integers of any dtype and shape, as for :func:`fastembed.lookup`.
-            mode: ``"full"`` (an all-reduce) or ``"scatter"`` (a reduce-scatter
-                over the ids' first dimension, split by :func:`position_range`).
+            mode: ``"full"`` (every position) or ``"scatter"`` (this rank's part of
+                the ids' first dimension, split by :func:`position_range`).
+            dtype: the result's dtype, as for :func:`fastembed.lookup`: None is the
+                table's dtype (float32 for a quantized table); a quantized table
+                dequantizes into float32, float16 or bfloat16, a dense float table
+                casts into those or float64 (rounding to nearest even).
 
         Returns:
-            A new array of the table's kind (numpy, or torch for a torch table).
+            A new array of the table's kind (numpy, or torch for a torch table or
+            a quantized table whose rows are a torch tensor).
 
         Raises:
             IndexError: an id outside ``[0, vocab_size)`` (padded rows included), with
                 its position and value, raised on every rank.
-            ValueError: ids or modes that differ between ranks (naming each rank's),
-                a bad mode, scalar ids with ``"scatter"``; raised on every rank.
-            TypeError: ids that are not integers; raised on every rank.
+            ValueError: ids, modes or dtypes that differ between ranks (naming each
+                rank's), a bad mode, scalar ids with ``"scatter"``; raised on every rank.
+            TypeError: ids that are not integers, a dtype the table cannot give
+                (int8 from a quantized table); raised on every rank.
             CommunicationError: a rank died or did not call within `timeout`.
         """
         if self._broken is not None:
@@ -320,7 +344,7 @@ class VocabParallelEmbedding:
         error: Exception | None = None
         call: _Call | None = None
         try:
-            call = self._prepare(ids, mode)
+            call = self._prepare(ids, mode, dtype)
         except Exception as caught:
             error = caught
         prepared = time.perf_counter()
@@ -332,7 +356,7 @@ class VocabParallelEmbedding:
         gathered = time.perf_counter()
         description = "" if call is None else call.description
         self._agree(error, call.digest if call is not None else 0, lambda: description, "the ids",
-                    "every rank must pass the same ids (same shape and values) with the same mode")
+                    "every rank must pass the same ids (same shape and values) with the same mode and dtype")
         assert call is not None  # _agree raised otherwise
         agreed = time.perf_counter()
         result = self._communicate(call)
@@ -342,32 +366,28 @@ class VocabParallelEmbedding:
 
     # -- the steps of a call ---------------------------------------------------------------------------------
 
-    def _prepare(self, ids: Any, mode: str) -> _Call:
-        """Check the ids, copy them once as int64 and lay them out in the order the collective needs."""
+    def _prepare(self, ids: Any, mode: str, dtype: Any) -> _Call:
+        """Check the ids and dtype, copy the ids once as int64, allocate the buffer."""
         if mode not in MODES:
             raise ValueError(f"mode must be 'full' or 'scatter', got {mode!r}")
+        target = validate.output_dtype(self._shard.rows, dtype)
         view = validate.ids_snapshot(ids, self._phantom)
         shape = tuple(int(size) for size in view.shape)
         if mode == "scatter" and not shape:
             raise ValueError("mode='scatter' splits the ids' first dimension, and scalar ids have none")
         flat = np.array(view, dtype=np.int64).reshape(-1)  # one copy: no other thread can change it under us
         validate.check_ids_in_range(flat.reshape(shape), self.vocab_size)
-        digest = _digest(mode.encode(), repr(shape).encode(), flat.data)
-        description = f"ids of shape {shape}, mode {mode!r}, values hashed to {digest & (2**64 - 1):016x}"
-        if mode == "full":
-            return _Call(mode, shape, flat, 0, self._buffer(flat.size), digest, description)
-        rest = math.prod(shape[1:])  # ids per position along the first dimension
-        slot = -(-shape[0] // self.world_size) * rest  # buffer rows per rank: the largest share
-        return _Call(mode, shape, _scatter_slots(flat, shape[0], rest, self.world_size), slot,
-                     self._buffer(slot * self.world_size), digest, description)
-
-    def _buffer(self, slots: int) -> np.ndarray:
-        row_words = self._dim * self._dtype.itemsize // self._word.itemsize
-        return np.empty((slots, row_words), self._word)
+        digest = _digest(mode.encode(), target.str.encode(), repr(shape).encode(), flat.data)
+        description = (f"ids of shape {shape}, mode {mode!r}, dtype {target}, "
+                       f"values hashed to {digest & (2**64 - 1):016x}")
+        row_bytes = self._dim * target.itemsize
+        word = next(word for word in _WORDS if row_bytes % word.itemsize == 0)
+        words = np.empty((flat.size, row_bytes // word.itemsize), word)
+        return _Call(mode, shape, flat, target, words, digest, description)
 
     def _gather(self, call: _Call) -> None:
         """Fill the buffer: this rank's rows at the positions it owns, zeros everywhere else."""
-        local, words = call.slots, call.words
+        local, words = call.ids, call.words
         if not local.size:
             return
         np.subtract(local, self.vocab_start, out=local)  # local is this call's own copy
@@ -376,31 +396,30 @@ class VocabParallelEmbedding:
             words.fill(0)
             return
         local[outside] = 0
-        self._local(local, out=words.view(self._dtype))
+        cast = call.dtype if self._quantized or call.dtype != self._dtype else None
+        self._local(local, out=words.view(call.dtype), dtype=cast)
         words[outside] = 0
 
     def _communicate(self, call: _Call) -> Any:
-        """The integer SUM collective over the buffer, and the result in the table's kind."""
-        dist, torch = self._dist, self._torch
+        """The integer SUM all-reduce over the buffer, in place, and the result in the table's kind.
+
+        ``scatter`` copies this rank's positions out of the reduced buffer. It is
+        an all-reduce rather than a reduce-scatter because gloo's reduce-scatter
+        clones its input and all-reduces the clone: the same traffic plus a copy
+        of the whole buffer.
+        """
         words = call.words
-        if call.mode == "full":
-            if words.size:
-                tensor = torch.from_numpy(words)
-                self._collective(lambda: dist.all_reduce(tensor, group=self._group, async_op=True),
-                                 "the all-reduce of the rows")
-            result = words
-            shape = call.shape
-        else:
-            mine = np.empty((call.slot_rows, words.shape[1]), words.dtype)
-            if words.size:
-                scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-                output, tensor = torch.from_numpy(mine), torch.from_numpy(words)
-                self._collective(lambda: scatter(output, tensor, group=self._group, async_op=True),
-                                 "the reduce-scatter of the rows")
-            start, stop = position_range(call.shape[0], self.world_size, self.rank)
-            shape = (stop - start, *call.shape[1:])
-            result = mine[: math.prod(shape)]
-        values = result.view(self._dtype).reshape(shape + (self._dim,))
+        if words.size:
+            tensor = self._torch.from_numpy(words)
+            self._collective(lambda: self._dist.all_reduce(tensor, group=self._group, async_op=True),
+                             "the all-reduce of the rows")
+        shape = call.shape
+        if call.mode == "scatter":
+            start, stop = position_range(shape[0], self.world_size, self.rank)
+            rest = math.prod(shape[1:])  # ids per position along the first dimension
+            shape = (stop - start, *shape[1:])
+            words = words[start * rest: stop * rest].copy()  # a result of its own size; the buffer is freed
+        values = words.view(call.dtype).reshape(shape + (self._dim,))
         return values if self._shard.like is None else result_like(values, self._shard.like)
 
     # -- collectives -----------------------------------------------------------------------------------------
@@ -457,31 +476,15 @@ class VocabParallelEmbedding:
 
 
 class _Call(NamedTuple):
-    """One call's prepared state: the ids laid out per buffer row, the buffer, the fingerprint."""
+    """One call's prepared state: the ids, the output dtype, the buffer, the fingerprint."""
 
     mode: str
     shape: tuple[int, ...]
-    slots: np.ndarray  # an int64 id per buffer row (scatter: padding holds -1); this call's own copy, shifted by _gather
-    slot_rows: int  # scatter: buffer rows per rank
-    words: np.ndarray  # (rows, row_words): the rows seen as integers, handed to the collective
+    ids: np.ndarray  # the ids as int64, flat: this call's own copy, shifted by _gather
+    dtype: np.dtype  # the result's dtype
+    words: np.ndarray  # (ids, row_words): the rows seen as integers, handed to the collective
     digest: int
     description: str
-
-
-def _scatter_slots(flat: np.ndarray, count: int, rest: int, world_size: int) -> np.ndarray:
-    """The ids laid out in world_size equal slots of ceil(count / world_size) positions, padding slots holding -1.
-
-    Rank r's positions (:func:`position_range`) start its slot; a reduce-scatter
-    needs equal slots, and -1 is owned by no rank, so padding sums to zeros.
-    """
-    chunk = -(-count // world_size)
-    if count == chunk * world_size:
-        return flat
-    slots = np.full(chunk * world_size * rest, -1, np.int64)
-    for rank in range(world_size):
-        start, stop = position_range(count, world_size, rank)
-        slots[rank * chunk * rest: (rank * chunk + stop - start) * rest] = flat[start * rest: stop * rest]
-    return slots
 
 
 def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: int) -> _Shard:
@@ -490,18 +493,19 @@ def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: 
         return _map_shard(source, name, pad, rank, world_size)
     if name is not None:
         raise ValueError("name= picks a tensor of a checkpoint; it does not apply to an array source")
-    device = device_of(source)
+    device = device_of(validate.storage(source))
     if device != "cpu":
         raise TypeError(_NOT_ON_HOST.format(device=device))
     view = validate.table_snapshot(source)
-    if isinstance(view, QuantizedTable):
-        raise TypeError(f"VocabParallelEmbedding splits dense tables, not a {view.format.name} table; "
-                        "dequantize it first (fastembed.lookup(table, np.arange(vocab_size), dtype=...))")
     vocab_size = int(view.shape[0])
     start, stop = _stored_range(vocab_size, pad, rank, world_size)
+    rows = validate.storage(source)  # what results follow: the table, or a quantized table's data
     like = None
-    if not isinstance(source, np.ndarray):
-        like = source.detach()[start:stop] if hasattr(source, "detach") else source  # torch: a view of the rows
+    if not isinstance(rows, np.ndarray):
+        like = rows.detach()[start:stop] if hasattr(rows, "detach") else rows  # torch: a view of the rows
+    if isinstance(view, QuantizedTable):
+        scales = None if view.scales is None else view.scales[start:stop]
+        return _Shard(QuantizedTable(view.data[start:stop], view.format, view.dim, scales), like, None, vocab_size)
     return _Shard(view[start:stop], like, None, vocab_size)
 
 
@@ -510,19 +514,34 @@ def _map_shard(path: str | os.PathLike, name: str | None, pad: int, rank: int, w
     from .io import FileWatch, open_table
 
     whole = open_table(path, name)
-    if not isinstance(whole, np.memmap):
+    arrays: list[Any] = [whole.data, whole.scales] if isinstance(whole, QuantizedTable) else [whole]
+    if not all(array is None or isinstance(array, np.memmap) for array in arrays):
         raise TypeError(f"{path}: VocabParallelEmbedding maps plain tables; this one opens as {type(whole).__name__}")
     validate.table_snapshot(whole)  # 2-D and C-contiguous, as Embedding requires
-    vocab_size, dim = (int(size) for size in whole.shape)
-    dtype, filename = whole.dtype, str(whole.filename)
+    vocab_size = int(whole.shape[0])
     start, stop = _stored_range(vocab_size, pad, rank, world_size)
-    offset = int(whole.offset) + start * dim * dtype.itemsize
-    del whole
-    if stop > start:
-        rows: np.ndarray = np.memmap(filename, dtype=dtype, mode="r", offset=offset, shape=(stop - start, dim))
-    else:
-        rows = np.empty((0, dim), dtype)
-    return _Shard(rows, None, FileWatch(filename, offset + rows.nbytes), vocab_size)
+    maps = [None if array is None else _map_rows(array, start, stop) for array in arrays]
+    needed = max(int(array.offset) + int(array.itemsize) * stop * math.prod(array.shape[1:])
+                 for array in arrays if array is not None)
+    watch = FileWatch(str(arrays[0].filename), needed)
+    rows: Any = QuantizedTable(maps[0], whole.format, whole.dim, maps[1]) if isinstance(whole, QuantizedTable) else maps[0]
+    del whole, arrays  # the loaders' maps of the whole tensor, never read
+    return _Shard(rows, None, watch, vocab_size)
+
+
+def _map_rows(whole: np.memmap, start: int, stop: int) -> np.ndarray:
+    """Rows ``[start, stop)`` of a mapped array (a table's rows, or its row scales), mapping only their bytes."""
+    shape = (stop - start, *whole.shape[1:])
+    if stop == start:
+        return np.empty(shape, whole.dtype)
+    row_bytes = whole.itemsize * math.prod(whole.shape[1:])
+    return np.memmap(str(whole.filename), dtype=whole.dtype, mode="r", offset=int(whole.offset) + start * row_bytes,
+                     shape=shape)
+
+
+def _kind(rows: Any) -> str:
+    """A table's rows in words for the agreement: its dtype, or its format."""
+    return f"{rows.format.name}" if isinstance(rows, QuantizedTable) else str(rows.dtype)
 
 
 def _stored_range(vocab_size: int, pad: int, rank: int, world_size: int) -> tuple[int, int]:

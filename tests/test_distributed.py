@@ -38,7 +38,8 @@ import fastembed  # noqa: E402
 from fastembed import distributed  # noqa: E402
 from fastembed.arrays import torch_adapter  # noqa: E402
 from fastembed.distributed import CommunicationError, VocabParallelEmbedding  # noqa: E402
-from fastembed.tables import random_table  # noqa: E402
+from fastembed.formats import FORMATS, QuantizedTable, quantize_rows  # noqa: E402
+from fastembed.tables import random_quantized_table, random_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 41  # prime: no world size divides it
@@ -47,6 +48,10 @@ SEED = 7
 TABLES = [("float16", 6), ("float16", 7), ("bfloat16", 4), ("float32", 8), ("float64", 3), ("int8", 5),
           ("uint8", 9), ("int32", 4), ("V3", 5)]
 TORCH_KINDS = ("float16", "bfloat16", "float32", "int8")
+#: (format, dim) of the quantized tables: ggml's q8_0 and fp8 with row scales (quantized here), a random q4_k.
+QUANTIZED = [("q8_0", 64), ("fp8_e4m3", 48), ("q4_k", 256)]
+#: What a quantized table dequantizes into (None: float32).
+OUTPUT_DTYPES = (None, "float16", "bfloat16", "float32")
 #: Bit patterns that an arithmetic combine would not preserve: -0.0, NaNs with payloads (quiet, signalling,
 #: negative), infinity; written into rows 1 to 5.
 SPECIAL_BITS = {
@@ -173,18 +178,28 @@ def id_sets() -> list[tuple[str, object]]:
     ]
 
 
-def check_lookups(emb: VocabParallelEmbedding, table, world: int, rank: int, label: str) -> list[str]:
-    """Every id set, both modes, against a single-process fastembed.lookup on the whole table."""
+def check_lookups(emb: VocabParallelEmbedding, table, world: int, rank: int, label: str, dtype=None) -> list[str]:
+    """Every id set, both modes, against a single-process fastembed.lookup(table, ids, dtype=dtype) on the whole table."""
     failures = []
-    kind = torch.Tensor if isinstance(table, torch.Tensor) else np.ndarray
+    rows = table.data if isinstance(table, QuantizedTable) else table
+    kind = torch.Tensor if isinstance(rows, torch.Tensor) else np.ndarray
     for name, ids in id_sets():
-        expected = fastembed.lookup(table, ids)
-        failures += same_bits(f"{label} {name} full", emb(ids), expected, kind)
+        expected = fastembed.lookup(table, ids, dtype=dtype)
+        failures += same_bits(f"{label} {name} full", emb(ids, dtype=dtype), expected, kind)
         if np.ndim(ids) == 0:
             continue
         start, stop = distributed.position_range(np.shape(ids)[0], world, rank)
-        failures += same_bits(f"{label} {name} scatter", emb(ids, mode="scatter"), expected[start:stop], kind)
+        failures += same_bits(f"{label} {name} scatter", emb(ids, mode="scatter", dtype=dtype), expected[start:stop],
+                              kind)
     return failures
+
+
+def make_quantized(fmt: str, dim: int, vocab: int = VOCAB) -> QuantizedTable:
+    """q8_0 and fp8_e4m3 quantized from random rows (as fastembed writes them); other formats random blocks."""
+    if fmt not in ("q8_0", "fp8_e4m3"):
+        return random_quantized_table(fmt, vocab, dim, SEED)
+    data, scales = quantize_rows(random_table(vocab, dim, "float32", SEED), FORMATS[fmt])
+    return QuantizedTable(data, fmt, dim, scales)
 
 
 # -- the tasks the ranks run ------------------------------------------------------------------------------------
@@ -212,6 +227,67 @@ def exactness_task(rank: int, world: int) -> dict:
     plain([1, 2, 3])
     return {"failures": failures, "ranges": ranges, "shard_is_view": shard_is_view,
             "timings": tuple(plain.last_timings)}
+
+
+def quantized_task(rank: int, world: int, files: dict) -> dict:
+    """Quantized tables as arrays (numpy, torch data) and files: lookups, dtypes, errors, the file's maps."""
+    failures: list[str] = []
+    for fmt, dim in QUANTIZED:
+        table = make_quantized(fmt, dim)
+        emb = VocabParallelEmbedding(table, timeout=30)
+        for dtype in OUTPUT_DTYPES if fmt != "q4_k" else (None, "bfloat16"):
+            failures += check_lookups(emb, table, world, rank, f"{fmt} into {dtype}", dtype)
+    table = make_quantized("q8_0", 64)
+    torch_table = QuantizedTable(torch.from_numpy(table.data), "q8_0", 64)
+    failures += check_lookups(VocabParallelEmbedding(torch_table, timeout=30), torch_table, world, rank,
+                              "torch q8_0 into float16", "float16")
+    dense = make_table("float16", 6)  # dtype= on a dense float table casts, as fastembed.lookup does
+    failures += check_lookups(VocabParallelEmbedding(dense, timeout=30), dense, world, rank, "float16 into float32",
+                              "float32")
+    layer = VocabParallelEmbedding(table, timeout=30)
+    shard = layer.shard
+    facts = {"format": layer.format, "dtype": str(layer.dtype), "shard": (type(shard).__name__, shard.format.name,
+                                                                         int(shard.data.shape[0]))}
+    cases = {
+        "int8 everywhere": lambda: layer([1, 2], dtype="int8"),
+        "int8 on one rank": lambda: layer([1, 2], dtype="int8" if rank == world - 1 else "float16"),
+        "dtypes differ": lambda: layer([1, 2], dtype="float16" if rank == 0 else "bfloat16"),
+        "bad id everywhere": lambda: layer(np.array([[1, 2], [VOCAB, 3]]), mode="scatter", dtype="float16"),
+    }
+    outcomes = {case: _outcome(call) for case, call in cases.items()}
+    messages = {"int8": _message(lambda: fastembed.lookup(table, [1, 2], dtype="int8")),
+                "bad id": _message(lambda: fastembed.lookup(table, np.array([[1, 2], [VOCAB, 3]]), dtype="float16"))}
+    failures += same_bits("after the errors", layer([7, 8], dtype="bfloat16"),
+                          fastembed.lookup(table, [7, 8], dtype="bfloat16"), np.ndarray)
+    maps = {}
+    for label, (path, fmt, dim, vocab) in files.items():
+        if fmt not in FORMATS:
+            continue
+        emb = VocabParallelEmbedding(path, timeout=30)
+        emb.check_file()
+        spans = mapped_spans(path)
+        maps[label] = {"spans": spans, "rows_offset": int(emb.shard.data.offset) if emb.shard.data.size else -1,
+                       "rows_bytes": int(emb.shard.data.nbytes), "shard_bytes": int(emb.shard.nbytes),
+                       "table_bytes": vocab * FORMATS[fmt].row_bytes(dim), "format": emb.format}
+        table = make_quantized(fmt, dim, vocab)
+        ids = np.random.default_rng(SEED).integers(0, vocab, (6, 5))
+        start, stop = distributed.position_range(6, world, rank)
+        for dtype in ("float16", "bfloat16"):
+            expected = fastembed.lookup(table, ids, dtype=dtype)
+            failures += same_bits(f"{label} {dtype} full", emb(ids, dtype=dtype), expected, np.ndarray)
+            failures += same_bits(f"{label} {dtype} scatter", emb(ids, mode="scatter", dtype=dtype),
+                                  expected[start:stop], np.ndarray)
+        del emb
+    return {"failures": failures, "facts": facts, "outcomes": outcomes, "messages": messages, "maps": maps}
+
+
+def _outcome(call) -> tuple[str, str, float]:
+    started = time.monotonic()
+    try:
+        call()
+    except Exception as error:
+        return (type(error).__name__, str(error), time.monotonic() - started)
+    return ("no error", "", time.monotonic() - started)
 
 
 def errors_task(rank: int, world: int, file_path: str) -> dict:
@@ -344,13 +420,19 @@ def group(request, tmp_path_factory):
 
 def combined_task(rank: int, world: int, files: dict) -> dict:
     """The three checks in one group (start-up is the slow part)."""
+    dense = {label: file for label, file in files.items() if file[1] not in FORMATS}
     return {"exact": exactness_task(rank, world),
             "errors": errors_task(rank, world, files["float16 safetensors"][0]),
-            "checkpoint": checkpoint_task(rank, world, files)}
+            "checkpoint": checkpoint_task(rank, world, dense),
+            "quantized": quantized_task(rank, world, files)}
 
 
 def write_checkpoints(folder: Path) -> dict:
-    """Tables as files (safetensors float16 and bfloat16, .npy float32): label -> (path, dtype, dim, vocab)."""
+    """Tables as files: label -> (path, dtype or format, dim, vocab).
+
+    Dense: safetensors float16 and bfloat16, .npy float32. Quantized, written by Embedding.save: q8_0 as GGUF,
+    fp8_e4m3 as safetensors (rows and row scales).
+    """
     from safetensors.numpy import save_file
     from safetensors.torch import save_file as save_torch_file
 
@@ -367,6 +449,10 @@ def write_checkpoints(folder: Path) -> dict:
     path = folder / "table.npy"
     np.save(path, make_table("float32", 20, 997))
     files["float32 npy"] = (str(path), "float32", 20, 997)
+    for fmt, suffix, dim in (("q8_0", "gguf", 64), ("fp8_e4m3", "safetensors", 32)):
+        path = folder / f"{fmt}.{suffix}"
+        fastembed.Embedding(make_quantized(fmt, dim, vocab)).save(path)
+        files[f"{fmt} {suffix}"] = (str(path), fmt, dim, vocab)
     return files
 
 
@@ -443,6 +529,51 @@ def test_a_checkpoint_rank_maps_only_its_rows(group):
             assert mapped < maps["table_bytes"], (label, rank, maps)  # never the whole table
             first = min(offset for offset, _ in maps["spans"])
             assert maps["shard_offset"] - page < first <= maps["shard_offset"], (label, rank, maps)
+
+
+def test_quantized_tables_are_bit_exact_into_every_output_dtype(group):
+    world, ranks = group
+    for rank, result in enumerate(ranks):
+        report = result["quantized"]
+        assert report["failures"] == [], f"rank {rank} of {world}"
+        start, stop = distributed.row_range(VOCAB, world, rank)
+        assert report["facts"] == {"format": "q8_0", "dtype": "float32", "shard": ("QuantizedTable", "q8_0",
+                                                                                   stop - start)}
+
+
+def test_quantized_errors_are_raised_on_every_rank_before_the_data_collective(group):
+    world, ranks = group
+    outcomes = [result["quantized"]["outcomes"] for result in ranks]
+    messages = ranks[0]["quantized"]["messages"]
+    expected = {"int8 everywhere": ("TypeError", messages["int8"]),
+                "int8 on one rank": ("TypeError", f"{messages['int8']} (on rank {world - 1} of {world})"),
+                "bad id everywhere": ("IndexError", messages["bad id"])}
+    for case, (kind, message) in expected.items():
+        assert {outcome[case][:2] for outcome in outcomes} == {(kind, message)}, case
+    assert "dequantizes into float32, float16, bfloat16, not int8" in messages["int8"]
+    disagree = {outcome["dtypes differ"][:2] for outcome in outcomes}
+    assert len(disagree) == 1 and next(iter(disagree))[0] == "ValueError", disagree
+    message = next(iter(disagree))[1]
+    assert "the ranks disagree on the ids" in message and "dtype float16" in message and "dtype bfloat16" in message
+    assert all(outcome[case][2] < 10 for outcome in outcomes for case in outcome)
+
+
+def test_a_quantized_file_rank_maps_only_its_rows(group):
+    world, ranks = group
+    page = mmap.ALLOCATIONGRANULARITY
+    for rank, result in enumerate(ranks):
+        maps = result["quantized"]["maps"]
+        assert set(maps) == {"q8_0 gguf", "fp8_e4m3 safetensors"}
+        for label, report in maps.items():
+            if not report["spans"]:
+                pytest.skip("no /proc/self/maps here")
+            pieces = 2 if label.startswith("fp8") else 1  # fp8: the rows and the row scales, each mapped on its own
+            mapped = sum(length for _, length in report["spans"])
+            assert len(report["spans"]) == pieces, (label, rank, report)
+            assert report["shard_bytes"] <= mapped <= report["shard_bytes"] + 2 * pieces * page, (label, rank, report)
+            assert mapped < report["table_bytes"], (label, rank, report)
+            first = max(offset for offset, _ in report["spans"] if offset <= report["rows_offset"])  # the rows' map
+            assert report["rows_offset"] - page < first <= report["rows_offset"], (label, rank, report)
 
 
 @pytest.mark.parametrize("repeat", range(KILL_REPEATS))
@@ -555,12 +686,16 @@ def test_bench_ranks_smoke(tmp_path):
     assert set(rows) == {(1, "full"), (1, "scatter"), (5, "full"), (5, "scatter")}
     row_bytes = 8 * 2
     assert rows[5, "full"]["payload_bytes"] == 5 * row_bytes
-    assert rows[5, "scatter"]["payload_bytes"] == 2 * 3 * row_bytes  # two slots of ceil(5 / 2) positions
-    assert rows[5, "full"]["ring_sent_bytes"] == 5 * row_bytes  # 2 (N - 1) / N of the payload, N = 2
+    assert rows[5, "scatter"]["payload_bytes"] == 5 * row_bytes  # scatter all-reduces every position too
+    assert rows[5, "full"]["ring_sent_bytes"] == rows[5, "scatter"]["ring_sent_bytes"] == 5 * row_bytes  # 2 (N-1)/N
     for row in rows.values():
         assert row["total_us"] > 0 and row["single_us"] > 0 and row["communicate_us"] > 0
     assert [rank["rows"] for rank in payload["processes"]["ranks"]] == [[0, 25], [25, 50]]
     assert all(rank["held_bytes"] == 25 * row_bytes for rank in payload["processes"]["ranks"])
+    for process in [*payload["processes"]["ranks"], payload["processes"]["single"]]:
+        before, after = process["memory_before"], process["memory_after"]
+        assert after["rss"] > 0 and after["peak"] >= after["rss"] and before["rss"] == process["rss_before_bytes"]
+        assert 0 <= after["table_file"] <= 2 * mmap.ALLOCATIONGRANULARITY + 4096  # the tiny table's pages at most
 
 
 @pytest.mark.parametrize("arguments, message", [

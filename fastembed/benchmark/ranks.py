@@ -18,13 +18,21 @@ Per batch and mode the report gives:
   *agree* (the fingerprint all-gather, which includes waiting for the
   slowest rank) and *communicate* (the integer all-reduce or reduce-scatter);
 - the bytes each rank hands to the collective, and the bytes a ring
-  algorithm sends per rank for them (all-reduce 2(N-1)/N of them,
-  reduce-scatter (N-1)/N);
+  all-reduce sends per rank for them, 2(N-1)/N (both modes all-reduce:
+  see :meth:`fastembed.distributed.VocabParallelEmbedding._communicate`);
 - one process's median time for the same ids, and the ratio.
 
-Below the tables: each process's resident memory (RSS) after its lookups,
-and how much it grew from just before the table was opened, beside the
-bytes of the rows it holds (a rank's shard; the single process's table).
+Below the tables, each process's memory. The baseline is taken after torch
+is imported and (on a rank) the process group exists, just before the table
+is opened: what the layer and its lookups add, not what torch and gloo cost.
+The growth to after the lookups is shown beside the bytes of the rows the
+process holds (a rank's shard; the single process's table), and split, from
+``/proc/self/status`` and ``/proc/self/smaps``, into the table file's
+resident pages (at most the rows held), other files' pages (shared
+libraries: numba's llvmlite is loaded by the first large lookup) and
+anonymous memory (numba's compiler and compiled kernels, Python objects,
+buffers not yet returned). The peak (VmHWM, reset at the baseline) also
+counts each call's buffers, which are freed before the next.
 """
 from __future__ import annotations
 
@@ -86,13 +94,13 @@ def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | N
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
-        rss_before = _rss_bytes()
+        before = memory(table_path)
         emb = VocabParallelEmbedding(table_path, name=name, timeout=TIMEOUT_S)
         samples, payloads = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps, seed,
                                      fastembed.wait_for_compiles, lambda: emb.last_timings)
         report = {"rank": rank, "rows": [emb.vocab_start, emb.vocab_end], "held_bytes": int(emb.shard.nbytes),
-                  "rss_before_bytes": rss_before, "rss_bytes": _rss_bytes(), "samples": samples,
-                  "payload_bytes": payloads}
+                  "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(), "memory_before": before,
+                  "memory_after": memory(table_path), "samples": samples, "payload_bytes": payloads}
         Path(folder, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -103,11 +111,12 @@ def single_worker(_index: int, table_path: str, name: str | None, batches: list[
     """The single process (run by torch.multiprocessing): the whole table, the same ids, into ``single.json``."""
     import fastembed
 
-    rss_before = _rss_bytes()
+    before = memory(table_path)
     emb = fastembed.Embedding.from_pretrained(table_path, name)
     samples, _ = _measure(lambda ids, mode: emb(ids), emb.vocab_size, batches, reps, seed, fastembed.wait_for_compiles,
                           lambda: None)
-    report = {"held_bytes": emb.nbytes, "rss_before_bytes": rss_before, "rss_bytes": _rss_bytes(), "samples": samples}
+    report = {"held_bytes": emb.nbytes, "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(),
+              "memory_before": before, "memory_after": memory(table_path), "samples": samples}
     Path(folder, "single.json").write_text(json.dumps(report))
 
 
@@ -144,6 +153,41 @@ def _rss_bytes() -> int:
     return rss_bytes()
 
 
+def memory(table_path: str | os.PathLike, reset_peak: bool = True) -> dict[str, int]:
+    """This process's memory, in bytes: RSS, its anonymous and file parts, the peak, the table file's resident pages.
+
+    Args:
+        table_path: the table's file; ``table_file`` is the resident bytes of this process's maps of it.
+        reset_peak: afterwards, reset the peak (VmHWM) to the current RSS, so that the next reading's
+            ``peak`` is the highest RSS since this one.
+
+    Returns:
+        ``{"rss", "rss_anon", "rss_file", "peak", "table_file"}``; every value 0 where ``/proc`` lacks it.
+    """
+    fields = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "VmHWM": "peak"}
+    found = dict.fromkeys([*fields.values(), "table_file"], 0)
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in fields:
+                    found[fields[key]] = int(value.split()[0]) * 1024
+        target, current = os.path.realpath(table_path), None
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                if line.startswith("Rss:"):
+                    found["table_file"] += int(line.split()[1]) * 1024 if current == target else 0
+                elif not line[:1].isupper():  # a mapping's first line: addresses, perms, offset, dev, inode, path
+                    parts = line.split(maxsplit=5)
+                    current = parts[5].strip() if len(parts) > 5 else None
+        if reset_peak:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")
+    except OSError:
+        pass
+    return found
+
+
 def summarise(measured: dict[str, Any], batches: list[int]) -> list[dict[str, Any]]:
     """One row per (batch, mode): the slowest rank's median time and phases, bytes, the single process's median."""
     ranks, single = measured["ranks"], measured["single"]
@@ -158,7 +202,7 @@ def summarise(measured: dict[str, Any], batches: list[int]) -> list[dict[str, An
                 row[name.replace("_s", "_us")] = statistics.median(slowest) * 1e6
             payload = max(rank["payload_bytes"][key] for rank in ranks)
             row["payload_bytes"] = payload
-            row["ring_sent_bytes"] = int(payload * (world - 1) / world * (2 if mode == "full" else 1))
+            row["ring_sent_bytes"] = int(payload * 2 * (world - 1) / world)
             row["single_us"] = statistics.median(single["samples"][key]["total_s"]) * 1e6
             row["ranks_over_single"] = row["total_us"] / row["single_us"]
             rows.append(row)
@@ -193,12 +237,23 @@ def print_report(rows: list[dict[str, Any]], measured: dict[str, Any], console: 
                       f"{_bytes(rank['held_bytes'])}; {_rss(rank)}", markup=False)
     single = measured["single"]
     console.print(f"1 process: holds {_bytes(single['held_bytes'])}; {_rss(single)}", markup=False)
-    console.print("(RSS counts a mapped row once a lookup has touched its page)", markup=False)
+    console.print("(growth from after torch and the process group, before the table, to after the lookups; RSS "
+                  "counts a mapped row once a lookup has touched its page; peak: the highest RSS in between)",
+                  markup=False)
 
 
 def _rss(process: dict[str, Any]) -> str:
-    grown = process["rss_bytes"] - process["rss_before_bytes"]
-    return f"RSS {_bytes(process['rss_bytes'])} after its lookups, {_bytes(max(0, grown))} more than before the table"
+    before, after = process["memory_before"], process["memory_after"]
+    grown = after["rss"] - before["rss"]
+    table = after["table_file"] - before["table_file"]
+    other_files = after["rss_file"] - before["rss_file"] - table
+    return (f"RSS {_bytes(after['rss'])} after its lookups, {_signed(grown)} (table file pages {_signed(table)}, "
+            f"other files {_signed(other_files)}, anonymous {_signed(after['rss_anon'] - before['rss_anon'])}); "
+            f"peak {_signed(after['peak'] - before['rss'])}")
+
+
+def _signed(count: float) -> str:
+    return ("-" if count < 0 else "+") + _bytes(abs(count))
 
 
 def _table(title: str, columns: tuple[str, ...], values: list[tuple[Any, ...]]) -> Any:
