@@ -541,7 +541,7 @@ def _map_rows(whole: np.memmap, start: int, stop: int) -> np.ndarray:
 
 def _kind(rows: Any) -> str:
     """A table's rows in words for the agreement: its dtype, or its format."""
-    return f"{rows.format.name}" if isinstance(rows, QuantizedTable) else str(rows.dtype)
+    return str(rows.format.name) if isinstance(rows, QuantizedTable) else str(rows.dtype)
 
 
 def _stored_range(vocab_size: int, pad: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ Per batch and mode the report gives:
   the median) and its parts, each the same statistic: *prepare* (checking,
   copying and hashing the ids), *gather* (the masked local gather),
   *agree* (the fingerprint all-gather, which includes waiting for the
-  slowest rank) and *communicate* (the integer all-reduce or reduce-scatter);
+  slowest rank) and *communicate* (the integer all-reduce, in both modes);
 - the bytes each rank hands to the collective, and the bytes a ring
   all-reduce sends per rank for them, 2(N-1)/N (both modes all-reduce:
   see :meth:`fastembed.distributed.VocabParallelEmbedding._communicate`);
