@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, validate
-from .arrays import aligned_result, device_of, result_like
+from .arrays import aligned_result, call_context, device_of, result_like
 from .formats import QuantizedTable
 
 _NDARRAY = np.ndarray
@@ -66,9 +66,9 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
                [ 0.,  1.,  2.]], dtype=float32)
     """
     table_view = validate.table_snapshot(table)
+    if dtype is not None or type(table_view) is not _NDARRAY:
+        return _converting_lookup(table_view, ids, out, dtype, backend, table)
     ids_view = validate.ids_snapshot(ids, table_view)
-    if dtype is not None or type(table_view) is QuantizedTable:
-        return _converting_lookup(table_view, ids_view, out, dtype, backend, table, ids)
     if out is None:
         if type(table) is _NDARRAY:
             return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
@@ -84,26 +84,32 @@ def _wrapped_lookup(table_view: Any, ids_view: Any, backend: str, table: Any) ->
     return result_like(dispatch.select(table_view, backend).gather(table_view, ids_view, buffer), table)
 
 
-def _converting_lookup(table_view: Any, ids_view: Any, out: Any, dtype: Any, backend: str, table: Any, ids: Any) -> Any:
-    """The steps of :func:`lookup` for a quantized table or an explicit ``dtype=``."""
-    target = validate.output_dtype(table_view, dtype)
-    rows = validate.storage(table)  # a quantized table's results follow its data's library
-    if out is None:
-        out_view = aligned_result(rows, validate.output_shape(ids_view, table_view), target)
-    else:
-        out_view = validate.out_snapshot(out, ids_view, table_view, table, ids, target)
-    chosen = dispatch.select(table_view, backend)
-    if type(table_view) is QuantizedTable:
-        result = chosen.dequantize(table_view, ids_view, out_view, target)  # type: ignore[attr-defined]
-    elif target == table_view.dtype:
-        result = chosen.gather(table_view, ids_view, out_view)
-    else:
-        from .casting import gather_cast
+def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend: str, table: Any) -> Any:
+    """The steps of :func:`lookup` for a table whose snapshot is not a numpy array (a GPU or quantized table) or an explicit ``dtype=``.
 
-        result = gather_cast(chosen, table_view, ids_view, out_view, target)
-    if out is not None:
-        return out
-    return result if type(rows) is _NDARRAY else result_like(result, rows)
+    They run in the table's call context (:func:`fastembed.arrays.call_context`:
+    for a torch CUDA table its device, and torch's current stream as cupy's).
+    """
+    rows = validate.storage(table)  # a quantized table's results follow its data's library
+    with call_context(rows):
+        ids_view = validate.ids_snapshot(ids, table_view)
+        target = validate.output_dtype(table_view, dtype)
+        if out is None:
+            out_view = aligned_result(rows, validate.output_shape(ids_view, table_view), target)
+        else:
+            out_view = validate.out_snapshot(out, ids_view, table_view, table, ids, target)
+        chosen = dispatch.select(table_view, backend)
+        if type(table_view) is QuantizedTable:
+            result = chosen.dequantize(table_view, ids_view, out_view, target)  # type: ignore[attr-defined]
+        elif target == table_view.dtype:
+            result = chosen.gather(table_view, ids_view, out_view)
+        else:
+            from .casting import gather_cast
+
+            result = gather_cast(chosen, table_view, ids_view, out_view, target)
+        if out is not None:
+            return out
+        return result if type(rows) is _NDARRAY else result_like(result, rows)
 
 
 class Embedding:
@@ -137,9 +143,9 @@ class Embedding:
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:
         """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors)."""
         table_view = self._view
+        if dtype is not None or type(table_view) is not _NDARRAY:
+            return _converting_lookup(table_view, ids, out, dtype, backend, self._rows)
         ids_view = validate.ids_snapshot(ids, table_view)
-        if dtype is not None or type(table_view) is QuantizedTable:
-            return _converting_lookup(table_view, ids_view, out, dtype, backend, self._rows, ids)
         if out is None:
             if self._numpy:
                 return dispatch.select(table_view, backend).gather(table_view, ids_view, None)

@@ -10,6 +10,7 @@ are given one of its arrays).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 from . import cupy_adapter, jax_adapter, numpy_adapter, torch_adapter
@@ -19,7 +20,11 @@ class ArrayAdapter(Protocol):
     """The operations fastembed performs on arrays of one library.
 
     An adapter whose arrays cannot be written (jax) also sets
-    ``immutable = True``: validation refuses such an array as ``out``.
+    ``immutable = True``: validation refuses such an array as ``out``. An
+    adapter whose arrays need a device or stream made current for a lookup
+    (torch CUDA tensors) provides ``stream_context(array)``
+    (:func:`call_context`), and one whose results need the caller's table to
+    get their dtype back provides ``wrap_like(result, like)`` (:func:`result_like`).
     """
 
     name: str
@@ -91,7 +96,27 @@ def result_like(result: Any, table: Any) -> Any:
     returns numpy: the result follows the table.
     """
     adapter = adapter_of(table)
-    return result if adapter is None else adapter.wrap(result)
+    if adapter is None:
+        return result
+    wrap_like = getattr(adapter, "wrap_like", None)
+    return adapter.wrap(result) if wrap_like is None else wrap_like(result, table)
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def call_context(table: Any) -> Any:
+    """The context manager a lookup on the caller's `table` (or a quantized table's rows) runs in.
+
+    The adapter's ``stream_context(table)`` where it has one (a torch CUDA
+    tensor: its device, and torch's current stream as cupy's); otherwise a
+    null context. The API enters it only for tables whose snapshot is not a
+    numpy array, around the ids' snapshot, the backend call and the wrapping
+    of the result.
+    """
+    adapter = adapter_of(table)
+    stream_context = getattr(adapter, "stream_context", None)
+    return _NO_CONTEXT if stream_context is None else stream_context(table)
 
 
 def aligned_result(table: Any, shape: tuple[int, ...], dtype: Any) -> Any:

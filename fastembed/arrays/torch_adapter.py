@@ -1,18 +1,31 @@
-"""torch tensors on the CPU: seen as numpy arrays, zero-copy, through DLPack.
+"""torch tensors: CPU tensors seen as numpy arrays, CUDA tensors as cupy arrays, zero-copy, through DLPack.
 
 Recognised by their module name, so telling a tensor from anything else never
 imports torch. A snapshot of a CPU tensor is a numpy array sharing the
-tensor's memory (``np.from_dlpack``), so validation, dispatch and the
-backends see numpy alone; a result is handed back as a tensor over the same
-memory (``torch.from_dlpack``). Dtypes numpy lacks (bfloat16, float8) travel
-as integer views of the same width and are retyped with ml_dtypes.
+tensor's memory (``np.from_dlpack``), so validation, dispatch and the host
+backends see numpy alone. A snapshot of a CUDA tensor is a cupy array over the
+same device memory (``cupy.from_dlpack``), so the cuda backend serves it as it
+serves a cupy table. A result is handed back as a tensor over the result's
+memory (``torch.from_dlpack``) on the table's device. Dtypes numpy and cupy
+lack (bfloat16, float8) travel as integer views of the same width: on the
+host retyped with ml_dtypes, on a GPU as the unsigned words the cupy adapter
+stores them in (bfloat16 as uint16); the bits are never converted.
+
+A lookup on a torch CUDA table runs in :meth:`TorchAdapter.stream_context`:
+the table's device is current (for torch and cupy) and cupy's current stream
+is torch's current stream on that device, so the ids' copy or conversion,
+the kernel and the result's allocation are ordered with the caller's torch
+work, with no synchronisation added. Nothing moves between devices: ids or
+``out`` on another device than the table are refused by validation.
 
 A tensor that requires grad is gathered through ``tensor.detach()`` (no
-copy): lookup does not record autograd. torch CUDA tensors are refused for
-now (TypeError): a GPU table goes through cupy (``Embedding.to_device()``).
+copy): lookup does not record autograd. Tensors on other devices (``meta``,
+``mps``, ...) are refused (TypeError).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,8 +36,12 @@ from . import numpy_adapter
 _VIA_INTEGER = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 #: The same, keyed by torch dtype objects (torch dtype -> (torch integer dtype, name)); built on first use.
 _via_torch: dict[Any, tuple[Any, str]] | None = None
+_NO_CONTEXT = contextlib.nullcontext()
 
-CUDA_NOT_SUPPORTED = "torch CUDA tensors are not supported yet; use cupy (Embedding.to_device())"
+CUPY_MISSING = (
+    "torch CUDA tensors are gathered by the cuda backend, which needs cupy: "
+    "pip install 'fastembed-gather[cuda12]' (or '[cuda13]')"
+)
 
 
 class TorchAdapter:
@@ -44,14 +61,23 @@ class TorchAdapter:
             return "cpu"
         return f"{device.type}:{device.index if device.index is not None else 0}"
 
-    def snapshot(self, array: Any) -> np.ndarray:
-        """A numpy array over the tensor's memory (no copy), its shape, strides and dtype read once."""
+    def snapshot(self, array: Any) -> Any:
+        """A view of the tensor's memory (no copy), its shape, strides and dtype read once.
+
+        Returns:
+            A numpy array for a CPU tensor, a cupy array on the same device for a CUDA tensor.
+
+        Raises:
+            TypeError: a tensor on another kind of device, a dtype the view
+                cannot hold, a bfloat16 or float8 CPU tensor without ml_dtypes,
+                or a CUDA tensor without cupy installed.
+        """
         device = self.device(array)
-        if device != "cpu":
-            if device.startswith("cuda"):
-                raise TypeError(f"{CUDA_NOT_SUPPORTED} (got a tensor on {device})")
-            raise TypeError(f"torch tensors on {device} are not supported; fastembed reads CPU tensors")
         tensor = array.detach() if array.requires_grad else array  # no copy: lookup does not record autograd
+        if device != "cpu":
+            if device.startswith("cuda:"):
+                return _cuda_view(tensor, _index(device))
+            raise TypeError(f"torch tensors on {device} are not supported; fastembed reads CPU and CUDA tensors")
         via = _via_integer().get(tensor.dtype)
         if via is None:
             try:
@@ -60,24 +86,137 @@ class TorchAdapter:
                 raise TypeError(f"torch dtype {tensor.dtype} cannot be seen as a numpy array: {error}") from None
         return np.from_dlpack(tensor.view(via[0])).view(_ml_dtype(via[1]))
 
-    def wrap(self, result: np.ndarray) -> Any:
-        """A host result (a numpy array) as a tensor over the same memory."""
+    def stream_context(self, array: Any) -> Any:
+        """The context a lookup on `array` (the caller's table, or a quantized table's rows) runs in.
+
+        For a CUDA tensor: its device current for torch and cupy, and cupy's
+        current stream wrapping torch's current stream there
+        (``cupy.cuda.ExternalStream``), entered for the whole call. For a CPU
+        tensor: a null context.
+        """
+        device = self.device(array)
+        if not device.startswith("cuda:"):
+            return _NO_CONTEXT
+        return _on_torch_stream(_index(device))
+
+    def wrap(self, result: Any) -> Any:
+        """A result (numpy on the host, cupy on a GPU) as a tensor over the same memory; see :meth:`wrap_like`."""
+        if isinstance(result, np.ndarray):
+            return _host_tensor(result)
+        return self.wrap_like(result, None)
+
+    def wrap_like(self, result: Any, like: Any) -> Any:
+        """`result`, gathered for the torch table or rows `like`, as a tensor over its memory on its device.
+
+        On a GPU the result's dtype may be a stand-in: the words of `like`'s
+        bfloat16 or float8 dtype, or uint16 for a bfloat16 result of a
+        quantized table (cupy has no bfloat16); the tensor gets the real dtype.
+
+        Raises:
+            TypeError: a host result of an ml_dtypes dtype torch does not have.
+        """
+        if isinstance(result, np.ndarray):
+            return _host_tensor(result)
         import torch
 
-        if result.dtype.kind != "V":  # numpy's own dtypes; ml_dtypes' (bfloat16, float8) are kind V
+        stored = np.dtype(result.dtype)
+        target = None
+        if like is not None and _cuda_dtype(like.dtype) == stored:
+            target = like.dtype
+        elif stored == np.uint16 and like is not None:
+            target = torch.bfloat16  # the cuda backend's bfloat16 output (a quantized table's rows are uint8)
+        name = str(target).removeprefix("torch.")
+        if target is None or name not in _VIA_INTEGER:
             return torch.from_dlpack(result)
-        name = result.dtype.name
-        if name not in _VIA_INTEGER:
-            raise TypeError(f"a {name} result has no torch dtype")
-        return torch.from_dlpack(result.view(np.dtype(_VIA_INTEGER[name]))).view(getattr(torch, name))
+        return torch.from_dlpack(result.view(np.dtype(_VIA_INTEGER[name]))).view(target)
 
     def from_host(self, host: np.ndarray, device: str = "cpu") -> Any:
-        if device != "cpu":
-            raise TypeError(CUDA_NOT_SUPPORTED)
-        return self.wrap(host)
+        """Host data as a tensor on `device` (a copy on torch's current stream where it is a GPU)."""
+        tensor = _host_tensor(host)
+        return tensor if device == "cpu" else tensor.to(device)
 
-    #: Snapshots of tensors are numpy arrays: the numpy adapter's exact test applies.
-    may_share_memory = staticmethod(numpy_adapter.ADAPTER.may_share_memory)
+    def may_share_memory(self, first: Any, second: Any) -> bool:
+        """Whether two snapshots share memory: numpy's exact test on the host, address ranges on a GPU."""
+        if isinstance(first, np.ndarray):
+            return numpy_adapter.ADAPTER.may_share_memory(first, second)
+        from . import cupy_adapter
+
+        return cupy_adapter.ADAPTER.may_share_memory(first, second)
+
+
+def _index(device: str) -> int:
+    return int(device.partition(":")[2] or 0)
+
+
+@contextlib.contextmanager
+def _on_torch_stream(index: int) -> Iterator[None]:
+    """cuda:`index` current for torch and cupy, and torch's current stream there as cupy's current stream."""
+    import torch
+
+    try:
+        import cupy
+    except ImportError:
+        raise TypeError(CUPY_MISSING) from None
+    with torch.cuda.device(index), cupy.cuda.Device(index):
+        with _cupy_stream(cupy, torch.cuda.current_stream(index).cuda_stream):
+            yield
+
+
+class _StreamHandle:
+    """A stream pointer in the CUDA stream protocol (``__cuda_stream__``)."""
+
+    __slots__ = ("pointer",)
+
+    def __init__(self, pointer: int) -> None:
+        self.pointer = pointer
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.pointer)
+
+
+def _cupy_stream(cupy: Any, pointer: int) -> Any:
+    """A cupy stream over the CUDA stream at `pointer`, on the current device (cupy 14 deprecates ExternalStream)."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(pointer))
+    return cupy.cuda.ExternalStream(pointer)
+
+
+def _cuda_view(tensor: Any, index: int) -> Any:
+    """A cupy array over a CUDA tensor's memory; bfloat16 and float8 as the unsigned words cupy stores them in."""
+    via = _via_integer().get(tensor.dtype)
+    if via is not None:
+        tensor = tensor.view(via[0])
+    with _on_torch_stream(index):  # the DLPack exchange then needs no cross-stream event
+        import cupy
+
+        view = cupy.from_dlpack(tensor)
+    if via is not None and np.dtype(view.dtype).kind == "i":
+        view = view.view(np.dtype(f"u{view.dtype.itemsize}"))
+    return view
+
+
+def _cuda_dtype(torch_dtype: Any) -> np.dtype | None:
+    """The dtype a torch dtype is held in on a GPU (bfloat16: uint16), or None where cupy has none."""
+    name = str(torch_dtype).removeprefix("torch.")
+    if name in _VIA_INTEGER:
+        return np.dtype(f"u{np.dtype(_VIA_INTEGER[name]).itemsize}")
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return None
+
+
+def _host_tensor(result: np.ndarray) -> Any:
+    """A host result (a numpy array) as a CPU tensor over the same memory."""
+    import torch
+
+    if result.dtype.kind != "V":  # numpy's own dtypes; ml_dtypes' (bfloat16, float8) are kind V
+        return torch.from_dlpack(result)
+    name = result.dtype.name
+    if name not in _VIA_INTEGER:
+        raise TypeError(f"a {name} result has no torch dtype")
+    return torch.from_dlpack(result.view(np.dtype(_VIA_INTEGER[name]))).view(getattr(torch, name))
 
 
 def _via_integer() -> dict[Any, tuple[Any, str]]:
