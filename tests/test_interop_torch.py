@@ -231,19 +231,19 @@ def fake_cuda_tensor(index: int = 1):
     fake.__module__ = "torch"
     fake.__dlpack__ = lambda self: None
     fake.device = types.SimpleNamespace(type="cuda", index=index)
+    fake.requires_grad = False
     return fake()
 
 
-def test_torch_cuda_tensors_are_refused_naming_where_each_lives():
+def test_cuda_ids_or_out_of_a_cpu_table_are_refused_naming_where_each_lives():
+    """torch CUDA tables themselves: tests/test_interop_torch_cuda.py."""
     table = torch_table("float32")
     assert torch_adapter.ADAPTER.device(fake_cuda_tensor(1)) == "cuda:1"
-    with pytest.raises(TypeError, match=r"torch CUDA tensors are not supported yet; use cupy \(Embedding.to_device\(\)\)"):
-        fastembed.lookup(fake_cuda_tensor(), [1])
     with pytest.raises(TypeError, match="ids live on cuda:1 but the table lives on cpu"):
         fastembed.lookup(table, fake_cuda_tensor())
     with pytest.raises(TypeError, match="out lives on cuda:1 but the table lives on cpu"):
         fastembed.lookup(table, [1], out=fake_cuda_tensor())
-    with pytest.raises(TypeError, match="not supported"):
+    with pytest.raises(TypeError, match="torch tensors on meta:0 are not supported"):
         fastembed.lookup(torch.empty((4, 3), device="meta"), [1])
 
 

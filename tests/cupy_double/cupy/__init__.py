@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 import types
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -330,6 +331,35 @@ class ndarray:
             "data": (self.data.ptr if host.size else 0, False), "version": 3,
         }
 
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (KDL_CUDA, self._allocation.device)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None,
+                   copy: Any = None) -> DLPackCapsule:
+        """A capsule over this array's memory for a consumer working on `stream` (the DLPack protocol).
+
+        As CuPy does: None means the legacy default stream, -1 no
+        synchronisation; a consumer stream other than the current one waits
+        for it (an event, logged in :data:`stream_waits`). Refused: stream 0,
+        which DLPack disallows, a non-int stream, another device, a copy.
+        """
+        if stream is not None and type(stream) is not int:
+            raise TypeError(f"stream must be an int or None, got {type(stream).__name__}")
+        if stream == 0:
+            raise ValueError("stream=0 is disallowed by the DLPack protocol (ambiguous): use 1 for the legacy stream")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"the double exports cuda:{self._allocation.device} memory only, not {dl_device}")
+        if copy:
+            raise BufferError("the double never copies on export")
+        with Device(self._allocation.device):
+            _check_device(self._allocation.device)
+            current = get_current_stream().ptr or 1
+            consumer = 1 if stream is None else stream
+            if consumer != -1 and consumer != current:
+                stream_waits.append((consumer, current))
+        return DLPackCapsule(self.data.ptr, self.shape, self.strides, self.dtype, self._allocation.device, self,
+                             self._host)
+
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
         raise TypeError("Implicit conversion to a NumPy array is not allowed. "
                         "Please use `.get()` to construct a NumPy array explicitly.")
@@ -438,6 +468,75 @@ def _unwrap_key(key: Any) -> Any:
 
 # -- array creation and functions ----------------------------------------------------------------------
 
+KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3
+
+
+class DLPackCapsule:
+    """A DLPack capsule as the doubles exchange it (the CuPy double and tests/torch_cuda_double.py).
+
+    `strides` in bytes; `dtype` a numpy dtype, or the name of one CuPy lacks
+    (``"bfloat16"``, ``"float8_e4m3fn"``); `host` the producer's own host view
+    where it has one. A capsule is consumed once, as a real one is.
+    """
+
+    def __init__(self, ptr: int, shape: tuple, strides: tuple, dtype: Any, device: int, owner: Any,
+                 host: np.ndarray | None = None) -> None:
+        self.ptr, self.shape, self.strides, self.dtype = int(ptr), tuple(shape), tuple(strides), dtype
+        self.device, self.owner, self.host, self.consumed = int(device), owner, host, False
+
+    def consume(self) -> DLPackCapsule:
+        if self.consumed:
+            raise ValueError("this DLPack capsule was already consumed")
+        self.consumed = True
+        return self
+
+
+def from_dlpack(array: Any, *, device: Any = None, copy: Any = None) -> ndarray:
+    """cupy.from_dlpack: a device array over the memory of `array` (no copy), as CuPy does it.
+
+    The producer's device is made current and its ``__dlpack__`` is called
+    with CuPy's current stream there (1 for the null stream). Refused like
+    CuPy: host (CPU) arrays, dtypes CuPy has not (bfloat16, float8: ValueError
+    "Unsupported dtype"), memory that is no device allocation of the double
+    (an illegal address on a GPU), a capsule used twice.
+    """
+    if copy:
+        raise NotImplementedError("the double never copies in from_dlpack")
+    if not hasattr(array, "__dlpack__"):
+        return _from_capsule(array)
+    kind, device_id = array.__dlpack_device__()
+    if int(kind) != KDL_CUDA:
+        raise BufferError(f"CuPy reads CUDA device memory through DLPack; got device type {int(kind)}")
+    with Device(int(device_id)):
+        stream = get_current_stream().ptr or 1
+        try:
+            capsule = array.__dlpack__(stream=stream, max_version=(1, 0))
+        except TypeError:
+            capsule = array.__dlpack__(stream=stream)
+    return _from_capsule(capsule)
+
+
+def _from_capsule(capsule: Any) -> ndarray:
+    if not isinstance(capsule, DLPackCapsule):
+        raise TypeError(f"the double reads only the doubles' DLPack capsules, got {type(capsule).__name__}")
+    capsule.consume()
+    dtype = capsule.dtype
+    if not isinstance(dtype, np.dtype) or dtype.kind not in "biufc":
+        raise ValueError(f"Unsupported dtype {dtype}")
+    extent = 0 if 0 in capsule.shape else dtype.itemsize + sum(
+        (n - 1) * abs(stride) for n, stride in zip(capsule.shape, capsule.strides, strict=True))
+    low = capsule.ptr + sum((n - 1) * stride for n, stride in zip(capsule.shape, capsule.strides, strict=True) if stride < 0)
+    allocation = next((a for a in list(_Allocation.live) if a.device == capsule.device and a.holds(low, extent)), None)
+    if allocation is None:
+        raise CUDADriverError(f"{extent} bytes at {capsule.ptr:#x} are no memory of cuda:{capsule.device}: "
+                              "CUDA_ERROR_ILLEGAL_ADDRESS")
+    host = np.ndarray(capsule.shape, dtype, buffer=allocation.bytes, offset=capsule.ptr - allocation.ptr,
+                      strides=capsule.strides)
+    array = ndarray._view_of(host, allocation)
+    array._dlpack_owner = capsule.owner  # the producer's memory stays alive as long as this view
+    return array
+
+
 def asarray(a: Any, dtype: Any = None, order: Any = None) -> ndarray:
     if isinstance(a, ndarray):  # stays where it is, like CuPy
         return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
@@ -521,27 +620,89 @@ def shares_memory(a: ndarray, b: ndarray, max_work: Any = None) -> bool:
 # -- streams, events, runtime --------------------------------------------------------------------------
 
 class Stream:
-    """cupy.cuda.Stream: the double runs everything at once, so synchronising is a no-op."""
+    """cupy.cuda.Stream: the double runs everything at once, so synchronising is a no-op.
+
+    Streams are tracked as CuPy tracks them: one current stream per device and
+    thread (the null stream until a ``with stream:`` or ``use()``), a stream
+    belongs to the device current when it was made (``device_id``; -1 for the
+    null stream), and entering or using it on another device is refused.
+    Every launch records the pointer of the stream it ran on (:data:`launches`).
+    """
 
     null: Stream
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False) -> None:
         self.ptr = 0 if null else id(self)
+        self.device_id = -1 if null else _current()
+
+    @classmethod
+    def from_external(cls, obj: Any) -> Stream:
+        """A stream over a foreign one that speaks the CUDA stream protocol (``__cuda_stream__``), on the current device."""
+        version, pointer = obj.__cuda_stream__()
+        if version != 0 or not isinstance(pointer, int):
+            raise TypeError(f"__cuda_stream__() must return (0, int), got ({version!r}, {pointer!r})")
+        stream = cls.__new__(cls)
+        stream.ptr, stream.device_id = pointer, _current()
+        return stream
+
+    def _device(self) -> int:
+        if self.device_id not in (-1, _current()):
+            raise RuntimeError(f"The device that the stream is created on ({self.device_id}) does not match "
+                               f"with the current device ({_current()})")
+        return _current() if self.device_id == -1 else self.device_id
 
     def synchronize(self) -> None:
         _check_device(_current())
 
     def __enter__(self) -> Stream:
+        device = self._device()
+        _stream_stack(device).append(self)
+        _state.__dict__.setdefault("stream_devices", []).append(device)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        pass
+        _stream_stack(_state.stream_devices.pop()).pop()
 
     def use(self) -> Stream:
+        stack = _stream_stack(self._device())
+        stack[-1] = self
         return self
+
+    def record(self, event: Any = None) -> Event:
+        event = Event() if event is None else event
+        event.record(self)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        stream_waits.append((self.ptr, event.stream_ptr))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Stream) and other.ptr == self.ptr
+
+    def __hash__(self) -> int:
+        return hash(self.ptr)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.ptr} (device {self.device_id})>"
+
+
+class ExternalStream(Stream):
+    """cupy.cuda.ExternalStream(ptr, device_id=-1): a stream CuPy does not own (deprecated by CuPy 14)."""
+
+    def __init__(self, ptr: int, device_id: int = -1) -> None:
+        warnings.warn("ExternalStream is deprecated. Use Stream.from_external() instead", DeprecationWarning,
+                      stacklevel=2)
+        self.ptr, self.device_id = int(ptr), int(device_id)
 
 
 Stream.null = Stream(null=True)
+#: Every stream-waits-for-event: (the waiting stream's pointer, the pointer of the stream the event was recorded on).
+stream_waits: collections.deque = collections.deque(maxlen=256)
+
+
+def _stream_stack(device: int) -> list[Stream]:
+    stacks = _state.__dict__.setdefault("streams", {})
+    return stacks.setdefault(device, [Stream.null])
 
 
 class Event:
@@ -549,9 +710,11 @@ class Event:
 
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False) -> None:
         self.time: float | None = None
+        self.stream_ptr: int | None = None
 
     def record(self, stream: Any = None) -> None:
         self.time = time.perf_counter()
+        self.stream_ptr = (get_current_stream() if stream is None else stream).ptr
 
     def synchronize(self) -> None:
         _check_device(_current())
@@ -569,7 +732,7 @@ def get_elapsed_time(start_event: Event, end_event: Event) -> float:
 
 
 def get_current_stream(device_id: int = -1) -> Stream:
-    return Stream.null
+    return _stream_stack(_current() if device_id == -1 else device_id)[-1]
 
 
 def _device_count() -> int:
@@ -593,6 +756,7 @@ runtime.driverGetVersion = lambda: 13000
 
 cuda = types.ModuleType("cupy.cuda")
 cuda.Device, cuda.Stream, cuda.Event, cuda.MemoryPointer = Device, Stream, Event, MemoryPointer
+cuda.ExternalStream = ExternalStream
 cuda.get_elapsed_time, cuda.get_current_stream, cuda.runtime = get_elapsed_time, get_current_stream, runtime
 cuda.CUDADriverError, cuda.CUDARuntimeError = CUDADriverError, CUDARuntimeError
 cuda.is_available = lambda: _DEVICE_COUNT > 0
@@ -614,7 +778,7 @@ _DEQUANT_REQUIRED, _DEQUANT_FORBIDDEN = ("--fmad=false",), ("--use_fast_math", "
 _CXX_FLAGS = ("-O2", "-Wall", "-Werror", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
 _libraries: dict[str, ctypes.CDLL] = {}
 _build_lock = threading.Lock()
-#: Every launch: (kernel name, grid, block, device); tests read which instantiation ran.
+#: Every launch: (kernel name, grid, block, device, stream pointer); tests read which instantiation ran, and where.
 launches: collections.deque = collections.deque(maxlen=256)
 _launch_counter = iter(range(1 << 62))
 _P, _LL, _I, _U = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_uint
@@ -760,8 +924,12 @@ class _Kernel:
                                       f"launched on cuda:{device_id}: CUDA_ERROR_ILLEGAL_ADDRESS")
         if any(int(args[index]) < 0 for index in self._SCALARS):
             raise ValueError(f"{name}: negative sizes")
+        launch_stream = get_current_stream() if stream is None else stream
+        if launch_stream.device_id not in (-1, device_id):
+            raise CUDADriverError(f"{name}: a stream of cuda:{launch_stream.device_id} used on cuda:{device_id}: "
+                                  "CUDA_ERROR_INVALID_HANDLE")
         order = np.random.default_rng(next(_launch_counter)).permutation(grid_x).astype(np.uint32)
-        launches.append((name, grid_x, block_x, device_id))
+        launches.append((name, grid_x, block_x, device_id, launch_stream.ptr))
         fault = ctypes.c_void_p(0)
         status, written = self._launch(grid_x, block_x, order, args, fault)
         if status == 1:
@@ -881,7 +1049,10 @@ def _dimension(name: str, what: str, value: Any, limit: int) -> int:
 
 
 def _reset_double() -> None:
-    """Clear sticky errors, the launch log and the current device (a fresh 'process' for the next test)."""
+    """Clear sticky errors, the launch and stream logs, the current device and streams (a fresh 'process' for the next test)."""
     _sticky.clear()
     launches.clear()
+    stream_waits.clear()
     _state.device = 0
+    _state.__dict__.pop("streams", None)
+    _state.__dict__.pop("stream_devices", None)

@@ -1,0 +1,270 @@
+"""torch CUDA tensors served by the cuda backend, zero-copy, on torch's current stream.
+
+Every test takes the ``tc`` fixture: real torch CUDA tensors and the real cupy
+where both see a GPU; otherwise the CuPy test double (tests/cupy_double) with
+the torch CUDA double over its device memory (tests/torch_cuda_double.py).
+fastembed's code is the same either way; the doubles stand in for the CUDA
+runtimes. Tests that only a GPU can answer skip here, saying why.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI installs its CPU build: .ci/run)")
+
+import fastembed  # noqa: E402
+from cupy_double import is_double  # noqa: E402
+from fastembed.arrays import torch_adapter  # noqa: E402
+from fastembed.backends import cuda_backend  # noqa: E402
+from fastembed.formats import QuantizedTable  # noqa: E402
+from fastembed.tables import random_quantized_table  # noqa: E402
+from torch_cuda_double import TorchCuda, installed, real_torch_cuda  # noqa: E402
+
+VOCAB, DIM = 97, 24
+BITS = {torch.float16: torch.int16, torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int8: torch.int8,
+        torch.float8_e4m3fn: torch.uint8}
+
+
+@pytest.fixture
+def tc(cupy_or_double):
+    if not is_double(cupy_or_double):
+        if not real_torch_cuda():
+            pytest.skip("cupy sees a GPU but this torch is a CPU build")
+        yield TorchCuda(cupy_or_double, False)
+        return
+    if real_torch_cuda():
+        pytest.skip("torch sees a GPU but cupy does not: install cupy to run these on the device")
+    with installed(cupy_or_double) as cuda:
+        yield cuda
+
+
+def host_table(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, (VOCAB, DIM), dtype=torch.int8, generator=generator)
+    return (torch.randn((VOCAB, DIM), generator=generator) + 0.5).to(dtype)
+
+
+def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, tc: TorchCuda) -> None:
+    assert isinstance(actual, torch.Tensor) and actual.is_cuda, type(actual)
+    host = tc.to_host(actual)
+    assert host.dtype == expected.dtype and host.shape == expected.shape, (host.dtype, host.shape)
+    assert torch.equal(host.view(BITS[host.dtype]), expected.view(BITS[expected.dtype]))
+
+
+@pytest.fixture
+def gathers(monkeypatch):
+    """Every cuda backend call: its result's pointer, cupy's current stream and device meanwhile, the ids."""
+    calls: list[dict] = []
+    backend = cuda_backend.BACKEND
+
+    def spy(method):
+        def call(table, ids, out, *args):
+            import cupy
+
+            result = method(table, ids, out, *args)
+            calls.append({"result_ptr": result.data.ptr, "out": out, "ids": ids, "device": cupy.cuda.Device().id,
+                          "stream": cupy.cuda.get_current_stream().ptr, "table_ptr": getattr(table, "data", None)})
+            return result
+
+        return call
+
+    monkeypatch.setattr(backend, "gather", spy(backend.gather))
+    monkeypatch.setattr(backend, "dequantize", spy(backend.dequantize))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("ids_shape", [(6,), (2, 3)])
+def test_a_torch_cuda_table_gathers_bit_exact_into_a_torch_cuda_tensor(tc, gathers, dtype, ids_dtype, ids_shape):
+    host = host_table(dtype)
+    table = tc.to_cuda(host)
+    host_ids = torch.tensor([5, 96, 0, 41, 41, 17], dtype=ids_dtype).reshape(ids_shape)
+    result = fastembed.lookup(table, tc.to_cuda(host_ids))
+    assert result.device == table.device and result.dtype == dtype and result.shape == ids_shape + (DIM,)
+    assert_bit_equal(result, host[host_ids.long()], tc)
+    assert result.data_ptr() == gathers[-1]["result_ptr"]  # the cupy output itself, not a copy
+    assert gathers[-1]["device"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_out_is_written_in_place_and_returned(tc, gathers, dtype):
+    host = host_table(dtype, seed=1)
+    table, ids = tc.to_cuda(host), tc.to_cuda(torch.tensor([[3, 1], [96, 3]]))
+    out = tc.empty((2, 2, DIM), dtype)
+    address = out.data_ptr()
+    assert fastembed.lookup(table, ids, out=out) is out
+    assert out.data_ptr() == address == gathers[-1]["result_ptr"]
+    assert_bit_equal(out, host[torch.tensor([[3, 1], [96, 3]])], tc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_snapshots_share_the_tensor_memory(tc, dtype):
+    table = tc.to_cuda(host_table(torch.float32).to(dtype))
+    view = torch_adapter.ADAPTER.snapshot(table)
+    assert type(view).__module__.partition(".")[0] == "cupy"
+    assert view.data.ptr == table.data_ptr() and view.shape == (VOCAB, DIM) and view.device.id == 0
+    assert view.dtype == {torch.float16: np.float16, torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8}[dtype]
+    result = fastembed.lookup(table, tc.to_cuda(torch.tensor([4, 2])))
+    assert result.dtype == dtype
+    assert_bit_equal(result, host_table(torch.float32).to(dtype)[[4, 2]], tc)
+
+
+def test_the_gather_runs_on_torchs_current_stream(tc, gathers):
+    table, ids = tc.to_cuda(host_table(torch.float16)), tc.to_cuda(torch.tensor([1, 2, 3]))
+    fastembed.lookup(table, ids)
+    assert gathers[-1]["stream"] == torch.cuda.current_stream(0).cuda_stream
+    side = torch.cuda.Stream(0)
+    with torch.cuda.stream(side):
+        result = fastembed.lookup(table, ids)
+        rows = fastembed.Embedding(table)(ids)
+        out = tc.empty((3, DIM), torch.float16)
+        fastembed.lookup(table, ids, out=out)
+    assert side.cuda_stream != 0
+    assert [call["stream"] for call in gathers[-3:]] == [side.cuda_stream] * 3
+    if tc.is_double:
+        import torch_cuda_double
+
+        assert tc.launch_streams()[-3:] == [side.cuda_stream] * 3  # the kernel launches themselves
+        assert not torch_cuda_double.stream_waits and not tc.cupy.stream_waits  # no cross-stream event added
+    torch.cuda.current_stream(0).wait_stream(side) if not tc.is_double else None
+    for gathered in (result, rows, out):
+        assert_bit_equal(gathered, host_table(torch.float16)[[1, 2, 3]], tc)
+    assert tc.cupy.cuda.get_current_stream().ptr == 0  # cupy's own current stream is back
+
+
+def test_host_ids_are_copied_to_the_tables_device(tc, gathers):
+    host = host_table(torch.float32)
+    table = tc.to_cuda(host)
+    for ids in ([7, 0, 96], np.array([[7, 0], [96, 1]], np.int32), torch.tensor([7, 0, 96], dtype=torch.int16)):
+        result = fastembed.lookup(table, ids)
+        assert_bit_equal(result, host[torch.as_tensor(np.asarray(ids)).long()], tc)
+        copied = gathers[-1]["ids"]
+        assert type(copied).__module__.partition(".")[0] == "cupy" and copied.device.id == 0
+    ids16 = tc.to_cuda(torch.tensor([[5, 6]], dtype=torch.int16))  # device ids of another dtype: converted there
+    assert_bit_equal(fastembed.lookup(table, ids16), host[torch.tensor([[5, 6]])], tc)
+
+
+def test_devices_are_never_mixed(tc):
+    host = host_table(torch.float32)
+    table = tc.to_cuda(host)
+    with pytest.raises(TypeError, match="out lives on cpu but the table lives on cuda:0"):
+        fastembed.lookup(table, [1], out=torch.empty((1, DIM)))
+    with pytest.raises(TypeError, match="ids live on cuda:0 but the table lives on cpu"):
+        fastembed.lookup(host, tc.to_cuda(torch.tensor([1])))
+    with pytest.raises(TypeError, match="out lives on cuda:0 but the table lives on cpu"):
+        fastembed.lookup(host, [1], out=tc.empty((1, DIM), torch.float32))
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one CUDA device only")
+    with pytest.raises(TypeError, match="ids live on cuda:1 but the table lives on cuda:0"):
+        fastembed.lookup(table, tc.to_cuda(torch.tensor([1]), 1))
+    with pytest.raises(TypeError, match="out lives on cuda:1 but the table lives on cuda:0"):
+        fastembed.lookup(table, [1], out=tc.empty((1, DIM), torch.float32, 1))
+
+
+def test_a_table_on_a_second_device_is_served_there(tc, gathers):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one CUDA device only")
+    host = host_table(torch.float16)
+    table = tc.to_cuda(host, 1)
+    side = torch.cuda.Stream(1)
+    with torch.cuda.stream(side), torch.cuda.device(0):  # torch's current device is not the table's
+        result = fastembed.lookup(table, tc.to_cuda(torch.tensor([3, 9]), 1))
+    assert result.device == torch.device("cuda", 1)
+    assert gathers[-1]["device"] == 1 and gathers[-1]["stream"] == side.cuda_stream
+    assert_bit_equal(result, host[[3, 9]], tc)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_bad_ids_raise_and_the_device_stays_usable(tc, ids_dtype):
+    host = host_table(torch.float16)
+    table = tc.to_cuda(host)
+    with pytest.raises(IndexError, match=rf"id {VOCAB} at position \(1, 0\) is out of range"):
+        fastembed.lookup(table, tc.to_cuda(torch.tensor([[1, 2], [VOCAB, 3]], dtype=ids_dtype)))
+    with pytest.raises(IndexError, match="id -1 at position 1"):
+        fastembed.lookup(table, [0, -1])
+    assert_bit_equal(fastembed.lookup(table, tc.to_cuda(torch.tensor([4], dtype=ids_dtype))), host[[4]], tc)
+
+
+def test_embedding_over_a_torch_cuda_table(tc):
+    host = host_table(torch.bfloat16)
+    parameter = torch.nn.Parameter(tc.to_cuda(host))  # requires grad: gathered through detach(), no autograd
+    emb = fastembed.Embedding(parameter)
+    assert emb.table is parameter and (emb.vocab_size, emb.dim, emb.device) == (VOCAB, DIM, "cuda:0")
+    ids = tc.to_cuda(torch.tensor([[3, 1], [96, 3]], dtype=torch.int32))
+    result = emb(ids)
+    assert not result.requires_grad
+    assert_bit_equal(result, host[torch.tensor([[3, 1], [96, 3]])], tc)
+    out = tc.empty((2, 2, DIM), torch.bfloat16)
+    assert emb(ids, out=out) is out
+    assert_bit_equal(out, host[torch.tensor([[3, 1], [96, 3]])], tc)
+    assert_bit_equal(fastembed.lookup(parameter, ids), host[torch.tensor([[3, 1], [96, 3]])], tc)
+
+
+@pytest.mark.parametrize("target", ["float16", "float32", "bfloat16"])
+def test_a_quantized_table_over_torch_cuda_tensors(tc, target):
+    pytest.importorskip("ml_dtypes")
+    host = random_quantized_table("fp8_e4m3", 64, 32, seed=2)
+    table = QuantizedTable(tc.to_cuda(torch.from_numpy(host.data)), host.format, host.dim,
+                           tc.to_cuda(torch.from_numpy(host.scales)))
+    ids = [5, 63, 0]
+    result = fastembed.lookup(table, tc.to_cuda(torch.tensor(ids)), dtype=target)
+    assert isinstance(result, torch.Tensor) and result.is_cuda and result.dtype == getattr(torch, target)
+    expected = fastembed.lookup(host, ids, dtype=target)
+    assert tc.to_host(result).view(torch.uint8).numpy().tobytes() == expected.view(np.uint8).tobytes()
+
+
+def test_without_cupy_a_torch_cuda_table_names_the_extra(tc, monkeypatch):
+    table = tc.to_cuda(host_table(torch.float32))
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    with pytest.raises(TypeError, match=r"needs cupy: pip install 'fastembed-gather\[cuda12\]'"):
+        fastembed.lookup(table, [1])
+
+
+# -- the torch CUDA double refuses what torch refuses ------------------------------------------------------------
+
+def test_the_double_refuses_what_torch_refuses(tc):
+    if not tc.is_double:
+        pytest.skip("real torch CUDA tensors: these tests check the double")
+    table = tc.to_cuda(host_table(torch.bfloat16))
+    with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
+        table.numpy()
+    with pytest.raises(TypeError, match="can't convert cuda:0"):
+        np.asarray(table)
+    with pytest.raises(RuntimeError, match="same device"):
+        table + torch.ones((VOCAB, DIM), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Unsupported dtype bfloat16"):
+        tc.cupy.from_dlpack(table)  # cupy has no bfloat16: the adapter hands over int16 words
+    with pytest.raises(BufferError, match="require gradient"):
+        tc.cupy.from_dlpack(tc.to_cuda(torch.ones(3)).requires_grad_())
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.current_stream(7)
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(BufferError, match="different CUDA device"):
+            tc.to_cuda(torch.ones(3), 1).__dlpack__(stream=1)  # torch's current device is 0
+    side = torch.cuda.Stream(0)
+    with torch.cuda.stream(side):
+        tc.cupy.from_dlpack(tc.to_cuda(torch.ones(3)))  # cupy on its null stream, torch on `side`
+    import torch_cuda_double
+
+    assert list(torch_cuda_double.stream_waits) == [(0, side.cuda_stream)]  # torch made the consumer wait
+
+
+def test_on_a_gpu_torchs_stream_orders_the_gather_after_queued_work(tc):
+    """Only a device can show it: a table written on a busy side stream is read after the write."""
+    if tc.is_double:
+        pytest.skip("needs a CUDA device: the doubles run every launch at once, so there is no order to observe")
+    host = host_table(torch.float16)
+    table = tc.to_cuda(host)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keeps the side stream busy
+        table.fill_(3.0)
+        result = fastembed.lookup(table, torch.arange(VOCAB, device="cuda"))
+    side.synchronize()
+    assert bool((result == 3.0).all())
