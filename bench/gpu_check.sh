@@ -7,7 +7,8 @@
 #   bash bench/gpu_check.sh OUTDIR          (or: OUT=OUTDIR bash bench/gpu_check.sh)
 #
 # Runs the CUDA tests against the real cupy (kernel compile checks, and the
-# end-to-end tests of tests/test_cuda_gpu.py and tests/test_cuda_dequant.py),
+# end-to-end tests of tests/test_cuda_gpu.py, tests/test_cuda_dequant.py and,
+# with a CUDA torch, tests/test_interop_torch_cuda.py),
 # then the GPU benchmark
 # (fastembed-bench --device cuda: 1 to 65,536 ids, uniform and Zipf, float16
 # tables of width 4,096 and 7,168, fastembed's cuda backend against
@@ -15,7 +16,9 @@
 # copy of the same bytes, CUDA events), then the dequantizing gather (every
 # block format of a 129,280 x 4,096 table into float16, float32 and bfloat16,
 # checked bit for bit against the reference on 64 ids, then timed against the
-# dense float16 gather: OUTDIR/dequant.json), writes everything under OUTDIR
+# dense float16 gather: OUTDIR/dequant.json), then a torch CUDA table (bit for
+# bit against index_select, zero-copy, on a side stream made current:
+# OUTDIR/torch-cuda.txt), writes everything under OUTDIR
 # (results per width in OUTDIR/w4096 and OUTDIR/w7168 with their PNG plots,
 # the verdicts in OUTDIR/gpu-check.json) and prints a short table last.
 # About 3-5 minutes on an H200.
@@ -31,11 +34,11 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -n "${FASTEMBED_GPU_CHECK_DRY_RUN:-}" ]; then
     export PYTHONPATH="$PWD/tests/cupy_double:$PYTHONPATH"  # `import cupy` is the test double
-    tests=(tests/test_cuda_gpu.py)
+    tests=(tests/test_cuda_gpu.py tests/test_interop_torch_cuda.py)
     widths=(64 56)
     bench_args=(--vocab-size 2000 --batch 1,6,64 --reps 2)
 else
-    tests=(tests/test_cuda_gpu.py tests/test_cuda_dequant.py tests/test_cuda_kernel_compiled.py)
+    tests=(tests/test_cuda_gpu.py tests/test_interop_torch_cuda.py tests/test_cuda_dequant.py tests/test_cuda_kernel_compiled.py)
     widths=(4096 7168)
     bench_args=(--reps "${REPS:-15}")
 fi
@@ -200,7 +203,64 @@ raise SystemExit(1 if failures else 0)
 PY
 dequant_status=${PIPESTATUS[0]}
 
-echo "gpu tests exit status: $tests_status; benchmark exit status: $bench_status; dequant exit status: $dequant_status"
+"$python" - <<'PY' 2>&1 | tee "$out/torch-cuda.txt"
+"""A torch CUDA table through lookup: bit for bit torch.index_select, no copy, on torch's current (side) stream."""
+import torch
+
+import fastembed
+from fastembed.backends import cuda_backend
+
+if not torch.cuda.is_available():
+    print("torch cuda: skipped (this torch sees no CUDA device)")
+    raise SystemExit(0)
+import cupy
+
+calls = []
+gather = cuda_backend.BACKEND.gather
+
+
+def spy(table, ids, out):
+    result = gather(table, ids, out)
+    calls.append({"stream": cupy.cuda.get_current_stream().ptr, "table": table.data.ptr, "ids": ids.data.ptr,
+                  "result": result.data.ptr})
+    return result
+
+
+cuda_backend.BACKEND.gather = spy
+table = torch.randn((16384, 4096), device="cuda").to(torch.bfloat16)
+ids = torch.randint(0, table.shape[0], (8192,), device="cuda")
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    result = fastembed.lookup(table, ids)
+    out = torch.empty_like(result)
+    returned = fastembed.lookup(table, ids, out=out)
+    try:
+        fastembed.lookup(table, torch.tensor([0, table.shape[0]], device="cuda"))
+        bad_id = False
+    except IndexError:
+        bad_id = True
+    after_error = fastembed.lookup(table, ids[:4])
+torch.cuda.synchronize()
+expected = torch.index_select(table, 0, ids)
+checks = {
+    "bit for bit index_select (allocating and out=)": torch.equal(result.view(torch.int16), expected.view(torch.int16))
+    and torch.equal(out.view(torch.int16), expected.view(torch.int16)),
+    "result is a torch bfloat16 CUDA tensor on the table's device": result.dtype == torch.bfloat16
+    and result.device == table.device,
+    "out= returns out": returned is out,
+    "zero-copy: table and ids pointers": all(c["table"] == table.data_ptr() for c in calls) and calls[0]["ids"] == ids.data_ptr(),
+    "zero-copy: result and out pointers": calls[0]["result"] == result.data_ptr() and calls[1]["result"] == out.data_ptr(),
+    "on torch's current stream (a side stream)": side.cuda_stream != 0 and all(c["stream"] == side.cuda_stream for c in calls),
+    "bad id: IndexError, then the next lookup works": bad_id and torch.equal(after_error.view(torch.int16), expected[:4].view(torch.int16)),
+}
+for name, ok in checks.items():
+    print(f"torch cuda: {'PASS' if ok else 'FAIL'} {name}")
+raise SystemExit(0 if all(checks.values()) else 1)
+PY
+torch_status=${PIPESTATUS[0]}
+
+echo "gpu tests exit status: $tests_status; benchmark exit status: $bench_status; dequant exit status: $dequant_status; torch cuda exit status: $torch_status"
 "$python" - "$out" "${widths[@]}" <<'PY'
 """The short table and the goals: fastembed's cuda backend against the copy, torch and cupy.take."""
 import json, statistics, sys
@@ -263,4 +323,4 @@ for g in goals:
     detail = f"min {g['min']:.2f} (>= {g['threshold']})" if "min" in g else ""
     print(f"goal: {g['goal']}: {g['result']} {detail}")
 PY
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$dequant_status" -eq 0 ]
+[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ] && [ "$dequant_status" -eq 0 ] && [ "$torch_status" -eq 0 ]
