@@ -94,9 +94,12 @@ def read_environment() -> None:
     for an environment read on every call."""
     global _environment_choice
     _environment_choice = os.environ.get(ENVIRONMENT_VARIABLE) or AUTO
+    _selected.clear()  # the remembered choices depend on it
 
 
 _environment_choice = AUTO
+#: The backend chosen per (requested backend, table type[, data type, format]).
+_selected: dict[tuple[Any, ...], Backend] = {}
 read_environment()
 
 
@@ -158,11 +161,11 @@ def select(table: Any, backend: str = AUTO) -> Backend:
 
     Support depends only on the table's array library and device kind, which
     its type decides, and its format, so the answer is remembered per
-    requested backend, FASTEMBED_BACKEND, table type and format: one dict
-    lookup per call.
+    requested backend, table type and format (re-reading FASTEMBED_BACKEND
+    forgets them): one dict lookup per call.
     """
     kind = type(table)
-    key = (backend, _environment_choice, kind if kind is not QuantizedTable else (type(table.data), table.format.name))
+    key = (backend, kind) if kind is not QuantizedTable else (backend, type(table.data), table.format.name)
     try:
         remembered = _selected.get(key)
     except TypeError:  # an unhashable backend argument (a list, say)
@@ -193,7 +196,6 @@ def _choose(table: Any, backend: str) -> Backend:
     )
 
 
-_selected: dict[tuple[str, str, Any], Backend] = {}
 
 
 def explain(table: Any, backend: str = AUTO) -> Selection:

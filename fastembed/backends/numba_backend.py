@@ -7,7 +7,6 @@ dtype (float16, bfloat16, float32, int8, S3, packed structs, ...).
 
 Which kernel runs (docs/backends.md gives each constant's evidence):
 
-- one id: a slice copy of the row (one memcpy), no compiled call at all;
 - an output smaller than ``PARALLEL_MIN_BYTES``: numpy's ``take`` on the
   calling thread (the numpy backend), so a decode step pays no thread
   wake-up and no compile; the serial kernel was no faster there;
@@ -76,7 +75,7 @@ PARALLEL_MIN_BYTES = 2 * 2**20
 STREAM_MIN_OUT_BYTES = 2 * 2**20
 #: The streaming kernel prefetches the row this many rows ahead, line by line,
 #: as it copies this one (0: off): random rows defeat the hardware prefetcher.
-PREFETCH_ROWS_AHEAD = 4
+PREFETCH_ROWS_AHEAD = 1
 #: ... and touches each 4 KiB page of the row this many rows ahead (0: off),
 #: so that its page translation is under way before the copy needs it.
 TOUCH_PAGES_ROWS_AHEAD = 16
@@ -88,8 +87,6 @@ ALIAS_WINDOW = 32
 #: the numpy backend serves (see background_compile); False does both in the
 #: caller's thread.
 COMPILE_IN_BACKGROUND = True
-#: Blocks of rows per thread in the parallel kernels (load balance).
-BLOCKS_PER_THREAD = 4
 
 _STREAMING_CPU = platform.machine().lower() in ("x86_64", "amd64")
 #: The word each row is copied in, by ``row_bytes % 8``: the widest dividing the row.
@@ -204,7 +201,8 @@ class NumbaBackend:
         """
         import numba
 
-        user_policy = os.environ.get("OMP_WAIT_POLICY")
+        given = os.environ.get("OMP_WAIT_POLICY")
+        user_policy = given if given and given.strip() else None  # GNU OpenMP ignores an empty value and spins
         already_loaded = _gomp_loaded()
         if user_policy is not None:
             self.wait_policy = f"{user_policy} (OMP_WAIT_POLICY set by the user)"
@@ -219,15 +217,17 @@ class NumbaBackend:
             self._parallel_error = _one_line(error)
         finally:
             if user_policy is None and not already_loaded:
-                del os.environ["OMP_WAIT_POLICY"]
+                if given is None:
+                    del os.environ["OMP_WAIT_POLICY"]
+                else:
+                    os.environ["OMP_WAIT_POLICY"] = given
 
     # -- the gather ----------------------------------------------------------
 
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         n = ids.size
-        if n == 1:
-            return _copy_one_row(table, ids, out)
-        if n * table.shape[1] * table.dtype.itemsize < PARALLEL_MIN_BYTES or self._import_error is not None:
+        # strides[0] is the row's bytes in a C-contiguous table (any value where there is one row or none).
+        if n * table.strides[0] < PARALLEL_MIN_BYTES or self._import_error is not None:
             # Small: numpy's take on this thread (the serial kernel is no faster). Or numba failed to load,
             # which unavailable_reasons() reports.
             return numpy_backend.take_new(table, ids) if out is None else numpy_backend.take_into(table, ids, out)
@@ -297,7 +297,7 @@ class NumbaBackend:
             return int(kernels.gather_serial(table_words, flat_ids, out_words))
         try:
             self.pool_started = True
-            n_blocks = max(1, min(len(flat_ids), _blocks_per_call()))
+            n_blocks = max(1, min(len(flat_ids), _pool_size()))
             if out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words):
                 return int(kernels.gather_parallel_stream(table_words, flat_ids, out_words, n_blocks,
                                                           PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW))
@@ -346,7 +346,7 @@ class NumbaBackend:
         else:
             try:
                 self.pool_started = True
-                status = int(kernels.dequantize_parallel(*arguments, max(1, min(len(flat_ids), _blocks_per_call()))))
+                status = int(kernels.dequantize_parallel(*arguments, max(1, min(len(flat_ids), _pool_size()))))
             finally:
                 self._parallel_lock.release()
         if status == -1 and rows is not destination:
@@ -562,29 +562,16 @@ def _shaped(dtype: np.dtype, shape: tuple[int, ...], aligned: bool) -> np.ndarra
     return buffer[start : start + size].view(dtype).reshape(shape)
 
 
-def _copy_one_row(table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """One id is one contiguous row: a slice copy, a single memcpy (cheaper than any compiled call)."""
-    row = ids.item()
-    if not 0 <= row < len(table):
-        raise validate.out_of_range_error(ids, 0, len(table))
-    source = table[row : row + 1]
-    if out is None:
-        copy = source.copy()
-        return copy if ids.ndim == 1 else copy.reshape(ids.shape + copy.shape[1:])
-    out[...] = source.reshape(out.shape)
-    return out
-
-
 @cache
-def _blocks_per_call() -> int:
-    """BLOCKS_PER_THREAD for each thread of numba's pool, read once.
+def _pool_size() -> int:
+    """Threads in numba's pool, read once: the parallel kernels cut the rows into one block per thread.
 
     numba.get_num_threads() costs microseconds a call; a caller's
     numba.set_num_threads() still decides how many threads share the blocks.
     """
     import numba
 
-    return max(1, int(numba.config.NUMBA_NUM_THREADS)) * BLOCKS_PER_THREAD  # type: ignore[attr-defined]
+    return max(1, int(numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
 
 
 def _threading_layer() -> str:

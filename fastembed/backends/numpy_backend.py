@@ -78,9 +78,13 @@ def check_range(ids: np.ndarray, vocab_size: int) -> None:
     """Raise the IndexError of :func:`fastembed.validate.out_of_range_error` for the first id outside the table.
 
     The smallest and the largest id are found by position (argmin, argmax:
-    cheaper than min and max for the few ids of a decode step).
+    cheaper than min and max for the few ids of a decode step); one id is read directly.
     """
-    if ids.size and (ids.item(ids.argmin()) < 0 or ids.item(ids.argmax()) >= vocab_size):
+    n = ids.size
+    if n == 1:
+        if not 0 <= ids.item() < vocab_size:
+            raise validate.out_of_range_error(ids, 0, vocab_size)
+    elif n and (ids.item(ids.argmin()) < 0 or ids.item(ids.argmax()) >= vocab_size):
         validate.check_ids_in_range(ids, vocab_size)  # raises, naming position and value
 
 
@@ -94,10 +98,11 @@ def take_new(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
     take raises for ids past the end but counts negative ids from the end,
     as Python does: the smallest id is checked first (argmin and item cost
-    less than min for a few ids). Either way the IndexError names the first
-    bad id and its position.
+    less than min for a few ids; one id is read directly). Either way the
+    IndexError names the first bad id and its position.
     """
-    if ids.size and ids.item(ids.argmin()) < 0:
+    n = ids.size
+    if n and (ids.item() if n == 1 else ids.item(ids.argmin())) < 0:
         validate.check_ids_in_range(ids, len(table))  # raises
     try:
         if table.flags.aligned:

@@ -26,8 +26,6 @@ from fastembed.kernels.gather_cpu import stream_row
 
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
 
-#: Blocks of rows per thread: several, so that one slow thread does not hold the others up.
-BLOCKS_PER_THREAD = 4
 #: Rows whose source sits 1 to this many bytes below the destination (modulo
 #: 4 KiB) are streamed backward (see :func:`fastembed.kernels.gather_cpu.copies_backward`).
 ALIAS_WINDOW = 32
@@ -36,7 +34,7 @@ _WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtyp
 
 
 def block_count() -> int:
-    """Blocks of rows for the parallel kernels: BLOCKS_PER_THREAD per thread of numba's pool.
+    """Blocks of rows for the parallel kernels: one per thread of numba's pool, as the gather cuts them.
 
     The numba backend loads numba's threading layer first, so that the copies
     run with the same OpenMP wait policy as the gathers they are compared with.
@@ -44,7 +42,7 @@ def block_count() -> int:
     from fastembed.backends.numba_backend import BACKEND
 
     BACKEND.kernels()
-    return max(1, numba.get_num_threads()) * BLOCKS_PER_THREAD
+    return max(1, numba.get_num_threads())
 
 
 def word_view(array: np.ndarray) -> np.ndarray:
