@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -491,6 +492,44 @@ def test_processes_mode_reports_spread_tails_and_goals(tmp_path):
     for row in payload["results"]:
         assert len(row["median_us"]) == 2 and row["spread"] >= 1.0 and row["worst_p99_over_median"] >= 1.0
     assert payload["goals"] and all(set(goal) == {"goal", "met"} for goal in payload["goals"])
+
+
+def test_the_colocated_gate_check_runs_in_a_fresh_process_on_one_cpu(tmp_path):
+    """The co-located check: measured in a worker whose threads were moved onto one CPU; the ratio is not judged here."""
+    thresholds = tmp_path / "colocated.toml"
+    thresholds.write_text('repetitions = 1\n[[check]]\nname = "co-located"\ncontender = "fastembed-out"\n'
+                          'metric = "colocated_speedup_vs_numpy"\nbatch = 700\ndistribution = "uniform"\nmin = 0\n')
+    result = bench("--gate", "--thresholds", str(thresholds), "--vocab-size", "3000", "--dim", "1024",
+                   "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    verdict = json.loads((tmp_path / "out" / "gate.json").read_text())["verdicts"][0]
+    assert verdict["passed"] and verdict["measured"] > 0
+
+
+def test_a_worker_moves_every_thread_onto_one_cpu():
+    """After the move, the caller and every pool thread may run on one CPU only, the same one."""
+    code = textwrap.dedent("""
+        import os, threading
+        from fastembed.benchmark import processes
+        started = threading.Event()
+        threading.Thread(target=lambda: started.wait(), daemon=True).start()
+        processes._move_threads_to_one_cpu()
+        allowed = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+        started.set()
+        print(len(allowed), len(next(iter(allowed))))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "1"]
+
+
+def test_a_colocated_check_must_name_a_processes_contender(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "colocated_speedup_vs_numpy"\n'
+                    'batch = 8\ndistribution = "uniform"\nmin = 1\n')
+    with pytest.raises(ValueError, match="colocated_speedup_vs_numpy measures fastembed-out, fastembed-alloc"):
+        gate.load_checks(path)
 
 
 @pytest.mark.parametrize("arguments, words", [

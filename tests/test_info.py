@@ -153,3 +153,11 @@ def test_info_reports_the_openmp_wait_policy_and_respects_the_users():
         pytest.skip("numba's OpenMP layer is not in use here")
     assert numba["omp_wait_policy"].startswith("passive (set by fastembed")
     assert _numba_facts({"OMP_WAIT_POLICY": "active"})["omp_wait_policy"] == "active (OMP_WAIT_POLICY set by the user)"
+
+
+def test_an_empty_openmp_wait_policy_counts_as_unset():
+    """GNU OpenMP ignores an empty OMP_WAIT_POLICY and spins, so fastembed sets passive as when it is unset."""
+    numba = _numba_facts({"OMP_WAIT_POLICY": ""})
+    if not numba["available"] or numba.get("threading_layer") != "omp":
+        pytest.skip("numba's OpenMP layer is not in use here")
+    assert numba["omp_wait_policy"].startswith("passive (set by fastembed")

@@ -382,13 +382,18 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
     from rich.markup import escape
     from rich.table import Table
 
-    from . import report
-    from .gate import contender_ids, judge
+    from . import processes, report
+    from .gate import COLOCATED, colocated_rows, contender_ids, judge
 
     checks = arguments.checks
-    cases = list(dict.fromkeys((check.batch, check.distribution) for check in checks))
+    in_process = [check for check in checks if check.metric != COLOCATED]
+    cases = list(dict.fromkeys((check.batch, check.distribution) for check in in_process))
     ids = contender_ids(checks) | {"numpy-fancy"}
-    rows = run(arguments, console, table, cases, arguments.reps or arguments.gate_repetitions, ids)
+    rows = run(arguments, console, table, cases, arguments.reps or arguments.gate_repetitions, ids) if cases else []
+    if len(in_process) < len(checks):
+        console.print("[dim]measuring in a fresh process whose threads share one CPU ...[/dim]")
+        with processes.saved_table(table) as path:
+            rows += colocated_rows(checks, path, processes.REPS)
     verdicts = judge(checks, rows)
     source = arguments.thresholds or "packaged thresholds"
     result_table = Table(title=f"fastembed-bench --gate ({source}) on {report.table_title(described)}")

@@ -20,7 +20,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-RATIO_METRICS = ("fraction_of_limit", "speedup_vs_numpy", "speedup_vs_contender")
+#: Measured in a fresh interpreter whose threads share one CPU (processes.worker with one_cpu), not in this run's process.
+COLOCATED = "colocated_speedup_vs_numpy"
+RATIO_METRICS = ("fraction_of_limit", "speedup_vs_numpy", "speedup_vs_contender", COLOCATED)
 #: served_by: a fact, not a ratio: the backend that served the contender must be `expect_backend`.
 METRICS = (*RATIO_METRICS, "served_by")
 #: The thresholds shipped with the package.
@@ -118,6 +120,11 @@ def _validate(check: Check, where: str) -> None:
         fail("ratio metrics need a number 'min'; served_by takes none")
     if not isinstance(check.batch, int) or check.batch < 1:
         fail(f"batch must be an integer >= 1, got {check.batch!r}")
+    if check.metric == COLOCATED:
+        from .processes import CONTENDERS
+
+        if check.contender not in CONTENDERS or check.contender == "numpy-fancy" or check.distribution != "uniform":
+            fail(f"{COLOCATED} measures {', '.join(CONTENDERS[:2])} on uniform ids")
 
 
 def judge(checks: list[Check], summary_rows: list[dict[str, Any]]) -> list[Verdict]:
@@ -144,5 +151,24 @@ def measured(check: Check, rows: list[dict[str, Any]]) -> float | str | None:
 
 
 def contender_ids(checks: list[Check]) -> set[str]:
-    """Every contender id the checks read."""
+    """Every contender id the checks measured in this run's process read."""
+    checks = [check for check in checks if check.metric != COLOCATED]
     return {check.contender for check in checks} | {check.versus for check in checks if check.versus}
+
+
+def colocated_rows(checks: list[Check], table_path: Any, repetitions: int) -> list[dict[str, Any]]:
+    """Rows for the co-located checks: one fresh interpreter whose threads share one CPU (processes.worker).
+
+    Each row holds, for one contender and batch, the median over repetitions
+    of numpy ``table[ids]``'s time over the contender's, in the shape
+    :func:`measured` reads. Empty when no check asks for it.
+    """
+    from . import processes
+
+    batches = sorted({check.batch for check in checks if check.metric == COLOCATED})
+    if not batches:
+        return []
+    runs = processes.run(table_path, 1, batches, repetitions, load=False, one_cpu=True)
+    return [{"id": row["contender"], "batch": row["batch"], "distribution": "uniform", "device": "cpu",
+             COLOCATED: row["lowest_speedup_vs_numpy"], "median_us": row["median_us"][0]}
+            for row in processes.summarise(runs) if row["contender"] != "numpy-fancy"]

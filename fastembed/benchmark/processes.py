@@ -17,6 +17,13 @@ over its median, and fastembed's speed against numpy (the median, within
 each process, of numpy's time over fastembed's in the same repetition; the
 lowest process is reported). ``--load`` runs a CPU-bound process pinned to
 one CPU meanwhile, as a competing job on a shared machine would.
+
+The gate's co-located case (``one_cpu``) moves every thread of the worker,
+the caller and numba's pool alike, onto one CPU once the pool has started:
+that is where the scheduler sometimes puts them, and where a worker that
+spins after each parallel region holds the CPU the caller needs next.
+Starting the process on one CPU would not show it: the OpenMP runtime then
+sees one CPU and stops spinning by itself.
 """
 from __future__ import annotations
 
@@ -47,8 +54,11 @@ def reps_for(batch: int, row_bytes: int, reps: int) -> int:
     return max(15, min(reps, int(reps * (8 * 2**20) / max(1, batch * row_bytes)))) if batch * row_bytes > 8 * 2**20 else reps
 
 
-def worker(table_path: str, batches: list[int], reps: int, seed: int) -> dict[str, Any]:
-    """One process's samples: {batch: {contender: [seconds per call, ...]}} (run in a fresh interpreter)."""
+def worker(table_path: str, batches: list[int], reps: int, seed: int, one_cpu: bool = False) -> dict[str, Any]:
+    """One process's samples: {batch: {contender: [seconds per call, ...]}} (run in a fresh interpreter).
+
+    With `one_cpu`, every thread of the process is moved onto one CPU after each warm-up (see the module docstring).
+    """
     import fastembed
 
     table = np.load(table_path, mmap_mode="r")
@@ -59,6 +69,9 @@ def worker(table_path: str, batches: list[int], reps: int, seed: int) -> dict[st
         for call in calls.values():
             call(rng.integers(0, table.shape[0], batch))
         fastembed.wait_for_compiles()
+        if one_cpu:
+            calls["fastembed-out"](rng.integers(0, table.shape[0], batch))  # the compiled kernel starts the pool
+            _move_threads_to_one_cpu()
         times: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(reps_for(batch, table.shape[1] * table.dtype.itemsize, reps)):
             for name, call in calls.items():
@@ -81,6 +94,16 @@ def _calls(fastembed: Any, table: np.ndarray, out: np.ndarray) -> dict[str, Any]
     }
 
 
+def _move_threads_to_one_cpu() -> None:
+    """Pin every thread of this process, numba's pool included, to the lowest CPU it may use."""
+    cpu = min(os.sched_getaffinity(0))
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), {cpu})
+        except ProcessLookupError:  # a thread that has just ended
+            pass
+
+
 @contextmanager
 def competing_load(enabled: bool) -> Iterator[None]:
     """A CPU-bound process pinned to the last CPU while the block runs (nothing when not enabled)."""
@@ -98,16 +121,17 @@ def competing_load(enabled: bool) -> Iterator[None]:
 
 
 def run(table_path: Path, processes: int, batches: list[int], reps: int, load: bool,
-        progress: Any = None) -> list[dict[str, Any]]:
-    """Samples of `processes` fresh interpreters, run one after another."""
+        progress: Any = None, one_cpu: bool = False) -> list[dict[str, Any]]:
+    """Samples of `processes` fresh interpreters, run one after another (`one_cpu`: see :func:`worker`)."""
     runs = []
     with competing_load(load):
         for index in range(processes):
             code = ("import json, sys; from fastembed.benchmark.processes import worker; "
                     "print(json.dumps(worker(sys.argv[1], [int(b) for b in sys.argv[2].split(',')], "
-                    "int(sys.argv[3]), int(sys.argv[4]))))")
+                    "int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == '1')))")
             result = subprocess.run([sys.executable, "-c", code, str(table_path), ",".join(map(str, batches)),
-                                     str(reps), str(index)], capture_output=True, text=True, check=False)
+                                     str(reps), str(index), "1" if one_cpu else "0"],
+                                    capture_output=True, text=True, check=False)
             if result.returncode != 0:
                 raise RuntimeError(f"worker process {index} failed: {result.stderr.strip()[-2000:]}")
             runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
