@@ -98,7 +98,8 @@ def read_environment() -> None:
 
 
 _environment_choice = AUTO
-#: The backend chosen per (requested backend, table type[, data type, format]).
+#: The backend chosen per (requested backend, table type), or per (requested backend, data type, format) for a
+#: QuantizedTable.
 _selected: dict[tuple[Any, ...], Backend] = {}
 read_environment()
 
