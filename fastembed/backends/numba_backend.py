@@ -73,8 +73,8 @@ PARALLEL_MIN_BYTES = 2 * 2**20
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the cache.
 STREAM_MIN_OUT_BYTES = 2 * 2**20
-#: The streaming kernel prefetches the row this many rows ahead, line by line,
-#: as it copies this one (0: off): random rows defeat the hardware prefetcher.
+#: The streaming and dequantizing kernels prefetch the row this many rows ahead, line by
+#: line, as they copy this one (0: off): random rows defeat the hardware prefetcher.
 PREFETCH_ROWS_AHEAD = 1
 #: ... and touches each 4 KiB page of the row this many rows ahead (0: off),
 #: so that its page translation is under way before the copy needs it.
