@@ -20,7 +20,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-#: Measured in a fresh interpreter whose threads share one CPU (processes.worker with one_cpu), not in this run's process.
+#: Measured in a fresh interpreter whose threads share one CPU (processes.worker with one_cpu), not in this
+#: run's process.
 COLOCATED = "colocated_speedup_vs_numpy"
 RATIO_METRICS = ("fraction_of_limit", "speedup_vs_numpy", "speedup_vs_contender", COLOCATED)
 #: served_by: a fact, not a ratio: the backend that served the contender must be `expect_backend`.
