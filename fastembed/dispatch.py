@@ -197,8 +197,6 @@ def _choose(table: Any, backend: str) -> Backend:
     )
 
 
-
-
 def explain(table: Any, backend: str = AUTO) -> Selection:
     """Which backend `select` picks for `table` (a snapshot), with the reasons every other one was skipped."""
     chosen = select(table, backend).name
