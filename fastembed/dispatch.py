@@ -94,12 +94,11 @@ def read_environment() -> None:
     for an environment read on every call."""
     global _environment_choice
     _environment_choice = os.environ.get(ENVIRONMENT_VARIABLE) or AUTO
-    _selected.clear()  # the remembered choices depend on it
 
 
 _environment_choice = AUTO
-#: The backend chosen per (requested backend, table type), or per (requested backend, data type, format) for a
-#: QuantizedTable.
+#: The backend chosen per (requested backend, FASTEMBED_BACKEND, table type), or per (requested backend,
+#: FASTEMBED_BACKEND, data type, format) for a QuantizedTable.
 _selected: dict[tuple[Any, ...], Backend] = {}
 read_environment()
 
@@ -109,10 +108,10 @@ def environment_choice() -> str:
     return _environment_choice
 
 
-def requested_choice(backend: str) -> str:
-    """Resolve ``auto`` through FASTEMBED_BACKEND, and reject unknown names."""
+def requested_choice(backend: str, environment: str | None = None) -> str:
+    """Resolve ``auto`` through FASTEMBED_BACKEND (`environment`: its value as read; None: now), and reject unknown names."""
     if backend == AUTO:
-        backend = _environment_choice
+        backend = _environment_choice if environment is None else environment
         source = f"{ENVIRONMENT_VARIABLE}={backend!r}"
     else:
         source = f"backend={backend!r}"
@@ -162,11 +161,14 @@ def select(table: Any, backend: str = AUTO) -> Backend:
 
     Support depends only on the table's array library and device kind, which
     its type decides, and its format, so the answer is remembered per
-    requested backend, table type and format (re-reading FASTEMBED_BACKEND
-    forgets them): one dict lookup per call.
+    requested backend, FASTEMBED_BACKEND, table type and format: one dict
+    lookup per call. FASTEMBED_BACKEND is part of the key, so a choice made
+    while another thread re-reads it is never used under the new value.
     """
     kind = type(table)
-    key = (backend, kind) if kind is not QuantizedTable else (backend, type(table.data), table.format.name)
+    environment = _environment_choice
+    key = (backend, environment, kind) if kind is not QuantizedTable else (
+        backend, environment, type(table.data), table.format.name)
     try:
         remembered = _selected.get(key)
     except TypeError:  # an unhashable backend argument (a list, say)
@@ -175,13 +177,13 @@ def select(table: Any, backend: str = AUTO) -> Backend:
         ) from None
     if remembered is not None:
         return remembered
-    chosen = _choose(table, backend)
+    chosen = _choose(table, backend, environment)
     _selected[key] = chosen
     return chosen
 
 
-def _choose(table: Any, backend: str) -> Backend:
-    choice = requested_choice(backend)
+def _choose(table: Any, backend: str, environment: str) -> Backend:
+    choice = requested_choice(backend, environment)
     if choice != AUTO:
         named = BACKENDS[choice]
         reasons = reasons_against(named, table)

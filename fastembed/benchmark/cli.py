@@ -390,7 +390,9 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
     cases = list(dict.fromkeys((check.batch, check.distribution) for check in in_process))
     ids = contender_ids(checks) | {"numpy-fancy"}
     rows = run(arguments, console, table, cases, arguments.reps or arguments.gate_repetitions, ids) if cases else []
-    if len(in_process) < len(checks):
+    if len(in_process) < len(checks) and not processes.can_move_threads():
+        console.print("[yellow]co-located checks need per-thread CPU affinity (Linux): not measured here[/yellow]")
+    elif len(in_process) < len(checks):
         console.print("[dim]measuring in a fresh process whose threads share one CPU ...[/dim]")
         with processes.saved_table(table) as path:
             rows += colocated_rows(checks, path, processes.REPS)

@@ -94,6 +94,11 @@ def _calls(fastembed: Any, table: np.ndarray, out: np.ndarray) -> dict[str, Any]
     }
 
 
+def can_move_threads() -> bool:
+    """Whether this system lets a process pin each of its threads (Linux: sched_setaffinity and /proc/self/task)."""
+    return hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")
+
+
 def _move_threads_to_one_cpu() -> None:
     """Pin every thread of this process, numba's pool included, to the lowest CPU it may use."""
     cpu = min(os.sched_getaffinity(0))
