@@ -93,7 +93,7 @@ def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend:
     rows = validate.storage(table)  # a quantized table's results follow its data's library
     with call_context(rows):
         ids_view = validate.ids_snapshot(ids, table_view)
-        target = validate.output_dtype(table_view, dtype)
+        target = validate.output_dtype(table_view, dtype, None if type(table_view) is QuantizedTable else rows)
         if out is None:
             out_view = aligned_result(rows, validate.output_shape(ids_view, table_view), target)
         else:

@@ -106,14 +106,16 @@ def storage(table: Any) -> Any:
     return table.data if type(table) is QuantizedTable else table
 
 
-def output_dtype(table: Any, dtype: Any) -> np.dtype:
+def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     """The dtype of ``table[ids]`` for a call with ``dtype=dtype`` (`table`: a snapshot).
 
     None means the table's dtype, or float32 for a quantized table. A
     quantized table dequantizes into float32, float16 or bfloat16, in the
     machine's byte order; a dense
     floating-point table casts into those or float64 (rounding to nearest
-    even); any other table gives its own dtype only.
+    even); any other table gives its own dtype only. `rows`, the caller's
+    dense table, lets the dtype of a torch CUDA tensor that its snapshot holds
+    as words (bfloat16 as uint16) name the table's own dtype.
 
     Raises:
         TypeError: a dtype the table cannot be gathered into, naming the choices.
@@ -132,15 +134,22 @@ def output_dtype(table: Any, dtype: Any) -> np.dtype:
     if dtype is None:
         return source
     target = resolve_dtype(dtype)
-    if target == source:
+    own = None if rows is None else _dtype_name(rows)
+    if target == source or (own == target.name and target.isnative):
         return source
     if is_float_dtype(source) and target.name in (*OUTPUT_DTYPES, "float64"):
         return target
     raise TypeError(
-        f"a {source} table can be gathered into its own dtype"
+        f"a {own or source} table can be gathered into its own dtype"
         + (f" or {', '.join(OUTPUT_DTYPES)}, float64" if is_float_dtype(source) else "")
         + f", not {target}"
     )
+
+
+def _dtype_name(array: Any) -> str | None:
+    """The name of `array`'s own dtype where its adapter knows one beyond its snapshot's (torch), else None."""
+    dtype_name = getattr(adapter_of(array), "dtype_name", None)
+    return None if dtype_name is None else dtype_name(array)
 
 
 def is_float_dtype(dtype: np.dtype) -> bool:
@@ -324,6 +333,13 @@ def output_shape(ids: Any, table: Any) -> tuple[int, ...]:
     return tuple(ids.shape) + (table.shape[1],)
 
 
+def _result_dtype_name(table: Any, caller_table: Any, dtype: Any) -> str | None:
+    """The name of a lookup's output dtype (`table`: a snapshot), or None where only its snapshot's dtype is known."""
+    if type(table) is QuantizedTable or (dtype is not None and np.dtype(dtype) != np.dtype(table.dtype)):
+        return np.dtype(dtype).name
+    return _dtype_name(storage(caller_table))
+
+
 def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: Any, dtype: Any = None) -> Any:
     """A validated snapshot of `out` that can receive ``table[ids]`` without any copy.
 
@@ -381,7 +397,12 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
         )
     if tuple(view.shape) != output_shape(ids, table):
         raise ValueError(f"out has shape {tuple(view.shape)}, expected {output_shape(ids, table)} (ids.shape + (dim,))")
-    expected = adapter.stored_dtype(np.dtype(table.dtype) if dtype is None else np.dtype(dtype))
+    if adapter.device(out) != "cpu" and _dtype_name(out) is not None:
+        # A GPU snapshot holds bfloat16 and float8 as words, which other dtypes of their width share.
+        wanted = _result_dtype_name(table, caller_table, dtype)
+        if wanted is not None and _dtype_name(out) != wanted:
+            raise TypeError(f"out has dtype {_dtype_name(out)}, expected {wanted} (the output dtype of this lookup)")
+    expected = adapter_of(view).stored_dtype(np.dtype(table.dtype) if dtype is None else np.dtype(dtype))  # type: ignore[union-attr]
     if view.dtype != expected:
         raise TypeError(f"out has dtype {np.dtype(view.dtype)}, expected {expected} (the output dtype of this lookup)")
     flags = view.flags

@@ -218,6 +218,50 @@ def test_a_quantized_table_over_torch_cuda_tensors(tc, target):
     assert tc.to_host(result).view(torch.uint8).numpy().tobytes() == expected.view(np.uint8).tobytes()
 
 
+def test_out_must_have_the_results_torch_dtype_not_only_its_width(tc):
+    """A snapshot holds bfloat16 and float8 as unsigned words; other dtypes of that width are still refused."""
+    cases = [(torch.bfloat16, torch.uint16), (torch.uint16, torch.bfloat16), (torch.float8_e4m3fn, torch.float8_e5m2),
+             (torch.float8_e4m3fn, torch.uint8)]
+    for dtype, wrong in cases:
+        table = tc.to_cuda(host_table(torch.float32).to(dtype) if dtype.is_floating_point else
+                           torch.zeros((VOCAB, DIM), dtype=dtype))
+        out = tc.empty((1, DIM), wrong)
+        with pytest.raises(TypeError, match=f"out has dtype {str(wrong)[6:]}, expected {str(dtype)[6:]}"):
+            fastembed.lookup(table, [1], out=out)
+    host = random_quantized_table("fp8_e4m3", 64, 32, seed=2)
+    table = QuantizedTable(tc.to_cuda(torch.from_numpy(host.data)), host.format, host.dim,
+                           tc.to_cuda(torch.from_numpy(host.scales)))
+    with pytest.raises(TypeError, match="out has dtype uint16, expected bfloat16"):
+        fastembed.lookup(table, [1], dtype="bfloat16", out=tc.empty((1, 32), torch.uint16))
+    out = tc.empty((1, 32), torch.bfloat16)  # the dequantized bfloat16 rows into a bfloat16 tensor
+    assert fastembed.lookup(table, [5], dtype="bfloat16", out=out) is out
+    expected = fastembed.lookup(host, [5], dtype="bfloat16")
+    assert tc.to_host(out).view(torch.uint16).numpy().tobytes() == expected.view(np.uint16).tobytes()
+
+
+def test_dtype_naming_the_tables_own_torch_dtype_is_no_cast(tc):
+    host = host_table(torch.bfloat16)
+    table = tc.to_cuda(host)
+    assert_bit_equal(fastembed.lookup(table, [3, 1], dtype="bfloat16"), host[[3, 1]], tc)
+    assert_bit_equal(fastembed.Embedding(table)([3, 1], dtype="bfloat16"), host[[3, 1]], tc)
+    with pytest.raises(TypeError, match="a bfloat16 table can be gathered into its own dtype, not float32"):
+        fastembed.lookup(table, [1], dtype="float32")
+
+
+@pytest.mark.parametrize("name", ["complex32", "float8_e8m0fnu", "float8_e4m3fnuz", "bits16"])
+def test_torch_dtypes_cupy_has_not_are_a_type_error(tc, name):
+    if not hasattr(torch, name):
+        pytest.skip(f"this torch has no {name}")
+    words = torch.zeros((VOCAB, DIM), dtype=torch.uint8 if torch.empty(0, dtype=getattr(torch, name)).element_size() == 1
+                        else torch.int16)
+    tensor = tc.to_cuda(words.view(getattr(torch, name)))
+    message = f"torch dtype torch.{name} cannot be seen as a cupy array"
+    with pytest.raises(TypeError, match=message):
+        fastembed.lookup(tensor, [1])
+    with pytest.raises(TypeError, match=message):
+        fastembed.lookup(tc.to_cuda(host_table(torch.float16)), tensor[0])
+
+
 def test_without_cupy_a_torch_cuda_table_names_the_extra(tc, monkeypatch):
     table = tc.to_cuda(host_table(torch.float32))
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError

@@ -24,7 +24,9 @@ class ArrayAdapter(Protocol):
     adapter whose arrays need a device or stream made current for a lookup
     (torch CUDA tensors) provides ``stream_context(array)``
     (:func:`call_context`), and one whose results need the caller's table to
-    get their dtype back provides ``wrap_like(result, like)`` (:func:`result_like`).
+    get their dtype back provides ``wrap_like(result, like)`` (:func:`result_like`)
+    and ``dtype_name(array)``, the array's own dtype by name, which validation
+    checks where a snapshot holds it as words of the same width.
     """
 
     name: str

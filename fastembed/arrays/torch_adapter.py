@@ -51,6 +51,10 @@ class TorchAdapter:
     def stored_dtype(self, dtype: Any) -> Any:
         return dtype
 
+    def dtype_name(self, array: Any) -> str:
+        """The tensor's own dtype by name (``"bfloat16"``), which a snapshot on a GPU holds as same-width words."""
+        return str(array.dtype).removeprefix("torch.")
+
     def owns(self, array: Any) -> bool:
         # __dlpack__ tells a tensor (nn.Parameter included) from torch's other types (Size, storages, dtypes).
         return type(array).__module__.partition(".")[0] == "torch" and hasattr(array, "__dlpack__")
@@ -187,6 +191,8 @@ def _cuda_view(tensor: Any, index: int) -> Any:
     via = _via_integer().get(tensor.dtype)
     if via is not None:
         tensor = tensor.view(via[0])
+    elif _cuda_dtype(tensor.dtype) is None:
+        raise TypeError(f"torch dtype {tensor.dtype} cannot be seen as a cupy array: cupy has no such dtype")
     with _on_torch_stream(index):  # the DLPack exchange then needs no cross-stream event
         import cupy
 
@@ -202,9 +208,11 @@ def _cuda_dtype(torch_dtype: Any) -> np.dtype | None:
     if name in _VIA_INTEGER:
         return np.dtype(f"u{np.dtype(_VIA_INTEGER[name]).itemsize}")
     try:
-        return np.dtype(name)
+        dtype = np.dtype(name)
     except TypeError:
         return None
+    # numpy's own dtypes only: with ml_dtypes imported numpy also knows names such as "float8_e8m0fnu".
+    return dtype if dtype.kind in "biufc" and dtype.type.__module__ == "numpy" else None
 
 
 def _host_tensor(result: np.ndarray) -> Any:
