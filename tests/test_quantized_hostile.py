@@ -136,10 +136,12 @@ def test_save_map_round_trip_of_every_dtype_save_accepts(tmp_path):
         assert fastembed.Embedding.from_safetensors(tmp_path / "t.safetensors").table.tobytes() == table.tobytes()
 
 
-def test_a_quantized_table_is_refused_clearly_by_the_vocab_parallel_layer():
+def test_the_vocab_parallel_layer_keeps_a_view_of_a_quantized_tables_rows():
     pytest.importorskip("torch")
-    with pytest.raises(TypeError, match="dense tables"):
-        distributed._open_shard(q8_table()[0], None, 1, 0, 2)
+    table = q8_table()[0]
+    shard = distributed._open_shard(table, None, 1, 1, 2)
+    assert isinstance(shard.rows, QuantizedTable) and shard.rows.format.name == "q8_0"
+    assert np.shares_memory(shard.rows.data, table.data) and shard.rows.data.shape == (5, table.data.shape[1])
 
 
 def test_map_gguf_still_opens_by_default_name(tmp_path):
