@@ -190,6 +190,22 @@ def test_bad_ids_raise_and_the_device_stays_usable(tc, ids_dtype):
     assert_bit_equal(fastembed.lookup(table, tc.to_cuda(torch.tensor([4], dtype=ids_dtype))), host[[4]], tc)
 
 
+def test_zero_size_tensors(tc):
+    host = host_table(torch.float16)
+    table = tc.to_cuda(host)
+    for shape, dtype in (((0,), torch.int64), ((0, 3), torch.int32), ((2, 0), torch.int16)):
+        result = fastembed.lookup(table, tc.to_cuda(torch.empty(shape, dtype=dtype)))
+        assert result.is_cuda and result.dtype == torch.float16 and tuple(result.shape) == shape + (DIM,)
+    out = tc.empty((0, DIM), torch.float16)
+    assert fastembed.lookup(table, [], out=out) is out
+    empty = tc.to_cuda(torch.empty((0, 4), dtype=torch.bfloat16))
+    assert tuple(fastembed.lookup(empty, tc.to_cuda(torch.empty(0, dtype=torch.int64))).shape) == (0, 4)
+    with pytest.raises(IndexError, match="id 0 at position 0 is out of range for a table of 0 rows"):
+        fastembed.lookup(empty, [0])
+    no_columns = fastembed.lookup(tc.to_cuda(torch.empty((5, 0), dtype=torch.float32)), [4, 0])
+    assert tuple(no_columns.shape) == (2, 0) and no_columns.dtype == torch.float32
+
+
 def test_embedding_over_a_torch_cuda_table(tc):
     host = host_table(torch.bfloat16)
     parameter = torch.nn.Parameter(tc.to_cuda(host))  # requires grad: gathered through detach(), no autograd
@@ -248,6 +264,7 @@ def test_dtype_naming_the_tables_own_torch_dtype_is_no_cast(tc):
         fastembed.lookup(table, [1], dtype="float32")
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("name", ["complex32", "float8_e8m0fnu", "float8_e4m3fnuz", "bits16"])
 def test_torch_dtypes_cupy_has_not_are_a_type_error(tc, name):
     if not hasattr(torch, name):

@@ -498,7 +498,8 @@ def from_dlpack(array: Any, *, device: Any = None, copy: Any = None) -> ndarray:
     with CuPy's current stream there (1 for the null stream). Refused like
     CuPy: host (CPU) arrays, dtypes CuPy has not (bfloat16, float8: ValueError
     "Unsupported dtype"), memory that is no device allocation of the double
-    (an illegal address on a GPU), a capsule used twice.
+    (an illegal address on a GPU), a capsule used twice. A zero-size capsule
+    (torch gives it a null pointer) becomes an empty array on its device.
     """
     if copy:
         raise NotImplementedError("the double never copies in from_dlpack")
@@ -527,6 +528,8 @@ def _from_capsule(capsule: Any) -> ndarray:
         (n - 1) * abs(stride) for n, stride in zip(capsule.shape, capsule.strides, strict=True))
     low = capsule.ptr + sum((n - 1) * stride for n, stride in zip(capsule.shape, capsule.strides, strict=True) if stride < 0)
     allocation = next((a for a in list(_Allocation.live) if a.device == capsule.device and a.holds(low, extent)), None)
+    if allocation is None and extent == 0:  # DLPack gives a zero-size tensor a null pointer, and CuPy takes it
+        return ndarray(capsule.shape, dtype, _device=capsule.device)
     if allocation is None:
         raise CUDADriverError(f"{extent} bytes at {capsule.ptr:#x} are no memory of cuda:{capsule.device}: "
                               "CUDA_ERROR_ILLEGAL_ADDRESS")
