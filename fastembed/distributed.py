@@ -63,8 +63,8 @@ _WORDS = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8))
 _SHARED = (IndexError, ValueError, TypeError, FileNotFoundError, PermissionError, OSError, MemoryError, ImportError)
 _NOT_ON_HOST = (
     "VocabParallelEmbedding serves host tables (numpy, np.memmap, torch CPU tensors) over a group that carries CPU "
-    "tensors (gloo); a table on {device} is not served: fastembed gathers GPU tables as cupy arrays, and this class "
-    "has not been run on GPUs (docs/distributed.md, 'GPUs')"
+    "tensors (gloo); a table on {device} is not served: the GPU path (NCCL) is not built, as this class has not "
+    "been run on GPUs (docs/distributed.md, 'GPUs'); fastembed.lookup serves GPU tables in one process"
 )
 
 
