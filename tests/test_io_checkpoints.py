@@ -66,6 +66,38 @@ FAMILIES = {
         {"word_embeddings.weight": _t(VOCAB, DIM, 2), "word_embeddings_layernorm.weight": _t(DIM),
          "word_embeddings_layernorm.bias": _t(DIM), "h.0.self_attention.query_key_value.weight": _t(3 * DIM, DIM)},
         "word_embeddings.weight", {"vocab_size": VOCAB, "hidden_size": DIM}),
+    "bloom-prefixed": (
+        {"transformer.word_embeddings.weight": _t(VOCAB, DIM, 2), "transformer.word_embeddings_layernorm.weight": _t(DIM),
+         "transformer.word_embeddings_layernorm.bias": _t(DIM), "transformer.h.0.self_attention.query_key_value.weight": _t(3 * DIM, DIM),
+         "lm_head.weight": _t(VOCAB, DIM)},
+        "transformer.word_embeddings.weight", {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "bloom"}),
+    "mistral": (
+        {"model.embed_tokens.weight": _t(VOCAB, DIM, 2), "lm_head.weight": _t(VOCAB, DIM),
+         "model.layers.0.self_attn.k_proj.weight": _t(DIM // 4, DIM), "model.layers.0.mlp.gate_proj.weight": _t(2 * DIM, DIM)},
+        "model.embed_tokens.weight", {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "mistral"}),
+    "mixtral": (
+        {"model.embed_tokens.weight": _t(VOCAB, DIM, 2), "lm_head.weight": _t(VOCAB, DIM),
+         "model.layers.0.block_sparse_moe.gate.weight": _t(8, DIM),
+         **{f"model.layers.0.block_sparse_moe.experts.{e}.w{w}.weight": _t(2 * DIM, DIM) for e in range(4) for w in (1, 3)},
+         "model.layers.1.block_sparse_moe.experts.0.w2.weight": _t(DIM, 2 * DIM)},
+        "model.embed_tokens.weight", {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "mixtral"}),
+    # The multi-token-prediction layer (layer 61 of DeepSeek-V3, 46 of GLM-4.5) holds its own embed_tokens of the
+    # table's shape: a per-layer copy, which never competes with model.embed_tokens.weight.
+    "deepseek-v3": (
+        {"model.embed_tokens.weight": _t(VOCAB, DIM, 2), "lm_head.weight": _t(VOCAB, DIM, 3),
+         "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": _t(DIM, DIM),
+         "model.layers.3.mlp.experts.0.down_proj.weight": _t(DIM, 2 * DIM),
+         "model.layers.3.mlp.experts.0.down_proj.weight_scale_inv": _t(1, 1),
+         "model.layers.61.embed_tokens.weight": _t(VOCAB, DIM, 4), "model.layers.61.shared_head.head.weight": _t(VOCAB, DIM, 5),
+         "model.layers.61.eh_proj.weight": _t(DIM, 2 * DIM), "model.layers.61.enorm.weight": _t(DIM)},
+        "model.embed_tokens.weight",
+        {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "deepseek_v3", "num_nextn_predict_layers": 1}),
+    "glm-4.5": (
+        {"model.embed_tokens.weight": _t(VOCAB, DIM, 2), "lm_head.weight": _t(VOCAB, DIM, 3),
+         "model.layers.1.mlp.experts.7.up_proj.weight": _t(2 * DIM, DIM),
+         "model.layers.46.embed_tokens.weight": _t(VOCAB, DIM, 4), "model.layers.46.shared_head.head.weight": _t(VOCAB, DIM, 5),
+         "model.layers.46.eh_proj.weight": _t(DIM, 2 * DIM)},
+        "model.embed_tokens.weight", {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "glm4_moe"}),
     "falcon": (
         {"transformer.word_embeddings.weight": _t(VOCAB, DIM, 2), "lm_head.weight": _t(VOCAB, DIM),
          "transformer.h.0.self_attention.dense.weight": _t(DIM, DIM)},
@@ -100,11 +132,12 @@ def assert_zero_copy_table(table, expected: np.ndarray) -> None:
     assert_bit_equal(fastembed.lookup(table, ids), expected[ids])
 
 
+@pytest.mark.parametrize("with_config", [True, False])
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_family_opens_its_token_embedding(tmp_path, family, shards):
+def test_each_family_opens_its_token_embedding(tmp_path, family, shards, with_config):
     tensors, embedding, config = FAMILIES[family]
-    write_checkpoint(tmp_path / family, tensors, config, shards)
+    write_checkpoint(tmp_path / family, tensors, config if with_config else None, shards)
     table = io.open_table(tmp_path / family)
     assert_zero_copy_table(table, tensors[embedding])
     if shards > 1:
@@ -138,6 +171,34 @@ def test_only_the_shard_holding_the_table_is_read(tmp_path):
     layer = "model.layers.2.mlp.experts.3.down_proj.weight"
     if index["weight_map"][layer] == holder:
         assert_bit_equal(np.asarray(io.open_table(tmp_path, name=layer)), tensors[layer])
+
+
+def test_the_mtp_layer_loses_to_the_top_level_table_and_its_shard_is_not_read(tmp_path):
+    """DeepSeek-V3's layout: the MTP layer (model.layers.61) in the last shard, which is never opened."""
+    tensors, embedding, config = FAMILIES["deepseek-v3"]
+    write_checkpoint(tmp_path, tensors, config, shards=1)
+    assert_zero_copy_table(fastembed.Embedding.from_pretrained(tmp_path).table, tensors[embedding])
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text(json.dumps(config))
+    layer_61 = {name: array for name, array in tensors.items() if ".layers.61." in name}
+    safetensors_numpy.save_file({n: a for n, a in tensors.items() if n not in layer_61}, str(sharded / "model-00001-of-00002.safetensors"))
+    (sharded / "model-00002-of-00002.safetensors").write_bytes(b"not read")
+    weight_map = {name: "model-00002-of-00002.safetensors" if name in layer_61 else "model-00001-of-00002.safetensors"
+                  for name in tensors}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    table = fastembed.Embedding.from_pretrained(sharded).table
+    assert table.filename.endswith("model-00001-of-00002.safetensors")
+    assert_zero_copy_table(table, tensors[embedding])
+
+
+def test_a_per_layer_copy_is_still_found_when_it_is_the_only_candidate(tmp_path):
+    tensors = {"model.layers.0.embed_tokens.weight": _t(VOCAB, DIM, 4), "model.layers.0.mlp.weight": _t(DIM, DIM)}
+    write_checkpoint(tmp_path, tensors, None)
+    assert_zero_copy_table(io.open_table(tmp_path), tensors["model.layers.0.embed_tokens.weight"])
+    assert not io.checkpoints.in_numbered_layer("model.embed_tokens.weight")
+    assert io.checkpoints.in_numbered_layer("transformer.h.11.word_embeddings.weight")
+    assert not io.checkpoints.in_numbered_layer("model.layers_norm.embed_tokens.weight")
 
 
 def test_name_selects_in_a_sharded_checkpoint(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,10 @@ TOKEN_EMBEDDING_ENDINGS: tuple[tuple[str, str], ...] = (
 #: Last resort: any "...embedding(s).weight" that is not a position or token-type embedding.
 _GENERIC_ENDINGS = ("embeddings.weight", "embedding.weight")
 _NOT_TOKEN_WORDS = ("position", "token_type", "segment", "pos_emb", "patch", "rotary", "relative")
+#: A name nested under a numbered layer (``model.layers.61.embed_tokens.weight``, ``transformer.h.3....``):
+#: a per-layer copy, such as the multi-token-prediction layer of DeepSeek-V3 and GLM-4.5, never the token table
+#: itself when a candidate outside the numbered layers exists.
+_NUMBERED_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.\d+\.")
 #: The most candidate tensors a selection looks at (real checkpoints have one to three).
 MAX_CANDIDATES = 64
 #: The largest index or config JSON read (DeepSeek-V3's index is about 9 MB).
@@ -66,6 +71,22 @@ def is_embedding_candidate(name: str) -> bool:
     return embedding_rank(name) is not None
 
 
+def in_numbered_layer(name: str) -> bool:
+    """Whether a tensor sits inside a numbered layer (``...layers.<N>.``, ``...h.<N>.``): a per-layer copy."""
+    return _NUMBERED_LAYER.search(name) is not None
+
+
+def outside_numbered_layers(names: list[str]) -> list[str]:
+    """The candidates outside numbered layers when there are any, else all of them.
+
+    A checkpoint with a multi-token-prediction layer (DeepSeek-V3, GLM-4.5) holds
+    ``model.layers.61.embed_tokens.weight`` beside ``model.embed_tokens.weight``, of the same
+    shape: the layer's copy never competes with the top-level table.
+    """
+    top = [name for name in names if not in_numbered_layer(name)]
+    return top or names
+
+
 def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
                          expected: tuple[int | None, int | None] | None = None, two_d: str | None = None) -> str:
     """The token embedding among the given tensors.
@@ -79,6 +100,9 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
     Returns:
         The name of the single best 2-D candidate: the one whose name ending ranks first in
         :data:`TOKEN_EMBEDDING_ENDINGS`, among those of the expected shape when it is known.
+        Candidates nested under a numbered layer (``model.layers.61.embed_tokens.weight``)
+        are per-layer copies and are dropped first when any candidate lies outside the
+        numbered layers (:func:`outside_numbered_layers`).
 
     Raises:
         ValueError: no tensor is named like a token embedding; none has the shape the
@@ -91,6 +115,8 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
         raise ValueError(f"{where}: no tensor is named like a token embedding "
                          f"({', '.join(ending for ending, _ in TOKEN_EMBEDDING_ENDINGS)}); pass name=; "
                          f"2-D tensors: {two_d}")
+    kept = outside_numbered_layers(list(candidates))
+    candidates = {name: candidates[name] for name in kept}
     if expected is not None and any(expected):
         fitting = {name: shape for name, shape in candidates.items()
                    if all(want is None or want == have for want, have in zip(expected, shape, strict=True))}
@@ -282,6 +308,7 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap:
         names = [name]
     else:
         names = [n for n in weight_map if is_embedding_candidate(n)]
+        names = outside_numbered_layers(names)  # so that an MTP layer's shard is not even read
         if not names:
             raise ValueError(f"{index_path}: no tensor is named like a token embedding "
                              f"({', '.join(ending for ending, _ in TOKEN_EMBEDDING_ENDINGS)}); pass name=; "
