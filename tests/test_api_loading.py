@@ -29,6 +29,56 @@ def test_from_pretrained_opens_a_sharded_checkpoint_directory_zero_copy(tmp_path
     emb.check_file()  # unchanged: no error
 
 
+def test_from_pretrained_opens_a_single_safetensors_file_by_name(tmp_path):
+    table = random_table(300, 16)
+    path = tmp_path / "weights.safetensors"
+    safetensors_numpy.save_file({"model.embed_tokens.weight": table, "lm_head.weight": random_table(300, 16, seed=1)}, str(path))
+    emb = fastembed.Embedding.from_pretrained(path)
+    assert isinstance(emb.table, np.memmap) and str(emb.table.filename) == str(path) and not emb.table.flags.writeable
+    assert_bit_equal(emb([299, 0, 5]), table[[299, 0, 5]])
+    assert_bit_equal(np.asarray(fastembed.Embedding.from_pretrained(str(path), name="lm_head.weight").table),
+                     random_table(300, 16, seed=1))
+    emb.check_file()
+
+
+def test_from_pretrained_opens_an_index_file(tmp_path):
+    table = random_table(300, 16)
+    safetensors_numpy.save_file({"model.embed_tokens.weight": table}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}))
+    emb = fastembed.Embedding.from_pretrained(index)
+    assert str(emb.table.filename) == str(tmp_path / "model-00001-of-00001.safetensors")
+    assert_bit_equal(emb([[1, 2]]), table[[[1, 2]]])
+
+
+def test_from_pretrained_opens_a_npy_file(tmp_path):
+    table = random_table(40, 8, "float32")
+    np.save(tmp_path / "table.npy", table)
+    emb = fastembed.Embedding.from_pretrained(tmp_path / "table.npy")
+    assert isinstance(emb.table, np.memmap) and not emb.table.flags.writeable
+    assert_bit_equal(emb([39, 3]), table[[39, 3]])
+    with pytest.raises(ValueError, match="name= must be None"):
+        fastembed.Embedding.from_pretrained(tmp_path / "table.npy", name="weight")
+
+
+def test_from_pretrained_opens_a_gguf_file(tmp_path):
+    table = random_table(40, 32, "float16")
+    fastembed.Embedding(table).save(tmp_path / "table.gguf")
+    emb = fastembed.Embedding.from_pretrained(tmp_path / "table.gguf")
+    assert_bit_equal(emb([0, 39]), table[[0, 39]])
+
+
+def test_from_pretrained_takes_a_torch_tensor_as_it_is():
+    torch = pytest.importorskip("torch")
+    weight = torch.arange(40.0).reshape(10, 4)
+    emb = fastembed.Embedding.from_pretrained(weight)
+    assert emb.table is weight
+    rows = emb([9, 0])
+    assert isinstance(rows, torch.Tensor) and torch.equal(rows, weight[[9, 0]])
+    weight[9] = -1  # the layer reads the tensor's memory: a copy would not see this
+    assert torch.equal(emb([9]), weight[[9]])
+
+
 def test_from_pretrained_takes_an_array_as_it_is():
     table = random_table(20, 4)
     emb = fastembed.Embedding.from_pretrained(table)
