@@ -343,25 +343,39 @@ def _block(halves, body, *scalars):
     return types.void(halves, _ADDRESS, _ADDRESS, *scalars), codegen
 
 
+def _splat_half(builder, address, n):
+    """The float16 at `address` as `n` float32 lanes: a block's scale.
+
+    A broadcast load writes a whole register; the scalar conversion would
+    merge into one the previous block's result may hold, chaining every
+    block to the one before it.
+    """
+    if not HARDWARE_FLOAT16:
+        return _splat(builder, _half_bits_codegen(None, builder, None, [address]), n)
+    half = builder.load(builder.inttoptr(address, ir.HalfType().as_pointer()), align=1)
+    return builder.fpext(_splat(builder, half, n), _vector(_F32, n))
+
+
 def _q8_0_body(builder, args, put):
     # 32 x int8 at source; q * d
-    destination, source, d = args
+    destination, source, d_at = args
     q = builder.sitofp(_load(builder, source, _vector(_I8, 32)), _vector(_F32, 32))
-    put(builder, destination, 0, builder.fmul(q, _splat(builder, d, 32)))
+    put(builder, destination, 0, builder.fmul(q, _splat_half(builder, d_at, 32)))
 
 
 def _q4_0_body(builder, args, put):
     # 16 bytes of nibbles at source; d * (q - 8)
-    destination, source, d = args
+    destination, source, d_at = args
     q = builder.sub(_nibbles(builder, _load(builder, source, _vector(_I8, 16))), _constant(_I8, 32, 8))
-    put(builder, destination, 0, builder.fmul(_splat(builder, d, 32), builder.sitofp(q, _vector(_F32, 32))))
+    put(builder, destination, 0, builder.fmul(_splat_half(builder, d_at, 32), builder.sitofp(q, _vector(_F32, 32))))
 
 
 def _q4_1_body(builder, args, put):
     # 16 bytes of nibbles at source; d * q + m
-    destination, source, d, m = args
+    destination, source, d_at = args
+    d, m = _splat_half(builder, d_at, 32), _splat_half(builder, builder.add(d_at, d_at.type(2)), 32)
     q = builder.uitofp(_nibbles(builder, _load(builder, source, _vector(_I8, 16))), _vector(_F32, 32))
-    put(builder, destination, 0, builder.fadd(builder.fmul(_splat(builder, d, 32), q), _splat(builder, m, 32)))
+    put(builder, destination, 0, builder.fadd(builder.fmul(d, q), m))
 
 
 def _five_bit_values(builder, source, qh):
@@ -371,16 +385,17 @@ def _five_bit_values(builder, source, qh):
 
 def _q5_0_body(builder, args, put):
     # 16 bytes of nibbles at source, fifth bits in qh; d * (q - 16)
-    destination, source, d, qh = args
+    destination, source, d_at, qh = args
     q = builder.sub(_five_bit_values(builder, source, qh), _constant(_I32, 32, 16))
-    put(builder, destination, 0, builder.fmul(_splat(builder, d, 32), builder.sitofp(q, _vector(_F32, 32))))
+    put(builder, destination, 0, builder.fmul(_splat_half(builder, d_at, 32), builder.sitofp(q, _vector(_F32, 32))))
 
 
 def _q5_1_body(builder, args, put):
     # 16 bytes of nibbles at source, fifth bits in qh; d * q + m
-    destination, source, d, m, qh = args
+    destination, source, d_at, qh = args
+    d, m = _splat_half(builder, d_at, 32), _splat_half(builder, builder.add(d_at, d_at.type(2)), 32)
     q = builder.uitofp(_five_bit_values(builder, source, qh), _vector(_F32, 32))
-    put(builder, destination, 0, builder.fadd(builder.fmul(_splat(builder, d, 32), q), _splat(builder, m, 32)))
+    put(builder, destination, 0, builder.fadd(builder.fmul(d, q), m))
 
 
 def _k_pair(builder, put, destination, low, high, scales):
@@ -478,28 +493,28 @@ _f32, _u32 = types.float32, types.uint32
 
 
 @intrinsic(prefer_literal=True)
-def _q8_0_block(typingctx, halves, destination, source, d):
-    return _block(halves, _q8_0_body, _f32)
+def _q8_0_block(typingctx, halves, destination, source, d_at):
+    return _block(halves, _q8_0_body, _ADDRESS)
 
 
 @intrinsic(prefer_literal=True)
-def _q4_0_block(typingctx, halves, destination, source, d):
-    return _block(halves, _q4_0_body, _f32)
+def _q4_0_block(typingctx, halves, destination, source, d_at):
+    return _block(halves, _q4_0_body, _ADDRESS)
 
 
 @intrinsic(prefer_literal=True)
-def _q4_1_block(typingctx, halves, destination, source, d, m):
-    return _block(halves, _q4_1_body, _f32, _f32)
+def _q4_1_block(typingctx, halves, destination, source, d_at):
+    return _block(halves, _q4_1_body, _ADDRESS)
 
 
 @intrinsic(prefer_literal=True)
-def _q5_0_block(typingctx, halves, destination, source, d, qh):
-    return _block(halves, _q5_0_body, _f32, _u32)
+def _q5_0_block(typingctx, halves, destination, source, d_at, qh):
+    return _block(halves, _q5_0_body, _ADDRESS, _u32)
 
 
 @intrinsic(prefer_literal=True)
-def _q5_1_block(typingctx, halves, destination, source, d, m, qh):
-    return _block(halves, _q5_1_body, _f32, _f32, _u32)
+def _q5_1_block(typingctx, halves, destination, source, d_at, qh):
+    return _block(halves, _q5_1_body, _ADDRESS, _u32)
 
 
 @intrinsic(prefer_literal=True)
@@ -626,9 +641,9 @@ def _q8_0(source, n_blocks, destination, halves):
     for block in range(n_blocks):
         at = source + 34 * block
         if halves:
-            _q8_0_block(True, destination + 64 * block, at + 2, _half(at))
+            _q8_0_block(True, destination + 64 * block, at + 2, at)
         else:
-            _q8_0_block(False, destination + 128 * block, at + 2, _half(at))
+            _q8_0_block(False, destination + 128 * block, at + 2, at)
 
 
 @njit(**_JIT)
@@ -637,9 +652,9 @@ def _q4_0(source, n_blocks, destination, halves):
     for block in range(n_blocks):
         at = source + 18 * block
         if halves:
-            _q4_0_block(True, destination + 64 * block, at + 2, _half(at))
+            _q4_0_block(True, destination + 64 * block, at + 2, at)
         else:
-            _q4_0_block(False, destination + 128 * block, at + 2, _half(at))
+            _q4_0_block(False, destination + 128 * block, at + 2, at)
 
 
 @njit(**_JIT)
@@ -648,9 +663,9 @@ def _q4_1(source, n_blocks, destination, halves):
     for block in range(n_blocks):
         at = source + 20 * block
         if halves:
-            _q4_1_block(True, destination + 64 * block, at + 4, _half(at), _half(at + 2))
+            _q4_1_block(True, destination + 64 * block, at + 4, at)
         else:
-            _q4_1_block(False, destination + 128 * block, at + 4, _half(at), _half(at + 2))
+            _q4_1_block(False, destination + 128 * block, at + 4, at)
 
 
 @njit(**_JIT)
@@ -659,9 +674,9 @@ def _q5_0(source, n_blocks, destination, halves):
     for block in range(n_blocks):
         at = source + 22 * block
         if halves:
-            _q5_0_block(True, destination + 64 * block, at + 6, _half(at), _word(at + 2))
+            _q5_0_block(True, destination + 64 * block, at + 6, at, _word(at + 2))
         else:
-            _q5_0_block(False, destination + 128 * block, at + 6, _half(at), _word(at + 2))
+            _q5_0_block(False, destination + 128 * block, at + 6, at, _word(at + 2))
 
 
 @njit(**_JIT)
@@ -670,9 +685,9 @@ def _q5_1(source, n_blocks, destination, halves):
     for block in range(n_blocks):
         at = source + 24 * block
         if halves:
-            _q5_1_block(True, destination + 64 * block, at + 8, _half(at), _half(at + 2), _word(at + 4))
+            _q5_1_block(True, destination + 64 * block, at + 8, at, _word(at + 4))
         else:
-            _q5_1_block(False, destination + 128 * block, at + 8, _half(at), _half(at + 2), _word(at + 4))
+            _q5_1_block(False, destination + 128 * block, at + 8, at, _word(at + 4))
 
 
 @njit(**_JIT)
