@@ -66,9 +66,41 @@ def _npz(path) -> None:
     np.savez(path, table=np.ones((2, 2), np.float32))
 
 
+def _hdf5(path) -> None:
+    """What h5py writes first: the HDF5 signature, then the superblock."""
+    path.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes([0, 0, 0, 0, 0, 8, 8, 0, 4, 0, 16, 0]) + b"\0" * 200)
+
+
+def _flax_msgpack(path) -> None:
+    """flax.serialization.to_bytes: a msgpack map of the parameters (no magic number)."""
+    path.write_bytes(b"\x81\xa6params\x81\xa5embed\x81\xa9embedding\xc7\x20\x01" + bytes(range(1, 64)) * 4)
+
+
+def _onnx(path) -> None:
+    """An ONNX ModelProto: a protobuf starting with ir_version and producer_name (no magic number)."""
+    path.write_bytes(b"\x08\x08\x12\x07pytorch\x1a\x052.1.0:\x95\x01\n\x1e" + bytes(range(1, 200)))
+
+
+def _random(path) -> None:
+    path.write_bytes(np.random.default_rng(0).integers(1, 256, 4096, dtype=np.uint8).tobytes())
+
+
+def _junk_bin(path) -> None:
+    path.write_bytes(b"\x01\x02\x03\x04" * 64)
+
+
+OTHER_FORMATS = [
+    (_hdf5, "tf_model.h5", r"HDF5 file.*from_safetensors.*from_npy.*from_gguf.*h5py"),
+    (_flax_msgpack, "flax_model.msgpack", r"Flax checkpoint.*from_safetensors.*safetensors\.numpy import save_file"),
+    (_onnx, "model.onnx", r"ONNX model.*from_safetensors.*onnx\.load"),
+    (_junk_bin, "pytorch_model.bin", r"named like a PyTorch checkpoint \(\.bin\).*neither a torch\.save zip archive nor a pickle"),
+]
+
+
 @pytest.mark.parametrize(
     "writer, file_name, words",
     [
+        *OTHER_FORMATS,
         (_torch_zip, "pytorch_model.bin", r"PyTorch checkpoint.*never unpickles.*safetensors\.torch import save_file"),
         (_legacy_torch_pickle, "model.pt", r"pickle.*PyTorch.*safetensors\.torch import save_file"),
         (_gguf, "model.gguf", "GGUF file"),
@@ -84,6 +116,33 @@ def test_other_formats_are_named(tmp_path, writer, file_name, words, loader):
     with pytest.raises(ValueError, match=words) as caught:
         LOADERS[loader](path)
     assert str(path) in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "writer, file_name, words",
+    [
+        *OTHER_FORMATS,
+        (_torch_zip, "pytorch_model.bin", r"PyTorch checkpoint.*never unpickles.*safetensors\.torch import save_file"),
+        (_legacy_torch_pickle, "model.pt", r"pickle.*PyTorch.*safetensors\.torch import save_file"),
+        (_text, "model.safetensors", "text file"),
+        (_text, "notes.txt", "text file"),
+        (_npz, "table.npz", r"\.npz archive.*'table\.npy'"),
+        (_random, "model.safetensors", r"not a safetensors file: its first 8 bytes \(([0-9a-f]{2} ){7}[0-9a-f]{2}\) "
+                                      r"are not a header length.*beyond the file's 4096 bytes.*from_npy"),
+        (_random, "weights.dat", r"its first 8 bytes .* are not a header length"),
+    ],
+)
+@pytest.mark.parametrize("opener", ["open_table", "from_pretrained", "from_safetensors"])
+def test_other_formats_given_as_a_checkpoint_say_what_they_are(tmp_path, writer, file_name, words, opener):
+    """Once "header length 727905341903489161 goes beyond the file" for an .h5, a .msgpack, an .onnx or random bytes."""
+    path = tmp_path / file_name
+    writer(path)
+    call = {"open_table": io.open_table, "from_pretrained": fastembed.Embedding.from_pretrained,
+            "from_safetensors": fastembed.Embedding.from_safetensors}[opener]
+    with pytest.raises(ValueError, match=words) as caught:
+        call(path)
+    message = str(caught.value)
+    assert str(path) in message and "goes beyond the file" not in message and len(message) < 1200
 
 
 def test_a_npy_file_given_to_the_safetensors_loader_names_from_npy(tmp_path):

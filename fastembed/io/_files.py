@@ -10,13 +10,21 @@ from collections.abc import Iterable
 #: How many names an error message lists before "... and N more".
 NAMES_SHOWN = 12
 
-#: How to turn a PyTorch checkpoint (zip archive or pickle) into a safetensors file.
-CONVERT_PICKLE = (
-    "convert it once, in a trusted environment, with the safetensors package: "
-    "import torch; from safetensors.torch import save_file; "
-    "save_file({k: v.contiguous().clone() for k, v in torch.load(PATH, map_location='cpu', weights_only=True).items()}, "
-    "'model.safetensors')"
-)
+#: File-name endings of PyTorch checkpoints (torch.save: a zip archive or a legacy pickle).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+#: The formats fastembed opens, and with which calls: the end of every "another format" message.
+OPENS = ("fastembed opens safetensors files (fastembed.Embedding.from_safetensors), .npy files (from_npy) and "
+         "GGUF files (from_gguf); Embedding.from_pretrained and fastembed.io.open_table open any of them, "
+         "and checkpoint directories")
+_HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+def convert_pickle(path: str | os.PathLike, target: str | os.PathLike = "model.safetensors") -> str:
+    """How to turn the PyTorch checkpoint at `path` (zip archive or pickle) into the safetensors file `target`."""
+    return ("convert it once, in a trusted environment, with the safetensors package: "
+            "import torch; from safetensors.torch import save_file; "
+            f"save_file({{k: v.contiguous().clone() for k, v in torch.load({os.fspath(path)!r}, map_location='cpu', "
+            f"weights_only=True).items()}}, {os.fspath(target)!r})")
 
 
 def shorten(names: Iterable[str], total: int | None = None, limit: int = NAMES_SHOWN) -> str:
@@ -88,13 +96,21 @@ def check_tensor_name(path: str | os.PathLike, name: object) -> None:
 def describe(path: str | os.PathLike, head: bytes) -> str | None:
     """What a file looks like when it is not what a loader expected, and how to open it.
 
+    By its first bytes where its format has a magic number (safetensors' header, .npy,
+    zip archives: .npz or PyTorch, pickles, GGUF, HDF5, TensorFlow Lite, JSON, text),
+    else by its name's ending (Flax ``.msgpack``, ONNX ``.onnx``, Keras/TensorFlow
+    ``.h5``, PyTorch ``.bin``/``.pt``/``.pth``/``.ckpt``). Formats fastembed does not
+    open come with the call that converts them.
+
     Args:
         path: the file (a zip archive's directory is listed to tell .npz from PyTorch).
         head: its first bytes (at least 16 when the file is that long).
 
     Returns:
-        A sentence, or None when the file does not look like any known other format.
+        A sentence starting with "is", or None when the file looks like no known format:
+        the caller then says what its own format needs that the bytes lack.
     """
+    where = os.fspath(path)
     if len(head) >= 9 and head[8:9] == b"{" and head[5:8] == b"\0\0\0":
         return "is a safetensors file; open it with fastembed.Embedding.from_safetensors (or fastembed.io.open_table)"
     if head.startswith(b"\x93NUMPY"):
@@ -103,15 +119,21 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
         names = _zip_names(path)
         if names and all(name.endswith(".npy") for name in names):
             return (f"is a .npz archive (np.savez) of {shorten(names)}; extract one array as a .npy file "
-                    f"(np.save('table.npy', np.load({os.fspath(path)!r})[{names[0][:-4]!r}])) and open it with fastembed.Embedding.from_npy")
+                    f"(np.save('table.npy', np.load({where!r})[{names[0][:-4]!r}])) and open it with fastembed.Embedding.from_npy")
         if any(name.endswith("data.pkl") for name in names):
-            return f"is a PyTorch checkpoint (torch.save zip archive, a pickle); fastembed never unpickles: {CONVERT_PICKLE.replace('PATH', repr(os.fspath(path)))}"
+            return f"is a PyTorch checkpoint (torch.save zip archive, a pickle); fastembed never unpickles: {convert_pickle(path)}"
         return ("is a zip archive (a PyTorch torch.save checkpoint or a .npz?); fastembed reads only safetensors "
-                f"and .npy files. If it is a PyTorch checkpoint, {CONVERT_PICKLE.replace('PATH', repr(os.fspath(path)))}")
+                f"and .npy files. If it is a PyTorch checkpoint, {convert_pickle(path)}")
     if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        return f"is a Python pickle (a legacy PyTorch .bin/.pt checkpoint?); fastembed never unpickles: {CONVERT_PICKLE.replace('PATH', repr(os.fspath(path)))}"
+        return f"is a Python pickle (a legacy PyTorch .bin/.pt checkpoint?); fastembed never unpickles: {convert_pickle(path)}"
     if head.startswith(b"GGUF"):
         return "is a GGUF file (llama.cpp); open it with fastembed.Embedding.from_gguf (or fastembed.io.open_table)"
+    if head.startswith(_HDF5_MAGIC):
+        return (f"is an HDF5 file (TensorFlow/Keras .h5 weights?); {OPENS}. Read the table with h5py and save it as "
+                f".npy: import h5py, numpy as np; f = h5py.File({where!r}); f.visit(print)  # the dataset names; "
+                "then np.save('table.npy', f[NAME][()])")
+    if head[4:8] == b"TFL3":
+        return f"is a TensorFlow Lite model; {OPENS}"
     stripped = head.lstrip(b" \t\r\n\xef\xbb\xbf")
     if stripped.startswith((b"{", b"[")):
         if _mentions(path, b'"weight_map"'):
@@ -120,6 +142,28 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
         return "is a JSON text file, not a tensor file"
     if head and all(byte in b"\t\n\r" or 32 <= byte < 127 or byte >= 0x80 for byte in head[:64]) and b"\0" not in head:
         return "is a text file, not a tensor file"
+    return _described_by_name(where)
+
+
+def _described_by_name(path: str) -> str | None:
+    """What a file whose bytes carry no known magic number is, by its name's ending (None: no known ending)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".msgpack":
+        return (f"is named like a Flax checkpoint (flax.serialization msgpack, which has no magic number); {OPENS}. "
+                "Convert it with the safetensors package: import numpy as np; from flax.serialization import "
+                "msgpack_restore; from flax.traverse_util import flatten_dict; from safetensors.numpy import save_file; "
+                f"save_file({{'.'.join(k): np.asarray(v) for k, v in flatten_dict(msgpack_restore(open({path!r}, 'rb').read())).items()}}, "
+                "'model.safetensors')")
+    if suffix == ".onnx":
+        return (f"is named like an ONNX model (a protobuf, which has no magic number); {OPENS}. Save its embedding "
+                "initializer as .npy with the onnx package: import onnx, numpy as np; from onnx import numpy_helper; "
+                f"m = onnx.load({path!r}); print([t.name for t in m.graph.initializer]); "
+                "np.save('table.npy', numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == NAME)))")
+    if suffix in (".h5", ".hdf5", ".keras"):
+        return f"is named like an HDF5 or Keras file, but lacks HDF5's magic number (truncated?); {OPENS}"
+    if suffix in PICKLE_SUFFIXES:
+        return (f"is named like a PyTorch checkpoint ({suffix}), but its bytes are neither a torch.save zip archive "
+                f"nor a pickle (truncated, or another program's file?); {OPENS}")
     return None
 
 

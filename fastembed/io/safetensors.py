@@ -43,7 +43,7 @@ import numpy as np
 
 from ..formats import QuantizedTable, block_format
 from ..tables import resolve_dtype
-from ._files import check_file, check_tensor_name, describe, read_head, shorten
+from ._files import OPENS, check_file, check_tensor_name, describe, read_head, shorten
 
 #: safetensors dtype codes -> numpy dtype names (ml_dtypes for BF16 and F8).
 SAFETENSORS_DTYPES = {
@@ -145,7 +145,8 @@ def scan_safetensors_header(
     Raises:
         FileNotFoundError: no file at `path`.
         ValueError: a directory; a file that is not safetensors (saying what it looks
-            like: .npy, PyTorch zip or pickle, GGUF, an index JSON, text); a header
+            like: .npy, PyTorch zip or pickle, GGUF, HDF5, Flax msgpack, ONNX, an index
+            JSON, text; else that its first 8 bytes are not a header length); a header
             longer than :data:`MAX_HEADER_BYTES` or than the file; invalid JSON; a
             bad dtype, shape or data_offsets (of any JSON type); overlapping tensors;
             a tensor name given twice among the kept ones.
@@ -155,8 +156,13 @@ def scan_safetensors_header(
     if file_size < 8:
         raise ValueError(_not_safetensors(path, head, f"{file_size} bytes, shorter than the 8-byte header length"))
     header_length = int.from_bytes(head[:8], "little")
+    if header_length > file_size - 8 and head[8:9] == b"{":
+        raise ValueError(f"{path}: header length {header_length} goes beyond the file ({file_size} bytes): "
+                         "a truncated safetensors file (an incomplete download?)")
     if header_length > file_size - 8:
-        raise ValueError(_not_safetensors(path, head, f"header length {header_length} goes beyond the file ({file_size} bytes)"))
+        raise ValueError(_not_safetensors(
+            path, head, f"its first 8 bytes ({head[:8].hex(' ')}) are not a header length: read as one, they give "
+                        f"{header_length}, beyond the file's {file_size} bytes; {OPENS}"))
     if header_length > MAX_HEADER_BYTES:
         raise ValueError(f"{path}: header length {header_length} is over fastembed's limit of {MAX_HEADER_BYTES} bytes "
                          "(real checkpoints' headers are under a few MB; see fastembed.io.safetensors.MAX_HEADER_BYTES)")
