@@ -260,6 +260,58 @@ def test_open_table_sources_and_errors(tmp_path):
         io.open_table(tmp_path / "table.npy", name="x")
 
 
+def _run_the_hint(message: str) -> None:
+    """Run the conversion a message gives (the code between "the safetensors package: " and "; then pass")."""
+    code = message.split("with the safetensors package: ", 1)[1].split("; then pass", 1)[0]
+    exec(code, {})  # noqa: S102 - fastembed's own message, on files this test wrote
+
+
+def test_a_directory_of_pickle_shards_names_the_shard_to_convert_and_the_hint_works(tmp_path):
+    """The hint once said "Pass one of these files instead: 'pytorch_model.bin.index.json'", which then failed."""
+    torch = pytest.importorskip("torch")
+    table = torch.from_numpy(_t(VOCAB, DIM, 2))
+    shards = {"pytorch_model-00001-of-00002.bin": {"lm_head.weight": torch.zeros(VOCAB, DIM, dtype=torch.float16)},
+              "pytorch_model-00002-of-00002.bin": {"model.embed_tokens.weight": table, "model.norm.weight": torch.ones(DIM)}}
+    for file_name, tensors in shards.items():
+        torch.save(tensors, tmp_path / file_name)
+    weight_map = {name: file_name for file_name, tensors in shards.items() for name in tensors}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": VOCAB, "hidden_size": DIM}))
+    for source in (tmp_path, tmp_path / "pytorch_model.bin.index.json"):
+        with pytest.raises(ValueError, match=r"sharded as PyTorch pickles, which fastembed never unpickles.*"
+                                             r"'model.embed_tokens.weight' in pytorch_model-00002-of-00002.bin") as caught:
+            fastembed.Embedding.from_pretrained(source)
+        message = str(caught.value)
+        assert "Pass one of these" not in message and "opens here" not in message  # no file here that fastembed opens
+    with pytest.raises(ValueError, match="'lm_head.weight' in pytorch_model-00001-of-00002.bin"):
+        io.open_table(tmp_path / "pytorch_model.bin.index.json", name="lm_head.weight")
+    _run_the_hint(message)
+    converted = tmp_path / "pytorch_model-00002-of-00002.safetensors"
+    assert f"then pass {str(converted)!r} to fastembed.Embedding.from_pretrained" in message
+    assert_zero_copy_table(fastembed.Embedding.from_pretrained(converted).table, table.numpy())
+
+
+def test_a_directory_with_one_pickle_says_how_to_convert_it_in_place(tmp_path):
+    torch = pytest.importorskip("torch")
+    table = torch.from_numpy(_t(VOCAB, DIM, 2))
+    torch.save({"model.embed_tokens.weight": table, "lm_head.weight": table.clone()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"PyTorch pickles \('pytorch_model.bin'\).*safetensors package.*"
+                                         r"then pass this directory") as caught:
+        fastembed.Embedding.from_pretrained(tmp_path)
+    _run_the_hint(str(caught.value))
+    assert_zero_copy_table(fastembed.Embedding.from_pretrained(tmp_path).table, table.numpy())
+
+
+def test_the_hint_lists_only_files_fastembed_opens(tmp_path):
+    for file_name in ("pytorch_model.bin.index.json", "tokenizer.json", "table.gguf", "extra.safetensors",
+                      "adapter.safetensors.index.json", "table.npy", "tf_model.h5", "flax_model.msgpack"):
+        (tmp_path / file_name).write_bytes(b"x")
+    with pytest.raises(ValueError, match="no checkpoint in this directory") as caught:
+        io.open_table(tmp_path)
+    listed = str(caught.value).split("Files fastembed opens here (pass one instead): ", 1)[1]
+    assert listed == "'adapter.safetensors.index.json', 'extra.safetensors', 'table.gguf', 'table.npy'."
+
+
 @pytest.mark.parametrize(
     "index, words",
     [

@@ -19,7 +19,16 @@ from typing import Any
 import numpy as np
 
 from ..formats import QuantizedTable
-from ._files import NAMES_SHOWN, check_file, check_tensor_name, describe, read_head, shorten
+from ._files import (
+    NAMES_SHOWN,
+    PICKLE_SUFFIXES,
+    check_file,
+    check_tensor_name,
+    convert_pickle,
+    describe,
+    read_head,
+    shorten,
+)
 from .gguf import map_gguf
 from .npy import map_npy
 from .safetensors import SCALES_SUFFIX, TENSOR_KEY, TensorEntry, map_entry, map_tensor, scan_safetensors_header
@@ -202,8 +211,10 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
 
     Raises:
         FileNotFoundError: nothing at `source`.
-        ValueError: a directory without a checkpoint; an unreadable index or config; a
-            shard named outside the directory; no such tensor; no, or several equal,
+        ValueError: a directory without a checkpoint (naming the files there fastembed
+            opens; for PyTorch pickles, how to convert them); a checkpoint sharded as
+            PyTorch pickles (how to convert the shard holding the table); an unreadable
+            index or config; a shard named outside the directory; no such tensor; no, or several equal,
             token-embedding candidates (listed); any error of the file loaders.
         TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
     """
@@ -230,19 +241,62 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
     return _open_single(path, name, None)
 
 
+#: File names fastembed opens, by their endings (a shard index: ``*.safetensors.index.json``).
+_OPENED_ENDINGS = (".safetensors", ".safetensors.index.json", ".gguf", ".npy")
+
+
 def _no_checkpoint_message(path: Path) -> str:
     try:
         files = sorted(entry.name for entry in path.iterdir())
     except OSError:
         files = []
     hint = ""
-    if any(file.endswith((".bin", ".pt", ".pth")) for file in files):
-        hint = " It holds PyTorch pickles (.bin/.pt), which fastembed never unpickles; convert them with the safetensors package."
-    others = [file for file in files if file.endswith((".safetensors", ".index.json"))]
+    pickle_index = next((file for file in files if file.endswith(".bin.index.json")), None)
+    if pickle_index is not None:
+        hint = " " + _pickle_shards_hint(path / pickle_index)
+    elif any(file.endswith(PICKLE_SUFFIXES) for file in files):
+        pickle = next(file for file in files if file.endswith(PICKLE_SUFFIXES))
+        hint = (f" It holds PyTorch pickles ({shorten(f for f in files if f.endswith(PICKLE_SUFFIXES))}), which fastembed "
+                f"never unpickles; {_convert_then(path / pickle, path / SINGLE_NAME, 'this directory')}")
+    others = [file for file in files if file.endswith(_OPENED_ENDINGS)]
     if others:
-        hint += f" Pass one of these files instead: {shorten(others)}."
+        hint += f" Files fastembed opens here (pass one instead): {shorten(others)}."
     return (f"{path}: no checkpoint in this directory: expected {SINGLE_NAME} or {INDEX_NAME}; "
             f"it holds {shorten(files)}.{hint}")
+
+
+def _convert_then(pickle: Path, target: Path, what: str) -> str:
+    return f"{convert_pickle(pickle, target)}; then pass {what} to fastembed.Embedding.from_pretrained."
+
+
+def _pickle_shards_hint(index_path: Path, weight_map: Mapping[str, Any] | None = None, wanted: str | None = None) -> str:
+    """How to use a checkpoint sharded as PyTorch pickles (``pytorch_model-0000N-of-0000M.bin`` and their index).
+
+    Names the shard that the index puts the tensor `wanted` (None: the token embedding) in,
+    where it can tell, and how to convert that one shard into a safetensors file fastembed
+    then opens.
+    """
+    if weight_map is None:
+        try:
+            weight_map = _read_json(index_path, "the index").get("weight_map")
+        except (OSError, ValueError):
+            weight_map = None
+    start = (f"{index_path.name} indexes a checkpoint sharded as PyTorch pickles, which fastembed never unpickles; "
+             "fastembed opens safetensors shards (model.safetensors.index.json)")
+    if isinstance(weight_map, Mapping):
+        names = outside_numbered_layers([n for n, shard in weight_map.items()
+                                         if is_embedding_candidate(n) and isinstance(shard, str)])
+        best = min(names, key=lambda n: (embedding_rank(n) or 0, n), default=None)  # candidates: never None
+        if wanted is not None:
+            best = wanted if isinstance(weight_map.get(wanted), str) else None
+        if best is not None:
+            shard = str(weight_map[best])
+            if shard and "/" not in shard and "\\" not in shard and shard not in (".", ".."):
+                source = index_path.parent / shard
+                target = source.with_suffix(".safetensors")
+                return f"{start}. The index puts {best!r} in {shard}; " + _convert_then(source, target, repr(str(target)))
+    return (f"{start}. Convert each shard with the safetensors package (safetensors.torch.save_file of "
+            "torch.load(shard, map_location='cpu', weights_only=True)) and pass the file holding the token embedding.")
 
 
 def _open_single(path: Path, name: str | None,
@@ -300,6 +354,8 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap:
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index_path}: the index's weight_map must be an object of tensor name -> shard file name")
+    if weight_map and all(shard.endswith(PICKLE_SUFFIXES) for shard in weight_map.values()):
+        raise ValueError(f"{index_path}: {_pickle_shards_hint(index_path, weight_map, name)}")
     if name is not None:
         if name not in weight_map:
             near = [n for n in weight_map if is_embedding_candidate(n)]
