@@ -398,32 +398,72 @@ def _q5_1_body(builder, args, put):
     put(builder, destination, 0, builder.fadd(builder.fmul(d, q), m))
 
 
-def _k_pair(builder, put, destination, low, high, scales):
-    """Two sub-blocks of 32 values (<32 x i8> each): d_low * low - m_low, then d_high * high - m_high."""
-    for k, q in enumerate((low, high)):
-        d, m = _splat(builder, scales[2 * k], 32), _splat(builder, scales[2 * k + 1], 32)
-        put(builder, destination, 32 * k, builder.fsub(builder.fmul(d, builder.uitofp(q, _vector(_F32, 32))), m))
+def _k_scales(builder, block):
+    """(d * scale, dmin * min) of the 8 sub-blocks of the Q4_K/Q5_K block at address `block`, as two <8 x float>.
+
+    The 6-bit scales and mins of the 12 packed bytes at ``block + 4``
+    (ggml's get_scale_min_k4), decoded for all 8 sub-blocks at once.
+    """
+    packed = _load(builder, builder.add(block, block.type(4)), _vector(_I8, 16))  # 12 bytes used, 4 of qs/qh after
+
+    def lanes(indices):
+        return builder.zext(builder.shuffle_vector(packed, packed, _constant(_I32, 8, indices)), _vector(_I32, 8))
+
+    def c(value):
+        return _constant(_I32, 8, value)
+
+    first, second = lanes([0, 1, 2, 3, 8, 9, 10, 11]), lanes([4, 5, 6, 7, 8, 9, 10, 11])
+    top_of_first, top_of_second = lanes([0, 1, 2, 3, 0, 1, 2, 3]), lanes([4, 5, 6, 7, 4, 5, 6, 7])
+    low_four = ir.Constant(_vector(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
+    scale = builder.select(low_four, builder.and_(first, c(63)), builder.or_(
+        builder.and_(first, c(0xF)), builder.shl(builder.lshr(top_of_first, c(6)), c(4))))
+    low = builder.select(low_four, builder.and_(second, c(63)), builder.or_(
+        builder.lshr(second, c(4)), builder.shl(builder.lshr(top_of_second, c(6)), c(4))))
+    d, dmin = _splat_half(builder, block, 8), _splat_half(builder, builder.add(block, block.type(2)), 8)
+    return (builder.fmul(d, builder.sitofp(scale, _vector(_F32, 8))),
+            builder.fmul(dmin, builder.sitofp(low, _vector(_F32, 8))))
+
+
+def _k_block(builder, put, destination, block, sub_blocks):
+    """Put the 256 values of a Q4_K/Q5_K block: sub-block k is (d * scale_k) * q - (dmin * min_k).
+
+    `sub_blocks(g)` gives the 6 or 5-bit values of sub-blocks 2g and 2g + 1 (<32 x i8> each).
+    """
+    scales, mins = _k_scales(builder, block)
+    for group in range(4):
+        for half, q in enumerate(sub_blocks(group)):
+            k = 2 * group + half
+            scale = builder.shuffle_vector(scales, scales, _constant(_I32, 32, k))
+            low = builder.shuffle_vector(mins, mins, _constant(_I32, 32, k))
+            value = builder.fsub(builder.fmul(scale, builder.uitofp(q, _vector(_F32, 32))), low)
+            put(builder, destination, 32 * k, value)
 
 
 def _q4_k_body(builder, args, put):
-    # 32 bytes at source: 32 low nibbles then 32 high nibbles, two sub-blocks
-    destination, source, *scales = args
-    packed = _load(builder, source, _vector(_I8, 32))
-    low = builder.and_(packed, _constant(_I8, 32, 0xF))
-    high = builder.lshr(packed, _constant(_I8, 32, 4))
-    _k_pair(builder, put, destination, low, high, scales)
+    # d | dmin | 12 bytes of scales and mins | 128 bytes: each 32 give 32 low then 32 high nibbles
+    destination, block = args
+
+    def sub_blocks(group):
+        packed = _load(builder, builder.add(block, block.type(16 + 32 * group)), _vector(_I8, 32))
+        return builder.and_(packed, _constant(_I8, 32, 0xF)), builder.lshr(packed, _constant(_I8, 32, 4))
+
+    _k_block(builder, put, destination, block, sub_blocks)
 
 
 def _q5_k_body(builder, args, put):
-    # as Q4_K, the fifth bits of the two sub-blocks in bits `shift` and `shift + 1` of the 32 qh bytes
-    destination, source, qh, shift, *scales = args
-    packed = _load(builder, source, _vector(_I8, 32))
-    bits = builder.lshr(_load(builder, qh, _vector(_I8, 32)), _splat(builder, builder.trunc(shift, _I8), 32))
-    low = builder.or_(builder.and_(packed, _constant(_I8, 32, 0xF)),
-                      builder.shl(builder.and_(bits, _constant(_I8, 32, 1)), _constant(_I8, 32, 4)))
-    high = builder.or_(builder.lshr(packed, _constant(_I8, 32, 4)),
-                       builder.shl(builder.and_(bits, _constant(_I8, 32, 2)), _constant(_I8, 32, 3)))
-    _k_pair(builder, put, destination, low, high, scales)
+    # as Q4_K, after 32 qh bytes: bit k of byte j is the fifth bit of value 32k + j
+    destination, block = args
+    qh = _load(builder, builder.add(block, block.type(16)), _vector(_I8, 32))
+
+    def sub_blocks(group):
+        packed = _load(builder, builder.add(block, block.type(48 + 32 * group)), _vector(_I8, 32))
+        bits = builder.lshr(qh, _constant(_I8, 32, 2 * group))
+        return (builder.or_(builder.and_(packed, _constant(_I8, 32, 0xF)),
+                            builder.shl(builder.and_(bits, _constant(_I8, 32, 1)), _constant(_I8, 32, 4))),
+                builder.or_(builder.lshr(packed, _constant(_I8, 32, 4)),
+                            builder.shl(builder.and_(bits, _constant(_I8, 32, 2)), _constant(_I8, 32, 3))))
+
+    _k_block(builder, put, destination, block, sub_blocks)
 
 
 def _q6_k_body(builder, args, put):
@@ -518,13 +558,13 @@ def _q5_1_block(typingctx, halves, destination, source, d_at, qh):
 
 
 @intrinsic(prefer_literal=True)
-def _q4_k_pair(typingctx, halves, destination, source, d_low, m_low, d_high, m_high):
-    return _block(halves, _q4_k_body, _f32, _f32, _f32, _f32)
+def _q4_k_block(typingctx, halves, destination, block):
+    return _block(halves, _q4_k_body)
 
 
 @intrinsic(prefer_literal=True)
-def _q5_k_pair(typingctx, halves, destination, source, qh, shift, d_low, m_low, d_high, m_high):
-    return _block(halves, _q5_k_body, _ADDRESS, _u32, _f32, _f32, _f32, _f32)
+def _q5_k_block(typingctx, halves, destination, block):
+    return _block(halves, _q5_k_body)
 
 
 @intrinsic(prefer_literal=True)
@@ -691,50 +731,21 @@ def _q5_1(source, n_blocks, destination, halves):
 
 
 @njit(**_JIT)
-def _k_scale_min(packed, j):
-    """Six-bit scale and min number `j` (0-7) of the 12 packed bytes at address `packed`, as float32."""
-    if j < 4:
-        scale = _byte(packed + j) & np.uint32(63)
-        low = _byte(packed + j + 4) & np.uint32(63)
-    else:
-        scale = (_byte(packed + j + 4) & np.uint32(0xF)) | ((_byte(packed + j - 4) >> np.uint32(6)) << np.uint32(4))
-        low = (_byte(packed + j + 4) >> np.uint32(4)) | ((_byte(packed + j) >> np.uint32(6)) << np.uint32(4))
-    return np.float32(np.int32(scale)), np.float32(np.int32(low))
-
-
-@njit(**_JIT)
-def _k_sub_block_pair(block, group):
-    """(d * scale) and (dmin * min) of sub-blocks 2 * group and 2 * group + 1 of the Q4_K/Q5_K block at `block`."""
-    d = np.float32(_half(block))
-    dmin = np.float32(_half(block + 2))
-    scale_low, min_low = _k_scale_min(block + 4, 2 * group)
-    scale_high, min_high = _k_scale_min(block + 4, 2 * group + 1)
-    return d * scale_low, dmin * min_low, d * scale_high, dmin * min_high
-
-
-@njit(**_JIT)
 def _q4_k(source, destination, halves):
-    # d | dmin | 12 bytes of scales and mins | 128 bytes: each 32 give 32 low then 32 high nibbles;
-    # (d * scale) * q - (dmin * min) per sub-block of 32
-    for group in range(4):
-        d_low, m_low, d_high, m_high = _k_sub_block_pair(source, group)
-        qs = source + 16 + 32 * group
-        if halves:
-            _q4_k_pair(True, destination + 128 * group, qs, d_low, m_low, d_high, m_high)
-        else:
-            _q4_k_pair(False, destination + 256 * group, qs, d_low, m_low, d_high, m_high)
+    # one block of 256 values (see _q4_k_body)
+    if halves:
+        _q4_k_block(True, destination, source)
+    else:
+        _q4_k_block(False, destination, source)
 
 
 @njit(**_JIT)
 def _q5_k(source, destination, halves):
-    # d | dmin | 12 scale bytes | qh: 32 bytes, bit k of byte j the fifth bit of value 32k + j | 128 bytes of nibbles
-    for group in range(4):
-        d_low, m_low, d_high, m_high = _k_sub_block_pair(source, group)
-        qs, shift = source + 48 + 32 * group, np.uint32(2 * group)
-        if halves:
-            _q5_k_pair(True, destination + 128 * group, qs, source + 16, shift, d_low, m_low, d_high, m_high)
-        else:
-            _q5_k_pair(False, destination + 256 * group, qs, source + 16, shift, d_low, m_low, d_high, m_high)
+    # one block of 256 values (see _q5_k_body)
+    if halves:
+        _q5_k_block(True, destination, source)
+    else:
+        _q5_k_block(False, destination, source)
 
 
 @njit(**_JIT)
