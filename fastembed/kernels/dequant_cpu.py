@@ -177,11 +177,6 @@ def _float16_bits_hardware(typingctx, value):
     return types.uint16(types.float32), codegen
 
 
-def _half_hardware_codegen(context, builder, signature, args):
-    # fpext is exact; it quiets a signalling NaN, which every use here then multiplies or adds, as the reference does
-    return builder.fpext(builder.bitcast(builder.load(_pointer(builder, args[0], _I16), align=1), ir.HalfType()), _F32)
-
-
 def _half_bits_codegen(context, builder, signature, args):
     # exact, NaN payloads kept: subnormals (exponent 0) are mantissa * 2**-24; infinity and NaN keep their mantissa
     h = builder.zext(builder.load(_pointer(builder, args[0], _I16), align=1), _I32)
@@ -197,18 +192,10 @@ def _half_bits_codegen(context, builder, signature, args):
 
 
 @intrinsic
-def _half_hardware(typingctx, address):
-    return types.float32(_ADDRESS), _half_hardware_codegen
-
-
-@intrinsic
 def half_at(typingctx, address):
     """The little-endian float16 at `address` as float32, exactly, by integer bit operations."""
     return types.float32(_ADDRESS), _half_bits_codegen
 
-
-#: A float16 field as float32: the conversion instruction where numba compiles for it.
-_half = _half_hardware if HARDWARE_FLOAT16 else half_at
 
 # -- scalar conversions (the last values of a row whose length is not a multiple of eight) -------------
 
@@ -284,13 +271,6 @@ def _splat(builder, scalar, n):
     return builder.shuffle_vector(vector, vector, _constant(_I32, n, 0))
 
 
-def _two_halves(builder, first, second, n):
-    """A vector whose first n/2 lanes are `first` and last n/2 lanes `second`."""
-    pair = builder.insert_element(builder.insert_element(ir.Constant(_vector(first.type, 2), None), first, _I32(0)),
-                                  second, _I32(1))
-    return builder.shuffle_vector(pair, pair, _constant(_I32, n, [0] * (n // 2) + [1] * (n // 2)))
-
-
 def _load(builder, address, vector_type):
     return builder.load(builder.inttoptr(address, vector_type.as_pointer()), align=1)
 
@@ -348,7 +328,8 @@ def _splat_half(builder, address, n):
 
     A broadcast load writes a whole register; the scalar conversion would
     merge into one the previous block's result may hold, chaining every
-    block to the one before it.
+    block to the one before it. The widening is exact; it quiets a
+    signalling NaN, which every use then multiplies, as the reference does.
     """
     if not HARDWARE_FLOAT16:
         return _splat(builder, _half_bits_codegen(None, builder, None, [address]), n)
@@ -467,13 +448,12 @@ def _q5_k_body(builder, args, put):
 
 
 def _q6_k_body(builder, args, put):
-    # 128 values from 64 bytes of low nibbles at source and 32 bytes of high bits at qh:
-    # value 32k + j = scale(k, j // 16) * (q - 32)
-    destination, source, qh, *scales = args
+    # ql: 128 bytes of low nibbles | qh: 64 bytes of 2-bit high parts | 16 int8 scales | d: f16;
+    # value 128h + 32k + j = (d * scale[8h + 2k + j // 16]) * (q - 32)
+    destination, block = args
     i8x32 = _vector(_I8, 32)
-    a = _load(builder, source, i8x32)
-    b = _load(builder, builder.add(source, source.type(32)), i8x32)
-    c = _load(builder, qh, i8x32)
+    raw_scales = builder.sitofp(_load(builder, builder.add(block, block.type(192)), _vector(_I8, 16)), _vector(_F32, 16))
+    scales = builder.fmul(_splat_half(builder, builder.add(block, block.type(208)), 16), raw_scales)
 
     def mask(value, bits):
         return builder.and_(value, _constant(_I8, 32, bits))
@@ -481,16 +461,21 @@ def _q6_k_body(builder, args, put):
     def shift(op, value, by):
         return op(value, _constant(_I8, 32, by))
 
-    quarters = (
-        builder.or_(mask(a, 0xF), shift(builder.shl, mask(c, 0x03), 4)),
-        builder.or_(mask(b, 0xF), shift(builder.shl, mask(c, 0x0C), 2)),
-        builder.or_(shift(builder.lshr, a, 4), mask(c, 0x30)),
-        builder.or_(shift(builder.lshr, b, 4), shift(builder.lshr, mask(c, 0xC0), 2)),
-    )
-    for k, q in enumerate(quarters):
-        values = builder.sitofp(builder.sub(q, _constant(_I8, 32, 32)), _vector(_F32, 32))
-        scale = _two_halves(builder, scales[2 * k], scales[2 * k + 1], 32)
-        put(builder, destination, 32 * k, builder.fmul(scale, values))
+    for h in range(2):
+        a = _load(builder, builder.add(block, block.type(64 * h)), i8x32)
+        b = _load(builder, builder.add(block, block.type(64 * h + 32)), i8x32)
+        c = _load(builder, builder.add(block, block.type(128 + 32 * h)), i8x32)
+        quarters = (
+            builder.or_(mask(a, 0xF), shift(builder.shl, mask(c, 0x03), 4)),
+            builder.or_(mask(b, 0xF), shift(builder.shl, mask(c, 0x0C), 2)),
+            builder.or_(shift(builder.lshr, a, 4), mask(c, 0x30)),
+            builder.or_(shift(builder.lshr, b, 4), shift(builder.lshr, mask(c, 0xC0), 2)),
+        )
+        for k, q in enumerate(quarters):
+            values = builder.sitofp(builder.sub(q, _constant(_I8, 32, 32)), _vector(_F32, 32))
+            first = 8 * h + 2 * k
+            scale = builder.shuffle_vector(scales, scales, _constant(_I32, 32, [first] * 16 + [first + 1] * 16))
+            put(builder, destination, 128 * h + 32 * k, builder.fmul(scale, values))
 
 
 def _fp8_e4m3_body(builder, args, put):
@@ -568,8 +553,8 @@ def _q5_k_block(typingctx, halves, destination, block):
 
 
 @intrinsic(prefer_literal=True)
-def _q6_k_half(typingctx, halves, destination, source, qh, s0, s1, s2, s3, s4, s5, s6, s7):
-    return _block(halves, _q6_k_body, _ADDRESS, *(_f32,) * 8)
+def _q6_k_block(typingctx, halves, destination, block):
+    return _block(halves, _q6_k_body)
 
 
 @intrinsic(prefer_literal=True)
@@ -749,26 +734,12 @@ def _q5_k(source, destination, halves):
 
 
 @njit(**_JIT)
-def _q6_k_scale(source, d, k):
-    """d * int8 scale number `k` of the Q6_K block at `source`."""
-    return d * np.float32(np.int8(_byte(source + 192 + k)))
-
-
-@njit(**_JIT)
 def _q6_k(source, destination, halves):
-    # ql: 128 bytes of low nibbles | qh: 64 bytes of 2-bit high parts | 16 int8 scales | d: f16;
-    # value 128h + 32k + j uses scale 8h + 2k + j // 16: (d * scale) * (q - 32)
-    d = np.float32(_half(source + 208))
-    for h in range(2):
-        ql, qh, first = source + 64 * h, source + 128 + 32 * h, 8 * h
-        s0, s1 = _q6_k_scale(source, d, first), _q6_k_scale(source, d, first + 1)
-        s2, s3 = _q6_k_scale(source, d, first + 2), _q6_k_scale(source, d, first + 3)
-        s4, s5 = _q6_k_scale(source, d, first + 4), _q6_k_scale(source, d, first + 5)
-        s6, s7 = _q6_k_scale(source, d, first + 6), _q6_k_scale(source, d, first + 7)
-        if halves:
-            _q6_k_half(True, destination + 256 * h, ql, qh, s0, s1, s2, s3, s4, s5, s6, s7)
-        else:
-            _q6_k_half(False, destination + 512 * h, ql, qh, s0, s1, s2, s3, s4, s5, s6, s7)
+    # one block of 256 values (see _q6_k_body)
+    if halves:
+        _q6_k_block(True, destination, source)
+    else:
+        _q6_k_block(False, destination, source)
 
 
 @njit(**_JIT)
