@@ -24,8 +24,9 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     """Gather rows of an embedding table: ``table[ids]``.
 
     Args:
-        table: 2-D C-contiguous numpy array, np.memmap, torch CPU tensor or
-            JAX CPU array (host), or cupy array (GPU), of any fixed-size dtype; or a
+        table: 2-D C-contiguous numpy array, np.memmap, torch CPU tensor,
+            JAX CPU array or any other DLPack producer in host memory (host),
+            or cupy array (GPU), of any fixed-size dtype; or a
             :class:`fastembed.formats.QuantizedTable` (GGUF block formats,
             fp8 with row scales), dequantized while gathering.
         ids: integers of any dtype and ndim (lists and scalars as numpy
@@ -43,7 +44,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     Returns:
         ``out``, or a new array of the table's kind on the table's device
         (a torch tensor for a torch table, a JAX array for a JAX table,
-        sharing the result's memory; see docs/interop.md).
+        sharing the result's memory; a numpy array for another DLPack
+        producer's table; see docs/interop.md).
 
     Shape:
         ``ids.shape + (table.shape[1],)``, the output dtype.
@@ -156,7 +158,7 @@ class Embedding:
 
     @property
     def table(self) -> Any:
-        """The table as the caller gave it (numpy, np.memmap, torch tensor, JAX array, cupy array or QuantizedTable)."""
+        """The table as the caller gave it (numpy, np.memmap, torch tensor, JAX array, cupy array, another DLPack producer or QuantizedTable)."""
         return self._table
 
     @property

@@ -13,8 +13,8 @@ that the message is the same whatever backend found the bad id.
 
 Contracts:
 - a *table* is a 2-D, C-contiguous array (numpy, np.memmap, cupy, a torch
-  CPU tensor or a JAX CPU array) of any fixed-size dtype that holds no
-  Python objects;
+  CPU tensor, a JAX CPU array, or any other DLPack producer in host memory)
+  of any fixed-size dtype that holds no Python objects;
 - *ids* are integers of any dtype and any ndim, on the table's device (host
   ids for a GPU table are copied there); int32 and int64 ids are used as
   they are (no converting copy);
@@ -30,7 +30,9 @@ A torch CPU tensor (table, ids or out) is snapshotted as a numpy array over
 its memory (zero-copy, :mod:`fastembed.arrays.torch_adapter`), so every check
 below, and the backends, see numpy. So is a JAX CPU array (table or ids,
 read-only: :mod:`fastembed.arrays.jax_adapter`); JAX arrays are immutable,
-so one is never accepted as out.
+so one is never accepted as out. So is any other DLPack producer on the host
+(table, ids or out: :mod:`fastembed.arrays.dlpack_adapter`), read-only where
+it exports its memory read-only.
 
 Errors: TypeError for the wrong kind of thing, ValueError for the wrong
 shape/layout, IndexError for an id out of range. Nothing the caller owns is
@@ -70,7 +72,8 @@ def table_snapshot(table: Any) -> Any:
         adapter = adapter_of(table)
         if adapter is None:
             raise TypeError(
-                "table must be a numpy array, np.memmap, cupy array or torch CPU tensor, or a JAX CPU array; "
+                "table must be a numpy array, np.memmap, cupy array or torch CPU tensor, or a JAX CPU array, "
+                "or another library's host array exporting DLPack (__dlpack__ and __dlpack_device__); "
                 f"got {type(table).__module__}.{type(table).__qualname__}"
             )
         view = adapter.snapshot(table)

@@ -6,14 +6,16 @@ that library's adapter, so adding an array type touches one module here plus
 its entry in :data:`ADAPTERS`. Adapters import their library lazily; the
 numpy adapter is the only one loaded by ``import fastembed`` (the cupy, torch
 and jax adapter modules are loaded, but never import their library until they
-are given one of its arrays).
+are given one of its arrays). Any other DLPack producer on the host
+(``__dlpack__`` and ``__dlpack_device__``) is seen through numpy's
+``from_dlpack`` by the DLPack adapter, tried last; its results are numpy arrays.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Protocol
 
-from . import cupy_adapter, jax_adapter, numpy_adapter, torch_adapter
+from . import cupy_adapter, dlpack_adapter, jax_adapter, numpy_adapter, torch_adapter
 
 
 class ArrayAdapter(Protocol):
@@ -72,12 +74,14 @@ class ArrayAdapter(Protocol):
         ...
 
 
-#: Every known adapter; the first that owns an array describes it.
+#: Every known adapter; the first that owns an array describes it. The DLPack adapter takes any
+#: other object with ``__dlpack__`` and ``__dlpack_device__``, so it comes last.
 ADAPTERS: tuple[ArrayAdapter, ...] = (
     numpy_adapter.ADAPTER,
     cupy_adapter.ADAPTER,
     torch_adapter.ADAPTER,
     jax_adapter.ADAPTER,
+    dlpack_adapter.ADAPTER,
 )
 
 
