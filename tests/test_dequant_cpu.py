@@ -111,11 +111,14 @@ def test_special_float16_scales_round_like_the_reference(name):
 
 
 def test_fp8_special_bytes_and_row_scales_round_like_the_reference():
-    """Every float8_e4m3fn byte (NaN codes included) by finite scales; non-finite, zero and subnormal row scales."""
+    """Every float8_e4m3fn byte (NaN codes included) by finite scales; non-finite, zero and subnormal row scales.
+
+    Scales on either side of float32's largest / 2**8, where the widened vectors switch to the integer-bit code.
+    """
     dim = 300  # 256 + 32 vector lanes, then 12 scalar values: every byte goes through both
     data = ((np.arange(64 * dim) % 256).astype(np.uint8)).reshape(64, dim)
     scales = np.random.default_rng(2).uniform(-4, 4, 64).astype(np.float32)
-    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, 3e38, 1.0], np.float32)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, 3e38, 1.0, 1.3e36, -1.4e36], np.float32)
     finite_bytes = data[: len(specials)]
     finite_bytes[(finite_bytes & 0x7F) == 0x7F] = 1  # a NaN value times a NaN scale: two NaNs (see above)
     scales[: len(specials)] = specials
