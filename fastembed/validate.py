@@ -352,8 +352,9 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
 
     Raises:
         TypeError: wrong type, dtype or device.
-        ValueError: wrong shape, not C-contiguous, read-only, or overlapping
-            the table or the ids.
+        ValueError: wrong shape, not C-contiguous, read-only (also read-only
+            memory under a torch tensor, which torch does not flag: the adapter's
+            ``writable`` probes it), or overlapping the table or the ids.
     """
     if type(out) is _NDARRAY and type(table) is _NDARRAY:
         view = out.view()
@@ -412,7 +413,14 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     if not flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous, got strides {tuple(view.strides)}")
     if isinstance(view, np.ndarray) and not flags.writeable:
-        raise ValueError("out is read-only")
+        raise ValueError("out is read-only memory: lookup writes into out; pass a writeable array")
+    writable = getattr(adapter, "writable", None)
+    if writable is not None and not writable(view):
+        raise ValueError(
+            "out is read-only memory (a tensor over a read-only mapping, such as torch.from_dlpack of "
+            "np.load(path, mmap_mode='r'); torch does not mark it read-only): lookup writes into out; "
+            "pass a writeable tensor"
+        )
     scales = table.scales if type(table) is QuantizedTable else None
     if adapter.may_share_memory(view, rows) or (scales is not None and adapter.may_share_memory(view, scales)):
         raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")

@@ -261,3 +261,72 @@ def test_import_fastembed_does_not_import_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+READ_ONLY_OUT = """
+import numpy as np, torch, fastembed
+np.save({path!r}, np.arange(40, dtype=np.float32).reshape(10, 4))
+tt = torch.from_dlpack(np.load({path!r}, mmap_mode="r"))  # torch drops the read-only flag
+table = np.ones((10, 4), np.float32)
+for attempt in (lambda: fastembed.lookup(table, [1], out=tt[:1]), lambda: fastembed.Embedding(table)([1, 2], out=tt[:2]),
+                lambda: fastembed.lookup(torch.from_numpy(table), [9], out=tt[9:])):
+    try:
+        attempt()
+        raise SystemExit("no error")
+    except ValueError as error:
+        assert str(error).startswith("out is read-only memory"), error
+assert torch.equal(tt, torch.arange(40.0).reshape(10, 4))  # untouched
+rows = fastembed.lookup(tt, [9, 0])  # the same tensor as a table is only read
+assert torch.equal(rows, torch.tensor([[36.0, 37, 38, 39], [0, 1, 2, 3]]))
+print("refused as out, served as a table")
+"""
+
+
+def test_a_tensor_over_read_only_memory_as_out_is_a_value_error_not_a_crash(tmp_path):
+    """It once killed the process (SIGSEGV): torch marks no tensor read-only, so the numpy view said writeable."""
+    result = subprocess.run([sys.executable, "-c", READ_ONLY_OUT.format(path=str(tmp_path / "ro.npy"))],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.strip() == "refused as out, served as a table"
+
+
+WRITE_PROBE = """
+import ctypes, mmap, os, numpy as np
+from fastembed.arrays import torch_adapter
+page = mmap.PAGESIZE
+memory = mmap.mmap(-1, 2 * page)
+view = np.frombuffer(memory, np.uint8)
+view[:] = 7
+libc = ctypes.CDLL(None, use_errno=True)
+address = view.__array_interface__["data"][0]
+assert torch_adapter.ADAPTER.writable(view)
+assert libc.mprotect(ctypes.c_void_p(address + page), page, mmap.PROT_READ) == 0  # the last page read-only
+assert not torch_adapter.ADAPTER.writable(view)  # the first byte is writable, the last not
+assert torch_adapter.ADAPTER.writable(view[:page]) and not torch_adapter.ADAPTER.writable(view[page:])
+assert (view == 7).all()  # the probes wrote nothing new
+read_end = torch_adapter._probe_pipe[0]
+try:
+    os.read(read_end, 1)
+    raise SystemExit("a failed probe left bytes in the pipe")
+except BlockingIOError:
+    pass
+child = os.fork()
+if child == 0:
+    os._exit(0 if torch_adapter._probe_pipe is None and torch_adapter.ADAPTER.writable(view[:page]) else 1)
+assert os.waitpid(child, 0)[1] == 0, "a forked child must make its own pipe"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect and fork as Linux has them")
+def test_the_write_probe_checks_both_ends_changes_nothing_and_leaves_the_pipe_empty():
+    result = subprocess.run([sys.executable, "-c", WRITE_PROBE], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])
+
+
+def test_a_writable_torch_out_passes_the_probe(backend):
+    table = torch_table("float32")
+    out = poisoned_tensor((2, DIM), torch.float32)
+    assert torch_adapter.ADAPTER.writable(np.from_dlpack(out))
+    assert fastembed.lookup(table, [3, 4], out=out, backend=backend) is out
+    assert_bit_equal(out, table[[3, 4]])

@@ -28,7 +28,10 @@ class ArrayAdapter(Protocol):
     (:func:`call_context`), and one whose results need the caller's table to
     get their dtype back provides ``wrap_like(result, like)`` (:func:`result_like`)
     and ``dtype_name(array)``, the array's own dtype by name, which validation
-    checks where a snapshot holds it as words of the same width.
+    checks where a snapshot holds it as words of the same width. An adapter
+    whose library cannot tell read-only memory (torch) provides
+    ``writable(view)``, which validation asks of an ``out``'s snapshot before
+    the gather writes it.
     """
 
     name: str

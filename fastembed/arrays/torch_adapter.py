@@ -21,10 +21,22 @@ work, with no synchronisation added. Nothing moves between devices: ids or
 A tensor that requires grad is gathered through ``tensor.detach()`` (no
 copy): lookup does not record autograd. Tensors on other devices (``meta``,
 ``mps``, ...) are refused (TypeError).
+
+torch does not mark a tensor over read-only memory read-only (one made with
+``torch.from_dlpack`` of a read-only memory map, say), so the numpy view of
+it says it is writeable and a gather into it would kill the process.
+Validation asks :meth:`TorchAdapter.writable` of a host ``out``: the first
+and last byte of its memory are written back with their own values by the
+kernel (``os.readv`` from a pipe the byte was just written to), which fails
+with EFAULT, an OSError, on memory the process cannot write, and changes
+nothing on memory it can: two system calls (about a microsecond where
+they are cheap).
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,6 +151,15 @@ class TorchAdapter:
         tensor = _host_tensor(host)
         return tensor if device == "cpu" else tensor.to(device)
 
+    def writable(self, view: Any) -> bool:
+        """Whether a gather can write into `view`, the snapshot of an ``out`` tensor (torch cannot tell read-only memory).
+
+        Host snapshots only (a GPU snapshot is True): the first and last byte are
+        probed as the module docstring says. Where the probe cannot run (no
+        ``os.readv``: Windows) it answers True.
+        """
+        return not isinstance(view, np.ndarray) or _kernel_can_write(view)
+
     def may_share_memory(self, first: Any, second: Any) -> bool:
         """Whether two snapshots share memory: numpy's exact test on the host, address ranges on a GPU."""
         if isinstance(first, np.ndarray):
@@ -150,6 +171,64 @@ class TorchAdapter:
 
 def _index(device: str) -> int:
     return int(device.partition(":")[2] or 0)
+
+
+#: The pipe the write probe passes bytes through (read end, write end), made on first use, and its lock.
+_probe_pipe: tuple[int, int] | None = None
+_probe_lock = threading.Lock()
+
+
+def _kernel_can_write(view: np.ndarray) -> bool:
+    """Whether the kernel can write the first and last byte of `view`'s memory (a C-contiguous host array).
+
+    Both bytes go into a pipe in one ``os.writev`` (the kernel reads them: EFAULT if it
+    cannot) and are read back into their own addresses in one ``os.readv`` (the kernel
+    writes them: EFAULT if it cannot), so the memory ends as it was. The pipe is the
+    process's own (a forked child makes its own) and is left empty.
+    """
+    global _probe_pipe
+    if not view.flags.writeable:
+        return False
+    if view.nbytes == 0 or not hasattr(os, "readv"):
+        return True
+    raw = view.view(np.uint8) if view.dtype.kind == "V" else view  # ml_dtypes' dtypes export no buffer
+    memory = raw.data.cast("B")
+    cells = [memory[:1], memory[-1:]]
+    with _probe_lock:
+        if _probe_pipe is None:
+            read_end, write_end = os.pipe()
+            os.set_blocking(read_end, False)
+            _probe_pipe = (read_end, write_end)
+        read_end, write_end = _probe_pipe
+        try:
+            done = os.writev(write_end, cells) == 2 and os.readv(read_end, cells) == 2
+        except OSError:
+            done = False
+        if not done:
+            _empty(read_end)
+    return done
+
+
+def _empty(read_end: int) -> None:
+    """Read whatever a failed probe left in the pipe."""
+    try:
+        while os.read(read_end, 64):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _new_probe_pipe_in_child() -> None:
+    """After a fork: the child must not share the parent's pipe (their bytes would mix) nor its lock's state."""
+    global _probe_pipe, _probe_lock
+    if _probe_pipe is not None:
+        for end in _probe_pipe:
+            os.close(end)
+    _probe_pipe, _probe_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_probe_pipe_in_child)
 
 
 @contextlib.contextmanager
