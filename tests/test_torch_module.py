@@ -25,7 +25,7 @@ class TinyModel(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def fallback_not_said_yet(monkeypatch):
-    monkeypatch.setattr(fastembed_torch, "_FALLBACK_SAID", False)
+    monkeypatch.setattr(fastembed_torch, "_REASONS_SAID", set())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -96,3 +96,121 @@ def test_the_module_example_runs():
 
     failures, attempted = doctest.testmod(fastembed_torch, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert failures == 0 and attempted >= 2
+
+
+def test_a_non_contiguous_weight_gives_torchs_result_through_torch_without_a_copy():
+    """from_pretrained(w.T) once raised "table must be C-contiguous" where torch.nn.Embedding works."""
+    source = torch.randn(4, 10)
+    layer = Embedding.from_pretrained(source.T)
+    assert layer.weight.data_ptr() == source.data_ptr() and not layer.weight.is_contiguous()  # no copy was made
+    ids = torch.tensor([[1, 9], [0, 1]])
+    with pytest.warns(UserWarning, match="the weight is not C-contiguous.*never from a copy"):
+        rows = layer(ids)
+    assert torch.equal(rows, torch.nn.Embedding.from_pretrained(source.T)(ids))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(layer(torch.tensor([3])), source.T[[3]])  # said once
+    with pytest.warns(UserWarning, match="autograd needs"):  # another reason is said too, once
+        Embedding(5, 2)(torch.tensor([1]))
+
+
+def test_a_weight_of_a_dtype_fastembed_cannot_view_gives_torchs_result():
+    weight = torch.randn(6, 3, dtype=torch.complex64).to(torch.complex32)
+    layer = Embedding.from_pretrained(weight)
+    with pytest.warns(UserWarning, match="cannot see the torch.complex32 weight as a table without a copy"):
+        rows = layer(torch.tensor([5, 0]))
+    assert rows.dtype == torch.complex32 and torch.equal(rows.view(torch.int32), weight[[5, 0]].view(torch.int32))
+    conjugate = torch.randn(6, 3, dtype=torch.complex64).conj()  # a lazy conjugate: the bit, not the values
+    assert torch.equal(Embedding.from_pretrained(conjugate)(torch.tensor([2])), conjugate[[2]])
+
+
+def test_torch_compile_runs_torchs_embedding_in_the_graph():
+    """It once failed inside Dynamo: from_dlpack on a FakeTensor."""
+    weight = torch.randn(10, 4)
+    compiled = torch.compile(Embedding.from_pretrained(weight), backend="eager", fullgraph=True)  # no graph break
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastembed")  # compiling is not a fallback to warn about
+        assert torch.equal(compiled(torch.tensor([1, 2])), weight[[1, 2]])
+        ids = torch.tensor([[9], [0]])
+        assert torch.equal(compiled(ids), weight[ids])
+    torch.compiler.reset()
+
+
+def test_traced_graphs_hold_torchs_operation_not_a_constant():
+    weight = torch.randn(10, 4)
+    model = TinyModel(Embedding.from_pretrained(torch.randn(10, 16))).eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(model, (torch.tensor([1, 2]),))
+        assert torch.equal(traced(torch.tensor([7, 3])), model(torch.tensor([7, 3])))  # a constant would give [1, 2]'s
+    symbolic = torch.fx.symbolic_trace(Embedding.from_pretrained(weight))
+    assert torch.equal(symbolic(torch.tensor([4])), weight[[4]])
+    exported = torch.export.export(Embedding.from_pretrained(weight), (torch.tensor([1, 2]),))
+    assert torch.equal(exported.module()(torch.tensor([8, 0])), weight[[8, 0]])
+
+
+@pytest.mark.parametrize("convert", ["half", "to_bfloat16", "to_float64"])
+def test_a_dtype_changed_after_construction_is_gathered(convert):
+    reference = torch.nn.Embedding(30, 8, padding_idx=2)
+    layer = Embedding(30, 8, padding_idx=2)
+    layer.load_state_dict(reference.state_dict())
+    dtype = {"half": torch.float16, "to_bfloat16": torch.bfloat16, "to_float64": torch.float64}[convert]
+    for module in (reference, layer):
+        module.requires_grad_(False)
+        module.half() if convert == "half" else module.to(dtype)
+    assert layer.weight.dtype == dtype and isinstance(layer.weight, torch.nn.Parameter)
+    ids = torch.tensor([[2, 29, 0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # served by fastembed, not torch
+        rows = layer(ids)
+    assert rows.dtype == dtype and torch.equal(rows, reference(ids))
+
+
+def test_constructor_attributes_and_repr_match_torchs():
+    for args, kwargs in [((10, 4), {}), ((10, 4), {"padding_idx": -1}), ((7, 3), {"padding_idx": 0, "dtype": torch.float16})]:
+        ours, theirs = Embedding(*args, **kwargs), torch.nn.Embedding(*args, **kwargs)
+        assert repr(ours) == repr(theirs)
+        assert (ours.num_embeddings, ours.embedding_dim, ours.padding_idx) == (theirs.num_embeddings, theirs.embedding_dim,
+                                                                               theirs.padding_idx)
+        assert isinstance(ours.weight, torch.nn.Parameter) and ours.weight.shape == theirs.weight.shape
+        assert isinstance(ours, torch.nn.Embedding)
+    assert Embedding(10, 4, padding_idx=-1).padding_idx == 9
+
+
+def test_a_negative_padding_idx_zeroes_that_row_and_is_served():
+    layer = Embedding(10, 4, padding_idx=-2)
+    assert layer.padding_idx == 8 and not layer.weight[8].any()
+    layer.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = layer(torch.tensor([8, 1]))
+    assert not rows[0].any() and torch.equal(rows[1], layer.weight[1])
+
+
+def test_weight_and_freeze_constructor_arguments():
+    weight = torch.randn(12, 5)
+    layer = Embedding(12, 5, _weight=weight, _freeze=True)
+    assert isinstance(layer.weight, torch.nn.Parameter) and not layer.weight.requires_grad
+    assert layer.weight.data_ptr() == weight.data_ptr()  # torch keeps the tensor it is given
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # frozen: fastembed serves with grad mode on
+        assert torch.equal(layer(torch.tensor([11, 0])), weight[[11, 0]])
+    trainable = Embedding(12, 5, _weight=weight.clone())
+    assert trainable.weight.requires_grad
+    with pytest.warns(UserWarning, match="autograd"):
+        trainable(torch.tensor([1])).sum().backward()
+    assert trainable.weight.grad is not None and trainable.weight.grad[1].eq(1).all()
+
+
+def test_inference_mode_and_int32_ids_are_served_by_fastembed():
+    weight = torch.randn(40, 6)
+    layer = Embedding.from_pretrained(weight, freeze=False)  # requires grad: only inference mode lets fastembed serve
+    assert layer.weight.requires_grad
+    ids = torch.tensor([[39, 0], [5, 5]], dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode():
+            rows = layer(ids)
+    assert rows.dtype == torch.float32 and not rows.requires_grad
+    assert torch.equal(rows, torch.nn.functional.embedding(ids, weight))
+    with torch.no_grad():
+        assert torch.equal(layer(ids.to(torch.int64)), rows)
