@@ -18,15 +18,24 @@ A call runs four steps on every rank:
    (against the real vocabulary), copied once as int64 and fingerprinted
    (shape, mode, a 64-bit hash of the values);
 2. *gather*: the rank's own positions are gathered from its shard by
-   fastembed (ids shifted by the shard's first row); every other position's
-   row is written as zeros;
+   fastembed (ids shifted by the shard's first row), into the exchange's
+   buffer (below);
 3. *agree*: one small all-gather of each rank's status and fingerprint. A
    rank's bad ids, or ids that differ between ranks, raise the same error on
    every rank here, before any data collective; the group stays usable;
-4. *communicate*: an integer SUM all-reduce of the rows seen as integers, in
-   place (``scatter`` then keeps this rank's positions). Each row has one owner and every other rank
-   contributes zeros, so each sum is ``x + 0 + ... + 0``: the owner's bits,
-   exact for every dtype, -0.0 and NaN payloads included.
+4. *exchange*, one of two (``exchange=``, chosen when the layer is built):
+
+   - ``"shared_memory"``, when every rank runs on one host (the default
+     there): step 2 wrote each rank's rows into a buffer of a shared-memory
+     segment all ranks map, and the agreement doubles as the barrier after
+     those writes; each rank then copies the rows it returns out of it;
+   - ``"all_reduce"``, otherwise: step 2 wrote zeros at every position the
+     rank does not own, and an integer SUM all-reduce of the rows seen as
+     integers combines them in place (``scatter`` then keeps this rank's
+     positions). Each sum is ``x + 0 + ... + 0``: the owner's bits.
+
+   Both are exact for every dtype, -0.0 and NaN payloads included: no float
+   arithmetic touches a row.
 
 Every collective is waited for at most ``timeout`` seconds: a rank that dies
 or stops calling makes the others raise :class:`CommunicationError`.
@@ -41,19 +50,31 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
+import mmap
 import os
+import secrets
+import socket
+import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import validate
-from .api import Embedding
+from .api import Embedding, lookup
 from .arrays import device_of, result_like
 from .formats import QuantizedTable
 
 MODES = ("full", "scatter")
+#: What ``exchange=`` takes: ``"auto"`` is shared memory when every rank runs on this host, else the all-reduce.
+EXCHANGES = ("auto", "shared_memory", "all_reduce")
+#: Where the shared-memory exchange creates its segments (a tmpfs on Linux), and how their names begin.
+SHM_FOLDER = "/dev/shm"
+SEGMENT_PREFIX = "fastembed-"
+#: A segment's buffers are sized in multiples of this (a huge page), so that nearby batch sizes share one.
+SEGMENT_GRANULE = 2 * 2**20
 #: Bytes of an error message or description one rank shares with the others (longer ones are cut).
 MESSAGE_BYTES = 2048
 TORCH_NEEDED = "fastembed.distributed needs torch 2.13 or later (the release it is tested with): pip install 'fastembed-gather[distributed]'"
@@ -79,13 +100,25 @@ class CommunicationError(RuntimeError):
 
 
 class LookupTimings(NamedTuple):
-    """Where one call's time went on this rank, in seconds, and the bytes it handed to the data collective."""
+    """Where one call's time went on this rank, in seconds, the bytes it put into the exchange, and which exchange.
+
+    ``gather_s``: this rank's rows, into the exchange's buffer. ``agree_s``: the
+    agreement, including the wait for the slowest rank (with shared memory it
+    is also the barrier after every rank's writes). ``communicate_s``: the data
+    collective (the all-reduce; with shared memory, only a call that had to
+    grow the segment spends time here). ``copy_s``: copying the rows this rank
+    returns out of the exchanged buffer (all-reduce ``full``: none, the buffer
+    is the result). ``payload_bytes``: the whole buffer for the all-reduce,
+    this rank's own rows for shared memory.
+    """
 
     prepare_s: float
     gather_s: float
     agree_s: float
     communicate_s: float
     payload_bytes: int
+    copy_s: float  # after payload_bytes, so that the fields of earlier releases keep their positions
+    exchange: str
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -195,13 +228,25 @@ class VocabParallelEmbedding:
             :class:`CommunicationError`; None waits as long as the group's own
             timeout (``init_process_group(timeout=...)``, which also bounds the
             gloo transfer itself).
+        exchange: how the ranks combine their rows. ``"shared_memory"``: each
+            rank writes its rows into a segment in /dev/shm that every rank
+            maps, and copies out what it returns; needs every rank on this
+            host (same hostname, boot and user, one /dev/shm). ``"all_reduce"``:
+            the integer all-reduce over the group. ``"auto"`` (default): shared
+            memory when there are two ranks or more and all run on one host,
+            else the all-reduce; where a segment cannot be made (a /dev/shm too
+            small for a batch), those calls use the all-reduce, with a warning.
+            :attr:`exchange` says which was chosen; docs/distributed.md, "Shared
+            memory", has the memory it takes.
 
     Raises:
         ImportError: torch is not installed.
         RuntimeError: no process group is initialised.
         ValueError: this process is not in `group`; a group without CPU
-            transport (NCCL alone); ranks that opened different tables;
-            ``pad_to_multiple`` or ``timeout`` not positive; `name` with an array.
+            transport (NCCL alone); ranks that opened different tables, or
+            asked for different exchanges; ``pad_to_multiple`` or ``timeout``
+            not positive; `name` with an array; ``exchange="shared_memory"``
+            on ranks that do not all run on one host with a usable /dev/shm.
         TypeError: a table not on the host (torch CUDA tensors, cupy arrays).
         FileNotFoundError, ValueError, TypeError: as the loaders, for a path
             source (raised on every rank when any rank's open failed).
@@ -222,7 +267,7 @@ class VocabParallelEmbedding:
     """
 
     def __init__(self, source: Any, *, group: Any = None, name: str | None = None, pad_to_multiple: int = 1,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, exchange: str = "auto") -> None:
         torch, dist = _torch_distributed()
         if not dist.is_initialized():
             raise RuntimeError("VocabParallelEmbedding needs a process group: call "
@@ -246,14 +291,18 @@ class VocabParallelEmbedding:
         try:
             timeout = _checked_timeout(timeout)
             pad = _checked_pad(pad_to_multiple)
+            if exchange not in EXCHANGES:
+                raise ValueError(f"exchange must be 'auto', 'shared_memory' or 'all_reduce', got {exchange!r}")
             shard = _open_shard(source, name, pad, self.rank, self.world_size)
             self._timeout = timeout
         except Exception as caught:
             error = caught
         described = "" if shard is None else (
-            f"a {shard.vocab_size} x {shard.rows.shape[1]} {_kind(shard.rows)} table, pad_to_multiple={pad_to_multiple}")
+            f"a {shard.vocab_size} x {shard.rows.shape[1]} {_kind(shard.rows)} table, pad_to_multiple={pad_to_multiple}, "
+            f"exchange={exchange!r}")
         self._agree(error, _digest(described.encode()), lambda: described, "the table",
-                    "every rank must open a table of the same shape and dtype, with the same pad_to_multiple")
+                    "every rank must open a table of the same shape and dtype, with the same pad_to_multiple "
+                    "and exchange")
         assert shard is not None  # _agree raised otherwise
         self._shard = shard
         self.vocab_size: int = shard.vocab_size
@@ -267,6 +316,15 @@ class VocabParallelEmbedding:
         local = rows if self._quantized else rows.view(np.ndarray)
         self._local = Embedding(local) if self._stored else None
         self._phantom = np.empty((self.vocab_size, 0), np.uint8)  # ids are checked against the whole vocabulary
+        # The first row of every rank but the first: searchsorted over them names each id's owner.
+        self._bounds = np.array([row_range(self.vocab_size, self.world_size, rank, pad_to_multiple)[0]
+                                 for rank in range(1, self.world_size)], np.int64)
+        self._requested = exchange
+        self._segment: _Segment | None = None
+        self._generation = 0  # segments made so far: with the key, the next segment's name
+        self._turn = 0  # which of the segment's two buffers the next call writes
+        self._refused: int | None = None  # a buffer size /dev/shm refused: calls needing as much use the all-reduce
+        self.exchange: str = self._choose_exchange(exchange)
 
     @property
     def shard(self) -> Any:
@@ -308,7 +366,12 @@ class VocabParallelEmbedding:
     def __repr__(self) -> str:
         kind = f"format={self.format!r}" if self._quantized else f"dtype={self._dtype}"
         return (f"VocabParallelEmbedding(vocab_size={self.vocab_size}, dim={self._dim}, {kind}, "
-                f"rank={self.rank}, world_size={self.world_size}, rows={self.vocab_start}..{self.vocab_end})")
+                f"rank={self.rank}, world_size={self.world_size}, rows={self.vocab_start}..{self.vocab_end}, "
+                f"exchange={self.exchange!r})")
+
+    def _segment_names(self) -> list[str]:
+        """The names (in SHM_FOLDER) of every segment this layer has made, oldest first: all unlinked by now."""
+        return [self._segment_name(generation) for generation in range(self._generation)]
 
     def __call__(self, ids: Any, mode: str = "full", *, dtype: Any = None) -> Any:
         """``table[ids]`` on every rank (``mode="full"``), or this rank's slice of the positions (``"scatter"``).
@@ -360,14 +423,15 @@ class VocabParallelEmbedding:
         assert call is not None  # _agree raised otherwise
         agreed = time.perf_counter()
         result = self._communicate(call)
-        self.last_timings = LookupTimings(prepared - started, gathered - prepared, agreed - gathered,
-                                          time.perf_counter() - agreed, int(call.words.nbytes))
+        self.last_timings = LookupTimings(prepared - started, gathered - prepared + call.late_gather_s,
+                                          agreed - gathered, call.exchange_s, call.payload_bytes, call.copy_s,
+                                          call.exchange)
         return result
 
     # -- the steps of a call ---------------------------------------------------------------------------------
 
     def _prepare(self, ids: Any, mode: str, dtype: Any) -> _Call:
-        """Check the ids and dtype, copy the ids once as int64, allocate the buffer."""
+        """Check the ids and dtype, copy the ids once as int64, fingerprint them."""
         if mode not in MODES:
             raise ValueError(f"mode must be 'full' or 'scatter', got {mode!r}")
         target = validate.output_dtype(self._shard.rows, dtype)
@@ -382,12 +446,33 @@ class VocabParallelEmbedding:
                        f"values hashed to {digest & (2**64 - 1):016x}")
         row_bytes = self._dim * target.itemsize
         word = next(word for word in _WORDS if row_bytes % word.itemsize == 0)
-        words = np.empty((flat.size, row_bytes // word.itemsize), word)
-        return _Call(mode, shape, flat, target, words, digest, description)
+        return _Call(mode, shape, flat, target, row_bytes, word, digest, description, self.exchange)
 
     def _gather(self, call: _Call) -> None:
-        """Fill the buffer: this rank's rows at the positions it owns, zeros everywhere else."""
-        local, words = call.ids, call.words
+        """This rank's rows into the exchange's buffer, before the agreement.
+
+        Shared memory: into the buffer of this turn, when the segment is large
+        enough (else after the agreement, once the ranks have grown it
+        together). The all-reduce: a buffer of every position, zeros where
+        another rank owns the row.
+        """
+        if call.exchange == "all_reduce":
+            self._gather_masked(call)
+            return
+        needed = call.ids.size * call.row_bytes
+        if needed and self._segment is not None and needed <= self._segment.buffer_bytes:
+            # Two buffers make the agreement the only barrier a call needs: every rank reads this buffer after this
+            # call's agreement, which no rank enters before its writes, and writes it again only after the next
+            # call's agreement, which no rank enters before it has copied this call's rows out.
+            # A failed agreement leaves this buffer half written, but no rank reads a buffer whose call failed, and
+            # the next call that reads it has every one of its rows rewritten by their owners first.
+            self._write_rows(call, self._segment.buffers[self._turn])
+
+    def _gather_masked(self, call: _Call) -> None:
+        """The all-reduce's buffer: this rank's rows at the positions it owns, zeros everywhere else."""
+        words = call.words = np.empty((call.ids.size, call.row_bytes // call.word.itemsize), call.word)
+        call.payload_bytes = int(words.nbytes)
+        local = call.ids
         if not local.size:
             return
         np.subtract(local, self.vocab_start, out=local)  # local is this call's own copy
@@ -400,7 +485,83 @@ class VocabParallelEmbedding:
         self._local(local, out=words.view(call.dtype), dtype=cast)
         words[outside] = 0
 
+    def _write_rows(self, call: _Call, buffer: np.ndarray) -> None:
+        """This rank's rows, gathered straight into `buffer`: the ranks' rows lie in rank order, each in position order.
+
+        Every rank computes the same layout from the (agreed) ids, so each
+        knows where every position's row lies (``call.slots``) and writes only
+        its own rows, with one contiguous lookup.
+        """
+        owners = np.searchsorted(self._bounds, call.ids, side="right")
+        counts = np.bincount(owners, minlength=self.world_size)
+        keys = owners.astype(np.uint16) if self.world_size <= 2**16 else owners
+        order = np.argsort(keys, kind="stable")  # 16-bit keys sort by radix: linear in the ids
+        slots = np.empty(order.size, np.intp)
+        slots[order] = np.arange(order.size)
+        call.slots = slots
+        first = int(counts[: self.rank].sum())
+        count = int(counts[self.rank])
+        call.payload_bytes = count * call.row_bytes
+        if not count:
+            return
+        assert self._local is not None  # a rank owning an id stores rows
+        local = call.ids[order[first: first + count]] - self.vocab_start
+        region = buffer[first * call.row_bytes: (first + count) * call.row_bytes]
+        cast = call.dtype if self._quantized or call.dtype != self._dtype else None
+        self._local(local, out=region.view(call.dtype).reshape(count, self._dim), dtype=cast)
+
     def _communicate(self, call: _Call) -> Any:
+        """After the agreement: combine the ranks' rows and return the result in the table's kind."""
+        if call.exchange == "all_reduce":
+            return self._all_reduce(call)
+        turn = self._turn
+        # Every rank flips here, after the same agreement, whatever happens to its copy below: the turns stay equal.
+        self._turn ^= 1
+        needed = call.ids.size * call.row_bytes
+        segment = self._segment
+        if needed and (segment is None or needed > segment.buffer_bytes):
+            started = time.perf_counter()
+            if not self._grow(needed):  # every rank decides alike: from agreed sizes and shared outcomes
+                call.exchange = "all_reduce"
+                call.exchange_s = time.perf_counter() - started
+                return self._late_all_reduce(call)
+            segment = self._segment
+            assert segment is not None
+            grown = time.perf_counter()
+            error = None
+            try:
+                self._write_rows(call, segment.buffers[turn])
+            except Exception as caught:
+                error = caught
+            written = time.perf_counter()
+            # The agreement came before these writes, so a second, status-carrying barrier follows them.
+            self._agree(error, 0, lambda: "", "writing the rows into shared memory", "")
+            call.late_gather_s = written - grown
+            call.exchange_s = time.perf_counter() - written + grown - started
+        started = time.perf_counter()
+        result = self._copy_out(call, None if segment is None else segment.buffers[turn])
+        call.copy_s = time.perf_counter() - started
+        return result
+
+    def _copy_out(self, call: _Call, buffer: np.ndarray | None) -> Any:
+        """The rows this rank returns, gathered from the shared `buffer` into a new array of their own."""
+        count = call.ids.size
+        rows = call.slots if call.slots is not None else np.empty(0, np.intp)
+        shape = call.shape
+        if call.mode == "scatter":
+            start, stop = position_range(shape[0], self.world_size, self.rank)
+            rest = math.prod(shape[1:])  # ids per position along the first dimension
+            shape = (stop - start, *shape[1:])
+            rows = rows[start * rest: stop * rest]
+        row_words = call.row_bytes // call.word.itemsize
+        if buffer is None or not rows.size:
+            words = np.empty((rows.size, row_words), call.word)
+        else:
+            shared = buffer[: count * call.row_bytes].view(call.word).reshape(count, row_words)
+            words = lookup(shared, rows)  # fastembed's gather of whole rows: a byte copy, any dtype
+        return self._finish(words, call.dtype, shape)
+
+    def _all_reduce(self, call: _Call) -> Any:
         """The integer SUM all-reduce over the buffer, in place, and the result in the table's kind.
 
         ``scatter`` copies this rank's positions out of the reduced buffer. It is
@@ -409,18 +570,140 @@ class VocabParallelEmbedding:
         of the whole buffer.
         """
         words = call.words
+        assert words is not None
+        started = time.perf_counter()
         if words.size:
             tensor = self._torch.from_numpy(words)
             self._collective(lambda: self._dist.all_reduce(tensor, group=self._group, async_op=True),
                              "the all-reduce of the rows")
+        reduced = time.perf_counter()
+        call.exchange_s += reduced - started
         shape = call.shape
         if call.mode == "scatter":
             start, stop = position_range(shape[0], self.world_size, self.rank)
             rest = math.prod(shape[1:])  # ids per position along the first dimension
             shape = (stop - start, *shape[1:])
             words = words[start * rest: stop * rest].copy()  # a result of its own size; the buffer is freed
-        values = words.view(call.dtype).reshape(shape + (self._dim,))
+        result = self._finish(words, call.dtype, shape)
+        call.copy_s = time.perf_counter() - reduced
+        return result
+
+    def _late_all_reduce(self, call: _Call) -> Any:
+        """The all-reduce for a call that shared memory could not hold: gathered after the agreement."""
+        started = time.perf_counter()
+        error = None
+        try:
+            self._gather_masked(call)
+        except Exception as caught:
+            error = caught
+        gathered = time.perf_counter()
+        self._agree(error, 0, lambda: "", "gathering the rows", "")
+        call.late_gather_s = gathered - started
+        call.exchange_s += time.perf_counter() - gathered
+        return self._all_reduce(call)
+
+    def _finish(self, words: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
+        values = words.view(dtype).reshape(shape + (self._dim,))
         return values if self._shard.like is None else result_like(values, self._shard.like)
+
+    # -- the shared-memory segment ---------------------------------------------------------------------------
+
+    def _choose_exchange(self, requested: str) -> str:
+        """Agree on every rank's host and /dev/shm, and on the segments' key; the exchange this layer uses.
+
+        Raises:
+            ValueError: ``"shared_memory"`` on ranks of different hosts, or where
+                a rank has no usable /dev/shm (on every rank: all see the same facts).
+        """
+        host, usable = _host_identity()
+        secret = int.from_bytes(secrets.token_bytes(8), "little", signed=True)
+        hosts, usables, secrets_ = zip(*self._all_gather_ints([host, int(usable), secret]), strict=True)
+        self._key = int(secrets_[0]).to_bytes(8, "little", signed=True)  # rank 0's: names no one can guess
+        if requested == "all_reduce" or (requested == "auto" and self.world_size == 1):
+            return "all_reduce"
+        if len(set(hosts)) == 1 and all(usables):
+            return "shared_memory"
+        if requested == "auto":
+            return "all_reduce"
+        others = [rank for rank, other in enumerate(hosts) if other != hosts[0]]
+        unusable = [rank for rank, flag in enumerate(usables) if not flag]
+        reasons = []
+        if others:
+            reasons.append(f"rank(s) {', '.join(map(str, others))} run on another host than rank 0 (or another "
+                           "boot, user or /dev/shm)")
+        if unusable:
+            reasons.append(f"rank(s) {', '.join(map(str, unusable))} have no usable {SHM_FOLDER} (Linux, writable)")
+        raise ValueError(f"VocabParallelEmbedding: exchange='shared_memory' needs every rank on one host with a "
+                         f"shared {SHM_FOLDER}: {'; '.join(reasons)}; use exchange='auto' or 'all_reduce'")
+
+    def _segment_name(self, generation: int) -> str:
+        hasher = hashlib.blake2b(generation.to_bytes(8, "little"), key=self._key, digest_size=12)
+        return SEGMENT_PREFIX + hasher.hexdigest()
+
+    def _grow(self, needed: int) -> bool:
+        """Replace the segment by one whose buffers hold `needed` bytes, together; False where it cannot be made.
+
+        Rank 0 creates the file (its pages reserved at once), every rank maps
+        it, and it is unlinked once all have, or on any failure: nothing stays
+        in /dev/shm. With ``exchange="auto"`` a failure makes this and larger
+        calls use the all-reduce (a file that another rank cannot open: every
+        call); with ``"shared_memory"`` it is raised on every rank.
+
+        Raises:
+            OSError, ValueError, MemoryError: the segment could not be made or
+                mapped (``exchange="shared_memory"``), on every rank.
+            CommunicationError: a rank died meanwhile.
+        """
+        buffer_bytes = -(-needed // SEGMENT_GRANULE) * SEGMENT_GRANULE
+        if self._refused is not None and buffer_bytes >= self._refused:
+            return False
+        path = os.path.join(SHM_FOLDER, self._segment_name(self._generation))
+        self._generation += 1
+        mapping: mmap.mmap | None = None
+        error: Exception | None = None
+        stage = "making"
+        try:
+            if self.rank == 0:
+                try:
+                    mapping = _create_mapping(path, 2 * buffer_bytes)
+                except Exception as caught:
+                    error = caught
+            self._agree(error, 0, lambda: "", "making the shared-memory segment", "")
+            stage = "mapping"
+            if self.rank != 0:
+                try:
+                    mapping = _open_mapping(path, 2 * buffer_bytes)
+                except Exception as caught:
+                    error = caught
+            self._agree(error, 0, lambda: "", "mapping the shared-memory segment", "")
+        except CommunicationError:
+            if mapping is not None:
+                mapping.close()
+            raise
+        except Exception as shared:  # raised alike on every rank by the agreement
+            if mapping is not None:
+                mapping.close()
+            if self._requested == "shared_memory":
+                raise
+            # A file another rank cannot open (another /dev/shm) fails at every size; a refused size only above it.
+            self._refused = buffer_bytes if stage == "making" else 0
+            if stage == "mapping":
+                self.exchange = "all_reduce"
+                self._close_segment()
+            warnings.warn(f"VocabParallelEmbedding: no shared-memory segment of {2 * buffer_bytes} bytes ({shared}); "
+                          f"calls of {buffer_bytes} bytes or more use the all-reduce", RuntimeWarning, stacklevel=4)
+            return False
+        finally:
+            _unlink_quietly(path)  # every rank has mapped it, or the ranks gave up on it
+        self._close_segment()
+        assert mapping is not None
+        self._segment = _Segment(mapping, buffer_bytes)
+        return True
+
+    def _close_segment(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
 
     # -- collectives -----------------------------------------------------------------------------------------
 
@@ -454,6 +737,16 @@ class VocabParallelEmbedding:
                          "the exchange of error messages")
         return [bytes(tensor.numpy()).rstrip(b"\0").decode("utf-8", "replace") for tensor in theirs]
 
+    def _all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (the same count of int64 on every rank), on every rank."""
+        torch = self._torch
+        mine = torch.tensor(values, dtype=torch.int64)
+        theirs = torch.zeros((self.world_size, len(values)), dtype=torch.int64)
+        listed = list(theirs.unbind(0))
+        self._collective(lambda: self._dist.all_gather(listed, mine, group=self._group, async_op=True),
+                         "the agreement on the exchange")
+        return [[int(value) for value in row] for row in theirs.tolist()]
+
     def _collective(self, start: Callable[[], Any], what: str) -> None:
         """Start a collective and wait for it, at most `timeout` seconds; any failure is a CommunicationError."""
         try:
@@ -475,16 +768,89 @@ class VocabParallelEmbedding:
             raise
 
 
-class _Call(NamedTuple):
-    """One call's prepared state: the ids, the output dtype, the buffer, the fingerprint."""
+class _Call:
+    """One call's state: the ids, the output dtype, the fingerprint; then the buffers and the timings of the exchange."""
 
-    mode: str
-    shape: tuple[int, ...]
-    ids: np.ndarray  # the ids as int64, flat: this call's own copy, shifted by _gather
-    dtype: np.dtype  # the result's dtype
-    words: np.ndarray  # (ids, row_words): the rows seen as integers, handed to the collective
-    digest: int
-    description: str
+    __slots__ = ("mode", "shape", "ids", "dtype", "row_bytes", "word", "digest", "description", "exchange", "words",
+                 "slots", "payload_bytes", "late_gather_s", "exchange_s", "copy_s")
+
+    def __init__(self, mode: str, shape: tuple[int, ...], ids: np.ndarray, dtype: np.dtype, row_bytes: int,
+                 word: np.dtype, digest: int, description: str, exchange: str) -> None:
+        self.mode, self.shape, self.dtype, self.digest, self.description = mode, shape, dtype, digest, description
+        self.ids = ids  # the ids as int64, flat: this call's own copy (the all-reduce's gather shifts it in place)
+        self.row_bytes, self.word = row_bytes, word  # an output row's bytes; the widest integer word dividing them
+        self.exchange = exchange  # the layer's, or "all_reduce" for a call shared memory could not hold
+        self.words: np.ndarray | None = None  # the all-reduce's buffer: (ids, row words)
+        self.slots: np.ndarray | None = None  # shared memory: where each position's row lies in the buffer
+        self.payload_bytes = 0
+        self.late_gather_s = self.exchange_s = self.copy_s = 0.0
+
+
+class _Segment:
+    """A mapped shared-memory file of two buffers of `buffer_bytes`; its name is already unlinked."""
+
+    def __init__(self, mapping: mmap.mmap, buffer_bytes: int) -> None:
+        self._mapping = mapping
+        self.buffer_bytes = buffer_bytes
+        whole = np.frombuffer(mapping, np.uint8)
+        self.buffers: tuple[np.ndarray, ...] = (whole[:buffer_bytes], whole[buffer_bytes: 2 * buffer_bytes])
+
+    def close(self) -> None:
+        self.buffers = ()
+        try:
+            self._mapping.close()
+        except BufferError:  # a view of it is still alive somewhere: the map goes with the last one
+            pass
+
+
+def _host_identity() -> tuple[int, bool]:
+    """A hash of what ranks sharing memory have in common (host, boot, user, /dev/shm), and whether it is usable."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot_file:
+            boot = boot_file.read().strip()
+        folder = os.stat(SHM_FOLDER)
+    except OSError:
+        return _digest(socket.gethostname().encode(), secrets.token_bytes(8)), False
+    getuid = getattr(os, "getuid", None)
+    user = getuid() if getuid is not None else -1
+    host = _digest(socket.gethostname().encode(), b"\0", boot.encode(),
+                   f"\0{user}\0{folder.st_dev}:{folder.st_ino}".encode())
+    usable = (sys.platform.startswith("linux") and hasattr(os, "posix_fallocate")
+              and os.access(SHM_FOLDER, os.W_OK | os.X_OK))
+    return host, usable
+
+
+def _create_mapping(path: str, size: int) -> mmap.mmap:
+    """A new file of `size` bytes at `path`, its pages reserved, mapped read-write; the file is removed on failure."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        # Reserving the pages now makes a full /dev/shm an OSError here rather than a SIGBUS at the first write.
+        os.posix_fallocate(descriptor, 0, size)
+        return mmap.mmap(descriptor, size)
+    except BaseException:
+        _unlink_quietly(path)
+        raise
+    finally:
+        os.close(descriptor)
+
+
+def _open_mapping(path: str, size: int) -> mmap.mmap:
+    """Map the file rank 0 made at `path`, after checking that it is this user's and `size` bytes long."""
+    descriptor = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        status = os.fstat(descriptor)
+        if status.st_uid != os.getuid() or status.st_size != size:
+            raise ValueError(f"{path} is not the segment rank 0 made (owner {status.st_uid}, {status.st_size} bytes)")
+        return mmap.mmap(descriptor, size)
+    finally:
+        os.close(descriptor)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: int) -> _Shard:

@@ -12,6 +12,7 @@ runs stay cheap.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import mmap
 import multiprocessing
@@ -24,6 +25,7 @@ import threading
 import time
 import traceback
 import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +62,13 @@ SPECIAL_BITS = {
     "float32": [0x80000000, 0x7FC00001, 0x7F800001, 0xFFA00005, 0xFF800000],
     "float64": [0x8000000000000000, 0x7FF8000000000001, 0x7FF0000000000001, 0xFFF4000000000005, 0xFFF0000000000000],
 }
+#: The exchanges every check runs on (ranks of one host: "auto" is shared memory).
+EXCHANGES = ("shared_memory", "all_reduce")
+#: Ids whose float16 rows of 64 (2.4 MiB) outgrow a segment's first buffer (one 2 MiB granule).
+LARGE_IDS = 20000
+#: Where kill_task's victim dies while the survivors grow the shared-memory segment: rank 0 right after creating
+#: the file (only the survivors can remove it), the last rank before mapping it.
+GROWING_STAGES = {"after making the segment": 0, "before mapping the segment": -1}
 KILL_REPEATS = int(os.environ.get("FASTEMBED_DIST_KILL_REPEATS", "4"))
 KILL_TIMEOUT_S = 2.0
 #: A group that has not finished by then has hung: its ranks are killed and the test fails.
@@ -205,46 +214,48 @@ def make_quantized(fmt: str, dim: int, vocab: int = VOCAB) -> QuantizedTable:
 # -- the tasks the ranks run ------------------------------------------------------------------------------------
 
 
-def exactness_task(rank: int, world: int) -> dict:
+def exactness_task(rank: int, world: int, exchange: str) -> dict:
     """Every dtype, numpy and torch tables, padded vocabularies: failures (none expected) and row ranges."""
+    build = functools.partial(VocabParallelEmbedding, exchange=exchange)
     failures: list[str] = []
     for dtype, dim in TABLES:
         table = make_table(dtype, dim)
-        failures += check_lookups(VocabParallelEmbedding(table, timeout=30), table, world, rank, f"{dtype} x{dim}")
+        failures += check_lookups(build(table, timeout=30), table, world, rank, f"{dtype} x{dim}")
         if dtype in TORCH_KINDS:
             tensor = as_torch(table)
-            failures += check_lookups(VocabParallelEmbedding(tensor, timeout=30), tensor, world, rank,
+            failures += check_lookups(build(tensor, timeout=30), tensor, world, rank,
                                       f"torch {dtype} x{dim}")
     table = make_table("float16", 6)
     ranges = {}
     for pad in (8, 64):
-        emb = VocabParallelEmbedding(table, pad_to_multiple=pad, timeout=30)
+        emb = build(table, pad_to_multiple=pad, timeout=30)
         failures += check_lookups(emb, table, world, rank, f"pad {pad}")
         ranges[pad] = (emb.vocab_start, emb.vocab_end, emb.padded_vocab_size, int(emb.shard.shape[0]))
-    plain = VocabParallelEmbedding(table)
+    plain = build(table)
     ranges[1] = (plain.vocab_start, plain.vocab_end, plain.padded_vocab_size, int(plain.shard.shape[0]))
     shard_is_view = bool(np.shares_memory(plain.shard, table))
     plain([1, 2, 3])
     return {"failures": failures, "ranges": ranges, "shard_is_view": shard_is_view,
-            "timings": tuple(plain.last_timings)}
+            "timings": plain.last_timings._asdict(), "exchange": plain.exchange, "repr": repr(plain)}
 
 
-def quantized_task(rank: int, world: int, files: dict) -> dict:
+def quantized_task(rank: int, world: int, files: dict, exchange: str) -> dict:
     """Quantized tables as arrays (numpy, torch data) and files: lookups, dtypes, errors, the file's maps."""
+    build = functools.partial(VocabParallelEmbedding, exchange=exchange)
     failures: list[str] = []
     for fmt, dim in QUANTIZED:
         table = make_quantized(fmt, dim)
-        emb = VocabParallelEmbedding(table, timeout=30)
+        emb = build(table, timeout=30)
         for dtype in OUTPUT_DTYPES if fmt != "q4_k" else (None, "bfloat16"):
             failures += check_lookups(emb, table, world, rank, f"{fmt} into {dtype}", dtype)
     table = make_quantized("q8_0", 64)
     torch_table = QuantizedTable(torch.from_numpy(table.data), "q8_0", 64)
-    failures += check_lookups(VocabParallelEmbedding(torch_table, timeout=30), torch_table, world, rank,
+    failures += check_lookups(build(torch_table, timeout=30), torch_table, world, rank,
                               "torch q8_0 into float16", "float16")
     dense = make_table("float16", 6)  # dtype= on a dense float table casts, as fastembed.lookup does
-    failures += check_lookups(VocabParallelEmbedding(dense, timeout=30), dense, world, rank, "float16 into float32",
+    failures += check_lookups(build(dense, timeout=30), dense, world, rank, "float16 into float32",
                               "float32")
-    layer = VocabParallelEmbedding(table, timeout=30)
+    layer = build(table, timeout=30)
     shard = layer.shard
     facts = {"format": layer.format, "dtype": str(layer.dtype), "shard": (type(shard).__name__, shard.format.name,
                                                                          int(shard.data.shape[0]))}
@@ -263,7 +274,7 @@ def quantized_task(rank: int, world: int, files: dict) -> dict:
     for label, (path, fmt, dim, vocab) in files.items():
         if fmt not in FORMATS:
             continue
-        emb = VocabParallelEmbedding(path, timeout=30)
+        emb = build(path, timeout=30)
         emb.check_file()
         spans = mapped_spans(path)
         maps[label] = {"spans": spans, "rows_offset": int(emb.shard.data.offset) if emb.shard.data.size else -1,
@@ -290,11 +301,12 @@ def _outcome(call) -> tuple[str, str, float]:
     return ("no error", "", time.monotonic() - started)
 
 
-def errors_task(rank: int, world: int, file_path: str) -> dict:
+def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
     """Each mistake, made on every rank or on one: (error type, message, seconds) per case, then a good call."""
+    build = functools.partial(VocabParallelEmbedding, exchange=exchange)
     table = make_table("float16", 6)
-    emb = VocabParallelEmbedding(table, timeout=30)
-    padded = VocabParallelEmbedding(table, pad_to_multiple=64, timeout=30)
+    emb = build(table, timeout=30)
+    padded = build(table, pad_to_multiple=64, timeout=30)
     last = world - 1
     cases = {
         "values differ": lambda: emb(np.array([1, 2, rank])),
@@ -308,11 +320,11 @@ def errors_task(rank: int, world: int, file_path: str) -> dict:
         "scalar scatter": lambda: emb(np.int64(3), mode="scatter"),
         "padded id": lambda: padded([VOCAB + 1]),
         "int dtypes differ": lambda: emb(np.array([4, 5], np.int32 if rank == 0 else np.int64)),
-        "different pad": lambda: VocabParallelEmbedding(table, pad_to_multiple=1 + rank, timeout=30),
-        "different tables": lambda: VocabParallelEmbedding(make_table("float16", 6 + (rank == last))),
-        "file missing on one rank": lambda: VocabParallelEmbedding(file_path + ("-missing" if rank == last else "")),
-        "bad timeout on one rank": lambda: VocabParallelEmbedding(table, timeout=-1 if rank == last else 30),
-        "name with an array": lambda: VocabParallelEmbedding(table, name="wte.weight"),
+        "different pad": lambda: build(table, pad_to_multiple=1 + rank, timeout=30),
+        "different tables": lambda: build(make_table("float16", 6 + (rank == last))),
+        "file missing on one rank": lambda: build(file_path + ("-missing" if rank == last else "")),
+        "bad timeout on one rank": lambda: build(table, timeout=-1 if rank == last else 30),
+        "name with an array": lambda: build(table, name="wte.weight"),
     }
     outcomes = {}
     for case, call in cases.items():
@@ -328,6 +340,95 @@ def errors_task(rank: int, world: int, file_path: str) -> dict:
             "lookup message": _message(lambda: fastembed.lookup(table, np.array([[1, 2], [VOCAB, 3]])))}
 
 
+def shared_memory_task(rank: int, world: int) -> dict:
+    """How the exchange is chosen, refused and given up, and where its segments go: per case, its outcome."""
+    table = make_table("float16", 64, vocab=4099)
+    rng = np.random.default_rng(SEED)
+    small, large = rng.integers(0, 4099, 100), rng.integers(0, 4099, LARGE_IDS)
+    last = world - 1
+    layers: list[VocabParallelEmbedding] = []
+    failures: list[str] = []
+
+    def outcome(call) -> tuple[str, str]:
+        return _outcome(call)[:2]  # not the seconds: every rank's must be equal
+
+    def build(**options) -> VocabParallelEmbedding:
+        layers.append(VocabParallelEmbedding(table, timeout=30, **options))
+        return layers[-1]
+
+    def used(emb: VocabParallelEmbedding, ids, mode: str = "full") -> str:
+        """The exchange one exact call used."""
+        expected = fastembed.lookup(table, ids)
+        if mode == "scatter":
+            start, stop = distributed.position_range(len(ids), world, rank)
+            expected = expected[start:stop]
+        failures.extend(same_bits(f"{emb.exchange} {len(ids)} {mode}", emb(ids, mode=mode), expected, np.ndarray))
+        return emb.last_timings.exchange
+
+    real_identity, real_create, real_open = (distributed._host_identity, distributed._create_mapping,
+                                             distributed._open_mapping)
+
+    def elsewhere():
+        return (12345, True) if rank == last else real_identity()
+
+    def without_shm():
+        return (real_identity()[0], rank != last)
+
+    def small_shm(path, size):  # a /dev/shm that holds one small segment (rank 0 makes them)
+        if size > 4 * 2**20:
+            raise OSError(28, "No space left on device")
+        return real_create(path, size)
+
+    def other_shm(path, size):  # the last rank sees another /dev/shm
+        if rank == last:
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real_open(path, size)
+
+    def auto_sequence():
+        emb = build()
+        return [emb.exchange, used(emb, small), used(emb, large), used(emb, large, "scatter"), used(emb, small),
+                len(emb._segment_names())]
+
+    def with_patch(name, replacement, call):
+        original = getattr(distributed, name)
+        setattr(distributed, name, replacement)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                value = call()
+            return value, [str(warning.message) for warning in caught]
+        finally:
+            setattr(distributed, name, original)
+
+    def explicit_refused():
+        emb = build(exchange="shared_memory")
+        before = outcome(lambda: used(emb, small))
+        refused = outcome(lambda: emb(large))
+        return before[0], refused, outcome(lambda: used(emb, small))[0], emb.exchange
+
+    cases = {
+        "auto": lambda: auto_sequence(),
+        "all_reduce": lambda: (lambda emb: [emb.exchange, used(emb, large), len(emb._segment_names())])(
+            build(exchange="all_reduce")),
+        "hosts differ, shared_memory": lambda: with_patch("_host_identity", elsewhere,
+                                                          lambda: outcome(lambda: build(exchange="shared_memory"))),
+        "hosts differ, auto": lambda: with_patch("_host_identity", elsewhere, lambda: build().exchange),
+        "no shm on one rank, shared_memory": lambda: with_patch(
+            "_host_identity", without_shm, lambda: outcome(lambda: build(exchange="shared_memory"))),
+        "no shm on one rank, auto": lambda: with_patch("_host_identity", without_shm, lambda: build().exchange),
+        "exchanges differ": lambda: outcome(lambda: build(exchange="auto" if rank == 0 else "all_reduce")),
+        "bad exchange": lambda: outcome(lambda: build(exchange="gloo")),
+        "small shm, auto": lambda: with_patch("_create_mapping", small_shm, auto_sequence),
+        "small shm, shared_memory": lambda: with_patch("_create_mapping", small_shm, explicit_refused),
+        "other shm, auto": lambda: with_patch("_open_mapping", other_shm, auto_sequence),
+        "other shm, shared_memory": lambda: with_patch("_open_mapping", other_shm, explicit_refused),
+    }
+    outcomes = {case: call() for case, call in cases.items()}
+    names = [name for emb in layers for name in emb._segment_names()]
+    left = [name for name in names if os.path.exists(os.path.join(distributed.SHM_FOLDER, name))]
+    return {"outcomes": outcomes, "failures": failures, "names": names, "left": left, "repr": repr(layers[0])}
+
+
 def _message(call) -> str:
     try:
         call()
@@ -336,11 +437,12 @@ def _message(call) -> str:
     return ""
 
 
-def checkpoint_task(rank: int, world: int, files: dict) -> dict:
+def checkpoint_task(rank: int, world: int, files: dict, exchange: str) -> dict:
     """Tables from files: the mapping covers only this rank's rows; lookups are exact."""
+    build = functools.partial(VocabParallelEmbedding, exchange=exchange)
     report: dict = {"failures": [], "maps": {}}
     for label, (path, dtype, dim, vocab) in files.items():
-        emb = VocabParallelEmbedding(path, timeout=30)
+        emb = build(path, timeout=30)
         shard = emb.shard
         spans = mapped_spans(path)
         report["maps"][label] = {"spans": spans, "shard_offset": int(getattr(shard, "offset", -1)),
@@ -373,14 +475,21 @@ def mapped_spans(path: str) -> list[tuple[int, int]]:
     return spans
 
 
-def kill_task(rank: int, world: int, victim: int, stage: str) -> dict:
+def kill_task(rank: int, world: int, victim: int, stage: str, exchange: str) -> dict:
     """The victim leaves with os._exit at `stage` of a lookup; the others call until they raise."""
     table = make_table("float16", 64, vocab=4099)
-    emb = VocabParallelEmbedding(table, timeout=KILL_TIMEOUT_S)
+    emb = VocabParallelEmbedding(table, timeout=KILL_TIMEOUT_S, exchange=exchange)
     ids = np.random.default_rng(SEED).integers(0, 4099, 2048)
     emb(ids)
+    if stage in GROWING_STAGES:
+        ids = np.random.default_rng(SEED).integers(0, 4099, LARGE_IDS)  # the next call grows the segment
     if rank == victim:
-        if stage == "before the agreement":
+        if stage == "after making the segment":
+            make = distributed._create_mapping
+            distributed._create_mapping = lambda path, size: (make(path, size), os._exit(17))
+        elif stage == "before mapping the segment":
+            distributed._open_mapping = lambda path, size: os._exit(17)
+        elif stage == "before the agreement":
             emb._gather = lambda call: os._exit(17)
         elif stage == "before the data collective":
             emb._communicate = lambda call: os._exit(17)
@@ -399,7 +508,8 @@ def kill_task(rank: int, world: int, victim: int, stage: str) -> dict:
             emb(ids, mode="scatter" if calls % 2 else "full")
         except CommunicationError as error:
             again = _message(lambda: emb(ids))
-            return {"error": str(error), "seconds": time.monotonic() - started, "calls": calls, "again": again}
+            return {"error": str(error), "seconds": time.monotonic() - started, "calls": calls, "again": again,
+                    "segments": emb._segment_names()}
         calls += 1
         if calls > 10000:
             return {"error": None, "calls": calls}
@@ -419,12 +529,14 @@ def group(request, tmp_path_factory):
 
 
 def combined_task(rank: int, world: int, files: dict) -> dict:
-    """The three checks in one group (start-up is the slow part)."""
+    """The checks in one group (start-up is the slow part), on each exchange."""
     dense = {label: file for label, file in files.items() if file[1] not in FORMATS}
-    return {"exact": exactness_task(rank, world),
-            "errors": errors_task(rank, world, files["float16 safetensors"][0]),
-            "checkpoint": checkpoint_task(rank, world, dense),
-            "quantized": quantized_task(rank, world, files)}
+    checks = {exchange: {"exact": exactness_task(rank, world, exchange),
+                         "errors": errors_task(rank, world, files["float16 safetensors"][0], exchange),
+                         "checkpoint": checkpoint_task(rank, world, dense, exchange),
+                         "quantized": quantized_task(rank, world, files, exchange)}
+              for exchange in EXCHANGES}
+    return {**checks, "shared memory": shared_memory_task(rank, world)}
 
 
 def write_checkpoints(folder: Path) -> dict:
@@ -456,31 +568,42 @@ def write_checkpoints(folder: Path) -> dict:
     return files
 
 
-def test_lookups_are_bit_exact_for_every_dtype_mode_and_ids(group):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_lookups_are_bit_exact_for_every_dtype_mode_and_ids(group, exchange):
     world, ranks = group
     for rank, result in enumerate(ranks):
-        assert result["exact"]["failures"] == [], f"rank {rank} of {world}"
+        assert result[exchange]["exact"]["failures"] == [], f"rank {rank} of {world}"
 
 
-def test_rows_split_evenly_with_padding(group):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_rows_split_evenly_with_padding(group, exchange):
     world, ranks = group
     for pad, padded in ((1, VOCAB), (8, 48), (64, 64)):
-        spans = [result["exact"]["ranges"][pad] for result in ranks]
+        spans = [result[exchange]["exact"]["ranges"][pad] for result in ranks]
         assert [span[:2] for span in spans] == [distributed.row_range(VOCAB, world, r, pad) for r in range(world)]
         assert spans[0][0] == 0 and spans[-1][1] == padded and {span[2] for span in spans} == {padded}
         for start, stop, _, stored in spans:
             assert stored == max(0, min(stop, VOCAB) - min(start, VOCAB))  # padded rows are not stored
         sizes = [stop - start for start, stop, _, _ in spans]
         assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
-    assert all(result["exact"]["shard_is_view"] for result in ranks)
-    for result in ranks:
-        *seconds, payload = result["exact"]["timings"]
-        assert payload == 3 * 6 * 2 and all(value >= 0 for value in seconds)  # 3 rows of 6 float16
+    assert all(result[exchange]["exact"]["shard_is_view"] for result in ranks)
+    for rank, result in enumerate(ranks):
+        report = result[exchange]["exact"]
+        timings = report["timings"]
+        assert report["exchange"] == timings["exchange"] == exchange
+        assert report["repr"].endswith(f"exchange={exchange!r})")
+        assert all(timings[name] >= 0 for name in ("prepare_s", "gather_s", "agree_s", "communicate_s", "copy_s"))
+        # 3 rows of 6 float16: the all-reduce hands every position to the collective, shared memory a rank's own rows
+        ids = np.array([1, 2, 3])
+        start, stop = distributed.row_range(VOCAB, world, rank)
+        mine = int(((ids >= start) & (ids < stop)).sum())
+        assert timings["payload_bytes"] == (3 if exchange == "all_reduce" else mine) * 6 * 2, timings
 
 
-def test_every_rank_raises_the_same_error_before_any_data_collective(group):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_every_rank_raises_the_same_error_before_any_data_collective(group, exchange):
     world, ranks = group
-    outcomes = [result["errors"]["outcomes"] for result in ranks]
+    outcomes = [result[exchange]["errors"]["outcomes"] for result in ranks]
     expected_types = {
         "values differ": "ValueError", "shapes differ": "ValueError", "modes differ": "ValueError",
         "bad id on one rank": "IndexError", "bad id everywhere": "IndexError", "negative id everywhere": "IndexError",
@@ -495,7 +618,7 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group):
         assert outcomes[0][case][0] == kind, f"{case}: {outcomes[0][case]}"
         assert max(outcome[case][2] for outcome in outcomes) < 10, f"{case}: took too long"
     message = {case: outcomes[0][case][1] for case in expected_types}
-    assert message["bad id everywhere"] == ranks[0]["errors"]["lookup message"]  # fastembed.lookup's own words
+    assert message["bad id everywhere"] == ranks[0][exchange]["errors"]["lookup message"]  # fastembed.lookup's own words
     assert message["bad id everywhere"].startswith(f"id {VOCAB} at position (1, 0) is out of range")
     assert message["bad id on one rank"] == (f"id {VOCAB + 5} at position 1 is out of range for a table of {VOCAB} "
                                              f"rows (valid ids are 0..{VOCAB - 1}) (on rank {world - 1} of {world})")
@@ -511,14 +634,15 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group):
     assert "-missing" in message["file missing on one rank"]
     assert "timeout must be a positive number" in message["bad timeout on one rank"]
     for rank, result in enumerate(ranks):
-        assert result["errors"]["after"] == [], f"rank {rank}: the group was not usable after the errors"
+        assert result[exchange]["errors"]["after"] == [], f"rank {rank}: the group was not usable after the errors"
 
 
-def test_a_checkpoint_rank_maps_only_its_rows(group):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_a_checkpoint_rank_maps_only_its_rows(group, exchange):
     world, ranks = group
     page = mmap.ALLOCATIONGRANULARITY
     for rank, result in enumerate(ranks):
-        report = result["checkpoint"]
+        report = result[exchange]["checkpoint"]
         assert report["failures"] == [], f"rank {rank}"
         for label, maps in report["maps"].items():
             if not maps["spans"]:
@@ -531,20 +655,22 @@ def test_a_checkpoint_rank_maps_only_its_rows(group):
             assert maps["shard_offset"] - page < first <= maps["shard_offset"], (label, rank, maps)
 
 
-def test_quantized_tables_are_bit_exact_into_every_output_dtype(group):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_quantized_tables_are_bit_exact_into_every_output_dtype(group, exchange):
     world, ranks = group
     for rank, result in enumerate(ranks):
-        report = result["quantized"]
+        report = result[exchange]["quantized"]
         assert report["failures"] == [], f"rank {rank} of {world}"
         start, stop = distributed.row_range(VOCAB, world, rank)
         assert report["facts"] == {"format": "q8_0", "dtype": "float32", "shard": ("QuantizedTable", "q8_0",
                                                                                    stop - start)}
 
 
-def test_quantized_errors_are_raised_on_every_rank_before_the_data_collective(group):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_quantized_errors_are_raised_on_every_rank_before_the_data_collective(group, exchange):
     world, ranks = group
-    outcomes = [result["quantized"]["outcomes"] for result in ranks]
-    messages = ranks[0]["quantized"]["messages"]
+    outcomes = [result[exchange]["quantized"]["outcomes"] for result in ranks]
+    messages = ranks[0][exchange]["quantized"]["messages"]
     expected = {"int8 everywhere": ("TypeError", messages["int8"]),
                 "int8 on one rank": ("TypeError", f"{messages['int8']} (on rank {world - 1} of {world})"),
                 "bad id everywhere": ("IndexError", messages["bad id"])}
@@ -558,11 +684,12 @@ def test_quantized_errors_are_raised_on_every_rank_before_the_data_collective(gr
     assert all(outcome[case][2] < 10 for outcome in outcomes for case in outcome)
 
 
-def test_a_quantized_file_rank_maps_only_its_rows(group):
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_a_quantized_file_rank_maps_only_its_rows(group, exchange):
     world, ranks = group
     page = mmap.ALLOCATIONGRANULARITY
     for rank, result in enumerate(ranks):
-        maps = result["quantized"]["maps"]
+        maps = result[exchange]["quantized"]["maps"]
         assert set(maps) == {"q8_0 gguf", "fp8_e4m3 safetensors"}
         for label, report in maps.items():
             if not report["spans"]:
@@ -576,14 +703,13 @@ def test_a_quantized_file_rank_maps_only_its_rows(group):
             assert report["rows_offset"] - page < first <= report["rows_offset"], (label, rank, report)
 
 
-@pytest.mark.parametrize("repeat", range(KILL_REPEATS))
-def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(repeat, tmp_path):
+def kill_a_rank(tmp_path: Path, victim: int, stage: str, exchange: str) -> None:
+    """Three ranks; `victim` dies at `stage`: the others raise within the timeout, and no segment is left."""
     world = 3
-    stages = ("before the agreement", "before the data collective", "at a random moment", "stops calling")
-    victim, stage = repeat % world, stages[repeat % len(stages)]
     multiprocessing.get_context("forkserver").set_forkserver_preload(["numpy", "torch", "torch.distributed",
                                                                       "fastembed.distributed"])
-    outcomes = run_ranks(tmp_path, world, kill_task, victim, stage, deadline_s=60, start_method="forkserver")
+    outcomes = run_ranks(tmp_path, world, kill_task, victim, stage, exchange, deadline_s=60,
+                         start_method="forkserver")
     assert outcomes[victim] == {"died": 17}, outcomes[victim]
     for rank, result in enumerate(results([o for r, o in enumerate(outcomes) if r != victim])):
         assert result["error"] is not None, f"rank {rank} never noticed the dead rank"
@@ -592,6 +718,66 @@ def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(repeat, tmp_
         assert result["again"] == result["error"]  # later calls fail at once, with the same message
         if stage == "stops calling":
             assert result["seconds"] >= KILL_TIMEOUT_S * 0.9, result  # the timeout was what ended the wait
+        assert len(result["segments"]) == (0 if exchange == "all_reduce" else 2 if stage in GROWING_STAGES else 1)
+        left = [name for name in result["segments"] if os.path.exists(os.path.join(distributed.SHM_FOLDER, name))]
+        assert left == [], f"segments left in {distributed.SHM_FOLDER}: {left}"
+
+
+def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group):
+    world, ranks = group
+    reports = [result["shared memory"] for result in ranks]
+    for rank, report in enumerate(reports):
+        assert report["failures"] == [], f"rank {rank}"
+        assert report["repr"].endswith("exchange='shared_memory')")
+    outcomes = [report["outcomes"] for report in reports]
+    for case in outcomes[0]:
+        assert all(outcome[case] == outcomes[0][case] for outcome in outcomes), (case, [o[case] for o in outcomes])
+    seen = outcomes[0]
+    shm, reduce = "shared_memory", "all_reduce"
+    # one segment for the small calls, one grown for the large ones, shared by every later call
+    assert seen["auto"] == [shm, shm, shm, shm, shm, 2]
+    assert seen["all_reduce"] == [reduce, reduce, 0]
+    kind, message = seen["hosts differ, shared_memory"][0]
+    assert kind == "ValueError" and f"rank(s) {world - 1} run on another host than rank 0" in message, message
+    assert seen["hosts differ, auto"][0] == reduce
+    kind, message = seen["no shm on one rank, shared_memory"][0]
+    assert kind == "ValueError" and f"rank(s) {world - 1} have no usable /dev/shm" in message, message
+    assert seen["no shm on one rank, auto"][0] == reduce
+    assert seen["exchanges differ"][0] == "ValueError" and "the ranks disagree on the table" in seen["exchanges differ"][1]
+    assert seen["bad exchange"] == ("ValueError", "exchange must be 'auto', 'shared_memory' or 'all_reduce', "
+                                                      "got 'gloo'")
+    # a /dev/shm too small for the large calls: those use the all-reduce (tried once, with a warning), small ones not
+    (sequence, warned) = seen["small shm, auto"]
+    assert sequence == [shm, shm, reduce, reduce, shm, 2], sequence
+    assert len(warned) == 1 and "No space left on device" in warned[0] and "use the all-reduce" in warned[0], warned
+    (before, refused, after, exchange), _ = seen["small shm, shared_memory"]
+    assert (before, after, exchange) == ("no error", "no error", shm)
+    assert refused[0] == "OSError" and "No space left on device" in refused[1] and f"(on rank 0 of {world})" in refused[1]
+    # a rank that cannot open rank 0's file: the layer gives shared memory up
+    (sequence, warned) = seen["other shm, auto"]
+    assert sequence == [shm, reduce, reduce, reduce, reduce, 1] and len(warned) == 1, (sequence, warned)
+    (before, refused, after, exchange), _ = seen["other shm, shared_memory"]
+    assert (before, refused[0], after, exchange) == ("FileNotFoundError", "FileNotFoundError", "FileNotFoundError", shm)
+    assert f"(on rank {world - 1} of {world})" in refused[1]
+    for rank, report in enumerate(reports):
+        assert report["left"] == [], f"rank {rank}: segments still in /dev/shm while it ran: {report['left']}"
+        assert len(report["names"]) == len(set(report["names"])) >= 6
+        assert all(name.startswith(distributed.SEGMENT_PREFIX) for name in report["names"])
+        left = [name for name in report["names"] if os.path.exists(os.path.join(distributed.SHM_FOLDER, name))]
+        assert left == [], f"segments in /dev/shm after the ranks left: {left}"
+    assert reports[0]["names"] == reports[-1]["names"]  # every rank named the same segments
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("repeat", range(KILL_REPEATS))
+def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(repeat, exchange, tmp_path):
+    stages = ("before the agreement", "before the data collective", "at a random moment", "stops calling")
+    kill_a_rank(tmp_path, repeat % 3, stages[repeat % len(stages)], exchange)
+
+
+@pytest.mark.parametrize("stage", GROWING_STAGES)
+def test_a_rank_that_dies_while_the_segment_grows_leaves_nothing_in_dev_shm(stage, tmp_path):
+    kill_a_rank(tmp_path, GROWING_STAGES[stage] % 3, stage, "shared_memory")
 
 
 def test_the_helpers_split_as_documented():
@@ -685,11 +871,10 @@ def test_bench_ranks_smoke(tmp_path):
     rows = {(row["batch"], row["mode"]): row for row in payload["results"]}
     assert set(rows) == {(1, "full"), (1, "scatter"), (5, "full"), (5, "scatter")}
     row_bytes = 8 * 2
-    assert rows[5, "full"]["payload_bytes"] == 5 * row_bytes
-    assert rows[5, "scatter"]["payload_bytes"] == 5 * row_bytes  # scatter all-reduces every position too
-    assert rows[5, "full"]["ring_sent_bytes"] == rows[5, "scatter"]["ring_sent_bytes"] == 5 * row_bytes  # 2 (N-1)/N
+    for mode in ("full", "scatter"):  # shared memory: a rank puts in only its own rows, the slowest 3 to 5 of 5
+        assert 3 * row_bytes <= rows[5, mode]["payload_bytes"] <= 5 * row_bytes
     for row in rows.values():
-        assert row["total_us"] > 0 and row["single_us"] > 0 and row["communicate_us"] > 0
+        assert row["total_us"] > 0 and row["single_us"] > 0
     assert [rank["rows"] for rank in payload["processes"]["ranks"]] == [[0, 25], [25, 50]]
     assert all(rank["held_bytes"] == 25 * row_bytes for rank in payload["processes"]["ranks"])
     for process in [*payload["processes"]["ranks"], payload["processes"]["single"]]:
