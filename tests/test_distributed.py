@@ -871,10 +871,13 @@ def test_bench_ranks_smoke(tmp_path):
     rows = {(row["batch"], row["mode"]): row for row in payload["results"]}
     assert set(rows) == {(1, "full"), (1, "scatter"), (5, "full"), (5, "scatter")}
     row_bytes = 8 * 2
-    for mode in ("full", "scatter"):  # shared memory: a rank puts in only its own rows, the slowest 3 to 5 of 5
-        assert 3 * row_bytes <= rows[5, mode]["payload_bytes"] <= 5 * row_bytes
+    assert payload["exchange"] == "shared_memory"  # the ranks share this host
+    for mode in ("full", "scatter"):  # a rank puts in only its own rows, the slowest 3 to 5 of 5, and sends them once
+        assert 3 * row_bytes <= rows[5, mode]["payload_bytes"] == rows[5, mode]["sent_bytes"] <= 5 * row_bytes
     for row in rows.values():
-        assert row["total_us"] > 0 and row["single_us"] > 0
+        assert row["exchange"] == "shared_memory"
+        assert row["total_us"] > 0 and row["single_us"] > 0 and row["copy_us"] > 0 and row["communicate_us"] == 0
+    assert all(rank["layer"].endswith("exchange='shared_memory')") for rank in payload["processes"]["ranks"])
     assert [rank["rows"] for rank in payload["processes"]["ranks"]] == [[0, 25], [25, 50]]
     assert all(rank["held_bytes"] == 25 * row_bytes for rank in payload["processes"]["ranks"])
     for process in [*payload["processes"]["ranks"], payload["processes"]["single"]]:

@@ -4,7 +4,8 @@ Every process opens the table's file (``--table``, or the random table saved
 as a temporary .npy file). N ranks (torch.multiprocessing, a gloo group over
 a file:// rendezvous) each build
 ``fastembed.distributed.VocabParallelEmbedding(path)``, which maps only that
-rank's rows. Then one fresh process maps the whole file with
+rank's rows; the ranks share this host, so the layer picks its shared-memory
+exchange (``exchange="auto"``), and the report says which one each call used. Then one fresh process maps the whole file with
 ``Embedding.from_pretrained`` and makes the same lookups. Every process draws
 the same uniform ids from the same seed; per batch it makes one warm-up call
 per mode, waits for background compiles, then times ``reps`` calls per mode,
@@ -12,14 +13,21 @@ the modes interleaved.
 
 Per batch and mode the report gives:
 
+- the exchange the calls used (``shared_memory`` or ``all_reduce``);
 - the time per lookup on the ranks (per repetition the slowest rank's, then
   the median) and its parts, each the same statistic: *prepare* (checking,
-  copying and hashing the ids), *gather* (the masked local gather),
-  *agree* (the fingerprint all-gather, which includes waiting for the
-  slowest rank) and *communicate* (the integer all-reduce, in both modes);
-- the bytes each rank hands to the collective, and the bytes a ring
-  all-reduce sends per rank for them, 2(N-1)/N (both modes all-reduce:
-  see :meth:`fastembed.distributed.VocabParallelEmbedding._communicate`);
+  copying and hashing the ids), *gather* (this rank's rows into the
+  exchange's buffer: the shared segment, or the all-reduce's buffer with
+  zeros elsewhere), *agree* (the fingerprint all-gather, which includes
+  waiting for the slowest rank; with shared memory it is also the barrier
+  after every rank's writes), *communicate* (the data collective: the
+  all-reduce in both modes; with shared memory none, unless a call grew
+  the segment) and *copy out* (the rows a rank returns, out of the shared
+  segment, or scatter's positions out of the all-reduced buffer);
+- the bytes each rank puts into the exchange (the all-reduce: the whole
+  buffer; shared memory: its own rows) and the bytes it sends for them (a
+  ring all-reduce sends 2(N-1)/N of its buffer; shared memory writes its
+  rows once, where the others read them);
 - one process's median time for the same ids, and the ratio.
 
 Below the tables, each process's memory. The baseline is taken after torch
@@ -29,9 +37,11 @@ The growth to after the lookups is shown beside the bytes of the rows the
 process holds (a rank's shard; the single process's table), and split, from
 ``/proc/self/status`` and ``/proc/self/smaps``, into the table file's
 resident pages (at most the rows held), other files' pages (shared
-libraries: numba's llvmlite is loaded by the first large lookup) and
+libraries: numba's llvmlite is loaded by the first large lookup),
 anonymous memory (numba's compiler and compiled kernels, Python objects,
-buffers not yet returned). The peak (VmHWM, reset at the baseline) also
+buffers not yet returned) and shared memory (the exchange's segment: two
+buffers of the largest batch, mapped by every rank and counted in each
+rank's RSS, though the host holds them once). The peak (VmHWM, reset at the baseline) also
 counts each call's buffers, which are freed before the next.
 """
 from __future__ import annotations
@@ -52,7 +62,7 @@ import numpy as np
 #: Batch sizes of the run: a decode step, mid-size batches, a prefill chunk.
 BATCHES = (1, 64, 1024, 8192)
 MODES = ("full", "scatter")
-PHASES = ("prepare_s", "gather_s", "agree_s", "communicate_s")
+PHASES = ("prepare_s", "gather_s", "agree_s", "communicate_s", "copy_s")
 #: Timed calls per mode and batch in each process.
 REPS = 20
 #: Seconds a rank waits for one collective: a rank that dies fails the run instead of hanging it.
@@ -96,9 +106,10 @@ def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | N
     try:
         before = memory(table_path)
         emb = VocabParallelEmbedding(table_path, name=name, timeout=TIMEOUT_S)
-        samples, payloads = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps, seed,
-                                     fastembed.wait_for_compiles, lambda: emb.last_timings)
-        report = {"rank": rank, "rows": [emb.vocab_start, emb.vocab_end], "held_bytes": int(emb.shard.nbytes),
+        samples, payloads, exchanges = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps,
+                                                seed, fastembed.wait_for_compiles, lambda: emb.last_timings)
+        report = {"rank": rank, "layer": repr(emb), "exchange": emb.exchange, "exchanges": exchanges,
+                  "rows": [emb.vocab_start, emb.vocab_end], "held_bytes": int(emb.shard.nbytes),
                   "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(), "memory_before": before,
                   "memory_after": memory(table_path), "samples": samples, "payload_bytes": payloads}
         Path(folder, f"rank{rank}.json").write_text(json.dumps(report))
@@ -113,19 +124,24 @@ def single_worker(_index: int, table_path: str, name: str | None, batches: list[
 
     before = memory(table_path)
     emb = fastembed.Embedding.from_pretrained(table_path, name)
-    samples, _ = _measure(lambda ids, mode: emb(ids), emb.vocab_size, batches, reps, seed, fastembed.wait_for_compiles,
-                          lambda: None)
+    samples, _, _ = _measure(lambda ids, mode: emb(ids), emb.vocab_size, batches, reps, seed,
+                             fastembed.wait_for_compiles, lambda: None)
     report = {"held_bytes": emb.nbytes, "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(),
               "memory_before": before, "memory_after": memory(table_path), "samples": samples}
     Path(folder, "single.json").write_text(json.dumps(report))
 
 
 def _measure(call: Any, vocab_size: int, batches: list[int], reps: int, seed: int, wait: Any,
-             timings: Any) -> tuple[dict[str, dict[str, list[float]]], dict[str, int]]:
-    """Samples per "batch/mode": total seconds per call and, where `timings()` gives them, each phase's."""
+             timings: Any) -> tuple[dict[str, dict[str, list[float]]], dict[str, int], dict[str, list[str]]]:
+    """Samples per "batch/mode": total seconds per call and, where `timings()` gives them, each phase's.
+
+    Returns:
+        The samples, the payload bytes of the last call per case, and the exchanges the timed calls used per case.
+    """
     rng = np.random.default_rng(seed)  # every process draws the same ids in the same order
     samples: dict[str, dict[str, list[float]]] = {}
     payloads: dict[str, int] = {}
+    exchanges: dict[str, list[str]] = {}
     for batch in batches:
         for mode in MODES:
             call(rng.integers(0, vocab_size, batch), mode)
@@ -144,7 +160,10 @@ def _measure(call: Any, vocab_size: int, batches: list[int], reps: int, seed: in
                     for name in PHASES:
                         case[name].append(getattr(parts, name))
                     payloads[f"{batch}/{mode}"] = int(parts.payload_bytes)
-    return samples, payloads
+                    used = exchanges.setdefault(f"{batch}/{mode}", [])
+                    if parts.exchange not in used:
+                        used.append(parts.exchange)
+    return samples, payloads, exchanges
 
 
 def _rss_bytes() -> int:
@@ -162,9 +181,10 @@ def memory(table_path: str | os.PathLike, reset_peak: bool = True) -> dict[str, 
             ``peak`` is the highest RSS since this one.
 
     Returns:
-        ``{"rss", "rss_anon", "rss_file", "peak", "table_file"}``; every value 0 where ``/proc`` lacks it.
+        ``{"rss", "rss_anon", "rss_file", "rss_shmem", "peak", "table_file"}``; every value 0 where ``/proc``
+        lacks it. ``rss_shmem`` is the shared-memory exchange's segment, as far as this process touched it.
     """
-    fields = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "VmHWM": "peak"}
+    fields = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem", "VmHWM": "peak"}
     found = dict.fromkeys([*fields.values(), "table_file"], 0)
     try:
         with open("/proc/self/status") as status:
@@ -189,7 +209,7 @@ def memory(table_path: str | os.PathLike, reset_peak: bool = True) -> dict[str, 
 
 
 def summarise(measured: dict[str, Any], batches: list[int]) -> list[dict[str, Any]]:
-    """One row per (batch, mode): the slowest rank's median time and phases, bytes, the single process's median."""
+    """One row per (batch, mode): the exchange, the slowest rank's median time and phases, bytes, one process's median."""
     ranks, single = measured["ranks"], measured["single"]
     world = len(ranks)
     rows = []
@@ -200,9 +220,12 @@ def summarise(measured: dict[str, Any], batches: list[int]) -> list[dict[str, An
             for name in ("total_s", *PHASES):
                 slowest = [max(values) for values in zip(*(rank["samples"][key][name] for rank in ranks), strict=True)]
                 row[name.replace("_s", "_us")] = statistics.median(slowest) * 1e6
+            used = sorted({exchange for rank in ranks for exchange in rank["exchanges"][key]})
+            row["exchange"] = "+".join(used)
             payload = max(rank["payload_bytes"][key] for rank in ranks)
             row["payload_bytes"] = payload
-            row["ring_sent_bytes"] = int(payload * 2 * (world - 1) / world)
+            # shared memory: a rank writes its rows once, where the others read them; a ring all-reduce 2(N-1)/N
+            row["sent_bytes"] = payload if used == ["shared_memory"] else int(payload * 2 * (world - 1) / world)
             row["single_us"] = statistics.median(single["samples"][key]["total_s"]) * 1e6
             row["ranks_over_single"] = row["total_us"] / row["single_us"]
             rows.append(row)
@@ -224,14 +247,17 @@ def table_file(table: Any, given: Path | None) -> Iterator[Path]:
 def print_report(rows: list[dict[str, Any]], measured: dict[str, Any], console: Any, title: str) -> None:
     """Two tables (the times against one process; the parts and bytes) and each process's memory, with rich."""
     world = len(measured["ranks"])
-    console.print(_table(title, ("ids", "mode", "1 process", f"{world} ranks", f"{world} ranks / 1"), [
-        (row["batch"], row["mode"], _time(row["single_us"]), _time(row["total_us"]), f"{row['ranks_over_single']:.2f}")
-        for row in rows]))
+    console.print(_table(title, ("ids", "mode", "exchange", "1 process", f"{world} ranks", f"{world} ranks / 1"), [
+        (row["batch"], row["mode"], row["exchange"], _time(row["single_us"]), _time(row["total_us"]),
+         f"{row['ranks_over_single']:.2f}") for row in rows]))
     console.print(_table(f"the {world} ranks' time per lookup in parts (the slowest rank's), and bytes per rank",
-                         ("ids", "mode", "prepare", "gather", "agree", "commu-\nnicate", "payload", "ring\nsends"), [
+                         ("ids", "mode", "prepare", "gather", "agree", "commu-\nnicate", "copy\nout", "payload",
+                          "sent"), [
         (row["batch"], row["mode"], _time(row["prepare_us"]), _time(row["gather_us"]), _time(row["agree_us"]),
-         _time(row["communicate_us"]), _bytes(row["payload_bytes"]), _bytes(row["ring_sent_bytes"]))
+         _time(row["communicate_us"]), _time(row["copy_us"]), _bytes(row["payload_bytes"]), _bytes(row["sent_bytes"]))
         for row in rows]))
+    for rank in measured["ranks"]:
+        console.print(f"rank {rank['rank']}: {rank['layer']}", markup=False)
     for rank in measured["ranks"]:
         console.print(f"rank {rank['rank']}: rows {rank['rows'][0]}..{rank['rows'][1]}, holds "
                       f"{_bytes(rank['held_bytes'])}; {_rss(rank)}", markup=False)
@@ -248,7 +274,8 @@ def _rss(process: dict[str, Any]) -> str:
     table = after["table_file"] - before["table_file"]
     other_files = after["rss_file"] - before["rss_file"] - table
     return (f"RSS {_bytes(after['rss'])} after its lookups, {_signed(grown)} (table file pages {_signed(table)}, "
-            f"other files {_signed(other_files)}, anonymous {_signed(after['rss_anon'] - before['rss_anon'])}); "
+            f"other files {_signed(other_files)}, anonymous {_signed(after['rss_anon'] - before['rss_anon'])}, "
+            f"shared memory {_signed(after['rss_shmem'] - before['rss_shmem'])}); "
             f"peak {_signed(after['peak'] - before['rss'])}")
 
 
@@ -293,13 +320,14 @@ def main(arguments: Any, console: Any, table: Any, described: dict[str, Any], ar
     with table_file(table, arguments.table) as path:
         measured = run(path, arguments.ranks, batches, reps, name=arguments.tensor)
     rows = summarise(measured, batches)
-    print_report(rows, measured, console,
-                 f"{arguments.ranks} ranks (gloo, this machine) against 1 process: {report.table_title(described)}")
+    exchange = measured["ranks"][0]["exchange"]
+    print_report(rows, measured, console, f"{arguments.ranks} ranks (gloo, {exchange} exchange, this machine) against "
+                                          f"1 process: {report.table_title(described)}")
     report.write_json(arguments.out / "ranks.json", {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(["fastembed-bench", *(argv if argv is not None else sys.argv[1:])]),
         "machine": report.machine_facts(), "table": described, "ranks": arguments.ranks, "reps": reps,
-        "cpus": os.cpu_count(), "results": rows, "processes": measured,
+        "cpus": os.cpu_count(), "exchange": exchange, "results": rows, "processes": measured,
     })
     console.print(f"wrote {arguments.out / 'ranks.json'}", soft_wrap=True, markup=False)
     return 0
