@@ -878,6 +878,10 @@ def test_bench_ranks_smoke(tmp_path):
         assert row["exchange"] == "shared_memory"
         assert row["total_us"] > 0 and row["single_us"] > 0 and row["copy_us"] > 0 and row["communicate_us"] == 0
     assert all(rank["layer"].endswith("exchange='shared_memory')") for rank in payload["processes"]["ranks"])
+    from fastembed.benchmark import ranks
+
+    threads = os.environ.get("NUMBA_NUM_THREADS", str(ranks.rank_threads(2)))  # each rank its share of the cores
+    assert [rank["numba_threads"] for rank in payload["processes"]["ranks"]] == [threads, threads]
     assert [rank["rows"] for rank in payload["processes"]["ranks"]] == [[0, 25], [25, 50]]
     assert all(rank["held_bytes"] == 25 * row_bytes for rank in payload["processes"]["ranks"])
     for process in [*payload["processes"]["ranks"], payload["processes"]["single"]]:

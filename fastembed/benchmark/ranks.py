@@ -5,7 +5,9 @@ as a temporary .npy file). N ranks (torch.multiprocessing, a gloo group over
 a file:// rendezvous) each build
 ``fastembed.distributed.VocabParallelEmbedding(path)``, which maps only that
 rank's rows; the ranks share this host, so the layer picks its shared-memory
-exchange (``exchange="auto"``), and the report says which one each call used. Then one fresh process maps the whole file with
+exchange (``exchange="auto"``), and the report says which one each call used.
+Each rank runs fastembed's parallel kernels on its share of the cores
+(``NUMBA_NUM_THREADS``, unless set: cores // N); the single process on all. Then one fresh process maps the whole file with
 ``Embedding.from_pretrained`` and makes the same lookups. Every process draws
 the same uniform ids from the same seed; per batch it makes one warm-up call
 per mode, waits for background compiles, then times ``reps`` calls per mode,
@@ -96,6 +98,9 @@ def run(table_path: Path, ranks: int, batches: list[int], reps: int, seed: int =
 def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | None, batches: list[int], reps: int,
                 seed: int, folder: str) -> None:
     """One rank (run by torch.multiprocessing): its samples into ``folder/rank{rank}.json``."""
+    # The ranks share this machine's cores: each runs numba's parallel kernels on its share (unless told otherwise),
+    # since a kernel whose threads outnumber the cores waits a scheduler time slice for the one descheduled.
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(rank_threads(world)))
     import torch.distributed as dist
 
     import fastembed
@@ -109,12 +114,19 @@ def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | N
         samples, payloads, exchanges = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps,
                                                 seed, fastembed.wait_for_compiles, lambda: emb.last_timings)
         report = {"rank": rank, "layer": repr(emb), "exchange": emb.exchange, "exchanges": exchanges,
+                  "numba_threads": os.environ["NUMBA_NUM_THREADS"],
                   "rows": [emb.vocab_start, emb.vocab_end], "held_bytes": int(emb.shard.nbytes),
                   "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(), "memory_before": before,
                   "memory_after": memory(table_path), "samples": samples, "payload_bytes": payloads}
         Path(folder, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
+
+
+def rank_threads(world: int) -> int:
+    """Threads for one of `world` ranks on this machine: its share of the cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // world)
 
 
 def single_worker(_index: int, table_path: str, name: str | None, batches: list[int], reps: int, seed: int,
@@ -257,7 +269,8 @@ def print_report(rows: list[dict[str, Any]], measured: dict[str, Any], console: 
          _time(row["communicate_us"]), _time(row["copy_us"]), _bytes(row["payload_bytes"]), _bytes(row["sent_bytes"]))
         for row in rows]))
     for rank in measured["ranks"]:
-        console.print(f"rank {rank['rank']}: {rank['layer']}", markup=False)
+        console.print(f"rank {rank['rank']}: {rank['layer']}, NUMBA_NUM_THREADS={rank['numba_threads']}",
+                      markup=False)
     for rank in measured["ranks"]:
         console.print(f"rank {rank['rank']}: rows {rank['rows'][0]}..{rank['rows'][1]}, holds "
                       f"{_bytes(rank['held_bytes'])}; {_rss(rank)}", markup=False)
