@@ -498,8 +498,7 @@ def _fp8_e4m3_body(builder, args, put):
 def _fp8_e4m3_widened_body(builder, args, put):
     # as _fp8_e4m3_body, through float16 and the F16C widening: the sign to bit 15 and the 7 magnitude bits
     # under float16's exponent (subnormals become float16 subnormals) give value / 2**8 exactly; NaN codes
-    # become float16's quiet NaN of their sign, which widens to ml_dtypes' float32 NaN. `scale` is the row's
-    # scale times 2**8: (value / 2**8) * (scale * 2**8) rounds the same exact product once, as value * scale does
+    # become float16's quiet NaN of their sign, which widens to ml_dtypes' float32 NaN
     destination, source, scale = args
 
     def c(value):
@@ -511,6 +510,7 @@ def _fp8_e4m3_widened_body(builder, args, put):
     nan = builder.icmp_unsigned("==", builder.and_(b, c(0x7F)), c(0x7F))
     bits = builder.select(nan, builder.or_(builder.and_(bits, c(0x8000)), c(0x7E00)), bits)
     value = builder.fpext(builder.bitcast(bits, _vector(ir.HalfType(), 32)), _vector(_F32, 32))
+    value = builder.fmul(value, _constant(_F32, 32, 256.0))
     put(builder, destination, 0, builder.fmul(value, _splat(builder, scale, 32)))
 
 
@@ -567,6 +567,8 @@ def _fp8_e4m3_32_widened(typingctx, halves, destination, source, scale):
     return _block(halves, _fp8_e4m3_widened_body, _f32)
 
 
+#: 32 float8_e4m3fn values: through the F16C widening where numba compiles for it (fewer instructions).
+_fp8_e4m3_32 = _fp8_e4m3_32_widened if HARDWARE_FLOAT16 else _fp8_e4m3_32_bits
 
 
 # -- float32 vectors to float16 or bfloat16 -----------------------------------------------------------
@@ -742,21 +744,13 @@ def _q6_k(source, destination, halves):
 
 @njit(**_JIT)
 def _fp8_e4m3(source, count, scale, destination, halves):
-    # one float8_e4m3fn per value; value * the row's scale. Through the F16C widening where numba compiles for
-    # it (fewer instructions), unless the scale times 2**8 overflows (the widened values are value / 2**8)
+    # one float8_e4m3fn per value; value * the row's scale
     whole = count - count % 32
-    scaled = scale * np.float32(256.0)
-    widened = HARDWARE_FLOAT16 and (np.isfinite(scaled) or not np.isfinite(scale))
     for j in range(0, whole, 32):
-        if widened:
-            if halves:
-                _fp8_e4m3_32_widened(True, destination + 2 * j, source + j, scaled)
-            else:
-                _fp8_e4m3_32_widened(False, destination + 4 * j, source + j, scaled)
-        elif halves:
-            _fp8_e4m3_32_bits(True, destination + 2 * j, source + j, scale)
+        if halves:
+            _fp8_e4m3_32(True, destination + 2 * j, source + j, scale)
         else:
-            _fp8_e4m3_32_bits(False, destination + 4 * j, source + j, scale)
+            _fp8_e4m3_32(False, destination + 4 * j, source + j, scale)
     for j in range(whole, count):
         value = fp8_e4m3_value(_byte(source + j)) * scale
         if halves:
