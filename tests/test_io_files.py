@@ -95,18 +95,22 @@ OTHER_FORMATS = [
     (_onnx, "model.onnx", r"ONNX model.*from_safetensors.*onnx\.load"),
     (_junk_bin, "pytorch_model.bin", r"named like a PyTorch checkpoint \(\.bin\).*neither a torch\.save zip archive nor a pickle"),
 ]
+#: ... and PyTorch checkpoints, text and .npz archives: what every loader names the same way.
+NOT_TENSOR_FILES = [
+    *OTHER_FORMATS,
+    (_torch_zip, "pytorch_model.bin", r"PyTorch checkpoint.*never unpickles.*safetensors\.torch import save_file"),
+    (_legacy_torch_pickle, "model.pt", r"pickle.*PyTorch.*safetensors\.torch import save_file"),
+    (_text, "model.safetensors", "text file"),
+    (_npz, "table.npz", r"\.npz archive.*'table\.npy'"),
+]
 
 
 @pytest.mark.parametrize(
     "writer, file_name, words",
     [
-        *OTHER_FORMATS,
-        (_torch_zip, "pytorch_model.bin", r"PyTorch checkpoint.*never unpickles.*safetensors\.torch import save_file"),
-        (_legacy_torch_pickle, "model.pt", r"pickle.*PyTorch.*safetensors\.torch import save_file"),
+        *NOT_TENSOR_FILES,
         (_gguf, "model.gguf", "GGUF file"),
         (_index, "model.safetensors.index.json", "sharded checkpoint's index.*open_table"),
-        (_text, "model.safetensors", "text file"),
-        (_npz, "table.npz", r"\.npz archive.*'table\.npy'"),
     ],
 )
 @pytest.mark.parametrize("loader", ["safetensors", "npy"])
@@ -121,12 +125,8 @@ def test_other_formats_are_named(tmp_path, writer, file_name, words, loader):
 @pytest.mark.parametrize(
     "writer, file_name, words",
     [
-        *OTHER_FORMATS,
-        (_torch_zip, "pytorch_model.bin", r"PyTorch checkpoint.*never unpickles.*safetensors\.torch import save_file"),
-        (_legacy_torch_pickle, "model.pt", r"pickle.*PyTorch.*safetensors\.torch import save_file"),
-        (_text, "model.safetensors", "text file"),
+        *NOT_TENSOR_FILES,
         (_text, "notes.txt", "text file"),
-        (_npz, "table.npz", r"\.npz archive.*'table\.npy'"),
         (_random, "model.safetensors", r"not a safetensors file: its first 8 bytes \(([0-9a-f]{2} ){7}[0-9a-f]{2}\) "
                                       r"are not a header length.*beyond the file's 4096 bytes.*from_npy"),
         (_random, "weights.dat", r"its first 8 bytes .* are not a header length"),
