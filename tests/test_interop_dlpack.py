@@ -131,6 +131,19 @@ def test_what_numpy_cannot_take_is_a_type_error():
         fastembed.lookup(BadDevice(np.ones((4, 2))), [1])
 
 
+@pytest.mark.parametrize("raised", [AttributeError("no buffer"), KeyError("stream"), OSError("device lost")])
+def test_an_error_inside_the_producers_export_is_a_type_error(raised):
+    class Failing(Producer):
+        def __dlpack__(self, **kwargs):
+            raise raised
+
+    for place in ("table", "ids", "out"):
+        arrays = {"table": np.ones((4, 2)), "ids": np.array([1]), "out": np.empty((1, 2))}
+        arrays[place] = Failing(arrays[place])
+        with pytest.raises(TypeError, match="cannot be seen as a numpy array through DLPack"):
+            fastembed.lookup(arrays["table"], arrays["ids"], out=arrays["out"])
+
+
 def test_classes_and_half_producers_are_not_arrays():
     for thing in (np.ndarray, Producer, type("OnlyDlpack", (), {"__dlpack__": lambda self: None})()):
         with pytest.raises(TypeError, match="table must be a numpy array.*exporting DLPack"):
