@@ -400,6 +400,9 @@ class VocabParallelEmbedding:
             TypeError: ids that are not integers, a dtype the table cannot give
                 (int8 from a quantized table); raised on every rank.
             CommunicationError: a rank died or did not call within `timeout`.
+            OSError, MemoryError: with ``exchange="shared_memory"``, the shared-memory
+                segment a batch needs cannot be made or mapped (a full ``/dev/shm``, say);
+                raised on every rank, and the group stays usable.
         """
         if self._broken is not None:
             raise CommunicationError(self._broken)
@@ -690,8 +693,9 @@ class VocabParallelEmbedding:
             if stage == "mapping":
                 self.exchange = "all_reduce"
                 self._close_segment()
+            which = f"calls of {buffer_bytes} bytes or more" if stage == "making" else "every call of this layer"
             warnings.warn(f"VocabParallelEmbedding: no shared-memory segment of {2 * buffer_bytes} bytes ({shared}); "
-                          f"calls of {buffer_bytes} bytes or more use the all-reduce", RuntimeWarning, stacklevel=4)
+                          f"{which} use the all-reduce", RuntimeWarning, stacklevel=4)
             return False
         finally:
             _unlink_quietly(path)  # every rank has mapped it, or the ranks gave up on it
