@@ -113,7 +113,7 @@ def test_special_float16_scales_round_like_the_reference(name):
 def test_fp8_special_bytes_and_row_scales_round_like_the_reference():
     """Every float8_e4m3fn byte (NaN codes included) by finite scales; non-finite, zero and subnormal row scales.
 
-    Scales on either side of float32's largest / 2**8, where the widened vectors switch to the integer-bit code.
+    Scales on either side of float32's largest / 2**8, where a scale multiplied by 2**8 would overflow.
     """
     dim = 300  # 256 + 32 vector lanes, then 12 scalar values: every byte goes through both
     data = ((np.arange(64 * dim) % 256).astype(np.uint8)).reshape(64, dim)

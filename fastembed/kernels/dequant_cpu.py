@@ -308,6 +308,10 @@ def _put_halves_streamed(builder, destination, first, value):
 def _block(halves, body, *scalars):
     """Signature and codegen of a block intrinsic ``(halves, destination, source, *scalars)``.
 
+    ``source`` is the address of the block's bytes the body reads first (its
+    quants, or the whole block where the body also reads the scales);
+    ``scalars`` are the addresses and words it needs besides.
+
     ``halves`` is a literal: False puts the values into a float32 buffer,
     True rounds them to float16 and streams them into the output (16-byte
     aligned there), skipping the buffer.
@@ -510,7 +514,7 @@ def _fp8_e4m3_widened_body(builder, args, put):
     nan = builder.icmp_unsigned("==", builder.and_(b, c(0x7F)), c(0x7F))
     bits = builder.select(nan, builder.or_(builder.and_(bits, c(0x8000)), c(0x7E00)), bits)
     value = builder.fpext(builder.bitcast(bits, _vector(ir.HalfType(), 32)), _vector(_F32, 32))
-    value = builder.fmul(value, _constant(_F32, 32, 256.0))
+    value = builder.fmul(value, _constant(_F32, 32, 256.0))  # exact: |value| <= 448, no subnormal float32 here
     put(builder, destination, 0, builder.fmul(value, _splat(builder, scale, 32)))
 
 
