@@ -81,7 +81,7 @@ FAMILIES = {
          **{f"model.layers.0.block_sparse_moe.experts.{e}.w{w}.weight": _t(2 * DIM, DIM) for e in range(4) for w in (1, 3)},
          "model.layers.1.block_sparse_moe.experts.0.w2.weight": _t(DIM, 2 * DIM)},
         "model.embed_tokens.weight", {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "mixtral"}),
-    # The multi-token-prediction layer (layer 61 of DeepSeek-V3, 46 of GLM-4.5) holds its own embed_tokens of the
+    # The multi-token-prediction layer (layer 61 of DeepSeek-V3, 46 of GLM-4.5-Air) holds its own embed_tokens of the
     # table's shape: a per-layer copy, which never competes with model.embed_tokens.weight.
     "deepseek-v3": (
         {"model.embed_tokens.weight": _t(VOCAB, DIM, 2), "lm_head.weight": _t(VOCAB, DIM, 3),
@@ -92,7 +92,7 @@ FAMILIES = {
          "model.layers.61.eh_proj.weight": _t(DIM, 2 * DIM), "model.layers.61.enorm.weight": _t(DIM)},
         "model.embed_tokens.weight",
         {"vocab_size": VOCAB, "hidden_size": DIM, "model_type": "deepseek_v3", "num_nextn_predict_layers": 1}),
-    "glm-4.5": (
+    "glm-4.5-air": (
         {"model.embed_tokens.weight": _t(VOCAB, DIM, 2), "lm_head.weight": _t(VOCAB, DIM, 3),
          "model.layers.1.mlp.experts.7.up_proj.weight": _t(2 * DIM, DIM),
          "model.layers.46.embed_tokens.weight": _t(VOCAB, DIM, 4), "model.layers.46.shared_head.head.weight": _t(VOCAB, DIM, 5),

@@ -29,8 +29,7 @@ Validation asks :meth:`TorchAdapter.writable` of a host ``out``: the first
 and last byte of its memory are written back with their own values by the
 kernel (``os.readv`` from a pipe the byte was just written to), which fails
 with EFAULT, an OSError, on memory the process cannot write, and changes
-nothing on memory it can: two system calls (about a microsecond where
-they are cheap).
+nothing on memory it can: two system calls per lookup into a torch ``out``.
 """
 from __future__ import annotations
 
