@@ -72,7 +72,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         return _converting_lookup(table_view, ids, out, dtype, backend, table)
     ids_view = validate.ids_snapshot(ids, table_view)
     if out is None:
-        if type(table) is _NDARRAY:
+        if isinstance(table, _NDARRAY):  # a numpy table's result is a plain numpy array, an np.memmap's too
             return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
         return _wrapped_lookup(table_view, ids_view, backend, table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
@@ -111,7 +111,7 @@ def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend:
             result = gather_cast(chosen, table_view, ids_view, out_view, target)
         if out is not None:
             return out
-        return result if type(rows) is _NDARRAY else result_like(result, rows)
+        return result if isinstance(rows, _NDARRAY) else result_like(result, rows)
 
 
 class Embedding:
@@ -139,7 +139,7 @@ class Embedding:
         self._view = validate.table_snapshot(table)
         self._table = table
         self._rows = validate.storage(table)  # what results are wrapped like: read once, as the view was
-        self._numpy = type(table) is _NDARRAY  # results of other tables are wrapped back (a torch tensor)
+        self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:

@@ -62,8 +62,8 @@ def table_snapshot(table: Any) -> Any:
             refused rather than silently copied: the copy would be the size
             of the whole table.
     """
-    if type(table) is _NDARRAY:
-        view = table.view()
+    if isinstance(table, _NDARRAY):  # np.memmap (every mapped checkpoint) and other subclasses too
+        view = table.view() if type(table) is _NDARRAY else table.view(_NDARRAY)
         if view.ndim == 2 and view.flags.c_contiguous and not view.dtype.hasobject and view.dtype.itemsize:
             return view  # the common case, kept cheap: every check below passes
     elif type(table) is QuantizedTable:

@@ -26,6 +26,28 @@ def test_matches_numpy_for_every_dtype_and_width(backend, dtype, width):
     assert_bit_equal(fastembed.lookup(table, ids, backend=backend), table[ids])
 
 
+class _Subclass(np.ndarray):
+    """A numpy subclass of no special meaning."""
+
+
+@pytest.mark.parametrize("make", ["memmap", "subclass"])
+def test_numpy_subclass_tables_give_plain_numpy_rows_from_their_memory(backend, make, tmp_path):
+    """np.memmap (every mapped checkpoint) and other subclasses: the rows of their memory, as a plain ndarray."""
+    values = random_table(120, 6)
+    if make == "memmap":
+        np.save(tmp_path / "t.npy", values)
+        table = np.load(tmp_path / "t.npy", mmap_mode="r")
+    else:
+        table = values.view(_Subclass)
+    ids = np.random.default_rng(3).integers(0, 120, (2, 5))
+    for result in (fastembed.lookup(table, ids, backend=backend), fastembed.Embedding(table)(ids, backend=backend)):
+        assert type(result) is np.ndarray and result.shape == (2, 5, 6)
+        assert_bit_equal(result, values[ids])
+    out = poisoned((2, 5, 6), values.dtype)
+    assert fastembed.lookup(table, ids, out=out, backend=backend) is out
+    assert_bit_equal(out, values[ids])
+
+
 @pytest.mark.parametrize("id_dtype", ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", ">i4"])
 def test_every_integer_id_dtype(backend, id_dtype):
     table = random_table(200, 12)
