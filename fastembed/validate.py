@@ -62,9 +62,10 @@ def table_snapshot(table: Any) -> Any:
             refused rather than silently copied: the copy would be the size
             of the whole table.
     """
-    if isinstance(table, _NDARRAY):  # np.memmap (every mapped checkpoint) and other subclasses too
+    if type(table) is _NDARRAY or isinstance(table, _NDARRAY):  # np.memmap (every mapped checkpoint) too
         view = table.view() if type(table) is _NDARRAY else table.view(_NDARRAY)
-        if view.ndim == 2 and view.flags.c_contiguous and not view.dtype.hasobject and view.dtype.itemsize:
+        dtype = view.dtype
+        if view.ndim == 2 and view.flags.c_contiguous and dtype.itemsize and not dtype.hasobject:
             return view  # the common case, kept cheap: every check below passes
     elif type(table) is QuantizedTable:
         return _quantized_snapshot(table)
