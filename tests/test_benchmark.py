@@ -186,7 +186,8 @@ def test_gate_ratio_checks_fail_a_slowed_kernel():
 
     It takes the real contender's id, so the gate's own checks judge it. The
     margins are enormous: its ratios come out at a few hundredths where the
-    thresholds ask for 0.65 to 2. A second slowed copy shows that the same
+    thresholds ask for 0.75 to 2 (against the scattered read of its rows,
+    numpy's backend and numpy's indexing). A second slowed copy shows that the same
     check passes when both sides do the same (a ratio of 1 give or take a
     stall of a few milliseconds in 200).
     """
@@ -198,7 +199,8 @@ def test_gate_ratio_checks_fail_a_slowed_kernel():
     limits = [c for c in by_id.values() if c.kind == "limit"]
     contenders = [_slowed(by_id["fastembed-auto-out"]), by_id["fastembed-numpy-out"], by_id["numpy-fancy"], *limits]
     checks = [c for c in gate.load_checks()[0] if c.contender == "fastembed-auto-out" and c.metric != "served_by"]
-    assert {c.metric for c in checks} == {"fraction_of_limit", "speedup_vs_contender", "speedup_vs_numpy"}
+    assert {c.metric for c in checks} == {"speedup_vs_contender", "speedup_vs_numpy"}
+    assert {c.versus for c in checks} >= {"read-scattered", "fastembed-numpy-out"}
     assert min(c.batch for c in checks) * 512 >= 4 * 2**20  # one call per sample: a few sleeps in all
     for batch in sorted({c.batch for c in checks}):
         rows = _measure(table, contenders, batch)
