@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import adapter_of, device_of
+from .arrays import adapter_of, device_of, numpy_adapter
 from .backends.base import NATIVE_ID_DTYPES
 from .formats import OUTPUT_DTYPES, QuantizedTable
 from .tables import resolve_dtype
@@ -63,7 +63,7 @@ def table_snapshot(table: Any) -> Any:
             of the whole table.
     """
     if type(table) is _NDARRAY or isinstance(table, _NDARRAY):  # np.memmap (every mapped checkpoint) too
-        view = table.view() if type(table) is _NDARRAY else table.view(_NDARRAY)
+        view = table.view() if type(table) is _NDARRAY else numpy_adapter.ADAPTER.snapshot(table)
         dtype = view.dtype
         if view.ndim == 2 and view.flags.c_contiguous and dtype.itemsize and not dtype.hasobject:
             return view  # the common case, kept cheap: every check below passes
