@@ -64,6 +64,7 @@ import numpy as np
 from .. import validate
 from ..formats import FORMATS, QuantizedTable
 from . import background_compile, numpy_backend, output_cache
+from .numpy_backend import take_into, take_new
 from .base import DENSE, Capabilities
 
 #: Outputs smaller than this are gathered by numpy's take on the calling
@@ -230,7 +231,7 @@ class NumbaBackend:
         if n * table.strides[0] < PARALLEL_MIN_BYTES or self._import_error is not None:
             # Small: numpy's take on this thread (the serial kernel is no faster). Or numba failed to load,
             # which unavailable_reasons() reports.
-            return numpy_backend.take_new(table, ids) if out is None else numpy_backend.take_into(table, ids, out)
+            return take_new(table, ids) if out is None else take_into(table, ids, out)
         table_words, word = kernel_table(table)
         flat_ids = kernel_ids(ids)
         given_words = None if out is None else _row_words(out, n, word)
