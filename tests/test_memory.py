@@ -123,3 +123,24 @@ def test_an_unaligned_table_is_never_copied(unaligned_table, table, backend, n_i
     np.testing.assert_array_equal(result.view(np.uint16), table[ids].view(np.uint16))
     output = 0 if with_out else n_ids * table.shape[1] * table.dtype.itemsize
     assert allocated(call) <= output + ids.nbytes + SLACK
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+@pytest.mark.parametrize("n_ids", [2, 300])
+def test_unaligned_row_scales_are_never_copied(backend, n_ids):
+    """fp8 row scales at an odd byte (a file may place them so): read in place, not aligned by a copy of them all."""
+    from fastembed.formats import QuantizedTable
+    from fastembed.tables import random_quantized_table
+
+    source = random_quantized_table("fp8_e4m3", 200_000, 32)
+    buffer = np.empty(source.scales.nbytes + 1, np.uint8)
+    scales = buffer[1:].view(np.float32)
+    scales[...] = source.scales
+    assert not scales.flags.aligned
+    table = QuantizedTable(source.data, "fp8_e4m3", 32, scales)
+    ids = np.random.default_rng(n_ids).integers(0, 200_000, n_ids)
+    fastembed.lookup(table, ids, backend=backend)
+    fastembed.wait_for_compiles()
+    call = lambda: fastembed.lookup(table, ids, backend=backend)  # noqa: E731
+    np.testing.assert_array_equal(call(), fastembed.lookup(source, ids, backend="numpy"))
+    assert allocated(call) < scales.nbytes // 2  # the result and the reference's per-step temporaries, no copy

@@ -338,7 +338,7 @@ class NumbaBackend:
         kernels = self._dequantize_kernels
         fmt = table.format
         data = _read_only(table.data)
-        scales = _read_only(table.scales if fmt.row_scale else _NO_SCALES)
+        scales = _read_only(table.scales.view(np.uint8) if fmt.row_scale else _NO_SCALES)  # bytes: any alignment
         mode = kernels.BFLOAT16 if dtype.itemsize == 2 and dtype != np.float16 else kernels.FLOAT16
         stream = rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and self._kernels.can_stream(rows)
         arguments = (kernels.FORMAT_CODES[fmt.name], data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD)
@@ -502,7 +502,7 @@ def kernel_table(table: np.ndarray) -> tuple[np.ndarray, np.dtype]:
 
 
 #: The scales argument of a format without row scales.
-_NO_SCALES = np.empty(0, np.float32)
+_NO_SCALES = np.empty(0, np.uint8)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

@@ -113,6 +113,16 @@ def take_new(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
         raise
 
 
+def take_scales(scales: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``scales[ids]`` (float32 row scales, ids in range), through their bytes where the scales are unaligned.
+
+    ``take`` would first copy all the scales to align them.
+    """
+    if scales.flags.aligned:
+        return scales.take(ids, mode="clip")
+    return scales.view(_BYTE).reshape(-1, 4).take(ids, axis=0, mode="clip").view(scales.dtype).reshape(ids.shape)
+
+
 def dequantize_into(table: QuantizedTable, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Write the dequantized rows ``table[ids]`` into `out` (its dtype: float32, float16 or bfloat16); return `out`.
 
@@ -128,7 +138,7 @@ def dequantize_into(table: QuantizedTable, ids: np.ndarray, out: np.ndarray) -> 
     for start in range(0, flat_ids.size, _DEQUANTIZE_ROWS_PER_STEP):
         chosen = flat_ids[start : start + _DEQUANTIZE_ROWS_PER_STEP]
         data = table.data.take(chosen, axis=0, mode="clip")
-        scales = None if table.scales is None else table.scales.take(chosen, mode="clip")
+        scales = None if table.scales is None else take_scales(table.scales, chosen)
         rows_out[start : start + chosen.size] = dequantize_rows(data, scales, table.format, table.dim)
     return out
 

@@ -8,8 +8,9 @@ Contract shared by the two kernels, :func:`dequantize_serial` and
 - ``fmt`` is the format's code, :data:`FORMAT_CODES` (a run-time argument:
   one compile serves every format);
 - ``data`` is the table's rows as ``(vocab_size, row_bytes)`` uint8, C-contiguous;
-- ``scales`` is the ``(vocab_size,)`` float32 row scales of a ``row_scale``
-  format (fp8_e4m3), else an empty float32 array;
+- ``scales`` is the bytes of the ``(vocab_size,)`` float32 row scales of a
+  ``row_scale`` format (fp8_e4m3) as ``(4 * vocab_size,)`` uint8, at any
+  address (a file may place them at an odd byte), else an empty uint8 array;
 - ``ids`` is 1-D int32 or int64;
 - ``out`` is ``(ids.size, dim)``, C-contiguous: float32, or uint16 holding
   the bits of float16 or bfloat16 values as ``mode`` says (:data:`FLOAT16`,
@@ -114,6 +115,15 @@ def _word(typingctx, address):
 def _load_f32(typingctx, address):
     def codegen(context, builder, signature, args):
         return builder.load(_pointer(builder, args[0], _F32), align=4)
+
+    return types.float32(_ADDRESS), codegen
+
+
+@intrinsic
+def _load_f32_anywhere(typingctx, address):
+    """The float32 at `address`, at any alignment."""
+    def codegen(context, builder, signature, args):
+        return builder.load(_pointer(builder, args[0], _F32), align=1)
 
     return types.float32(_ADDRESS), codegen
 
@@ -886,7 +896,7 @@ def widen_halves(halves, out):
 @njit(**_JIT)
 def _vocab_size(fmt, data, scales):
     """Rows that may be read: of `data`, and of `scales` for a row-scale format."""
-    return min(data.shape[0], scales.shape[0]) if fmt == FP8_E4M3 else data.shape[0]
+    return min(data.shape[0], scales.shape[0] // 4) if fmt == FP8_E4M3 else data.shape[0]
 
 
 @njit(**_JIT)
@@ -902,6 +912,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     word = out.itemsize
     row_bytes = data.shape[1]
     rows = np.intp(data.ctypes.data)
+    scale_bytes = np.intp(scales.ctypes.data)
     destination = np.intp(out.ctypes.data)
     buf = np.intp(_stack_floats(CHUNK))
     halves = stream and word == 2 and mode == FLOAT16  # streamed float16: the blocks write the output themselves
@@ -913,7 +924,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
             continue
         source = rows + np.intp(row) * row_bytes
         ahead = rows + np.intp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
-        scale = scales[row] if fmt == FP8_E4M3 else np.float32(1)
+        scale = _load_f32_anywhere(scale_bytes + 4 * np.intp(row)) if fmt == FP8_E4M3 else np.float32(1)
         for first in range(0, dim, CHUNK):
             count = min(CHUNK, dim - first)
             begin, end = first * row_bytes // dim, (first + count) * row_bytes // dim
