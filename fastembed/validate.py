@@ -46,7 +46,7 @@ import numpy as np
 
 from .arrays import adapter_of, device_of, numpy_adapter
 from .backends.base import NATIVE_ID_DTYPES
-from .formats import OUTPUT_DTYPES, QuantizedTable
+from .formats import FORMATS, OUTPUT_DTYPES, QuantizedTable
 from .tables import resolve_dtype
 
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)  # numpy's builtin dtypes are singletons
@@ -176,9 +176,16 @@ def check_quantized(table: Any) -> None:
             is not float32, or is on another device than `data`.
         ValueError: `data` is not 2-D and C-contiguous, its rows are not
             ``format.row_bytes(dim)`` bytes, or the scales are missing, extra
-            or not one per row.
+            or not one per row; a format of its own under the name of one of
+            fastembed's (the backends' kernels go by the name).
     """
     fmt, data, scales = table.format, table.data, table.scales
+    known = FORMATS.get(fmt.name)
+    if known is not None and (fmt != known or fmt.dequantize_blocks is not known.dequantize_blocks):
+        raise ValueError(
+            f"a format named {fmt.name!r} must be fastembed's own {fmt.name} layout ({known}); "
+            "give a format of your own a name of its own"
+        )
     adapter = adapter_of(data)
     if adapter is not None:
         data = adapter.snapshot(data)  # a torch or JAX host array: a numpy view, as the gather will see it

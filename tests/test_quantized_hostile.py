@@ -112,6 +112,35 @@ def test_save_and_from_gguf_refuse_a_tensor_name_that_is_not_a_string(tmp_path, 
     assert sorted(path.name for path in tmp_path.iterdir()) == ["t.gguf", "t.safetensors"]
 
 
+@pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])
+def test_save_writes_no_file_its_loaders_would_refuse(tmp_path, suffix):
+    """A name over the loaders' limit fits both formats but not fastembed's loaders: ValueError, and nothing written."""
+    dense = fastembed.Embedding(q8_table()[1])
+    for emb in (dense, dense.quantize("q8_0")):
+        with pytest.raises(ValueError, match="not written, fastembed's loaders would refuse the file: .*5000"):
+            emb.save(tmp_path / f"t{suffix}", name="x" * 5000)
+        assert list(tmp_path.iterdir()) == []
+        emb.save(tmp_path / f"t{suffix}", name="x" * 100)
+        assert fastembed.Embedding.from_pretrained(tmp_path / f"t{suffix}", name="x" * 100).nbytes == emb.nbytes
+        (tmp_path / f"t{suffix}").unlink()
+
+
+def test_a_format_of_its_own_under_a_builtin_name_is_refused():
+    """The backends' kernels go by the format's name: a q6_k of other sizes would read and write past the arrays."""
+    from fastembed.formats import BlockFormat
+
+    fake = BlockFormat("q6_k", 256, 1, None, FORMATS["q6_k"].dequantize_blocks)
+    with pytest.raises(ValueError, match="fastembed's own q6_k layout"):
+        QuantizedTable(np.zeros((3, 1), np.uint8), fake, 256)
+    other_reference = BlockFormat("q8_0", 32, 34, 8, lambda blocks: np.zeros((len(blocks), 32), np.float32))
+    with pytest.raises(ValueError, match="fastembed's own q8_0 layout"):
+        QuantizedTable(np.zeros((3, 34), np.uint8), other_reference, 32)
+    table = QuantizedTable(np.zeros((3, 34), np.uint8), FORMATS["q8_0"], 32)
+    table.format = fake
+    with pytest.raises(ValueError, match="fastembed's own q6_k layout"):
+        fastembed.lookup(table, [0])
+
+
 @pytest.mark.parametrize("path", [3, None, 2.5], ids=repr)
 def test_loaders_refuse_a_path_that_is_not_a_path(path):
     for opener in (fastembed.Embedding.from_gguf, fastembed.Embedding.from_npy, fastembed.Embedding.from_safetensors):

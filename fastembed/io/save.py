@@ -58,7 +58,9 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
         ValueError: another suffix; an empty or non-2-D table; a dtype or format the
             chosen file cannot hold (GGUF: float32/float16/bfloat16 and the formats with
             a GGUF type; fp8_e4m3 goes to .safetensors; safetensors: the dtypes
-            :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back).
+            :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back);
+            a file the loaders would refuse (a name over their limit of 4,096 bytes, say):
+            nothing is written then.
         TypeError: a table that is not on the host; a `name` that is not a string.
         ImportError: ``.safetensors`` needs the safetensors package and it is missing.
 
@@ -80,6 +82,23 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
         _write_gguf(path, table, TOKEN_EMBEDDING if name is None else name)
     else:
         _write_safetensors(path, table, SAFETENSORS_NAME if name is None else name)
+
+
+def _check_readable(path: Any, temporary: str, name: str, suffix: str) -> None:
+    """Map the written `temporary` file as the loaders will map `path`; ValueError if they would refuse it.
+
+    The loaders bound what a header may hold (a tensor name's length, say), so
+    a table that fits the format can still make a file they refuse: it is
+    not put in place.
+    """
+    from .gguf import map_gguf
+    from .safetensors import map_safetensors
+
+    try:
+        (map_gguf if suffix == ".gguf" else map_safetensors)(temporary, name)
+    except ValueError as refused:
+        problem = str(refused).removeprefix(f"{temporary}: ")
+        raise ValueError(f"{path}: not written, fastembed's loaders would refuse the file: {problem}") from None
 
 
 def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
@@ -124,6 +143,7 @@ def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> Non
             for chunk in _row_chunks(rows):
                 handle.write(chunk)
             handle.write(b"\0" * (-data_bytes % DEFAULT_ALIGNMENT))
+        _check_readable(path, temporary, name, ".gguf")
 
     _replace(path, write)
 
@@ -166,7 +186,11 @@ def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str)
             raise ValueError(f"{path}: a safetensors file holds {', '.join(sorted(_SAFETENSORS_DENSE))} tables, "
                              f"not {table.dtype}")
         tensors = {name: np.ascontiguousarray(table)}
-    _replace(path, lambda temporary: save_file(tensors, temporary, metadata=metadata))
+    def write(temporary: str) -> None:
+        save_file(tensors, temporary, metadata=metadata)
+        _check_readable(path, temporary, name, ".safetensors")
+
+    _replace(path, write)
 
 
 def _replace(path: Any, write: Callable[[str], None]) -> None:
