@@ -212,7 +212,8 @@ def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.nd
 
     Formats: ``q8_0`` (ggml's quantizer, byte for byte: per block of 32,
     ``d = absmax / 127`` stored as float16, ``q = roundf(x / d)``) and
-    ``fp8_e4m3`` (per row, ``scale = absmax / 448`` as float32 and
+    ``fp8_e4m3`` (per row, ``scale = absmax / 448`` as float32, at least
+    float32's smallest normal 2**-126 for a row that is not all zeros, and
     ``x / scale`` rounded to the nearest float8_e4m3fn).
 
     Raises:
@@ -245,7 +246,10 @@ def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.nd
     if fmt.name == "fp8_e4m3":
         import ml_dtypes
 
-        scales = (np.abs(values).max(axis=1) / np.float32(448)).astype(_F32)
+        absmax = np.abs(values).max(axis=1)
+        # Below float32's smallest normal a scale loses bits, and x / scale could pass 448 (NaN in float8_e4m3fn).
+        scales = np.where(absmax == 0, _F32.type(0), np.maximum(absmax / np.float32(448), np.finfo(_F32).tiny))
+        scales = scales.astype(_F32)
         with np.errstate(divide="ignore", invalid="ignore"):
             scaled = np.where(scales[:, None] == 0, np.float32(0), values / scales[:, None])
         return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scales

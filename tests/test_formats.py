@@ -56,6 +56,20 @@ def test_fp8_e4m3_error_is_relative_with_a_subnormal_floor():
     assert_bit_equal(scales, (np.abs(rows).max(axis=1) / np.float32(448)).astype(np.float32))
 
 
+@pytest.mark.parametrize("exponent", [-150, -146, -140, -130, -127, -126, -120])
+def test_fp8_e4m3_rows_of_tiny_values_keep_the_bound_and_stay_finite(exponent):
+    """A row whose absmax / 448 is subnormal in float32 (or 0) gets the scale 2**-126: no NaN, the bound holds."""
+    rows = np.random.default_rng(5).uniform(-1, 1, (3, 32)).astype(np.float32) * np.float32(2.0 ** (exponent + 8))
+    rows[0, :2] = np.float32(2.0 ** exponent) * np.array([1.0, -0.75], np.float32)
+    rows[2] = 0
+    data, scales = quantize_rows(rows, FORMATS["fp8_e4m3"])
+    values = dequantize_rows(data, scales, FORMATS["fp8_e4m3"], 32)
+    assert np.isfinite(values).all()
+    assert (np.abs(values - rows) <= np.abs(rows) / 16 + scales[:, None] / 512).all()
+    assert scales[2] == 0 and (values[2] == 0).all()
+    assert (scales[:2] >= np.finfo(np.float32).tiny).all()
+
+
 def test_fp8_values_are_ml_dtypes_float8_e4m3fn():
     rows = np.random.default_rng(4).normal(0, 1, (4, 16)).astype(np.float32)
     data, scales = quantize_rows(rows, FORMATS["fp8_e4m3"])
