@@ -188,6 +188,35 @@ def test_a_fork_during_the_first_lookup_never_hangs_the_child(cache, delay, tmp_
     assert_child_ok(run_child(FORK_DURING_FIRST_LOOKUP.format(delay=delay), timeout=120, env=env))
 
 
+FORK_WHILE_THE_OUTPUT_CACHE_IS_LOCKED = """
+import os, threading, numpy as np, fastembed
+from fastembed.backends import output_cache
+table = fastembed.Embedding.random(4000, 1024).table
+ids = np.arange(3000) % 4000   # 6 MiB of output: from the output cache
+fastembed.lookup(table, ids); fastembed.wait_for_compiles()
+held, release = threading.Event(), threading.Event()
+def hold_the_lock():   # as a thread inside empty_cache() or a lookup's _take at the moment of the fork
+    with output_cache._lock:
+        held.set()
+        release.wait()
+holder = threading.Thread(target=hold_the_lock)
+holder.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if np.array_equal(fastembed.lookup(table, ids), table[ids]) else 3)
+release.set()
+holder.join()
+_, status = os.waitpid(pid, 0)
+print("ok" if os.waitstatus_to_exitcode(status) == 0 else f"child failed: {os.waitstatus_to_exitcode(status)}")
+"""
+
+
+@needs_numba
+def test_a_fork_while_another_thread_holds_the_output_cache_never_hangs_the_child():
+    assert_child_ok(run_child(FORK_WHILE_THE_OUTPUT_CACHE_IS_LOCKED, timeout=120))
+
+
 FORK_POOL_DURING_WARM_UP = """
 import multiprocessing, threading, numpy as np, fastembed
 from fastembed.backends import numba_backend

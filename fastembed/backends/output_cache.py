@@ -72,8 +72,11 @@ def limit() -> int:
     """The most bytes of free buffers kept.
 
     Raises:
-        ValueError: FASTEMBED_OUTPUT_CACHE_BYTES is set to something other than a byte count (every large
-            allocating lookup raises it until the setting is fixed or :func:`set_limit` is called).
+        ValueError: FASTEMBED_OUTPUT_CACHE_BYTES is set to something other than a byte count. Until the
+            setting is fixed or :func:`set_limit` is called, every allocating lookup of at least
+            :data:`MIN_BYTES` that takes its output from this cache raises it: those the numba backend
+            serves (a gather once its kernels are compiled, every dequantizing gather) and those on a
+            JAX table. The numpy backend, which serves while numba compiles, does not read the setting.
     """
     global _limit
     if _limit is None:
@@ -178,6 +181,17 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> n
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     start = -raw.ctypes.data % alignment
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _after_fork_in_child() -> None:
+    """A fork copies the lock as it was: held, if another thread held it then, by a thread the child lacks."""
+    global _lock, _free_bytes
+    _lock = threading.RLock()
+    _free_bytes = sum(buffer.size for buffer in _free)  # that thread may have been between its two updates
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def fault_in(out: Any) -> None:
