@@ -13,6 +13,9 @@ other case by using torch's own embedding (never a copy of the weight):
   ``torch.export``, ``torch.jit.trace``, ``torch.fx`` symbolic tracing), so
   the graph holds torch's operation, which runs on fake and traced tensors;
   this is not warned about;
+* under forward-mode AD (a weight with a tangent) and inside ``torch.func``
+  transforms (``vmap``, ``jvp``, ``grad``), which pass tensors of their own
+  that torch's operation knows how to carry; not warned about either;
 * when autograd needs a gradient (the weight requires grad and grad mode is
   on), so training keeps working;
 * when the weight or the ids are not on the CPU;
@@ -40,6 +43,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.autograd import forward_ad
 
 from .api import lookup
 
@@ -80,12 +84,22 @@ class Embedding(torch.nn.Embedding):
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or isinstance(input, torch.fx.Proxy):
             return super().forward(input)  # the graph must hold torch's operation, not a gather done now
         weight = self.weight
+        if _transformed(weight, input):
+            return super().forward(input)  # forward-mode AD or a torch.func transform: torch's operation carries them
         if (weight.requires_grad and torch.is_grad_enabled()) or weight.device.type != "cpu" or (
             isinstance(input, torch.Tensor) and input.device.type != "cpu"
         ) or not weight.is_contiguous() or not _viewable(weight):
             _say_fallback_once(weight, input)
             return super().forward(input)
         return lookup(weight, input)
+
+
+def _transformed(weight: torch.Tensor, input: Any) -> bool:
+    """Whether the weight carries a forward-mode tangent, or either tensor is wrapped by a torch.func transform (vmap, jvp, grad)."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if wrapped(weight) or (isinstance(input, torch.Tensor) and wrapped(input)):
+        return True
+    return forward_ad._current_level >= 0 and forward_ad.unpack_dual(weight).tangent is not None
 
 
 def _viewable(weight: torch.Tensor) -> bool:
@@ -100,7 +114,7 @@ def _viewable(weight: torch.Tensor) -> bool:
         except (TypeError, RuntimeError):
             viewable = False
         _VIEWABLE[weight.dtype] = viewable
-    return viewable and not (weight.is_complex() and (weight.is_conj() or weight.is_neg()))
+    return viewable and not (weight.is_conj() or weight.is_neg())
 
 
 def _say_fallback_once(weight: torch.Tensor, input: Any) -> None:

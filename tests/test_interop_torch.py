@@ -330,3 +330,19 @@ def test_a_writable_torch_out_passes_the_probe(backend):
     assert torch_adapter.ADAPTER.writable(np.from_dlpack(out))
     assert fastembed.lookup(table, [3, 4], out=out, backend=backend) is out
     assert_bit_equal(out, table[[3, 4]])
+
+
+@pytest.mark.parametrize("role", ["table", "out"])
+def test_a_lazily_negated_tensor_is_refused(role):
+    """The neg bit (conj().imag): read as it lies, the memory would give the other sign, so it is a TypeError."""
+    table = torch.arange(12.0).reshape(4, 3)
+    negated = table._neg_view()
+    assert torch.tensor([[1 + 2j]]).conj().imag.is_neg()
+    out = torch.full((1, 3), -1.0)._neg_view()
+    before = out.resolve_neg().clone()
+    with pytest.raises(TypeError, match="lazy negation view"):
+        if role == "table":
+            fastembed.lookup(negated, torch.tensor([1]))
+        else:
+            fastembed.lookup(table, torch.tensor([1]), out=out)
+    assert torch.equal(out.resolve_neg(), before)

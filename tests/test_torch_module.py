@@ -214,3 +214,29 @@ def test_inference_mode_and_int32_ids_are_served_by_fastembed():
     assert torch.equal(rows, torch.nn.functional.embedding(ids, weight))
     with torch.no_grad():
         assert torch.equal(layer(ids.to(torch.int64)), rows)
+
+
+def test_forward_mode_ad_and_torch_func_transforms_give_torchs_results():
+    """A frozen weight given a tangent, vmap and jvp: torch's operation carries them (fastembed cannot)."""
+    from torch.autograd import forward_ad
+    from torch.func import functional_call, jvp, vmap
+
+    weight, tangent, ids = torch.randn(10, 4), torch.randn(10, 4), torch.tensor([1, 3, 1])
+    for cls in (torch.nn.Embedding, Embedding):
+        layer = cls.from_pretrained(weight)
+        with forward_ad.dual_level():
+            rows = functional_call(layer, {"weight": forward_ad.make_dual(weight, tangent)}, (ids,))
+            assert torch.equal(forward_ad.unpack_dual(rows).tangent, tangent[ids])
+        batched = torch.tensor([[1, 2], [3, 4]])
+        assert torch.equal(vmap(layer)(batched), weight[batched])
+        _, pushed = jvp(lambda w: functional_call(layer, {"weight": w}, (ids,)), (weight,), (tangent,))  # noqa: B023
+        assert torch.equal(pushed, tangent[ids])
+
+
+def test_a_lazily_negated_weight_gives_torchs_values():
+    """torch's negation bit (conj().imag, _neg_view): the memory holds the other sign, so torch's embedding serves."""
+    base = torch.arange(12.0).reshape(4, 3)
+    negated = base._neg_view()
+    assert negated.is_neg()
+    with pytest.warns(UserWarning, match="lazy conjugate or negation"):
+        assert torch.equal(Embedding.from_pretrained(negated)(torch.tensor([1])), -base[[1]])

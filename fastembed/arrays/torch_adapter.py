@@ -85,10 +85,16 @@ class TorchAdapter:
         Raises:
             TypeError: a tensor on another kind of device, a dtype the view
                 cannot hold, a bfloat16 or float8 CPU tensor without ml_dtypes,
-                or a CUDA tensor without cupy installed.
+                a CUDA tensor without cupy installed, or a lazy negation or
+                conjugate view (its memory holds other values).
         """
         device = self.device(array)
         tensor = array.detach() if array.requires_grad else array  # no copy: lookup does not record autograd
+        if tensor.is_neg() or tensor.is_conj():
+            # Memory read as it lies would give the values without the lazy sign or conjugation.
+            raise TypeError(f"this torch tensor is a lazy {'negation' if tensor.is_neg() else 'conjugate'} view of "
+                            "memory holding other values (torch's neg or conj bit); fastembed reads memory as it "
+                            "lies: pass tensor.resolve_neg() / tensor.resolve_conj() (a copy) instead")
         if device != "cpu":
             if device.startswith("cuda:"):
                 return _cuda_view(tensor, _index(device))
