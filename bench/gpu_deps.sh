@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fetch, on a machine with network, the pure-Python packages that
 # bench/gpu_check.sh needs and a GPU machine may lack (pytest, rich and their
-# dependencies), into .gpu-deps/ (git-ignored). Carry that folder to the GPU
-# machine with the working tree; gpu_check.sh appends it to the end of
+# dependencies), into .gpu-deps/ (git-ignored). Copy that folder to the GPU
+# machine together with the checkout; gpu_check.sh appends it to the end of
 # sys.path, so packages installed there win and these only fill the gaps.
 #
 #   bash bench/gpu_deps.sh [python]      (default: python3)

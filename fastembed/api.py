@@ -117,7 +117,7 @@ def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend:
 class Embedding:
     """A callable embedding layer over a table it references, never copies.
 
-    ``emb(ids, out=None, backend="auto")`` is ``lookup(emb.table, ids, ...)``
+    ``emb(ids, out=None, backend="auto", *, dtype=None)`` is ``lookup(emb.table, ids, ...)``
     without re-validating the table on every call. The layer keeps its own
     view of the table, taken at construction: reassigning the caller's
     ``table.shape`` afterwards does not change the layer.

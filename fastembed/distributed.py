@@ -12,7 +12,7 @@ safetensors file fastembed saved) are split the same way, by rows of bytes
 full rows ``table[ids]``; ``emb(ids, mode="scatter")`` returns each rank its
 contiguous slice of the positions, for sequence-parallel callers.
 
-A call runs four steps on every rank:
+A call runs five steps on every rank (:class:`LookupTimings` times each):
 
 1. *prepare*: the ids are checked as :func:`fastembed.lookup` checks them
    (against the real vocabulary), copied once as int64 and fingerprinted
@@ -23,19 +23,26 @@ A call runs four steps on every rank:
 3. *agree*: one small all-gather of each rank's status and fingerprint. A
    rank's bad ids, or ids that differ between ranks, raise the same error on
    every rank here, before any data collective; the group stays usable;
-4. *exchange*, one of two (``exchange=``, chosen when the layer is built):
+4. *communicate*, by one of two exchanges (``exchange=``, chosen when the
+   layer is built):
 
    - ``"shared_memory"``, when every rank runs on one host (the default
      there): step 2 wrote each rank's rows into a buffer of a shared-memory
      segment all ranks map, and the agreement doubles as the barrier after
-     those writes; each rank then copies the rows it returns out of it;
+     those writes, so nothing is sent (unless the segment is too small for
+     the batch: the ranks then grow it together and write their rows into
+     it after the agreement, followed by a second barrier);
    - ``"all_reduce"``, otherwise: step 2 wrote zeros at every position the
      rank does not own, and an integer SUM all-reduce of the rows seen as
-     integers combines them in place (``scatter`` then keeps this rank's
-     positions). Each sum is ``x + 0 + ... + 0``: the owner's bits.
+     integers combines them in place. Each sum is ``x + 0 + ... + 0``: the
+     owner's bits.
 
    Both are exact for every dtype, -0.0 and NaN payloads included: no float
-   arithmetic touches a row.
+   arithmetic touches a row;
+5. *copy out*: with shared memory, the rows this rank returns are gathered
+   out of the segment's buffer into a new array; with the all-reduce,
+   ``"full"`` returns the reduced buffer itself and ``"scatter"`` copies
+   this rank's positions out of it.
 
 Every collective is waited for at most ``timeout`` seconds: a rank that dies
 or stops calling makes the others raise :class:`CommunicationError`.
@@ -117,7 +124,7 @@ class LookupTimings(NamedTuple):
     agree_s: float
     communicate_s: float
     payload_bytes: int
-    copy_s: float  # after payload_bytes, so that the fields of earlier releases keep their positions
+    copy_s: float
     exchange: str
 
 

@@ -5,8 +5,8 @@ the rows in one C call (:func:`take_new`; the numba backend uses it for its
 small allocating lookups too). With ``out``,
 ``np.take(table, ids, axis=0, out=out, mode="clip")`` copies one row per id
 straight into ``out``. ``mode="clip"`` matters: with ``mode="raise"`` and
-``out=``, numpy gathers into a temporary copy of ``out`` and copies it back
-(numpy/numpy#28636), an extra output-sized buffer. Clipping would hide bad
+``out=``, numpy (2.4) gathers into a temporary copy of ``out`` and copies it
+back, an extra output-sized buffer. Clipping would hide bad
 ids, so the range is checked first (min and max over the ids); clipping also
 keeps a concurrent change of the ids inside the table.
 

@@ -14,9 +14,10 @@ checkpoint costs a few KiB of memory per looked-up row.
   ``.safetensors`` file that the loaders map back byte for byte.
 * :class:`FileWatch`: notices that a mapped file shrank or changed.
 
-Missing files raise FileNotFoundError; every other unusable file (a directory,
-another format, a corrupt or hostile header) raises ValueError naming the file
-and the problem.
+Missing files raise FileNotFoundError; a BF16 or F8 tensor (safetensors) or a
+BF16 tensor (GGUF) raises TypeError naming the package when ml_dtypes is not
+installed; every other unusable file (a directory, another format, a corrupt
+or hostile header) raises ValueError naming the file and the problem.
 """
 from __future__ import annotations
 
