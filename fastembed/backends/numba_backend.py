@@ -64,8 +64,8 @@ import numpy as np
 from .. import validate
 from ..formats import FORMATS, QuantizedTable
 from . import background_compile, numpy_backend, output_cache
-from .numpy_backend import take_into, take_new
 from .base import DENSE, Capabilities
+from .numpy_backend import take_into, take_new
 
 #: Outputs smaller than this are gathered by numpy's take on the calling
 #: thread: waking a sleeping worker costs tens of microseconds, more than it
@@ -478,7 +478,7 @@ def _output_cache_fact() -> str:
     try:
         limit = output_cache.limit()
     except ValueError as error:
-        return f"ERROR: {error}; large allocating lookups raise until it is fixed"
+        return f"ERROR: {error}; large allocating lookups served by the numba backend raise until it is fixed"
     return (f"{output_cache.cached_bytes() / 2**20:.0f} MiB of outputs kept for reuse, limit {limit / 2**20:.0f} MiB "
             f"({output_cache.ENVIRONMENT_VARIABLE}; fastembed.empty_cache())")
 
