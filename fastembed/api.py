@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, validate
-from .arrays import aligned_result, call_context, device_of, result_like
+from .arrays import aligned_result, call_context, device_of, memory_guards, result_like
 from .formats import QuantizedTable
 
 _NDARRAY = np.ndarray
@@ -139,12 +139,21 @@ class Embedding:
         self._view = validate.table_snapshot(table)
         self._table = table
         self._rows = validate.storage(table)  # what results are wrapped like: read once, as the view was
+        # A torch table's memory can be freed under the view (resize_): checked before every call.
+        self._guards = memory_guards(self._rows, table.scales if type(table) is QuantizedTable else None)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:
-        """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors)."""
+        """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors).
+
+        Raises:
+            ValueError: also when the memory of a torch table was resized in
+                place (``resize_``) after the layer was built.
+        """
         table_view = self._view
+        for guard in self._guards:
+            guard.check()
         if dtype is not None or type(table_view) is not _NDARRAY:
             return _converting_lookup(table_view, ids, out, dtype, backend, self._rows)
         ids_view = validate.ids_snapshot(ids, table_view)

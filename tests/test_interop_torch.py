@@ -346,3 +346,18 @@ def test_a_lazily_negated_tensor_is_refused(role):
         else:
             fastembed.lookup(table, torch.tensor([1]), out=out)
     assert torch.equal(out.resolve_neg(), before)
+
+
+def test_an_embedding_keeps_a_torch_tables_memory_and_notices_a_resize():
+    """torch frees memory a DLPack view was taken of: a swapped .data keeps serving its rows, a resize_ is refused."""
+    weight = torch.nn.Parameter(torch.randn(40_000, 256), requires_grad=False)  # 40 MB: returned to the OS when freed
+    emb = fastembed.Embedding(weight)
+    rows = weight.data[[39_999, 3]].clone()
+    weight.data = torch.zeros(10, 256)  # the old storage's last owner is now the layer
+    assert torch.equal(emb(torch.tensor([39_999, 3])), rows)
+    for resize in (lambda t: t.resize_(80_000, 256), lambda t: t.untyped_storage().resize_(0)):
+        table = torch.randn(40_000, 256)
+        layer = fastembed.Embedding(table)
+        resize(table)
+        with pytest.raises(ValueError, match="storage was resized in place"):
+            layer(torch.tensor([1]))

@@ -31,7 +31,9 @@ class ArrayAdapter(Protocol):
     checks where a snapshot holds it as words of the same width. An adapter
     whose library cannot tell read-only memory (torch) provides
     ``writable(view)``, which validation asks of an ``out``'s snapshot before
-    the gather writes it.
+    the gather writes it. An adapter whose library frees or moves the
+    memory of an array that a view was taken of (torch: ``resize_``, a
+    swapped ``.data``) provides ``memory_guard(array)`` (:func:`memory_guards`).
     """
 
     name: str
@@ -109,6 +111,22 @@ def result_like(result: Any, table: Any) -> Any:
         return result
     wrap_like = getattr(adapter, "wrap_like", None)
     return adapter.wrap(result) if wrap_like is None else wrap_like(result, table)
+
+
+def memory_guards(*arrays: Any) -> tuple[Any, ...]:
+    """Guards over the memory of `arrays` (None entries skipped), for a layer that keeps views of them between calls.
+
+    Each guard keeps its array's memory alive and has a ``check()`` that
+    raises ValueError when that memory was resized or freed in place. Only
+    libraries that free memory a view was taken of have them (torch): for
+    numpy, cupy and JAX arrays the views themselves keep the memory alive.
+    """
+    guards = []
+    for array in arrays:
+        make = getattr(adapter_of(array), "memory_guard", None) if array is not None else None
+        if make is not None:
+            guards.append(make(array))
+    return tuple(guards)
 
 
 _NO_CONTEXT = contextlib.nullcontext()

@@ -107,6 +107,10 @@ class TorchAdapter:
                 raise TypeError(f"torch dtype {tensor.dtype} cannot be seen as a numpy array: {error}") from None
         return np.from_dlpack(tensor.view(via[0])).view(_ml_dtype(via[1]))
 
+    def memory_guard(self, array: Any) -> _StorageGuard:
+        """A guard over the tensor's storage (see :class:`_StorageGuard`)."""
+        return _StorageGuard(array)
+
     def stream_context(self, array: Any) -> Any:
         """The context a lookup on `array` (the caller's table, or a quantized table's rows) runs in.
 
@@ -172,6 +176,33 @@ class TorchAdapter:
         from . import cupy_adapter
 
         return cupy_adapter.ADAPTER.may_share_memory(first, second)
+
+
+class _StorageGuard:
+    """Keeps a tensor's storage alive, and notices when it was resized in place.
+
+    torch does not pin memory exported through DLPack: ``param.data = other``
+    drops the old storage, and ``resize_`` reallocates it, while a view of
+    it lives on. Holding the storage keeps the first case safe (the view
+    still reads the rows it was taken of); :meth:`check` catches the second
+    before anything reads the freed memory.
+    """
+
+    __slots__ = ("_storage", "_pointer", "_nbytes")
+
+    def __init__(self, tensor: Any) -> None:
+        self._storage = tensor.untyped_storage()
+        self._pointer = self._storage.data_ptr()
+        self._nbytes = self._storage.nbytes()
+
+    def check(self) -> None:
+        """Raise ValueError if the storage's memory moved or changed size since the guard was made."""
+        if self._storage.data_ptr() != self._pointer or self._storage.nbytes() != self._nbytes:
+            raise ValueError(
+                f"the torch tensor's storage was resized in place ({self._nbytes} bytes at {self._pointer:#x}, now "
+                f"{self._storage.nbytes()} at {self._storage.data_ptr():#x}: resize_, or untyped_storage().resize_) "
+                "after this layer took its view of it; the old memory is gone, so build a new layer"
+            )
 
 
 def _index(device: str) -> int:
