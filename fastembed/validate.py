@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import adapter_of, device_of, numpy_adapter
+from .arrays import adapter_of, device_of, dtype_spec, numpy_adapter
 from .backends.base import NATIVE_ID_DTYPES
 from .formats import FORMATS, OUTPUT_DTYPES, QuantizedTable
 from .tables import resolve_dtype
@@ -113,7 +113,8 @@ def storage(table: Any) -> Any:
 def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     """The dtype of ``table[ids]`` for a call with ``dtype=dtype`` (`table`: a snapshot).
 
-    None means the table's dtype, or float32 for a quantized table. A
+    None means the table's dtype, or float32 for a quantized table; a torch
+    dtype (``torch.float16``) means numpy's dtype of that name. A
     quantized table dequantizes into float32, float16 or bfloat16, in the
     machine's byte order; a dense
     floating-point table casts into those or float64 (rounding to nearest
@@ -127,7 +128,7 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     if type(table) is QuantizedTable:
         if dtype is None:
             return np.dtype(np.float32)
-        target = resolve_dtype(dtype)
+        target = resolve_dtype(dtype_spec(dtype))
         if target.name not in OUTPUT_DTYPES:
             raise TypeError(f"a {table.format.name} table dequantizes into {', '.join(OUTPUT_DTYPES)}, not {target}")
         if not target.isnative:
@@ -137,7 +138,7 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     source = np.dtype(table.dtype)
     if dtype is None:
         return source
-    target = resolve_dtype(dtype)
+    target = resolve_dtype(dtype_spec(dtype))
     own = None if rows is None else _dtype_name(rows)
     if target == source or (own == target.name and target.isnative):
         return source

@@ -361,3 +361,17 @@ def test_an_embedding_keeps_a_torch_tables_memory_and_notices_a_resize():
         resize(table)
         with pytest.raises(ValueError, match="storage was resized in place"):
             layer(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_dtype_may_be_a_torch_dtype(dtype):
+    """dtype=torch.float16 means numpy's float16: the cast of a dense table and the output of a quantized one."""
+    table = torch.randn(20, 64)
+    ids = torch.tensor([3, 19, 0])
+    assert torch.equal(fastembed.lookup(table, ids, dtype=dtype), table[ids].to(dtype))
+    if dtype != torch.float64:
+        quantized = fastembed.Embedding(table.numpy()).quantize("q8_0")
+        expected = quantized(ids.numpy(), dtype=str(dtype).removeprefix("torch."))
+        np.testing.assert_array_equal(quantized(ids.numpy(), dtype=dtype).view(np.uint8), expected.view(np.uint8))
+    with pytest.raises(TypeError, match="not int8"):
+        fastembed.lookup(table, ids, dtype=torch.int8)

@@ -113,6 +113,20 @@ def result_like(result: Any, table: Any) -> Any:
     return adapter.wrap(result) if wrap_like is None else wrap_like(result, table)
 
 
+def dtype_spec(dtype: Any) -> Any:
+    """`dtype` as numpy takes it: another library's dtype object (``torch.float16``) by its name, anything else as given.
+
+    Adapters whose library has dtype objects of its own (torch) provide
+    ``dtype_spec(dtype)``; numpy, cupy and JAX use numpy's dtypes.
+    """
+    for adapter in ADAPTERS:
+        spec = getattr(adapter, "dtype_spec", None)
+        name = None if spec is None else spec(dtype)
+        if name is not None:
+            return name
+    return dtype
+
+
 def memory_guards(*arrays: Any) -> tuple[Any, ...]:
     """Guards over the memory of `arrays` (None entries skipped), for a layer that keeps views of them between calls.
 

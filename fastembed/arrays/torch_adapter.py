@@ -107,6 +107,12 @@ class TorchAdapter:
                 raise TypeError(f"torch dtype {tensor.dtype} cannot be seen as a numpy array: {error}") from None
         return np.from_dlpack(tensor.view(via[0])).view(_ml_dtype(via[1]))
 
+    def dtype_spec(self, dtype: Any) -> str | None:
+        """A ``torch.dtype`` as the name numpy or ml_dtypes gives the same dtype (``torch.float16``: "float16"), else None."""
+        if type(dtype).__module__ != "torch" or type(dtype).__name__ != "dtype":
+            return None
+        return str(dtype).removeprefix("torch.")
+
     def memory_guard(self, array: Any) -> _StorageGuard:
         """A guard over the tensor's storage (see :class:`_StorageGuard`)."""
         return _StorageGuard(array)
