@@ -39,9 +39,11 @@ def gather_cast(backend: Backend, table: np.ndarray, ids: np.ndarray, out: np.nd
     rows_out = out.reshape(-1, table.shape[1])
     step = max(1, SCRATCH_BYTES // max(1, table.shape[1] * table.dtype.itemsize))
     scratch = np.empty((min(step, flat_ids.size), table.shape[1]), dtype=table.dtype)
-    for start in range(0, flat_ids.size, step):
-        chosen = flat_ids[start : start + step]
-        rows = scratch[: chosen.size]
-        backend.gather(table, chosen, rows)
-        rows_out[start : start + chosen.size] = rows
+    # Overflow to infinity is the documented rounding, not an error: a caller's np.seterr must not stop the cast half-way.
+    with np.errstate(all="ignore"):
+        for start in range(0, flat_ids.size, step):
+            chosen = flat_ids[start : start + step]
+            rows = scratch[: chosen.size]
+            backend.gather(table, chosen, rows)
+            rows_out[start : start + chosen.size] = rows
     return out

@@ -103,6 +103,17 @@ def test_dense_tables_cast_into_the_requested_dtype(backend, source, target):
     assert fastembed.lookup(table, ids, dtype=source, backend=backend).dtype == table.dtype
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_cast_that_overflows_rounds_to_infinity_whatever_np_seterr_says(backend):
+    """Values beyond float16 become infinities, as documented: np.seterr(over="raise") does not stop the cast half-way."""
+    table = np.full((5000, 64), 1e6, np.float32)
+    ids = np.arange(4999, -1, -1)
+    out = poisoned((5000, 64), np.float16)
+    with np.errstate(all="raise"):
+        fastembed.lookup(table, ids, out=out, dtype=np.float16, backend=backend)
+    assert np.isposinf(out).all()
+
+
 def test_dense_casts_refuse_what_is_not_a_float_cast():
     with pytest.raises(TypeError, match="int32 table can be gathered into its own dtype, not float32"):
         fastembed.lookup(np.zeros((3, 2), np.int32), [1], dtype=np.float32)
