@@ -114,6 +114,19 @@ def test_a_cast_that_overflows_rounds_to_infinity_whatever_np_seterr_says(backen
     assert np.isposinf(out).all()
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_dequantizing_into_float16_overflows_to_infinity_whatever_np_seterr_says(backend):
+    """fp8 rows whose scale takes them past float16's range: infinities, not a FloatingPointError half-way."""
+    from fastembed.formats import QuantizedTable
+
+    data = np.full((600, 32), 0x7E, np.uint8)  # float8_e4m3fn 448
+    table = QuantizedTable(data, "fp8_e4m3", 32, np.full(600, 1e3, np.float32))
+    out = poisoned((600, 32), np.float16)
+    with np.errstate(all="raise"):
+        fastembed.lookup(table, np.arange(600), out=out, dtype=np.float16, backend=backend)
+    assert np.isposinf(out).all()
+
+
 def test_dense_casts_refuse_what_is_not_a_float_cast():
     with pytest.raises(TypeError, match="int32 table can be gathered into its own dtype, not float32"):
         fastembed.lookup(np.zeros((3, 2), np.int32), [1], dtype=np.float32)

@@ -135,11 +135,12 @@ def dequantize_into(table: QuantizedTable, ids: np.ndarray, out: np.ndarray) -> 
     check_range(ids, table.data.shape[0])
     flat_ids = ids.reshape(-1)
     rows_out = out.reshape(-1, table.dim)
-    for start in range(0, flat_ids.size, _DEQUANTIZE_ROWS_PER_STEP):
-        chosen = flat_ids[start : start + _DEQUANTIZE_ROWS_PER_STEP]
-        data = table.data.take(chosen, axis=0, mode="clip")
-        scales = None if table.scales is None else take_scales(table.scales, chosen)
-        rows_out[start : start + chosen.size] = dequantize_rows(data, scales, table.format, table.dim)
+    with np.errstate(all="ignore"):  # overflow to infinity and NaN payloads are the defined results, whatever np.seterr says
+        for start in range(0, flat_ids.size, _DEQUANTIZE_ROWS_PER_STEP):
+            chosen = flat_ids[start : start + _DEQUANTIZE_ROWS_PER_STEP]
+            data = table.data.take(chosen, axis=0, mode="clip")
+            scales = None if table.scales is None else take_scales(table.scales, chosen)
+            rows_out[start : start + chosen.size] = dequantize_rows(data, scales, table.format, table.dim)
     return out
 
 
