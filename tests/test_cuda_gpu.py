@@ -333,3 +333,30 @@ def test_the_backend_object_implements_the_interface():
     assert backend.capabilities.devices == frozenset({"cuda"})
     assert not hasattr(cuda_backend, "NAME") and not hasattr(cuda_backend, "not_supported_reasons")
     assert dispatch.BACKENDS["cuda"] is backend
+
+
+def test_flags_are_waited_for_before_they_are_read_and_after_they_are_reset(cp, monkeypatch):
+    """On a GPU the reset of a bad-id flag, and deferred lookups on other streams (torch's), run asynchronously.
+
+    The double runs every launch at once, so only the waits themselves can be checked here.
+    """
+    if not hasattr(cp, "_reset_double"):
+        pytest.skip("real cupy: its Device and Stream are extension types, whose methods cannot be wrapped to count waits")
+    waits = []
+    real_device_wait, real_stream_wait = cp.cuda.Device.synchronize, cp.cuda.Stream.synchronize
+    monkeypatch.setattr(cp.cuda.Device, "synchronize", lambda self: (waits.append("device"), real_device_wait(self)))
+    monkeypatch.setattr(cp.cuda.Stream, "synchronize", lambda self: (waits.append("stream"), real_stream_wait(self)))
+    host = random_table(100, 64)
+    table = fastembed.Embedding(host).to_device().table
+    fastembed.lookup(table, cp.asarray([1, 2]))
+    assert waits == []  # a good lookup waits only for its flag's read
+    with pytest.raises(IndexError, match="position 1"):
+        fastembed.lookup(table, cp.asarray([1, 100]))
+    assert waits == ["stream"]  # the reset is done before this thread's next lookup, on whatever stream
+    assert_rows(fastembed.lookup(table, cp.asarray([3])), host[[3]], cp)
+    waits.clear()
+    with fastembed.deferred_id_checks():
+        fastembed.lookup(table, cp.asarray([7, -1]))
+    with pytest.raises(IndexError, match="flattened position 1"):
+        fastembed.raise_deferred_id_errors(0)
+    assert waits == ["device", "device"]  # every stream's lookups counted, then the reset done

@@ -177,7 +177,7 @@ class CudaBackend:
             if not deferred:
                 position = int(flag.get()[0])  # synchronises with the stream
                 if position != int(NO_ERROR):
-                    flag.fill(NO_ERROR)
+                    _reset(flag)
                     raise validate.out_of_range_error(ids, position, vocab_size)
         return out
 
@@ -247,7 +247,7 @@ class CudaBackend:
         kernel((blocks,), (CHECK_THREADS,), (flat_ids, np.int64(n), np.int64(vocab_size), flag))
         position = int(flag.get()[0])  # synchronises with the stream
         if position != int(NO_ERROR):
-            flag.fill(NO_ERROR)
+            _reset(flag)
             raise validate.out_of_range_error(ids, position, vocab_size)
 
     def describe(self) -> dict[str, Any]:
@@ -354,12 +354,23 @@ class CudaBackend:
             return None  # no deferred lookup ran there since the last reset
         import cupy
 
-        with cupy.cuda.Device(device_id):
+        with cupy.cuda.Device(device_id) as device:
+            # Lookups may have run on any stream (torch's among them): wait for all of them, and for the reset.
+            device.synchronize()
             position = int(flag.get()[0])
             if position == int(NO_ERROR):
                 return None
             flag.fill(NO_ERROR)
+            device.synchronize()
         return position
+
+
+def _reset(flag: Any) -> None:
+    """Clear a thread's flag after a bad id, and wait for it: this thread's next lookup may run on another stream."""
+    import cupy
+
+    flag.fill(NO_ERROR)
+    cupy.cuda.get_current_stream().synchronize()
 
 
 def _probe() -> list[str]:
@@ -440,8 +451,8 @@ def deferred_id_checks() -> Iterator[None]:
 def raise_deferred_id_errors(device_id: int = 0) -> None:
     """Raise IndexError if a deferred CUDA lookup on `device_id` saw a bad id, and clear the flag.
 
-    Reading the flag synchronises with the current stream: call it on the
-    stream the lookups ran on. The position counts from the start of a
+    It waits for all work on the device first (a device synchronisation),
+    so lookups on any stream, torch's included, are counted. The position counts from the start of a
     lookup's flattened ids (the smallest over the deferred lookups since the
     last check); the value is not kept (the ids may be gone by now).
     """
