@@ -216,6 +216,15 @@ def check_quantized(table: Any) -> None:
         raise TypeError(f"the scales live on {device_of(scales)} but the rows on {device_of(data)}")
     if tuple(scales.shape) != (data.shape[0],) or not scales.flags.c_contiguous:
         raise ValueError(f"scales must be C-contiguous of shape ({data.shape[0]},), got {tuple(scales.shape)}")
+    if _misaligned(scales):
+        raise ValueError(f"the scales on {device_of(scales)} start at an address that is not a multiple of 4 bytes, "
+                         "and the GPU kernels read them as float32: pass an aligned copy (scales.copy()) once")
+
+
+def _misaligned(view: Any) -> bool:
+    """Whether a device array's address is not a multiple of its itemsize (host arrays: their own flags say)."""
+    misaligned = getattr(adapter_of(view), "misaligned", None)
+    return misaligned is not None and misaligned(view)
 
 
 def ids_snapshot(ids: Any, table: Any) -> Any:
@@ -256,7 +265,8 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         adapter = adapter_of(ids)
         view = adapter.snapshot(ids) if adapter is not None else ids
         _check_integer_dtype(np.dtype(view.dtype))
-        return _native_ids(view, table.shape[0])
+        native = _native_ids(view, table.shape[0])
+        return native.copy() if _misaligned(native) else native  # the kernels read ids element by element
     host = _host_ids(ids)
     _check_integer_dtype(host.dtype)
     return _native_ids(host, table.shape[0])
@@ -421,6 +431,10 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     flags = view.flags
     if not flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous, got strides {tuple(view.strides)}")
+    if type(table) is QuantizedTable and _misaligned(view):
+        raise ValueError(f"out on {adapter.device(out)} starts at an address that is not a multiple of its "
+                         f"{view.dtype.itemsize}-byte items, and the GPU kernels write them one by one: pass an "
+                         "aligned out")
     if isinstance(view, np.ndarray) and not flags.writeable:
         raise ValueError("out is read-only memory: lookup writes into out; pass a writeable array")
     writable = getattr(adapter, "writable", None)

@@ -360,3 +360,50 @@ def test_flags_are_waited_for_before_they_are_read_and_after_they_are_reset(cp, 
     with pytest.raises(IndexError, match="flattened position 1"):
         fastembed.raise_deferred_id_errors(0)
     assert waits == ["device", "device"]  # every stream's lookups counted, then the reset done
+
+
+@pytest.mark.parametrize("id_dtype", ["uint16", "int8", "int64"])
+def test_ids_of_a_table_on_another_device_than_the_current_one_are_converted_there(cp, id_dtype):
+    """Converting uint16 ids to int64 allocates on the current device, as CuPy does: the lookup makes the table's current."""
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two devices")
+    host = random_table(100, 64)
+    with cp.cuda.Device(1):
+        table = cp.asarray(host)
+        ids = cp.asarray(np.array([[5, 99], [0, 7]], id_dtype))
+    with cp.cuda.Device(0):
+        rows = fastembed.lookup(table, ids)
+        assert int(rows.device.id) == 1
+        assert_rows(rows, host[[[5, 99], [0, 7]]], cp)
+        with pytest.raises(IndexError, match="id 100 at position 1"):
+            fastembed.lookup(table, on_device(cp, 1, np.array([5, 100], id_dtype)))
+
+
+def on_device(cp, device, host):
+    with cp.cuda.Device(device):
+        return cp.asarray(host)
+
+
+def test_misaligned_device_ids_scales_and_out_never_reach_the_kernels(cp):
+    """cupy's view(dtype) of bytes at an odd offset: ids are copied aligned, scales and a dequantizing out refused."""
+    from fastembed.formats import QuantizedTable
+    from fastembed.tables import random_quantized_table
+
+    host = random_table(100, 64)
+    table = fastembed.Embedding(host).to_device().table
+    raw = cp.zeros(8 * 3 + 4, cp.uint8)
+    ids = raw[4:28].view(cp.int64)
+    assert ids.data.ptr % 8 == 4
+    ids[...] = cp.asarray(np.array([5, 99, 0]))
+    assert_rows(fastembed.lookup(table, ids), host[[5, 99, 0]], cp)
+    source = random_quantized_table("fp8_e4m3", 50, 32)
+    buffer = cp.zeros(4 * 50 + 1, cp.uint8)
+    scales = buffer[1:].view(cp.float32)
+    with pytest.raises(ValueError, match="not a multiple of 4 bytes"):
+        QuantizedTable(cp.asarray(source.data), "fp8_e4m3", 32, scales)
+    quantized = QuantizedTable(cp.asarray(source.data), "fp8_e4m3", 32, cp.asarray(source.scales))
+    out_bytes = cp.zeros(3 * 32 * 4 + 2, cp.uint8)
+    out = out_bytes[2:].view(cp.float32).reshape(3, 32)
+    with pytest.raises(ValueError, match="not a multiple of its 4-byte items"):
+        fastembed.lookup(quantized, cp.asarray([1, 2, 3]), out=out)
+    assert not cp.asnumpy(out_bytes).any()

@@ -24,14 +24,17 @@ class ArrayAdapter(Protocol):
     An adapter whose arrays cannot be written (jax) also sets
     ``immutable = True``: validation refuses such an array as ``out``. An
     adapter whose arrays need a device or stream made current for a lookup
-    (torch CUDA tensors) provides ``stream_context(array)``
+    (torch CUDA tensors, cupy arrays) provides ``stream_context(array)``
     (:func:`call_context`), and one whose results need the caller's table to
     get their dtype back provides ``wrap_like(result, like)`` (:func:`result_like`)
     and ``dtype_name(array)``, the array's own dtype by name, which validation
     checks where a snapshot holds it as words of the same width. An adapter
     whose library cannot tell read-only memory (torch) provides
     ``writable(view)``, which validation asks of an ``out``'s snapshot before
-    the gather writes it. An adapter whose library frees or moves the
+    the gather writes it. An adapter of device arrays whose address need
+    not be a multiple of their itemsize (cupy's ``view(dtype)`` of bytes)
+    provides ``misaligned(view)``: the GPU kernels read such ids, scales and
+    outputs element by element. An adapter whose library frees or moves the
     memory of an array that a view was taken of (torch: ``resize_``, a
     swapped ``.data``) provides ``memory_guard(array)`` (:func:`memory_guards`).
     """
@@ -150,7 +153,8 @@ def call_context(table: Any) -> Any:
     """The context manager a lookup on the caller's `table` (or a quantized table's rows) runs in.
 
     The adapter's ``stream_context(table)`` where it has one (a torch CUDA
-    tensor: its device, and torch's current stream as cupy's); otherwise a
+    tensor: its device, and torch's current stream as cupy's; a cupy array:
+    its device); otherwise a
     null context. The API enters it only for tables whose snapshot is not a
     numpy array, around the ids' snapshot, the backend call and the wrapping
     of the result.

@@ -28,6 +28,16 @@ class CupyAdapter:
     def snapshot(self, array: Any) -> Any:
         return array.view()
 
+    def stream_context(self, array: Any) -> Any:
+        """The array's device made current: CuPy allocates what a lookup converts (ids of other dtypes) on the current one."""
+        import cupy
+
+        return cupy.cuda.Device(int(array.device.id))
+
+    def misaligned(self, view: Any) -> bool:
+        """Whether the array's address is not a multiple of its itemsize (a byte view's ``view(dtype)`` at an odd offset)."""
+        return view.data.ptr % max(1, view.dtype.itemsize) != 0
+
     def from_host(self, host: Any, device: str) -> Any:
         """A copy of host data on `device` (ids given as numpy for a GPU table)."""
         import cupy

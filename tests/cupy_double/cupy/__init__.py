@@ -381,10 +381,10 @@ class ndarray:
         resolved = _supported(dtype)
         if not copy and resolved == self.dtype:
             return self
-        return _device_copy(self._live().astype(resolved), self._allocation.device)
+        return _device_copy(self._live().astype(resolved), _current())  # as CuPy: on the current device
 
     def copy(self, order: str = "C") -> ndarray:
-        return _device_copy(self._live(), self._allocation.device)
+        return _device_copy(self._live(), _current())
 
     def get(self, stream: Any = None, order: str = "C", out: Any = None) -> np.ndarray:
         host = np.array(self._live(), copy=True, order=order)
