@@ -62,6 +62,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -71,7 +72,7 @@ import numpy as np
 
 from . import validate
 from .api import Embedding, lookup
-from .arrays import device_of, result_like
+from .arrays import device_of, memory_guards, result_like
 from .formats import QuantizedTable
 
 MODES = ("full", "scatter")
@@ -82,6 +83,8 @@ SHM_FOLDER = "/dev/shm"
 SEGMENT_PREFIX = "fastembed-"
 #: A segment's buffers are sized in multiples of this (a huge page), so that nearby batch sizes share one.
 SEGMENT_GRANULE = 2 * 2**20
+#: The range of ``timeout=`` in seconds: torch waits whole milliseconds (0 means no limit), and a year is plenty.
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 365 * 24 * 3600.0
 #: Bytes of an error message or description one rank shares with the others (longer ones are cut).
 MESSAGE_BYTES = 2048
 TORCH_NEEDED = "fastembed.distributed needs torch 2.13 or later (the release it is tested with): pip install 'fastembed-gather[distributed]'"
@@ -208,6 +211,7 @@ class _Shard(NamedTuple):
     like: Any  # None for numpy tables; else the rows in the caller's library, so results follow the table's kind
     watch: Any  # a FileWatch over the mapped rows for a path source, else None
     vocab_size: int
+    guards: tuple[Any, ...] = ()  # memory guards of a torch table's rows and scales (fastembed.arrays.memory_guards)
 
 
 class VocabParallelEmbedding:
@@ -231,10 +235,11 @@ class VocabParallelEmbedding:
         name: the tensor in a checkpoint (None: the token embedding, by name).
         pad_to_multiple: pad the vocabulary to a multiple of this before
             splitting (:func:`row_range`); padded rows do not exist.
-        timeout: seconds each collective may take before this rank raises
-            :class:`CommunicationError`; None waits as long as the group's own
-            timeout (``init_process_group(timeout=...)``, which also bounds the
-            gloo transfer itself).
+        timeout: seconds (1 ms to a year) each collective may take before
+            this rank raises :class:`CommunicationError`, building the layer
+            included; None waits as long as the group's own timeout
+            (``init_process_group(timeout=...)``, which also bounds the gloo
+            transfer itself).
         exchange: how the ranks combine their rows. ``"shared_memory"``: each
             rank writes its rows into a segment in /dev/shm that every rank
             maps, and copies out what it returns; needs every rank on this
@@ -250,9 +255,10 @@ class VocabParallelEmbedding:
         ImportError: torch is not installed.
         RuntimeError: no process group is initialised.
         ValueError: this process is not in `group`; a group without CPU
-            transport (NCCL alone); ranks that opened different tables, or
-            asked for different exchanges; ``pad_to_multiple`` or ``timeout``
-            not positive; `name` with an array; ``exchange="shared_memory"``
+            transport (NCCL alone); ranks that opened tables of different
+            shapes or dtypes, or asked for different exchanges (the values
+            themselves are not compared); ``pad_to_multiple`` not positive,
+            ``timeout`` outside 1 ms to a year; `name` with an array; ``exchange="shared_memory"``
             on ranks that do not all run on one host with a usable /dev/shm.
         TypeError: a table not on the host (torch CUDA tensors, cupy arrays).
         FileNotFoundError, ValueError, TypeError: as the loaders, for a path
@@ -289,6 +295,7 @@ class VocabParallelEmbedding:
             raise ValueError("VocabParallelEmbedding gathers host tables and communicates CPU tensors, which NCCL cannot "
                              "carry: use a gloo group, or init_process_group(backend='cpu:gloo,cuda:nccl')")
         self._broken: str | None = None
+        self._calling = threading.Lock()
         self._timeout: float | None = None
         self._mine = torch.zeros(2, dtype=torch.int64)
         self._theirs = torch.zeros((self.world_size, 2), dtype=torch.int64)
@@ -296,12 +303,11 @@ class VocabParallelEmbedding:
         self.last_timings: LookupTimings | None = None
         shard, error = None, None
         try:
-            timeout = _checked_timeout(timeout)
+            self._timeout = _checked_timeout(timeout)  # first: it bounds the agreement below whatever fails next
             pad = _checked_pad(pad_to_multiple)
             if exchange not in EXCHANGES:
                 raise ValueError(f"exchange must be 'auto', 'shared_memory' or 'all_reduce', got {exchange!r}")
             shard = _open_shard(source, name, pad, self.rank, self.world_size)
-            self._timeout = timeout
         except Exception as caught:
             error = caught
         described = "" if shard is None else (
@@ -407,12 +413,25 @@ class VocabParallelEmbedding:
             TypeError: ids that are not integers, a dtype the table cannot give
                 (int8 from a quantized table); raised on every rank.
             CommunicationError: a rank died or did not call within `timeout`.
+            RuntimeError: another thread of this rank is calling the layer (raised
+                on this rank only, before any collective).
             OSError, MemoryError: with ``exchange="shared_memory"``, the shared-memory
                 segment a batch needs cannot be made or mapped (a full ``/dev/shm``, say);
                 raised on every rank, and the group stays usable.
         """
         if self._broken is not None:
             raise CommunicationError(self._broken)
+        if not self._calling.acquire(blocking=False):
+            # Before any collective: the call already running keeps the ranks in step (two at once abort gloo).
+            raise RuntimeError("VocabParallelEmbedding was called from two threads of one rank at once; a layer's calls "
+                               "are collectives, one at a time in the same order on every rank")
+        try:
+            return self._call(ids, mode, dtype)
+        finally:
+            self._calling.release()
+
+    def _call(self, ids: Any, mode: str, dtype: Any) -> Any:
+        """:meth:`__call__`, for the one thread calling."""
         started = time.perf_counter()
         error: Exception | None = None
         call: _Call | None = None
@@ -429,7 +448,7 @@ class VocabParallelEmbedding:
         gathered = time.perf_counter()
         description = "" if call is None else call.description
         self._agree(error, call.digest if call is not None else 0, lambda: description, "the ids",
-                    "every rank must pass the same ids (same shape and values) with the same mode and dtype")
+                    "every rank must call the same layer with the same ids (same shape and values), mode and dtype")
         assert call is not None  # _agree raised otherwise
         agreed = time.perf_counter()
         result = self._communicate(call)
@@ -441,7 +460,9 @@ class VocabParallelEmbedding:
     # -- the steps of a call ---------------------------------------------------------------------------------
 
     def _prepare(self, ids: Any, mode: str, dtype: Any) -> _Call:
-        """Check the ids and dtype, copy the ids once as int64, fingerprint them."""
+        """Check the rows' memory, the ids and the dtype, copy the ids once as int64, fingerprint them."""
+        for guard in self._shard.guards:
+            guard.check()  # a torch table's storage resized in place since the layer was built: ValueError
         if mode not in MODES:
             raise ValueError(f"mode must be 'full' or 'scatter', got {mode!r}")
         target = validate.output_dtype(self._shard.rows, dtype)
@@ -451,8 +472,9 @@ class VocabParallelEmbedding:
             raise ValueError("mode='scatter' splits the ids' first dimension, and scalar ids have none")
         flat = np.array(view, dtype=np.int64).reshape(-1)  # one copy: no other thread can change it under us
         validate.check_ids_in_range(flat.reshape(shape), self.vocab_size)
-        digest = _digest(mode.encode(), target.str.encode(), repr(shape).encode(), flat.data)
-        description = (f"ids of shape {shape}, mode {mode!r}, dtype {target}, "
+        # The layer's key (rank 0's, shared when the layer was built) tells ranks that call different layers apart.
+        digest = _digest(self._key, mode.encode(), target.str.encode(), repr(shape).encode(), flat.data)
+        description = (f"ids of shape {shape}, mode {mode!r}, dtype {target}, to layer {self._key.hex()}, "
                        f"values hashed to {digest & (2**64 - 1):016x}")
         row_bytes = self._dim * target.itemsize
         word = next(word for word in _WORDS if row_bytes % word.itemsize == 0)
@@ -880,10 +902,12 @@ def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: 
     like = None
     if not isinstance(rows, np.ndarray):
         like = rows.detach()[start:stop] if hasattr(rows, "detach") else rows  # torch: a view of the rows
+    guards = memory_guards(rows, source.scales if isinstance(source, QuantizedTable) else None)
     if isinstance(view, QuantizedTable):
         scales = None if view.scales is None else view.scales[start:stop]
-        return _Shard(QuantizedTable(view.data[start:stop], view.format, view.dim, scales), like, None, vocab_size)
-    return _Shard(view[start:stop], like, None, vocab_size)
+        return _Shard(QuantizedTable(view.data[start:stop], view.format, view.dim, scales), like, None, vocab_size,
+                      guards)
+    return _Shard(view[start:stop], like, None, vocab_size, guards)
 
 
 def _map_shard(path: str | os.PathLike, name: str | None, pad: int, rank: int, world_size: int) -> _Shard:
@@ -927,10 +951,12 @@ def _stored_range(vocab_size: int, pad: int, rank: int, world_size: int) -> tupl
 
 
 def _checked_timeout(timeout: Any) -> float | None:
+    """`timeout` as seconds: None, or from 1 ms (torch counts whole milliseconds, and reads 0 as no limit) to a year."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or math.isinf(timeout):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be None or a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} "
+                         f"(a year), got {timeout!r}")
     return float(timeout)
 
 

@@ -307,7 +307,20 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
     table = make_table("float16", 6)
     emb = build(table, timeout=30)
     padded = build(table, pad_to_multiple=64, timeout=30)
+    other = build(table, timeout=30)
+    torch_table = as_torch(make_table("float32", 6)).clone()  # storage of its own: resizable
+    on_torch = build(torch_table, timeout=30)
     last = world - 1
+
+    def while_another_thread_calls():
+        with emb._calling:  # as a second thread of this rank finds it
+            emb([1])
+
+    def after_a_resize_on_the_last_rank():
+        if rank == last:
+            torch_table.untyped_storage().resize_(0)
+        on_torch([1])
+
     cases = {
         "values differ": lambda: emb(np.array([1, 2, rank])),
         "shapes differ": lambda: emb(np.arange(rank + 1)),
@@ -325,6 +338,11 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
         "file missing on one rank": lambda: build(file_path + ("-missing" if rank == last else "")),
         "bad timeout on one rank": lambda: build(table, timeout=-1 if rank == last else 30),
         "name with an array": lambda: build(table, name="wte.weight"),
+        "different layers": lambda: (emb if rank == 0 else other)([1, 2]),
+        "timeout under a millisecond": lambda: build(table, timeout=1e-4),
+        "timeout over a year": lambda: build(table, timeout=1e14),
+        "two threads at once": while_another_thread_calls,
+        "storage resized on one rank": after_a_resize_on_the_last_rank,
     }
     outcomes = {}
     for case, call in cases.items():
@@ -336,6 +354,7 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
             outcomes[case] = (type(error).__name__, str(error), time.monotonic() - started)
     expected = fastembed.lookup(table, [7, 8, 9])
     after = same_bits("after the errors", emb([7, 8, 9]), expected, np.ndarray)
+    after += same_bits("the other layer after the errors", other([7, 8, 9]), expected, np.ndarray)
     return {"outcomes": outcomes, "after": after,
             "lookup message": _message(lambda: fastembed.lookup(table, np.array([[1, 2], [VOCAB, 3]])))}
 
@@ -611,6 +630,9 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
         "padded id": "IndexError", "int dtypes differ": "no error", "different pad": "ValueError",
         "different tables": "ValueError", "file missing on one rank": "FileNotFoundError",
         "bad timeout on one rank": "ValueError", "name with an array": "ValueError",
+        "different layers": "ValueError", "timeout under a millisecond": "ValueError",
+        "timeout over a year": "ValueError", "two threads at once": "RuntimeError",
+        "storage resized on one rank": "ValueError",
     }
     for case, kind in expected_types.items():
         seen = {(outcome[case][0], outcome[case][1]) for outcome in outcomes}
@@ -632,7 +654,13 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
     assert "the ranks disagree on the table" in message["different pad"]
     assert "the ranks disagree on the table" in message["different tables"]
     assert "-missing" in message["file missing on one rank"]
-    assert "timeout must be a positive number" in message["bad timeout on one rank"]
+    assert "timeout must be None or a number of seconds from 0.001" in message["bad timeout on one rank"]
+    assert "timeout must be None" in message["timeout under a millisecond"]
+    assert "timeout must be None" in message["timeout over a year"]
+    assert "to layer" in message["different layers"] and "same layer" in message["different layers"]
+    assert "called from two threads of one rank at once" in message["two threads at once"]
+    assert "storage was resized in place" in message["storage resized on one rank"]
+    assert f"(on rank {world - 1} of {world})" in message["storage resized on one rank"]
     for rank, result in enumerate(ranks):
         assert result[exchange]["errors"]["after"] == [], f"rank {rank}: the group was not usable after the errors"
 
@@ -778,6 +806,23 @@ def test_a_rank_that_dies_makes_the_others_raise_within_the_timeout(repeat, exch
 @pytest.mark.parametrize("stage", GROWING_STAGES)
 def test_a_rank_that_dies_while_the_segment_grows_leaves_nothing_in_dev_shm(stage, tmp_path):
     kill_a_rank(tmp_path, GROWING_STAGES[stage] % 3, stage, "shared_memory")
+
+
+def absent_peer_task(rank: int, world: int, missing: str) -> dict:
+    """Rank 0's own build fails while the others never build: it still waits only `timeout`, not the group's."""
+    if rank != 0:
+        deadline = time.monotonic() + 30
+        while not (_RUN_FOLDER / "rank0.pickle").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {}
+    return {"outcome": _outcome(lambda: VocabParallelEmbedding(missing, timeout=2))}
+
+
+def test_a_rank_whose_build_fails_waits_only_its_timeout_for_absent_peers(tmp_path):
+    outcomes = results(run_ranks(tmp_path, 2, absent_peer_task, str(tmp_path / "no-such-checkpoint")))
+    kind, message, seconds = outcomes[0]["outcome"]
+    assert kind == "CommunicationError" and "timeout=2 s" in message, message
+    assert seconds < 10  # the group's own timeout is 60 s
 
 
 def test_the_helpers_split_as_documented():
