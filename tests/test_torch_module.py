@@ -216,6 +216,7 @@ def test_inference_mode_and_int32_ids_are_served_by_fastembed():
         assert torch.equal(layer(ids.to(torch.int64)), rows)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func's own imports
 def test_forward_mode_ad_and_torch_func_transforms_give_torchs_results():
     """A frozen weight given a tangent, vmap and jvp: torch's operation carries them (fastembed cannot)."""
     from torch.autograd import forward_ad
