@@ -182,7 +182,7 @@ def check_quantized(table: Any) -> None:
     """
     fmt, data, scales = table.format, table.data, table.scales
     known = FORMATS.get(fmt.name)
-    if known is not None and (fmt != known or fmt.dequantize_blocks is not known.dequantize_blocks):
+    if fmt is not known and known is not None and (fmt != known or fmt.dequantize_blocks is not known.dequantize_blocks):
         raise ValueError(
             f"a format named {fmt.name!r} must be fastembed's own {fmt.name} layout ({known}); "
             "give a format of your own a name of its own"
@@ -216,14 +216,17 @@ def check_quantized(table: Any) -> None:
         raise TypeError(f"the scales live on {device_of(scales)} but the rows on {device_of(data)}")
     if tuple(scales.shape) != (data.shape[0],) or not scales.flags.c_contiguous:
         raise ValueError(f"scales must be C-contiguous of shape ({data.shape[0]},), got {tuple(scales.shape)}")
-    if _misaligned(scales):
+    if _misaligned(scales, adapter):
         raise ValueError(f"the scales on {device_of(scales)} start at an address that is not a multiple of 4 bytes, "
                          "and the GPU kernels read them as float32: pass an aligned copy (scales.copy()) once")
 
 
-def _misaligned(view: Any) -> bool:
-    """Whether a device array's address is not a multiple of its itemsize (host arrays: their own flags say)."""
-    misaligned = getattr(adapter_of(view), "misaligned", None)
+def _misaligned(view: Any, adapter: Any) -> bool:
+    """Whether a device array (of `adapter`'s library) starts at an address that is not a multiple of its itemsize.
+
+    Only adapters of device arrays say (host arrays: their own flags do).
+    """
+    misaligned = getattr(adapter, "misaligned", None)
     return misaligned is not None and misaligned(view)
 
 
@@ -266,7 +269,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         view = adapter.snapshot(ids) if adapter is not None else ids
         _check_integer_dtype(np.dtype(view.dtype))
         native = _native_ids(view, table.shape[0])
-        return native.copy() if _misaligned(native) else native  # the kernels read ids element by element
+        return native.copy() if _misaligned(native, adapter) else native  # the kernels read ids element by element
     host = _host_ids(ids)
     _check_integer_dtype(host.dtype)
     return _native_ids(host, table.shape[0])
@@ -431,7 +434,7 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     flags = view.flags
     if not flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous, got strides {tuple(view.strides)}")
-    if type(table) is QuantizedTable and _misaligned(view):
+    if type(table) is QuantizedTable and _misaligned(view, adapter):
         raise ValueError(f"out on {adapter.device(out)} starts at an address that is not a multiple of its "
                          f"{view.dtype.itemsize}-byte items, and the GPU kernels write them one by one: pass an "
                          "aligned out")

@@ -113,6 +113,12 @@ class TorchAdapter:
             return None
         return str(dtype).removeprefix("torch.")
 
+    def misaligned(self, view: Any) -> bool:
+        """Whether a CUDA tensor's snapshot (a cupy array) starts off its itemsize; host snapshots are numpy's to judge."""
+        from . import cupy_adapter
+
+        return not isinstance(view, np.ndarray) and cupy_adapter.ADAPTER.misaligned(view)
+
     def memory_guard(self, array: Any) -> _StorageGuard:
         """A guard over the tensor's storage (see :class:`_StorageGuard`)."""
         return _StorageGuard(array)
