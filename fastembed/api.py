@@ -35,9 +35,10 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         out: optional preallocated C-contiguous array of the result's shape
             and dtype, on the table's device; it is filled and returned.
         dtype: the result's dtype (a numpy dtype or its name, or a torch
-            dtype). None: the table's dtype (float32 for a quantized table). A quantized table dequantizes into float32,
-            float16 or bfloat16; a dense float host table casts into those
-            or float64 (rounding to nearest even).
+            dtype). None: the table's dtype (float32 for a quantized
+            table). A quantized table dequantizes into float32, float16 or
+            bfloat16; a dense float host table casts into those or float64
+            (rounding to nearest even).
         backend: ``"auto"`` (or FASTEMBED_BACKEND), ``"numba"``, ``"numpy"``
             or ``"cuda"``.
 

@@ -248,8 +248,8 @@ def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.nd
 
         absmax = np.abs(values).max(axis=1)
         # Below float32's smallest normal a scale loses bits, and x / scale could pass 448 (NaN in float8_e4m3fn).
-        scales = np.where(absmax == 0, _F32.type(0), np.maximum(absmax / np.float32(448), np.finfo(_F32).tiny))
-        scales = scales.astype(_F32)
+        floor = np.maximum(absmax / np.float32(448), np.finfo(_F32).tiny)
+        scales = np.where(absmax == 0, np.float32(0), floor).astype(_F32)
         with np.errstate(divide="ignore", invalid="ignore"):
             scaled = np.where(scales[:, None] == 0, np.float32(0), values / scales[:, None])
         return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scales

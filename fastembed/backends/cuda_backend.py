@@ -452,8 +452,8 @@ def raise_deferred_id_errors(device_id: int = 0) -> None:
     """Raise IndexError if a deferred CUDA lookup on `device_id` saw a bad id, and clear the flag.
 
     It waits for all work on the device first (a device synchronisation),
-    so lookups on any stream, torch's included, are counted. The position counts from the start of a
-    lookup's flattened ids (the smallest over the deferred lookups since the
+    so lookups on any stream, torch's included, are counted. The position
+    counts from the start of a lookup's flattened ids (the smallest over the deferred lookups since the
     last check); the value is not kept (the ids may be gone by now).
     """
     if BACKEND.unavailable_reasons():
