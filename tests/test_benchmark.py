@@ -1,6 +1,7 @@
 """The benchmark runner and the gate: they run, they report, and the gate can fail."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -124,6 +125,32 @@ def _measure(table, contenders, batch, repetitions=3):
     from fastembed.benchmark.measure import measure_case, summarise
 
     return summarise(measure_case(table, contenders, batch, "uniform", repetitions))
+
+
+def test_cold_samples_time_one_call_each_right_after_the_settling_read():
+    """cold=True: every sample is one call, with no untimed call between the settling read and it."""
+    from fastembed.benchmark.contenders import Contender
+    from fastembed.benchmark.measure import HOST, measure_case
+    from fastembed.tables import random_table
+
+    events = []
+    platform = dataclasses.replace(HOST, settle=lambda: events.append("settle"))
+
+    def prepare(table, n):
+        return lambda ids: events.append("call")
+
+    contender = Contender("counting", "peer", False, prepare, id="counting")
+    table = random_table(2000, 64, "float16")
+    for cold in (True, False):
+        events.clear()
+        result = measure_case(table, [contender], 6, "uniform", 3, warmup=1, platform=platform, cold=cold)[0]
+        assert len(result.samples_s) == 3
+        first_sample = events.index("settle")  # before it: the untimed calls that prepare the contender
+        samples = "".join("s" if event == "settle" else "c" for event in events[first_sample:])
+        if cold:
+            assert samples == "sc" * 4  # warm-up and timed samples alike: settle, then exactly one call
+        else:
+            assert all(len(run) > 2 for run in samples.split("s")[1:])  # a warm loop: an untimed call, then many
 
 
 def test_each_fastembed_row_records_the_backend_that_served_it():
@@ -536,6 +563,8 @@ def test_a_colocated_check_must_name_a_processes_contender(tmp_path):
 
 @pytest.mark.parametrize("arguments, words", [
     (["--load"], "--load goes with --processes"),
+    (["--cold", "--processes", "2"], "--cold times the main benchmark's calls one by one"),
+    (["--cold", "--gate"], "--cold times the main benchmark's calls one by one"),
     (["--processes", "2", "--gate"], "not with --gate"),
     (["--processes", "0"], "must be 1 or more"),
 ])

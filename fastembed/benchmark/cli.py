@@ -50,6 +50,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dist", type=_choices(DISTRIBUTIONS),
                         help=f"comma-separated id distributions: {', '.join(DISTRIBUTIONS)} (default: both)")
     parser.add_argument("--reps", type=_positive_int, help="timed repetitions per case (default 15, quick 5)")
+    parser.add_argument("--cold", action="store_true",
+                        help="time every call alone, right after the caches are evicted, as a decode step meets the "
+                             "lookup after a forward pass (default: small batches are timed as warm loops of calls; "
+                             "use many --reps, such as 200)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
     parser.add_argument("--vocab-size", type=_positive_int, default=129280)
     parser.add_argument("--dim", type=_positive_int, default=4096)
@@ -100,6 +104,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if arguments.format and (arguments.gate or arguments.processes or arguments.ranks or arguments.device == "cuda"):
         parser.error("--format measures the host's quantized lookups on their own: not with --gate, --processes, "
                      "--ranks or --device cuda")
+    if arguments.cold and (arguments.gate or arguments.processes or arguments.ranks or arguments.format):
+        parser.error("--cold times the main benchmark's calls one by one: not with --gate, --processes, --ranks or "
+                     "--format")
     if arguments.ranks and importlib.util.find_spec("torch") is None:
         parser.error("--ranks needs torch: pip install 'fastembed-gather[distributed]'")
     arguments.checks, arguments.gate_repetitions = None, None
@@ -263,7 +270,8 @@ def run(arguments: argparse.Namespace, console: Any, host_table: Any, cases: lis
             contenders = [c for c in contenders if c.id in contender_ids or c.kind == "limit"]
         for batch, distribution in cases:
             console.print(f"[dim]measuring {batch} {distribution} ids on {platform.device} ...[/dim]")
-            results += measure_case(table, contenders, batch, distribution, repetitions, platform=platform)
+            results += measure_case(table, contenders, batch, distribution, repetitions, platform=platform,
+                                    cold=arguments.cold)
     return summarise(results)
 
 
@@ -313,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     report.print_table(rows, console, described)
     payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
                "machine": report.machine_facts(), "table": described, "repetitions": repetitions,
-               "results": rows}
+               "cold": arguments.cold, "results": rows}
     report.write_json(arguments.out / "results.json", payload)
     report.write_markdown(arguments.out / "results.md", rows)
     plots = report.write_plots(arguments.out, rows, described)

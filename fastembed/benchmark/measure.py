@@ -7,7 +7,10 @@ not cache. Before each timed sample the platform settles the caches (on the
 host: a read of twice the last-level cache), so no contender pays for the
 dirty lines its predecessor left. Small batches time a loop of calls over a
 rotating pool of id sets (a single call is too short for the clock), after
-one untimed call (the loop is timed warm); the pool spans at least
+one untimed call (the loop is timed warm), unless the caller asks for cold
+calls (``cold=True``: one call per sample, right after the settling read, as
+a decode step meets the lookup after a forward pass has evicted its code and
+data); the pool spans at least
 POOL_MIN_BYTES of rows and each contender draws its own sets from it, so no
 contender reads rows that another one has just brought into the cache. The
 6-id uniform case is the exception by design: the reference sentence, the
@@ -173,9 +176,10 @@ def measure_case(
     warmup: int = 2,
     seed: int = 0,
     platform: Platform = HOST,
+    cold: bool = False,
 ) -> list[Result]:
     row_bytes = table.shape[1] * table.dtype.itemsize
-    inner = calls_per_sample(batch, row_bytes)
+    inner = 1 if cold else calls_per_sample(batch, row_bytes)
     host_pool = id_sets(distribution, batch, table.shape[0], pool_size(batch, row_bytes, inner, repetitions, warmup), seed)
     pools = {
         dtype: [platform.ids_to_device(ids.astype(dtype)) for ids in host_pool]
@@ -206,8 +210,7 @@ def measure_case(
             if inner > 1:
                 # A loop of small calls is timed warm: the first call after the
                 # settling read would otherwise add its cold Python layers
-                # (tens of us) to every call's average. bench/latency.py --cold
-                # measures that case.
+                # (tens of us) to every call's average; cold=True times that call.
                 call(pool[(first + inner) % len(pool)])
             elapsed = platform.seconds_per_call(call, id_list)
             if repetition >= warmup:
