@@ -144,6 +144,9 @@ class Embedding:
         self._guards = memory_guards(self._rows, table.scales if type(table) is QuantizedTable else None)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
+        # The last backend argument, the dispatch generation it was chosen in, and the backend chosen: a decode
+        # step meets the layer with cold caches, where even one dictionary lookup in dispatch costs microseconds.
+        self._selection: tuple[Any, int, Any] = (None, -1, None)
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:
         """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors).
@@ -158,12 +161,17 @@ class Embedding:
         if dtype is not None or type(table_view) is not _NDARRAY:
             return _converting_lookup(table_view, ids, out, dtype, backend, self._rows)
         ids_view = validate.ids_snapshot(ids, table_view)
+        remembered_backend, generation, chosen = self._selection
+        if remembered_backend is not backend or generation != dispatch.generation:
+            generation = dispatch.generation  # read first: a refresh meanwhile makes the next call choose again
+            chosen = dispatch.select(table_view, backend)
+            self._selection = (backend, generation, chosen)
         if out is None:
             if self._numpy:
-                return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+                return chosen.gather(table_view, ids_view, None)
             return _wrapped_lookup(table_view, ids_view, backend, self._table)
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
-        dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
+        chosen.gather(table_view, ids_view, out_view)
         return out
 
     @property

@@ -92,11 +92,15 @@ def backend_statuses() -> list[BackendStatus]:
 def read_environment() -> None:
     """(Re)read FASTEMBED_BACKEND. Done once at import: a lookup does not pay
     for an environment read on every call."""
-    global _environment_choice
+    global _environment_choice, generation
     _environment_choice = os.environ.get(ENVIRONMENT_VARIABLE) or AUTO
+    generation += 1
 
 
 _environment_choice = AUTO
+#: Changes whenever an answer of :func:`select` may change (FASTEMBED_BACKEND re-read, :func:`refresh`):
+#: a caller that remembers an answer (``Embedding``) uses it only while this is the value it saw.
+generation = 0
 #: The backend chosen per (requested backend, FASTEMBED_BACKEND, table type), or per (requested backend,
 #: FASTEMBED_BACKEND, data type, format) for a QuantizedTable.
 _selected: dict[tuple[Any, ...], Backend] = {}
@@ -148,9 +152,10 @@ def refresh() -> None:
 
     Resets every backend's own state too (:meth:`Backend.reset`).
     """
-    global _available
+    global _available, generation
     _available = None
     _selected.clear()
+    generation += 1
     for backend in BACKENDS.values():
         backend.reset()
     read_environment()

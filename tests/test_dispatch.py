@@ -1,6 +1,7 @@
 """The dispatcher: priority, data stays where it lives, named choices never fall back."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import fastembed
@@ -136,6 +137,36 @@ def test_remembered_choices_follow_the_request_and_refresh(declare_unavailable):
     assert dispatch.select(table).name == "numpy"
     with pytest.raises(fastembed.BackendUnavailableError, match="numba is not installed"):
         dispatch.select(table, "numba")
+
+
+def test_an_embedding_remembers_its_choice_until_the_environment_or_a_refresh_changes_it(environment, monkeypatch):
+    """Embedding keeps select()'s answer per backend argument; FASTEMBED_BACKEND re-read or refresh() drops it."""
+    served = []
+    for backend in (numpy_backend.BACKEND, numba_backend.BACKEND, cuda_backend.BACKEND):
+        original = backend.gather
+        monkeypatch.setattr(backend, "gather", lambda *a, name=backend.name, gather=original: (
+            served.append(name), gather(*a))[1])
+    table = random_table(10, 4)
+    emb = fastembed.Embedding(table)
+    expected = fastembed.select_backend(table, [1]).backend
+    for _ in range(2):
+        assert_bit_equal(emb([1]), table[[1]])
+        assert_bit_equal(emb([2], backend="numpy"), table[[2]])
+    assert served == [expected, "numpy"] * 2
+    environment("numpy")
+    served.clear()
+    assert_bit_equal(emb([3]), table[[3]])
+    assert served == ["numpy"]
+    environment("cuda")
+    with pytest.raises(fastembed.BackendUnavailableError):
+        emb([1])
+    with pytest.raises(TypeError, match="backend must be a string"):
+        emb([1], backend=["numba"])
+    monkeypatch.setenv(dispatch.ENVIRONMENT_VARIABLE, "numpy")
+    dispatch.refresh()
+    served.clear()
+    assert_bit_equal(emb([4], out=np.empty((1, 4), table.dtype)), table[[4]])
+    assert served == ["numpy"]
 
 
 @pytest.mark.parametrize("backend", [["numba"], {"name": "numba"}])
