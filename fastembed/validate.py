@@ -386,17 +386,21 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             and view.dtype == (table.dtype if dtype is None else dtype)
             and flags.c_contiguous
             and flags.writeable
-            and out.flags.owndata
-            and type(caller_ids) is _NDARRAY
-            and caller_ids.flags.owndata
-            and out is not caller_ids
-            and type(caller_table) is _NDARRAY  # a tensor or JAX table has no flags: the exact test below
-            and caller_table.flags.owndata
-            and out is not caller_table
         ):
-            # Different arrays that each own their buffer cannot overlap: the
-            # exact test (np.shares_memory) is left for views and memory maps.
-            return view
+            if (
+                out.flags.owndata
+                and type(caller_ids) is _NDARRAY
+                and caller_ids.flags.owndata
+                and out is not caller_ids
+                and type(caller_table) is _NDARRAY  # a tensor or JAX table has no flags: the tests below
+                and caller_table.flags.owndata
+                and out is not caller_table
+            ):
+                # Different arrays that each own their buffer cannot overlap.
+                return view
+            if not np.may_share_memory(view, table) and not np.may_share_memory(view, ids):
+                # Disjoint address ranges cannot overlap (a mapped table, views): the exact test is left for the rest.
+                return view
     adapter = adapter_of(out)
     if adapter is None:
         raise TypeError(f"out must be an array, got {type(out).__module__}.{type(out).__qualname__}")

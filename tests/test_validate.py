@@ -125,6 +125,20 @@ def test_out_overlapping_table_or_ids(backend):
             fastembed.lookup(table, [0, 1], out=out, backend=backend)
 
 
+def test_out_beside_a_mapped_table_or_viewed_ids_passes_the_overlap_checks(backend, tmp_path):
+    """Arrays that own no buffer (a memory-mapped table, ids and out that are views) but lie apart are accepted."""
+    np.save(tmp_path / "table.npy", random_table(100, 8))
+    table = np.load(tmp_path / "table.npy", mmap_mode="r")
+    ids_and_out = np.zeros(64, np.int64)
+    ids = ids_and_out[:2]
+    ids[:] = [3, 99]
+    out = ids_and_out[8:].view(np.float16)[:16].reshape(2, 8)  # the same buffer as the ids, after them
+    out[...] = np.float16(np.nan)
+    assert not (table.flags.owndata or ids.flags.owndata or out.flags.owndata)
+    assert fastembed.lookup(table, ids, out=out, backend=backend) is out
+    assert_bit_equal(out, np.asarray(table)[[3, 99]])
+
+
 def test_out_owning_its_buffer_passes_the_overlap_checks(backend):
     """Two arrays that each own their buffer cannot overlap: the cheap path accepts them."""
     table, ids = random_table(100, 8), np.array([3, 99])
