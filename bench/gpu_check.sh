@@ -8,7 +8,9 @@
 #
 # Runs the CUDA tests against the real cupy (kernel compile checks, and the
 # end-to-end tests of tests/test_cuda_gpu.py, tests/test_cuda_dequant.py and,
-# with a CUDA torch, tests/test_interop_torch_cuda.py),
+# with a CUDA torch, tests/test_interop_torch_cuda.py and the GPU-shard tests
+# of tests/test_distributed.py: 2 ranks over gloo sharing the GPU, and a
+# one-rank NCCL group, as NCCL needs a GPU per rank),
 # then the GPU benchmark
 # (fastembed-bench --device cuda: 1 to 65,536 ids, uniform and Zipf, float16
 # tables of width 4,096 and 7,168, fastembed's cuda backend against
@@ -38,7 +40,11 @@ if [ -n "${FASTEMBED_GPU_CHECK_DRY_RUN:-}" ]; then
     widths=(64 56)
     bench_args=(--vocab-size 2000 --batch 1,6,64 --reps 2)
 else
-    tests=(tests/test_cuda_gpu.py tests/test_interop_torch_cuda.py tests/test_cuda_dequant.py tests/test_cuda_kernel_compiled.py)
+    tests=(tests/test_cuda_gpu.py tests/test_interop_torch_cuda.py tests/test_cuda_dequant.py tests/test_cuda_kernel_compiled.py
+           "tests/test_distributed.py::test_a_one_rank_nccl_group_on_a_gpu"
+           "tests/test_distributed.py::test_gpu_shards_are_bit_exact_torch_cuda_tensors_on_the_tables_device"
+           "tests/test_distributed.py::test_gpu_shards_raise_the_same_error_on_every_rank_before_any_data_collective"
+           "tests/test_distributed.py::test_gpu_shards_communicate_over_the_groups_gpu_transport")
     widths=(4096 7168)
     bench_args=(--reps "${REPS:-15}")
 fi

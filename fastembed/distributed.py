@@ -8,6 +8,13 @@ file, so its memory grows by its shard, not by the table. Quantized tables
 safetensors file fastembed saved) are split the same way, by rows of bytes
 (and row scales), and dequantized by the local gather into ``dtype=``.
 
+A torch CUDA tensor, or a checkpoint path with ``device="cuda:N"``, gives
+each rank a *GPU shard*: its rows on its GPU, gathered there by fastembed's
+cuda backend, combined by the all-reduce (NCCL's reduce-scatter for
+``"scatter"`` on a group whose GPU backend is NCCL), returned as torch CUDA
+tensors on the shard's device. The ids are still checked and fingerprinted
+on the host (ids on the GPU are copied there first).
+
 ``emb(ids)``, called by every rank with the same ids, returns every rank the
 full rows ``table[ids]``; ``emb(ids, mode="scatter")`` returns each rank its
 contiguous slice of the positions, for sequence-parallel callers.
@@ -26,8 +33,8 @@ A call runs five steps on every rank (:class:`LookupTimings` times each):
 4. *communicate*, by one of two exchanges (``exchange=``, chosen when the
    layer is built):
 
-   - ``"shared_memory"``, when every rank runs on one host (the default
-     there): step 2 wrote each rank's rows into a buffer of a shared-memory
+   - ``"shared_memory"``, when every rank runs on one host with a host
+     table (the default there): step 2 wrote each rank's rows into a buffer of a shared-memory
      segment all ranks map, and the agreement doubles as the barrier after
      those writes, so nothing is sent (unless the segment is too small for
      the batch: the ranks then grow it together and write their rows into
@@ -45,7 +52,9 @@ A call runs five steps on every rank (:class:`LookupTimings` times each):
    this rank's positions out of it.
 
 Every collective is waited for at most ``timeout`` seconds: a rank that dies
-or stops calling makes the others raise :class:`CommunicationError`.
+or stops calling makes the others raise :class:`CommunicationError`. The
+collectives carry CPU tensors where the group has a CPU backend (gloo), and
+tensors on the shard's GPU on a group of NCCL alone.
 
 How rows and positions are split: :func:`row_range` and :func:`position_range`.
 Importing this module does not import torch; building a
@@ -59,6 +68,7 @@ import hashlib
 import math
 import mmap
 import os
+import re
 import secrets
 import socket
 import sys
@@ -72,7 +82,8 @@ import numpy as np
 
 from . import validate
 from .api import Embedding, lookup
-from .arrays import device_of, memory_guards, result_like
+from .arrays import adapter_of, device_of, memory_guards, result_like, torch_adapter
+from .backends.cuda_backend import deferred_id_checks
 from .formats import QuantizedTable
 
 MODES = ("full", "scatter")
@@ -92,11 +103,12 @@ TORCH_NEEDED = "fastembed.distributed needs torch 2.13 or later (the release it 
 _WORDS = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8))
 #: Exception types a rank's local step shares with the others by their index (+1); any other becomes a RuntimeError.
 _SHARED = (IndexError, ValueError, TypeError, FileNotFoundError, PermissionError, OSError, MemoryError, ImportError)
-_NOT_ON_HOST = (
-    "VocabParallelEmbedding serves host tables (numpy, np.memmap, torch CPU tensors) over a group that carries CPU "
-    "tensors (gloo); a table on {device} is not served: the GPU path (NCCL) is not built, as this class has not "
-    "been run on GPUs (docs/distributed.md, 'GPUs'); fastembed.lookup serves GPU tables in one process"
-)
+_NOT_SERVED = ("VocabParallelEmbedding serves host tables (numpy, np.memmap, torch CPU tensors) and torch CUDA "
+               "tensors (or QuantizedTables of them); a {kind} on {device} is not served{hint}")
+#: How a cupy table is served: as the torch tensor over its memory.
+_CUPY_HINT = ": torch.from_dlpack(table) is a torch CUDA tensor over the same memory (no copy)"
+#: ``device=`` for a checkpoint: the host, torch's current GPU, or GPU N.
+_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 class CommunicationError(RuntimeError):
@@ -119,7 +131,9 @@ class LookupTimings(NamedTuple):
     grow the segment spends time here). ``copy_s``: copying the rows this rank
     returns out of the exchanged buffer (all-reduce ``full``: none, the buffer
     is the result). ``payload_bytes``: the whole buffer for the all-reduce,
-    this rank's own rows for shared memory.
+    this rank's own rows for shared memory. On a GPU shard the seconds are the
+    host's: kernels and NCCL collectives run asynchronously, so a step's device
+    time shows in the first later step that waits for it.
     """
 
     prepare_s: float
@@ -205,9 +219,9 @@ def position_range(count: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 class _Shard(NamedTuple):
-    """One rank's rows: the numpy view (or QuantizedTable of numpy views) gathered from, the caller's kind, the watch."""
+    """One rank's rows: the view (or QuantizedTable of views) gathered from, the caller's kind, the watch."""
 
-    rows: Any  # np.ndarray, or a QuantizedTable of this rank's rows (and row scales)
+    rows: Any  # np.ndarray or torch CUDA tensor, or a QuantizedTable of this rank's rows (and row scales)
     like: Any  # None for numpy tables; else the rows in the caller's library, so results follow the table's kind
     watch: Any  # a FileWatch over the mapped rows for a path source, else None
     vocab_size: int
@@ -226,12 +240,15 @@ class VocabParallelEmbedding:
     Args:
         source: a checkpoint path, as for :meth:`fastembed.Embedding.from_pretrained`
             (each rank memory-maps only its rows' bytes, and a quantized table's
-            row scales), or a host table (numpy array, np.memmap, torch CPU
-            tensor, or a :class:`~fastembed.formats.QuantizedTable` of them:
-            each rank keeps a view of its rows; the array stays as big as the
-            caller keeps it).
+            row scales; with ``device="cuda:N"`` it then copies them to that GPU),
+            or a table: a host table (numpy array, np.memmap, torch CPU tensor)
+            or a torch CUDA tensor, or a :class:`~fastembed.formats.QuantizedTable`
+            of them. Each rank keeps a view of its rows, on the table's device;
+            the array stays as big as the caller keeps it. cupy arrays are not
+            served: ``torch.from_dlpack(table)`` is a torch tensor over their memory.
         group: the process group (default: the default group). Its backend
-            must carry CPU tensors: gloo, or ``"cpu:gloo,cuda:nccl"``.
+            must carry the shard's tensors: gloo (host and GPU tables),
+            ``"cpu:gloo,cuda:nccl"`` (both), or NCCL alone (GPU tables only).
         name: the tensor in a checkpoint (None: the token embedding, by name).
         pad_to_multiple: pad the vocabulary to a multiple of this before
             splitting (:func:`row_range`); padded rows do not exist.
@@ -249,21 +266,38 @@ class VocabParallelEmbedding:
             else the all-reduce; where a segment cannot be made (a /dev/shm too
             small for a batch), those calls use the all-reduce, with a warning.
             :attr:`exchange` says which was chosen; docs/distributed.md, "Shared
-            memory", has the memory it takes.
+            memory", has the memory it takes. GPU tables always use the
+            all-reduce (``"auto"``), and refuse ``"shared_memory"``.
+        device: where a checkpoint's rows go: None or ``"cpu"`` (mapped host
+            memory), ``"cuda"`` (torch's current GPU) or ``"cuda:N"``: each rank
+            maps its rows, then copies only them to that GPU (the one copy, to
+            the device; nothing stays mapped). A table stays where it is: None,
+            or its own device.
 
     Raises:
         ImportError: torch is not installed.
         RuntimeError: no process group is initialised.
-        ValueError: this process is not in `group`; a group without CPU
-            transport (NCCL alone); ranks that opened tables of different
-            shapes or dtypes, or asked for different exchanges (the values
+        ValueError: this process is not in `group`; a host table on a group
+            without CPU transport (NCCL alone: raised on that rank only, before
+            any collective); ranks that opened tables of different
+            shapes or dtypes, on the host and on GPUs, or asked for different exchanges (the values
             themselves are not compared); ``pad_to_multiple`` not positive,
             ``timeout`` outside 1 ms to a year; `name` with an array; ``exchange="shared_memory"``
-            on ranks that do not all run on one host with a usable /dev/shm.
-        TypeError: a table not on the host (torch CUDA tensors, cupy arrays).
+            on ranks that do not all run on one host with a usable /dev/shm, or
+            with a GPU table; a `device` that is not the host or a visible GPU,
+            or, for a table, not its own.
+        TypeError: a table on a GPU that is not a torch CUDA tensor (a cupy
+            array), or on another kind of device; a torch CUDA table without cupy
+            (fastembed's GPU gather).
         FileNotFoundError, ValueError, TypeError: as the loaders, for a path
             source (raised on every rank when any rank's open failed).
         CommunicationError: a rank died or did not build it within `timeout`.
+
+    On a GPU shard the collectives carry CUDA tensors of its device over the
+    group's GPU backend (on a group of NCCL alone the agreements do too), and
+    `timeout` bounds them as ``Work.wait(timeout)`` does: it blocks this rank
+    until the collective completes, and when it does not in time, torch aborts
+    the communicator; the layer raises :class:`CommunicationError` as for gloo.
 
     Shape:
         ``emb(ids)``: ``ids.shape + (dim,)``; ``emb(ids, mode="scatter")``:
@@ -277,10 +311,15 @@ class VocabParallelEmbedding:
         emb = VocabParallelEmbedding("path/to/checkpoint", timeout=60)
         rows = emb(torch.tensor([[5, 9, 2]]))              # (1, 3, dim) on every rank
         mine = emb(torch.arange(8), mode="scatter")        # (8 // world_size, dim) here
+
+    On GPUs, after ``init_process_group("nccl")`` and ``torch.cuda.set_device(local_rank)``::
+
+        emb = VocabParallelEmbedding("path/to/checkpoint", device="cuda", timeout=60)
+        rows = emb(torch.tensor([[5, 9, 2]], device="cuda"))  # a torch CUDA tensor on every rank's GPU
     """
 
     def __init__(self, source: Any, *, group: Any = None, name: str | None = None, pad_to_multiple: int = 1,
-                 timeout: float | None = None, exchange: str = "auto") -> None:
+                 timeout: float | None = None, exchange: str = "auto", device: Any = None) -> None:
         torch, dist = _torch_distributed()
         if not dist.is_initialized():
             raise RuntimeError("VocabParallelEmbedding needs a process group: call "
@@ -291,28 +330,38 @@ class VocabParallelEmbedding:
         if self.rank < 0:
             raise ValueError("this process is not a member of `group`")
         backend = str(dist.get_backend(group))
-        if backend == "nccl":
-            raise ValueError("VocabParallelEmbedding gathers host tables and communicates CPU tensors, which NCCL cannot "
-                             "carry: use a gloo group, or init_process_group(backend='cpu:gloo,cuda:nccl')")
+        carriers = {kind: _carrier(backend, kind, dist.Backend.backend_capability) for kind in ("cpu", "cuda")}
+        if not any(carriers.values()):
+            raise ValueError(f"VocabParallelEmbedding needs a group that carries CPU or CUDA tensors, not {backend!r}")
         self._broken: str | None = None
         self._calling = threading.Lock()
         self._timeout: float | None = None
-        self._mine = torch.zeros(2, dtype=torch.int64)
-        self._theirs = torch.zeros((self.world_size, 2), dtype=torch.int64)
-        self._theirs_list = list(self._theirs.unbind(0))
         self.last_timings: LookupTimings | None = None
-        shard, error = None, None
+        shard, error, placement = None, None, None
         try:
             self._timeout = _checked_timeout(timeout)  # first: it bounds the agreement below whatever fails next
             pad = _checked_pad(pad_to_multiple)
             if exchange not in EXCHANGES:
                 raise ValueError(f"exchange must be 'auto', 'shared_memory' or 'all_reduce', got {exchange!r}")
-            shard = _open_shard(source, name, pad, self.rank, self.world_size)
+            placement = _placement(source, device)
+            _check_transport(backend, carriers, placement)
+            if placement != "cpu" and exchange == "shared_memory":
+                raise ValueError("exchange='shared_memory' serves host tables; a GPU table's ranks use the all-reduce")
+            shard = _open_shard(source, name, pad, self.rank, self.world_size, placement)
         except Exception as caught:
             error = caught
+        if placement == "cpu" and carriers["cpu"] is None:
+            assert error is not None  # _check_transport's: raised on this rank alone, as no agreement can run
+            raise error
+        # The agreements' small tensors: CPU tensors where the group carries them, else on this rank's GPU.
+        self._wire = "cpu" if carriers["cpu"] is not None else placement or f"cuda:{torch.cuda.current_device()}"
+        self._mine = self._on_wire(np.zeros(2, np.int64))
+        self._theirs = self._on_wire(np.zeros((self.world_size, 2), np.int64))
+        self._theirs_list = list(self._theirs.unbind(0))
+        where = "" if placement is None else " on the host" if placement == "cpu" else " on a GPU"
         described = "" if shard is None else (
-            f"a {shard.vocab_size} x {shard.rows.shape[1]} {_kind(shard.rows)} table, pad_to_multiple={pad_to_multiple}, "
-            f"exchange={exchange!r}")
+            f"a {shard.vocab_size} x {shard.rows.shape[1]} {_kind(shard.rows)} table{where}, "
+            f"pad_to_multiple={pad_to_multiple}, exchange={exchange!r}")
         self._agree(error, _digest(described.encode()), lambda: described, "the table",
                     "every rank must open a table of the same shape and dtype, with the same pad_to_multiple "
                     "and exchange")
@@ -322,11 +371,17 @@ class VocabParallelEmbedding:
         self.padded_vocab_size: int = padded_vocab_size(shard.vocab_size, pad_to_multiple)
         self.vocab_start, self.vocab_end = row_range(shard.vocab_size, self.world_size, self.rank, pad_to_multiple)
         rows = shard.rows
+        #: Where this rank's rows live, and its results: ``"cpu"`` or ``"cuda:N"``.
+        self.device: str = str(placement)
+        self._on_device = self.device != "cpu"
+        # NCCL reduces and scatters in one collective; gloo's reduce-scatter is an all-reduce of a copy.
+        self._reduce_scatters = self._on_device and carriers["cuda"] == "nccl"
         self._stored = int(rows.shape[0])
         self._dim = int(rows.shape[1])
         self._quantized = isinstance(rows, QuantizedTable)
-        self._dtype = validate.output_dtype(rows, None)  # results without dtype=: float32 for a quantized table
-        local = rows if self._quantized else rows.view(np.ndarray)
+        self._view = validate.table_snapshot(rows)
+        self._dtype = validate.output_dtype(self._view, None)  # results without dtype=: float32 for a quantized table
+        local = rows if self._quantized or self._on_device else rows.view(np.ndarray)
         self._local = Embedding(local) if self._stored else None
         self._phantom = np.empty((self.vocab_size, 0), np.uint8)  # ids are checked against the whole vocabulary
         # The first row of every rank but the first: searchsorted over them names each id's owner.
@@ -343,8 +398,10 @@ class VocabParallelEmbedding:
     def shard(self) -> Any:
         """This rank's stored rows ``table[vocab_start:min(vocab_end, vocab_size)]``.
 
-        A torch tensor for a torch table; a :class:`~fastembed.formats.QuantizedTable`
-        of this rank's rows (and row scales) for a quantized table.
+        A torch tensor for a torch table (on its GPU for a GPU table, a view of
+        the caller's tensor; for a checkpoint with ``device="cuda:N"``, the copy
+        on that GPU); a :class:`~fastembed.formats.QuantizedTable` of this rank's
+        rows (and row scales) for a quantized table.
         """
         return self._shard.rows if self._shard.like is None or self._quantized else self._shard.like
 
@@ -373,14 +430,15 @@ class VocabParallelEmbedding:
             ValueError: the table was not opened from a path.
         """
         if self._shard.watch is None:
-            raise ValueError("this table was not memory-mapped from a file by fastembed: there is no file to check")
+            raise ValueError("this rank's rows are not memory-mapped from a file (an array source, or a checkpoint "
+                             "copied to a GPU): there is no file to check")
         self._shard.watch.check()
 
     def __repr__(self) -> str:
         kind = f"format={self.format!r}" if self._quantized else f"dtype={self._dtype}"
         return (f"VocabParallelEmbedding(vocab_size={self.vocab_size}, dim={self._dim}, {kind}, "
                 f"rank={self.rank}, world_size={self.world_size}, rows={self.vocab_start}..{self.vocab_end}, "
-                f"exchange={self.exchange!r})")
+                f"device={self.device!r}, exchange={self.exchange!r})")
 
     def _segment_names(self) -> list[str]:
         """The names (in SHM_FOLDER) of every segment this layer has made, oldest first: all unlinked by now."""
@@ -393,7 +451,9 @@ class VocabParallelEmbedding:
         integer dtype may differ), the same mode and the same dtype.
 
         Args:
-            ids: integers of any dtype and shape, as for :func:`fastembed.lookup`.
+            ids: integers of any dtype and shape, as for :func:`fastembed.lookup`:
+                on the host, or for a GPU shard on its device too (copied to the
+                host, where every rank checks and fingerprints them).
             mode: ``"full"`` (every position) or ``"scatter"`` (this rank's part of
                 the ids' first dimension, split by :func:`position_range`).
             dtype: the result's dtype, as for :func:`fastembed.lookup`: None is the
@@ -403,15 +463,17 @@ class VocabParallelEmbedding:
 
         Returns:
             A new array of the table's kind (numpy, or torch for a torch table or
-            a quantized table whose rows are a torch tensor).
+            a quantized table whose rows are a torch tensor); for a GPU shard, a
+            torch tensor on its device, ordered on torch's current stream there.
 
         Raises:
             IndexError: an id outside ``[0, vocab_size)`` (padded rows included), with
                 its position and value, raised on every rank.
             ValueError: ids, modes or dtypes that differ between ranks (naming each
                 rank's), a bad mode, scalar ids with ``"scatter"``; raised on every rank.
-            TypeError: ids that are not integers, a dtype the table cannot give
-                (int8 from a quantized table); raised on every rank.
+            TypeError: ids that are not integers, or on another device than the
+                table; a dtype the table cannot give (int8 from a quantized table,
+                a cast of a dense GPU table); raised on every rank.
             CommunicationError: a rank died or did not call within `timeout`.
             RuntimeError: another thread of this rank is calling the layer (raised
                 on this rank only, before any collective).
@@ -465,8 +527,8 @@ class VocabParallelEmbedding:
             guard.check()  # a torch table's storage resized in place since the layer was built: ValueError
         if mode not in MODES:
             raise ValueError(f"mode must be 'full' or 'scatter', got {mode!r}")
-        target = validate.output_dtype(self._shard.rows, dtype)
-        view = validate.ids_snapshot(ids, self._phantom)
+        target = validate.output_dtype(self._view, dtype, self._shard.like)
+        view = validate.host_ids_snapshot(ids, self._phantom, self.device)
         shape = tuple(int(size) for size in view.shape)
         if mode == "scatter" and not shape:
             raise ValueError("mode='scatter' splits the ids' first dimension, and scalar ids have none")
@@ -502,20 +564,42 @@ class VocabParallelEmbedding:
 
     def _gather_masked(self, call: _Call) -> None:
         """The all-reduce's buffer: this rank's rows at the positions it owns, zeros everywhere else."""
-        words = call.words = np.empty((call.ids.size, call.row_bytes // call.word.itemsize), call.word)
-        call.payload_bytes = int(words.nbytes)
         local = call.ids
-        if not local.size:
-            return
+        call.payload_bytes = local.size * call.row_bytes
         np.subtract(local, self.vocab_start, out=local)  # local is this call's own copy
         outside = local.view(np.uint64) >= self._stored  # below the shard start wraps to huge: one comparison
+        cast = call.dtype if self._quantized or call.dtype != self._dtype else None
+        if self._on_device:
+            self._gather_masked_on_device(call, local, outside, cast)
+            return
+        words = call.words = np.empty((local.size, call.row_bytes // call.word.itemsize), call.word)
+        if not local.size:
+            return
         if self._local is None or outside.all():
             words.fill(0)
             return
         local[outside] = 0
-        cast = call.dtype if self._quantized or call.dtype != self._dtype else None
         self._local(local, out=words.view(call.dtype), dtype=cast)
         words[outside] = 0
+
+    def _gather_masked_on_device(self, call: _Call, local: np.ndarray, outside: np.ndarray, cast: Any) -> None:
+        """:meth:`_gather_masked` on the shard's GPU: fastembed's gather of every position, then zeros where it must.
+
+        The buffer is the gather's own result (a torch tensor, seen as integer
+        words). A rank that stores rows gathers even when it owns none of the
+        ids, so that a ``dtype=`` the GPU cannot give fails alike on every rank.
+        """
+        torch = self._torch
+        word = getattr(torch, call.word.name)
+        if self._local is None:  # a rank of padded rows only
+            call.words = self._shard.like.new_zeros((local.size, call.row_bytes // call.word.itemsize), dtype=word)
+            return
+        local[outside] = 0
+        with deferred_id_checks():  # the ids were checked on the host: skip the backend's synchronising re-check
+            rows = self._local(local, dtype=cast)
+        words = call.words = rows.view(word)
+        if outside.any():
+            words.index_fill_(0, torch_adapter.ADAPTER.from_host(np.flatnonzero(outside), self.device), 0)
 
     def _write_rows(self, call: _Call, buffer: np.ndarray) -> None:
         """This rank's rows, gathered straight into `buffer`: the ranks' rows lie in rank order, each in position order.
@@ -599,26 +683,43 @@ class VocabParallelEmbedding:
         ``scatter`` copies this rank's positions out of the reduced buffer. It is
         an all-reduce rather than a reduce-scatter because gloo's reduce-scatter
         clones its input and all-reduces the clone: the same traffic plus a copy
-        of the whole buffer.
+        of the whole buffer. On a GPU shard over NCCL, ``scatter`` is NCCL's
+        reduce-scatter instead (:meth:`_reduce_scatter`).
         """
         words = call.words
         assert words is not None
         started = time.perf_counter()
-        if words.size:
-            tensor = self._torch.from_numpy(words)
-            self._collective(lambda: self._dist.all_reduce(tensor, group=self._group, async_op=True),
-                             "the all-reduce of the rows")
-        reduced = time.perf_counter()
-        call.exchange_s += reduced - started
         shape = call.shape
         if call.mode == "scatter":
             start, stop = position_range(shape[0], self.world_size, self.rank)
             rest = math.prod(shape[1:])  # ids per position along the first dimension
             shape = (stop - start, *shape[1:])
-            words = words[start * rest: stop * rest].copy()  # a result of its own size; the buffer is freed
+            if self._reduce_scatters:
+                words = self._reduce_scatter(words, call.shape[0], rest)
+                call.exchange_s += time.perf_counter() - started
+                return self._finish(words, call.dtype, shape)
+        if call.ids.size:
+            tensor = words if self._on_device else self._torch.from_numpy(words)
+            self._collective(lambda: self._dist.all_reduce(tensor, group=self._group, async_op=True),
+                             "the all-reduce of the rows")
+        reduced = time.perf_counter()
+        call.exchange_s += reduced - started
+        if call.mode == "scatter":
+            mine = words[start * rest: stop * rest]
+            words = mine.clone() if self._on_device else mine.copy()  # a result of its own size; the buffer is freed
         result = self._finish(words, call.dtype, shape)
         call.copy_s = time.perf_counter() - reduced
         return result
+
+    def _reduce_scatter(self, words: Any, count: int, rest: int) -> Any:
+        """This rank's positions of the buffer, summed over the ranks by one reduce-scatter (each rank its part)."""
+        parts = [words[start * rest: stop * rest]
+                 for start, stop in (position_range(count, self.world_size, rank) for rank in range(self.world_size))]
+        mine = parts[self.rank].new_empty(parts[self.rank].shape)
+        if words.shape[0]:
+            self._collective(lambda: self._dist.reduce_scatter(mine, parts, group=self._group, async_op=True),
+                             "the reduce-scatter of the rows")
+        return mine
 
     def _late_all_reduce(self, call: _Call) -> Any:
         """The all-reduce for a call that shared memory could not hold: gathered after the agreement."""
@@ -634,9 +735,16 @@ class VocabParallelEmbedding:
         call.exchange_s += time.perf_counter() - gathered
         return self._all_reduce(call)
 
-    def _finish(self, words: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
+    def _finish(self, words: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
+        """The exchanged words as the result: numpy words seen as `dtype` in the table's kind, or a GPU shard's tensor."""
+        if self._on_device:
+            return words.view(self._torch_dtype(dtype)).view(shape + (self._dim,))
         values = words.view(dtype).reshape(shape + (self._dim,))
         return values if self._shard.like is None else result_like(values, self._shard.like)
+
+    def _torch_dtype(self, dtype: np.dtype) -> Any:
+        """The torch dtype of a GPU shard's results of `dtype`: the table's own (bfloat16 is held as words), or torch's of that name."""
+        return self._shard.like.dtype if dtype == self._dtype and not self._quantized else getattr(self._torch, dtype.name)
 
     # -- the shared-memory segment ---------------------------------------------------------------------------
 
@@ -651,7 +759,7 @@ class VocabParallelEmbedding:
         secret = int.from_bytes(secrets.token_bytes(8), "little", signed=True)
         hosts, usables, secrets_ = zip(*self._all_gather_ints([host, int(usable), secret]), strict=True)
         self._key = int(secrets_[0]).to_bytes(8, "little", signed=True)  # rank 0's: names no one can guess
-        if requested == "all_reduce" or (requested == "auto" and self.world_size == 1):
+        if requested == "all_reduce" or self._on_device or (requested == "auto" and self.world_size == 1):
             return "all_reduce"
         if len(set(hosts)) == 1 and all(usables):
             return "shared_memory"
@@ -760,25 +868,27 @@ class VocabParallelEmbedding:
 
     def _gather_texts(self, text: str) -> list[str]:
         """Every rank's `text` (cut to MESSAGE_BYTES), on every rank: only on the error path."""
-        torch = self._torch
         encoded = text.encode("utf-8", "replace")[:MESSAGE_BYTES]
         buffer = np.zeros(MESSAGE_BYTES, np.uint8)
         buffer[: len(encoded)] = np.frombuffer(encoded, np.uint8)
-        mine = torch.from_numpy(buffer)
-        theirs = [torch.zeros(MESSAGE_BYTES, dtype=torch.uint8) for _ in range(self.world_size)]
+        mine = self._on_wire(buffer)
+        theirs = list(self._on_wire(np.zeros((self.world_size, MESSAGE_BYTES), np.uint8)).unbind(0))
         self._collective(lambda: self._dist.all_gather(theirs, mine, group=self._group, async_op=True),
                          "the exchange of error messages")
-        return [bytes(tensor.numpy()).rstrip(b"\0").decode("utf-8", "replace") for tensor in theirs]
+        return [bytes(tensor.cpu().numpy()).rstrip(b"\0").decode("utf-8", "replace") for tensor in theirs]
 
     def _all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (the same count of int64 on every rank), on every rank."""
-        torch = self._torch
-        mine = torch.tensor(values, dtype=torch.int64)
-        theirs = torch.zeros((self.world_size, len(values)), dtype=torch.int64)
+        mine = self._on_wire(np.array(values, np.int64))
+        theirs = self._on_wire(np.zeros((self.world_size, len(values)), np.int64))
         listed = list(theirs.unbind(0))
         self._collective(lambda: self._dist.all_gather(listed, mine, group=self._group, async_op=True),
                          "the agreement on the exchange")
         return [[int(value) for value in row] for row in theirs.tolist()]
+
+    def _on_wire(self, host: np.ndarray) -> Any:
+        """`host` as a tensor the agreements send: a CPU tensor over it, or a copy on this rank's GPU (NCCL alone)."""
+        return self._torch.from_numpy(host) if self._wire == "cpu" else torch_adapter.ADAPTER.from_host(host, self._wire)
 
     def _collective(self, start: Callable[[], Any], what: str) -> None:
         """Start a collective and wait for it, at most `timeout` seconds; any failure is a CommunicationError."""
@@ -813,7 +923,7 @@ class _Call:
         self.ids = ids  # the ids as int64, flat: this call's own copy (the all-reduce's gather shifts it in place)
         self.row_bytes, self.word = row_bytes, word  # an output row's bytes; the widest integer word dividing them
         self.exchange = exchange  # the layer's, or "all_reduce" for a call shared memory could not hold
-        self.words: np.ndarray | None = None  # the all-reduce's buffer: (ids, row words)
+        self.words: Any = None  # the all-reduce's buffer: (ids, row words), numpy or a GPU shard's torch tensor
         self.slots: np.ndarray | None = None  # shared memory: where each position's row lies in the buffer
         self.payload_bytes = 0
         self.late_gather_s = self.exchange_s = self.copy_s = 0.0
@@ -886,15 +996,82 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: int) -> _Shard:
-    """This rank's rows of `source`: a map of only their bytes for a path, a view for an array."""
+def _placement(source: Any, device: Any) -> str:
+    """Where this rank's shard lives: `device` for a checkpoint path (None: the host), an array's own device.
+
+    Raises:
+        ValueError: a `device` that is not ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` of
+            a visible GPU; for an array, a `device` other than its own.
+        TypeError: an array on a GPU that is not a torch CUDA tensor (a cupy array),
+            or on another kind of device.
+    """
     if isinstance(source, (str, os.PathLike)):
-        return _map_shard(source, name, pad, rank, world_size)
+        return _checked_device(device)
+    rows = validate.storage(source)
+    placement = device_of(rows)
+    library = getattr(adapter_of(rows), "name", type(rows).__module__)
+    if placement != "cpu" and not (placement.startswith("cuda:") and library == "torch"):
+        raise TypeError(_NOT_SERVED.format(kind=f"{library} array", device=placement,
+                                           hint=_CUPY_HINT if library == "cupy" else ""))
+    if device is not None and _checked_device(device) != placement:
+        raise ValueError(f"device={device!r} places a checkpoint's rows; an array's shard is a view of it, on "
+                         f"{placement}: move the table there first")
+    return placement
+
+
+def _checked_device(device: Any) -> str:
+    """``device=`` as ``"cpu"`` or ``"cuda:N"`` (``"cuda"``: torch's current GPU); None is the host."""
+    name = "cpu" if device is None else str(device)
+    if not _DEVICE_PATTERN.fullmatch(name):
+        raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if name == "cpu":
+        return name
+    import torch
+
+    count = torch.cuda.device_count()
+    index = int(name[5:]) if name != "cuda" else torch.cuda.current_device() if count else 0
+    if not index < count:
+        raise ValueError(f"device={device!r}: torch sees {count} CUDA device(s)")
+    return f"cuda:{index}"
+
+
+def _carrier(backend: str, device_type: str, capability: dict[str, list[str]]) -> str | None:
+    """The backend of a group that carries tensors of `device_type` (``"cpu"``, ``"cuda"``), or None.
+
+    `backend` is what ``torch.distributed.get_backend`` says: one backend
+    (``"gloo"``, ``"nccl"``), whose device types torch lists in `capability`
+    (``torch.distributed.Backend.backend_capability``), or one per device type
+    (``"cpu:gloo,cuda:nccl"``).
+
+    Example:
+        >>> from fastembed.distributed import _carrier
+        >>> capability = {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]}
+        >>> [_carrier("nccl", kind, capability) for kind in ("cpu", "cuda")]
+        [None, 'nccl']
+        >>> [_carrier("cpu:gloo,cuda:nccl", kind, capability) for kind in ("cpu", "cuda")]
+        ['gloo', 'nccl']
+    """
+    if ":" in backend:
+        return dict(part.split(":", 1) for part in backend.split(",")).get(device_type)
+    return backend if device_type in capability.get(backend, ()) else None
+
+
+def _check_transport(backend: str, carriers: dict[str, str | None], placement: str) -> None:
+    """Raise ValueError when the group (its `carriers` per device type) cannot carry the rows of a shard on `placement`."""
+    kind = placement.partition(":")[0]
+    if carriers[kind] is None:
+        what = "a host table's rows as CPU tensors" if kind == "cpu" else "a GPU table's rows as CUDA tensors"
+        raise ValueError(f"VocabParallelEmbedding communicates {what}, which a {backend!r} group cannot carry: use a "
+                         "gloo group, or init_process_group(backend='cpu:gloo,cuda:nccl')")
+
+
+def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: int, placement: str) -> _Shard:
+    """This rank's rows of `source`: a map of only their bytes for a path (copied to `placement` if a GPU), a view for an array."""
+    if isinstance(source, (str, os.PathLike)):
+        shard = _map_shard(source, name, pad, rank, world_size)
+        return shard if placement == "cpu" else _copied_to(shard, placement)
     if name is not None:
         raise ValueError("name= picks a tensor of a checkpoint; it does not apply to an array source")
-    device = device_of(validate.storage(source))
-    if device != "cpu":
-        raise TypeError(_NOT_ON_HOST.format(device=device))
     view = validate.table_snapshot(source)
     vocab_size = int(view.shape[0])
     start, stop = _stored_range(vocab_size, pad, rank, world_size)
@@ -903,6 +1080,10 @@ def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: 
     if not isinstance(rows, np.ndarray):
         like = rows.detach()[start:stop] if hasattr(rows, "detach") else rows  # torch: a view of the rows
     guards = memory_guards(rows, source.scales if isinstance(source, QuantizedTable) else None)
+    if placement != "cpu":  # a torch CUDA tensor: gathered as it is, so that results are torch tensors on its GPU
+        scales = source.scales if isinstance(source, QuantizedTable) else None
+        on_gpu = like if scales is None else QuantizedTable(like, source.format, source.dim, scales.detach()[start:stop])
+        return _Shard(on_gpu, like, None, vocab_size, guards)
     if isinstance(view, QuantizedTable):
         scales = None if view.scales is None else view.scales[start:stop]
         return _Shard(QuantizedTable(view.data[start:stop], view.format, view.dim, scales), like, None, vocab_size,
@@ -930,6 +1111,19 @@ def _map_shard(path: str | os.PathLike, name: str | None, pad: int, rank: int, w
     return _Shard(rows, None, watch, vocab_size)
 
 
+def _copied_to(shard: _Shard, placement: str) -> _Shard:
+    """A mapped shard's rows (and row scales) copied to the GPU `placement` as torch tensors; the maps are dropped."""
+    def copy(rows: Any) -> Any:
+        return None if rows is None else torch_adapter.ADAPTER.from_host(rows, placement)
+
+    rows = shard.rows
+    if isinstance(rows, QuantizedTable):
+        data = copy(rows.data)
+        return _Shard(QuantizedTable(data, rows.format, rows.dim, copy(rows.scales)), data, None, shard.vocab_size)
+    data = copy(rows)
+    return _Shard(data, data, None, shard.vocab_size)
+
+
 def _map_rows(whole: np.memmap, start: int, stop: int) -> np.ndarray:
     """Rows ``[start, stop)`` of a mapped array (a table's rows, or its row scales), mapping only their bytes."""
     shape = (stop - start, *whole.shape[1:])
@@ -941,8 +1135,8 @@ def _map_rows(whole: np.memmap, start: int, stop: int) -> np.ndarray:
 
 
 def _kind(rows: Any) -> str:
-    """A table's rows in words for the agreement: its dtype, or its format."""
-    return str(rows.format.name) if isinstance(rows, QuantizedTable) else str(rows.dtype)
+    """A table's rows in words for the agreement: its dtype (a torch dtype by its name), or its format."""
+    return str(rows.format.name) if isinstance(rows, QuantizedTable) else str(rows.dtype).removeprefix("torch.")
 
 
 def _stored_range(vocab_size: int, pad: int, rank: int, world_size: int) -> tuple[int, int]:

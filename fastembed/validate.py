@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import adapter_of, device_of, dtype_spec, numpy_adapter
+from .arrays import adapter_of, device_of, dtype_spec, host_copy, numpy_adapter
 from .backends.base import NATIVE_ID_DTYPES
 from .formats import FORMATS, OUTPUT_DTYPES, QuantizedTable
 from .tables import resolve_dtype
@@ -255,10 +255,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     table_device, ids_device = device_of(rows), device_of(ids)
     if ids_device != table_device:
         if ids_device != "cpu" or table_device == "cpu":
-            raise TypeError(
-                f"ids live on {ids_device} but the table lives on {table_device}; "
-                "move one of them explicitly (fastembed never moves data implicitly)"
-            )
+            raise _devices_differ(ids_device, table_device)
         # Host ids for a GPU table are copied to the device (documented), after the host-side checks.
         host = _host_ids(ids)
         _check_integer_dtype(host.dtype)
@@ -273,6 +270,30 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     host = _host_ids(ids)
     _check_integer_dtype(host.dtype)
     return _native_ids(host, table.shape[0])
+
+
+def host_ids_snapshot(ids: Any, table: Any, device: str) -> np.ndarray:
+    """A host snapshot of `ids` for a caller that checks them on the host, whose table lives on `device`.
+
+    `table` is a host snapshot the ids are checked against as by
+    :func:`ids_snapshot`. Ids on `device` (a GPU) are copied to the host
+    first: one copy, which waits for the work queued before it.
+
+    Raises:
+        TypeError: as :func:`ids_snapshot`, and for ids on another device than `device`.
+        IndexError: as :func:`ids_snapshot`.
+    """
+    ids_device = device_of(ids)
+    if ids_device == "cpu":
+        return ids_snapshot(ids, table)
+    if ids_device != device:
+        raise _devices_differ(ids_device, device)
+    return ids_snapshot(host_copy(ids), table)
+
+
+def _devices_differ(ids_device: str, table_device: str) -> TypeError:
+    return TypeError(f"ids live on {ids_device} but the table lives on {table_device}; "
+                     "move one of them explicitly (fastembed never moves data implicitly)")
 
 
 def _host_ids(ids: Any) -> np.ndarray:

@@ -11,6 +11,7 @@ runs stay cheap.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -79,8 +80,8 @@ GROUP_DEADLINE_S = 150.0
 
 
 def run_ranks(folder: Path, world: int, task, *args, deadline_s: float = GROUP_DEADLINE_S,
-              start_method: str = "spawn") -> list[dict]:
-    """Run ``task(rank, world, *args)`` on `world` ranks of a fresh gloo group; each rank's outcome, by rank.
+              start_method: str = "spawn", backend: str = "gloo") -> list[dict]:
+    """Run ``task(rank, world, *args)`` on `world` ranks of a fresh group of `backend`; each rank's outcome, by rank.
 
     An outcome is ``{"result": ...}``, ``{"error": type name, "message": ..., "traceback": ...}``, or
     ``{"died": exit code}`` for a rank that left without writing one. Ranks still running at the deadline
@@ -89,7 +90,7 @@ def run_ranks(folder: Path, world: int, task, *args, deadline_s: float = GROUP_D
     run = folder / f"group-{uuid.uuid4().hex[:8]}"
     run.mkdir()
     init = f"file://{run / 'rendezvous'}"
-    arguments = (world, init, str(run), task, args)
+    arguments = (world, init, str(run), task, args, backend)
     if start_method == "spawn":
         context = torch.multiprocessing.spawn(_rank_main, args=arguments, nprocs=world, join=False)
     else:
@@ -114,11 +115,11 @@ def run_ranks(folder: Path, world: int, task, *args, deadline_s: float = GROUP_D
 _RUN_FOLDER: Path | None = None
 
 
-def _rank_main(rank: int, world: int, init: str, folder: str, task, args) -> None:
+def _rank_main(rank: int, world: int, init: str, folder: str, task, args, backend: str) -> None:
     global _RUN_FOLDER
     _RUN_FOLDER = Path(folder)
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         outcome = {"result": task(rank, world, *args)}
     except BaseException as error:  # reported to the parent, which asserts on it
@@ -862,14 +863,12 @@ def test_import_does_not_import_torch():
     assert result.returncode == 0, result.stderr
 
 
-def test_tables_off_the_host_are_refused_clearly():
-    class CudaTensor:  # what device_of takes for a torch CUDA tensor (there is no GPU here)
-        __module__ = "torch"
-        __dlpack__ = None
-        device = type("device", (), {"type": "cuda", "index": 0})()
-
-    with pytest.raises(TypeError, match="a table on cuda:0 is not served"):
-        distributed._open_shard(CudaTensor(), None, 1, 0, 2)
+def test_gpu_tables_other_than_torch_cuda_tensors_are_refused_clearly(cupy_or_double):
+    with pytest.raises(TypeError, match=r"and torch CUDA tensors .*; a cupy array on cuda:0 is not served: "
+                                        r"torch.from_dlpack\(table\)"):
+        distributed._placement(cupy_or_double.zeros((4, 2), cupy_or_double.float32), None)
+    with pytest.raises(TypeError, match="a torch array on meta:0 is not served$"):
+        distributed._placement(torch.empty((4, 2), device="meta"), None)
 
 
 def test_torchrun_launches_two_ranks(tmp_path):
@@ -948,3 +947,277 @@ def test_bench_ranks_arguments_are_checked_first(arguments, message, tmp_path, c
         cli.parse_arguments([*arguments, "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# -- GPU shards: torch CUDA tables, on the doubles here and on a GPU where one is lent -----------------------------
+
+#: (dtype, dim) of the GPU tables: each integer word (row bytes divisible by 8, by 4, neither: 6 x float16 = 12).
+GPU_TABLES = [("float16", 6), ("bfloat16", 4), ("float32", 8)]
+#: The collectives a GPU group's ranks record: (name, device of the tensor sent).
+DATA_COLLECTIVES = ("all_reduce", "reduce_scatter")
+
+
+@contextlib.contextmanager
+def torch_cuda_in_rank():
+    """torch CUDA tensors in a rank: real ones where torch and cupy see a GPU, else the doubles (tests/conftest.py's)."""
+    from cupy_double import gpu_cupy, is_double
+    from torch_cuda_double import TorchCuda, installed
+
+    with gpu_cupy() as cupy:
+        if not is_double(cupy):
+            yield TorchCuda(cupy, False)
+            return
+        with installed(cupy) as cuda:
+            yield cuda
+
+
+def record_collectives() -> list[tuple[str, str]]:
+    """Record every collective this rank starts from now on, with the device of the tensor it sends."""
+    seen: list[tuple[str, str]] = []
+
+    def recording(name: str, original):
+        def recorded(*args, **kwargs):
+            sent = args[1] if name == "all_gather" else args[0]
+            seen.append((name, str(sent.device)))
+            return original(*args, **kwargs)
+
+        return recorded
+
+    for name in ("all_gather", *DATA_COLLECTIVES):
+        setattr(dist, name, recording(name, getattr(dist, name)))
+    return seen
+
+
+def gpu_task(rank: int, world: int, nccl_alone: bool, checkpoint: str) -> dict:
+    """GPU tables of every kind of row word, both modes, ids on the host and on the GPU, errors, a checkpoint copy.
+
+    `nccl_alone`: the group says its backend is "nccl" (gloo still moves the bytes underneath), so the layer
+    takes its NCCL path: agreements on CUDA tensors, and the reduce-scatter for ``"scatter"``.
+    """
+    if nccl_alone:
+        dist.get_backend = lambda group=None: "nccl"
+    seen = record_collectives()
+    failures: list[str] = []
+    outcomes: dict = {}
+    with torch_cuda_in_rank() as cuda:
+        index = rank % torch.cuda.device_count()
+        device = f"cuda:{index}"
+        for dtype, dim in GPU_TABLES:
+            table = cuda.to_cuda(as_torch(make_table(dtype, dim)), index)  # rows 1-5: -0.0, NaN payloads, infinity
+            emb = VocabParallelEmbedding(table, timeout=30)
+            failures += check_gpu_lookups(emb, table, world, rank, cuda, f"{dtype} x{dim}")
+        table = cuda.to_cuda(as_torch(make_table("float16", 6)), index)
+        emb = VocabParallelEmbedding(table, timeout=30, pad_to_multiple=64)  # the last rank stores no rows
+        failures += check_gpu_lookups(emb, table, world, rank, cuda, "padded")
+        same_storage = emb.shard.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+        facts = {"device": device, "repr": repr(emb), "exchange": emb.exchange,
+                 "shard": (str(emb.shard.device), int(emb.shard.shape[0])), "shard_is_view": same_storage}
+        emb = VocabParallelEmbedding(table, timeout=30)
+        last = world - 1
+        other = (index + 1) % torch.cuda.device_count()  # this GPU on a machine of one GPU
+        cases = {
+            "bad id everywhere": lambda: emb(np.array([[1, 2], [VOCAB, 3]])),
+            "bad id on one rank": lambda: emb([1, VOCAB + 5 if rank == last else 2, 3]),
+            "bad device id everywhere": lambda: emb(cuda.to_cuda(torch.tensor([0, VOCAB]), index)),
+            "negative id, scatter": lambda: emb([0, -1], mode="scatter"),
+            "ids on another GPU on one rank": lambda: emb(cuda.to_cuda(torch.tensor([1]), other if rank == last else index)),
+            "a cast the GPU cannot give": lambda: emb([1, 2], dtype="float32"),
+            "values differ": lambda: emb(np.array([1, 2, rank])),
+            "shared memory": lambda: VocabParallelEmbedding(table, timeout=30, exchange="shared_memory"),
+            "a cupy table": lambda: VocabParallelEmbedding(cuda.cupy.zeros((VOCAB, 4), cuda.cupy.float32)),
+            "device= with a table elsewhere": lambda: VocabParallelEmbedding(table, device=f"cuda:{other}"),
+        }
+        if other == index:
+            del cases["ids on another GPU on one rank"], cases["device= with a table elsewhere"]
+        for case, call in cases.items():
+            before = sum(name in DATA_COLLECTIVES for name, _ in seen)
+            outcomes[case] = (*_outcome(call)[:2], sum(name in DATA_COLLECTIVES for name, _ in seen) - before)
+        expected = fastembed.lookup(table, [7, 8, 9])
+        failures += gpu_same_bits("after the errors", emb([7, 8, 9]), expected, device)
+        messages = {"bad id": _message(lambda: fastembed.lookup(table, np.array([[1, 2], [VOCAB, 3]]))),
+                    "cast": _message(lambda: fastembed.lookup(table, [1, 2], dtype="float32"))}
+        mapped = VocabParallelEmbedding(checkpoint, timeout=30, device=device)
+        host = make_table("float16", 64, 3001)
+        ids = np.random.default_rng(SEED).integers(0, 3001, (6, 5))
+        failures += gpu_same_bits("checkpoint full", mapped(ids), cuda.to_cuda(torch.from_numpy(host[ids]), index), device)
+        start, stop = distributed.position_range(6, world, rank)
+        failures += gpu_same_bits("checkpoint scatter", mapped(ids, mode="scatter"),
+                                  cuda.to_cuda(torch.from_numpy(host[ids][start:stop]), index), device)
+        facts["checkpoint shard"] = (isinstance(mapped.shard, torch.Tensor), str(mapped.shard.device),
+                                     int(mapped.shard.shape[0]))
+        facts["check_file"] = _message(mapped.check_file)
+        calls = len(seen)
+        emb([[1, 2], [3, 4], [5, 6]], mode="scatter")
+        facts["scatter collectives"] = seen[calls:]
+    return {"failures": failures, "outcomes": outcomes, "messages": messages, "facts": facts,
+            "collectives": sorted(set(seen))}
+
+
+def gpu_same_bits(label: str, actual, expected, device: str) -> list[str]:
+    """Failures (none when `actual` is a torch tensor on `device` with `expected`'s shape, dtype and bytes)."""
+    if not isinstance(actual, torch.Tensor) or str(actual.device) != device:
+        return [f"{label}: got a {type(actual).__name__} on {getattr(actual, 'device', '?')}, expected one on {device}"]
+    return same_bits(label, actual.cpu(), expected.cpu(), torch.Tensor)
+
+
+def check_gpu_lookups(emb: VocabParallelEmbedding, table, world: int, rank: int, cuda, label: str) -> list[str]:
+    """Every id set, and the same ids on the table's GPU, both modes, against fastembed.lookup on the whole table."""
+    failures = []
+    device = str(table.device)
+    index = table.device.index
+    sets = id_sets() + [(f"{name} on the GPU", cuda.to_cuda(torch.as_tensor(np.asarray(ids)), index))
+                        for name, ids in id_sets() if name in ("7 int32", "2-D 3x5", "empty")]
+    for name, ids in sets:
+        expected = fastembed.lookup(table, ids)
+        failures += gpu_same_bits(f"{label} {name} full", emb(ids), expected, device)
+        if np.ndim(ids) == 0:
+            continue
+        start, stop = distributed.position_range(tuple(ids.shape)[0] if hasattr(ids, "shape") else len(ids), world, rank)
+        failures += gpu_same_bits(f"{label} {name} scatter", emb(ids, mode="scatter"), expected[start:stop], device)
+    return failures
+
+
+@pytest.fixture(scope="module", params=[("gloo", 2), ("nccl alone", 3)], ids=["gloo, 2 ranks", "nccl alone, 3 ranks"])
+def gpu_group(request, tmp_path_factory):
+    """One group of GPU-table ranks per transport; on the doubles unless torch and cupy see a GPU."""
+    from cupy_double import real_cupy
+    from torch_cuda_double import real_torch_cuda
+
+    transport, world = request.param
+    if real_torch_cuda() != (real_cupy() is not None):
+        pytest.skip("torch and cupy disagree on whether there is a GPU: install both for the GPU, or neither")
+    if transport == "nccl alone" and real_torch_cuda():
+        pytest.skip("the 'nccl alone' group runs gloo under the name nccl, on the doubles only; "
+                    "test_a_one_rank_nccl_group_on_a_gpu runs NCCL itself")
+    folder = tmp_path_factory.mktemp(f"gpu-{world}")
+    checkpoint = write_checkpoints(folder)["float16 safetensors"][0]
+    return transport, world, results(run_ranks(folder, world, gpu_task, transport == "nccl alone", checkpoint))
+
+
+def test_gpu_shards_are_bit_exact_torch_cuda_tensors_on_the_tables_device(gpu_group):
+    transport, world, ranks = gpu_group
+    for rank, result in enumerate(ranks):
+        assert result["failures"] == [], f"rank {rank} of {world} ({transport})"
+        facts = result["facts"]
+        device = facts["device"]  # each rank's table on GPU rank % device count
+        assert facts["exchange"] == "all_reduce"
+        assert facts["repr"].endswith(f"device='{device}', exchange='all_reduce')"), facts["repr"]
+        start, stop = distributed.row_range(VOCAB, world, rank, 64)
+        assert facts["shard"] == (device, max(0, min(stop, VOCAB) - min(start, VOCAB))) and facts["shard_is_view"]
+        start, stop = distributed.row_range(3001, world, rank)
+        assert facts["checkpoint shard"] == (True, device, stop - start)  # only its rows, copied to its GPU
+        assert "not memory-mapped from a file" in facts["check_file"]
+
+
+def test_gpu_shards_raise_the_same_error_on_every_rank_before_any_data_collective(gpu_group):
+    transport, world, ranks = gpu_group
+    outcomes = [result["outcomes"] for result in ranks]
+    expected = {"bad id everywhere": "IndexError", "bad id on one rank": "IndexError",
+                "bad device id everywhere": "IndexError", "negative id, scatter": "IndexError",
+                "ids on another GPU on one rank": "TypeError", "a cast the GPU cannot give": "TypeError",
+                "values differ": "ValueError", "shared memory": "ValueError", "a cupy table": "TypeError",
+                "device= with a table elsewhere": "ValueError"}
+    if "device= with a table elsewhere" not in outcomes[0]:  # one GPU: no other device to put ids on
+        for case in ("ids on another GPU on one rank", "device= with a table elsewhere"):
+            del expected[case]
+    for case, kind in expected.items():
+        seen = {outcome[case][:2] for outcome in outcomes}
+        assert len(seen) == 1, f"{case}: the ranks raised differently: {seen}"
+        assert outcomes[0][case][0] == kind, (case, outcomes[0][case])
+        assert all(outcome[case][2] == 0 for outcome in outcomes), f"{case}: a data collective ran"
+    message = {case: outcomes[0][case][1] for case in outcomes[0]}
+    messages = ranks[0]["messages"]
+    assert message["bad id everywhere"] == messages["bad id"]  # fastembed.lookup's own words
+    assert message["bad id on one rank"].endswith(f"(on rank {world - 1} of {world})")
+    assert message["bad device id everywhere"].startswith(f"id {VOCAB} at position 1 is out of range")
+    assert message["a cast the GPU cannot give"] == messages["cast"]
+    assert "the ranks disagree on the ids" in message["values differ"]
+    assert "a GPU table's ranks use the all-reduce" in message["shared memory"]
+    assert "cupy array on cuda:0 is not served" in message["a cupy table"] and "torch.from_dlpack" in message["a cupy table"]
+    if "device= with a table elsewhere" in expected:
+        assert "ids live on cuda:" in message["ids on another GPU on one rank"]
+        assert "move the table there first" in message["device= with a table elsewhere"]
+
+
+def test_gpu_shards_communicate_over_the_groups_gpu_transport(gpu_group):
+    transport, world, ranks = gpu_group
+    for result in ranks:
+        device = result["facts"]["device"]
+        names = {name for name, _ in result["collectives"]}
+        agreements = {where for name, where in result["collectives"] if name == "all_gather"}
+        data = {where for name, where in result["collectives"] if name in DATA_COLLECTIVES}
+        assert data == {device}, result["collectives"]
+        scatter = [name for name, _ in result["facts"]["scatter collectives"] if name in DATA_COLLECTIVES]
+        if transport == "gloo":  # gloo: agreements on CPU tensors, scatter as an all-reduce
+            assert agreements == {"cpu"} and names == {"all_gather", "all_reduce"} and scatter == ["all_reduce"]
+        else:  # NCCL alone: agreements on CUDA tensors (a build that failed before the table's device was known: torch's
+            # current GPU's), scatter as NCCL's reduce-scatter
+            assert device in agreements and all(where.startswith("cuda:") for where in agreements), agreements
+            assert scatter == ["reduce_scatter"], result["collectives"]
+
+
+def test_the_group_backend_decides_which_tables_it_serves():
+    capability = dist.Backend.backend_capability
+    carriers = {backend: {kind: distributed._carrier(backend, kind, capability) for kind in ("cpu", "cuda")}
+                for backend in ("gloo", "nccl", "cpu:gloo,cuda:nccl")}
+    assert carriers == {"gloo": {"cpu": "gloo", "cuda": "gloo"}, "nccl": {"cpu": None, "cuda": "nccl"},
+                        "cpu:gloo,cuda:nccl": {"cpu": "gloo", "cuda": "nccl"}}
+    distributed._check_transport("nccl", carriers["nccl"], "cuda:0")  # a GPU table over NCCL alone: accepted
+    distributed._check_transport("cpu:gloo,cuda:nccl", carriers["cpu:gloo,cuda:nccl"], "cpu")
+    with pytest.raises(ValueError, match="a host table's rows as CPU tensors, which a 'nccl' group cannot carry"):
+        distributed._check_transport("nccl", carriers["nccl"], "cpu")
+
+
+def test_a_host_table_on_a_group_of_nccl_alone_is_refused_before_any_collective(monkeypatch):
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective was started")
+
+    for name, value in {"is_initialized": lambda: True, "get_rank": lambda group=None: 0,
+                        "get_world_size": lambda group=None: 2, "get_backend": lambda group=None: "nccl",
+                        "all_gather": no_collective, "all_reduce": no_collective}.items():
+        monkeypatch.setattr(dist, name, value)
+    with pytest.raises(ValueError, match="which a 'nccl' group cannot carry: use a gloo group, or "
+                                         r"init_process_group\(backend='cpu:gloo,cuda:nccl'\)"):
+        VocabParallelEmbedding(np.ones((4, 2), np.float32))
+
+
+def test_device_must_be_the_host_or_a_visible_gpu():
+    table = np.ones((4, 2), np.float32)
+    assert distributed._placement(table, None) == distributed._placement(table, "cpu") == "cpu"
+    assert distributed._placement("model.safetensors", None) == "cpu"
+    for device, message in (("gpu", "device must be None, 'cpu', 'cuda' or 'cuda:N'"),
+                            (f"cuda:{torch.cuda.device_count()}", "torch sees")):
+        with pytest.raises(ValueError, match=message):
+            distributed._placement("model.safetensors", device)
+
+
+def nccl_task(rank: int, world: int, checkpoint: str) -> dict:
+    """One rank of a real NCCL group on GPU 0: lookups, scatter, ids on the GPU, a bad id, a checkpoint copied there."""
+    torch.cuda.set_device(0)
+    failures = []
+    host = as_torch(make_table("bfloat16", 64, 1000))
+    table = host.to("cuda:0")
+    emb = VocabParallelEmbedding(table, timeout=30)
+    ids = torch.randint(0, 1000, (5, 7), device="cuda:0")
+    expected = fastembed.lookup(table, ids)
+    failures += gpu_same_bits("full", emb(ids), expected, "cuda:0")
+    failures += gpu_same_bits("scatter", emb(ids, mode="scatter"), expected, "cuda:0")
+    failures += gpu_same_bits("host ids", emb(ids.cpu().numpy()), expected, "cuda:0")
+    bad = _outcome(lambda: emb(torch.tensor([0, 1000], device="cuda:0")))[:2]
+    failures += gpu_same_bits("after a bad id", emb(ids), expected, "cuda:0")
+    mapped = VocabParallelEmbedding(checkpoint, timeout=30, device="cuda")
+    file_ids = np.random.default_rng(SEED).integers(0, 3001, (6, 5))
+    failures += gpu_same_bits("checkpoint", mapped(file_ids),
+                              torch.from_numpy(make_table("float16", 64, 3001)[file_ids]).to("cuda:0"), "cuda:0")
+    return {"failures": failures, "bad": bad, "repr": repr(emb)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(),
+                    reason="needs a CUDA GPU and a torch with NCCL (a one-rank NCCL group runs on one GPU)")
+def test_a_one_rank_nccl_group_on_a_gpu(tmp_path):
+    checkpoint = write_checkpoints(tmp_path)["float16 safetensors"][0]
+    (result,) = results(run_ranks(tmp_path, 1, nccl_task, checkpoint, backend="nccl"))
+    assert result["failures"] == []
+    assert result["bad"][0] == "IndexError" and "id 1000 at position 1 is out of range" in result["bad"][1]
+    assert "device='cuda:0', exchange='all_reduce'" in result["repr"]

@@ -21,7 +21,9 @@ torch CUDA tensors (fastembed/arrays/torch_adapter.py) runs unchanged:
 Refused as real torch refuses them: ``.numpy()`` and ``np.asarray`` of a
 CUDA tensor (TypeError), an operation mixing devices (RuntimeError), an
 invalid device ordinal, a DLPack export from another device than the
-current one (BufferError). ``.cpu()`` copies to a plain CPU tensor.
+current one (BufferError). ``.cpu()`` copies to a plain CPU tensor, and
+``tensor.to("cuda:N")`` of a CPU tensor copies it into a new allocation on
+device N, as torch's host-to-device copy does.
 """
 from __future__ import annotations
 
@@ -274,6 +276,34 @@ def _from_dlpack(original: Any) -> Any:
     return convert
 
 
+# -- host-to-device copies: Tensor.to("cuda:N") of a CPU tensor ---------------------------------------------------
+
+def _copy_to_device(host: torch.Tensor, index: int) -> CudaTensor:
+    """A copy of a CPU tensor in a new CuPy-double allocation on device `index`."""
+    host = host.contiguous()
+    nbytes = host.numel() * host.element_size()
+    with _cupy.cuda.Device(index):
+        buffer = _cupy.empty((max(nbytes, 1),), _cupy.uint8)
+    raw = torch.from_numpy(_host_bytes(buffer._host, buffer))[:nbytes]
+    tensor = raw.view(host.dtype).view(host.shape)
+    tensor.copy_(host)
+    return _as_cuda(tensor, index)
+
+
+def _to(original: Any) -> Any:
+    """torch.Tensor.to: a CPU tensor's ``to(device)`` onto a CUDA device copies it there; everything else is torch's."""
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        targets = [value for value in (*args, kwargs.get("device")) if isinstance(value, (str, torch.device))]
+        cuda = [torch.device(value) for value in targets if torch.device(value).type == "cuda"]
+        if isinstance(self, CudaTensor) or not cuda:
+            return original(self, *args, **kwargs)
+        if len(args) + len(kwargs) - ("non_blocking" in kwargs) != 1:
+            raise NotImplementedError("the double copies a CPU tensor to a device with tensor.to(device) only")
+        return _copy_to_device(self, _index(cuda[0]))
+
+    return to
+
+
 # -- what the tests use, the same on the double and on a GPU ------------------------------------------------------
 
 class TorchCuda:
@@ -286,14 +316,7 @@ class TorchCuda:
         """A copy of a CPU tensor on cuda:`device` (the test's data; fastembed never copies a table)."""
         if not self.is_double:
             return host.to(f"cuda:{device}")
-        host = host.contiguous()
-        nbytes = host.numel() * host.element_size()
-        with self.cupy.cuda.Device(device):
-            buffer = self.cupy.empty((max(nbytes, 1),), self.cupy.uint8)
-        raw = torch.from_numpy(_host_bytes(buffer._host, buffer))[:nbytes]
-        tensor = raw.view(host.dtype).view(host.shape)
-        tensor.copy_(host)
-        return _as_cuda(tensor, device)
+        return _copy_to_device(host, device)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: int = 0) -> torch.Tensor:
         return self.to_cuda(torch.zeros(shape, dtype=dtype), device)
@@ -328,6 +351,7 @@ def installed(cupy: ModuleType) -> Iterator[TorchCuda]:
         patch(torch._C, "_to_dlpack", _to_dlpack(torch._C._to_dlpack))
         patch(torch._C, "_to_dlpack_versioned", _to_dlpack(torch._C._to_dlpack_versioned))
         patch(torch._C, "_from_dlpack", _from_dlpack(torch._C._from_dlpack))
+        patch(torch.Tensor, "to", _to(torch.Tensor.to))
         try:
             yield TorchCuda(cupy, True)
         finally:

@@ -37,6 +37,8 @@ class ArrayAdapter(Protocol):
     outputs element by element. An adapter whose library frees or moves the
     memory of an array that a view was taken of (torch: ``resize_``, a
     swapped ``.data``) provides ``memory_guard(array)`` (:func:`memory_guards`).
+    An adapter of device arrays provides ``to_host(array)``, a numpy copy
+    (:func:`host_copy`).
     """
 
     name: str
@@ -114,6 +116,19 @@ def result_like(result: Any, table: Any) -> Any:
         return result
     wrap_like = getattr(adapter, "wrap_like", None)
     return adapter.wrap(result) if wrap_like is None else wrap_like(result, table)
+
+
+def host_copy(array: Any) -> Any:
+    """A numpy copy of a device array (a torch CUDA tensor, a cupy array), through its adapter's ``to_host(array)``.
+
+    Raises:
+        TypeError: an array of a library whose device arrays fastembed cannot copy to the host.
+    """
+    to_host = getattr(adapter_of(array), "to_host", None)
+    if to_host is None:
+        raise TypeError(f"fastembed cannot copy a {type(array).__module__}.{type(array).__qualname__} on "
+                        f"{device_of(array)} to the host")
+    return to_host(array)
 
 
 def dtype_spec(dtype: Any) -> Any:

@@ -45,6 +45,12 @@ class CupyAdapter:
         with cupy.cuda.Device(device_index(device)):
             return cupy.asarray(host)
 
+    def to_host(self, array: Any) -> Any:
+        """A host copy of the array as numpy (on cupy's current stream, which it waits for)."""
+        import cupy
+
+        return cupy.asnumpy(array)
+
     def may_share_memory(self, first: Any, second: Any) -> bool:
         """Whether the device byte ranges of two arrays intersect."""
         if not self.owns(second) or first.nbytes == 0 or second.nbytes == 0:

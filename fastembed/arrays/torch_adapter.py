@@ -172,6 +172,10 @@ class TorchAdapter:
         tensor = _host_tensor(host)
         return tensor if device == "cpu" else tensor.to(device)
 
+    def to_host(self, array: Any) -> np.ndarray:
+        """A host copy of a CUDA tensor as numpy (torch's own copy: it waits for the work queued on torch's current stream)."""
+        return self.snapshot(array.detach().cpu())
+
     def writable(self, view: Any) -> bool:
         """Whether a gather can write into `view`, the snapshot of an ``out`` tensor (torch cannot tell read-only memory).
 
