@@ -72,19 +72,23 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     if dtype is not None or type(table_view) is not _NDARRAY:
         return _converting_lookup(table_view, ids, out, dtype, backend, table)
     ids_view = validate.ids_snapshot(ids, table_view)
+    # The table's snapshot is a plain numpy array here: dispatch's remembered answer for those, unless stale.
+    choice = dispatch.ndarray_choice
+    if choice[0] is not backend or choice[1] != dispatch.generation:
+        choice = dispatch.select_for_ndarray(table_view, backend)
     if out is None:
         if isinstance(table, _NDARRAY):  # a numpy table's result is a plain numpy array, an np.memmap's too
-            return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
-        return _wrapped_lookup(table_view, ids_view, backend, table)
+            return choice[2].gather(table_view, ids_view, None)
+        return _wrapped_lookup(table_view, ids_view, choice[2], table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
-    dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
+    choice[2].gather(table_view, ids_view, out_view)
     return out
 
 
-def _wrapped_lookup(table_view: Any, ids_view: Any, backend: str, table: Any) -> Any:
-    """The result of a lookup on a table of another library than numpy, as an array of that library."""
+def _wrapped_lookup(table_view: Any, ids_view: Any, chosen: Any, table: Any) -> Any:
+    """The result of a lookup on a table of another library than numpy (a host view), as an array of that library."""
     buffer = aligned_result(table, validate.output_shape(ids_view, table_view), table_view.dtype)
-    return result_like(dispatch.select(table_view, backend).gather(table_view, ids_view, buffer), table)
+    return result_like(chosen.gather(table_view, ids_view, buffer), table)
 
 
 def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend: str, table: Any) -> Any:
@@ -144,9 +148,6 @@ class Embedding:
         self._guards = memory_guards(self._rows, table.scales if type(table) is QuantizedTable else None)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
-        # The last backend argument, the dispatch generation it was chosen in, and the backend chosen: a decode
-        # step meets the layer with cold caches, where even one dictionary lookup in dispatch costs microseconds.
-        self._selection: tuple[Any, int, Any] = (None, -1, None)
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:
         """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors).
@@ -161,17 +162,15 @@ class Embedding:
         if dtype is not None or type(table_view) is not _NDARRAY:
             return _converting_lookup(table_view, ids, out, dtype, backend, self._rows)
         ids_view = validate.ids_snapshot(ids, table_view)
-        remembered_backend, generation, chosen = self._selection
-        if remembered_backend is not backend or generation != dispatch.generation:
-            generation = dispatch.generation  # read first: a refresh meanwhile makes the next call choose again
-            chosen = dispatch.select(table_view, backend)
-            self._selection = (backend, generation, chosen)
+        choice = dispatch.ndarray_choice
+        if choice[0] is not backend or choice[1] != dispatch.generation:
+            choice = dispatch.select_for_ndarray(table_view, backend)
         if out is None:
             if self._numpy:
-                return chosen.gather(table_view, ids_view, None)
-            return _wrapped_lookup(table_view, ids_view, backend, self._table)
+                return choice[2].gather(table_view, ids_view, None)
+            return _wrapped_lookup(table_view, ids_view, choice[2], self._table)
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
-        chosen.gather(table_view, ids_view, out_view)
+        choice[2].gather(table_view, ids_view, out_view)
         return out
 
     @property

@@ -161,6 +161,26 @@ def refresh() -> None:
     read_environment()
 
 
+#: The last answer of :func:`select_for_ndarray`: (backend argument, :data:`generation`, chosen backend); the
+#: first entry is stale by its generation.
+ndarray_choice: tuple[Any, int, Backend] = (None, -1, numpy_backend.BACKEND)
+
+
+def select_for_ndarray(table: Any, backend: str = AUTO) -> tuple[Any, int, Backend]:
+    """:func:`select` for a plain numpy table, remembered in :data:`ndarray_choice` for callers to reuse.
+
+    The lookup API reads :data:`ndarray_choice` and calls this only when its
+    backend argument or :data:`generation` differ: a decode step meets the
+    API with cold caches, where even select's dictionary costs microseconds.
+    Every plain numpy table gets the same answer, so one entry serves them all.
+    """
+    global ndarray_choice
+    seen = generation  # read before choosing: a refresh meanwhile makes the next call choose again
+    choice = (backend, seen, select(table, backend))
+    ndarray_choice = choice
+    return choice
+
+
 def select(table: Any, backend: str = AUTO) -> Backend:
     """The backend that serves a call on `table` (a snapshot); raises if a named one cannot.
 

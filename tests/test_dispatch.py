@@ -139,8 +139,8 @@ def test_remembered_choices_follow_the_request_and_refresh(declare_unavailable):
         dispatch.select(table, "numba")
 
 
-def test_an_embedding_remembers_its_choice_until_the_environment_or_a_refresh_changes_it(environment, monkeypatch):
-    """Embedding keeps select()'s answer per backend argument; FASTEMBED_BACKEND re-read or refresh() drops it."""
+def test_numpy_table_lookups_reuse_the_choice_until_the_environment_or_a_refresh_changes_it(environment, monkeypatch):
+    """lookup and Embedding reuse select()'s answer for numpy tables; FASTEMBED_BACKEND re-read or refresh() drops it."""
     served = []
     for backend in (numpy_backend.BACKEND, numba_backend.BACKEND, cuda_backend.BACKEND):
         original = backend.gather
@@ -151,22 +151,26 @@ def test_an_embedding_remembers_its_choice_until_the_environment_or_a_refresh_ch
     expected = fastembed.select_backend(table, [1]).backend
     for _ in range(2):
         assert_bit_equal(emb([1]), table[[1]])
-        assert_bit_equal(emb([2], backend="numpy"), table[[2]])
-    assert served == [expected, "numpy"] * 2
+        assert_bit_equal(fastembed.lookup(table, [2], backend="numpy"), table[[2]])
+        assert_bit_equal(fastembed.lookup(table, [3]), table[[3]])
+    assert served == [expected, "numpy", expected] * 2
     environment("numpy")
     served.clear()
     assert_bit_equal(emb([3]), table[[3]])
-    assert served == ["numpy"]
+    assert_bit_equal(fastembed.lookup(table, [3]), table[[3]])
+    assert served == ["numpy", "numpy"]
     environment("cuda")
-    with pytest.raises(fastembed.BackendUnavailableError):
-        emb([1])
+    for call in (lambda: emb([1]), lambda: fastembed.lookup(table, [1])):
+        with pytest.raises(fastembed.BackendUnavailableError):
+            call()
     with pytest.raises(TypeError, match="backend must be a string"):
         emb([1], backend=["numba"])
     monkeypatch.setenv(dispatch.ENVIRONMENT_VARIABLE, "numpy")
     dispatch.refresh()
     served.clear()
     assert_bit_equal(emb([4], out=np.empty((1, 4), table.dtype)), table[[4]])
-    assert served == ["numpy"]
+    assert_bit_equal(fastembed.lookup(table, [4], out=np.empty((1, 4), table.dtype)), table[[4]])
+    assert served == ["numpy", "numpy"]
 
 
 @pytest.mark.parametrize("backend", [["numba"], {"name": "numba"}])
