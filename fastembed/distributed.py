@@ -380,7 +380,8 @@ class VocabParallelEmbedding:
         self._dim = int(rows.shape[1])
         self._quantized = isinstance(rows, QuantizedTable)
         self._view = validate.table_snapshot(rows)
-        self._dtype = validate.output_dtype(self._view, None)  # results without dtype=: float32 for a quantized table
+        # What results without dtype= are gathered as: float32 for a quantized table, uint16 words for a GPU bfloat16.
+        self._dtype = validate.output_dtype(self._view, None)
         local = rows if self._quantized or self._on_device else rows.view(np.ndarray)
         self._local = Embedding(local) if self._stored else None
         self._phantom = np.empty((self.vocab_size, 0), np.uint8)  # ids are checked against the whole vocabulary
@@ -417,8 +418,8 @@ class VocabParallelEmbedding:
 
     @property
     def dtype(self) -> np.dtype:
-        """The dtype of results without ``dtype=``: the table's, float32 for a quantized table (bfloat16 via ml_dtypes)."""
-        return np.dtype(self._dtype)
+        """The dtype of results without ``dtype=``: the table's (bfloat16 and float8 via ml_dtypes), float32 for a quantized table."""
+        return validate.table_dtype(self._view, self._shard.like)
 
     def check_file(self) -> None:
         """Raise if the file behind this rank's mapped rows shrank or was modified in place since it was opened.
@@ -435,7 +436,7 @@ class VocabParallelEmbedding:
         self._shard.watch.check()
 
     def __repr__(self) -> str:
-        kind = f"format={self.format!r}" if self._quantized else f"dtype={self._dtype}"
+        kind = f"format={self.format!r}" if self._quantized else f"dtype={self.dtype}"
         return (f"VocabParallelEmbedding(vocab_size={self.vocab_size}, dim={self._dim}, {kind}, "
                 f"rank={self.rank}, world_size={self.world_size}, rows={self.vocab_start}..{self.vocab_end}, "
                 f"device={self.device!r}, exchange={self.exchange!r})")

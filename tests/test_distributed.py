@@ -149,8 +149,8 @@ def make_table(dtype: str, dim: int, vocab: int = VOCAB) -> np.ndarray:
 
 
 def as_torch(table: np.ndarray):
-    if table.dtype.name == "bfloat16":
-        return torch.from_numpy(table.view(np.int16)).view(torch.bfloat16)
+    if table.dtype.type.__module__ == "ml_dtypes":  # bfloat16, float8: numpy has no such dtype to share
+        return torch.from_numpy(table.view(f"u{table.dtype.itemsize}")).view(getattr(torch, table.dtype.name))
     return torch.from_numpy(table)
 
 
@@ -952,7 +952,7 @@ def test_bench_ranks_arguments_are_checked_first(arguments, message, tmp_path, c
 # -- GPU shards: torch CUDA tables, on the doubles here and on a GPU where one is lent -----------------------------
 
 #: (dtype, dim) of the GPU tables: each integer word (row bytes divisible by 8, by 4, neither: 6 x float16 = 12).
-GPU_TABLES = [("float16", 6), ("bfloat16", 4), ("float32", 8)]
+GPU_TABLES = [("float16", 6), ("bfloat16", 4), ("float32", 8), ("float8_e4m3fn", 5)]
 #: The collectives a GPU group's ranks record: (name, device of the tensor sent).
 DATA_COLLECTIVES = ("all_reduce", "reduce_scatter")
 
@@ -1006,6 +1006,8 @@ def gpu_task(rank: int, world: int, nccl_alone: bool, checkpoint: str) -> dict:
             table = cuda.to_cuda(as_torch(make_table(dtype, dim)), index)  # rows 1-5: -0.0, NaN payloads, infinity
             emb = VocabParallelEmbedding(table, timeout=30)
             failures += check_gpu_lookups(emb, table, world, rank, cuda, f"{dtype} x{dim}")
+            if emb.dtype.name != dtype or f"dtype={dtype}," not in repr(emb):
+                failures.append(f"{dtype} x{dim}: dtype {emb.dtype}, {emb!r}")
         table = cuda.to_cuda(as_torch(make_table("float16", 6)), index)
         emb = VocabParallelEmbedding(table, timeout=30, pad_to_multiple=64)  # the last rank stores no rows
         failures += check_gpu_lookups(emb, table, world, rank, cuda, "padded")
