@@ -1081,10 +1081,11 @@ def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: 
     if not isinstance(rows, np.ndarray):
         like = rows.detach()[start:stop] if hasattr(rows, "detach") else rows  # torch: a view of the rows
     guards = memory_guards(rows, source.scales if isinstance(source, QuantizedTable) else None)
-    if placement != "cpu":  # a torch CUDA tensor: gathered as it is, so that results are torch tensors on its GPU
-        scales = source.scales if isinstance(source, QuantizedTable) else None
-        on_gpu = like if scales is None else QuantizedTable(like, source.format, source.dim, scales.detach()[start:stop])
-        return _Shard(on_gpu, like, None, vocab_size, guards)
+    if placement != "cpu":  # torch CUDA tensors: gathered as they are, so that results are torch tensors on their GPU
+        if isinstance(source, QuantizedTable):
+            scales = None if source.scales is None else source.scales.detach()[start:stop]
+            return _Shard(QuantizedTable(like, source.format, source.dim, scales), like, None, vocab_size, guards)
+        return _Shard(like, like, None, vocab_size, guards)
     if isinstance(view, QuantizedTable):
         scales = None if view.scales is None else view.scales[start:stop]
         return _Shard(QuantizedTable(view.data[start:stop], view.format, view.dim, scales), like, None, vocab_size,

@@ -1008,6 +1008,15 @@ def gpu_task(rank: int, world: int, nccl_alone: bool, checkpoint: str) -> dict:
             failures += check_gpu_lookups(emb, table, world, rank, cuda, f"{dtype} x{dim}")
             if emb.dtype.name != dtype or f"dtype={dtype}," not in repr(emb):
                 failures.append(f"{dtype} x{dim}: dtype {emb.dtype}, {emb!r}")
+        for fmt, dim in QUANTIZED[:2]:  # q8_0 keeps its scales in its blocks, fp8_e4m3 has a row scale
+            host = make_quantized(fmt, dim)
+            scales = None if host.scales is None else cuda.to_cuda(torch.from_numpy(host.scales), index)
+            table = QuantizedTable(cuda.to_cuda(torch.from_numpy(host.data), index), fmt, dim, scales)
+            emb = VocabParallelEmbedding(table, timeout=30)
+            if emb.format != fmt or emb.dim != dim:
+                failures.append(f"{fmt}: served as {emb!r}")
+            for dtype in (None, "bfloat16"):
+                failures += check_gpu_lookups(emb, table, world, rank, cuda, f"{fmt} into {dtype}", dtype)
         table = cuda.to_cuda(as_torch(make_table("float16", 6)), index)
         emb = VocabParallelEmbedding(table, timeout=30, pad_to_multiple=64)  # the last rank stores no rows
         failures += check_gpu_lookups(emb, table, world, rank, cuda, "padded")
@@ -1062,20 +1071,23 @@ def gpu_same_bits(label: str, actual, expected, device: str) -> list[str]:
     return same_bits(label, actual.cpu(), expected.cpu(), torch.Tensor)
 
 
-def check_gpu_lookups(emb: VocabParallelEmbedding, table, world: int, rank: int, cuda, label: str) -> list[str]:
+def check_gpu_lookups(emb: VocabParallelEmbedding, table, world: int, rank: int, cuda, label: str,
+                      dtype=None) -> list[str]:
     """Every id set, and the same ids on the table's GPU, both modes, against fastembed.lookup on the whole table."""
     failures = []
-    device = str(table.device)
-    index = table.device.index
+    rows = table.data if isinstance(table, QuantizedTable) else table
+    device = str(rows.device)
+    index = rows.device.index
     sets = id_sets() + [(f"{name} on the GPU", cuda.to_cuda(torch.as_tensor(np.asarray(ids)), index))
                         for name, ids in id_sets() if name in ("7 int32", "2-D 3x5", "empty")]
     for name, ids in sets:
-        expected = fastembed.lookup(table, ids)
-        failures += gpu_same_bits(f"{label} {name} full", emb(ids), expected, device)
+        expected = fastembed.lookup(table, ids, dtype=dtype)
+        failures += gpu_same_bits(f"{label} {name} full", emb(ids, dtype=dtype), expected, device)
         if np.ndim(ids) == 0:
             continue
         start, stop = distributed.position_range(tuple(ids.shape)[0] if hasattr(ids, "shape") else len(ids), world, rank)
-        failures += gpu_same_bits(f"{label} {name} scatter", emb(ids, mode="scatter"), expected[start:stop], device)
+        failures += gpu_same_bits(f"{label} {name} scatter", emb(ids, mode="scatter", dtype=dtype),
+                                  expected[start:stop], device)
     return failures
 
 
