@@ -278,8 +278,8 @@ class VocabParallelEmbedding:
         ImportError: torch is not installed.
         RuntimeError: no process group is initialised.
         ValueError: this process is not in `group`; a host table on a group
-            without CPU transport (NCCL alone: raised on that rank only, before
-            any collective); ranks that opened tables of different
+            without CPU transport (NCCL alone; raised on that rank only, before
+            any collective, where torch sees no GPU); ranks that opened tables of different
             shapes or dtypes, on the host and on GPUs, or asked for different exchanges (the values
             themselves are not compared); ``pad_to_multiple`` not positive,
             ``timeout`` outside 1 ms to a year; `name` with an array; ``exchange="shared_memory"``
@@ -350,11 +350,15 @@ class VocabParallelEmbedding:
             shard = _open_shard(source, name, pad, self.rank, self.world_size, placement)
         except Exception as caught:
             error = caught
-        if placement == "cpu" and carriers["cpu"] is None:
+        if carriers["cpu"] is not None:
+            self._wire = "cpu"  # the agreements' small tensors
+        elif placement not in (None, "cpu"):
+            self._wire = placement
+        elif torch.cuda.device_count():  # a build that failed off the GPU still shares its error over NCCL
+            self._wire = f"cuda:{torch.cuda.current_device()}"
+        else:
             assert error is not None  # _check_transport's: raised on this rank alone, as no agreement can run
             raise error
-        # The agreements' small tensors: CPU tensors where the group carries them, else on this rank's GPU.
-        self._wire = "cpu" if carriers["cpu"] is not None else placement or f"cuda:{torch.cuda.current_device()}"
         self._mine = self._on_wire(np.zeros(2, np.int64))
         self._theirs = self._on_wire(np.zeros((self.world_size, 2), np.int64))
         self._theirs_list = list(self._theirs.unbind(0))

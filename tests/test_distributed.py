@@ -1060,6 +1060,9 @@ def gpu_task(rank: int, world: int, nccl_alone: bool, checkpoint: str) -> dict:
         calls = len(seen)
         emb([[1, 2], [3, 4], [5, 6]], mode="scatter")
         facts["scatter collectives"] = seen[calls:]
+        # Last: on a group of NCCL alone the old code left the GPU ranks waiting out the timeout in the agreement.
+        source = make_table("float16", 6) if rank == last else table
+        outcomes["a host table on one rank"] = _outcome(lambda: VocabParallelEmbedding(source, timeout=5))
     return {"failures": failures, "outcomes": outcomes, "messages": messages, "facts": facts,
             "collectives": sorted(set(seen))}
 
@@ -1148,6 +1151,15 @@ def test_gpu_shards_raise_the_same_error_on_every_rank_before_any_data_collectiv
     assert "the ranks disagree on the ids" in message["values differ"]
     assert "a GPU table's ranks use the all-reduce" in message["shared memory"]
     assert "cupy array on cuda:0 is not served" in message["a cupy table"] and "torch.from_dlpack" in message["a cupy table"]
+    host_table = {outcome["a host table on one rank"][:2] for outcome in outcomes}
+    assert len(host_table) == 1 and all(outcome["a host table on one rank"][2] < 4 for outcome in outcomes), outcomes
+    kind, text = host_table.pop()
+    assert kind == "ValueError", text
+    if transport == "gloo":
+        assert "the ranks disagree on the table" in text and "on the host" in text and "on a GPU" in text
+    else:
+        assert text.endswith(f"which a 'nccl' group cannot carry: use a gloo group, or init_process_group("
+                             f"backend='cpu:gloo,cuda:nccl') (on rank {world - 1} of {world})"), text
     if "device= with a table elsewhere" in expected:
         assert "ids live on cuda:" in message["ids on another GPU on one rank"]
         assert "move the table there first" in message["device= with a table elsewhere"]
