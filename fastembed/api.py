@@ -195,8 +195,8 @@ class Embedding:
 
     @property
     def dtype(self) -> np.dtype:
-        """The dtype of results without ``dtype=``: the table's, float32 for a quantized table."""
-        return validate.output_dtype(self._view, None)
+        """The dtype of results without ``dtype=``: the table's (bfloat16 and float8 via ml_dtypes), float32 for a quantized table."""
+        return validate.table_dtype(self._view, self._rows)
 
     @property
     def nbytes(self) -> int:

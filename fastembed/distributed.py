@@ -278,8 +278,8 @@ class VocabParallelEmbedding:
         ImportError: torch is not installed.
         RuntimeError: no process group is initialised.
         ValueError: this process is not in `group`; a host table on a group
-            without CPU transport (NCCL alone: raised on that rank only, before
-            any collective); ranks that opened tables of different
+            without CPU transport (NCCL alone; raised on that rank only, before
+            any collective, where torch sees no GPU); ranks that opened tables of different
             shapes or dtypes, on the host and on GPUs, or asked for different exchanges (the values
             themselves are not compared); ``pad_to_multiple`` not positive,
             ``timeout`` outside 1 ms to a year; `name` with an array; ``exchange="shared_memory"``
@@ -350,11 +350,15 @@ class VocabParallelEmbedding:
             shard = _open_shard(source, name, pad, self.rank, self.world_size, placement)
         except Exception as caught:
             error = caught
-        if placement == "cpu" and carriers["cpu"] is None:
+        if carriers["cpu"] is not None:
+            self._wire = "cpu"  # the agreements' small tensors
+        elif placement not in (None, "cpu"):
+            self._wire = placement
+        elif torch.cuda.device_count():  # a build that failed off the GPU still shares its error over NCCL
+            self._wire = f"cuda:{torch.cuda.current_device()}"
+        else:
             assert error is not None  # _check_transport's: raised on this rank alone, as no agreement can run
             raise error
-        # The agreements' small tensors: CPU tensors where the group carries them, else on this rank's GPU.
-        self._wire = "cpu" if carriers["cpu"] is not None else placement or f"cuda:{torch.cuda.current_device()}"
         self._mine = self._on_wire(np.zeros(2, np.int64))
         self._theirs = self._on_wire(np.zeros((self.world_size, 2), np.int64))
         self._theirs_list = list(self._theirs.unbind(0))
@@ -380,7 +384,8 @@ class VocabParallelEmbedding:
         self._dim = int(rows.shape[1])
         self._quantized = isinstance(rows, QuantizedTable)
         self._view = validate.table_snapshot(rows)
-        self._dtype = validate.output_dtype(self._view, None)  # results without dtype=: float32 for a quantized table
+        # What results without dtype= are gathered as: float32 for a quantized table, uint16 words for a GPU bfloat16.
+        self._dtype = validate.output_dtype(self._view, None)
         local = rows if self._quantized or self._on_device else rows.view(np.ndarray)
         self._local = Embedding(local) if self._stored else None
         self._phantom = np.empty((self.vocab_size, 0), np.uint8)  # ids are checked against the whole vocabulary
@@ -417,8 +422,8 @@ class VocabParallelEmbedding:
 
     @property
     def dtype(self) -> np.dtype:
-        """The dtype of results without ``dtype=``: the table's, float32 for a quantized table (bfloat16 via ml_dtypes)."""
-        return np.dtype(self._dtype)
+        """The dtype of results without ``dtype=``: the table's (bfloat16 and float8 via ml_dtypes), float32 for a quantized table."""
+        return validate.table_dtype(self._view, self._shard.like)
 
     def check_file(self) -> None:
         """Raise if the file behind this rank's mapped rows shrank or was modified in place since it was opened.
@@ -435,7 +440,7 @@ class VocabParallelEmbedding:
         self._shard.watch.check()
 
     def __repr__(self) -> str:
-        kind = f"format={self.format!r}" if self._quantized else f"dtype={self._dtype}"
+        kind = f"format={self.format!r}" if self._quantized else f"dtype={self.dtype}"
         return (f"VocabParallelEmbedding(vocab_size={self.vocab_size}, dim={self._dim}, {kind}, "
                 f"rank={self.rank}, world_size={self.world_size}, rows={self.vocab_start}..{self.vocab_end}, "
                 f"device={self.device!r}, exchange={self.exchange!r})")
@@ -1080,10 +1085,11 @@ def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: 
     if not isinstance(rows, np.ndarray):
         like = rows.detach()[start:stop] if hasattr(rows, "detach") else rows  # torch: a view of the rows
     guards = memory_guards(rows, source.scales if isinstance(source, QuantizedTable) else None)
-    if placement != "cpu":  # a torch CUDA tensor: gathered as it is, so that results are torch tensors on its GPU
-        scales = source.scales if isinstance(source, QuantizedTable) else None
-        on_gpu = like if scales is None else QuantizedTable(like, source.format, source.dim, scales.detach()[start:stop])
-        return _Shard(on_gpu, like, None, vocab_size, guards)
+    if placement != "cpu":  # torch CUDA tensors: gathered as they are, so that results are torch tensors on their GPU
+        if isinstance(source, QuantizedTable):
+            scales = None if source.scales is None else source.scales.detach()[start:stop]
+            return _Shard(QuantizedTable(like, source.format, source.dim, scales), like, None, vocab_size, guards)
+        return _Shard(like, like, None, vocab_size, guards)
     if isinstance(view, QuantizedTable):
         scales = None if view.scales is None else view.scales[start:stop]
         return _Shard(QuantizedTable(view.data[start:stop], view.format, view.dim, scales), like, None, vocab_size,

@@ -151,6 +151,22 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     )
 
 
+def table_dtype(table: Any, rows: Any) -> np.dtype:
+    """The dtype of results without ``dtype=``, as the caller's `rows` hold it (`table`: their snapshot).
+
+    :func:`output_dtype` with ``dtype=None`` (float32 for a quantized table),
+    except where the snapshot holds the rows as words of their width (a torch
+    CUDA bfloat16 or float8 tensor, seen by cupy as uint16 or uint8): then the
+    rows' own dtype, from ml_dtypes.
+
+    Raises:
+        TypeError: such a dtype while ml_dtypes is not installed.
+    """
+    stored = output_dtype(table, None)
+    own = None if type(table) is QuantizedTable else _dtype_name(rows)
+    return stored if own is None or own == stored.name else resolve_dtype(own)
+
+
 def _dtype_name(array: Any) -> str | None:
     """The name of `array`'s own dtype where its adapter knows one beyond its snapshot's (torch), else None."""
     dtype_name = getattr(adapter_of(array), "dtype_name", None)

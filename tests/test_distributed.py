@@ -149,8 +149,8 @@ def make_table(dtype: str, dim: int, vocab: int = VOCAB) -> np.ndarray:
 
 
 def as_torch(table: np.ndarray):
-    if table.dtype.name == "bfloat16":
-        return torch.from_numpy(table.view(np.int16)).view(torch.bfloat16)
+    if table.dtype.type.__module__ == "ml_dtypes":  # bfloat16, float8: numpy has no such dtype to share
+        return torch.from_numpy(table.view(f"u{table.dtype.itemsize}")).view(getattr(torch, table.dtype.name))
     return torch.from_numpy(table)
 
 
@@ -952,7 +952,7 @@ def test_bench_ranks_arguments_are_checked_first(arguments, message, tmp_path, c
 # -- GPU shards: torch CUDA tables, on the doubles here and on a GPU where one is lent -----------------------------
 
 #: (dtype, dim) of the GPU tables: each integer word (row bytes divisible by 8, by 4, neither: 6 x float16 = 12).
-GPU_TABLES = [("float16", 6), ("bfloat16", 4), ("float32", 8)]
+GPU_TABLES = [("float16", 6), ("bfloat16", 4), ("float32", 8), ("float8_e4m3fn", 5)]
 #: The collectives a GPU group's ranks record: (name, device of the tensor sent).
 DATA_COLLECTIVES = ("all_reduce", "reduce_scatter")
 
@@ -1006,6 +1006,17 @@ def gpu_task(rank: int, world: int, nccl_alone: bool, checkpoint: str) -> dict:
             table = cuda.to_cuda(as_torch(make_table(dtype, dim)), index)  # rows 1-5: -0.0, NaN payloads, infinity
             emb = VocabParallelEmbedding(table, timeout=30)
             failures += check_gpu_lookups(emb, table, world, rank, cuda, f"{dtype} x{dim}")
+            if emb.dtype.name != dtype or f"dtype={dtype}," not in repr(emb):
+                failures.append(f"{dtype} x{dim}: dtype {emb.dtype}, {emb!r}")
+        for fmt, dim in QUANTIZED[:2]:  # q8_0 keeps its scales in its blocks, fp8_e4m3 has a row scale
+            host = make_quantized(fmt, dim)
+            scales = None if host.scales is None else cuda.to_cuda(torch.from_numpy(host.scales), index)
+            table = QuantizedTable(cuda.to_cuda(torch.from_numpy(host.data), index), fmt, dim, scales)
+            emb = VocabParallelEmbedding(table, timeout=30)
+            if emb.format != fmt or emb.dim != dim:
+                failures.append(f"{fmt}: served as {emb!r}")
+            for dtype in (None, "bfloat16"):
+                failures += check_gpu_lookups(emb, table, world, rank, cuda, f"{fmt} into {dtype}", dtype)
         table = cuda.to_cuda(as_torch(make_table("float16", 6)), index)
         emb = VocabParallelEmbedding(table, timeout=30, pad_to_multiple=64)  # the last rank stores no rows
         failures += check_gpu_lookups(emb, table, world, rank, cuda, "padded")
@@ -1049,6 +1060,9 @@ def gpu_task(rank: int, world: int, nccl_alone: bool, checkpoint: str) -> dict:
         calls = len(seen)
         emb([[1, 2], [3, 4], [5, 6]], mode="scatter")
         facts["scatter collectives"] = seen[calls:]
+        # Last: on a group of NCCL alone the old code left the GPU ranks waiting out the timeout in the agreement.
+        source = make_table("float16", 6) if rank == last else table
+        outcomes["a host table on one rank"] = _outcome(lambda: VocabParallelEmbedding(source, timeout=5))
     return {"failures": failures, "outcomes": outcomes, "messages": messages, "facts": facts,
             "collectives": sorted(set(seen))}
 
@@ -1060,20 +1074,23 @@ def gpu_same_bits(label: str, actual, expected, device: str) -> list[str]:
     return same_bits(label, actual.cpu(), expected.cpu(), torch.Tensor)
 
 
-def check_gpu_lookups(emb: VocabParallelEmbedding, table, world: int, rank: int, cuda, label: str) -> list[str]:
+def check_gpu_lookups(emb: VocabParallelEmbedding, table, world: int, rank: int, cuda, label: str,
+                      dtype=None) -> list[str]:
     """Every id set, and the same ids on the table's GPU, both modes, against fastembed.lookup on the whole table."""
     failures = []
-    device = str(table.device)
-    index = table.device.index
+    rows = table.data if isinstance(table, QuantizedTable) else table
+    device = str(rows.device)
+    index = rows.device.index
     sets = id_sets() + [(f"{name} on the GPU", cuda.to_cuda(torch.as_tensor(np.asarray(ids)), index))
                         for name, ids in id_sets() if name in ("7 int32", "2-D 3x5", "empty")]
     for name, ids in sets:
-        expected = fastembed.lookup(table, ids)
-        failures += gpu_same_bits(f"{label} {name} full", emb(ids), expected, device)
+        expected = fastembed.lookup(table, ids, dtype=dtype)
+        failures += gpu_same_bits(f"{label} {name} full", emb(ids, dtype=dtype), expected, device)
         if np.ndim(ids) == 0:
             continue
         start, stop = distributed.position_range(tuple(ids.shape)[0] if hasattr(ids, "shape") else len(ids), world, rank)
-        failures += gpu_same_bits(f"{label} {name} scatter", emb(ids, mode="scatter"), expected[start:stop], device)
+        failures += gpu_same_bits(f"{label} {name} scatter", emb(ids, mode="scatter", dtype=dtype),
+                                  expected[start:stop], device)
     return failures
 
 
@@ -1134,6 +1151,15 @@ def test_gpu_shards_raise_the_same_error_on_every_rank_before_any_data_collectiv
     assert "the ranks disagree on the ids" in message["values differ"]
     assert "a GPU table's ranks use the all-reduce" in message["shared memory"]
     assert "cupy array on cuda:0 is not served" in message["a cupy table"] and "torch.from_dlpack" in message["a cupy table"]
+    host_table = {outcome["a host table on one rank"][:2] for outcome in outcomes}
+    assert len(host_table) == 1 and all(outcome["a host table on one rank"][2] < 4 for outcome in outcomes), outcomes
+    kind, text = host_table.pop()
+    assert kind == "ValueError", text
+    if transport == "gloo":
+        assert "the ranks disagree on the table" in text and "on the host" in text and "on a GPU" in text
+    else:
+        assert text.endswith(f"which a 'nccl' group cannot carry: use a gloo group, or init_process_group("
+                             f"backend='cpu:gloo,cuda:nccl') (on rank {world - 1} of {world})"), text
     if "device= with a table elsewhere" in expected:
         assert "ids live on cuda:" in message["ids on another GPU on one rank"]
         assert "move the table there first" in message["device= with a table elsewhere"]

@@ -221,6 +221,15 @@ def test_embedding_over_a_torch_cuda_table(tc):
     assert_bit_equal(fastembed.lookup(parameter, ids), host[torch.tensor([[3, 1], [96, 3]])], tc)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.int8])
+def test_embedding_dtype_is_the_torch_cuda_tables_own_not_its_snapshots_words(tc, dtype):
+    """A snapshot holds bfloat16 and float8 as uint16 and uint8 words; the layer reports the table's own dtype."""
+    pytest.importorskip("ml_dtypes")
+    name = str(dtype).removeprefix("torch.")
+    emb = fastembed.Embedding(tc.to_cuda(torch.zeros((VOCAB, DIM), dtype=dtype)))
+    assert emb.dtype.name == name and f"dtype={name}," in repr(emb)
+
+
 @pytest.mark.parametrize("target", ["float16", "float32", "bfloat16"])
 def test_a_quantized_table_over_torch_cuda_tensors(tc, target):
     pytest.importorskip("ml_dtypes")
