@@ -72,23 +72,19 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     if dtype is not None or type(table_view) is not _NDARRAY:
         return _converting_lookup(table_view, ids, out, dtype, backend, table)
     ids_view = validate.ids_snapshot(ids, table_view)
-    # The table's snapshot is a plain numpy array here: dispatch's remembered answer for those, unless stale.
-    choice = dispatch.ndarray_choice
-    if choice[0] is not backend or choice[1] != dispatch.generation:
-        choice = dispatch.select_for_ndarray(table_view, backend)
     if out is None:
         if isinstance(table, _NDARRAY):  # a numpy table's result is a plain numpy array, an np.memmap's too
-            return choice[2].gather(table_view, ids_view, None)
-        return _wrapped_lookup(table_view, ids_view, choice[2], table)
+            return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+        return _wrapped_lookup(table_view, ids_view, backend, table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
-    choice[2].gather(table_view, ids_view, out_view)
+    dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
     return out
 
 
-def _wrapped_lookup(table_view: Any, ids_view: Any, chosen: Any, table: Any) -> Any:
-    """The result of a lookup on a table of another library than numpy (a host view), as an array of that library."""
+def _wrapped_lookup(table_view: Any, ids_view: Any, backend: str, table: Any) -> Any:
+    """The result of a lookup on a table of another library than numpy, as an array of that library."""
     buffer = aligned_result(table, validate.output_shape(ids_view, table_view), table_view.dtype)
-    return result_like(chosen.gather(table_view, ids_view, buffer), table)
+    return result_like(dispatch.select(table_view, backend).gather(table_view, ids_view, buffer), table)
 
 
 def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend: str, table: Any) -> Any:
@@ -162,15 +158,12 @@ class Embedding:
         if dtype is not None or type(table_view) is not _NDARRAY:
             return _converting_lookup(table_view, ids, out, dtype, backend, self._rows)
         ids_view = validate.ids_snapshot(ids, table_view)
-        choice = dispatch.ndarray_choice
-        if choice[0] is not backend or choice[1] != dispatch.generation:
-            choice = dispatch.select_for_ndarray(table_view, backend)
         if out is None:
             if self._numpy:
-                return choice[2].gather(table_view, ids_view, None)
-            return _wrapped_lookup(table_view, ids_view, choice[2], self._table)
+                return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
+            return _wrapped_lookup(table_view, ids_view, backend, self._table)
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
-        choice[2].gather(table_view, ids_view, out_view)
+        dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
         return out
 
     @property

@@ -92,15 +92,11 @@ def backend_statuses() -> list[BackendStatus]:
 def read_environment() -> None:
     """(Re)read FASTEMBED_BACKEND. Done once at import: a lookup does not pay
     for an environment read on every call."""
-    global _environment_choice, generation
+    global _environment_choice
     _environment_choice = os.environ.get(ENVIRONMENT_VARIABLE) or AUTO
-    generation += 1
 
 
 _environment_choice = AUTO
-#: Changes whenever an answer of :func:`select` may change (FASTEMBED_BACKEND re-read, :func:`refresh`):
-#: a caller that remembers an answer (``Embedding``) uses it only while this is the value it saw.
-generation = 0
 #: The backend chosen per (requested backend, FASTEMBED_BACKEND, table type), or per (requested backend,
 #: FASTEMBED_BACKEND, data type, format) for a QuantizedTable.
 _selected: dict[tuple[Any, ...], Backend] = {}
@@ -152,33 +148,12 @@ def refresh() -> None:
 
     Resets every backend's own state too (:meth:`Backend.reset`).
     """
-    global _available, generation
+    global _available
     _available = None
     _selected.clear()
-    generation += 1
     for backend in BACKENDS.values():
         backend.reset()
     read_environment()
-
-
-#: The last answer of :func:`select_for_ndarray`: (backend argument, :data:`generation`, chosen backend); the
-#: first entry is stale by its generation.
-ndarray_choice: tuple[Any, int, Backend] = (None, -1, numpy_backend.BACKEND)
-
-
-def select_for_ndarray(table: Any, backend: str = AUTO) -> tuple[Any, int, Backend]:
-    """:func:`select` for a plain numpy table, remembered in :data:`ndarray_choice` for callers to reuse.
-
-    The lookup API reads :data:`ndarray_choice` and calls this only when its
-    backend argument or :data:`generation` differ: a decode step meets the
-    API with cold caches, where even select's dictionary costs microseconds.
-    Every plain numpy table gets the same answer, so one entry serves them all.
-    """
-    global ndarray_choice
-    seen = generation  # read before choosing: a refresh meanwhile makes the next call choose again
-    choice = (backend, seen, select(table, backend))
-    ndarray_choice = choice
-    return choice
 
 
 def select(table: Any, backend: str = AUTO) -> Backend:

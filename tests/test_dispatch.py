@@ -139,8 +139,8 @@ def test_remembered_choices_follow_the_request_and_refresh(declare_unavailable):
         dispatch.select(table, "numba")
 
 
-def test_numpy_table_lookups_reuse_the_choice_until_the_environment_or_a_refresh_changes_it(environment, monkeypatch):
-    """lookup and Embedding reuse select()'s answer for numpy tables; FASTEMBED_BACKEND re-read or refresh() drops it."""
+def test_lookups_follow_the_environment_and_refresh(environment, monkeypatch):
+    """lookup and Embedding serve with the backend select() names now: after FASTEMBED_BACKEND is re-read or refresh()."""
     served = []
     for backend in (numpy_backend.BACKEND, numba_backend.BACKEND, cuda_backend.BACKEND):
         original = backend.gather
