@@ -18,6 +18,7 @@ from .arrays import aligned_result, call_context, device_of, memory_guards, resu
 from .formats import QuantizedTable
 
 _NDARRAY = np.ndarray
+_AUTO = dispatch.AUTO
 
 
 def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend: str = "auto") -> Any:
@@ -74,6 +75,13 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     ids_view = validate.ids_snapshot(ids, table_view)
     if out is None:
         if isinstance(table, _NDARRAY):  # a numpy table's result is a plain numpy array, an np.memmap's too
+            # The default argument (and any literal "auto") is this very object; an equal string takes select().
+            if backend is _AUTO:
+                small = dispatch.ndarray_small_gather
+                if small[0] != dispatch.generation:
+                    small = dispatch.small_gather_for_ndarray(table_view)
+                if ids_view.size * table_view.strides[0] < small[1]:
+                    return small[2](table_view, ids_view)  # type: ignore[misc]
             return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
         return _wrapped_lookup(table_view, ids_view, backend, table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
@@ -144,6 +152,7 @@ class Embedding:
         self._guards = memory_guards(self._rows, table.scales if type(table) is QuantizedTable else None)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
+        self._row_stride = self._view.strides[0] if type(self._view) is _NDARRAY else 0  # an output row's bytes
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:
         """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors).
@@ -160,6 +169,12 @@ class Embedding:
         ids_view = validate.ids_snapshot(ids, table_view)
         if out is None:
             if self._numpy:
+                if backend is _AUTO:  # as in lookup(): a decode step calls the backend's small gather directly
+                    small = dispatch.ndarray_small_gather
+                    if small[0] != dispatch.generation:
+                        small = dispatch.small_gather_for_ndarray(table_view)
+                    if ids_view.size * self._row_stride < small[1]:
+                        return small[2](table_view, ids_view)  # type: ignore[misc]
                 return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
             return _wrapped_lookup(table_view, ids_view, backend, self._table)
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)

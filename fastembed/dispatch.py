@@ -11,6 +11,7 @@ refused with its reasons; it never falls back silently.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,11 +93,16 @@ def backend_statuses() -> list[BackendStatus]:
 def read_environment() -> None:
     """(Re)read FASTEMBED_BACKEND. Done once at import: a lookup does not pay
     for an environment read on every call."""
-    global _environment_choice
+    global _environment_choice, generation
     _environment_choice = os.environ.get(ENVIRONMENT_VARIABLE) or AUTO
+    generation += 1
 
 
 _environment_choice = AUTO
+#: Changes whenever an answer of :func:`select` may change (FASTEMBED_BACKEND re-read, :func:`refresh`).
+generation = 0
+#: :func:`small_gather_for_ndarray`'s last answer: (the :data:`generation` it holds for, below_bytes, gather_new).
+ndarray_small_gather: tuple[int, int, Callable[[Any, Any], Any] | None] = (-1, 0, None)
 #: The backend chosen per (requested backend, FASTEMBED_BACKEND, table type), or per (requested backend,
 #: FASTEMBED_BACKEND, data type, format) for a QuantizedTable.
 _selected: dict[tuple[Any, ...], Backend] = {}
@@ -148,12 +154,39 @@ def refresh() -> None:
 
     Resets every backend's own state too (:meth:`Backend.reset`).
     """
-    global _available
+    global _available, generation
     _available = None
     _selected.clear()
+    generation += 1
     for backend in BACKENDS.values():
         backend.reset()
     read_environment()
+
+
+def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any], Any] | None]:
+    """The small allocating gather of the backend ``"auto"`` picks for a plain numpy table (`table`: a snapshot).
+
+    The lookup API keeps calling the answer, :data:`ndarray_small_gather`,
+    directly for outputs below its size while :data:`generation` is the one it
+    holds for: every plain numpy table gets the same backend, and a decode
+    step then skips the dispatch and backend layers (each costs microseconds
+    with cold caches). A backend that is no
+    :class:`~fastembed.backends.base.SmallGatherBackend` gets a size of 0: it
+    is always called through its ``gather``.
+
+    Returns:
+        ``(generation, below_bytes, gather_new)``.
+
+    Raises:
+        BackendUnavailableError: as :func:`select` (FASTEMBED_BACKEND names a
+            backend that cannot serve host tables).
+    """
+    global ndarray_small_gather
+    seen = generation  # read before choosing: a refresh meanwhile makes the next call choose again
+    chosen = select(table, AUTO)
+    small = chosen.small_gather() if isinstance(chosen, base.SmallGatherBackend) else base.SmallGather(0, None)
+    ndarray_small_gather = (seen, small.below_bytes, small.gather_new)
+    return ndarray_small_gather
 
 
 def select(table: Any, backend: str = AUTO) -> Backend:

@@ -91,3 +91,38 @@ def test_registration_refuses_duplicates_and_non_backends(rowloop):
         other = RowLoopBackend()
         other.name = "other"
         dispatch.register_backend(other, before="tpu")
+
+
+def test_a_backend_without_small_gather_serves_small_lookups_through_gather():
+    """auto picking a backend with no small gather: the API never calls past it, however few the ids."""
+    backend = RowLoopBackend()
+    dispatch.register_backend(backend, before=next(iter(dispatch.BACKENDS)))  # first: auto picks it
+    try:
+        table = random_table(50, 7)
+        emb = fastembed.Embedding(table)
+        assert_bit_equal(emb([3]), table[[3]])
+        assert_bit_equal(fastembed.lookup(table, [[4, 5]]), table[[[4, 5]]])
+        assert backend.calls == 2
+        assert dispatch.small_gather_for_ndarray(validate.table_snapshot(table))[1:] == (0, None)
+    finally:
+        dispatch.unregister_backend(backend.name)
+        dispatch.refresh()
+
+
+@pytest.mark.parametrize("name", ["numba", "numpy"])
+def test_a_host_backends_small_gather_is_its_gather_below_its_size(name):
+    """SmallGather's contract: below_bytes of output, gather_new(table, ids) is gather(table, ids, None), bit for bit."""
+    backend = dispatch.BACKENDS[name]
+    if backend.unavailable_reasons():
+        pytest.skip(f"{name} is not available here")
+    assert isinstance(backend, base.SmallGatherBackend)
+    below, gather_new = backend.small_gather()
+    table = random_table(3000, 1000, "float16")
+    rows = min(below // table.strides[0], 2000) if below < 2**40 else 2000
+    for ids in (np.array([7]), np.random.default_rng(1).integers(0, 3000, (2, rows // 2)), np.zeros(0, np.int64)):
+        snapshot = validate.ids_snapshot(ids, table)
+        assert snapshot.size * table.strides[0] < below
+        assert_bit_equal(gather_new(table, snapshot), backend.gather(table, snapshot, None))
+        assert_bit_equal(gather_new(table, snapshot), table[ids])
+    with pytest.raises(IndexError, match="id -1 at position 0"):
+        gather_new(table, np.array([-1, 4]))

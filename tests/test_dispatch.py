@@ -6,7 +6,7 @@ import pytest
 
 import fastembed
 from fastembed import dispatch
-from fastembed.backends import cuda_backend, numba_backend, numpy_backend
+from fastembed.backends import base, cuda_backend, numba_backend, numpy_backend
 from helpers import assert_bit_equal, random_table
 
 NUMBA_AVAILABLE = not numba_backend.BACKEND.unavailable_reasons()
@@ -139,13 +139,27 @@ def test_remembered_choices_follow_the_request_and_refresh(declare_unavailable):
         dispatch.select(table, "numba")
 
 
-def test_lookups_follow_the_environment_and_refresh(environment, monkeypatch):
-    """lookup and Embedding serve with the backend select() names now: after FASTEMBED_BACKEND is re-read or refresh()."""
-    served = []
+def _record_serving(monkeypatch, served):
+    """Make every backend append (its name, "gather" or "small") to `served` when it serves a lookup."""
     for backend in (numpy_backend.BACKEND, numba_backend.BACKEND, cuda_backend.BACKEND):
         original = backend.gather
         monkeypatch.setattr(backend, "gather", lambda *a, name=backend.name, gather=original: (
-            served.append(name), gather(*a))[1])
+            served.append((name, "gather")), gather(*a))[1])
+        if hasattr(backend, "small_gather"):
+            below, gather_new = backend.small_gather()
+            def recording(*arguments, name=backend.name, gather=gather_new):
+                served.append((name, "small"))
+                return gather(*arguments)
+
+            monkeypatch.setattr(backend, "small_gather", lambda below=below, recording=recording: base.SmallGather(
+                below, recording))
+    dispatch.refresh()  # the API's remembered small gather is made again, from the recording backends
+
+
+def test_lookups_follow_the_environment_and_refresh(environment, monkeypatch):
+    """lookup and Embedding serve with the backend select() names now: after FASTEMBED_BACKEND is re-read or refresh()."""
+    served = []
+    _record_serving(monkeypatch, served)
     table = random_table(10, 4)
     emb = fastembed.Embedding(table)
     expected = fastembed.select_backend(table, [1]).backend
@@ -153,12 +167,12 @@ def test_lookups_follow_the_environment_and_refresh(environment, monkeypatch):
         assert_bit_equal(emb([1]), table[[1]])
         assert_bit_equal(fastembed.lookup(table, [2], backend="numpy"), table[[2]])
         assert_bit_equal(fastembed.lookup(table, [3]), table[[3]])
-    assert served == [expected, "numpy", expected] * 2
+    assert served == [(expected, "small"), ("numpy", "gather"), (expected, "small")] * 2
     environment("numpy")
     served.clear()
     assert_bit_equal(emb([3]), table[[3]])
     assert_bit_equal(fastembed.lookup(table, [3]), table[[3]])
-    assert served == ["numpy", "numpy"]
+    assert served == [("numpy", "small")] * 2
     environment("cuda")
     for call in (lambda: emb([1]), lambda: fastembed.lookup(table, [1])):
         with pytest.raises(fastembed.BackendUnavailableError):
@@ -170,7 +184,35 @@ def test_lookups_follow_the_environment_and_refresh(environment, monkeypatch):
     served.clear()
     assert_bit_equal(emb([4], out=np.empty((1, 4), table.dtype)), table[[4]])
     assert_bit_equal(fastembed.lookup(table, [4], out=np.empty((1, 4), table.dtype)), table[[4]])
-    assert served == ["numpy", "numpy"]
+    assert served == [("numpy", "gather")] * 2
+
+
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="needs numba: its small gather stops at PARALLEL_MIN_BYTES")
+def test_small_allocating_lookups_call_the_backends_small_gather_and_larger_ones_its_gather(monkeypatch):
+    """Below the backend's size the API calls its small gather directly; from it on, and with any other request,
+    the backend's gather; the rows are the same either way."""
+    served = []
+    _record_serving(monkeypatch, served)
+    table = random_table(600, 1024)  # 2 KiB rows: PARALLEL_MIN_BYTES is 1,024 of them
+    rows = numba_backend.PARALLEL_MIN_BYTES // (1024 * table.dtype.itemsize)
+    emb = fastembed.Embedding(table)
+    ids = np.random.default_rng(0).integers(0, 600, rows)
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)  # no numpy stand-in while the kernels compile
+    for call in (emb, lambda i: fastembed.lookup(table, i)):
+        served.clear()
+        assert_bit_equal(call(ids[: rows - 1]), table[ids[: rows - 1]])
+        assert_bit_equal(call(ids), table[ids])
+        assert served == [("numba", "small"), ("numba", "gather")]
+    served.clear()
+    backend_auto = "".join(["au", "to"])  # equal to "auto" but another object: the general path
+    assert_bit_equal(emb(ids[:3], backend=backend_auto), table[ids[:3]])
+    assert_bit_equal(fastembed.lookup(table, ids[:3], backend="numba"), table[ids[:3]])
+    assert_bit_equal(fastembed.lookup(table, np.asarray(ids[:3], np.int16)), table[ids[:3]])  # converted ids
+    assert served == [("numba", "gather"), ("numba", "gather"), ("numba", "small")]
+    with pytest.raises(IndexError, match="position 1"):
+        emb(np.array([3, 600]))
+    with pytest.raises(IndexError, match="position 0"):
+        fastembed.lookup(table, np.array([-1, 2]))
 
 
 @pytest.mark.parametrize("backend", [["numba"], {"name": "numba"}])

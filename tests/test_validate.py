@@ -155,9 +155,14 @@ def test_device_mismatch_names_both_devices(table):
 def test_unknown_backend_lists_known_ones(table, monkeypatch):
     with pytest.raises(ValueError, match="auto, cuda, numba, numpy"):
         fastembed.lookup(table, [1], backend="tpu")
-    monkeypatch.setattr(dispatch, "_environment_choice", "nope")
-    with pytest.raises(ValueError, match="FASTEMBED_BACKEND='nope'.*auto, cuda, numba, numpy"):
-        fastembed.lookup(table, [1])
+    monkeypatch.setenv(dispatch.ENVIRONMENT_VARIABLE, "nope")
+    dispatch.read_environment()
+    try:
+        with pytest.raises(ValueError, match="FASTEMBED_BACKEND='nope'.*auto, cuda, numba, numpy"):
+            fastembed.lookup(table, [1])
+    finally:
+        monkeypatch.undo()
+        dispatch.read_environment()
 
 
 def test_uint64_ids_beyond_int64_are_reported_not_wrapped(table):

@@ -9,8 +9,9 @@ defines such an object, plus one call to
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -93,6 +94,33 @@ class DequantizingBackend(Backend, Protocol):
 
     def dequantize(self, table: Any, ids: Any, out: Any | None, dtype: np.dtype) -> Any:
         """Write the dequantized ``table[ids]`` as `dtype` into ``out`` (or a new array) and return it."""
+        ...
+
+
+class SmallGather(NamedTuple):
+    """A backend's own allocating gather of small outputs, which callers may call without dispatch.
+
+    ``gather_new(table, ids)`` does exactly what the backend's
+    ``gather(table, ids, None)`` does for a plain numpy table whose output
+    (``ids.size`` times the table's row stride) is smaller than
+    ``below_bytes``: same snapshots, same contract.
+    """
+
+    below_bytes: int
+    gather_new: Callable[[Any, Any], Any] | None
+
+
+@runtime_checkable
+class SmallGatherBackend(Backend, Protocol):
+    """A host backend whose small allocating lookups a decode loop may call directly (:class:`SmallGather`).
+
+    A few ids take microseconds, and with cold caches (a decode step after a
+    forward pass) each layer between the caller and numpy's ``take`` costs
+    microseconds more; :mod:`fastembed.dispatch` hands this to the lookup API.
+    """
+
+    def small_gather(self) -> SmallGather:
+        """The gather of small allocating lookups, and below which output size it is the backend's whole gather."""
         ...
 
 

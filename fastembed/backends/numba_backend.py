@@ -64,7 +64,7 @@ import numpy as np
 from .. import validate
 from ..formats import FORMATS, QuantizedTable
 from . import background_compile, numpy_backend, output_cache
-from .base import DENSE, Capabilities
+from .base import DENSE, Capabilities, SmallGather
 from .numpy_backend import take_into, take_new
 
 #: Outputs smaller than this are gathered by numpy's take on the calling
@@ -249,6 +249,10 @@ class NumbaBackend:
             status = int(kernels.gather_serial(table_words, flat_ids, out_words))
         _raise_for_status(status, ids, table.shape[0])
         return out
+
+    def small_gather(self) -> SmallGather:
+        """Allocating outputs below ``PARALLEL_MIN_BYTES`` are numpy's take on the calling thread (:meth:`gather`)."""
+        return SmallGather(PARALLEL_MIN_BYTES, take_new)
 
     def _compile(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray) -> bool:
         """Make the kernels for `signature` ready (importing numba first if needed); True when they are ready now.

@@ -20,13 +20,14 @@ reference of :mod:`fastembed.formats`, a bounded number of rows at a time
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 
 from .. import validate
 from ..formats import FORMATS, QuantizedTable, dequantize_rows
-from .base import DENSE, Capabilities
+from .base import DENSE, Capabilities, SmallGather
 
 _BYTE = np.dtype(np.uint8)
 #: Rows dequantized per step: bounds the float32 temporaries of the reference to a few MiB.
@@ -46,6 +47,10 @@ class NumpyBackend:
 
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         return take_new(table, ids) if out is None else take_into(table, ids, out)
+
+    def small_gather(self) -> SmallGather:
+        """Every allocating gather is :func:`take_new`."""
+        return SmallGather(sys.maxsize, take_new)
 
     def dequantize(self, table: QuantizedTable, ids: np.ndarray, out: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
         if out is None:
