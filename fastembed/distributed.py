@@ -865,7 +865,8 @@ class VocabParallelEmbedding:
         self._mine[1] = digest
         self._collective(lambda: self._dist.all_gather(self._theirs_list, self._mine, group=self._group,
                                                        async_op=True), f"the agreement on {what}")
-        codes, digests = self._theirs[:, 0].tolist(), self._theirs[:, 1].tolist()
+        rows = self._theirs.tolist()  # one read back: on NCCL each read of the GPU tensor waits for the device
+        codes, digests = [row[0] for row in rows], [row[1] for row in rows]
         if not any(codes) and len(set(digests)) == 1:
             return
         texts = self._gather_texts(str(error) if error is not None else describe())
