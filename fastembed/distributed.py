@@ -481,7 +481,9 @@ class VocabParallelEmbedding:
                 a cast of a dense GPU table); raised on every rank.
             CommunicationError: a rank died or did not call within `timeout`.
             RuntimeError: another thread of this rank is calling the layer (raised
-                on this rank only, before any collective).
+                on this rank only, before any collective); on a GPU shard, a rank ran
+                out of GPU memory for this call's buffers (raised on every rank, with
+                torch's message).
             OSError, MemoryError: with ``exchange="shared_memory"``, the shared-memory
                 segment a batch needs cannot be made or mapped (a full ``/dev/shm``, say);
                 raised on every rank, and the group stays usable.
@@ -593,18 +595,26 @@ class VocabParallelEmbedding:
         The buffer is the gather's own result (a torch tensor, seen as integer
         words). A rank that stores rows gathers even when it owns none of the
         ids, so that a ``dtype=`` the GPU cannot give fails alike on every rank.
+        For ``"scatter"`` over NCCL it also allocates the reduce-scatter's
+        output, so that every allocation of the call (the one most likely to
+        run out of GPU memory included) comes before the agreement, which
+        shares its failure with every rank.
         """
         torch = self._torch
         word = getattr(torch, call.word.name)
+        row_words = call.row_bytes // call.word.itemsize
         if self._local is None:  # a rank of padded rows only
-            call.words = self._shard.like.new_zeros((local.size, call.row_bytes // call.word.itemsize), dtype=word)
-            return
-        local[outside] = 0
-        with deferred_id_checks():  # the ids were checked on the host: skip the backend's synchronising re-check
-            rows = self._local(local, dtype=cast)
-        words = call.words = rows.view(word)
-        if outside.any():
-            words.index_fill_(0, torch_adapter.ADAPTER.from_host(np.flatnonzero(outside), self.device), 0)
+            words = call.words = self._shard.like.new_zeros((local.size, row_words), dtype=word)
+        else:
+            local[outside] = 0
+            with deferred_id_checks():  # the ids were checked on the host: skip the backend's synchronising re-check
+                rows = self._local(local, dtype=cast)
+            words = call.words = rows.view(word)
+            if outside.any():
+                words.index_fill_(0, torch_adapter.ADAPTER.from_host(np.flatnonzero(outside), self.device), 0)
+        if call.mode == "scatter" and self._reduce_scatters:
+            start, stop = position_range(call.shape[0], self.world_size, self.rank)
+            call.scattered = words.new_empty(((stop - start) * math.prod(call.shape[1:]), row_words))
 
     def _write_rows(self, call: _Call, buffer: np.ndarray) -> None:
         """This rank's rows, gathered straight into `buffer`: the ranks' rows lie in rank order, each in position order.
@@ -700,7 +710,7 @@ class VocabParallelEmbedding:
             rest = math.prod(shape[1:])  # ids per position along the first dimension
             shape = (stop - start, *shape[1:])
             if self._reduce_scatters:
-                words = self._reduce_scatter(words, call.shape[0], rest)
+                words = self._reduce_scatter(words, call.scattered, call.shape[0], rest)
                 call.exchange_s += time.perf_counter() - started
                 return self._finish(words, call.dtype, shape)
         if call.ids.size:
@@ -716,14 +726,23 @@ class VocabParallelEmbedding:
         call.copy_s = time.perf_counter() - reduced
         return result
 
-    def _reduce_scatter(self, words: Any, count: int, rest: int) -> Any:
-        """This rank's positions of the buffer, summed over the ranks by one reduce-scatter (each rank its part)."""
+    def _reduce_scatter(self, words: Any, mine: Any, count: int, rest: int) -> Any:
+        """`mine`, filled with this rank's positions of the buffer summed over the ranks by one reduce-scatter.
+
+        `words` holds `count` positions of `rest` ids each; `mine`, allocated
+        before the agreement, has room for this rank's part of them.
+        """
+        if not words.shape[0]:
+            return mine
+        what = "the reduce-scatter of the rows"
+        if count % self.world_size == 0:
+            self._collective(lambda: self._dist.reduce_scatter_single(mine, words, group=self._group, async_op=True),
+                             what)
+            return mine
         parts = [words[start * rest: stop * rest]
                  for start, stop in (position_range(count, self.world_size, rank) for rank in range(self.world_size))]
-        mine = parts[self.rank].new_empty(parts[self.rank].shape)
-        if words.shape[0]:
-            self._collective(lambda: self._dist.reduce_scatter(mine, parts, group=self._group, async_op=True),
-                             "the reduce-scatter of the rows")
+        # reduce_scatter_single needs parts of one size: only the list form takes uneven ones (NCCL runs one reduce per rank).
+        self._collective(lambda: self._dist.reduce_scatter(mine, parts, group=self._group, async_op=True), what)
         return mine
 
     def _late_all_reduce(self, call: _Call) -> Any:
@@ -865,7 +884,8 @@ class VocabParallelEmbedding:
         self._mine[1] = digest
         self._collective(lambda: self._dist.all_gather(self._theirs_list, self._mine, group=self._group,
                                                        async_op=True), f"the agreement on {what}")
-        codes, digests = self._theirs[:, 0].tolist(), self._theirs[:, 1].tolist()
+        rows = self._theirs.tolist()  # one read back: on NCCL each read of the GPU tensor waits for the device
+        codes, digests = [row[0] for row in rows], [row[1] for row in rows]
         if not any(codes) and len(set(digests)) == 1:
             return
         texts = self._gather_texts(str(error) if error is not None else describe())
@@ -920,7 +940,7 @@ class _Call:
     """One call's state: the ids, the output dtype, the fingerprint; then the buffers and the timings of the exchange."""
 
     __slots__ = ("mode", "shape", "ids", "dtype", "row_bytes", "word", "digest", "description", "exchange", "words",
-                 "slots", "payload_bytes", "late_gather_s", "exchange_s", "copy_s")
+                 "scattered", "slots", "payload_bytes", "late_gather_s", "exchange_s", "copy_s")
 
     def __init__(self, mode: str, shape: tuple[int, ...], ids: np.ndarray, dtype: np.dtype, row_bytes: int,
                  word: np.dtype, digest: int, description: str, exchange: str) -> None:
@@ -929,6 +949,7 @@ class _Call:
         self.row_bytes, self.word = row_bytes, word  # an output row's bytes; the widest integer word dividing them
         self.exchange = exchange  # the layer's, or "all_reduce" for a call shared memory could not hold
         self.words: Any = None  # the all-reduce's buffer: (ids, row words), numpy or a GPU shard's torch tensor
+        self.scattered: Any = None  # NCCL's reduce-scatter's output: this rank's positions of `words`
         self.slots: np.ndarray | None = None  # shared memory: where each position's row lies in the buffer
         self.payload_bytes = 0
         self.late_gather_s = self.exchange_s = self.copy_s = 0.0

@@ -954,7 +954,7 @@ def test_bench_ranks_arguments_are_checked_first(arguments, message, tmp_path, c
 #: (dtype, dim) of the GPU tables: each integer word (row bytes divisible by 8, by 4, neither: 6 x float16 = 12).
 GPU_TABLES = [("float16", 6), ("bfloat16", 4), ("float32", 8), ("float8_e4m3fn", 5)]
 #: The collectives a GPU group's ranks record: (name, device of the tensor sent).
-DATA_COLLECTIVES = ("all_reduce", "reduce_scatter")
+DATA_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_single")
 
 
 @contextlib.contextmanager
@@ -1057,14 +1057,28 @@ def gpu_task(rank: int, world: int, nccl_alone: bool, checkpoint: str) -> dict:
         facts["checkpoint shard"] = (isinstance(mapped.shard, torch.Tensor), str(mapped.shard.device),
                                      int(mapped.shard.shape[0]))
         facts["check_file"] = _message(mapped.check_file)
-        calls = len(seen)
-        emb([[1, 2], [3, 4], [5, 6]], mode="scatter")
-        facts["scatter collectives"] = seen[calls:]
+        for name, ids in (("even", [[1, 2], [3, 4], [5, 6]]), ("uneven", [[1, 2], [3, 4]])):  # 3 or 2 positions
+            calls = len(seen)
+            emb(ids, mode="scatter")
+            facts[f"{name} scatter collectives"] = seen[calls:]
         # Last: on a group of NCCL alone the old code left the GPU ranks waiting out the timeout in the agreement.
         source = make_table("float16", 6) if rank == last else table
         outcomes["a host table on one rank"] = _outcome(lambda: VocabParallelEmbedding(source, timeout=5))
+        if nccl_alone:
+            # Last too: the old code allocated the reduce-scatter's output after the agreement, so the ranks whose
+            # allocation succeeded waited out the timeout in the reduce-scatter.
+            short = VocabParallelEmbedding(table, timeout=5)
+            with pytest.MonkeyPatch.context() as patch:
+                if rank == last:
+                    patch.setattr(type(short.shard), "new_empty", _out_of_gpu_memory)
+                outcomes["out of GPU memory on one rank"] = _outcome(lambda: short([1, 2, 3], mode="scatter"))
+            outcomes["a scatter after it"] = _outcome(lambda: short([1, 2, 3], mode="scatter"))
     return {"failures": failures, "outcomes": outcomes, "messages": messages, "facts": facts,
             "collectives": sorted(set(seen))}
+
+
+def _out_of_gpu_memory(*args, **kwargs):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's allocation)")
 
 
 def gpu_same_bits(label: str, actual, expected, device: str) -> list[str]:
@@ -1173,13 +1187,26 @@ def test_gpu_shards_communicate_over_the_groups_gpu_transport(gpu_group):
         agreements = {where for name, where in result["collectives"] if name == "all_gather"}
         data = {where for name, where in result["collectives"] if name in DATA_COLLECTIVES}
         assert data == {device}, result["collectives"]
-        scatter = [name for name, _ in result["facts"]["scatter collectives"] if name in DATA_COLLECTIVES]
+        even, uneven = ([name for name, _ in result["facts"][f"{split} scatter collectives"] if name in DATA_COLLECTIVES]
+                        for split in ("even", "uneven"))
         if transport == "gloo":  # gloo: agreements on CPU tensors, scatter as an all-reduce
-            assert agreements == {"cpu"} and names == {"all_gather", "all_reduce"} and scatter == ["all_reduce"]
+            assert agreements == {"cpu"} and names == {"all_gather", "all_reduce"}
+            assert even == uneven == ["all_reduce"]
         else:  # NCCL alone: agreements on CUDA tensors (a build that failed before the table's device was known: torch's
-            # current GPU's), scatter as NCCL's reduce-scatter
+            # current GPU's), scatter as NCCL's reduce-scatter: of one tensor when the positions split evenly
             assert device in agreements and all(where.startswith("cuda:") for where in agreements), agreements
-            assert scatter == ["reduce_scatter"], result["collectives"]
+            assert even == ["reduce_scatter_single"] and uneven == ["reduce_scatter"], result["facts"]
+
+
+def test_an_allocation_that_fails_on_one_rank_is_raised_on_every_rank_without_a_timeout(gpu_group):
+    transport, world, ranks = gpu_group
+    if transport == "gloo":
+        pytest.skip("gloo's scatter is an all-reduce, and its only later allocation comes after every collective")
+    failed = [result["outcomes"]["out of GPU memory on one rank"] for result in ranks]
+    expected = ("RuntimeError", f"CUDA out of memory (a test's allocation) (on rank {world - 1} of {world})")
+    assert {outcome[:2] for outcome in failed} == {expected}, failed  # not CommunicationError, on any rank
+    assert all(seconds < 4 for _, _, seconds in failed), failed  # no rank waited out timeout=5
+    assert all(result["outcomes"]["a scatter after it"][0] == "no error" for result in ranks), ranks
 
 
 def test_the_group_backend_decides_which_tables_it_serves():
