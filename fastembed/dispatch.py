@@ -170,7 +170,9 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     directly for outputs below its size while :data:`generation` is the one it
     holds for: every plain numpy table gets the same backend, and a decode
     step then skips the dispatch and backend layers (each costs microseconds
-    with cold caches). A backend that is no
+    with cold caches). The answer is read once per generation: a backend's
+    size that changes meanwhile (``numba_backend.PARALLEL_MIN_BYTES`` set at
+    run time) reaches the API with the next generation. A backend that is no
     :class:`~fastembed.backends.base.SmallGatherBackend` gets a size of 0: it
     is always called through its ``gather``.
 
@@ -180,6 +182,7 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     Raises:
         BackendUnavailableError: as :func:`select` (FASTEMBED_BACKEND names a
             backend that cannot serve host tables).
+        ValueError: as :func:`select` (FASTEMBED_BACKEND names no registered backend).
     """
     global ndarray_small_gather
     seen = generation  # read before choosing: a refresh meanwhile makes the next call choose again

@@ -53,8 +53,9 @@ A call runs five steps on every rank (:class:`LookupTimings` times each):
 
 Every collective is waited for at most ``timeout`` seconds: a rank that dies
 or stops calling makes the others raise :class:`CommunicationError`. The
-collectives carry CPU tensors where the group has a CPU backend (gloo), and
-tensors on the shard's GPU on a group of NCCL alone.
+agreements carry CPU tensors where the group has a CPU backend (gloo), and
+tensors on the shard's GPU on a group of NCCL alone; a GPU shard's rows
+always travel as CUDA tensors of its device.
 
 How rows and positions are split: :func:`row_range` and :func:`position_range`.
 Importing this module does not import torch; building a
@@ -278,8 +279,9 @@ class VocabParallelEmbedding:
         ImportError: torch is not installed.
         RuntimeError: no process group is initialised.
         ValueError: this process is not in `group`; a host table on a group
-            without CPU transport (NCCL alone; raised on that rank only, before
-            any collective, where torch sees no GPU); ranks that opened tables of different
+            without CPU transport (NCCL alone: on every rank, through the agreement on
+            torch's current GPU; on that rank only, before any collective, where torch
+            sees no GPU); ranks that opened tables of different
             shapes or dtypes, on the host and on GPUs, or asked for different exchanges (the values
             themselves are not compared); ``pad_to_multiple`` not positive,
             ``timeout`` outside 1 ms to a year; `name` with an array; ``exchange="shared_memory"``

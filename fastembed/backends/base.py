@@ -1,7 +1,8 @@
 """The interface every backend implements, and the capabilities it declares.
 
 A backend is an object with a ``name``, declared :class:`Capabilities`, and
-four methods (:class:`Backend`). The dispatcher derives why a backend cannot
+four methods (:class:`Backend`); :class:`DequantizingBackend` and
+:class:`SmallGatherBackend` each add one it may have. The dispatcher derives why a backend cannot
 serve a call from those declarations (:func:`not_supported_reasons`); no
 backend writes that logic itself. Adding a backend is one module that
 defines such an object, plus one call to
@@ -103,7 +104,8 @@ class SmallGather(NamedTuple):
     ``gather_new(table, ids)`` does exactly what the backend's
     ``gather(table, ids, None)`` does for a plain numpy table whose output
     (``ids.size`` times the table's row stride) is smaller than
-    ``below_bytes``: same snapshots, same contract.
+    ``below_bytes``: same snapshots, same contract. ``gather_new`` is None
+    only with ``below_bytes`` 0: the backend has no such gather.
     """
 
     below_bytes: int

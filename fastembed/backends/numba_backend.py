@@ -70,6 +70,8 @@ from .numpy_backend import take_into, take_new
 #: Outputs smaller than this are gathered by numpy's take on the calling
 #: thread: waking a sleeping worker costs tens of microseconds, more than it
 #: saves on a copy of a few rows. In bytes: a copy's time is in proportion to them.
+#: The API reads it through :meth:`NumbaBackend.small_gather` once per dispatch
+#: generation: a change reaches it after :func:`fastembed.dispatch.read_environment` or ``refresh()``.
 PARALLEL_MIN_BYTES = 2 * 2**20
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the cache.
