@@ -77,11 +77,11 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         if isinstance(table, _NDARRAY):  # a numpy table's result is a plain numpy array, an np.memmap's too
             # The default argument (and any literal "auto") is this very object; an equal string takes select().
             if backend is _AUTO:
-                small = dispatch.ndarray_small_gather
+                small = dispatch.ndarray_small_gather  # (generation, below_bytes, gather_new)
                 if small[0] != dispatch.generation:
                     small = dispatch.small_gather_for_ndarray(table_view)
                 if ids_view.size * table_view.strides[0] < small[1]:
-                    return small[2](table_view, ids_view)  # type: ignore[misc]
+                    return small[2](table_view, ids_view)
             return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
         return _wrapped_lookup(table_view, ids_view, backend, table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
@@ -174,7 +174,7 @@ class Embedding:
                     if small[0] != dispatch.generation:
                         small = dispatch.small_gather_for_ndarray(table_view)
                     if ids_view.size * self._row_stride < small[1]:
-                        return small[2](table_view, ids_view)  # type: ignore[misc]
+                        return small[2](table_view, ids_view)
                 return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
             return _wrapped_lookup(table_view, ids_view, backend, self._table)
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
@@ -203,7 +203,11 @@ class Embedding:
 
     @property
     def dtype(self) -> np.dtype:
-        """The dtype of results without ``dtype=``: the table's (bfloat16 and float8 via ml_dtypes), float32 for a quantized table."""
+        """The dtype of results without ``dtype=``: the table's (bfloat16 and float8 via ml_dtypes), float32 for a quantized table.
+
+        Raises:
+            TypeError: a torch CUDA bfloat16 or float8 table, and ml_dtypes is not installed.
+        """
         return validate.table_dtype(self._view, self._rows)
 
     @property

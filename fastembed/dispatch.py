@@ -11,6 +11,7 @@ refused with its reasons; it never falls back silently.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,7 +103,7 @@ _environment_choice = AUTO
 #: Changes whenever an answer of :func:`select` may change (FASTEMBED_BACKEND re-read, :func:`refresh`).
 generation = 0
 #: :func:`small_gather_for_ndarray`'s last answer: (the :data:`generation` it holds for, below_bytes, gather_new).
-ndarray_small_gather: tuple[int, int, Callable[[Any, Any], Any] | None] = (-1, 0, None)
+ndarray_small_gather: tuple[int, int, Callable[[Any, Any], Any]] = (-1, 0, lambda table, ids: None)
 #: The backend chosen per (requested backend, FASTEMBED_BACKEND, table type), or per (requested backend,
 #: FASTEMBED_BACKEND, data type, format) for a QuantizedTable.
 _selected: dict[tuple[Any, ...], Backend] = {}
@@ -154,16 +155,15 @@ def refresh() -> None:
 
     Resets every backend's own state too (:meth:`Backend.reset`).
     """
-    global _available, generation
+    global _available
     _available = None
     _selected.clear()
-    generation += 1
     for backend in BACKENDS.values():
         backend.reset()
-    read_environment()
+    read_environment()  # last: its new generation retires any answer remembered while the backends reset
 
 
-def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any], Any] | None]:
+def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any], Any]]:
     """The small allocating gather of the backend ``"auto"`` picks for a plain numpy table (`table`: a snapshot).
 
     The lookup API keeps calling the answer, :data:`ndarray_small_gather`,
@@ -172,9 +172,9 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     step then skips the dispatch and backend layers (each costs microseconds
     with cold caches). The answer is read once per generation: a backend's
     size that changes meanwhile (``numba_backend.PARALLEL_MIN_BYTES`` set at
-    run time) reaches the API with the next generation. A backend that is no
-    :class:`~fastembed.backends.base.SmallGatherBackend` gets a size of 0: it
-    is always called through its ``gather``.
+    run time) reaches the API with the next generation. For a backend that is
+    no :class:`~fastembed.backends.base.SmallGatherBackend`, the small gather
+    is its ``gather`` itself, at every size.
 
     Returns:
         ``(generation, below_bytes, gather_new)``.
@@ -187,7 +187,10 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     global ndarray_small_gather
     seen = generation  # read before choosing: a refresh meanwhile makes the next call choose again
     chosen = select(table, AUTO)
-    small = chosen.small_gather() if isinstance(chosen, base.SmallGatherBackend) else base.SmallGather(0, None)
+    if isinstance(chosen, base.SmallGatherBackend):
+        small = chosen.small_gather()
+    else:
+        small = base.SmallGather(sys.maxsize, lambda table, ids: chosen.gather(table, ids, None))
     ndarray_small_gather = (seen, small.below_bytes, small.gather_new)
     return ndarray_small_gather
 

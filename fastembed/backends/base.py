@@ -104,12 +104,11 @@ class SmallGather(NamedTuple):
     ``gather_new(table, ids)`` does exactly what the backend's
     ``gather(table, ids, None)`` does for a plain numpy table whose output
     (``ids.size`` times the table's row stride) is smaller than
-    ``below_bytes``: same snapshots, same contract. ``gather_new`` is None
-    only with ``below_bytes`` 0: the backend has no such gather.
+    ``below_bytes``: same snapshots, same contract.
     """
 
     below_bytes: int
-    gather_new: Callable[[Any, Any], Any] | None
+    gather_new: Callable[[Any, Any], Any]
 
 
 @runtime_checkable
