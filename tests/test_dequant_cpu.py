@@ -53,9 +53,14 @@ def reference(table: QuantizedTable, ids, dtype=np.float32) -> np.ndarray:
 
 
 def dims(name: str) -> list[int]:
-    """One block, three blocks; fp8_e4m3 rows of 1, 8, 296 and 300 values (vectors and scalar tails, streamable or not)."""
+    """One block, three blocks; fp8_e4m3 rows of 1, 8, 96, 296 and 300 values.
+
+    fp8_e4m3: scalar tails, vectors, streamable or not; 16-bit outputs of
+    rows below 128 values decoded value by value, from 128 looked up in the
+    row's table where the CPU has one (see the kernels' FP8_TABLE_LOOKUP).
+    """
     values = FORMATS[name].block_values
-    return [1, 8, 296, 300] if values == 1 else [values, 3 * values]
+    return [1, 8, 96, 296, 300] if values == 1 else [values, 3 * values]
 
 
 def lookup_both_ways(table, ids, dtype):
@@ -259,7 +264,7 @@ def test_lookup_serves_quantized_tables_through_the_numba_backend():
     ids = np.array([[1, 99], [50, 0]])
     assert_bit_equal(fastembed.lookup(table, ids, dtype=np.float16, backend="numba"), reference(table, ids, np.float16))
     facts = BACKEND.describe()
-    assert "q6_k" in facts["dequantize_formats"] and facts["float16_conversion"]
+    assert "q6_k" in facts["dequantize_formats"] and facts["float16_conversion"] and facts["fp8_e4m3_to_16_bits"]
 
 
 def test_concurrent_threads_get_exact_rows(monkeypatch):

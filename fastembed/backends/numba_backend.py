@@ -435,7 +435,9 @@ class NumbaBackend:
             facts["parallel_kernels"] = f"unavailable, serving serially: {self._parallel_error}"
         facts["dequantize_formats"] = ", ".join(FORMATS)
         try:
-            facts["float16_conversion"] = self.dequantize_kernels().FLOAT16_CONVERSION
+            kernels = self.dequantize_kernels()
+            facts["float16_conversion"] = kernels.FLOAT16_CONVERSION
+            facts["fp8_e4m3_to_16_bits"] = kernels.FP8_TO_16_BITS
         except ImportError:
             pass
         if self._dequantize_error is not None:

@@ -37,8 +37,11 @@ output), so no array is passed, or reference-counted, per chunk. With
 multiple of 16 bytes: :func:`.gather_cpu.can_stream`). float16
 conversions use the CPU's instructions where numba compiles for them
 (x86-64 with F16C: :data:`HARDWARE_FLOAT16`), else integer bit operations;
-both round alike. Multi-byte fields are read little-endian, as numba's CPU
-targets are.
+both round alike. fp8_e4m3 rows of 128 values or more into 16-bit outputs
+are looked up, where numba compiles for AVX-512BW (:data:`FP8_TABLE_LOOKUP`):
+each row's 128 magnitudes times its scale are rounded once into a table,
+and every value is its magnitude's entry with its sign applied. Multi-byte
+fields are read little-endian, as numba's CPU targets are.
 """
 from __future__ import annotations
 
@@ -67,21 +70,26 @@ CHUNK = 256
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _compiles_for_f16c() -> bool:
-    """Whether numba's target has the F16C conversions (what its JIT compiles for, cached kernels included)."""
+def _target_features() -> set[str]:
+    """The CPU features numba's JIT compiles for (cached kernels included), as LLVM names them: ``+f16c``..."""
     from numba.core import codegen, config
 
     features = getattr(config, "CPU_FEATURES", None)
     if features is None:
         features = codegen.get_host_cpu_features()
-    flags = set(str(features).split(","))
-    return _X86 and "+f16c" in flags and "+avx" in flags
+    return set(str(features).split(",")) if _X86 else set()
 
 
+_FEATURES = _target_features()
 #: float16 conversions use the CPU's instructions (else the bit operations of :func:`float16_bits`).
-HARDWARE_FLOAT16 = _compiles_for_f16c()
+HARDWARE_FLOAT16 = "+f16c" in _FEATURES and "+avx" in _FEATURES
 #: How float16 outputs are rounded, in words (for describe()).
 FLOAT16_CONVERSION = "F16C instructions" if HARDWARE_FLOAT16 else "integer bit operations"
+#: fp8_e4m3 rows into 16-bit outputs are looked up in a table of their row's 128 magnitudes, by AVX-512BW word
+#: permutes (else decoded value by value).
+FP8_TABLE_LOOKUP = "+avx512bw" in _FEATURES and "+avx512f" in _FEATURES
+#: How fp8_e4m3 rows become 16-bit outputs, in words (for describe()).
+FP8_TO_16_BITS = "a table of each row's 128 values, AVX-512BW word permutes" if FP8_TABLE_LOOKUP else "decoded value by value"
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _ADDRESS = types.intp
@@ -98,6 +106,15 @@ def _byte(typingctx, address):
     """The byte at `address`, as uint32."""
     def codegen(context, builder, signature, args):
         return builder.zext(builder.load(_pointer(builder, args[0], _I8)), _I32)
+
+    return types.uint32(_ADDRESS), codegen
+
+
+@intrinsic
+def _u16_at(typingctx, address):
+    """The uint16 at `address` (2-byte aligned), as uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.load(_pointer(builder, args[0], _I16), align=2), _I32)
 
     return types.uint32(_ADDRESS), codegen
 
@@ -492,11 +509,10 @@ def _q6_k_body(builder, args, put):
             put(builder, destination, 128 * h + 32 * k, builder.fmul(scale, values))
 
 
-def _fp8_e4m3_body(builder, args, put):
-    # 32 float8_e4m3fn bytes at source; value * scale (see fp8_e4m3_value), by integer bit operations
-    destination, source, scale = args
+def _fp8_e4m3_bit_values(builder, codes, scale):
+    # 32 float8_e4m3fn bytes (<32 x i8>) to value * scale (see fp8_e4m3_value), by integer bit operations
     i32x32 = _vector(_I32, 32)
-    b = builder.zext(_load(builder, source, _vector(_I8, 32)), i32x32)
+    b = builder.zext(codes, i32x32)
     sign = builder.shl(builder.and_(b, _constant(_I32, 32, 0x80)), _constant(_I32, 32, 24))
     magnitude = builder.and_(b, _constant(_I32, 32, 0x7F))
     normal = builder.add(builder.shl(magnitude, _constant(_I32, 32, 20)), _constant(_I32, 32, 120 << 23))
@@ -506,26 +522,39 @@ def _fp8_e4m3_body(builder, args, put):
     bits = builder.select(builder.icmp_unsigned("==", magnitude, _constant(_I32, 32, 0x7F)),
                           _constant(_I32, 32, 0x7FC00000), bits)
     value = builder.bitcast(builder.or_(bits, sign), _vector(_F32, 32))
-    put(builder, destination, 0, builder.fmul(value, _splat(builder, scale, 32)))
+    return builder.fmul(value, _splat(builder, scale, 32))
 
 
-def _fp8_e4m3_widened_body(builder, args, put):
-    # as _fp8_e4m3_body, through float16 and the F16C widening: the sign to bit 15 and the 7 magnitude bits
+def _fp8_e4m3_widened_values(builder, codes, scale):
+    # as _fp8_e4m3_bit_values, through float16 and the F16C widening: the sign to bit 15 and the 7 magnitude bits
     # under float16's exponent (subnormals become float16 subnormals) give value / 2**8 exactly; NaN codes
     # become float16's quiet NaN of their sign, which widens to ml_dtypes' float32 NaN
-    destination, source, scale = args
-
     def c(value):
         return _constant(_I16, 32, value)
 
-    b = builder.zext(_load(builder, source, _vector(_I8, 32)), _vector(_I16, 32))
+    b = builder.zext(codes, _vector(_I16, 32))
     shifted = builder.shl(b, c(7))
     bits = builder.add(shifted, builder.and_(shifted, c(0x4000)))  # the sign's carry: bit 14 to bit 15
     nan = builder.icmp_unsigned("==", builder.and_(b, c(0x7F)), c(0x7F))
     bits = builder.select(nan, builder.or_(builder.and_(bits, c(0x8000)), c(0x7E00)), bits)
     value = builder.fpext(builder.bitcast(bits, _vector(ir.HalfType(), 32)), _vector(_F32, 32))
     value = builder.fmul(value, _constant(_F32, 32, 256.0))  # exact: |value| <= 448, no subnormal float32 here
-    put(builder, destination, 0, builder.fmul(value, _splat(builder, scale, 32)))
+    return builder.fmul(value, _splat(builder, scale, 32))
+
+
+#: 32 float8_e4m3fn values: through the F16C widening where numba compiles for it (fewer instructions).
+_FP8_E4M3_VALUES = _fp8_e4m3_widened_values if HARDWARE_FLOAT16 else _fp8_e4m3_bit_values
+
+
+def _fp8_e4m3_body(builder, args, put):
+    # 32 float8_e4m3fn bytes at source; value * scale
+    destination, source, scale = args
+    put(builder, destination, 0, _FP8_E4M3_VALUES(builder, _load(builder, source, _vector(_I8, 32)), scale))
+
+
+def _fp8_e4m3_bits_body(builder, args, put):
+    destination, source, scale = args
+    put(builder, destination, 0, _fp8_e4m3_bit_values(builder, _load(builder, source, _vector(_I8, 32)), scale))
 
 
 _f32, _u32 = types.float32, types.uint32
@@ -572,17 +601,13 @@ def _q6_k_block(typingctx, halves, destination, block):
 
 
 @intrinsic(prefer_literal=True)
-def _fp8_e4m3_32_bits(typingctx, halves, destination, source, scale):
+def _fp8_e4m3_32(typingctx, halves, destination, source, scale):
     return _block(halves, _fp8_e4m3_body, _f32)
 
 
 @intrinsic(prefer_literal=True)
-def _fp8_e4m3_32_widened(typingctx, halves, destination, source, scale):
-    return _block(halves, _fp8_e4m3_widened_body, _f32)
-
-
-#: 32 float8_e4m3fn values: through the F16C widening where numba compiles for it (fewer instructions).
-_fp8_e4m3_32 = _fp8_e4m3_32_widened if HARDWARE_FLOAT16 else _fp8_e4m3_32_bits
+def _fp8_e4m3_32_bits(typingctx, halves, destination, source, scale):
+    return _block(halves, _fp8_e4m3_bits_body, _f32)
 
 
 # -- float32 vectors to float16 or bfloat16 -----------------------------------------------------------
@@ -666,6 +691,97 @@ def _copy_eight_floats(typingctx, destination, source):
         return context.get_dummy_value()
 
     return types.void(_ADDRESS, _ADDRESS), codegen
+
+
+# -- fp8_e4m3 rows into 16-bit outputs, by table lookup -----------------------------------------------
+# A row's 128 magnitudes times its scale, rounded once into a table of 16-bit outputs; each value is then
+# its magnitude's entry with the sign bit flipped by the code's. Rounding is symmetric and, for a finite
+# scale, (-v) * scale is -(v * scale) (a NaN code keeps its sign), so every entry is the value the decode
+# would give. A non-finite scale breaks that symmetry (0 * inf is x86's negative NaN): such rows are decoded.
+
+_LANES_OF_MODE = {FLOAT16: _FLOAT16_LANES, BFLOAT16: _bfloat16_lanes, FLOAT16_BITS: _float16_bits_lanes}
+
+
+@intrinsic(prefer_literal=True)
+def _fp8_e4m3_fill_table(typingctx, mode, table, scale):
+    """Write at address `table` the 128 16-bit outputs (`mode`, a literal) of magnitudes 0-127 times `scale`."""
+    if not isinstance(mode, types.IntegerLiteral):
+        return None
+    lanes = _LANES_OF_MODE[mode.literal_value]
+
+    def codegen(context, builder, signature, args):
+        _, table, scale = args
+        for k in range(4):
+            codes = _constant(_I8, 32, list(range(32 * k, 32 * k + 32)))
+            _store(builder, builder.add(table, table.type(64 * k)), lanes(builder, _FP8_E4M3_VALUES(builder, codes, scale)))
+        return context.get_dummy_value()
+
+    return types.void(mode, _ADDRESS, _f32), codegen
+
+
+def _word_permute(builder, low, index, high):
+    # lane j: entry index[j] % 64 of the 64 words of low then high (VPERMI2W)
+    vector = _vector(_I16, 32)
+    permute = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
+    return builder.call(permute, [low, index, high])
+
+
+@intrinsic(prefer_literal=True)
+def _fp8_e4m3_looked_up(typingctx, nontemporal, destination, source, n_blocks, table):
+    """Put the 32 * `n_blocks` float8_e4m3fn values at `source` as their entries of `table` at `destination`.
+
+    `nontemporal` (a literal): stream the stores (`destination` 16-byte aligned).
+    """
+    if not isinstance(nontemporal, types.BooleanLiteral):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _, destination, source, n_blocks, table = args
+        words = _vector(_I16, 32)
+
+        def c(value):
+            return _constant(_I16, 32, value)
+
+        entries = [_load(builder, builder.add(table, table.type(64 * k)), words) for k in range(4)]
+        with cgutils.for_range(builder, n_blocks) as loop:
+            codes = builder.zext(_load(builder, builder.add(source, builder.mul(loop.index, source.type(32))),
+                                       _vector(_I8, 32)), words)
+            below_64 = _word_permute(builder, entries[0], codes, entries[1])
+            from_64 = _word_permute(builder, entries[2], codes, entries[3])
+            value = builder.select(builder.icmp_unsigned("!=", builder.and_(codes, c(0x40)), c(0)), from_64, below_64)
+            value = builder.xor(value, builder.shl(builder.and_(codes, c(0x80)), c(8)))
+            address = builder.add(destination, builder.mul(loop.index, destination.type(64)))
+            store = builder.store(value, builder.inttoptr(address, words.as_pointer()), align=16 if nontemporal.literal_value else 2)
+            if nontemporal.literal_value:
+                store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+        return context.get_dummy_value()
+
+    return types.void(nontemporal, _ADDRESS, _ADDRESS, types.intp, _ADDRESS), codegen
+
+
+@njit(**_JIT)
+def _fill_fp8_e4m3_table(table, scale, mode):
+    if mode == FLOAT16:
+        _fp8_e4m3_fill_table(FLOAT16, table, scale)
+    elif mode == BFLOAT16:
+        _fp8_e4m3_fill_table(BFLOAT16, table, scale)
+    else:
+        _fp8_e4m3_fill_table(FLOAT16_BITS, table, scale)
+
+
+@njit(**_JIT)
+def _fp8_e4m3_by_table(source, count, table, destination, stream):
+    """The `count` values at `source` as 16-bit entries of `table` at `destination` (streamed: 16-byte aligned)."""
+    whole = count - count % 32
+    if stream:
+        _fp8_e4m3_looked_up(True, destination, source, whole // 32, table)
+    else:
+        _fp8_e4m3_looked_up(False, destination, source, whole // 32, table)
+    for j in range(whole, count):
+        code = _byte(source + j)
+        entry = _u16_at(table + 2 * (code & np.uint32(0x7F)))
+        _store_u16(destination + 2 * j, np.uint16(entry ^ ((code & np.uint32(0x80)) << np.uint32(8))))
 
 
 # -- one chunk of one row ----------------------------------------------------------------------------
@@ -915,7 +1031,10 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     scale_bytes = np.intp(scales.ctypes.data)
     destination = np.intp(out.ctypes.data)
     buf = np.intp(_stack_floats(CHUNK))
+    table = np.intp(_stack_floats(64))  # 128 16-bit entries
     halves = stream and word == 2 and mode == FLOAT16  # streamed float16: the blocks write the output themselves
+    # a table of 128 entries pays for itself on rows of at least as many values
+    by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
     skipped = 0
     for i in range(start, stop):
         row = ids[i]
@@ -925,6 +1044,9 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
         source = rows + np.intp(row) * row_bytes
         ahead = rows + np.intp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
         scale = _load_f32_anywhere(scale_bytes + 4 * np.intp(row)) if fmt == FP8_E4M3 else np.float32(1)
+        row_by_table = by_table and scale - scale == 0  # finite
+        if row_by_table:
+            _fill_fp8_e4m3_table(table, scale, mode)
         for first in range(0, dim, CHUNK):
             count = min(CHUNK, dim - first)
             begin, end = first * row_bytes // dim, (first + count) * row_bytes // dim
@@ -932,7 +1054,9 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
                 for byte in range(begin, end, 64):
                     prefetch(ahead + byte)
             position = destination + (np.intp(i) * dim + first) * word
-            if halves:
+            if row_by_table:
+                _fp8_e4m3_by_table(source + begin, count, table, position, stream)
+            elif halves:
                 _dequantize_chunk(fmt, source + begin, count, scale, position, True)
             else:
                 _dequantize_chunk(fmt, source + begin, count, scale, buf, False)
