@@ -133,6 +133,34 @@ def test_fp8_special_bytes_and_row_scales_round_like_the_reference():
         assert_bit_equal(BACKEND.dequantize(table, ids, None, dtype), reference(table, ids, dtype))
 
 
+def streamable_poisoned(size: int) -> np.ndarray:
+    """A poisoned uint16 buffer at a 16-byte boundary (plus 0 or 48 bytes: both sides of a 64-byte line)."""
+    buffer = poisoned(size + 64, np.uint16)
+    start = (-buffer.ctypes.data % 64) // 2 + 24
+    return buffer[start : start + size]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_fp8_table_lookup_is_the_decode_bit_for_bit_on_any_cpu(stream):
+    """The 16-bit table-lookup code, which dequantize() takes only where the CPU has AVX-512BW.
+
+    Every code by finite scales, zeros and subnormals included; every output mode.
+    """
+    kernels = BACKEND.dequantize_kernels()
+    fmt = FORMATS["fp8_e4m3"]
+    dim = 296  # a table of 128 entries, 288 values looked up in vectors and 8 one by one
+    row = ((np.arange(dim) * 7) % 256).astype(np.uint8)
+    dtypes = {kernels.FLOAT16: np.float16, kernels.FLOAT16_BITS: np.float16, kernels.BFLOAT16: ml_dtypes.bfloat16}
+    for scale in np.array([1.0, -3.5, 0.0, -0.0, 1e-45, 3e38], np.float32):
+        with np.errstate(over="ignore", invalid="ignore"):
+            values = dequantize_rows(row[None], scale[None], fmt, dim)[0]
+        for mode, dtype in dtypes.items():
+            out = streamable_poisoned(dim)
+            kernels.looked_up(kernels.FORMAT_CODES["fp8_e4m3"], row, scale, out, mode, stream)
+            with np.errstate(over="ignore", invalid="ignore"):
+                assert_bit_equal(out, values.astype(dtype).view(np.uint16))
+
+
 @pytest.mark.parametrize("scale", [1.0, -3.5, 1e-40, np.inf])
 def test_the_integer_bit_fp8_vectors_match_ml_dtypes(scale):
     """The fp8 vector code used where no F16C instruction serves, on every code (NaN ones included)."""
@@ -264,7 +292,7 @@ def test_lookup_serves_quantized_tables_through_the_numba_backend():
     ids = np.array([[1, 99], [50, 0]])
     assert_bit_equal(fastembed.lookup(table, ids, dtype=np.float16, backend="numba"), reference(table, ids, np.float16))
     facts = BACKEND.describe()
-    assert "q6_k" in facts["dequantize_formats"] and facts["float16_conversion"] and facts["fp8_e4m3_to_16_bits"]
+    assert "q6_k" in facts["dequantize_formats"] and facts["float16_conversion"] and facts["to_16_bits"]
 
 
 def test_concurrent_threads_get_exact_rows(monkeypatch):

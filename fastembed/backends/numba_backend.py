@@ -437,7 +437,7 @@ class NumbaBackend:
         try:
             kernels = self.dequantize_kernels()
             facts["float16_conversion"] = kernels.FLOAT16_CONVERSION
-            facts["fp8_e4m3_to_16_bits"] = kernels.FP8_TO_16_BITS
+            facts["to_16_bits"] = kernels.TO_16_BITS
         except ImportError:
             pass
         if self._dequantize_error is not None:

@@ -40,8 +40,9 @@ conversions use the CPU's instructions where numba compiles for them
 both round alike. fp8_e4m3 rows of 128 values or more into 16-bit outputs
 are looked up, where numba compiles for AVX-512BW (:data:`FP8_TABLE_LOOKUP`):
 each row's 128 magnitudes times its scale are rounded once into a table,
-and every value is its magnitude's entry with its sign applied. Multi-byte
-fields are read little-endian, as numba's CPU targets are.
+and every value is its magnitude's entry with its sign applied. Elsewhere
+the same lookup compiles to lane-by-lane code, which only the tests run. Multi-byte fields are read little-endian, as numba's
+CPU targets are.
 """
 from __future__ import annotations
 
@@ -85,11 +86,13 @@ _FEATURES = _target_features()
 HARDWARE_FLOAT16 = "+f16c" in _FEATURES and "+avx" in _FEATURES
 #: How float16 outputs are rounded, in words (for describe()).
 FLOAT16_CONVERSION = "F16C instructions" if HARDWARE_FLOAT16 else "integer bit operations"
-#: fp8_e4m3 rows into 16-bit outputs are looked up in a table of their row's 128 magnitudes, by AVX-512BW word
-#: permutes (else decoded value by value).
+#: fp8_e4m3 rows going to 16-bit outputs are looked up in a table of their row's 128 magnitudes, by AVX-512BW
+#: word permutes (else decoded value by value).
 FP8_TABLE_LOOKUP = "+avx512bw" in _FEATURES and "+avx512f" in _FEATURES
-#: How fp8_e4m3 rows become 16-bit outputs, in words (for describe()).
-FP8_TO_16_BITS = "a table of each row's 128 values, AVX-512BW word permutes" if FP8_TABLE_LOOKUP else "decoded value by value"
+#: How values become 16-bit outputs, in words (for describe()).
+TO_16_BITS = "; ".join([
+    "fp8_e4m3: " + ("a table of each row's 128 values, AVX-512BW word permutes" if FP8_TABLE_LOOKUP else "decoded"),
+    "others: decoded"])
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 _ADDRESS = types.intp
@@ -719,12 +722,30 @@ def _fp8_e4m3_fill_table(typingctx, mode, table, scale):
     return types.void(mode, _ADDRESS, _f32), codegen
 
 
+def _lane_by_lane(builder, table, index):
+    """Lane j: entry index[j] % len(table) of `table` (a vector), one lane at a time: any CPU compiles it."""
+    n, result = table.type.count, ir.Constant(index.type, None)
+    for j in range(index.type.count):
+        at = builder.and_(builder.extract_element(index, _I32(j)), index.type.element(n - 1))
+        result = builder.insert_element(result, builder.extract_element(table, at), _I32(j))
+    return result
+
+
 def _word_permute(builder, low, index, high):
     # lane j: entry index[j] % 64 of the 64 words of low then high (VPERMI2W)
     vector = _vector(_I16, 32)
+    if not FP8_TABLE_LOOKUP:
+        return _lane_by_lane(builder, builder.shuffle_vector(low, high, _constant(_I32, 64, list(range(64)))), index)
     permute = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
     return builder.call(permute, [low, index, high])
+
+
+def _put_words(builder, address, words, nontemporal):
+    """Store 32 words at `address`: streamed (16-byte aligned there) if `nontemporal`."""
+    store = builder.store(words, builder.inttoptr(address, words.type.as_pointer()), align=16 if nontemporal else 2)
+    if nontemporal:
+        store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
 
 
 @intrinsic(prefer_literal=True)
@@ -752,9 +773,7 @@ def _fp8_e4m3_looked_up(typingctx, nontemporal, destination, source, n_blocks, t
             value = builder.select(builder.icmp_unsigned("!=", builder.and_(codes, c(0x40)), c(0)), from_64, below_64)
             value = builder.xor(value, builder.shl(builder.and_(codes, c(0x80)), c(8)))
             address = builder.add(destination, builder.mul(loop.index, destination.type(64)))
-            store = builder.store(value, builder.inttoptr(address, words.as_pointer()), align=16 if nontemporal.literal_value else 2)
-            if nontemporal.literal_value:
-                store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+            _put_words(builder, address, value, nontemporal.literal_value)
         return context.get_dummy_value()
 
     return types.void(nontemporal, _ADDRESS, _ADDRESS, types.intp, _ADDRESS), codegen
@@ -995,6 +1014,20 @@ def fp8_e4m3_by_bits(codes, scale, out):
     """out[j] = float8_e4m3fn codes[j] (uint8, a multiple of 32) times scale by the integer-bit vector code, for tests."""
     for j in range(0, codes.size, 32):
         _fp8_e4m3_32_bits(False, np.intp(out.ctypes.data) + 4 * j, np.intp(codes.ctypes.data) + j, scale)
+    return out
+
+
+@njit(**_JIT)
+def looked_up(fmt, row, scale, out, mode, stream):
+    """out = one fp8_e4m3 row (uint8 bytes, `scale` its row's, finite) as 16-bit `mode` values by the table lookup,
+    on any CPU, for tests. `out` uint16 of the row's size; with `stream`, 16-byte aligned. `fmt` is FP8_E4M3.
+    """
+    source, destination = np.intp(row.ctypes.data), np.intp(out.ctypes.data)
+    table = np.intp(_stack_floats(64))
+    _fill_fp8_e4m3_table(table, scale, mode)
+    _fp8_e4m3_by_table(source, out.size, table, destination, stream)
+    if stream:
+        _fence()
     return out
 
 
