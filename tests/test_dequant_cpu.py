@@ -140,23 +140,33 @@ def streamable_poisoned(size: int) -> np.ndarray:
     return buffer[start : start + size]
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "q4_0", "q4_1", "q4_k"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_the_fp8_table_lookup_is_the_decode_bit_for_bit_on_any_cpu(stream):
-    """The 16-bit table-lookup code, which dequantize() takes only where the CPU has AVX-512BW.
+def test_the_table_lookups_are_the_decode_bit_for_bit_on_any_cpu(name, stream):
+    """The 16-bit table-lookup code, which dequantize() takes only where the CPU indexes tables in registers.
 
-    Every code by finite scales, zeros and subnormals included; every output mode.
+    fp8_e4m3: every code by finite scales, zeros and subnormals included;
+    the 4-bit formats: special float16 scale fields. Every output mode.
     """
     kernels = BACKEND.dequantize_kernels()
-    fmt = FORMATS["fp8_e4m3"]
-    dim = 296  # a table of 128 entries, 288 values looked up in vectors and 8 one by one
-    row = ((np.arange(dim) * 7) % 256).astype(np.uint8)
+    fmt = FORMATS[name]
+    if name == "fp8_e4m3":
+        dim = 296  # a table of 128 entries, 288 values looked up in vectors and 8 one by one
+        rows = [((np.arange(dim) * 7) % 256).astype(np.uint8)] * 6
+        scales = np.array([1.0, -3.5, 0.0, -0.0, 1e-45, 3e38], np.float32)
+    else:
+        table = random_quantized_table(name, len(SPECIAL_HALVES), 3 * fmt.block_values, seed=5)
+        for k, bits in enumerate(SPECIAL_HALVES):
+            blocks = table.data[k].reshape(3, fmt.block_bytes)
+            blocks[1, HALF_FIELDS[name][-1] : HALF_FIELDS[name][-1] + 2] = np.array([bits], "<u2").view(np.uint8)
+        rows, dim, scales = list(table.data), table.dim, np.ones(len(SPECIAL_HALVES), np.float32)
     dtypes = {kernels.FLOAT16: np.float16, kernels.FLOAT16_BITS: np.float16, kernels.BFLOAT16: ml_dtypes.bfloat16}
-    for scale in np.array([1.0, -3.5, 0.0, -0.0, 1e-45, 3e38], np.float32):
+    for row, scale in zip(rows, scales, strict=True):
         with np.errstate(over="ignore", invalid="ignore"):
-            values = dequantize_rows(row[None], scale[None], fmt, dim)[0]
+            values = dequantize_rows(row[None], scale[None] if name == "fp8_e4m3" else None, fmt, dim)[0]
         for mode, dtype in dtypes.items():
             out = streamable_poisoned(dim)
-            kernels.looked_up(kernels.FORMAT_CODES["fp8_e4m3"], row, scale, out, mode, stream)
+            kernels.looked_up(kernels.FORMAT_CODES[name], row, scale, out, mode, stream)
             with np.errstate(over="ignore", invalid="ignore"):
                 assert_bit_equal(out, values.astype(dtype).view(np.uint16))
 

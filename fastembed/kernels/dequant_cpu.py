@@ -37,11 +37,15 @@ output), so no array is passed, or reference-counted, per chunk. With
 multiple of 16 bytes: :func:`.gather_cpu.can_stream`). float16
 conversions use the CPU's instructions where numba compiles for them
 (x86-64 with F16C: :data:`HARDWARE_FLOAT16`), else integer bit operations;
-both round alike. fp8_e4m3 rows of 128 values or more into 16-bit outputs
-are looked up, where numba compiles for AVX-512BW (:data:`FP8_TABLE_LOOKUP`):
-each row's 128 magnitudes times its scale are rounded once into a table,
-and every value is its magnitude's entry with its sign applied. Elsewhere
-the same lookup compiles to lane-by-lane code, which only the tests run. Multi-byte fields are read little-endian, as numba's
+both round alike. Values bound for 16-bit outputs are looked up instead
+where a table is small and the CPU can index it in registers: each
+fp8_e4m3 row of 128 values or more gets its 128 magnitudes times its scale
+(AVX-512BW: :data:`FP8_TABLE_LOOKUP`), each q4_0 and q4_1 block and each
+q4_k sub-block its 16 possible values (AVX2: :data:`NIBBLE_TABLE_LOOKUP`),
+computed by the decode's own float32 operations and rounded once into a
+table, and every value is its code's entry (an fp8_e4m3 value with its sign
+applied). Elsewhere the same lookups compile to lane-by-lane code, which
+only the tests run. Multi-byte fields are read little-endian, as numba's
 CPU targets are.
 """
 from __future__ import annotations
@@ -89,9 +93,13 @@ FLOAT16_CONVERSION = "F16C instructions" if HARDWARE_FLOAT16 else "integer bit o
 #: fp8_e4m3 rows going to 16-bit outputs are looked up in a table of their row's 128 magnitudes, by AVX-512BW
 #: word permutes (else decoded value by value).
 FP8_TABLE_LOOKUP = "+avx512bw" in _FEATURES and "+avx512f" in _FEATURES
+#: q4_0, q4_1 and q4_k values going to 16-bit outputs are looked up in a table of the 16 values of their block or
+#: sub-block, by AVX2 byte shuffles (else decoded value by value).
+NIBBLE_TABLE_LOOKUP = "+avx2" in _FEATURES
 #: How values become 16-bit outputs, in words (for describe()).
 TO_16_BITS = "; ".join([
     "fp8_e4m3: " + ("a table of each row's 128 values, AVX-512BW word permutes" if FP8_TABLE_LOOKUP else "decoded"),
+    "q4_0, q4_1, q4_k: " + ("a table of each block's 16 values, AVX2 byte shuffles" if NIBBLE_TABLE_LOOKUP else "decoded"),
     "others: decoded"])
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -803,6 +811,112 @@ def _fp8_e4m3_by_table(source, count, table, destination, stream):
         _store_u16(destination + 2 * j, np.uint16(entry ^ ((code & np.uint32(0x80)) << np.uint32(8))))
 
 
+# -- 4-bit formats into 16-bit outputs, by table lookup -----------------------------------------------
+# A q4_0 or q4_1 block, or a q4_k sub-block, has 16 possible values: each is computed by the decode's own
+# float32 operations, in its order, from the nibble as a float, and rounded once into a table of 16-bit
+# outputs, so every value looked up by its nibble is bit for bit the value the decode would give.
+
+_NIBBLE_VALUES = [float(n) for n in range(16)]
+
+
+def _byte_shuffle(builder, table, index):
+    # lane j: byte index[j] of the 16 bytes of table, for 32 indexes below 16 (VPSHUFB on both 16-byte halves)
+    if not NIBBLE_TABLE_LOOKUP:
+        return _lane_by_lane(builder, table, index)
+    vector = _vector(_I8, 32)
+    shuffle = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vector, [vector, vector]), "llvm.x86.avx2.pshuf.b")
+    return builder.call(shuffle, [builder.shuffle_vector(table, table, _constant(_I32, 32, list(range(16)) * 2)), index])
+
+
+def _words_looked_up(builder, entries, index):
+    """Lane j: entry index[j] of 16 words (<16 x i16>), for 32 indexes below 16 (<32 x i8>): their low and high
+    bytes looked up apart, then interleaved."""
+    data = builder.bitcast(entries, _vector(_I8, 32))
+    low = _byte_shuffle(builder, builder.shuffle_vector(data, data, _constant(_I32, 16, list(range(0, 32, 2)))), index)
+    high = _byte_shuffle(builder, builder.shuffle_vector(data, data, _constant(_I32, 16, list(range(1, 32, 2)))), index)
+    interleaved = builder.shuffle_vector(low, high, _constant(_I32, 64, [k + 32 * h for k in range(32) for h in (0, 1)]))
+    return builder.bitcast(interleaved, _vector(_I16, 32))
+
+
+def _q4_0_lookups(builder, block, lanes):
+    # d: f16 | 16 bytes of nibbles; entry n is d * (n - 8)
+    n = _constant(_F32, 16, [v - 8 for v in _NIBBLE_VALUES])
+    entries = lanes(builder, builder.fmul(_splat_half(builder, block, 16), n))
+    return [(0, entries, _nibbles(builder, _load(builder, builder.add(block, block.type(2)), _vector(_I8, 16))))]
+
+
+def _q4_1_lookups(builder, block, lanes):
+    # d: f16 | m: f16 | 16 bytes of nibbles; entry n is d * n + m
+    d, m = _splat_half(builder, block, 16), _splat_half(builder, builder.add(block, block.type(2)), 16)
+    entries = lanes(builder, builder.fadd(builder.fmul(d, _constant(_F32, 16, _NIBBLE_VALUES)), m))
+    return [(0, entries, _nibbles(builder, _load(builder, builder.add(block, block.type(4)), _vector(_I8, 16))))]
+
+
+def _q4_k_lookups(builder, block, lanes):
+    # see _q4_k_body: sub-blocks 2g and 2g + 1 take the low and high nibbles of 32 bytes; their tables are made
+    # together, entries 0-15 and 16-31 of one vector
+    scales, mins = _k_scales(builder, block)
+    lookups = []
+    for group in range(4):
+        pair = _constant(_I32, 32, [2 * group] * 16 + [2 * group + 1] * 16)
+        scale, low = builder.shuffle_vector(scales, scales, pair), builder.shuffle_vector(mins, mins, pair)
+        entries = lanes(builder, builder.fsub(builder.fmul(scale, _constant(_F32, 32, _NIBBLE_VALUES * 2)), low))
+        packed = _load(builder, builder.add(block, block.type(16 + 32 * group)), _vector(_I8, 32))
+        for half, nibbles in enumerate([builder.and_(packed, _constant(_I8, 32, 0xF)),
+                                        builder.lshr(packed, _constant(_I8, 32, 4))]):
+            table = builder.shuffle_vector(entries, entries, _constant(_I32, 16, list(range(16 * half, 16 * half + 16))))
+            lookups.append((64 * group + 32 * half, table, nibbles))
+    return lookups
+
+
+def _nibbles_looked_up(lookups, block_bytes, block_values):
+    """An intrinsic ``(mode, nontemporal, destination, source, n_blocks)`` putting blocks of a 4-bit format.
+
+    The `n_blocks` blocks whose bytes start at `source` become 16-bit values
+    (`mode`) at `destination`, stored non-temporally (16-byte aligned there)
+    if `nontemporal`. `lookups(builder, block, lanes)` gives, per 32 values of
+    the block at address `block`, their first position, their table of 16
+    words and each value's index into it. `mode` and `nontemporal` are
+    run-time values: the code holds a loop for each pair, so one call site
+    serves all.
+    """
+    def codegen(context, builder, signature, args):
+        mode, nontemporal, destination, source, n_blocks = args
+        for code, lanes in _LANES_OF_MODE.items():
+            for streamed in (False, True):
+                chosen = builder.and_(builder.icmp_signed("==", mode, mode.type(code)),
+                                      builder.icmp_signed("==", nontemporal, nontemporal.type(streamed)))
+                with builder.if_then(chosen), cgutils.for_range(builder, n_blocks) as loop:
+                    block = builder.add(source, builder.mul(loop.index, source.type(block_bytes)))
+                    row = builder.add(destination, builder.mul(loop.index, destination.type(2 * block_values)))
+                    for first, table, index in lookups(builder, block, lanes):
+                        words = _words_looked_up(builder, table, index)
+                        _put_words(builder, builder.add(row, row.type(2 * first)), words, streamed)
+        return context.get_dummy_value()
+
+    def typer(typingctx, mode, nontemporal, destination, source, n_blocks):
+        return types.void(types.intp, types.boolean, _ADDRESS, _ADDRESS, types.intp), codegen
+
+    return intrinsic(typer)
+
+
+_q4_0_looked_up = _nibbles_looked_up(_q4_0_lookups, 18, 32)
+_q4_1_looked_up = _nibbles_looked_up(_q4_1_lookups, 20, 32)
+_q4_k_looked_up = _nibbles_looked_up(_q4_k_lookups, 144, 256)
+
+
+@njit(**_JIT)
+def _nibbles_by_table(fmt, source, count, destination, mode, stream):
+    """The `count` values of 4-bit format `fmt` at `source` as 16-bit `mode` values at `destination` (see above)."""
+    if fmt == Q4_0:
+        _q4_0_looked_up(mode, stream, destination, source, count // 32)
+    elif fmt == Q4_1:
+        _q4_1_looked_up(mode, stream, destination, source, count // 32)
+    else:
+        _q4_k_looked_up(mode, stream, destination, source, count // 256)
+
+
 # -- one chunk of one row ----------------------------------------------------------------------------
 # Each dequantizes the blocks (or `count` values) whose bytes start at address `source`. `halves` False:
 # into the float32 buffer at address `destination`; True: rounded to float16 and streamed straight into
@@ -1019,13 +1133,18 @@ def fp8_e4m3_by_bits(codes, scale, out):
 
 @njit(**_JIT)
 def looked_up(fmt, row, scale, out, mode, stream):
-    """out = one fp8_e4m3 row (uint8 bytes, `scale` its row's, finite) as 16-bit `mode` values by the table lookup,
-    on any CPU, for tests. `out` uint16 of the row's size; with `stream`, 16-byte aligned. `fmt` is FP8_E4M3.
+    """out = one row of format `fmt` (uint8 bytes) as 16-bit `mode` values by the table lookups, on any CPU, for tests.
+
+    fp8_e4m3 (`scale` its row's, finite) or a 4-bit format (`scale`
+    unused); `out` uint16 of the row's size; with `stream`, 16-byte aligned.
     """
     source, destination = np.intp(row.ctypes.data), np.intp(out.ctypes.data)
-    table = np.intp(_stack_floats(64))
-    _fill_fp8_e4m3_table(table, scale, mode)
-    _fp8_e4m3_by_table(source, out.size, table, destination, stream)
+    if fmt == FP8_E4M3:
+        table = np.intp(_stack_floats(64))
+        _fill_fp8_e4m3_table(table, scale, mode)
+        _fp8_e4m3_by_table(source, out.size, table, destination, stream)
+    else:
+        _nibbles_by_table(fmt, source, out.size, destination, mode, stream)
     if stream:
         _fence()
     return out
@@ -1068,6 +1187,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     halves = stream and word == 2 and mode == FLOAT16  # streamed float16: the blocks write the output themselves
     # a table of 128 entries pays for itself on rows of at least as many values
     by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
+    by_nibble_table = NIBBLE_TABLE_LOOKUP and (fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K) and word == 2
     skipped = 0
     for i in range(start, stop):
         row = ids[i]
@@ -1089,6 +1209,8 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
             position = destination + (np.intp(i) * dim + first) * word
             if row_by_table:
                 _fp8_e4m3_by_table(source + begin, count, table, position, stream)
+            elif by_nibble_table:
+                _nibbles_by_table(fmt, source + begin, count, position, mode, stream)
             elif halves:
                 _dequantize_chunk(fmt, source + begin, count, scale, position, True)
             else:
