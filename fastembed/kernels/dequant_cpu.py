@@ -874,23 +874,23 @@ def _nibbles_looked_up(lookups, block_bytes, block_values):
     """An intrinsic ``(mode, nontemporal, destination, source, n_blocks)`` putting blocks of a 4-bit format.
 
     The `n_blocks` blocks whose bytes start at `source` become 16-bit values
-    (`mode`) at `destination`, stored non-temporally (16-byte aligned there)
-    if `nontemporal`. `lookups(builder, block, lanes)` gives, per 32 values of
-    the block at address `block`, their first position, their table of 16
-    words and each value's index into it. `mode` and `nontemporal` are
-    run-time values: the code holds a loop for each pair, so one call site
-    serves all.
+    at `destination`: float16 if `mode` is FLOAT16, else bfloat16; stored
+    non-temporally (16-byte aligned there) if `nontemporal`. `lookups(builder,
+    block, lanes)` gives, per 32 values of the block at address `block`,
+    their first position, their table of 16 words and each value's index
+    into it. `mode` and `nontemporal` are run-time values, so that one call
+    site serves all: the code holds a loop for each pair.
     """
     def codegen(context, builder, signature, args):
         mode, nontemporal, destination, source, n_blocks = args
-        for code, lanes in _LANES_OF_MODE.items():
-            for streamed in (False, True):
-                chosen = builder.and_(builder.icmp_signed("==", mode, mode.type(code)),
-                                      builder.icmp_signed("==", nontemporal, nontemporal.type(streamed)))
+        half = builder.icmp_signed("==", mode, mode.type(FLOAT16))
+        for code, output_is_mode in ((FLOAT16, half), (BFLOAT16, builder.not_(half))):
+            for streamed, store_is_streamed in ((False, builder.not_(nontemporal)), (True, nontemporal)):
+                chosen = builder.and_(output_is_mode, store_is_streamed)
                 with builder.if_then(chosen), cgutils.for_range(builder, n_blocks) as loop:
                     block = builder.add(source, builder.mul(loop.index, source.type(block_bytes)))
                     row = builder.add(destination, builder.mul(loop.index, destination.type(2 * block_values)))
-                    for first, table, index in lookups(builder, block, lanes):
+                    for first, table, index in lookups(builder, block, _LANES_OF_MODE[code]):
                         words = _words_looked_up(builder, table, index)
                         _put_words(builder, builder.add(row, row.type(2 * first)), words, streamed)
         return context.get_dummy_value()
@@ -1136,7 +1136,8 @@ def looked_up(fmt, row, scale, out, mode, stream):
     """out = one row of format `fmt` (uint8 bytes) as 16-bit `mode` values by the table lookups, on any CPU, for tests.
 
     fp8_e4m3 (`scale` its row's, finite) or a 4-bit format (`scale`
-    unused); `out` uint16 of the row's size; with `stream`, 16-byte aligned.
+    unused, `mode` FLOAT16 or BFLOAT16: the kernels decode FLOAT16_BITS);
+    `out` uint16 of the row's size; with `stream`, 16-byte aligned.
     """
     source, destination = np.intp(row.ctypes.data), np.intp(out.ctypes.data)
     if fmt == FP8_E4M3:
@@ -1187,7 +1188,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     halves = stream and word == 2 and mode == FLOAT16  # streamed float16: the blocks write the output themselves
     # a table of 128 entries pays for itself on rows of at least as many values
     by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
-    by_nibble_table = NIBBLE_TABLE_LOOKUP and (fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K) and word == 2
+    by_nibble_table = NIBBLE_TABLE_LOOKUP and (fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K) and word == 2 and mode != FLOAT16_BITS
     skipped = 0
     for i in range(start, stop):
         row = ids[i]
