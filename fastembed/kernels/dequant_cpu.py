@@ -29,8 +29,8 @@ Each row is dequantized :data:`CHUNK` values at a time into a float32
 buffer on the stack, each block by one piece of vector IR (an intrinsic),
 then converted and stored eight values at a time, also as vector IR: numba
 runs no SLP vectorizer, and fixed-size loops over a block would stay
-scalar. Streamed float16 (the common large batch) skips the buffer: each
-block rounds its values and stores them into the output itself. Inside a
+scalar. float16 output (the common case) skips the buffer: each block
+rounds its values and stores them into the output itself. Inside a
 row everything is addressed by plain integers (the rows, the buffer, the
 output), so no array is passed, or reference-counted, per chunk. With
 ``stream``, the stores are non-temporal (``out`` 16-byte aligned, rows a
@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange
+from numba import literally, njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -335,34 +335,44 @@ def _put_floats(builder, destination, first, value):
     _store(builder, builder.add(destination, destination.type(4 * first)), value)
 
 
-def _put_halves_streamed(builder, destination, first, value):
-    """Values `first`... of a chunk rounded to float16 and stored non-temporally into the output row at `destination`."""
-    bits = _FLOAT16_LANES(builder, value)
-    address = builder.add(destination, destination.type(2 * first))
-    store = builder.store(bits, builder.inttoptr(address, bits.type.as_pointer()), align=16)
-    store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+def _put_halves(nontemporal):
+    """Put values `first`... of a chunk rounded to float16 into the output row at `destination`: stored
+    non-temporally (16-byte aligned there) if `nontemporal`."""
+    def put(builder, destination, first, value):
+        bits = _FLOAT16_LANES(builder, value)
+        address = builder.add(destination, destination.type(2 * first))
+        store = builder.store(bits, builder.inttoptr(address, bits.type.as_pointer()), align=16 if nontemporal else 2)
+        if nontemporal:
+            store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+
+    return put
 
 
-def _block(halves, body, *scalars):
-    """Signature and codegen of a block intrinsic ``(halves, destination, source, *scalars)``.
+#: Where a block puts its values (a literal argument of the block intrinsics and the chunk functions).
+_TO_FLOATS, _TO_HALVES, _TO_STREAMED_HALVES = 0, 1, 2
+_PUTS = {_TO_FLOATS: _put_floats, _TO_HALVES: _put_halves(False), _TO_STREAMED_HALVES: _put_halves(True)}
+
+
+def _block(put, body, *scalars):
+    """Signature and codegen of a block intrinsic ``(put, destination, source, *scalars)``.
 
     ``source`` is the address of the block's bytes the body reads first (its
     quants, or the whole block where the body also reads the scales);
     ``scalars`` are the addresses and words it needs besides.
 
-    ``halves`` is a literal: False puts the values into a float32 buffer,
-    True rounds them to float16 and streams them into the output (16-byte
-    aligned there), skipping the buffer.
+    ``put`` is a literal: ``_TO_FLOATS`` puts the values into a float32
+    buffer; ``_TO_HALVES`` and ``_TO_STREAMED_HALVES`` round them to float16
+    and store them into the output, skipping the buffer (streamed: 16-byte
+    aligned there).
     """
-    if not isinstance(halves, types.BooleanLiteral):
+    if not isinstance(put, types.IntegerLiteral):
         return None
-    put = _put_halves_streamed if halves.literal_value else _put_floats
 
     def codegen(context, builder, signature, args):
-        body(builder, args[1:], put)
+        body(builder, args[1:], _PUTS[put.literal_value])
         return context.get_dummy_value()
 
-    return types.void(halves, _ADDRESS, _ADDRESS, *scalars), codegen
+    return types.void(put, _ADDRESS, _ADDRESS, *scalars), codegen
 
 
 def _splat_half(builder, address, n):
@@ -572,53 +582,53 @@ _f32, _u32 = types.float32, types.uint32
 
 
 @intrinsic(prefer_literal=True)
-def _q8_0_block(typingctx, halves, destination, source, d_at):
-    return _block(halves, _q8_0_body, _ADDRESS)
+def _q8_0_block(typingctx, put, destination, source, d_at):
+    return _block(put, _q8_0_body, _ADDRESS)
 
 
 @intrinsic(prefer_literal=True)
-def _q4_0_block(typingctx, halves, destination, source, d_at):
-    return _block(halves, _q4_0_body, _ADDRESS)
+def _q4_0_block(typingctx, put, destination, source, d_at):
+    return _block(put, _q4_0_body, _ADDRESS)
 
 
 @intrinsic(prefer_literal=True)
-def _q4_1_block(typingctx, halves, destination, source, d_at):
-    return _block(halves, _q4_1_body, _ADDRESS)
+def _q4_1_block(typingctx, put, destination, source, d_at):
+    return _block(put, _q4_1_body, _ADDRESS)
 
 
 @intrinsic(prefer_literal=True)
-def _q5_0_block(typingctx, halves, destination, source, d_at, qh):
-    return _block(halves, _q5_0_body, _ADDRESS, _u32)
+def _q5_0_block(typingctx, put, destination, source, d_at, qh):
+    return _block(put, _q5_0_body, _ADDRESS, _u32)
 
 
 @intrinsic(prefer_literal=True)
-def _q5_1_block(typingctx, halves, destination, source, d_at, qh):
-    return _block(halves, _q5_1_body, _ADDRESS, _u32)
+def _q5_1_block(typingctx, put, destination, source, d_at, qh):
+    return _block(put, _q5_1_body, _ADDRESS, _u32)
 
 
 @intrinsic(prefer_literal=True)
-def _q4_k_block(typingctx, halves, destination, block):
-    return _block(halves, _q4_k_body)
+def _q4_k_block(typingctx, put, destination, block):
+    return _block(put, _q4_k_body)
 
 
 @intrinsic(prefer_literal=True)
-def _q5_k_block(typingctx, halves, destination, block):
-    return _block(halves, _q5_k_body)
+def _q5_k_block(typingctx, put, destination, block):
+    return _block(put, _q5_k_body)
 
 
 @intrinsic(prefer_literal=True)
-def _q6_k_block(typingctx, halves, destination, block):
-    return _block(halves, _q6_k_body)
+def _q6_k_block(typingctx, put, destination, block):
+    return _block(put, _q6_k_body)
 
 
 @intrinsic(prefer_literal=True)
-def _fp8_e4m3_32(typingctx, halves, destination, source, scale):
-    return _block(halves, _fp8_e4m3_body, _f32)
+def _fp8_e4m3_32(typingctx, put, destination, source, scale):
+    return _block(put, _fp8_e4m3_body, _f32)
 
 
 @intrinsic(prefer_literal=True)
-def _fp8_e4m3_32_bits(typingctx, halves, destination, source, scale):
-    return _block(halves, _fp8_e4m3_bits_body, _f32)
+def _fp8_e4m3_32_bits(typingctx, put, destination, source, scale):
+    return _block(put, _fp8_e4m3_bits_body, _f32)
 
 
 # -- float32 vectors to float16 or bfloat16 -----------------------------------------------------------
@@ -906,7 +916,7 @@ _q4_1_looked_up = _nibbles_looked_up(_q4_1_lookups, 20, 32)
 _q4_k_looked_up = _nibbles_looked_up(_q4_k_lookups, 144, 256)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)  # as a call per chunk it was slower (results/2026-12-02-direct-halves-ab.md)
 def _nibbles_by_table(fmt, source, count, destination, mode, stream):
     """The `count` values of 4-bit format `fmt` at `source` as 16-bit `mode` values at `destination` (see above)."""
     if fmt == Q4_0:
@@ -918,131 +928,98 @@ def _nibbles_by_table(fmt, source, count, destination, mode, stream):
 
 
 # -- one chunk of one row ----------------------------------------------------------------------------
-# Each dequantizes the blocks (or `count` values) whose bytes start at address `source`. `halves` False:
-# into the float32 buffer at address `destination`; True: rounded to float16 and streamed straight into
-# the output row there (see _block). The block intrinsics take `halves` as a literal, hence the pairs.
+# Each dequantizes the blocks (or `count` values) whose bytes start at address `source` and puts them at
+# `destination` as `put` says (see _block): into the float32 buffer there, or rounded to float16 straight
+# into the output row there. `put` must be a literal (numba compiles a version per value).
 
 
 @njit(**_JIT)
-def _q8_0(source, n_blocks, destination, halves):
+def _value_bytes(put):
+    return 4 if put == _TO_FLOATS else 2
+
+
+@njit(**_JIT)
+def _q8_0(source, n_blocks, destination, put):
     # d: f16 | 32 x int8
+    literally(put)
     for block in range(n_blocks):
         at = source + 34 * block
-        if halves:
-            _q8_0_block(True, destination + 64 * block, at + 2, at)
-        else:
-            _q8_0_block(False, destination + 128 * block, at + 2, at)
+        _q8_0_block(put, destination + 32 * _value_bytes(put) * block, at + 2, at)
 
 
 @njit(**_JIT)
-def _q4_0(source, n_blocks, destination, halves):
+def _q4_0(source, n_blocks, destination, put):
     # d: f16 | 16 bytes, values j and j + 16 in the low and high nibble of byte j
+    literally(put)
     for block in range(n_blocks):
         at = source + 18 * block
-        if halves:
-            _q4_0_block(True, destination + 64 * block, at + 2, at)
-        else:
-            _q4_0_block(False, destination + 128 * block, at + 2, at)
+        _q4_0_block(put, destination + 32 * _value_bytes(put) * block, at + 2, at)
 
 
 @njit(**_JIT)
-def _q4_1(source, n_blocks, destination, halves):
+def _q4_1(source, n_blocks, destination, put):
     # d: f16 | m: f16 | 16 bytes of nibbles as Q4_0
+    literally(put)
     for block in range(n_blocks):
         at = source + 20 * block
-        if halves:
-            _q4_1_block(True, destination + 64 * block, at + 4, at)
-        else:
-            _q4_1_block(False, destination + 128 * block, at + 4, at)
+        _q4_1_block(put, destination + 32 * _value_bytes(put) * block, at + 4, at)
 
 
 @njit(**_JIT)
-def _q5_0(source, n_blocks, destination, halves):
+def _q5_0(source, n_blocks, destination, put):
     # d: f16 | qh: 4 bytes, bit j the fifth bit of value j | 16 bytes of nibbles
+    literally(put)
     for block in range(n_blocks):
         at = source + 22 * block
-        if halves:
-            _q5_0_block(True, destination + 64 * block, at + 6, at, _word(at + 2))
-        else:
-            _q5_0_block(False, destination + 128 * block, at + 6, at, _word(at + 2))
+        _q5_0_block(put, destination + 32 * _value_bytes(put) * block, at + 6, at, _word(at + 2))
 
 
 @njit(**_JIT)
-def _q5_1(source, n_blocks, destination, halves):
+def _q5_1(source, n_blocks, destination, put):
     # d: f16 | m: f16 | qh: 4 bytes | 16 bytes of nibbles
+    literally(put)
     for block in range(n_blocks):
         at = source + 24 * block
-        if halves:
-            _q5_1_block(True, destination + 64 * block, at + 8, at, _word(at + 4))
-        else:
-            _q5_1_block(False, destination + 128 * block, at + 8, at, _word(at + 4))
+        _q5_1_block(put, destination + 32 * _value_bytes(put) * block, at + 8, at, _word(at + 4))
 
 
 @njit(**_JIT)
-def _q4_k(source, destination, halves):
-    # one block of 256 values (see _q4_k_body)
-    if halves:
-        _q4_k_block(True, destination, source)
-    else:
-        _q4_k_block(False, destination, source)
-
-
-@njit(**_JIT)
-def _q5_k(source, destination, halves):
-    # one block of 256 values (see _q5_k_body)
-    if halves:
-        _q5_k_block(True, destination, source)
-    else:
-        _q5_k_block(False, destination, source)
-
-
-@njit(**_JIT)
-def _q6_k(source, destination, halves):
-    # one block of 256 values (see _q6_k_body)
-    if halves:
-        _q6_k_block(True, destination, source)
-    else:
-        _q6_k_block(False, destination, source)
-
-
-@njit(**_JIT)
-def _fp8_e4m3(source, count, scale, destination, halves):
+def _fp8_e4m3(source, count, scale, destination, put):
     # one float8_e4m3fn per value; value * the row's scale
+    literally(put)
     whole = count - count % 32
     for j in range(0, whole, 32):
-        if halves:
-            _fp8_e4m3_32(True, destination + 2 * j, source + j, scale)
-        else:
-            _fp8_e4m3_32(False, destination + 4 * j, source + j, scale)
+        _fp8_e4m3_32(put, destination + _value_bytes(put) * j, source + j, scale)
     for j in range(whole, count):
         value = fp8_e4m3_value(_byte(source + j)) * scale
-        if halves:
-            _store_u16(destination + 2 * j, _float16_fast(value))
-        else:
+        if put == _TO_FLOATS:
             _store_f32(destination + 4 * j, value)
+        else:
+            _store_u16(destination + 2 * j, _float16_fast(value))
 
 
 @njit(**_JIT)
-def _dequantize_chunk(fmt, source, count, scale, destination, halves):
+def _dequantize_chunk(fmt, source, count, scale, destination, put):
     """The `count` values of format `fmt` whose blocks start at address `source`, put at `destination` (see above)."""
+    literally(put)
     if fmt == Q8_0:
-        _q8_0(source, count // 32, destination, halves)
+        _q8_0(source, count // 32, destination, put)
     elif fmt == Q4_0:
-        _q4_0(source, count // 32, destination, halves)
+        _q4_0(source, count // 32, destination, put)
     elif fmt == Q4_K:
-        _q4_k(source, destination, halves)
+        _q4_k_block(put, destination, source)  # one block of 256 values (see _q4_k_body)
     elif fmt == Q6_K:
-        _q6_k(source, destination, halves)
+        _q6_k_block(put, destination, source)
     elif fmt == FP8_E4M3:
-        _fp8_e4m3(source, count, scale, destination, halves)
+        _fp8_e4m3(source, count, scale, destination, put)
     elif fmt == Q4_1:
-        _q4_1(source, count // 32, destination, halves)
+        _q4_1(source, count // 32, destination, put)
     elif fmt == Q5_0:
-        _q5_0(source, count // 32, destination, halves)
+        _q5_0(source, count // 32, destination, put)
     elif fmt == Q5_1:
-        _q5_1(source, count // 32, destination, halves)
+        _q5_1(source, count // 32, destination, put)
     elif fmt == Q5_K:
-        _q5_k(source, destination, halves)
+        _q5_k_block(put, destination, source)
 
 
 # -- float32 values to the output ---------------------------------------------------------------------
@@ -1127,7 +1104,7 @@ def round_to_halves(values, out, mode, stream):
 def fp8_e4m3_by_bits(codes, scale, out):
     """out[j] = float8_e4m3fn codes[j] (uint8, a multiple of 32) times scale by the integer-bit vector code, for tests."""
     for j in range(0, codes.size, 32):
-        _fp8_e4m3_32_bits(False, np.intp(out.ctypes.data) + 4 * j, np.intp(codes.ctypes.data) + j, scale)
+        _fp8_e4m3_32_bits(_TO_FLOATS, np.intp(out.ctypes.data) + 4 * j, np.intp(codes.ctypes.data) + j, scale)
     return out
 
 
@@ -1185,7 +1162,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     destination = np.intp(out.ctypes.data)
     buf = np.intp(_stack_floats(CHUNK))
     table = np.intp(_stack_floats(64))  # 128 16-bit entries
-    halves = stream and word == 2 and mode == FLOAT16  # streamed float16: the blocks write the output themselves
+    halves = word == 2 and mode == FLOAT16  # float16: the blocks write the output themselves
     # a table of 128 entries pays for itself on rows of at least as many values
     by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
     by_nibble_table = NIBBLE_TABLE_LOOKUP and (fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K) and word == 2 and mode != FLOAT16_BITS
@@ -1212,10 +1189,12 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
                 _fp8_e4m3_by_table(source + begin, count, table, position, stream)
             elif by_nibble_table:
                 _nibbles_by_table(fmt, source + begin, count, position, mode, stream)
+            elif halves and stream:
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_HALVES)
             elif halves:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, True)
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_HALVES)
             else:
-                _dequantize_chunk(fmt, source + begin, count, scale, buf, False)
+                _dequantize_chunk(fmt, source + begin, count, scale, buf, _TO_FLOATS)
                 _emit(buf, position, count, word, mode, stream)
     if stream:
         _fence()
