@@ -29,8 +29,8 @@ Each row is dequantized :data:`CHUNK` values at a time into a float32
 buffer on the stack, each block by one piece of vector IR (an intrinsic),
 then converted and stored eight values at a time, also as vector IR: numba
 runs no SLP vectorizer, and fixed-size loops over a block would stay
-scalar. float16 output (the common case) skips the buffer: each block
-rounds its values and stores them into the output itself. Inside a
+scalar. float16 output, and float32 output that is not streamed, skip
+the buffer: each block stores its values into the output itself. Inside a
 row everything is addressed by plain integers (the rows, the buffer, the
 output), so no array is passed, or reference-counted, per chunk. With
 ``stream``, the stores are non-temporal (``out`` 16-byte aligned, rows a
@@ -1162,7 +1162,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     destination = np.intp(out.ctypes.data)
     buf = np.intp(_stack_floats(CHUNK))
     table = np.intp(_stack_floats(64))  # 128 16-bit entries
-    halves = word == 2 and mode == FLOAT16  # float16: the blocks write the output themselves
+    halves = word == 2 and mode == FLOAT16  # float16 and cached float32: the blocks write the output themselves
     # a table of 128 entries pays for itself on rows of at least as many values
     by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
     by_nibble_table = NIBBLE_TABLE_LOOKUP and (fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K) and word == 2 and mode != FLOAT16_BITS
@@ -1193,6 +1193,8 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
                 _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_HALVES)
             elif halves:
                 _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_HALVES)
+            elif word == 4 and not stream:
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_FLOATS)
             else:
                 _dequantize_chunk(fmt, source + begin, count, scale, buf, _TO_FLOATS)
                 _emit(buf, position, count, word, mode, stream)
