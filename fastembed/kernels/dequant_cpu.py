@@ -916,7 +916,7 @@ _q4_1_looked_up = _nibbles_looked_up(_q4_1_lookups, 20, 32)
 _q4_k_looked_up = _nibbles_looked_up(_q4_k_lookups, 144, 256)
 
 
-@njit(inline="always", **_JIT)  # as a call per chunk it was slower (results/2026-12-02-direct-halves-ab.md)
+@njit(inline="always", **_JIT)  # as a call per chunk it was slower (results/2026-12-02-direct-stores-ab.md)
 def _nibbles_by_table(fmt, source, count, destination, mode, stream):
     """The `count` values of 4-bit format `fmt` at `source` as 16-bit `mode` values at `destination` (see above)."""
     if fmt == Q4_0:
