@@ -29,8 +29,8 @@ Each row is dequantized :data:`CHUNK` values at a time into a float32
 buffer on the stack, each block by one piece of vector IR (an intrinsic),
 then converted and stored eight values at a time, also as vector IR: numba
 runs no SLP vectorizer, and fixed-size loops over a block would stay
-scalar. float16 output, and float32 output that is not streamed, skip
-the buffer: each block stores its values into the output itself. Inside a
+scalar. float32 and float16 outputs skip the buffer: each block stores
+its values into the output itself. Inside a
 row everything is addressed by plain integers (the rows, the buffer, the
 output), so no array is passed, or reference-counted, per chunk. With
 ``stream``, the stores are non-temporal (``out`` 16-byte aligned, rows a
@@ -59,7 +59,7 @@ from numba import literally, njit, prange
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .cpu_intrinsics import prefetch, store_fence, stream_store_16
+from .cpu_intrinsics import prefetch, store_fence
 from .gather_cpu import CHANGED_DURING_COPY, first_bad_position
 
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
@@ -330,18 +330,13 @@ def _fifth_bit_lanes(builder, qh):
     return builder.shl(builder.and_(bits, _constant(_I32, 32, 1)), _constant(_I32, 32, 4))
 
 
-def _put_floats(builder, destination, first, value):
-    """Values `first`... of a chunk (a vector) as float32 into the buffer at `destination`."""
-    _store(builder, builder.add(destination, destination.type(4 * first)), value)
-
-
-def _put_halves(nontemporal):
-    """Put values `first`... of a chunk rounded to float16 into the output row at `destination`: stored
-    non-temporally (16-byte aligned there) if `nontemporal`."""
+def _put(halves, nontemporal):
+    """Put values `first`... of a chunk (a vector) at `destination`: float32, or rounded to float16 if `halves`;
+    stored non-temporally (16-byte aligned there) if `nontemporal`."""
     def put(builder, destination, first, value):
-        bits = _FLOAT16_LANES(builder, value)
-        address = builder.add(destination, destination.type(2 * first))
-        store = builder.store(bits, builder.inttoptr(address, bits.type.as_pointer()), align=16 if nontemporal else 2)
+        data = _FLOAT16_LANES(builder, value) if halves else value
+        address = builder.add(destination, destination.type((2 if halves else 4) * first))
+        store = builder.store(data, builder.inttoptr(address, data.type.as_pointer()), align=16 if nontemporal else 2 if halves else 4)
         if nontemporal:
             store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
 
@@ -349,8 +344,9 @@ def _put_halves(nontemporal):
 
 
 #: Where a block puts its values (a literal argument of the block intrinsics and the chunk functions).
-_TO_FLOATS, _TO_HALVES, _TO_STREAMED_HALVES = 0, 1, 2
-_PUTS = {_TO_FLOATS: _put_floats, _TO_HALVES: _put_halves(False), _TO_STREAMED_HALVES: _put_halves(True)}
+_TO_FLOATS, _TO_STREAMED_FLOATS, _TO_HALVES, _TO_STREAMED_HALVES = range(4)
+_PUTS = {_TO_FLOATS: _put(False, False), _TO_STREAMED_FLOATS: _put(False, True), _TO_HALVES: _put(True, False),
+         _TO_STREAMED_HALVES: _put(True, True)}
 
 
 def _block(put, body, *scalars):
@@ -360,10 +356,11 @@ def _block(put, body, *scalars):
     quants, or the whole block where the body also reads the scales);
     ``scalars`` are the addresses and words it needs besides.
 
-    ``put`` is a literal: ``_TO_FLOATS`` puts the values into a float32
-    buffer; ``_TO_HALVES`` and ``_TO_STREAMED_HALVES`` round them to float16
-    and store them into the output, skipping the buffer (streamed: 16-byte
-    aligned there).
+    ``put`` is a literal: ``_TO_FLOATS`` and ``_TO_STREAMED_FLOATS`` store
+    the values as float32 (into the output, or into the buffer that
+    :func:`_emit` converts), ``_TO_HALVES`` and ``_TO_STREAMED_HALVES`` round
+    them to float16 and store them into the output; streamed: 16-byte
+    aligned there.
     """
     if not isinstance(put, types.IntegerLiteral):
         return None
@@ -705,15 +702,6 @@ _store_float16_bits = _eight_halves(_float16_bits_lanes, False)
 _stream_float16_bits = _eight_halves(_float16_bits_lanes, True)
 
 
-@intrinsic
-def _copy_eight_floats(typingctx, destination, source):
-    def codegen(context, builder, signature, args):
-        _store(builder, args[0], _load(builder, args[1], _vector(_F32, 8)))
-        return context.get_dummy_value()
-
-    return types.void(_ADDRESS, _ADDRESS), codegen
-
-
 # -- fp8_e4m3 rows into 16-bit outputs, by table lookup -----------------------------------------------
 # A row's 128 magnitudes times its scale, rounded once into a table of 16-bit outputs; each value is then
 # its magnitude's entry with the sign bit flipped by the code's. Rounding is symmetric and, for a finite
@@ -929,13 +917,13 @@ def _nibbles_by_table(fmt, source, count, destination, mode, stream):
 
 # -- one chunk of one row ----------------------------------------------------------------------------
 # Each dequantizes the blocks (or `count` values) whose bytes start at address `source` and puts them at
-# `destination` as `put` says (see _block): into the float32 buffer there, or rounded to float16 straight
-# into the output row there. `put` must be a literal (numba compiles a version per value).
+# `destination` as `put` says (see _block): as float32 into the output row or the buffer there, or rounded
+# to float16 into the output row there. `put` must be a literal (numba compiles a version per value).
 
 
 @njit(**_JIT)
 def _value_bytes(put):
-    return 4 if put == _TO_FLOATS else 2
+    return 4 if put == _TO_FLOATS or put == _TO_STREAMED_FLOATS else 2
 
 
 @njit(**_JIT)
@@ -992,7 +980,7 @@ def _fp8_e4m3(source, count, scale, destination, put):
         _fp8_e4m3_32(put, destination + _value_bytes(put) * j, source + j, scale)
     for j in range(whole, count):
         value = fp8_e4m3_value(_byte(source + j)) * scale
-        if put == _TO_FLOATS:
+        if _value_bytes(put) == 4:
             _store_f32(destination + 4 * j, value)
         else:
             _store_u16(destination + 2 * j, _float16_fast(value))
@@ -1026,22 +1014,12 @@ def _dequantize_chunk(fmt, source, count, scale, destination, put):
 
 
 @njit(**_JIT)
-def _emit(buf, destination, count, word, mode, stream):
-    """Store the `count` float32 at address `buf` at address `destination`: as float32 (`word` 4), else as `mode` says.
+def _emit(buf, destination, count, mode, stream):
+    """Store the `count` float32 at address `buf` at address `destination` as the 16-bit values `mode` says.
 
     Streaming needs a 16-byte aligned `destination` and a multiple of 16 bytes.
     """
     whole = count - count % 8
-    if word == 4:
-        if stream:
-            for offset in range(0, 4 * count, 16):
-                stream_store_16(destination + offset, buf + offset)
-            return
-        for k in range(0, whole, 8):
-            _copy_eight_floats(destination + 4 * k, buf + 4 * k)
-        for j in range(whole, count):
-            _store_f32(destination + 4 * j, _load_f32(buf + 4 * j))
-        return
     if stream:
         if mode == FLOAT16:
             for k in range(0, whole, 8):
@@ -1094,7 +1072,7 @@ def round_to_halves(values, out, mode, stream):
         count = min(CHUNK, values.size - first)
         for j in range(count):
             _store_f32(buf + 4 * j, values[first + j])
-        _emit(buf, np.intp(out.ctypes.data) + 2 * first, count, 2, mode, stream)
+        _emit(buf, np.intp(out.ctypes.data) + 2 * first, count, mode, stream)
     if stream:
         _fence()
     return out
@@ -1162,7 +1140,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     destination = np.intp(out.ctypes.data)
     buf = np.intp(_stack_floats(CHUNK))
     table = np.intp(_stack_floats(64))  # 128 16-bit entries
-    halves = word == 2 and mode == FLOAT16  # float16 and cached float32: the blocks write the output themselves
+    halves = word == 2 and mode == FLOAT16  # float16 and float32: the blocks write the output themselves
     # a table of 128 entries pays for itself on rows of at least as many values
     by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
     by_nibble_table = NIBBLE_TABLE_LOOKUP and (fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K) and word == 2 and mode != FLOAT16_BITS
@@ -1193,11 +1171,13 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
                 _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_HALVES)
             elif halves:
                 _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_HALVES)
-            elif word == 4 and not stream:
+            elif word == 4 and stream:
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_FLOATS)
+            elif word == 4:
                 _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_FLOATS)
             else:
                 _dequantize_chunk(fmt, source + begin, count, scale, buf, _TO_FLOATS)
-                _emit(buf, position, count, word, mode, stream)
+                _emit(buf, position, count, mode, stream)
     if stream:
         _fence()
     return skipped
