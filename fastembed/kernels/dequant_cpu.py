@@ -25,14 +25,14 @@ Contract shared by the two kernels, :func:`dequantize_serial` and
   changed to one out of range after the scan is skipped, never read, and
   the return value is :data:`CHANGED_DURING_COPY`.
 
-Each row is dequantized :data:`CHUNK` values at a time into a float32
-buffer on the stack, each block by one piece of vector IR (an intrinsic),
-then converted and stored eight values at a time, also as vector IR: numba
-runs no SLP vectorizer, and fixed-size loops over a block would stay
-scalar. float32 and float16 outputs skip the buffer: each block stores
-its values into the output itself. Inside a
-row everything is addressed by plain integers (the rows, the buffer, the
-output), so no array is passed, or reference-counted, per chunk. With
+Each row is dequantized :data:`CHUNK` values at a time, each block by one
+piece of vector IR (an intrinsic) that stores its values into the output
+row itself (float32, or float16 rounded in the same registers); bfloat16
+values go through a float32 buffer on the stack and are rounded and stored
+eight at a time, also as vector IR: numba runs no SLP vectorizer, and
+fixed-size loops over a block would stay scalar. Inside a row everything
+is addressed by plain integers (the rows, the buffer, the output), so no
+array is passed, or reference-counted, per chunk. With
 ``stream``, the stores are non-temporal (``out`` 16-byte aligned, rows a
 multiple of 16 bytes: :func:`.gather_cpu.can_stream`). float16
 conversions use the CPU's instructions where numba compiles for them
