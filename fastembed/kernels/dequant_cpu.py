@@ -1117,6 +1117,17 @@ def widen_halves(halves, out):
 # -- the kernels ----------------------------------------------------------------------------------------
 
 
+@intrinsic
+def _itemsize(typingctx, array):
+    """The itemsize of an array's type, as a constant of the compiled code (so that LLVM drops the other types' paths)."""
+    size = array.dtype.bitwidth // 8
+
+    def codegen(context, builder, signature, args):
+        return context.get_constant(types.intp, size)
+
+    return types.intp(array), codegen
+
+
 @njit(**_JIT)
 def _vocab_size(fmt, data, scales):
     """Rows that may be read: of `data`, and of `scales` for a row-scale format."""
@@ -1133,7 +1144,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     """
     vocab_size = _vocab_size(fmt, data, scales)
     dim = out.shape[1]
-    word = out.itemsize
+    word: int = _itemsize(out)
     row_bytes = data.shape[1]
     rows = np.intp(data.ctypes.data)
     scale_bytes = np.intp(scales.ctypes.data)
