@@ -21,7 +21,7 @@ from helpers import CPU_BACKENDS, assert_bit_equal, poisoned, random_table
 NUMBA_AVAILABLE = not numba_backend.BACKEND.unavailable_reasons()
 CUPY_DOUBLE = Path(__file__).parent / "cupy_double"  # a folder whose `cupy` is the CuPy test double
 needs_numba = pytest.mark.skipif(not NUMBA_AVAILABLE, reason="the numba backend is unavailable here")
-RACE_SECONDS = float(os.environ.get("FASTEMBED_RACE_SECONDS", "10"))
+RACE_SECONDS = float(os.environ.get("FASTEMBED_RACE_SECONDS", "4"))  # longer hunts: set it higher
 
 
 def cuda_available() -> bool:
