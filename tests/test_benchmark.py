@@ -134,7 +134,7 @@ def test_cold_samples_time_one_call_each_right_after_the_settling_read():
     from fastembed.tables import random_table
 
     events = []
-    platform = dataclasses.replace(HOST, settle=lambda: events.append("settle"))
+    platform = dataclasses.replace(HOST, settle=lambda written_bytes: events.append("settle"))
 
     def prepare(table, n):
         return lambda ids: events.append("call")
@@ -628,3 +628,17 @@ def test_format_arguments_are_checked_first(arguments, words, capsys):
         cli.main(arguments)
     assert exit_info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_caches_are_settled_where_a_sample_writes_a_quarter_of_the_cache_or_a_call_is_cold(monkeypatch):
+    """The settling read runs for cold calls and large samples only: below a quarter of the cache it would not evict."""
+    from fastembed.benchmark import measure
+
+    monkeypatch.setattr(measure, "last_level_cache_bytes", lambda: 32 * 2**20)
+    monkeypatch.setattr(measure, "_scrub_buffer", None)
+    measure.settle_host_caches(8 * 2**20 - 1)
+    assert measure._scrub_buffer is None
+    for written_bytes in (8 * 2**20, None):
+        monkeypatch.setattr(measure, "_scrub_buffer", None)
+        measure.settle_host_caches(written_bytes)
+        assert measure._scrub_buffer is not None and measure._scrub_buffer.nbytes == 64 * 2**20

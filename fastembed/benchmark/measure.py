@@ -4,8 +4,9 @@ Method (docs/benchmarks.md): within one process, every repetition runs every
 contender once (A B C A B C ...), each on a fresh id set, so drift of a
 shared machine hits all contenders alike and the table is read from memory,
 not cache. Before each timed sample the platform settles the caches (on the
-host: a read of twice the last-level cache), so no contender pays for the
-dirty lines its predecessor left. Small batches time a loop of calls over a
+host: a read of twice the last-level cache, where the samples write enough
+for it to matter), so no contender pays for the dirty lines its predecessor
+left. Small batches time a loop of calls over a
 rotating pool of id sets (a single call is too short for the clock), after
 one untimed call (the loop is timed warm), unless the caller asks for cold
 calls (``cold=True``: one call per sample, right after the settling read, as
@@ -24,6 +25,7 @@ memory is counted) is a :class:`Platform`; the loop is the same.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import statistics
@@ -88,8 +90,9 @@ class Platform:
     seconds_per_call: Callable[[Callable[[Any], Any], list[Any]], float]
     memory_in_use: Callable[[], int]
     allocated_by_one_call: Callable[[Callable[[Any], Any], Any], int | None]
-    #: Run before every timed sample: leaves the caches as no contender left them.
-    settle: Callable[[], None] = lambda: None
+    #: Run before every timed sample, with the bytes that sample writes (None: a cold
+    #: call, which must find caches evicted): leaves the caches as no contender left them.
+    settle: Callable[[int | None], None] = lambda written_bytes: None
 
 
 #: Distinct rows an id pool spans at least: far more than a last-level cache,
@@ -135,6 +138,7 @@ def _host_allocated_by_one_call(call: Callable[[Any], Any], ids: Any) -> int:
         tracemalloc.stop()
 
 
+@functools.cache
 def last_level_cache_bytes() -> int:
     """The largest CPU cache of cpu0 per Linux sysfs; 32 MiB where sysfs does not say."""
     sizes = []
@@ -150,15 +154,26 @@ def last_level_cache_bytes() -> int:
 _scrub_buffer: np.ndarray | None = None
 
 
-def settle_host_caches() -> None:
-    """Read a buffer of twice the last-level cache (at least 64 MiB).
+def settle_host_caches(written_bytes: int | None = None) -> None:
+    """Read a buffer of twice the last-level cache (at least 64 MiB), where it matters.
 
     A contender that wrote its output with ordinary stores leaves those lines
     dirty in the cache; whoever runs next would pay for writing them back.
     Reading this buffer evicts them outside the timed region, so no contender
-    is charged for its predecessor's output.
+    is charged for its predecessor's output. It matters only where a sample
+    writes at least a quarter of the cache: the next sample touches about
+    twice what it writes (rows read, output written), and while that and
+    the dirty lines fit in the cache, the replacement evicts older clean
+    lines first. A smaller read would not help either (the lines it reads
+    are newer than the dirty ones), and on a machine with a last-level cache
+    of hundreds of MiB a full read per sample would dominate the run.
+
+    Args:
+        written_bytes: what one sample writes; None (a cold call) always reads.
     """
     global _scrub_buffer
+    if written_bytes is not None and 4 * written_bytes < last_level_cache_bytes():
+        return
     if _scrub_buffer is None:
         _scrub_buffer = np.ones(max(2 * last_level_cache_bytes(), 64 * 2**20) // 8, np.uint64)
     _scrub_buffer.sum()
@@ -206,7 +221,7 @@ def measure_case(
             # Each contender gets its own id sets: none reads rows another has just cached.
             first = (repetition * len(prepared) + index) * inner
             id_list = [pool[(first + k) % len(pool)] for k in range(inner)]
-            platform.settle()
+            platform.settle(None if cold else inner * batch * row_bytes)
             if inner > 1:
                 # A loop of small calls is timed warm: the first call after the
                 # settling read would otherwise add its cold Python layers
