@@ -642,3 +642,11 @@ def test_caches_are_settled_where_a_sample_writes_a_quarter_of_the_cache_or_a_ca
         monkeypatch.setattr(measure, "_scrub_buffer", None)
         measure.settle_host_caches(written_bytes)
         assert measure._scrub_buffer is not None and measure._scrub_buffer.nbytes == 64 * 2**20
+
+
+def test_id_pools_span_a_few_times_a_small_table_and_pool_min_bytes_of_a_large_one():
+    from fastembed.benchmark.measure import POOL_MIN_BYTES, pool_size
+
+    assert pool_size(1, 128, 1, 3, 2, table_rows=2000) == 4 * 2000  # not millions of sets for a 256 KiB table
+    assert pool_size(1, 8192, 1, 3, 2, table_rows=129280) == POOL_MIN_BYTES // 8192
+    assert pool_size(4096, 8192, 1, 3, 2, table_rows=129280) == 13  # at least one set per sample

@@ -14,16 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from fastembed.benchmark import cli, measure
+from fastembed.benchmark import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_fastembed_bench_device_cuda_quick(cupy_or_double, tmp_path, monkeypatch):
+def test_fastembed_bench_device_cuda_quick(cupy_or_double, tmp_path):
     pytest.importorskip("rich")
-    # Id pools span 256 MiB of rows so that real tables are read from memory; for a
-    # 2,000 x 64 table that is millions of one-id sets: far fewer do here.
-    monkeypatch.setattr(measure, "POOL_MIN_BYTES", 2**16)
     status = cli.main(["--device", "cuda", "--quick", "--vocab-size", "2000", "--dim", "64", "--out", str(tmp_path)])
     assert status == 0
     results = json.loads((tmp_path / "results.json").read_text())["results"]

@@ -100,9 +100,14 @@ class Platform:
 POOL_MIN_BYTES = 256 * 2**20
 
 
-def pool_size(batch: int, row_bytes: int, inner: int, repetitions: int, warmup: int) -> int:
-    """How many id sets to draw: enough for every sample, and at least POOL_MIN_BYTES of rows."""
-    return max(max(inner, 8) + repetitions + warmup, -(-POOL_MIN_BYTES // max(1, batch * row_bytes)))
+def pool_size(batch: int, row_bytes: int, inner: int, repetitions: int, warmup: int, table_rows: int) -> int:
+    """How many id sets to draw: enough for every sample, and rows of at least POOL_MIN_BYTES.
+
+    A table smaller than that caps the span at four times the table: more sets
+    would only visit the same rows again.
+    """
+    span_bytes = min(POOL_MIN_BYTES, 4 * table_rows * row_bytes)
+    return max(max(inner, 8) + repetitions + warmup, -(-span_bytes // max(1, batch * row_bytes)))
 
 
 def calls_per_sample(batch: int, row_bytes: int) -> int:
@@ -195,7 +200,8 @@ def measure_case(
 ) -> list[Result]:
     row_bytes = table.shape[1] * table.dtype.itemsize
     inner = 1 if cold else calls_per_sample(batch, row_bytes)
-    host_pool = id_sets(distribution, batch, table.shape[0], pool_size(batch, row_bytes, inner, repetitions, warmup), seed)
+    host_pool = id_sets(distribution, batch, table.shape[0], pool_size(batch, row_bytes, inner, repetitions, warmup, table.shape[0]),
+                        seed)
     pools = {
         dtype: [platform.ids_to_device(ids.astype(dtype)) for ids in host_pool]
         for dtype in {contender.id_dtype for contender in contenders}
