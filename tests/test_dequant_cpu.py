@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import re
 import threading
 import time
 
@@ -368,3 +369,44 @@ def test_numpy_serves_while_the_kernels_compile_in_the_background(monkeypatch):
     fastembed.wait_for_compiles()
     assert_bit_equal(BACKEND.dequantize(table, ids, None, np.float16), reference(table, ids, np.float16))
     assert served == [100, 100]
+
+
+def test_streamed_float16_stores_stay_non_temporal_after_the_conversion():
+    """A float16 conversion stored with the streaming hint compiles to four 16-byte non-temporal stores.
+
+    LLVM emits ordinary stores for a converted vector unless the store
+    helper keeps the conversion and the store apart; the output would then
+    be read into the cache before it is written, as the hint exists to avoid.
+    """
+    import platform
+
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from fastembed.kernels import dequant_cpu
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("non-temporal stores are an x86 path")
+
+    @intrinsic
+    def halves_streamed(typingctx, destination, source):
+        def codegen(context, builder, signature, args):
+            values = dequant_cpu._load(builder, args[1], dequant_cpu._vector(dequant_cpu._F32, 32))
+            dequant_cpu._put(True, True)(builder, args[0], 0, values)
+            return context.get_dummy_value()
+
+        return types.void(types.intp, types.intp), codegen
+
+    @njit(cache=False)
+    def convert(destination, source):
+        halves_streamed(destination, source)
+
+    values = np.linspace(-3, 3, 32).astype(np.float32)
+    out = np.zeros(32 + 8, np.float16)
+    at = -(out.ctypes.data // 2) % 8  # 16-byte aligned
+    convert(out[at:].ctypes.data, values.ctypes.data)
+    assert_bit_equal(out[at:at + 32], values.astype(np.float16))
+    assembly = next(iter(convert.inspect_asm().values())).lower().splitlines()
+    conversions = [line for line in assembly if "cvtps2ph" in line]
+    assert conversions and not any(line.rstrip().endswith(")") for line in conversions)  # none into memory
+    assert sum(bool(re.search(r"\bv?movnt(dq|ps)\b", line)) for line in assembly) == 4  # 64 bytes, 16 at a time

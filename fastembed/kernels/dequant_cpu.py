@@ -317,6 +317,33 @@ def _store(builder, address, value):
     builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=4)
 
 
+def _put_vector(builder, address, value, nontemporal, align):
+    """Store `value` at `address`: with cached stores (`align` bytes aligned there) or, if `nontemporal`,
+    streamed past the cache (16-byte aligned there).
+
+    On x86 the streamed value goes out 16 bytes at a time, each piece through an empty inline-assembly
+    statement: without it LLVM combines a float16 conversion with the store and emits ordinary stores,
+    dropping the hint, so that every output line is read into the cache before it is written.
+    """
+    if not nontemporal:
+        builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=align)
+        return
+    if _X86:
+        bits = {ir.HalfType: 16, ir.FloatType: 32}.get(type(value.type.element)) or value.type.element.width
+        words = builder.bitcast(value, _vector(_I32, value.type.count * bits // 32))
+        piece_type = _vector(_I32, 4)
+        barrier = ir.FunctionType(piece_type, [piece_type])
+        pieces = [(4 * k, builder.asm(barrier, "", "=x,0", [builder.shuffle_vector(
+            words, words, _constant(_I32, 4, list(range(4 * k, 4 * k + 4))))], False))
+                  for k in range(words.type.count // 4)]
+    else:
+        pieces = [(0, value)]
+    for word, piece in pieces:
+        piece_at = builder.add(address, address.type(4 * word))
+        store = builder.store(piece, builder.inttoptr(piece_at, piece.type.as_pointer()), align=16)
+        store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+
+
 def _nibbles(builder, packed):
     """16 bytes to their 16 low nibbles then their 16 high nibbles (<32 x i8>)."""
     low = builder.and_(packed, _constant(_I8, 16, 0xF))
@@ -336,9 +363,7 @@ def _put(halves, nontemporal):
     def put(builder, destination, first, value):
         data = _FLOAT16_LANES(builder, value) if halves else value
         address = builder.add(destination, destination.type((2 if halves else 4) * first))
-        store = builder.store(data, builder.inttoptr(address, data.type.as_pointer()), align=16 if nontemporal else 2 if halves else 4)
-        if nontemporal:
-            store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+        _put_vector(builder, address, data, nontemporal, 2 if halves else 4)
 
     return put
 
@@ -680,10 +705,7 @@ def _eight_halves(lanes, nontemporal):
     """
     def codegen(context, builder, signature, args):
         destination, source = args
-        bits = lanes(builder, _load(builder, source, _vector(_F32, 8)))
-        store = builder.store(bits, builder.inttoptr(destination, bits.type.as_pointer()), align=16 if nontemporal else 2)
-        if nontemporal:
-            store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+        _put_vector(builder, destination, lanes(builder, _load(builder, source, _vector(_F32, 8))), nontemporal, 2)
         return context.get_dummy_value()
 
     def typer(typingctx, destination, source):
@@ -747,11 +769,6 @@ def _word_permute(builder, low, index, high):
     return builder.call(permute, [low, index, high])
 
 
-def _put_words(builder, address, words, nontemporal):
-    """Store 32 words at `address`: streamed (16-byte aligned there) if `nontemporal`."""
-    store = builder.store(words, builder.inttoptr(address, words.type.as_pointer()), align=16 if nontemporal else 2)
-    if nontemporal:
-        store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
 
 
 @intrinsic(prefer_literal=True)
@@ -779,7 +796,7 @@ def _fp8_e4m3_looked_up(typingctx, nontemporal, destination, source, n_blocks, t
             value = builder.select(builder.icmp_unsigned("!=", builder.and_(codes, c(0x40)), c(0)), from_64, below_64)
             value = builder.xor(value, builder.shl(builder.and_(codes, c(0x80)), c(8)))
             address = builder.add(destination, builder.mul(loop.index, destination.type(64)))
-            _put_words(builder, address, value, nontemporal.literal_value)
+            _put_vector(builder, address, value, nontemporal.literal_value, 2)
         return context.get_dummy_value()
 
     return types.void(nontemporal, _ADDRESS, _ADDRESS, types.intp, _ADDRESS), codegen
@@ -890,7 +907,7 @@ def _nibbles_looked_up(lookups, block_bytes, block_values):
                     row = builder.add(destination, builder.mul(loop.index, destination.type(2 * block_values)))
                     for first, table, index in lookups(builder, block, _LANES_OF_MODE[code]):
                         words = _words_looked_up(builder, table, index)
-                        _put_words(builder, builder.add(row, row.type(2 * first)), words, streamed)
+                        _put_vector(builder, builder.add(row, row.type(2 * first)), words, streamed, 2)
         return context.get_dummy_value()
 
     def typer(typingctx, mode, nontemporal, destination, source, n_blocks):
