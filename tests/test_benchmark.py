@@ -644,9 +644,13 @@ def test_caches_are_settled_where_a_sample_writes_a_quarter_of_the_cache_or_a_ca
         assert measure._scrub_buffer is not None and measure._scrub_buffer.nbytes == 64 * 2**20
 
 
-def test_id_pools_span_a_few_times_a_small_table_and_pool_min_bytes_of_a_large_one():
+def test_id_pools_span_a_few_times_a_small_table_and_more_than_the_cache_of_a_large_one(monkeypatch):
+    from fastembed.benchmark import measure
     from fastembed.benchmark.measure import POOL_MIN_BYTES, pool_size
 
+    monkeypatch.setattr(measure, "last_level_cache_bytes", lambda: 32 * 2**20)
     assert pool_size(1, 128, 1, 3, 2, table_rows=2000) == 4 * 2000  # not millions of sets for a 256 KiB table
     assert pool_size(1, 8192, 1, 3, 2, table_rows=129280) == POOL_MIN_BYTES // 8192
     assert pool_size(4096, 8192, 1, 3, 2, table_rows=129280) == 13  # at least one set per sample
+    monkeypatch.setattr(measure, "last_level_cache_bytes", lambda: 480 * 2**20)
+    assert pool_size(1, 8192, 1, 3, 2, table_rows=129280) == 2 * 480 * 2**20 // 8192

@@ -12,7 +12,8 @@ one untimed call (the loop is timed warm), unless the caller asks for cold
 calls (``cold=True``: one call per sample, right after the settling read, as
 a decode step meets the lookup after a forward pass has evicted its code and
 data); the pool spans at least
-POOL_MIN_BYTES of rows and each contender draws its own sets from it, so no
+POOL_MIN_BYTES of rows (twice the last-level cache where that is more) and
+each contender draws its own sets from it, so no
 contender reads rows that another one has just brought into the cache. The
 6-id uniform case is the exception by design: the reference sentence, the
 same six rows every call (see ids.py).
@@ -95,18 +96,18 @@ class Platform:
     settle: Callable[[int | None], None] = lambda written_bytes: None
 
 
-#: Distinct rows an id pool spans at least: far more than a last-level cache,
-#: so that small batches, too, read rows from memory.
+#: Distinct rows an id pool spans at least (and twice the last-level cache where
+#: that is more), so that small batches, too, read rows from memory.
 POOL_MIN_BYTES = 256 * 2**20
 
 
 def pool_size(batch: int, row_bytes: int, inner: int, repetitions: int, warmup: int, table_rows: int) -> int:
-    """How many id sets to draw: enough for every sample, and rows of at least POOL_MIN_BYTES.
+    """How many id sets to draw: enough for every sample, and rows of at least POOL_MIN_BYTES or twice the cache.
 
     A table smaller than that caps the span at four times the table: more sets
     would only visit the same rows again.
     """
-    span_bytes = min(POOL_MIN_BYTES, 4 * table_rows * row_bytes)
+    span_bytes = min(max(POOL_MIN_BYTES, 2 * last_level_cache_bytes()), 4 * table_rows * row_bytes)
     return max(max(inner, 8) + repetitions + warmup, -(-span_bytes // max(1, batch * row_bytes)))
 
 
