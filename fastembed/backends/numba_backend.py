@@ -76,13 +76,10 @@ PARALLEL_MIN_BYTES = 2 * 2**20
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the cache.
 STREAM_MIN_OUT_BYTES = 2 * 2**20
-#: The streaming kernel prefetches the row this many rows ahead, line by
+#: The streaming and dequantizing kernels prefetch the row this many rows ahead, line by
 #: line, as they copy this one (0: off): random rows defeat the hardware prefetcher.
 PREFETCH_ROWS_AHEAD = 1
-#: The dequantizing kernels prefetch further ahead: they spend longer on each row, and
-#: 16 rows ahead beat the next row by 8-22% (docs/backends.md).
-DEQUANTIZE_PREFETCH_ROWS_AHEAD = 16
-#: The streaming kernel also touches each 4 KiB page of the row this many rows ahead (0: off),
+#: ... and touches each 4 KiB page of the row this many rows ahead (0: off),
 #: so that its page translation is under way before the copy needs it.
 TOUCH_PAGES_ROWS_AHEAD = 16
 #: ... and copies a row backward when its source sits 1 to this many bytes
@@ -350,8 +347,7 @@ class NumbaBackend:
         scales = _read_only(table.scales.view(np.uint8) if fmt.row_scale else _NO_SCALES)  # bytes: any alignment
         mode = kernels.BFLOAT16 if dtype.itemsize == 2 and dtype != np.float16 else kernels.FLOAT16
         stream = rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and self._kernels.can_stream(rows)
-        arguments = (kernels.FORMAT_CODES[fmt.name], data, scales, flat_ids, rows, mode, stream,
-                     DEQUANTIZE_PREFETCH_ROWS_AHEAD)
+        arguments = (kernels.FORMAT_CODES[fmt.name], data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD)
         if rows.nbytes < PARALLEL_MIN_BYTES or not self._runs_parallel() or not self._parallel_lock.acquire(False):
             status = int(kernels.dequantize_serial(*arguments))
         else:
