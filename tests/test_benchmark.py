@@ -631,7 +631,7 @@ def test_format_arguments_are_checked_first(arguments, words, capsys):
 
 
 def test_caches_are_settled_where_a_sample_writes_a_quarter_of_the_cache_or_a_call_is_cold(monkeypatch):
-    """The settling read runs for cold calls and large samples only: below a quarter of the cache it would not evict."""
+    """The settling read runs for cold calls and for samples that write at least a quarter of the cache."""
     from fastembed.benchmark import measure
 
     monkeypatch.setattr(measure, "last_level_cache_bytes", lambda: 32 * 2**20)
@@ -644,13 +644,29 @@ def test_caches_are_settled_where_a_sample_writes_a_quarter_of_the_cache_or_a_ca
         assert measure._scrub_buffer is not None and measure._scrub_buffer.nbytes == 64 * 2**20
 
 
-def test_id_pools_span_a_few_times_a_small_table_and_more_than_the_cache_of_a_large_one(monkeypatch):
-    from fastembed.benchmark import measure
+def test_id_pools_span_a_few_times_a_small_table_and_more_than_the_cache_of_a_large_one():
     from fastembed.benchmark.measure import POOL_MIN_BYTES, pool_size
 
-    monkeypatch.setattr(measure, "last_level_cache_bytes", lambda: 32 * 2**20)
     assert pool_size(1, 128, 1, 3, 2, table_rows=2000) == 4 * 2000  # not millions of sets for a 256 KiB table
     assert pool_size(1, 8192, 1, 3, 2, table_rows=129280) == POOL_MIN_BYTES // 8192
     assert pool_size(4096, 8192, 1, 3, 2, table_rows=129280) == 13  # at least one set per sample
-    monkeypatch.setattr(measure, "last_level_cache_bytes", lambda: 480 * 2**20)
-    assert pool_size(1, 8192, 1, 3, 2, table_rows=129280) == 2 * 480 * 2**20 // 8192
+    assert pool_size(1, 8192, 1, 3, 2, table_rows=129280, cache_bytes=480 * 2**20) == 2 * 480 * 2**20 // 8192
+
+
+def test_the_settling_read_is_told_what_a_sample_writes_or_that_the_call_is_cold():
+    from fastembed.benchmark.contenders import Contender
+    from fastembed.benchmark.measure import HOST, calls_per_sample, measure_case
+    from fastembed.tables import random_table
+
+    received = []
+    platform = dataclasses.replace(HOST, settle=received.append)
+    contender = Contender("nothing", "peer", False, lambda table, n: (lambda ids: None), id="nothing")
+    table = random_table(2000, 64, "float16")
+    measure_case(table, [contender], 6, "uniform", 2, warmup=1, platform=platform)
+    assert received == [calls_per_sample(6, 128) * 6 * 128] * 3
+    received.clear()
+    measure_case(table, [contender], 6, "uniform", 2, warmup=1, platform=platform, written_row_bytes=256)
+    assert received == [calls_per_sample(6, 128) * 6 * 256] * 3
+    received.clear()
+    measure_case(table, [contender], 6, "uniform", 2, warmup=1, platform=platform, cold=True)
+    assert received == [None] * 3

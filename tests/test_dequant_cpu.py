@@ -371,8 +371,9 @@ def test_numpy_serves_while_the_kernels_compile_in_the_background(monkeypatch):
     assert served == [100, 100]
 
 
-def test_streamed_float16_stores_stay_non_temporal_after_the_conversion():
-    """A float16 conversion stored with the streaming hint compiles to four 16-byte non-temporal stores.
+@pytest.mark.parametrize("output", ["float16", "bfloat16", "float32"])
+def test_streamed_stores_stay_non_temporal_after_a_conversion(output):
+    """32 float32 values converted (or not) and stored with the streaming hint compile to 16-byte non-temporal stores.
 
     LLVM emits ordinary stores for a converted vector unless the store
     helper keeps the conversion and the store apart; the output would then
@@ -380,6 +381,7 @@ def test_streamed_float16_stores_stay_non_temporal_after_the_conversion():
     """
     import platform
 
+    import ml_dtypes
     from numba import njit, types
     from numba.extending import intrinsic
 
@@ -387,26 +389,31 @@ def test_streamed_float16_stores_stay_non_temporal_after_the_conversion():
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("non-temporal stores are an x86 path")
+    lanes = {"float16": dequant_cpu._FLOAT16_LANES, "bfloat16": dequant_cpu._bfloat16_lanes, "float32": None}[output]
 
     @intrinsic
-    def halves_streamed(typingctx, destination, source):
+    def streamed(typingctx, destination, source):
         def codegen(context, builder, signature, args):
             values = dequant_cpu._load(builder, args[1], dequant_cpu._vector(dequant_cpu._F32, 32))
-            dequant_cpu._put(True, True)(builder, args[0], 0, values)
+            converted = values if lanes is None else lanes(builder, values)
+            dequant_cpu._put_vector(builder, args[0], converted, True, 2)
             return context.get_dummy_value()
 
         return types.void(types.intp, types.intp), codegen
 
     @njit(cache=False)
     def convert(destination, source):
-        halves_streamed(destination, source)
+        streamed(destination, source)
 
+    dtype = np.dtype(ml_dtypes.bfloat16) if output == "bfloat16" else np.dtype(output)
     values = np.linspace(-3, 3, 32).astype(np.float32)
-    out = np.zeros(32 + 8, np.float16)
-    at = -(out.ctypes.data // 2) % 8  # 16-byte aligned
+    out = np.zeros(32 + 16 // dtype.itemsize, dtype)
+    at = -(out.ctypes.data // dtype.itemsize) % (16 // dtype.itemsize)  # 16-byte aligned
     convert(out[at:].ctypes.data, values.ctypes.data)
-    assert_bit_equal(out[at:at + 32], values.astype(np.float16))
+    assert_bit_equal(out[at:at + 32], values.astype(dtype))
     assembly = next(iter(convert.inspect_asm().values())).lower().splitlines()
-    conversions = [line for line in assembly if "cvtps2ph" in line]
-    assert conversions and not any(line.rstrip().endswith(")") for line in conversions)  # none into memory
-    assert sum(bool(re.search(r"\bv?movnt(dq|ps)\b", line)) for line in assembly) == 4  # 64 bytes, 16 at a time
+    stores = sum(bool(re.search(r"\bv?movnt(dq|ps)\b", line)) for line in assembly)
+    assert stores == 32 * dtype.itemsize // 16  # every byte, 16 at a time
+    if output == "float16" and dequant_cpu.HARDWARE_FLOAT16:
+        conversions = [line for line in assembly if "cvtps2ph" in line]
+        assert conversions and not any(line.rstrip().endswith(")") for line in conversions)  # none into memory

@@ -94,20 +94,23 @@ class Platform:
     #: Run before every timed sample, with the bytes that sample writes (None: a cold
     #: call, which must find caches evicted): leaves the caches as no contender left them.
     settle: Callable[[int | None], None] = lambda written_bytes: None
+    #: The cache an id pool must outgrow so that its rows come from memory (0: none to outgrow).
+    cache_bytes: Callable[[], int] = lambda: 0
 
 
-#: Distinct rows an id pool spans at least (and twice the last-level cache where
+#: Distinct rows an id pool spans at least (and twice the platform's cache where
 #: that is more), so that small batches, too, read rows from memory.
 POOL_MIN_BYTES = 256 * 2**20
 
 
-def pool_size(batch: int, row_bytes: int, inner: int, repetitions: int, warmup: int, table_rows: int) -> int:
-    """How many id sets to draw: enough for every sample, and rows of at least POOL_MIN_BYTES or twice the cache.
+def pool_size(batch: int, row_bytes: int, inner: int, repetitions: int, warmup: int, table_rows: int,
+              cache_bytes: int = 0) -> int:
+    """How many id sets to draw: enough for every sample, and rows of POOL_MIN_BYTES or twice `cache_bytes`.
 
     A table smaller than that caps the span at four times the table: more sets
     would only visit the same rows again.
     """
-    span_bytes = min(max(POOL_MIN_BYTES, 2 * last_level_cache_bytes()), 4 * table_rows * row_bytes)
+    span_bytes = min(max(POOL_MIN_BYTES, 2 * cache_bytes), 4 * table_rows * row_bytes)
     return max(max(inner, 8) + repetitions + warmup, -(-span_bytes // max(1, batch * row_bytes)))
 
 
@@ -161,21 +164,20 @@ _scrub_buffer: np.ndarray | None = None
 
 
 def settle_host_caches(written_bytes: int | None = None) -> None:
-    """Read a buffer of twice the last-level cache (at least 64 MiB), where it matters.
+    """Read a buffer of twice the last-level cache (at least 64 MiB), before a cold call or a large sample.
 
     A contender that wrote its output with ordinary stores leaves those lines
-    dirty in the cache; whoever runs next would pay for writing them back.
-    Reading this buffer evicts them outside the timed region, so no contender
-    is charged for its predecessor's output. It matters only where a sample
-    writes at least a quarter of the cache: the next sample touches about
-    twice what it writes (rows read, output written), and while that and
-    the dirty lines fit in the cache, the replacement evicts older clean
-    lines first. A smaller read would not help either (the lines it reads
-    are newer than the dirty ones), and on a machine with a last-level cache
-    of hundreds of MiB a full read per sample would dominate the run.
+    dirty in the cache, and whoever runs next may pay for writing them back;
+    reading this buffer evicts them outside the timed region. The read is
+    made where a sample writes at least a quarter of the cache, and before
+    every cold call (``None``), which must find the caches evicted. Below
+    that it is skipped, a trade-off: on a machine whose last-level cache
+    holds hundreds of MiB the read takes longer than the samples it would
+    precede, and the write-backs it would spare, of outputs of a few MiB,
+    fall on whichever samples evict them, the contenders' alike.
 
     Args:
-        written_bytes: what one sample writes; None (a cold call) always reads.
+        written_bytes: the most one sample writes; None (a cold call) always reads.
     """
     global _scrub_buffer
     if written_bytes is not None and 4 * written_bytes < last_level_cache_bytes():
@@ -185,7 +187,8 @@ def settle_host_caches(written_bytes: int | None = None) -> None:
     _scrub_buffer.sum()
 
 
-HOST = Platform("cpu", lambda ids: ids, _host_seconds_per_call, rss_bytes, _host_allocated_by_one_call, settle_host_caches)
+HOST = Platform("cpu", lambda ids: ids, _host_seconds_per_call, rss_bytes, _host_allocated_by_one_call, settle_host_caches,
+                last_level_cache_bytes)
 
 
 def measure_case(
@@ -198,11 +201,18 @@ def measure_case(
     seed: int = 0,
     platform: Platform = HOST,
     cold: bool = False,
+    written_row_bytes: int | None = None,
 ) -> list[Result]:
+    """Time every contender on `batch` ids of `distribution`, interleaved (see the module's method).
+
+    ``written_row_bytes``: the most any contender writes per row (default: a
+    row of `table`), for the platform's settling.
+    """
     row_bytes = table.shape[1] * table.dtype.itemsize
+    written_row_bytes = row_bytes if written_row_bytes is None else written_row_bytes
     inner = 1 if cold else calls_per_sample(batch, row_bytes)
-    host_pool = id_sets(distribution, batch, table.shape[0], pool_size(batch, row_bytes, inner, repetitions, warmup, table.shape[0]),
-                        seed)
+    sets = pool_size(batch, row_bytes, inner, repetitions, warmup, table.shape[0], platform.cache_bytes())
+    host_pool = id_sets(distribution, batch, table.shape[0], sets, seed)
     pools = {
         dtype: [platform.ids_to_device(ids.astype(dtype)) for ids in host_pool]
         for dtype in {contender.id_dtype for contender in contenders}
@@ -228,7 +238,7 @@ def measure_case(
             # Each contender gets its own id sets: none reads rows another has just cached.
             first = (repetition * len(prepared) + index) * inner
             id_list = [pool[(first + k) % len(pool)] for k in range(inner)]
-            platform.settle(None if cold else inner * batch * row_bytes)
+            platform.settle(None if cold else inner * batch * written_row_bytes)
             if inner > 1:
                 # A loop of small calls is timed warm: the first call after the
                 # settling read would otherwise add its cold Python layers

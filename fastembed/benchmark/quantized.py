@@ -111,11 +111,14 @@ def run(dense: np.ndarray, tables: dict[str, tuple[QuantizedTable, str]], batche
     rows = []
     for batch in batches:
         progress(f"measuring {batch} uniform ids ...")
-        results = {r.id: r for r in measure_case(dense, contenders, batch, "uniform", repetitions, platform=HOST)}
+        widest = max(np.dtype(fastembed.tables.resolve_dtype(dtype)).itemsize for dtype in OUTPUT_DTYPES)
+        results = {r.id: r for r in measure_case(dense, contenders, batch, "uniform", repetitions, platform=HOST,
+                                                 written_row_bytes=dense.shape[1] * widest)}
         reference_batch = min(batch, REFERENCE_MAX_IDS)
         progress(f"measuring the numpy reference on {reference_batch} ids ...")
         reference = {r.id: r for r in measure_case(dense, references, reference_batch, "uniform",
-                                                   REFERENCE_REPETITIONS, warmup=1, platform=HOST)}
+                                                   REFERENCE_REPETITIONS, warmup=1, platform=HOST,
+                                                   written_row_bytes=dense.shape[1] * 4)}  # float32 rows
         rows += _rows(results, reference, dense, tables, batch, reference_batch)
     return rows
 

@@ -330,6 +330,7 @@ def _put_vector(builder, address, value, nontemporal, align):
         return
     if _X86:
         bits = {ir.HalfType: 16, ir.FloatType: 32}.get(type(value.type.element)) or value.type.element.width
+        assert value.type.count * bits % 128 == 0, "streamed vectors are whole 16-byte pieces"
         words = builder.bitcast(value, _vector(_I32, value.type.count * bits // 32))
         piece_type = _vector(_I32, 4)
         barrier = ir.FunctionType(piece_type, [piece_type])
