@@ -12,7 +12,8 @@ one untimed call (the loop is timed warm), unless the caller asks for cold
 calls (``cold=True``: one call per sample, right after the settling read, as
 a decode step meets the lookup after a forward pass has evicted its code and
 data); the pool spans at least
-POOL_MIN_BYTES of rows (twice the last-level cache where that is more) and
+POOL_MIN_BYTES of rows (twice the platform's cache where that is more; four
+times the table at most) and
 each contender draws its own sets from it, so no
 contender reads rows that another one has just brought into the cache. The
 6-id uniform case is the exception by design: the reference sentence, the

@@ -322,8 +322,9 @@ def _put_vector(builder, address, value, nontemporal, align):
     streamed past the cache (16-byte aligned there).
 
     On x86 the streamed value goes out 16 bytes at a time, each piece through an empty inline-assembly
-    statement: without it LLVM combines a float16 conversion with the store and emits ordinary stores,
-    dropping the hint, so that every output line is read into the cache before it is written.
+    statement: without it LLVM combines a conversion (float16, or bfloat16's truncation) with the store and
+    emits ordinary stores, dropping the hint, so that every output line is read into the cache before it is
+    written.
     """
     if not nontemporal:
         builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=align)
@@ -768,8 +769,6 @@ def _word_permute(builder, low, index, high):
     permute = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.x86.avx512.vpermi2var.hi.512")
     return builder.call(permute, [low, index, high])
-
-
 
 
 @intrinsic(prefer_literal=True)
