@@ -108,17 +108,18 @@ def run(dense: np.ndarray, tables: dict[str, tuple[QuantizedTable, str]], batche
                                  id=f"{name}-{dtype}") for dtype in OUTPUT_DTYPES]
     references = [Contender(f"{name} numpy reference", "peer", True, _reference(table), id=f"{name}-reference")
                   for name, (table, _source) in tables.items()]
+    # What the widest output row takes (float32: the fastembed contenders' widest and the references' rows).
+    widest_row_bytes = dense.shape[1] * max(np.dtype(fastembed.tables.resolve_dtype(d)).itemsize for d in OUTPUT_DTYPES)
     rows = []
     for batch in batches:
         progress(f"measuring {batch} uniform ids ...")
-        widest = max(np.dtype(fastembed.tables.resolve_dtype(dtype)).itemsize for dtype in OUTPUT_DTYPES)
         results = {r.id: r for r in measure_case(dense, contenders, batch, "uniform", repetitions, platform=HOST,
-                                                 written_row_bytes=dense.shape[1] * widest)}
+                                                 written_row_bytes=widest_row_bytes)}
         reference_batch = min(batch, REFERENCE_MAX_IDS)
         progress(f"measuring the numpy reference on {reference_batch} ids ...")
         reference = {r.id: r for r in measure_case(dense, references, reference_batch, "uniform",
                                                    REFERENCE_REPETITIONS, warmup=1, platform=HOST,
-                                                   written_row_bytes=dense.shape[1] * 4)}  # float32 rows
+                                                   written_row_bytes=widest_row_bytes)}
         rows += _rows(results, reference, dense, tables, batch, reference_batch)
     return rows
 
