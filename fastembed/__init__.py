@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "lookup",
     "Embedding",
-    "backends",
+    "backend_statuses",
     "select_backend",
     "BackendStatus",
     "BackendUnavailableError",
@@ -29,17 +29,6 @@ __all__ = [
     "set_output_cache_limit",
     "__version__",
 ]
-
-
-def backends() -> list[BackendStatus]:
-    """Every known backend in priority order, whether it can run here, and if not, why.
-
-    Example:
-        >>> import fastembed
-        >>> fastembed.backends()[-1]
-        BackendStatus(name='numpy', available=True, reasons=[])
-    """
-    return backend_statuses()
 
 
 def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto") -> Selection:

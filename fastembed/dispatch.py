@@ -83,7 +83,19 @@ def unregister_backend(name: str) -> None:
 
 
 def backend_statuses() -> list[BackendStatus]:
-    """Every registered backend in priority order, whether it can run here, and if not, why."""
+    """Every registered backend in priority order, whether it can run here, and if not, why.
+
+    Exported as ``fastembed.backend_statuses`` (``fastembed.backends`` is the
+    package of the backends themselves).
+
+    Returns:
+        One :class:`BackendStatus` per backend, the one ``"auto"`` tries first first.
+
+    Example:
+        >>> import fastembed
+        >>> fastembed.backend_statuses()[-1]
+        BackendStatus(name='numpy', available=True, reasons=[])
+    """
     statuses = []
     for name, backend in BACKENDS.items():
         reasons = backend.unavailable_reasons()

@@ -7,7 +7,7 @@ import fastembed
 
 REFERENCE_IDS = [5237, 23872, 301, 16652, 19602, 1148]
 #: The CPU backends that can run here, by name, in priority order.
-CPU_BACKENDS = [status.name for status in fastembed.backends() if status.available and status.name != "cuda"]
+CPU_BACKENDS = [status.name for status in fastembed.backend_statuses() if status.available and status.name != "cuda"]
 POISON_BYTE = 0xA5
 
 

@@ -172,7 +172,7 @@ def test_each_fastembed_row_records_the_backend_that_served_it():
 
 def test_gate_fails_when_auto_does_not_pick_numba(tmp_path):
     """FASTEMBED_BACKEND=numpy: the served_by check fails, exactly, whatever the timings."""
-    if not any(s.name == "numba" and s.available for s in __import__("fastembed").backends()):
+    if not any(s.name == "numba" and s.available for s in __import__("fastembed").backend_statuses()):
         pytest.skip("numba is not available here")
     thresholds = tmp_path / "served.toml"
     thresholds.write_text('repetitions = 1\n[[check]]\nname = "auto picks numba"\ncontender = "fastembed-auto-out"\n'

@@ -272,7 +272,7 @@ def test_dispatcher_chooses_cuda_for_device_tables_and_never_moves_host_ones(cp)
     host = random_table(10, 8)
     device_table = cuda_backend.to_device(host, 0)
     assert fastembed.select_backend(device_table, [1]).backend == "cuda"
-    assert "cuda" in [status.name for status in fastembed.backends() if status.available]
+    assert "cuda" in [status.name for status in fastembed.backend_statuses() if status.available]
     selection = fastembed.select_backend(host, [1])
     assert selection.backend != "cuda"
     assert any("never moves a table implicitly" in reason for reason in selection.skipped["cuda"])

@@ -39,11 +39,20 @@ def environment(monkeypatch):
 
 
 def test_backends_report_every_backend_with_reasons():
-    statuses = {status.name: status for status in fastembed.backends()}
+    statuses = {status.name: status for status in fastembed.backend_statuses()}
     assert list(statuses) == ["cuda", "numba", "numpy"]
     assert statuses["numpy"].available and statuses["numpy"].reasons == []
     for status in statuses.values():
         assert status.available == (not status.reasons)
+
+
+def test_the_backends_package_is_importable_by_its_dotted_name():
+    import sys
+
+    import fastembed.backends.base as base  # a name exported by the package must not hide the subpackage
+
+    assert fastembed.backends is sys.modules["fastembed.backends"]
+    assert base.Backend is sys.modules["fastembed.backends.base"].Backend
 
 
 def test_cuda_reports_why_it_is_unavailable_without_a_gpu():
@@ -55,7 +64,7 @@ def test_cuda_reports_why_it_is_unavailable_without_a_gpu():
         has_device = False
     if has_device:
         pytest.skip("a CUDA device is present")
-    cuda = next(status for status in fastembed.backends() if status.name == "cuda")
+    cuda = next(status for status in fastembed.backend_statuses() if status.name == "cuda")
     assert not cuda.available
     assert any("cupy" in reason for reason in cuda.reasons)
 
@@ -63,7 +72,7 @@ def test_cuda_reports_why_it_is_unavailable_without_a_gpu():
 def test_auto_picks_numba_for_host_tables_when_available():
     table = random_table(10, 4)
     selection = fastembed.select_backend(table, [1, 2])
-    expected = "numba" if any(s.name == "numba" and s.available for s in fastembed.backends()) else "numpy"
+    expected = "numba" if any(s.name == "numba" and s.available for s in fastembed.backend_statuses()) else "numpy"
     assert selection.backend == expected
     assert set(selection.skipped) == {"cuda", "numba", "numpy"} - {expected}
     assert all(selection.skipped.values())

@@ -48,7 +48,7 @@ def test_works_with_numba_and_cupy_missing():
         "import fastembed, numpy as np\n"
         "t = fastembed.Embedding.random(20, 6).table\n"
         "print(fastembed.select_backend(t, [1]).backend, np.array_equal(fastembed.lookup(t, [3, 4]), t[[3, 4]]))\n"
-        "print([(s.name, s.reasons) for s in fastembed.backends()])"
+        "print([(s.name, s.reasons) for s in fastembed.backend_statuses()])"
     )
     lines = run_python(code).splitlines()
     assert lines[0] == "numpy True"
@@ -57,11 +57,11 @@ def test_works_with_numba_and_cupy_missing():
 
 def test_info_tells_the_truth_about_each_backend():
     text = subprocess.run([sys.executable, "-m", "fastembed", "info"], check=True, capture_output=True, text=True).stdout
-    for status in fastembed.backends():
+    for status in fastembed.backend_statuses():
         assert status.name in text
         for reason in status.reasons:
             assert reason in text
-    assert "threading_layer" in text or "numba" not in {s.name for s in fastembed.backends() if s.available}
+    assert "threading_layer" in text or "numba" not in {s.name for s in fastembed.backend_statuses() if s.available}
     facts = json.loads(subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], check=True, capture_output=True, text=True).stdout)
     assert facts["fastembed"] == info.fastembed_version()[0]
     assert [b["name"] for b in facts["backends"]] == ["cuda", "numba", "numpy"]

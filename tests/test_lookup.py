@@ -150,7 +150,7 @@ def test_reference_sentence_on_the_full_table(full_table, backend):
     dtype=st.sampled_from(["float16", "float32", "int8", "uint8", "float64", "bfloat16"]),
     id_dtype=st.sampled_from([np.int32, np.int64, np.uint16]),
     ids_shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5),
-    backend=st.sampled_from([name for name in ("numba", "numpy") if name in {s.name for s in fastembed.backends() if s.available}]),
+    backend=st.sampled_from([name for name in ("numba", "numpy") if name in {s.name for s in fastembed.backend_statuses() if s.available}]),
 )
 def test_property_lookup_equals_numpy(data, vocab_size, dim, dtype, id_dtype, ids_shape, backend):
     table = random_table(vocab_size, dim, dtype, seed=dim)

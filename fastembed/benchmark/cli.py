@@ -39,7 +39,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
     from .ids import DISTRIBUTIONS
 
-    backends = [status.name for status in fastembed.backends() if status.name != "cuda"]
+    backends = [status.name for status in fastembed.backend_statuses() if status.name != "cuda"]
     parser = argparse.ArgumentParser(prog="fastembed-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer batches and repetitions (< 60 s on 2 cores)")
     parser.add_argument("--backend", type=_choices(backends),

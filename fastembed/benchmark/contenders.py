@@ -219,7 +219,7 @@ def host_contenders(backends: list[str] | None = None) -> list[Contender]:
     every available one); the auto contenders, peers and limits always run.
     """
     contenders = []
-    available = [status.name for status in fastembed.backends() if status.available]
+    available = [status.name for status in fastembed.backend_statuses() if status.available]
     for name in available:
         if name == "cuda" or (backends and name not in backends):
             continue
