@@ -36,6 +36,17 @@ def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto")
 
     Validates like :func:`lookup` (same exceptions) but gathers nothing.
 
+    Args:
+        table, ids, out, backend: as for :func:`lookup`.
+
+    Returns:
+        A :class:`Selection`: the backend's name, and for each other backend why it was skipped.
+
+    Raises:
+        TypeError, ValueError, IndexError: as :func:`lookup` for bad arguments
+            (ValueError also for an unknown backend name).
+        BackendUnavailableError: a named backend cannot serve the call.
+
     Example:
         >>> import numpy as np, fastembed
         >>> fastembed.select_backend(np.zeros((4, 3), np.float32), [1], backend="numpy").backend

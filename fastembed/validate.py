@@ -230,8 +230,10 @@ def check_quantized(table: Any) -> None:
         raise TypeError(f"a {fmt.name} table needs float32 scales, one per row, got {np.dtype(scales.dtype)}")
     if device_of(scales) != device_of(data):
         raise TypeError(f"the scales live on {device_of(scales)} but the rows on {device_of(data)}")
-    if tuple(scales.shape) != (data.shape[0],) or not scales.flags.c_contiguous:
-        raise ValueError(f"scales must be C-contiguous of shape ({data.shape[0]},), got {tuple(scales.shape)}")
+    if tuple(scales.shape) != (data.shape[0],):
+        raise ValueError(f"scales must have shape ({data.shape[0]},), one per row, got {tuple(scales.shape)}")
+    if not scales.flags.c_contiguous:
+        raise ValueError(f"scales must be C-contiguous, got strides {tuple(scales.strides)}: pass np.ascontiguousarray(scales)")
     if _misaligned(scales, adapter):
         raise ValueError(f"the scales on {device_of(scales)} start at an address that is not a multiple of 4 bytes, "
                          "and the GPU kernels read them as float32: pass an aligned copy (scales.copy()) once")

@@ -10,7 +10,8 @@ import pytest
 import fastembed
 
 MODULES = ["fastembed", "fastembed.api", "fastembed.dispatch", "fastembed.validate", "fastembed.io",
-           "fastembed.io.checkpoints", "fastembed.tables", "fastembed.arrays", "fastembed.backends.base"]
+           "fastembed.io.checkpoints", "fastembed.tables", "fastembed.arrays", "fastembed.backends.base",
+           "fastembed.backends.cuda_backend"]
 
 
 @pytest.mark.parametrize("name", MODULES)

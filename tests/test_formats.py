@@ -119,6 +119,8 @@ def test_row_bytes_come_from_the_format():
         (lambda: QuantizedTable(np.zeros((4, 64), np.uint8), "fp8_e4m3", 64), TypeError, "float32 scales"),
         (lambda: QuantizedTable(np.zeros((4, 64), np.uint8), "fp8_e4m3", 64, np.ones(4)), TypeError, "float32 scales"),
         (lambda: QuantizedTable(np.zeros((4, 64), np.uint8), "fp8_e4m3", 64, np.ones(3, np.float32)), ValueError, r"\(4,\)"),
+        (lambda: QuantizedTable(np.zeros((4, 64), np.uint8), "fp8_e4m3", 64, np.ones(8, np.float32)[::2]), ValueError,
+         r"C-contiguous, got strides \(8,\)"),
         (lambda: QuantizedTable([[0] * 68], "q8_0", 64), TypeError, "uint8 array"),
     ],
 )

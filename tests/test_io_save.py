@@ -215,6 +215,14 @@ def test_fastembed_metadata_that_does_not_fit_is_a_value_error(tmp_path, tensors
     assert str(caught.value).startswith(f"{path}: ")
 
 
+def test_a_huge_metadata_value_is_not_echoed_whole(tmp_path):
+    path = tmp_path / "tagged.safetensors"
+    write_tagged(path, {"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.dim": "9" * 4000})
+    with pytest.raises(ValueError, match="do not describe a quantized table") as caught:
+        io.open_table(path)
+    assert len(str(caught.value)) < len(str(path)) + 600
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(metadata=st.dictionaries(st.sampled_from(["fastembed.tensor", "fastembed.format", "fastembed.dim", "fastembed.x", "other"]),
                                 st.one_of(st.sampled_from(["w", "w.scales", "fp8_e4m3", "q8_0", "q6_k", "64", "2", "0", "-64"]),

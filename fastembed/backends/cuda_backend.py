@@ -439,7 +439,14 @@ def deferred_id_checks() -> Iterator[None]:
 
     Bad ids still never read outside the table; their rows are written as
     zeros and the smallest bad position is kept until
-    :func:`raise_deferred_id_errors` reads it.
+    :func:`raise_deferred_id_errors` reads it. Host lookups are not
+    affected: they raise at once.
+
+    Example:
+        >>> import numpy as np, fastembed
+        >>> with fastembed.deferred_id_checks():  # CUDA lookups in here skip their synchronising check
+        ...     rows = fastembed.lookup(np.eye(3, dtype=np.float32), [2])
+        >>> fastembed.raise_deferred_id_errors()  # IndexError if one of them had a bad id
     """
     token = _deferred.set(True)
     try:
@@ -455,6 +462,16 @@ def raise_deferred_id_errors(device_id: int = 0) -> None:
     so lookups on any stream, torch's included, are counted. The position
     counts from the start of a lookup's flattened ids (the smallest over the deferred lookups since the
     last check); the value is not kept (the ids may be gone by now).
+
+    Args:
+        device_id: the CUDA device whose deferred lookups are checked.
+
+    Returns:
+        None, also where the cuda backend is unavailable (no cupy or no
+        device: then no CUDA lookup can have run).
+
+    Raises:
+        IndexError: a deferred lookup on `device_id` had an id out of range.
     """
     if BACKEND.unavailable_reasons():
         return

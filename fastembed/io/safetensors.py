@@ -321,7 +321,11 @@ def _checked_entry(where: str, entry: Any, data_size: int) -> TensorEntry:
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    return _shortened(repr(value), limit)
+
+
+def _shortened(text: str, limit: int) -> str:
+    """`text`, cut after `limit` characters (a hostile header's values can be megabytes long)."""
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -436,10 +440,13 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
     try:
         fmt = block_format(metadata[FORMAT_KEY])
         dim = int(metadata.get(DIM_KEY, ""))
+        if not 0 < dim < 2**48:  # beyond any file's bytes, and kept out of later messages
+            raise ValueError(f"a dim is a positive count of values, not {_short_repr(dim)}")
         row_bytes = fmt.row_bytes(dim)
     except ValueError as error:
-        raise ValueError(f"{where}: the metadata {FORMAT_KEY}={metadata[FORMAT_KEY]!r}, "
-                         f"{DIM_KEY}={metadata.get(DIM_KEY)!r} do not describe a quantized table: {error}") from None
+        raise ValueError(f"{where}: the metadata {FORMAT_KEY}={_short_repr(metadata[FORMAT_KEY])}, "
+                         f"{DIM_KEY}={_short_repr(metadata.get(DIM_KEY))} do not describe a quantized table: "
+                         f"{_shortened(str(error), 200)}") from None
     entry = header.entries[name]
     if entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] != row_bytes or entry.shape[0] == 0:
         raise ValueError(f"{where}: a {fmt.name} table of dim {dim} is stored as U8 rows of shape "
