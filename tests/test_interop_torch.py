@@ -205,11 +205,15 @@ def test_scalar_and_empty_ids():
     assert isinstance(empty, torch.Tensor) and empty.shape == (0, DIM) and empty.dtype == torch.bfloat16
 
 
-def test_float8_tables_travel_through_ml_dtypes():
-    table = torch_table("float32").to(torch.float8_e4m3fn)
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])  # ml_dtypes' e5m2 is kind f, e4m3fn kind V
+def test_float8_tables_travel_through_ml_dtypes(name):
+    table = torch_table("float32").to(getattr(torch, name))
+    expected = table[[3, 0]].view(torch.uint8)
     result = fastembed.lookup(table, [3, 0])
-    assert result.dtype == torch.float8_e4m3fn
-    assert torch.equal(result.view(torch.uint8), table[[3, 0]].view(torch.uint8))
+    assert result.dtype == table.dtype and torch.equal(result.view(torch.uint8), expected)
+    assert torch.equal(fastembed.Embedding(table)([3, 0]).view(torch.uint8), expected)
+    out = torch.empty((2, DIM), dtype=table.dtype)
+    assert fastembed.lookup(table, [3, 0], out=out) is out and torch.equal(out.view(torch.uint8), expected)
 
 
 def test_bfloat16_without_ml_dtypes_is_a_clear_type_error(monkeypatch):

@@ -243,7 +243,7 @@ def _kernel_can_write(view: np.ndarray) -> bool:
         return False
     if view.nbytes == 0 or not hasattr(os, "readv"):
         return True
-    raw = view.view(np.uint8) if view.dtype.kind == "V" else view  # ml_dtypes' dtypes export no buffer
+    raw = view if _exports_buffer(view.dtype) else view.view(np.uint8)
     memory = raw.data.cast("B")
     cells = [memory[:1], memory[-1:]]
     with _probe_lock:
@@ -346,11 +346,19 @@ def _cuda_dtype(torch_dtype: Any) -> np.dtype | None:
     return dtype if dtype.kind in "biufc" and dtype.type.__module__ == "numpy" else None
 
 
+def _exports_buffer(dtype: np.dtype) -> bool:
+    """Whether arrays of `dtype` export a buffer and DLPack: numpy's own numeric dtypes, not ml_dtypes'.
+
+    ml_dtypes' are kind V (bfloat16, float8_e4m3fn) or kind f (float8_e5m2), so the kind alone does not tell.
+    """
+    return dtype.kind != "V" and dtype.type.__module__ == "numpy"
+
+
 def _host_tensor(result: np.ndarray) -> Any:
     """A host result (a numpy array) as a CPU tensor over the same memory."""
     import torch
 
-    if result.dtype.kind != "V":  # numpy's own dtypes; ml_dtypes' (bfloat16, float8) are kind V
+    if _exports_buffer(result.dtype):
         return torch.from_dlpack(result)
     name = result.dtype.name
     if name not in _VIA_INTEGER:
