@@ -188,6 +188,33 @@ def test_a_fork_during_the_first_lookup_never_hangs_the_child(cache, delay, tmp_
     assert_child_ok(run_child(FORK_DURING_FIRST_LOOKUP.format(delay=delay), timeout=120, env=env))
 
 
+FORK_AFTER_THE_APPLICATION_STARTED_NUMBAS_POOL = """
+import os, numba, numpy as np, fastembed
+@numba.njit(parallel=True)
+def applications_own_code(a):
+    total = 0.0
+    for i in numba.prange(a.size):
+        total += a[i]
+    return total
+applications_own_code(np.ones(1000))   # numba's thread pool starts here, not in fastembed
+table = fastembed.Embedding.random(3000, 1024).table
+ids = np.random.default_rng(0).integers(0, 3000, 2048)   # 4 MiB of output: the parallel kernel's size
+pid = os.fork()
+if pid == 0:
+    fastembed.lookup(table, ids); fastembed.wait_for_compiles()
+    ok = np.array_equal(fastembed.lookup(table, ids), table[ids])
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+print("ok" if os.waitstatus_to_exitcode(status) == 0 else "child failed")
+"""
+
+
+@needs_numba
+def test_a_child_forked_after_the_application_started_numbas_pool_gathers_serially():
+    assert_child_ok(run_child(FORK_AFTER_THE_APPLICATION_STARTED_NUMBAS_POOL, timeout=120))
+
+
 FORK_WHILE_THE_OUTPUT_CACHE_IS_LOCKED = """
 import os, threading, numpy as np, fastembed
 from fastembed.backends import output_cache

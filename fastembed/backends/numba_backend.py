@@ -27,9 +27,10 @@ Safety, whatever threading layer numba picked:
   the lock taken runs the serial kernel instead of waiting: the other call
   already keeps every core busy. This also keeps numba's ``workqueue``
   layer, which aborts the process on concurrent entry, safe;
-- in a process forked after the parent started numba's thread pool, the
-  serial kernel only: GNU OpenMP kills such children and a forked workqueue
-  pool can hang;
+- in a process forked after the parent started numba's thread pool (for
+  fastembed or for the application's own parallel numba code), the serial
+  kernel only: GNU OpenMP kills such children and a forked workqueue pool
+  can hang;
 - a fork waits until no thread is importing numba or compiling a kernel
   for this backend (:mod:`.background_compile`): a child would otherwise
   inherit the import or compile lock held by a thread it does not have;
@@ -397,7 +398,7 @@ class NumbaBackend:
         self._compiled.add(signature)
 
     def after_fork_in_child(self) -> None:
-        self.forked_after_pool_start = self.pool_started
+        self.forked_after_pool_start = self.pool_started or _numba_pool_started()
 
     # -- facts ---------------------------------------------------------------
 
@@ -461,6 +462,16 @@ def _import_or_undo(name: str, then: Any = None) -> Any:
         for added in set(sys.modules) - loaded_before:
             del sys.modules[added]
         raise
+
+
+def _numba_pool_started() -> bool:
+    """Whether numba's thread pool was started in this process, by fastembed's kernels or by other code.
+
+    numba keeps no public flag; its own private one is read, and a numba
+    without it counts as started (the serial kernel is always safe).
+    """
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    return parallel is not None and bool(getattr(parallel, "_is_initialized", True))
 
 
 def _gomp_loaded() -> bool:
