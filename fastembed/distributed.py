@@ -541,7 +541,7 @@ class VocabParallelEmbedding:
         shape = tuple(int(size) for size in view.shape)
         if mode == "scatter" and not shape:
             raise ValueError("mode='scatter' splits the ids' first dimension, and scalar ids have none")
-        flat = np.array(view, dtype=np.int64).reshape(-1)  # one copy: no other thread can change it under us
+        flat = np.asarray(view, dtype=np.int64).reshape(-1)  # the snapshot is this call's own copy
         validate.check_ids_in_range(flat.reshape(shape), self.vocab_size)
         # The layer's key (rank 0's, shared when the layer was built) tells ranks that call different layers apart.
         digest = _digest(self._key, mode.encode(), target.str.encode(), repr(shape).encode(), flat.data)

@@ -16,8 +16,9 @@ Contracts:
   CPU tensor, a JAX CPU array, or any other DLPack producer in host memory)
   of any fixed-size dtype that holds no Python objects;
 - *ids* are integers of any dtype and any ndim, on the table's device (host
-  ids for a GPU table are copied there); int32 and int64 ids are used as
-  they are (no converting copy);
+  ids for a GPU table are copied there); host ids are copied once per call
+  (int32 and int64 keep their dtype), so that no other thread can change
+  them between the checks and the gather;
 - a *quantized table* is a :class:`fastembed.formats.QuantizedTable` whose
   arrays fit its format (:func:`check_quantized`); it dequantizes into
   float32, float16 or bfloat16 (float32 unless ``dtype=`` says otherwise);
@@ -251,11 +252,14 @@ def _misaligned(view: Any, adapter: Any) -> bool:
 def ids_snapshot(ids: Any, table: Any) -> Any:
     """A snapshot of `ids` as integers on the table's device (`table`: a snapshot).
 
-    numpy int32/int64 ids are a view (no copy); lists, tuples and scalars are
-    converted as numpy would, an empty list to an empty intp array (as in
-    ``table[[]]``). Other integer dtypes are converted to int64 after their
-    range has been checked (a copy of the ids, never of the table). Host ids
-    for a GPU table are copied to its device.
+    Host ids are the call's own copy (C-contiguous; n x 8 bytes at most):
+    the checks and the gather read the same values, whatever another thread
+    writes into the caller's ids meanwhile. int32 and int64 keep their
+    dtype; lists, tuples and scalars are converted as numpy would, an empty
+    list to an empty intp array (as in ``table[[]]``); other integer dtypes
+    are converted to int64 after their range has been checked (a copy of the
+    ids, never of the table). Host ids for a GPU table are copied to its
+    device; ids on the GPU are used where they are.
 
     Raises:
         TypeError: non-integer ids (bool, float, complex, str, object), or
@@ -266,9 +270,9 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     if type(ids) is _NDARRAY and type(table) is _NDARRAY:  # the common case, kept cheap
         dtype = ids.dtype
         if dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES:
-            return ids.view()
+            return ids.copy()
         _check_integer_dtype(dtype)
-        return _native_ids(ids, table.shape[0])
+        return _native_ids(ids, table.shape[0])  # a converted copy
     rows = storage(table)
     table_device, ids_device = device_of(rows), device_of(ids)
     if ids_device != table_device:
@@ -287,7 +291,9 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         return native.copy() if _misaligned(native, adapter) else native  # the kernels read ids element by element
     host = _host_ids(ids)
     _check_integer_dtype(host.dtype)
-    return _native_ids(host, table.shape[0])
+    native = _native_ids(host, table.shape[0])
+    # A converted dtype, or a list numpy has just converted, is the call's own already.
+    return native if native is not host or type(ids) in (list, tuple, int) else native.copy()
 
 
 def host_ids_snapshot(ids: Any, table: Any, device: str) -> np.ndarray:
@@ -437,7 +443,9 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             ):
                 # Different arrays that each own their buffer cannot overlap.
                 return view
-            if not np.may_share_memory(view, table) and not np.may_share_memory(view, ids):
+            if not np.may_share_memory(view, table) and not np.may_share_memory(
+                view, caller_ids if type(caller_ids) is _NDARRAY else ids
+            ):
                 # Disjoint address ranges cannot overlap (a mapped table, views): the exact test is left for the rest.
                 return view
     adapter = adapter_of(out)
@@ -493,6 +501,16 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     scales = table.scales if type(table) is QuantizedTable else None
     if adapter.may_share_memory(view, rows) or (scales is not None and adapter.may_share_memory(view, scales)):
         raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")
-    if adapter.may_share_memory(view, ids):
-        raise ValueError("out overlaps the ids: gathering into it would overwrite ids being read")
+    if adapter.may_share_memory(view, ids) or adapter.may_share_memory(view, _caller_ids_memory(caller_ids, ids)):
+        raise ValueError("out overlaps the ids: gathering into it would overwrite them")
     return view
+
+
+def _caller_ids_memory(caller_ids: Any, ids: Any) -> Any:
+    """The caller's ids as an array over their memory (`ids`, the call's snapshot, may be a copy of them)."""
+    if isinstance(caller_ids, np.ndarray):
+        return caller_ids.view(_NDARRAY)
+    adapter = adapter_of(caller_ids)
+    if adapter is not None and adapter.device(caller_ids) == "cpu":
+        return adapter.snapshot(caller_ids)
+    return ids  # a list converted for this call, or ids on a GPU, which are used where they are

@@ -69,10 +69,12 @@ def test_a_producer_table_is_gathered_zero_copy_into_a_numpy_result(backend, kin
     assert_bit_equal(emb([3], backend=backend), table[[3]])
 
 
-def test_producer_ids_are_read_zero_copy(backend):
+def test_producer_ids_are_read_through_dlpack_into_the_calls_own_copy(backend):
     table = random_table(50, 8)
     ids = np.array([[7, 0, 49]], dtype=np.int32)
-    assert address(validate.ids_snapshot(Producer(ids), table)) == address(ids)
+    snapshot = validate.ids_snapshot(Producer(ids), table)
+    assert snapshot.dtype == ids.dtype and address(snapshot) != address(ids)
+    assert_bit_equal(snapshot, ids)
     assert_bit_equal(fastembed.lookup(table, Producer(ids), backend=backend), table[ids])
     assert_bit_equal(fastembed.Embedding(table)(Producer(np.array([5], np.uint16)), backend=backend), table[[5]])
 

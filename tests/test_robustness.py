@@ -103,7 +103,7 @@ def test_table_reshaped_by_another_thread_never_writes_outside_out(backend):
 
 
 IDS_RACE = """
-import sys, threading, time, numpy as np, fastembed
+import re, sys, threading, time, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels serve these small tables too
 sys.setswitchinterval(1e-6)
@@ -123,20 +123,27 @@ def scribble():
 threading.Thread(target=scribble, daemon=True).start()
 outcomes = {{}}
 while time.monotonic() < stop:
-    try:
-        rows = fastembed.lookup(table, ids, backend=backend)
-        outcome = "ok"
-        assert not (rows == -7.0).all(axis=1).any(), "a row read from outside the table"
-    except (IndexError, RuntimeError) as error:
-        outcome = type(error).__name__
-    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    for with_out in (False, True):
+        out = np.full((ids.size, width), -5.0, np.float32)
+        try:
+            rows = fastembed.lookup(table, ids, out=out if with_out else None, backend=backend)
+            outcome = "ok"
+            assert not (rows == -7.0).all(axis=1).any(), "a row read from outside the table"
+            # every row is a whole row of the table (the ids as the call copied them, whatever came later)
+            assert (np.diff(rows, axis=1) == 1).all() and (rows[:, 0] % width == 0).all(), "a wrong row"
+        except IndexError as error:  # the call's copy of the ids held a bad one: named, and out left alone
+            outcome = "IndexError"
+            value = int(re.match(r"id (-?[0-9]+) at position", str(error)).group(1))
+            assert not 0 <= value < vocab, f"a valid id named as the bad one: {{error}}"
+            assert (out == -5.0).all(), "out was written before the IndexError"
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
 print(outcomes)
 print("ok")
 """
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_ids_changed_by_another_thread_never_read_outside_the_table(backend):
+def test_ids_changed_by_another_thread_give_whole_rows_or_a_clean_index_error(backend):
     seconds = min(RACE_SECONDS, 5.0)
     assert_child_ok(run_child(IDS_RACE.format(backend=backend, seconds=seconds), timeout=seconds + 120))
 
