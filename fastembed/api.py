@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, validate
-from .arrays import aligned_result, call_context, device_of, memory_guards, result_like
+from .arrays import aligned_result, call_context, device_of, mark_written, memory_guards, result_like
 from .formats import QuantizedTable
 
 _NDARRAY = np.ndarray
@@ -31,8 +31,10 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
             :class:`fastembed.formats.QuantizedTable` (GGUF block formats,
             fp8 with row scales), dequantized while gathering.
         ids: integers of any dtype and ndim (lists and scalars as numpy
-            accepts them) in ``[0, table.shape[0])``; int32/int64 are used
-            without a copy.
+            accepts them) in ``[0, table.shape[0])``. Host ids are copied
+            once (n x 8 bytes at most; int32/int64 keep their dtype), so
+            another thread writing them meanwhile cannot change what the
+            checks saw.
         out: optional preallocated C-contiguous array of the result's shape
             and dtype, on the table's device; it is filled and returned.
         dtype: the result's dtype (a numpy dtype or its name, or a torch
@@ -90,7 +92,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         return _wrapped_lookup(table_view, ids_view, backend, table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
     dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
-    return out
+    return out if type(out) is _NDARRAY else mark_written(out)
 
 
 def _wrapped_lookup(table_view: Any, ids_view: Any, backend: str, table: Any) -> Any:
@@ -123,7 +125,7 @@ def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend:
 
             result = gather_cast(chosen, table_view, ids_view, out_view, target)
         if out is not None:
-            return out
+            return mark_written(out)
         return result if isinstance(rows, _NDARRAY) else result_like(result, rows)
 
 
@@ -183,7 +185,7 @@ class Embedding:
             return _wrapped_lookup(table_view, ids_view, backend, self._table)
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
         dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
-        return out
+        return out if type(out) is _NDARRAY else mark_written(out)
 
     @property
     def table(self) -> Any:

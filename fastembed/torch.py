@@ -91,6 +91,8 @@ class Embedding(torch.nn.Embedding):
         ) or not weight.is_contiguous() or not _viewable(weight):
             _say_fallback_once(weight, input)
             return super().forward(input)
+        if isinstance(input, torch.Tensor) and input.is_neg():
+            input = input.resolve_neg()  # a lazy negation view of ids; fastembed copies the ids anyway
         return lookup(weight, input)
 
 

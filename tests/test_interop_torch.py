@@ -379,3 +379,31 @@ def test_dtype_may_be_a_torch_dtype(dtype):
         np.testing.assert_array_equal(quantized(ids.numpy(), dtype=dtype).view(np.uint8), expected.view(np.uint8))
     with pytest.raises(TypeError, match="not int8"):
         fastembed.lookup(table, ids, dtype=torch.int8)
+
+
+@pytest.mark.parametrize("role", ["table", "ids", "out"])
+def test_a_tensor_reaching_past_its_shrunk_storage_is_a_value_error_before_any_access(role):
+    table, ids, out = torch_table("float32"), torch.tensor([VOCAB - 1, 0]), torch.empty((2, DIM))
+    shrunk = {"table": table, "ids": ids, "out": out}[role]
+    shrunk.untyped_storage().resize_(shrunk.element_size())  # one element left: the shape reaches past it
+    with pytest.raises(ValueError, match="storage was shrunk or freed"):
+        fastembed.lookup(table, ids, out=out)
+    if role == "table":
+        with pytest.raises(ValueError, match="storage was shrunk or freed"):
+            fastembed.Embedding(table)
+
+
+@pytest.mark.parametrize("dtype", [None, "float16"])  # the plain gather, and the casting path
+def test_a_torch_out_written_by_a_lookup_counts_as_an_in_place_write_for_autograd(dtype):
+    weight = torch.randn(2, DIM, requires_grad=True)
+    out = torch.zeros(2, DIM, dtype=torch.float16 if dtype else torch.float32)
+    loss = (weight * out).sum()  # autograd saves out
+    before = out._version
+    fastembed.lookup(torch_table("float32"), [1, 2], out=out, dtype=dtype)
+    assert out._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    emb_out = torch.zeros(2, DIM)
+    version = emb_out._version
+    fastembed.Embedding(torch_table("float32"))([1, 2], out=emb_out)
+    assert emb_out._version > version

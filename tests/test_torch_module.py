@@ -241,3 +241,20 @@ def test_a_lazily_negated_weight_gives_torchs_values():
     assert negated.is_neg()
     with pytest.warns(UserWarning, match="lazy conjugate or negation"):
         assert torch.equal(Embedding.from_pretrained(negated)(torch.tensor([1])), -base[[1]])
+
+
+def test_lazily_negated_ids_give_torchs_rows_through_fastembed():
+    weight = torch.arange(12.0).reshape(4, 3)
+    ids = torch.tensor([-1, -3])._neg_view()  # holds [1, 3]
+    assert ids.is_neg()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # served by fastembed: no fallback said
+        assert torch.equal(Embedding.from_pretrained(weight)(ids), torch.nn.Embedding.from_pretrained(weight)(ids))
+
+
+def test_a_weight_whose_storage_was_freed_is_a_value_error_not_a_crash():
+    weight = torch.randn(1000, 16)
+    layer = Embedding.from_pretrained(weight)
+    weight.untyped_storage().resize_(0)  # as FSDP frees a parameter
+    with pytest.raises(ValueError, match="storage was shrunk or freed"):
+        layer(torch.tensor([999, 5]))

@@ -38,7 +38,9 @@ class ArrayAdapter(Protocol):
     memory of an array that a view was taken of (torch: ``resize_``, a
     swapped ``.data``) provides ``memory_guard(array)`` (:func:`memory_guards`).
     An adapter of device arrays provides ``to_host(array)``, a numpy copy
-    (:func:`host_copy`).
+    (:func:`host_copy`). An adapter whose library counts in-place writes
+    (torch's version counter, which autograd checks) provides
+    ``mark_written(array)`` (:func:`mark_written`).
     """
 
     name: str
@@ -159,6 +161,19 @@ def memory_guards(*arrays: Any) -> tuple[Any, ...]:
         if make is not None:
             guards.append(make(array))
     return tuple(guards)
+
+
+def mark_written(out: Any) -> Any:
+    """Tell `out`'s library that a lookup wrote it in place, as its own in-place operations do; returns `out`.
+
+    For a torch tensor this bumps its version counter, so that autograd
+    refuses a backward pass through a graph that saved the old values
+    (as after ``out.copy_(...)``); other libraries keep no such count.
+    """
+    mark = getattr(adapter_of(out), "mark_written", None)
+    if mark is not None:
+        mark(out)
+    return out
 
 
 _NO_CONTEXT = contextlib.nullcontext()

@@ -87,6 +87,8 @@ class TorchAdapter:
                 cannot hold, a bfloat16 or float8 CPU tensor without ml_dtypes,
                 a CUDA tensor without cupy installed, or a lazy negation or
                 conjugate view (its memory holds other values).
+            ValueError: a tensor whose shape reaches past its storage (a
+                storage shrunk in place, as FSDP frees parameters).
         """
         device = self.device(array)
         tensor = array.detach() if array.requires_grad else array  # no copy: lookup does not record autograd
@@ -95,6 +97,7 @@ class TorchAdapter:
             raise TypeError(f"this torch tensor is a lazy {'negation' if tensor.is_neg() else 'conjugate'} view of "
                             "memory holding other values (torch's neg or conj bit); fastembed reads memory as it "
                             "lies: pass tensor.resolve_neg() / tensor.resolve_conj() (a copy) instead")
+        _check_storage_holds(tensor)
         if device != "cpu":
             if device.startswith("cuda:"):
                 return _cuda_view(tensor, _index(device))
@@ -118,6 +121,12 @@ class TorchAdapter:
         from . import cupy_adapter
 
         return not isinstance(view, np.ndarray) and cupy_adapter.ADAPTER.misaligned(view)
+
+    def mark_written(self, array: Any) -> None:
+        """Bump the version counter of a tensor a lookup wrote in place (autograd checks it, as after ``copy_``)."""
+        import torch
+
+        torch.autograd.graph.increment_version(array)
 
     def memory_guard(self, array: Any) -> _StorageGuard:
         """A guard over the tensor's storage (see :class:`_StorageGuard`)."""
@@ -219,6 +228,24 @@ class _StorageGuard:
                 f"{self._storage.nbytes()} at {self._storage.data_ptr():#x}: resize_, or untyped_storage().resize_) "
                 "after this layer took its view of it; the old memory is gone, so build a new layer"
             )
+
+
+def _check_storage_holds(tensor: Any) -> None:
+    """Raise ValueError when `tensor`'s elements reach past the end of its storage.
+
+    torch lets a storage shrink under its tensors (``untyped_storage().resize_(0)``
+    is how FSDP frees a parameter) and exports such a tensor through DLPack
+    all the same; reading it would read freed memory.
+    """
+    if tensor.numel() == 0:
+        return
+    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    needed = (last + 1) * tensor.element_size()
+    held = tensor.untyped_storage().nbytes()
+    if needed > held:
+        raise ValueError(f"this torch tensor of shape {tuple(tensor.shape)} needs {needed} bytes of its storage, which "
+                         f"holds {held}: the storage was shrunk or freed (untyped_storage().resize_, as FSDP frees "
+                         "parameters); gather from a tensor whose memory is there")
 
 
 def _index(device: str) -> int:
