@@ -146,7 +146,7 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     if is_float_dtype(source) and target.name in (*OUTPUT_DTYPES, "float64"):
         return target
     raise TypeError(
-        f"a {own or source} table can be gathered into its own dtype"
+        f"a table of dtype {own or source} can be gathered into its own dtype"
         + (f" or {', '.join(OUTPUT_DTYPES)}, float64" if is_float_dtype(source) else "")
         + f", not {target}"
     )
@@ -392,10 +392,8 @@ def out_of_range_error(ids: Any, flat_position: int, vocab_size: int) -> IndexEr
     else:
         position = tuple(int(i) for i in np.unravel_index(flat_position, shape))
     value = int(ids.reshape(-1)[flat_position])
-    return IndexError(
-        f"id {value} at position {position} is out of range for a table of "
-        f"{vocab_size} rows (valid ids are 0..{vocab_size - 1})"
-    )
+    valid = f"valid ids are 0..{vocab_size - 1}" if vocab_size else "it has no rows, so no id is valid"
+    return IndexError(f"id {value} at position {position} is out of range for a table of {vocab_size} rows ({valid})")
 
 
 def output_shape(ids: Any, table: Any) -> tuple[int, ...]:

@@ -269,7 +269,7 @@ def test_dtype_naming_the_tables_own_torch_dtype_is_no_cast(tc):
     table = tc.to_cuda(host)
     assert_bit_equal(fastembed.lookup(table, [3, 1], dtype="bfloat16"), host[[3, 1]], tc)
     assert_bit_equal(fastembed.Embedding(table)([3, 1], dtype="bfloat16"), host[[3, 1]], tc)
-    with pytest.raises(TypeError, match="a bfloat16 table can be gathered into its own dtype, not float32"):
+    with pytest.raises(TypeError, match="a table of dtype bfloat16 can be gathered into its own dtype, not float32"):
         fastembed.lookup(table, [1], dtype="float32")
 
 

@@ -169,6 +169,13 @@ def test_zero_width_table(backend):
         fastembed.lookup(table, [0, 5], backend=backend)
 
 
+def test_a_table_without_rows_says_no_id_is_valid(backend):
+    table = np.empty((0, 4), np.float16)
+    assert fastembed.lookup(table, np.empty(0, np.int64), backend=backend).shape == (0, 4)
+    with pytest.raises(IndexError, match=r"id 0 at position 0 .* 0 rows \(it has no rows, so no id is valid\)"):
+        fastembed.lookup(table, [0], backend=backend)
+
+
 @pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")
 def test_ndarray_subclass_ids(backend):
     table = random_table(20, 3)

@@ -128,7 +128,7 @@ def test_dequantizing_into_float16_overflows_to_infinity_whatever_np_seterr_says
 
 
 def test_dense_casts_refuse_what_is_not_a_float_cast():
-    with pytest.raises(TypeError, match="int32 table can be gathered into its own dtype, not float32"):
+    with pytest.raises(TypeError, match="a table of dtype int32 can be gathered into its own dtype, not float32"):
         fastembed.lookup(np.zeros((3, 2), np.int32), [1], dtype=np.float32)
     with pytest.raises(TypeError, match="not int8"):
         fastembed.lookup(np.zeros((3, 2), np.float32), [1], dtype=np.int8)
