@@ -100,3 +100,25 @@ def test_check_file_notices_a_truncated_file(tmp_path):
 def test_from_pretrained_missing_path_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         fastembed.Embedding.from_pretrained(tmp_path / "nowhere")
+
+
+class _PathLike:
+    """An os.PathLike that is not a pathlib.Path (numpy's memmap calls .resolve() on those it knows)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def __fspath__(self) -> str:
+        return self._path
+
+
+@pytest.mark.parametrize("suffix, opener", [(".npy", "from_npy"), (".safetensors", "from_safetensors"),
+                                            (".gguf", "from_gguf"), (".npy", "from_pretrained")])
+def test_every_loader_takes_any_os_pathlike(tmp_path, suffix, opener):
+    table = random_table(12, 32, "float32")
+    path = str(tmp_path / f"table{suffix}")
+    if suffix == ".npy":
+        np.save(path, table)
+    else:
+        fastembed.Embedding(table).save(path)
+    assert_bit_equal(getattr(fastembed.Embedding, opener)(_PathLike(path))([3, 11]), table[[3, 11]])

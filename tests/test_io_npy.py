@@ -59,6 +59,38 @@ def test_fortran_order_and_versions_2_and_3_map_like_np_load(tmp_path):
         assert np.array_equal(io.map_npy(path), table)
 
 
+def test_a_version_3_header_keeps_its_utf8_field_names(tmp_path):
+    table = np.zeros((3, 4), [("名", "<f4")])
+    with open(tmp_path / "v3.npy", "wb") as handle:
+        np.lib.format.write_array(handle, table, version=(3, 0))
+    assert io.map_npy(tmp_path / "v3.npy").dtype == table.dtype
+
+
+def test_an_unknown_format_version_is_refused(tmp_path):
+    path = tmp_path / "v9.npy"
+    path.write_bytes(b"\x93NUMPY\x09\x07" + npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 4), }")[8:])
+    with pytest.raises(ValueError, match="format version 9.7"):
+        io.map_npy(path)
+
+
+def test_a_huge_header_length_is_refused_before_the_header_is_read(tmp_path):
+    import tracemalloc
+
+    path = tmp_path / "huge.npy"
+    claimed = 512 * 2**20
+    with open(path, "wb") as handle:  # a sparse file: the claimed header is there, as zeros
+        handle.write(b"\x93NUMPY\x02\x00" + claimed.to_bytes(4, "little"))
+        handle.truncate(12 + claimed + 64)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=f"a header of {claimed} bytes; at most 10000 are read"):
+            io.map_npy(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20
+
+
 def _valid_npy() -> bytes:
     import io as stdio
 

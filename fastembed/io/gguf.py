@@ -388,6 +388,6 @@ def map_gguf(path: str | os.PathLike, name: str | None = None) -> np.memmap | Qu
     n_vocab, n_embd, row_bytes = _check_table(path, tensor, os.path.getsize(path))
     if tensor.ggml_type in DENSE_TYPES:
         dtype = resolve_dtype(DENSE_TYPES[tensor.ggml_type])
-        return np.memmap(path, dtype=dtype, mode="r", offset=tensor.offset, shape=(n_vocab, n_embd))
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=tensor.offset, shape=(n_vocab, row_bytes))
+        return np.memmap(os.fspath(path), dtype=dtype, mode="r", offset=tensor.offset, shape=(n_vocab, n_embd))
+    data = np.memmap(os.fspath(path), dtype=np.uint8, mode="r", offset=tensor.offset, shape=(n_vocab, row_bytes))
     return QuantizedTable(data, QUANTIZED_TYPES[tensor.ggml_type], n_embd)

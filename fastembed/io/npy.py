@@ -1,8 +1,12 @@
 """.npy files: the header read by numpy's own parser, every failure a ValueError, the data memory-mapped."""
 from __future__ import annotations
 
+import ast
+import io
 import math
 import os
+import struct
+from typing import Any
 
 import numpy as np
 from numpy.lib import format as npy_format
@@ -12,6 +16,8 @@ from ._files import check_file, describe, read_head
 _OPENER = "fastembed.Embedding.from_npy"
 #: numpy's own default limit on a .npy header's length (np.load's max_header_size).
 MAX_HEADER_BYTES = 10_000
+#: The header length's field and the header's text encoding, per format version.
+_HEADER_FRAMES = {(1, 0): ("<H", "latin1"), (2, 0): ("<I", "latin1"), (3, 0): ("<I", "utf8")}
 
 
 def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.dtype, int]:
@@ -55,13 +61,36 @@ def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.
     return tuple(shape), bool(fortran_order), dtype, offset
 
 
-def _read_header(handle, version):
-    reader = getattr(npy_format, "_read_array_header", None)
-    if reader is not None:
-        return reader(handle, version, max_header_size=MAX_HEADER_BYTES)
-    if version == (1, 0):
-        return npy_format.read_array_header_1_0(handle, max_header_size=MAX_HEADER_BYTES)
-    return npy_format.read_array_header_2_0(handle, max_header_size=MAX_HEADER_BYTES)
+def _read_header(handle: Any, version: tuple[int, int]) -> tuple[Any, bool, np.dtype]:
+    """(shape, fortran_order, dtype) of the header after the magic; its length is checked before it is read."""
+    frame = _HEADER_FRAMES.get(version)
+    if frame is None:
+        raise ValueError(f"format version {version[0]}.{version[1]}; numpy writes versions 1.0, 2.0 and 3.0")
+    length_format, encoding = frame
+    length_field = handle.read(struct.calcsize(length_format))
+    (length,) = struct.unpack(length_format, length_field)
+    if length > MAX_HEADER_BYTES:
+        raise ValueError(f"a header of {length} bytes; at most {MAX_HEADER_BYTES} are read")
+    header = handle.read(length)
+    if len(header) != length:
+        raise ValueError(f"the header is cut short: {len(header)} of its {length} bytes")
+    if encoding == "latin1":  # numpy's own parser, which also reads the headers numpy wrote under Python 2
+        parse = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+        return parse(io.BytesIO(length_field + header), max_header_size=MAX_HEADER_BYTES)
+    return _parsed_header(header.decode(encoding))
+
+
+def _parsed_header(text: str) -> tuple[Any, bool, np.dtype]:
+    """A version 3.0 header (UTF-8 text), which numpy's public parsers would decode as latin-1: checked as numpy checks one."""
+    fields = ast.literal_eval(text)
+    if not isinstance(fields, dict) or set(fields) != {"descr", "fortran_order", "shape"}:
+        raise ValueError(f"the header is not a dictionary of descr, fortran_order and shape: {text[:200]!r}")
+    shape, fortran_order = fields["shape"], fields["fortran_order"]
+    if not isinstance(shape, tuple) or not all(isinstance(size, int) for size in shape):
+        raise ValueError(f"shape is not a tuple of integers: {shape!r}")
+    if not isinstance(fortran_order, bool):
+        raise ValueError(f"fortran_order is not a bool: {fortran_order!r}")
+    return shape, fortran_order, npy_format.descr_to_dtype(fields["descr"])
 
 
 def map_npy(path: str | os.PathLike) -> np.memmap:
@@ -82,4 +111,5 @@ def map_npy(path: str | os.PathLike) -> np.memmap:
         raise ValueError(f"{path}: holds shape {shape}; an embedding table is 2-D")
     if 0 in shape:
         raise ValueError(f"{path}: holds an empty array of shape {shape}")
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran_order else "C")
+    return np.memmap(os.fspath(path), dtype=dtype, mode="r", offset=offset, shape=shape,
+                     order="F" if fortran_order else "C")

@@ -418,7 +418,7 @@ def map_tensor(path: str | os.PathLike, entry: TensorEntry, data_start: int, nam
     if 0 in entry.shape:
         raise ValueError(f"{path}: tensor {name!r} is empty (shape {list(entry.shape)})")
     dtype = resolve_dtype(SAFETENSORS_DTYPES[entry.dtype])
-    return np.memmap(path, dtype=dtype, mode="r", offset=data_start + entry.begin, shape=entry.shape)
+    return np.memmap(os.fspath(path), dtype=dtype, mode="r", offset=data_start + entry.begin, shape=entry.shape)
 
 
 def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> np.memmap | QuantizedTable:
@@ -451,7 +451,7 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
     if entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] != row_bytes or entry.shape[0] == 0:
         raise ValueError(f"{where}: a {fmt.name} table of dim {dim} is stored as U8 rows of shape "
                          f"(vocab_size, {row_bytes}), not {entry.dtype} {list(entry.shape)}")
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=header.data_start + entry.begin, shape=entry.shape)
+    data = np.memmap(os.fspath(path), dtype=np.uint8, mode="r", offset=header.data_start + entry.begin, shape=entry.shape)
     if not fmt.row_scale:
         return QuantizedTable(data, fmt, dim)
     scales_entry = header.entries.get(name + SCALES_SUFFIX)
@@ -459,7 +459,8 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
         found = "missing" if scales_entry is None else f"{scales_entry.dtype} {list(scales_entry.shape)}"
         raise ValueError(f"{where}: a {fmt.name} table keeps its row scales as F32 [{entry.shape[0]}] in "
                          f"{name + SCALES_SUFFIX!r}, found {found}")
-    scales = np.memmap(path, dtype="<f4", mode="r", offset=header.data_start + scales_entry.begin, shape=scales_entry.shape)
+    scales = np.memmap(os.fspath(path), dtype="<f4", mode="r", offset=header.data_start + scales_entry.begin,
+                       shape=scales_entry.shape)
     return QuantizedTable(data, fmt, dim, scales)
 
 
