@@ -243,6 +243,26 @@ def test_too_many_candidates_are_listed_briefly(tmp_path):
     assert len(str(caught.value)) < 1000
 
 
+@pytest.mark.parametrize("shards", [1, 3])
+def test_more_candidates_than_are_kept_ask_for_a_name_instead_of_choosing_among_some(tmp_path, shards):
+    tensors = {f"a{i}.embeddings.weight": _t(4, 4) for i in range(63)}
+    tensors |= {"transformer.wte.weight": _t(4, 4), "model.embed_tokens.weight": _t(4, 4)}
+    write_checkpoint(tmp_path, tensors, None, shards=shards)
+    with pytest.raises(ValueError, match="65 tensors are named like token embeddings; pass name="):
+        io.open_table(tmp_path)
+    assert_bit_equal(np.asarray(io.open_table(tmp_path, "model.embed_tokens.weight")), tensors["model.embed_tokens.weight"])
+
+
+def test_a_tensor_listed_twice_is_refused_even_when_one_listing_is_not_a_candidate(tmp_path):
+    header = (b'{"model.embed_tokens.weight":{"dtype":"F32","shape":[4,4],"data_offsets":[32,96]},'
+              b'"model.embed_tokens.weight":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}}')
+    path = tmp_path / "twice.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(96))
+    for name in (None, "model.embed_tokens.weight"):
+        with pytest.raises(ValueError, match="'model.embed_tokens.weight' is listed twice in the header"):
+            io.map_safetensors(path, name)
+
+
 def test_open_table_sources_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         io.open_table(tmp_path / "missing")

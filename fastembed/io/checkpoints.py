@@ -313,8 +313,10 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
     """The token embedding of one safetensors file, chosen as :func:`token_embedding_name` does.
 
     A file fastembed saved names its table in its ``fastembed.tensor`` metadata, which
-    wins (`expected` aside). Keeps at most :data:`MAX_CANDIDATES` candidate entries in
-    memory, whatever the header holds.
+    wins (`expected` aside). Keeps at most :data:`MAX_CANDIDATES` candidate entries of
+    each kind (top-level, inside numbered layers) in memory, whatever the header holds;
+    more competing candidates than that is a ValueError asking for ``name=``, as for a
+    sharded checkpoint.
 
     Returns:
         (name, the :class:`~fastembed.io.safetensors.SafetensorsHeader` holding its entry).
@@ -324,7 +326,8 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
             and :func:`token_embedding_name`.
     """
     two_d: list[str] = []
-    counts = {"two_d": 0, "kept": 0}
+    # Candidates inside numbered layers never compete with top-level ones (outside_numbered_layers): counted apart.
+    counts = {"two_d": 0, "top": 0, "layer": 0}
 
     def keep(name: str, entry: TensorEntry) -> bool:
         if len(entry.shape) != 2:
@@ -332,10 +335,11 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
         counts["two_d"] += 1
         if len(two_d) < NAMES_SHOWN:
             two_d.append(name)
-        if is_embedding_candidate(name) and counts["kept"] < MAX_CANDIDATES:
-            counts["kept"] += 1
-            return True
-        return False
+        if not is_embedding_candidate(name):
+            return False
+        kind = "layer" if in_numbered_layer(name) else "top"
+        counts[kind] += 1
+        return counts[kind] <= MAX_CANDIDATES
 
     header = scan_safetensors_header(path, keep=keep)
     tagged = header.metadata.get(TENSOR_KEY)
@@ -344,6 +348,10 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
         if tagged not in header.entries:
             raise ValueError(f"{path}: the metadata {TENSOR_KEY} names tensor {tagged!r}, which the header does not hold")
         return tagged, header
+    competing = counts["top"] or counts["layer"]
+    if competing > MAX_CANDIDATES:
+        names = [n for n in header.entries if in_numbered_layer(n) == (counts["top"] == 0)]
+        raise ValueError(f"{path}: {competing} tensors are named like token embeddings; pass name= one of {shorten(names, competing)}")
     shapes = {n: e.shape for n, e in header.entries.items()}
     return token_embedding_name(shapes, path, expected, shorten(two_d, counts["two_d"])), header
 

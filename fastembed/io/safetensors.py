@@ -195,6 +195,9 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
     length = len(text)
     pos = _skip_whitespace(text, 1)
     kept: dict[str, TensorEntry] = {}
+    # Every name's hash (8 bytes, not the name): a name listed twice is refused, as safetensors refuses it,
+    # whatever is kept, in memory bounded by the header's own length.
+    name_hashes = array("q")
     sample: list[str] = []
     begins, ends = array("q"), array("q")
     tensor_count = 0
@@ -218,6 +221,7 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
                     _skip_metadata_slowly(path, text, start, metadata)
             else:
                 entry, pos = _entry(path, name, text, pos, data_size)
+                name_hashes.append(hash(name))
                 tensor_count += 1
                 if len(sample) < sample_size:
                     sample.append(name)
@@ -226,7 +230,7 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
                     ends.append(entry.end)
                 if keep(name, entry):
                     if name in kept:
-                        raise ValueError(f"{path}: tensor {name!r} is listed twice in the header")
+                        raise ValueError(f"{path}: tensor {_short_repr(name)} is listed twice in the header")
                     kept[name] = entry
             pos = _skip_whitespace(text, pos)
             if pos < length and text[pos] == ",":
@@ -238,6 +242,7 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
             raise fail(f"expected ',' or '}}' at character {pos}")
     if text[pos:].strip(" \t\n\r"):
         raise fail(f"extra data after the header object at character {pos}")
+    _refuse_repeated_names(path, name_hashes, [*kept, *sample])
     if check_overlap:
         _check_overlap(path, text, begins, ends)
     return SafetensorsHeader(kept, data_start, tensor_count, sample, metadata)
@@ -318,6 +323,16 @@ def _checked_entry(where: str, entry: Any, data_size: int) -> TensorEntry:
     if end - begin != expected:
         raise ValueError(f"{where}: shape {shape} x {dtype_code} is {expected} bytes but data_offsets span {end - begin}")
     return TensorEntry(dtype_code, tuple(shape), begin, end)
+
+
+def _refuse_repeated_names(path: Any, name_hashes: array, known: list[str]) -> None:
+    """Raise ValueError when two tensor names hash alike: a name listed twice (named where it is among `known`)."""
+    ordered = np.sort(np.frombuffer(name_hashes, dtype=np.int64)) if name_hashes else np.empty(0, np.int64)
+    repeated = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
+    if repeated:
+        named = [name for name in known if hash(name) in repeated]
+        which = f"tensor {_short_repr(named[0])}" if named else "a tensor name"
+        raise ValueError(f"{path}: {which} is listed twice in the header")
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:
