@@ -47,6 +47,21 @@ def test_a_file_modified_in_place_is_reported(mapped):
         watch.check()
 
 
+def test_a_rewrite_that_puts_the_modification_time_back_is_reported(mapped):
+    import time
+
+    path, _, watch = mapped
+    time.sleep(0.05)  # past a tick of the kernel's file-time clock since the watch was made
+    before = os.stat(path)
+    with open(path, "r+b") as handle:
+        handle.seek(-2, os.SEEK_END)
+        handle.write(b"\0\0")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # as touch -r or rsync --inplace -t leave it
+    assert os.stat(path).st_mtime_ns == watch.mtime_ns
+    with pytest.raises(io.FileChangedError, match="modified in place"):
+        watch.check()
+
+
 def test_a_replaced_file_is_harmless(mapped, tmp_path):
     path, table, watch = mapped
     before = np.array(table[-1])

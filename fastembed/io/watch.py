@@ -40,7 +40,15 @@ class FileChangedError(RuntimeError):
 
 
 class FileWatch:
-    """The size and modification time of a mapped file, checked on demand.
+    """The size, modification time and change time of a mapped file, checked on demand.
+
+    The change time (``st_ctime_ns``) is set by the kernel on every write and
+    cannot be set back by a user, so a rewrite that restores the modification
+    time (``touch -r``, ``rsync --inplace -t``) is still noticed. It also moves
+    when the file's links change, as when a new file is renamed over the path
+    (harmless: the map keeps the old file), so it counts only while the link
+    count is what it was; a change of the file's metadata alone (``chmod``) is
+    reported, a false alarm on the safe side.
 
     Args:
         path: the mapped file.
@@ -57,7 +65,8 @@ class FileWatch:
         self.needed_bytes = int(needed_bytes)
         self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         status = os.fstat(self._fd)
-        self.size, self.mtime_ns = status.st_size, status.st_mtime_ns
+        self.size, self.mtime_ns, self.ctime_ns = status.st_size, status.st_mtime_ns, status.st_ctime_ns
+        self.links = status.st_nlink
         if self.size < self.needed_bytes:
             self.close()
             raise ValueError(f"{self.path}: {self.size} bytes, shorter than the {self.needed_bytes} the table needs")
@@ -91,7 +100,7 @@ class FileWatch:
 
         Raises:
             FileChangedError: the file is now shorter than the table (a lookup could die with
-                SIGBUS), or its size or modification time changed (rows may have changed).
+                SIGBUS), or its size, modification time or change time changed (rows may have changed).
             ValueError: the watch was closed.
         """
         if self._fd is None:
@@ -102,10 +111,11 @@ class FileWatch:
                 f"{self.path} shrank to {status.st_size} bytes while memory-mapped; the table needs "
                 f"{self.needed_bytes}. A lookup touching the lost pages would kill the process with SIGBUS: "
                 "reopen the table from a complete file")
-        if status.st_size != self.size or status.st_mtime_ns != self.mtime_ns:
+        ctime_moved = status.st_ctime_ns != self.ctime_ns and status.st_nlink == self.links
+        if status.st_size != self.size or status.st_mtime_ns != self.mtime_ns or ctime_moved:
             raise FileChangedError(
-                f"{self.path} was modified in place while memory-mapped (size {self.size} -> {status.st_size}, "
-                "modification time changed): its rows may have changed; reopen the table")
+                f"{self.path} was modified in place while memory-mapped (size {self.size} -> {status.st_size}; "
+                "its modification or change time changed): its rows may have changed; reopen the table")
 
     def close(self) -> None:
         """Close the descriptor (the table's memory map is not affected)."""
