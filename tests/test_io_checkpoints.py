@@ -349,3 +349,16 @@ def test_hostile_or_wrong_indexes(tmp_path, index, words):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises((ValueError, FileNotFoundError), match=words):
         io.open_table(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "q8_0"])
+def test_a_quantized_table_fastembed_saved_opens_quantized_through_an_index(tmp_path, kind):
+    quantized = fastembed.Embedding(random_table(40, 64, "float32")).quantize(kind)
+    quantized.save(tmp_path / "model-00001-of-00001.safetensors", name="model.embed_tokens.weight")
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    for source in (tmp_path, tmp_path / "model.safetensors.index.json"):
+        for name in (None, "model.embed_tokens.weight"):
+            opened = fastembed.Embedding.from_pretrained(source, name)
+            assert opened.format == kind
+            assert_bit_equal(opened([0, 39, 7]), quantized([0, 39, 7]))

@@ -31,7 +31,7 @@ from ._files import (
 )
 from .gguf import map_gguf
 from .npy import map_npy
-from .safetensors import SCALES_SUFFIX, TENSOR_KEY, TensorEntry, map_entry, map_tensor, scan_safetensors_header
+from .safetensors import SCALES_SUFFIX, TENSOR_KEY, SafetensorsHeader, TensorEntry, map_entry, scan_safetensors_header
 
 #: Tensor-name endings that mark a token embedding, best first, with the families that use them.
 #: A name matches an ending when it equals it or ends with "." followed by it, so
@@ -356,7 +356,7 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
     return token_embedding_name(shapes, path, expected, shorten(two_d, counts["two_d"])), header
 
 
-def _open_sharded(index_path: Path, name: str | None) -> np.memmap:
+def _open_sharded(index_path: Path, name: str | None) -> np.memmap | QuantizedTable:
     directory = index_path.parent
     index = _read_json(index_path, "the index")
     weight_map = index.get("weight_map")
@@ -382,21 +382,26 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap:
     by_shard: dict[str, list[str]] = {}
     for tensor in names:
         by_shard.setdefault(_shard_path(index_path, weight_map[tensor]), []).append(tensor)
-    found: dict[str, tuple[str, TensorEntry, int]] = {}
+    found: dict[str, tuple[str, SafetensorsHeader]] = {}
+    tagged: list[str] = []  # tables a shard's fastembed metadata names (a quantized table fastembed saved)
     for shard, tensors in by_shard.items():
         if not os.path.exists(shard):
             raise FileNotFoundError(errno.ENOENT, f"fastembed.io.open_table: {index_path.name} puts {tensors[0]!r} in a shard that is "
                                        "missing (an incomplete download?)", shard)
-        header = scan_safetensors_header(shard, keep=_named(set(tensors)))
+        # A quantized table's row scales sit beside it in the same file.
+        header = scan_safetensors_header(shard, keep=_named({*tensors, *(t + SCALES_SUFFIX for t in tensors)}))
         for tensor in tensors:
             if tensor not in header.entries:
                 raise ValueError(f"{index_path}: the index puts tensor {tensor!r} in {Path(shard).name}, which does not hold it")
-            found[tensor] = (shard, header.entries[tensor], header.data_start)
+            found[tensor] = (shard, header)
+        if header.metadata.get(TENSOR_KEY) in tensors:
+            tagged.append(header.metadata[TENSOR_KEY])
     if name is None:
-        name = token_embedding_name({n: entry.shape for n, (_, entry, _) in found.items()}, index_path,
-                                    read_config_shape(directory))
-    shard, entry, data_start = found[name]
-    return map_tensor(shard, entry, data_start, name)
+        # A table fastembed saved is named in its file's metadata, which wins, as in a single file.
+        name = tagged[0] if len(tagged) == 1 else token_embedding_name(
+            {n: header.entries[n].shape for n, (_, header) in found.items()}, index_path, read_config_shape(directory))
+    shard, header = found[name]
+    return map_entry(shard, header, name)
 
 
 def _shard_path(index_path: Path, shard: str) -> str:
