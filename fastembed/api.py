@@ -283,7 +283,8 @@ class Embedding:
             source: a Hugging Face checkpoint directory (one ``model.safetensors``
                 or shards with ``model.safetensors.index.json``: only the shard
                 holding the table is mapped), an index file, a ``.safetensors``,
-                ``.gguf`` or ``.npy`` file, or a table array (used as it is).
+                ``.gguf`` or ``.npy`` file (a str, bytes or os.PathLike path), or a
+                table array (used as it is).
             name: the tensor; None picks the token embedding by the naming
                 conventions of the common families, confirmed by ``config.json``
                 where there is one.
@@ -298,6 +299,8 @@ class Embedding:
             >>> fastembed.Embedding.from_pretrained(np.ones((8, 4), np.float32)).dim
             4
         """
+        if isinstance(source, bytes):
+            source = os.fsdecode(source)  # a path in the file system's encoding, as os functions take it
         if not isinstance(source, (str, os.PathLike)):
             return cls(source)
         from .io import open_table

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -122,3 +123,17 @@ def test_every_loader_takes_any_os_pathlike(tmp_path, suffix, opener):
     else:
         fastembed.Embedding(table).save(path)
     assert_bit_equal(getattr(fastembed.Embedding, opener)(_PathLike(path))([3, 11]), table[[3, 11]])
+
+
+def test_from_pretrained_takes_a_bytes_path(tmp_path):
+    table = random_table(12, 32, "float32")
+    np.save(tmp_path / "table.npy", table)
+    assert_bit_equal(fastembed.Embedding.from_pretrained(os.fsencode(tmp_path / "table.npy"))([3]), table[[3]])
+    assert_bit_equal(fastembed.io.open_table(os.fsencode(tmp_path / "table.npy"))[[3]], table[[3]])
+
+
+def test_scan_gguf_takes_none_for_the_token_table(tmp_path):
+    from fastembed.io.gguf import scan_gguf
+
+    fastembed.Embedding(random_table(12, 32, "float32")).save(tmp_path / "t.gguf")
+    assert scan_gguf(tmp_path / "t.gguf", None).name == scan_gguf(tmp_path / "t.gguf").name == "token_embd.weight"

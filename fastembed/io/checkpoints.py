@@ -219,7 +219,7 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
         TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
     """
     check_tensor_name(source, name)
-    path = Path(source)
+    path = Path(os.fsdecode(source) if isinstance(source, bytes) else source)
     if not path.exists():
         raise FileNotFoundError(errno.ENOENT, "fastembed.io.open_table: no such file or directory", str(source))
     if path.is_dir():

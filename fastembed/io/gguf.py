@@ -275,12 +275,12 @@ def _quoted(raw_name: bytes) -> str:
     return repr(raw_name[:200].decode("utf-8", "replace"))
 
 
-def scan_gguf(path: str | os.PathLike, name: str = TOKEN_EMBEDDING) -> GGUFTensor:
+def scan_gguf(path: str | os.PathLike, name: str | None = TOKEN_EMBEDDING) -> GGUFTensor:
     """Check a GGUF file's header and find one tensor's description.
 
     Args:
         path: the ``.gguf`` file.
-        name: the tensor to find.
+        name: the tensor to find; None: ``token_embd.weight``.
 
     Returns:
         The tensor's name, dims, ggml type and absolute file offset. Its bytes
@@ -298,6 +298,7 @@ def scan_gguf(path: str | os.PathLike, name: str = TOKEN_EMBEDDING) -> GGUFTenso
     """
     check_file(path, _OPENER)
     check_tensor_name(path, name)
+    name = TOKEN_EMBEDDING if name is None else name
     head = read_head(path, 24)
     if len(head) < 24 or not head.startswith(_MAGIC):
         _header_counts(_Reader(path, head, len(head)), head)  # raises: not GGUF, or truncated
