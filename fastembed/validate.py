@@ -509,6 +509,6 @@ def _caller_ids_memory(caller_ids: Any, ids: Any) -> Any:
     if isinstance(caller_ids, np.ndarray):
         return caller_ids.view(_NDARRAY)
     adapter = adapter_of(caller_ids)
-    if adapter is not None and adapter.device(caller_ids) == "cpu":
-        return adapter.snapshot(caller_ids)
-    return ids  # a list converted for this call, or ids on a GPU, which are used where they are
+    if adapter is not None:
+        return adapter.snapshot(caller_ids)  # on a GPU too: ids of another dtype or at an odd address are copied there
+    return ids  # a list, converted for this call

@@ -221,6 +221,35 @@ def test_deferred_checks_report_later_and_immediate_ones_stay_clean(cp):
     assert cuda_backend.deferred_id_checks is fastembed.deferred_id_checks
 
 
+@pytest.mark.parametrize("device_id, error, words", [
+    ("cuda:0", TypeError, "device_id is a CUDA device's index"),
+    (0.0, TypeError, "device_id is a CUDA device's index"),
+    (True, TypeError, "device_id is a CUDA device's index"),
+    (-1, ValueError, "no CUDA device -1"),
+    (99, ValueError, "no CUDA device 99"),
+])
+def test_a_device_id_that_names_no_device_is_refused_not_silently_clean(cp, device_id, error, words):
+    table = fastembed.Embedding(random_table(10, 4)).to_device().table
+    with fastembed.deferred_id_checks():
+        fastembed.lookup(table, np.array([0, 99]))
+    with pytest.raises(error, match=words):
+        fastembed.raise_deferred_id_errors(device_id)
+    with pytest.raises(IndexError, match="flattened position 1"):  # still pending, then reported
+        fastembed.raise_deferred_id_errors(np.int64(0))
+
+
+@pytest.mark.parametrize("ids_dtype", [np.int8, np.int32])  # int8: the ids are converted (copied) on the device
+def test_an_out_overlapping_the_callers_device_ids_is_refused_whether_or_not_they_are_copied(cp, ids_dtype):
+    table = cp.asarray(random_table(50, 8, "float32"))
+    buffer = cp.zeros(96, cp.int8)
+    ids = buffer.view(ids_dtype)[:3]
+    ids[...] = cp.asarray(np.array([5, 6, 7], ids_dtype))
+    out = buffer.view(cp.float32)[:24].reshape(3, 8)
+    with pytest.raises(ValueError, match="out overlaps the ids"):
+        fastembed.lookup(table, ids, out=out)
+    assert (cp.asnumpy(ids) == [5, 6, 7]).all()
+
+
 def test_concurrent_threads_each_see_their_own_bad_id(cp):
     host = random_table(64, 16)
     table = cuda_backend.to_device(host, 0)

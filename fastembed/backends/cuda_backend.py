@@ -472,9 +472,22 @@ def raise_deferred_id_errors(device_id: int = 0) -> None:
 
     Raises:
         IndexError: a deferred lookup on `device_id` had an id out of range.
+        TypeError: `device_id` is not an integer (a device object or "cuda:0" would
+            name no device's flag, and hide a pending error).
+        ValueError: no such device.
     """
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, np.integer)):
+        raise TypeError(f"device_id is a CUDA device's index (an int), got {type(device_id).__name__} {device_id!r}")
+    device_id = int(device_id)
     if BACKEND.unavailable_reasons():
+        if device_id < 0:
+            raise ValueError(f"no CUDA device {device_id}")
         return
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if not 0 <= device_id < count:
+        raise ValueError(f"no CUDA device {device_id}: this machine has {count} (0 to {count - 1})")
     position = BACKEND._take_deferred_error(device_id)
     if position is not None:
         raise IndexError(
