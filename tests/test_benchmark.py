@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -101,6 +102,23 @@ def test_gate_refuses_a_bad_thresholds_file_before_building_the_table(tmp_path, 
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert "building" not in result.stdout and "table:" not in result.stdout
+
+
+_CHECK = 'name = "x"\ncontender = "fastembed-out"\nmetric = "speedup_vs_numpy"\nmin = 1\n'
+
+
+@pytest.mark.parametrize("content, message", [
+    ("check = [1, 2]\n", "check 1 is 1, not a [[check]] table"),
+    (f'[[check]]\n{_CHECK}batch = 8\ndistribution = "foo"\n', "unknown distribution 'foo'"),
+    (f'[[check]]\n{_CHECK}batch = 1000000000000\ndistribution = "uniform"\n', "batch must be an integer from 1 to"),
+    (f'[[check]]\n{_CHECK}batch = 8\ndistribution = "uniform"\n'.replace('name = "x"', "name = 5"),
+     "a check's name must be a string, got 5"),
+])
+def test_gate_thresholds_are_checked_whole(tmp_path, content, message):
+    path = tmp_path / "thresholds.toml"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gate.load_checks(path)
 
 
 def test_judge_passes_and_fails_on_ratios():
@@ -366,7 +384,7 @@ def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
     (["--batch", str(2**40)], "--batch: 1099511627776 is more than"),
     (["--dist", "bogus"], "--dist: unknown 'bogus'; choose from uniform, zipf"),
     (["--dtype", "bogus"], "--dtype:"),
-    (["--dtype", "object"], "--dtype: 'object' is not a numeric dtype"),
+    (["--dtype", "object"], "--dtype: object: the benchmark measures tables of bool, integers"),
     (["--backend", "bogus"], "--backend: unknown 'bogus'; choose from"),
     (["--reps", "x"], "--reps: not an integer: 'x'"),
     (["--thresholds", "gate.toml"], "--thresholds goes with --gate"),
@@ -620,6 +638,12 @@ def test_a_quantized_gguf_table_is_measured_by_itself(tmp_path):
     (["--format", "q9_9"], "--format: unknown 'q9_9'"),
     (["--format", "q8_0", "--gate"], "not with --gate"),
     (["--format", "q8_0", "--processes", "2"], "not with --gate, --processes"),
+    (["--format", "q4_k", "--dim", "64"], "--format q4_k: a row of 64 values is not a whole number of its 256-value"),
+    (["--format", "q8_0", "--dim", "64", "--dtype", "int8"], "--format quantizes a float table, not int8"),
+    (["--dtype", "float8_e4m3b11fnuz"], "of ml_dtypes' dtypes only bfloat16"),
+    (["--dtype", ">f2"], "not this machine's byte order"),
+    (["--dtype", "longdouble"], "floats up to float64"),
+    (["--vocab-size", str(10**12)], "more than this machine's memory"),
 ])
 def test_format_arguments_are_checked_first(arguments, words, capsys):
     from fastembed.benchmark import cli
@@ -628,6 +652,44 @@ def test_format_arguments_are_checked_first(arguments, words, capsys):
         cli.main(arguments)
     assert exit_info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", [["--gate"], ["--processes", "1"], ["--cold"]])
+def test_a_quantized_gguf_table_refuses_the_modes_that_measure_dense_tables(tmp_path, options, capsys):
+    from fastembed import Embedding
+    from fastembed.benchmark import cli
+
+    Embedding.random(2000, 64, "float32").quantize("q8_0").save(tmp_path / "model.gguf")
+    assert cli.main(["--table", str(tmp_path / "model.gguf"), *options, "--out", str(tmp_path)]) == 2
+    assert "is a quantized (q8_0) table" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [">f2", "U2"])
+def test_a_table_file_of_a_dtype_the_contenders_cannot_take_is_refused(tmp_path, dtype, capsys):
+    from fastembed.benchmark import cli
+
+    np.save(tmp_path / "table.npy", np.zeros((100, 8), dtype))
+    assert cli.main(["--table", str(tmp_path / "table.npy"), "--quick", "--out", str(tmp_path / "out")]) == 2
+    assert f"--table {tmp_path / 'table.npy'}: " in capsys.readouterr().err
+
+
+def test_float8_tables_are_measured_against_torch_too(tmp_path):
+    pytest.importorskip("torch")
+    from fastembed.benchmark import cli
+
+    assert cli.main(["--dtype", "float8_e4m3fn", "--vocab-size", "2000", "--dim", "64", "--batch", "6", "--dist",
+                     "uniform", "--reps", "2", "--out", str(tmp_path)]) == 0
+    contenders = {row["id"] for row in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert any(name.startswith("torch") for name in contenders)
+
+
+def test_a_result_file_name_taken_by_a_directory_is_refused_before_measuring(tmp_path, capsys):
+    from fastembed.benchmark import cli
+
+    (tmp_path / "results.json").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--quick", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and "results.json is a directory" in capsys.readouterr().err
 
 
 def test_caches_are_settled_where_a_sample_writes_a_quarter_of_the_cache_or_a_call_is_cold(monkeypatch):

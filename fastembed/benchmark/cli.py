@@ -107,6 +107,17 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if arguments.cold and (arguments.gate or arguments.processes or arguments.ranks or arguments.format):
         parser.error("--cold times the main benchmark's calls one by one: not with --gate, --processes, --ranks or "
                      "--format")
+    if arguments.table is None:
+        from fastembed.tables import resolve_dtype
+
+        table_bytes = arguments.vocab_size * arguments.dim * resolve_dtype(arguments.dtype).itemsize
+        if table_bytes > _physical_memory():
+            parser.error(f"a {arguments.vocab_size} x {arguments.dim} {arguments.dtype} table takes "
+                         f"{table_bytes / 2**30:.1f} GiB, more than this machine's memory")
+        if arguments.format:
+            problem = quantizing_problem(arguments.format, arguments.dim, resolve_dtype(arguments.dtype))
+            if problem:
+                parser.error(problem)
     if arguments.ranks and importlib.util.find_spec("torch") is None:
         parser.error("--ranks needs torch: pip install 'fastembed-gather[distributed]'")
     arguments.checks, arguments.gate_repetitions = None, None
@@ -165,13 +176,59 @@ def _dtype(text: str) -> str:
         dtype = resolve_dtype(text)
     except TypeError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    if dtype.kind not in "biufc" and dtype.type.__module__ != "ml_dtypes":
-        raise argparse.ArgumentTypeError(f"{text!r} is not a numeric dtype")
+    problem = dtype_problem(dtype)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return text
+
+
+#: ml_dtypes' dtypes the benchmark measures: torch has each by the same name (the torch contenders take them as words).
+ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def dtype_problem(dtype: Any) -> str | None:
+    """Why the benchmark cannot measure a dense table of `dtype`, or None when it can."""
+    if dtype.type.__module__ == "ml_dtypes":
+        return None if dtype.name in ML_DTYPES else f"{dtype.name}: of ml_dtypes' dtypes only {', '.join(ML_DTYPES)} are measured"
+    if dtype.kind not in "biufc" or dtype.char in "gG":  # g, G: long double, which torch and cupy lack
+        return (f"{dtype}: the benchmark measures tables of bool, integers, floats up to float64, complex up to "
+                f"complex128 and {', '.join(ML_DTYPES)}")
+    if not dtype.isnative:
+        return f"{dtype.str}: not this machine's byte order, which the other contenders need"
+    return None
+
+
+def quantizing_problem(formats: list[str], dim: int, dtype: Any) -> str | None:
+    """Why --format cannot make its tables from a dense table of width `dim` and `dtype`, or None when it can."""
+    from fastembed.formats import FORMATS
+    from fastembed.validate import is_float_dtype
+
+    if not is_float_dtype(dtype):
+        return f"--format quantizes a float table, not {dtype}"
+    misfits = [name for name in formats if dim % FORMATS[name].block_values]
+    if misfits:
+        block = FORMATS[misfits[0]].block_values
+        return f"--format {misfits[0]}: a row of {dim} values is not a whole number of its {block}-value blocks"
+    return None
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 2**62  # unknown: numpy's own MemoryError is the limit
+
+
+#: The files a run writes into --out (the plots are throughput*.png).
+RESULT_FILES = ("results.json", "results.md", "processes.json", "quantized.json", "ranks.json", "gate.json",
+                "throughput.png")
 
 
 def _unwritable(folder: Path) -> str | None:
     """Why results cannot be written into `folder` (created if missing), or None when they can."""
+    taken = [name for name in RESULT_FILES if (folder / name).is_dir()]
+    if taken:
+        return f"{folder / taken[0]} is a directory, where a result file goes"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".fastembed-bench-probe-{os.getpid()}"
@@ -225,6 +282,9 @@ def load_table(path: Path, tensor: str | None, console: Any) -> Any:
     table = embedding.table
     if 0 in table.shape:
         raise ValueError(f"--table {path}: shape {tuple(table.shape)} is empty: nothing to gather")
+    problem = None if isinstance(table, QuantizedTable) else dtype_problem(table.dtype)
+    if problem:
+        raise ValueError(f"--table {path}: {problem}")
     rows = table.data if isinstance(table, QuantizedTable) else table
     np.asarray(rows).reshape(-1).view(np.uint8)[::4096].max()
     console.print(f"table: {path}, {table.shape[0]} x {table.shape[1]} {embedding.format if embedding.format != 'dense' else table.dtype}, "
@@ -301,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastembed-bench: {error}", file=sys.stderr)
         return 2
     described = describe_table(arguments, table)
+    problem = _table_problem(arguments, table, described)
+    if problem:
+        print(f"fastembed-bench: {problem}", file=sys.stderr)
+        return 2
     if arguments.gate:
         return gate(arguments, console, table, described)
     if arguments.processes:
@@ -329,6 +393,18 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"wrote {arguments.out / 'results.json'}, results.md and {plotted} "
                   f"in {time.perf_counter() - started:.0f} s", soft_wrap=True, markup=False)
     return 0
+
+
+def _table_problem(arguments: argparse.Namespace, table: Any, described: dict[str, Any]) -> str | None:
+    """What the options ask that this --table cannot give (a quantized .gguf table, a width --format cannot use)."""
+    if described.get("format"):
+        if arguments.gate or arguments.processes or arguments.ranks or arguments.device == "cuda" or arguments.cold:
+            return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured as --format "
+                    "measures: not with --gate, --processes, --ranks, --device cuda or --cold")
+        return None
+    if arguments.format:
+        return quantizing_problem(arguments.format, table.shape[1], table.dtype)
+    return None
 
 
 def processes(arguments: argparse.Namespace, console: Any, table: Any, described: dict[str, Any],

@@ -104,15 +104,16 @@ def _numpy_take_out(table: np.ndarray, n: int) -> Callable:
 
 
 def _torch_tensor(array: np.ndarray) -> Any:
-    """A torch tensor sharing `array`'s memory (bfloat16 through an int16 view)."""
+    """A torch tensor sharing `array`'s memory (ml_dtypes' bfloat16 and float8 through integer words)."""
     import torch
 
     torch.set_num_threads(_cpu_count())
     with warnings.catch_warnings():
         # A read-only table (memory-mapped with --table) is only ever read through the tensor.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        if array.dtype.name == "bfloat16":
-            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        if array.dtype.type.__module__ == "ml_dtypes":
+            words = array.view(np.int16 if array.dtype.itemsize == 2 else np.uint8)
+            return torch.from_numpy(words).view(getattr(torch, array.dtype.name))
         return torch.from_numpy(array)
 
 

@@ -95,6 +95,8 @@ def load_checks(path: Path | None = None) -> tuple[list[Check], int]:
         raise ValueError(f"{where}: no [[check]] tables")
     checks = []
     for number, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: check {number} is {entry!r}, not a [[check]] table")
         try:
             check = Check(**entry)
         except TypeError as error:
@@ -111,6 +113,11 @@ def _validate(check: Check, where: str) -> None:
     def fail(reason: str) -> None:
         raise ValueError(f"{where}: check {check.name!r}: {reason}")
 
+    from .cli import MAX_BATCH
+    from .ids import DISTRIBUTIONS
+
+    if not isinstance(check.name, str):
+        raise ValueError(f"{where}: a check's name must be a string, got {check.name!r}")
     if check.metric not in METRICS:
         fail(f"unknown metric {check.metric!r}; known: {', '.join(METRICS)}")
     if (check.metric == "speedup_vs_contender") != (check.versus is not None):
@@ -119,8 +126,10 @@ def _validate(check: Check, where: str) -> None:
         fail("'expect_backend' goes with served_by, and only there")
     if (check.metric in RATIO_METRICS) != isinstance(check.min, (int, float)):
         fail("ratio metrics need a number 'min'; served_by takes none")
-    if not isinstance(check.batch, int) or check.batch < 1:
-        fail(f"batch must be an integer >= 1, got {check.batch!r}")
+    if not isinstance(check.batch, int) or not 1 <= check.batch <= MAX_BATCH:
+        fail(f"batch must be an integer from 1 to {MAX_BATCH}, got {check.batch!r}")
+    if check.distribution not in DISTRIBUTIONS:
+        fail(f"unknown distribution {check.distribution!r}; known: {', '.join(DISTRIBUTIONS)}")
     if check.metric == COLOCATED:
         from .processes import CONTENDERS
 
