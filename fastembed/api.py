@@ -416,14 +416,26 @@ class Embedding:
         self._watch.check()
 
     def to_device(self, device: int = 0) -> Embedding:
-        """An Embedding over a copy of this table on CUDA device `device` (explicit, one copy).
+        """An Embedding over a copy of this host table on CUDA device `device` (explicit, one copy).
 
-        Raises BackendUnavailableError when cupy or a device is missing.
+        Raises:
+            BackendUnavailableError: cupy or a device is missing.
+            TypeError: `device` is not an int; the table is not on the host.
+            ValueError: no such device.
         """
         from .backends import cuda_backend
         from .dispatch import BackendUnavailableError
 
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
+            raise TypeError(f"device is a CUDA device's index (an int), got {type(device).__name__} {device!r}")
+        if self.device != "cpu":
+            raise TypeError(f"to_device() copies a host table, and this one lives on {self.device}")
         reasons = cuda_backend.BACKEND.unavailable_reasons()
         if reasons:
             raise BackendUnavailableError(f"cannot move the table to cuda:{device}: {'; '.join(reasons)}")
-        return Embedding(cuda_backend.to_device(self._view, device))  # a QuantizedTable moves its data and scales
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= device < count:
+            raise ValueError(f"no CUDA device {device}: this machine has {count} (0 to {count - 1})")
+        return Embedding(cuda_backend.to_device(self._view, int(device)))  # a QuantizedTable moves its data and scales

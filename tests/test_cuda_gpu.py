@@ -149,6 +149,21 @@ def test_to_device_refuses_an_item_size_cupy_cannot_carry(cp):
         fastembed.Embedding(host).to_device()
 
 
+@pytest.mark.parametrize("device, error, words", [
+    ("cuda:0", TypeError, "device is a CUDA device's index"), (99, ValueError, "no CUDA device 99"),
+    (-1, ValueError, "no CUDA device -1"),
+])
+def test_to_device_refuses_a_device_that_names_none(cp, device, error, words):
+    with pytest.raises(error, match=words):
+        fastembed.Embedding(random_table(10, 4)).to_device(device)
+
+
+def test_to_device_of_a_table_already_on_a_gpu_says_so(cp):
+    on_gpu = fastembed.Embedding(random_table(10, 4)).to_device()
+    with pytest.raises(TypeError, match="copies a host table, and this one lives on cuda:0"):
+        on_gpu.to_device(0)
+
+
 def test_to_device_on_a_second_device(cp):
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("one CUDA device only")
