@@ -259,7 +259,7 @@ def test_a_row_whose_id_changed_after_the_scan_is_skipped_never_read():
     out = poisoned((5, 64), np.float16).view(np.uint16)
     data, scales = numba_backend._read_only(table.data), numba_backend._read_only(numba_backend._NO_SCALES)
     skipped = kernels.dequantize_range(kernels.FORMAT_CODES["q8_0"], data, scales, ids, out, 0, 5, kernels.FLOAT16,
-                                       False, 4)
+                                       False, 4, 4)
     assert skipped == 3
     assert_bit_equal(out[[0, 2]].view(np.float16), reference(table, ids[[0, 2]], np.float16))
     assert (out[[1, 3, 4]].view(np.uint8) == 0xA5).all()
@@ -272,9 +272,9 @@ def test_int32_ids_straight_into_the_kernel():
     ids = np.array([29, 0, 7], np.int32)
     out = poisoned((3, 512), np.float16).view(np.uint16)
     data, scales = numba_backend._read_only(table.data), numba_backend._read_only(numba_backend._NO_SCALES)
-    assert kernels.dequantize_serial(kernels.FORMAT_CODES["q6_k"], data, scales, ids, out, kernels.FLOAT16, False, 4) == -1
+    assert kernels.dequantize_serial(kernels.FORMAT_CODES["q6_k"], data, scales, ids, out, kernels.FLOAT16, False, 4, 4) == -1
     assert_bit_equal(out.view(np.float16), reference(table, ids, np.float16))
-    assert kernels.dequantize_serial(kernels.FORMAT_CODES["q6_k"], data, scales, ids - 8, out, kernels.FLOAT16, False, 4) == 1
+    assert kernels.dequantize_serial(kernels.FORMAT_CODES["q6_k"], data, scales, ids - 8, out, kernels.FLOAT16, False, 4, 4) == 1
 
 
 @pytest.mark.parametrize("offset", [1, 3])

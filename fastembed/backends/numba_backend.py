@@ -83,6 +83,9 @@ PREFETCH_ROWS_AHEAD = 1
 #: ... and touches each 4 KiB page of the row this many rows ahead (0: off),
 #: so that its page translation is under way before the copy needs it.
 TOUCH_PAGES_ROWS_AHEAD = 16
+#: The dequantizing kernels' page touch distance (0: off); shorter than the copy's, since a
+#: dequantized row takes longer than a copied one.
+DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD = 4
 #: ... and copies a row backward when its source sits 1 to this many bytes
 #: below its destination modulo 4 KiB, where a forward copy's loads wait on
 #: its own stores (4K aliasing).
@@ -348,7 +351,8 @@ class NumbaBackend:
         scales = _read_only(table.scales.view(np.uint8) if fmt.row_scale else _NO_SCALES)  # bytes: any alignment
         mode = kernels.BFLOAT16 if dtype.itemsize == 2 and dtype != np.float16 else kernels.FLOAT16
         stream = rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and self._kernels.can_stream(rows)
-        arguments = (kernels.FORMAT_CODES[fmt.name], data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD)
+        arguments = (kernels.FORMAT_CODES[fmt.name], data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD,
+                     DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD)
         if rows.nbytes < PARALLEL_MIN_BYTES or not self._runs_parallel() or not self._parallel_lock.acquire(False):
             status = int(kernels.dequantize_serial(*arguments))
         else:
@@ -382,7 +386,7 @@ class NumbaBackend:
         data, scales = _read_only(np.zeros((1, 34), np.uint8)), _read_only(_NO_SCALES)
         no_row = _read_only(np.full(1, -1, np.int64))  # one bad id: the kernels return before writing anything
         arguments = (kernels.FORMAT_CODES["q8_0"], data, scales, no_row, np.zeros((1, 32), signature[1]), kernels.FLOAT16,
-                     False, 0)
+                     False, 0, 0)
         try:
             kernels.dequantize_serial(*arguments)
         except Exception as error:

@@ -1152,12 +1152,16 @@ def _vocab_size(fmt, data, scales):
 
 
 @njit(**_JIT)
-def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead):
+def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead,
+                     touch_pages_rows_ahead):
     """Rows [start, stop) of the output; returns the rows skipped because their id was out of range.
 
     With ``prefetch_rows_ahead`` > 0, each chunk comes with prefetches of the
     same bytes of the row that many rows ahead (random rows defeat the
-    hardware prefetcher); an address out of range there is a hint, never read.
+    hardware prefetcher); with ``touch_pages_rows_ahead`` > 0, each row starts
+    with one prefetch per 4 KiB page of the row that many rows ahead, so that
+    its page translations are under way early. An address out of range there
+    is a hint, never read.
     """
     vocab_size = _vocab_size(fmt, data, scales)
     dim = out.shape[1]
@@ -1174,6 +1178,10 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     by_nibble_table = NIBBLE_TABLE_LOOKUP and (fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K) and word == 2 and mode != FLOAT16_BITS
     skipped = 0
     for i in range(start, stop):
+        if touch_pages_rows_ahead > 0:
+            far = rows + np.intp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes
+            for page in range(0, row_bytes + 4095, 4096):  # the row's last byte's page too
+                prefetch(far + min(page, row_bytes - 1))
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
@@ -1212,18 +1220,20 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
 
 
 @njit(**_JIT)
-def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead):
+def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
     """Dequantize on the calling thread."""
     bad = first_bad_position(ids, _vocab_size(fmt, data, scales))
     if bad >= 0:
         return bad
-    if dequantize_range(fmt, data, scales, ids, out, 0, ids.size, mode, stream, prefetch_rows_ahead):
+    if dequantize_range(fmt, data, scales, ids, out, 0, ids.size, mode, stream, prefetch_rows_ahead,
+                        touch_pages_rows_ahead):
         return CHANGED_DURING_COPY
     return -1
 
 
 @njit(parallel=True, **_JIT)
-def dequantize_parallel(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, n_blocks):
+def dequantize_parallel(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead,
+                        n_blocks):
     """Dequantize in ``n_blocks`` contiguous blocks of rows spread over threads (each thread's writes sequential)."""
     bad = first_bad_position(ids, _vocab_size(fmt, data, scales))
     if bad >= 0:
@@ -1231,5 +1241,6 @@ def dequantize_parallel(fmt, data, scales, ids, out, mode, stream, prefetch_rows
     skipped = 0
     for block in prange(n_blocks):
         start, stop = block * ids.size // n_blocks, (block + 1) * ids.size // n_blocks
-        skipped += dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead)
+        skipped += dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead,
+                                    touch_pages_rows_ahead)
     return CHANGED_DURING_COPY if skipped else -1
