@@ -41,7 +41,8 @@ both round alike. Values bound for 16-bit outputs are looked up instead
 where a table is small and the CPU can index it in registers: each
 fp8_e4m3 row of 128 values or more gets its 128 magnitudes times its scale
 (AVX-512BW: :data:`FP8_TABLE_LOOKUP`), each q4_0 and q4_1 block and each
-q4_k sub-block its 16 possible values (AVX2: :data:`NIBBLE_TABLE_LOOKUP`),
+q4_k sub-block its 16 possible values (AVX2: :data:`NIBBLE_TABLE_LOOKUP`;
+q4_k into float16 only without AVX-512: :data:`Q4_K_FLOAT16_BY_TABLE`),
 computed by the decode's own float32 operations and rounded once into a
 table, and every value is its code's entry (an fp8_e4m3 value with its sign
 applied). Elsewhere the same lookups compile to lane-by-lane code, which
@@ -96,10 +97,14 @@ FP8_TABLE_LOOKUP = "+avx512bw" in _FEATURES and "+avx512f" in _FEATURES
 #: q4_0, q4_1 and q4_k values going to 16-bit outputs are looked up in a table of the 16 values of their block or
 #: sub-block, by AVX2 byte shuffles (else decoded value by value).
 NIBBLE_TABLE_LOOKUP = "+avx2" in _FEATURES
+#: ... q4_k's float16 outputs only where the CPU lacks AVX-512: with it, the decode (16 float32 lanes per
+#: instruction, rounded by F16C straight into the output) was the faster; bfloat16 outputs keep the table.
+Q4_K_FLOAT16_BY_TABLE = NIBBLE_TABLE_LOOKUP and "+avx512f" not in _FEATURES
 #: How values become 16-bit outputs, in words (for describe()).
 TO_16_BITS = "; ".join([
     "fp8_e4m3: " + ("a table of each row's 128 values, AVX-512BW word permutes" if FP8_TABLE_LOOKUP else "decoded"),
-    "q4_0, q4_1, q4_k: " + ("a table of each block's 16 values, AVX2 byte shuffles" if NIBBLE_TABLE_LOOKUP else "decoded"),
+    ("q4_0, q4_1, q4_k" if Q4_K_FLOAT16_BY_TABLE else "q4_0, q4_1, q4_k into bfloat16") + ": "
+    + ("a table of each block's 16 values, AVX2 byte shuffles" if NIBBLE_TABLE_LOOKUP else "decoded"),
     "others: decoded"])
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -1175,7 +1180,8 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     halves = word == 2 and mode == FLOAT16  # float16 and float32: the blocks write the output themselves
     # a table of 128 entries pays for itself on rows of at least as many values
     by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
-    by_nibble_table = NIBBLE_TABLE_LOOKUP and (fmt == Q4_0 or fmt == Q4_1 or fmt == Q4_K) and word == 2 and mode != FLOAT16_BITS
+    by_nibble_table = NIBBLE_TABLE_LOOKUP and word == 2 and mode != FLOAT16_BITS and (
+        fmt == Q4_0 or fmt == Q4_1 or (fmt == Q4_K and (mode == BFLOAT16 or Q4_K_FLOAT16_BY_TABLE)))
     skipped = 0
     for i in range(start, stop):
         if touch_pages_rows_ahead > 0:
