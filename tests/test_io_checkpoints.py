@@ -362,3 +362,10 @@ def test_a_quantized_table_fastembed_saved_opens_quantized_through_an_index(tmp_
             opened = fastembed.Embedding.from_pretrained(source, name)
             assert opened.format == kind
             assert_bit_equal(opened([0, 39, 7]), quantized([0, 39, 7]))
+
+
+def test_the_only_candidate_of_another_rank_is_named_in_the_error(tmp_path):
+    safetensors_numpy.save_file({"model.embed_tokens.weight": np.zeros(40, np.float32), "other": _t(4, 4)},
+                                str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' is named like a token embedding but has shape \[40\]"):
+        io.open_table(tmp_path)

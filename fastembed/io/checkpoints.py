@@ -329,8 +329,12 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
     # Candidates inside numbered layers never compete with top-level ones (outside_numbered_layers): counted apart.
     counts = {"two_d": 0, "top": 0, "layer": 0}
 
+    not_2d: list[tuple[str, tuple[int, ...]]] = []  # the first candidate names of another rank, for the message
+
     def keep(name: str, entry: TensorEntry) -> bool:
         if len(entry.shape) != 2:
+            if not not_2d and is_embedding_candidate(name):
+                not_2d.append((name, entry.shape))
             return False
         counts["two_d"] += 1
         if len(two_d) < NAMES_SHOWN:
@@ -349,6 +353,10 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
             raise ValueError(f"{path}: the metadata {TENSOR_KEY} names tensor {tagged!r}, which the header does not hold")
         return tagged, header
     competing = counts["top"] or counts["layer"]
+    if not competing and not_2d:
+        name, shape = not_2d[0]
+        raise ValueError(f"{path}: {shorten([name])} is named like a token embedding but has shape {list(shape)}; "
+                         "a token embedding is 2-D (vocab_size, dim): pass name= for another tensor")
     if competing > MAX_CANDIDATES:
         names = [n for n in header.entries if in_numbered_layer(n) == (counts["top"] == 0)]
         raise ValueError(f"{path}: {competing} tensors are named like token embeddings; pass name= one of {shorten(names, competing)}")
