@@ -109,8 +109,8 @@ def test_snapshots_are_read_only_views_of_the_jax_buffer(dtype):
     with pytest.raises(ValueError, match="read-only"):
         view[0] = 0
     ids = jnp.array([[1, 2], [3, 4]], dtype=jnp.int32)
-    ids_view = validate.ids_snapshot(ids, view)
-    assert address(ids_view) == address(ids) and not ids_view.flags.writeable
+    ids_view = validate.ids_snapshot(ids, view)  # ids are read into the call's own copy, as numpy ids are
+    assert address(ids_view) != address(ids) and (ids_view == np.asarray(ids)).all()
 
 
 def test_embedding_keeps_reading_the_buffer_after_the_jax_table_is_deleted(backend):
