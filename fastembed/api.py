@@ -426,16 +426,10 @@ class Embedding:
         from .backends import cuda_backend
         from .dispatch import BackendUnavailableError
 
-        if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
-            raise TypeError(f"device is a CUDA device's index (an int), got {type(device).__name__} {device!r}")
+        index = cuda_backend.device_index(device)
         if self.device != "cpu":
             raise TypeError(f"to_device() copies a host table, and this one lives on {self.device}")
         reasons = cuda_backend.BACKEND.unavailable_reasons()
         if reasons:
-            raise BackendUnavailableError(f"cannot move the table to cuda:{device}: {'; '.join(reasons)}")
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-        if not 0 <= device < count:
-            raise ValueError(f"no CUDA device {device}: this machine has {count} (0 to {count - 1})")
-        return Embedding(cuda_backend.to_device(self._view, int(device)))  # a QuantizedTable moves its data and scales
+            raise BackendUnavailableError(f"cannot move the table to cuda:{index}: {'; '.join(reasons)}")
+        return Embedding(cuda_backend.to_device(self._view, index))  # a QuantizedTable moves its data and scales

@@ -442,7 +442,7 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
                 # Different arrays that each own their buffer cannot overlap.
                 return view
             if not np.may_share_memory(view, table) and not np.may_share_memory(
-                view, caller_ids if type(caller_ids) is _NDARRAY else ids
+                view, _caller_ids_memory(caller_ids, ids)
             ):
                 # Disjoint address ranges cannot overlap (a mapped table, views): the exact test is left for the rest.
                 return view

@@ -150,7 +150,7 @@ def test_to_device_refuses_an_item_size_cupy_cannot_carry(cp):
 
 
 @pytest.mark.parametrize("device, error, words", [
-    ("cuda:0", TypeError, "device is a CUDA device's index"), (99, ValueError, "no CUDA device 99"),
+    ("cuda:0", TypeError, "a CUDA device is given by its index"), (99, ValueError, "no CUDA device 99"),
     (-1, ValueError, "no CUDA device -1"),
 ])
 def test_to_device_refuses_a_device_that_names_none(cp, device, error, words):
@@ -237,9 +237,9 @@ def test_deferred_checks_report_later_and_immediate_ones_stay_clean(cp):
 
 
 @pytest.mark.parametrize("device_id, error, words", [
-    ("cuda:0", TypeError, "device_id is a CUDA device's index"),
-    (0.0, TypeError, "device_id is a CUDA device's index"),
-    (True, TypeError, "device_id is a CUDA device's index"),
+    ("cuda:0", TypeError, "a CUDA device is given by its index"),
+    (0.0, TypeError, "a CUDA device is given by its index"),
+    (True, TypeError, "a CUDA device is given by its index"),
     (-1, ValueError, "no CUDA device -1"),
     (99, ValueError, "no CUDA device 99"),
 ])

@@ -407,3 +407,16 @@ def test_a_torch_out_written_by_a_lookup_counts_as_an_in_place_write_for_autogra
     version = emb_out._version
     fastembed.Embedding(torch_table("float32"))([1, 2], out=emb_out)
     assert emb_out._version > version
+
+
+def test_an_out_overlapping_torch_ids_is_refused():
+    table, buffer = torch_table("float32").numpy(), np.zeros((3, DIM), np.float32)
+    ids = torch.from_numpy(buffer.view(np.int64)[:, 0])  # the ids live inside out's memory
+    with pytest.raises(ValueError, match="out overlaps the ids"):
+        fastembed.lookup(table, ids, out=buffer)
+
+
+@pytest.mark.parametrize("layout", ["to_sparse", "to_sparse_csr"])
+def test_a_table_of_a_sparse_layout_is_a_type_error(layout):
+    with pytest.raises(TypeError, match="layout"):
+        fastembed.lookup(getattr(torch_table("float32"), layout)(), [1])

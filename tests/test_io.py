@@ -93,7 +93,7 @@ F16_ENTRY = {"dtype": "F16", "shape": [2, 2], "data_offsets": [0, 8]}
         (raw_safetensors({"w.embed_tokens.weight": {**F16_ENTRY, "dtype": "Q7"}}, b"\0" * 8), "unknown dtype 'Q7'"),
         (raw_safetensors({"w.embed_tokens.weight": {**F16_ENTRY, "shape": [2, -2]}}, b"\0" * 8), "non-negative"),
         (raw_safetensors({"w.embed_tokens.weight": F16_ENTRY, "x": {**F16_ENTRY, "data_offsets": [4, 12]}}, b"\0" * 12), "overlap"),
-        (raw_safetensors({"w.embed_tokens.weight": {"dtype": "F16", "shape": [8], "data_offsets": [0, 16]}}, b"\0" * 16), "no tensor is named like"),
+        (raw_safetensors({"w.embed_tokens.weight": {"dtype": "F16", "shape": [8], "data_offsets": [0, 16]}}, b"\0" * 16), "is named like a token embedding but has shape \\[8\\]"),
         (raw_safetensors({"w.embed_tokens.weight": "nope"}, b""), "must be an object"),
         (struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000, "JSON object"),
         (struct.pack("<Q", 200_000) + b"{\"a\":" + b"[" * 99_997 + b"]" * 99_997 + b"}", "entry must be an object"),

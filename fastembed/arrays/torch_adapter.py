@@ -97,6 +97,9 @@ class TorchAdapter:
             raise TypeError(f"this torch tensor is a lazy {'negation' if tensor.is_neg() else 'conjugate'} view of "
                             "memory holding other values (torch's neg or conj bit); fastembed reads memory as it "
                             "lies: pass tensor.resolve_neg() / tensor.resolve_conj() (a copy) instead")
+        if tensor.layout is not _strided_layout():
+            raise TypeError(f"torch tensors of layout {tensor.layout} are not supported; fastembed reads strided "
+                            "(dense) tensors: pass tensor.to_dense()")
         _check_storage_holds(tensor)
         if device != "cpu":
             if device.startswith("cuda:"):
@@ -230,6 +233,13 @@ class _StorageGuard:
             )
 
 
+def _strided_layout() -> Any:
+    """torch's strided (dense) layout (torch is imported by then: the caller holds a tensor)."""
+    import torch
+
+    return torch.strided
+
+
 def _check_storage_holds(tensor: Any) -> None:
     """Raise ValueError when `tensor`'s elements reach past the end of its storage.
 
@@ -239,7 +249,10 @@ def _check_storage_holds(tensor: Any) -> None:
     """
     if tensor.numel() == 0:
         return
-    last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    if tensor.is_contiguous():  # the common case, kept cheap
+        last = tensor.storage_offset() + tensor.numel() - 1
+    else:
+        last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     needed = (last + 1) * tensor.element_size()
     held = tensor.untyped_storage().nbytes()
     if needed > held:

@@ -455,6 +455,27 @@ def deferred_id_checks() -> Iterator[None]:
         _deferred.reset(token)
 
 
+def device_index(device: Any) -> int:
+    """`device` as the index of a CUDA device of this machine (where cupy sees none, only its type and sign are checked).
+
+    Raises:
+        TypeError: not an int (a device object or "cuda:0" names no index here).
+        ValueError: a negative index, or one past the devices cupy sees.
+    """
+    if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
+        raise TypeError(f"a CUDA device is given by its index (an int), got {type(device).__name__} {device!r}")
+    index = int(device)
+    if index < 0:
+        raise ValueError(f"no CUDA device {index}")
+    if not BACKEND.unavailable_reasons():
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        if index >= count:
+            raise ValueError(f"no CUDA device {index}: this machine has {count} (0 to {count - 1})")
+    return index
+
+
 def raise_deferred_id_errors(device_id: int = 0) -> None:
     """Raise IndexError if a deferred CUDA lookup on `device_id` saw a bad id, and clear the flag.
 
@@ -476,18 +497,9 @@ def raise_deferred_id_errors(device_id: int = 0) -> None:
             name no device's flag, and hide a pending error).
         ValueError: no such device.
     """
-    if isinstance(device_id, bool) or not isinstance(device_id, (int, np.integer)):
-        raise TypeError(f"device_id is a CUDA device's index (an int), got {type(device_id).__name__} {device_id!r}")
-    device_id = int(device_id)
+    device_id = device_index(device_id)
     if BACKEND.unavailable_reasons():
-        if device_id < 0:
-            raise ValueError(f"no CUDA device {device_id}")
         return
-    import cupy
-
-    count = cupy.cuda.runtime.getDeviceCount()
-    if not 0 <= device_id < count:
-        raise ValueError(f"no CUDA device {device_id}: this machine has {count} (0 to {count - 1})")
     position = BACKEND._take_deferred_error(device_id)
     if position is not None:
         raise IndexError(

@@ -103,8 +103,8 @@ Q4_K_FLOAT16_BY_TABLE = NIBBLE_TABLE_LOOKUP and "+avx512f" not in _FEATURES
 #: How values become 16-bit outputs, in words (for describe()).
 TO_16_BITS = "; ".join([
     "fp8_e4m3: " + ("a table of each row's 128 values, AVX-512BW word permutes" if FP8_TABLE_LOOKUP else "decoded"),
-    ("q4_0, q4_1, q4_k" if Q4_K_FLOAT16_BY_TABLE else "q4_0, q4_1, q4_k into bfloat16") + ": "
-    + ("a table of each block's 16 values, AVX2 byte shuffles" if NIBBLE_TABLE_LOOKUP else "decoded"),
+    ("q4_0, q4_1, q4_k: a table of each block's 16 values, AVX2 byte shuffles"
+     + ("" if Q4_K_FLOAT16_BY_TABLE else " (q4_k into float16: decoded)")) if NIBBLE_TABLE_LOOKUP else "q4_0, q4_1, q4_k: decoded",
     "others: decoded"])
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
