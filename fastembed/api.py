@@ -125,7 +125,7 @@ def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend:
 
             result = gather_cast(chosen, table_view, ids_view, out_view, target)
         if out is not None:
-            return mark_written(out)
+            return out if type(out) is _NDARRAY else mark_written(out)
         return result if isinstance(rows, _NDARRAY) else result_like(result, rows)
 
 

@@ -499,7 +499,7 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     scales = table.scales if type(table) is QuantizedTable else None
     if adapter.may_share_memory(view, rows) or (scales is not None and adapter.may_share_memory(view, scales)):
         raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")
-    if adapter.may_share_memory(view, ids) or adapter.may_share_memory(view, _caller_ids_memory(caller_ids, ids)):
+    if adapter.may_share_memory(view, _caller_ids_memory(caller_ids, ids)):
         raise ValueError("out overlaps the ids: gathering into it would overwrite them")
     return view
 
@@ -507,7 +507,7 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
 def _caller_ids_memory(caller_ids: Any, ids: Any) -> Any:
     """The caller's ids as an array over their memory (`ids`, the call's snapshot, may be a copy of them)."""
     if isinstance(caller_ids, np.ndarray):
-        return caller_ids.view(_NDARRAY)
+        return caller_ids
     adapter = adapter_of(caller_ids)
     if adapter is not None:
         return adapter.snapshot(caller_ids)  # on a GPU too: ids of another dtype or at an odd address are copied there

@@ -229,9 +229,7 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
                     begins.append(entry.begin)
                     ends.append(entry.end)
                 if keep(name, entry):
-                    if name in kept:
-                        raise ValueError(f"{path}: tensor {_short_repr(name)} is listed twice in the header")
-                    kept[name] = entry
+                    kept[name] = entry  # a name listed twice is refused below
             pos = _skip_whitespace(text, pos)
             if pos < length and text[pos] == ",":
                 pos = _skip_whitespace(text, pos + 1)
@@ -327,7 +325,7 @@ def _checked_entry(where: str, entry: Any, data_size: int) -> TensorEntry:
 
 def _refuse_repeated_names(path: Any, name_hashes: array, known: list[str]) -> None:
     """Raise ValueError when two tensor names hash alike: a name listed twice (named where it is among `known`)."""
-    ordered = np.sort(np.frombuffer(name_hashes, dtype=np.int64)) if name_hashes else np.empty(0, np.int64)
+    ordered = np.sort(np.frombuffer(name_hashes, dtype=np.int64))
     repeated = set(ordered[1:][ordered[1:] == ordered[:-1]].tolist())
     if repeated:
         named = [name for name in known if hash(name) in repeated]
