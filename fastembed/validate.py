@@ -499,9 +499,20 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     scales = table.scales if type(table) is QuantizedTable else None
     if adapter.may_share_memory(view, rows) or (scales is not None and adapter.may_share_memory(view, scales)):
         raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")
-    if adapter.may_share_memory(view, _caller_ids_memory(caller_ids, ids)):
+    if _out_overlaps_ids(adapter, view, out, caller_ids, ids):
         raise ValueError("out overlaps the ids: gathering into it would overwrite them")
     return view
+
+
+def _out_overlaps_ids(adapter: Any, view: Any, out: Any, caller_ids: Any, ids: Any) -> bool:
+    """Whether `out` (`view`, its snapshot by `adapter`) shares memory with the caller's ids (`ids`: the call's snapshot)."""
+    span = getattr(adapter, "byte_span", None)
+    if span is not None and adapter_of(caller_ids) is adapter:
+        out_start, out_stop = span(out)
+        ids_start, ids_stop = span(caller_ids)
+        if out_stop <= ids_start or ids_stop <= out_start:
+            return False  # disjoint address ranges, told apart without a view of the ids
+    return bool(adapter.may_share_memory(view, _caller_ids_memory(caller_ids, ids)))
 
 
 def _caller_ids_memory(caller_ids: Any, ids: Any) -> Any:

@@ -416,6 +416,22 @@ def test_an_out_overlapping_torch_ids_is_refused():
         fastembed.lookup(table, ids, out=buffer)
 
 
+def test_torch_ids_and_a_torch_out_in_one_storage_are_refused_only_where_they_overlap():
+    table = torch_table("float32")
+    words = torch.zeros(2 + 2 * DIM // 2, dtype=torch.int64)  # an id, out's 2 rows of float32, an id
+    out = words[1:-1].view(torch.float32).view(2, DIM)
+    expected = table[[0, 0]].clone()
+    around = words[:: words.numel() - 1]  # the first and last word: a span that covers out, elements outside it
+    assert torch.equal(fastembed.lookup(table, around, out=out), expected)
+    beside = words[-1:].expand(2)  # the word just past out
+    assert torch.equal(fastembed.lookup(table, beside, out=out), expected)
+    for inside in (words[1:3], words[-3:-1], words[-2:]):  # out's first words, its last ones, its last and the next
+        out.zero_()  # ids 0 wherever they lie in out
+        with pytest.raises(ValueError, match="out overlaps the ids"):
+            fastembed.lookup(table, inside, out=out)
+        assert not out.any()
+
+
 @pytest.mark.parametrize("layout", ["to_sparse", "to_sparse_csr"])
 def test_a_table_of_a_sparse_layout_is_a_type_error(layout):
     with pytest.raises(TypeError, match="layout"):

@@ -40,7 +40,11 @@ class ArrayAdapter(Protocol):
     An adapter of device arrays provides ``to_host(array)``, a numpy copy
     (:func:`host_copy`). An adapter whose library counts in-place writes
     (torch's version counter, which autograd checks) provides
-    ``mark_written(array)`` (:func:`mark_written`).
+    ``mark_written(array)`` (:func:`mark_written`). An adapter that can read
+    an array's address range without making a view of it (torch:
+    ``data_ptr()``) provides ``byte_span(array)``, ``(first byte, past the
+    last)``: validation tells an ``out`` and ids with disjoint spans apart
+    without the exact test.
     """
 
     name: str

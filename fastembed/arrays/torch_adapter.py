@@ -197,6 +197,21 @@ class TorchAdapter:
         """
         return not isinstance(view, np.ndarray) or _kernel_can_write(view)
 
+    def byte_span(self, array: Any) -> tuple[int, int]:
+        """The addresses on its device of a tensor's first byte and of the byte past its last element (equal: none).
+
+        Read from the tensor itself, with no view made: two disjoint spans
+        cannot share memory, which spares the exact test most of the time.
+        """
+        start = array.data_ptr()
+        if array.numel() == 0:
+            return start, start
+        if array.is_contiguous():
+            reach = array.numel() - 1
+        else:
+            reach = sum((size - 1) * stride for size, stride in zip(array.shape, array.stride(), strict=True))
+        return start, start + (reach + 1) * array.element_size()
+
     def may_share_memory(self, first: Any, second: Any) -> bool:
         """Whether two snapshots share memory: numpy's exact test on the host, address ranges on a GPU."""
         if isinstance(first, np.ndarray):
