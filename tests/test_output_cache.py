@@ -1,6 +1,10 @@
 """The cache of output buffers behind large allocating lookups: reuse only when nothing can reach a buffer."""
 from __future__ import annotations
 
+import copy
+import pickle
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -153,3 +157,75 @@ def test_info_shows_the_cache():
     from fastembed.info import format_report, report
 
     assert "output_cache:" in format_report(report())
+
+
+def test_a_result_alive_at_exit_keeps_its_buffer(tmp_path):
+    """Pending finalizers run at exit; an atexit handler's lookup must not land on a result that is still alive."""
+    script = tmp_path / "at_exit.py"
+    script.write_text(
+        "import atexit, numpy as np\n"
+        "from fastembed.backends import output_cache\n"
+        "output_cache.set_limit(64 * 2**20)\n"
+        "def at_exit():\n"
+        "    later = output_cache.new_output((600, 4096), np.float16)\n"
+        "    later[...] = 0\n"
+        "    print(later.ctypes.data != result.ctypes.data, bool((result == 1.5).all()))\n"
+        "atexit.register(at_exit)\n"
+        "result = output_cache.new_output((600, 4096), np.float16)\n"
+        "result[...] = 1.5\n"
+    )
+    finished = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout.split() == ["True", "True"]
+
+
+def test_a_returning_buffer_makes_room_by_freeing_the_oldest():
+    fastembed.set_output_cache_limit(20 * 2**20)
+    large = [output_cache.new_output((1200, 4096), np.float16) for _ in range(2)]  # 2 x 10 MiB
+    del large
+    assert output_cache.cached_bytes() == 20 * 2**20
+    small = [output_cache.new_output(SHAPE, np.float16) for _ in range(3)]  # too small for the 10 MiB buffers
+    del small
+    # The small buffers came back last and stay; the large ones made room, oldest first.
+    assert output_cache.cached_bytes() <= 20 * 2**20
+    sizes = sorted(buffer.size for buffer in output_cache._free)
+    assert sizes == [6 * 2**20] * 3
+    again = output_cache.new_output(SHAPE, np.float16)
+    assert output_cache.cached_bytes() == 2 * 6 * 2**20
+    del again
+    fastembed.set_output_cache_limit(4 * 2**20)
+    too_large = output_cache.new_output(SHAPE, np.float16)
+    del too_large  # a buffer larger than the limit is freed itself
+    assert output_cache.cached_bytes() == 0
+
+
+def test_a_limit_set_while_the_setting_is_read_takes_precedence(monkeypatch):
+    monkeypatch.setattr(output_cache, "_limit", None)
+    reading, release = threading.Event(), threading.Event()
+    read = output_cache._read_limit
+
+    def slow_read():
+        reading.set()
+        release.wait(10)
+        return read()
+
+    monkeypatch.setattr(output_cache, "_read_limit", slow_read)
+    first_use = threading.Thread(target=output_cache.limit)
+    first_use.start()
+    reading.wait(10)
+    setter = threading.Thread(target=fastembed.set_output_cache_limit, args=(0,))
+    setter.start()
+    release.set()
+    first_use.join(10)
+    setter.join(10)
+    assert output_cache.limit() == 0
+
+
+def test_a_lease_cannot_be_copied_or_pickled():
+    out = output_cache.new_output(SHAPE, np.float16)
+    lease = out.base.base
+    assert type(lease).__name__ == "_Lease"
+    for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            duplicate(lease)
+    assert pickle.loads(pickle.dumps(out)).shape == SHAPE  # the array itself pickles as data

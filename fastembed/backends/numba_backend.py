@@ -501,7 +501,8 @@ def _output_cache_fact() -> str:
     try:
         limit = output_cache.limit()
     except ValueError as error:
-        return f"ERROR: {error}; large allocating lookups served by the numba backend raise until it is fixed"
+        return (f"ERROR: {error}; large allocating lookups that take their output from the cache (those the numba "
+                "backend serves, and those on a JAX table) raise until it is fixed")
     return (f"{output_cache.cached_bytes() / 2**20:.0f} MiB of outputs kept for reuse, limit {limit / 2**20:.0f} MiB "
             f"({output_cache.ENVIRONMENT_VARIABLE}; fastembed.empty_cache())")
 

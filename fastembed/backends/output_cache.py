@@ -13,9 +13,15 @@ freed, so every call pays for the page faults again. An output of at least
   the cache, so a buffer is never handed out while anything can still
   reach it;
 - at most :func:`limit` bytes of free buffers are kept (the setting
-  ``FASTEMBED_OUTPUT_CACHE_BYTES``, read at the first large lookup, or :func:`set_limit`;
-  0 turns the cache off); a buffer that would exceed it is freed;
-  :func:`empty` releases every free buffer (``fastembed.empty_cache()``).
+  ``FASTEMBED_OUTPUT_CACHE_BYTES``, read at the first large lookup or by
+  ``python -m fastembed info``, or :func:`set_limit`; 0 turns the cache
+  off); a returning buffer makes room by freeing the buffers that came back
+  before it, oldest first (one larger than the limit is freed itself), so
+  the cache follows the sizes in use rather than the largest ever seen;
+  :func:`empty` releases every free buffer (``fastembed.empty_cache()``);
+- a result still alive when the interpreter exits keeps its buffer: the
+  exit does not return it (atexit handlers and daemon threads still run
+  then, and may look up more rows).
 
 Buffers in use are the caller's outputs and are not counted. The default
 limit is a sixteenth of the machine's memory, at most 2 GiB: room for the
@@ -79,9 +85,13 @@ def limit() -> int:
             JAX table. The numpy backend, which serves while numba compiles, does not read the setting.
     """
     global _limit
-    if _limit is None:
-        _limit = _read_limit()
-    return _limit
+    value = _limit
+    if value is None:
+        with _lock:  # a set_limit() meanwhile takes precedence over the setting read here
+            if _limit is None:
+                _limit = _read_limit()
+            value = _limit
+    return value
 
 
 def set_limit(nbytes: int) -> None:
@@ -127,7 +137,8 @@ def new_output(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 0) -> n
         return out
     buffer = _take(nbytes)
     lease = _Lease(buffer)
-    weakref.finalize(lease, _give_back, buffer)
+    # Not at exit: weakref runs pending finalizers then, and would free buffers that live results still use.
+    weakref.finalize(lease, _give_back, buffer).atexit = False
     return np.asarray(lease)[:nbytes].view(dtype).reshape(shape)
 
 
@@ -135,6 +146,10 @@ class _Lease:
     """Exposes a buffer to numpy: arrays made from it keep it (their base) alive."""
 
     __slots__ = ("__array_interface__", "__weakref__")
+
+    def __reduce__(self) -> Any:
+        # A copy or a pickle would carry the buffer's address without keeping the buffer leased.
+        raise TypeError("an output cache lease cannot be copied or pickled; copy or pickle the array instead")
 
     def __init__(self, buffer: np.ndarray) -> None:
         self.__array_interface__ = {
@@ -160,12 +175,16 @@ def _take(nbytes: int) -> np.ndarray:
 
 
 def _give_back(buffer: np.ndarray) -> None:
-    """Finalizer of a lease: keep its buffer if the limit allows, else let it go."""
+    """Finalizer of a lease: keep its buffer, freeing the oldest free buffers to stay within the limit."""
     global _free_bytes
     with _lock:
-        if _free_bytes + buffer.size <= (_limit or 0):
-            _free.append(buffer)
-            _free_bytes += buffer.size
+        keep = _limit or 0
+        if buffer.size > keep:
+            return
+        while _free_bytes + buffer.size > keep:
+            _free_bytes -= _free.pop(0).size  # returned first, so least recently used
+        _free.append(buffer)
+        _free_bytes += buffer.size
 
 
 def _trim(keep: int) -> None:
