@@ -204,14 +204,18 @@ def dequantize_rows(data: np.ndarray, scales: np.ndarray | None, fmt: BlockForma
 
 def _round_half_away(x: np.ndarray) -> np.ndarray:
     """C's roundf, which ggml's quantizers use (numpy's round is half to even)."""
-    return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+    magnitude = np.abs(x)
+    whole = np.floor(magnitude)
+    # The fraction is exact; floor(|x| + 0.5) would round 0.49999997 + 0.5 up to 1 in float32.
+    return np.copysign(whole + (magnitude - whole >= np.float32(0.5)), x)
 
 
 def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.ndarray | None]:
     """Quantize float rows ``(n, dim)`` into `fmt`: ``(data (n, row_bytes) uint8, scales or None)``.
 
     Formats: ``q8_0`` (ggml's quantizer, byte for byte: per block of 32,
-    ``d = absmax / 127`` stored as float16, ``q = roundf(x / d)``) and
+    ``d = absmax / 127`` stored as float16, ``q = roundf(x * (1 / d))`` in
+    float32; 0 where ``1 / d`` overflows, which ggml leaves undefined) and
     ``fp8_e4m3`` (per row, ``scale = absmax / 448`` as float32, at least
     float32's smallest normal 2**-126 for a row that is not all zeros, and
     ``x / scale`` rounded to the nearest float8_e4m3fn).
@@ -238,9 +242,12 @@ def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.nd
                 largest = float(np.abs(blocks).max())
                 raise ValueError(f"q8_0 stores each block's scale absmax / 127 as float16, so it holds values up to about "
                                  f"{65504 * 127:.4g} in magnitude, not {largest:.4g}; use fp8_e4m3 (a float32 scale per row)")
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
             inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)
-        q = _round_half_away(blocks * inverse).astype(np.int8)
+            scaled = blocks * inverse
+        # 1 / d overflows for d below about 2.9e-39, where C's conversion of roundf(inf) is undefined: q = 0 there
+        # (such a d rounds to 0 in float16, so every value of the block dequantizes to 0 either way).
+        q = _round_half_away(np.where(np.isfinite(scaled), scaled, np.float32(0))).astype(np.int8)
         data = np.concatenate([d.astype(_F16).view(np.uint8), q.view(np.uint8)], axis=1)
         return data.reshape(n, -1), None
     if fmt.name == "fp8_e4m3":

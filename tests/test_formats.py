@@ -1,6 +1,8 @@
 """The block formats' numpy reference against llama.cpp's own (gguf.quants), the quantizers, and their error bounds."""
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -135,4 +137,29 @@ def test_q8_0_error_of_blocks_with_subnormal_scales_is_bounded_by_the_subnormal_
     data, _ = quantize_rows(rows, FORMATS["q8_0"])
     error = np.abs(dequantize_rows(data, None, FORMATS["q8_0"], 256) - rows).reshape(-1, 32)
     d = np.abs(rows).reshape(-1, 32).max(axis=1) / 127
-    assert (error.max(axis=1) <= d / 2 + 127 * 2.0**-25).all()
+    assert (error.max(axis=1) <= (0.5 + 2.0**-16) * d + 127 * 2.0**-25).all()
+
+
+def test_q8_0_rounds_as_cs_roundf_where_float32_addition_would_not():
+    """0.49999997 + 0.5 is 1.0 in float32; roundf(0.49999997) is 0, as in ggml's quantizer and gguf's."""
+    below_half = np.nextafter(np.float32(0.5), np.float32(0))
+    rows = np.random.default_rng(8).uniform(-100, 100, (2, 32)).astype(np.float32)
+    rows[0, :4] = [127, below_half, -below_half, 2.5]  # d = 1
+    rows[1, :2] = [127 * 3.41015625, 363.1816101074219]  # x * (1 / d) in float32 lands just below a half-way point
+    data, _ = quantize_rows(rows, FORMATS["q8_0"])
+    assert_bit_equal(data, gguf_quants.quantize(rows, GGMLQuantizationType.Q8_0))
+    assert list(data[0, 2:6].view(np.int8)) == [127, 0, 0, 3]
+    error = np.abs(dequantize_rows(data, None, FORMATS["q8_0"], 32) - rows)
+    assert (error <= (0.5 + 2.0**-16) * np.abs(rows).max(axis=1, keepdims=True) / 127).all()
+
+
+def test_q8_0_blocks_too_small_for_an_inverse_scale_store_zeros_without_warnings():
+    rows = np.zeros((1, 64), np.float32)
+    rows[0, :32] = np.float32(1e-38) * np.linspace(-1, 1, 32, dtype=np.float32)  # 1 / d overflows
+    rows[0, 32:] = np.float32(2e-30) * np.linspace(-1, 1, 32, dtype=np.float32)  # 1 / d finite, d16 = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data, _ = quantize_rows(rows, FORMATS["q8_0"])
+    assert not data[0, :34].any()
+    assert_bit_equal(data[0, 34:], gguf_quants.quantize(rows[:, 32:], GGMLQuantizationType.Q8_0)[0])
+    assert not dequantize_rows(data, None, FORMATS["q8_0"], 64).any()
