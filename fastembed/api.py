@@ -129,6 +129,12 @@ def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend:
         return result if isinstance(rows, _NDARRAY) else result_like(result, rows)
 
 
+def _host_array(like: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new host array that :func:`result_like` can hand back as an array of `like`'s library without a copy."""
+    aligned = aligned_result(like, shape, dtype)
+    return np.empty(shape, dtype) if aligned is None else aligned
+
+
 class Embedding:
     """A callable embedding layer over a table it references, never copies.
 
@@ -389,14 +395,18 @@ class Embedding:
         if type(view) is QuantizedTable or not isinstance(view, np.ndarray) or not validate.is_float_dtype(view.dtype):
             raise TypeError(f"quantize() takes a dense floating-point host table, not {self!r}")
         vocab_size, dim = view.shape
-        data = np.empty((vocab_size, fmt.row_bytes(dim)), dtype=np.uint8)
-        scales = np.empty(vocab_size, dtype=np.float32) if fmt.row_scale else None
+        data = _host_array(self._rows, (vocab_size, fmt.row_bytes(dim)), np.dtype(np.uint8))
+        scales = _host_array(self._rows, (vocab_size,), np.dtype(np.float32)) if fmt.row_scale else None
         step = max(1, (4 << 20) // (4 * dim))
+        quantize_rows(view[:0], fmt)  # the kind and the dim refused alike for a table without rows
         for start in range(0, vocab_size, step):
             rows, row_scales = quantize_rows(view[start : start + step], fmt)
             data[start : start + step] = rows
             if scales is not None:
                 scales[start : start + step] = row_scales
+        if not self._numpy:  # the new table's arrays follow this table's library, and so do its lookups' results
+            data = result_like(data, self._rows)
+            scales = None if scales is None else result_like(scales, self._rows)
         return Embedding(QuantizedTable(data, fmt, dim, scales))
 
     def check_file(self) -> None:

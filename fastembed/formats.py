@@ -249,7 +249,7 @@ def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.nd
         # (such a d rounds to 0 in float16, so every value of the block dequantizes to 0 either way).
         q = _round_half_away(np.where(np.isfinite(scaled), scaled, np.float32(0))).astype(np.int8)
         data = np.concatenate([d.astype(_F16).view(np.uint8), q.view(np.uint8)], axis=1)
-        return data.reshape(n, -1), None
+        return data.reshape(n, fmt.row_bytes(dim)), None
     if fmt.name == "fp8_e4m3":
         import ml_dtypes
 

@@ -347,3 +347,13 @@ def test_large_results_of_a_jax_table_come_from_the_output_cache():
     assert address(second) == where  # the first result's buffer, returned when JAX let it go
     assert_jax_bit_equal(second, numpy_table("float32")[ids])
     output_cache.empty()
+
+
+def test_a_quantized_jax_table_keeps_jax_arrays_and_results():
+    host = np.random.default_rng(5).standard_normal((50, 64)).astype(np.float32)
+    quantized = fastembed.Embedding(jnp.asarray(host)).quantize("fp8_e4m3")
+    assert type(quantized.table.data).__module__.startswith("jax")
+    result = quantized([3, 1])
+    assert type(result).__module__.startswith("jax")
+    expected = fastembed.Embedding(host).quantize("fp8_e4m3")([3, 1])
+    np.testing.assert_array_equal(np.asarray(result).view(np.uint32), expected.view(np.uint32))

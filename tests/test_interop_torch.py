@@ -436,3 +436,15 @@ def test_torch_ids_and_a_torch_out_in_one_storage_are_refused_only_where_they_ov
 def test_a_table_of_a_sparse_layout_is_a_type_error(layout):
     with pytest.raises(TypeError, match="layout"):
         fastembed.lookup(getattr(torch_table("float32"), layout)(), [1])
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "fp8_e4m3"])
+def test_a_quantized_torch_table_keeps_torch_arrays_and_results(kind):
+    table = torch.from_numpy(np.random.default_rng(4).standard_normal((50, 64)).astype(np.float32))
+    quantized = fastembed.Embedding(table).quantize(kind)
+    assert isinstance(quantized.table.data, torch.Tensor)
+    assert quantized.table.scales is None or isinstance(quantized.table.scales, torch.Tensor)
+    result = quantized([3, 1])
+    assert isinstance(result, torch.Tensor)
+    expected = fastembed.Embedding(table.numpy()).quantize(kind)([3, 1])
+    np.testing.assert_array_equal(result.numpy().view(np.uint32), expected.view(np.uint32))

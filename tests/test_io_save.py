@@ -147,6 +147,53 @@ def test_a_new_file_gets_the_usual_permissions(tmp_path):
         assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~umask
 
 
+def test_a_replaced_file_keeps_its_permissions(tmp_path):
+    for mode in (0o600, 0o640, 0o444):
+        for name in ("t.gguf", "t.safetensors"):
+            path = tmp_path / name
+            io.save_table(path, rows())
+            os.chmod(path, mode)
+            io.save_table(path, rows(seed=1))
+            assert os.stat(path).st_mode & 0o777 == mode
+            same_bytes(io.open_table(path), rows(seed=1))
+            os.chmod(path, 0o600)
+            path.unlink()
+
+
+def test_a_symbolic_link_is_replaced_and_its_target_left_as_it_was(tmp_path):
+    target = tmp_path / "blob.safetensors"
+    io.save_table(target, rows())
+    link = tmp_path / "model.safetensors"
+    link.symlink_to(target)
+    io.save_table(link, rows(seed=1))
+    assert not link.is_symlink()
+    same_bytes(io.open_table(link), rows(seed=1))
+    same_bytes(io.open_table(target), rows())
+
+
+@pytest.mark.parametrize("where", ["missing/t.gguf", "folder.gguf"])
+def test_a_path_that_cannot_be_written_is_named_in_the_error(tmp_path, where):
+    (tmp_path / "folder.gguf").mkdir()
+    with pytest.raises(OSError) as caught:
+        io.save_table(tmp_path / where, rows())
+    assert caught.value.filename == str(tmp_path / where)
+    assert ".tmp" not in str(caught.value)
+    assert sorted(os.listdir(tmp_path)) == ["folder.gguf"]
+
+
+def test_host_torch_tables_are_saved_as_embedding_save_saves_them(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    dense = torch.from_numpy(rows()).to(torch.bfloat16)
+    io.save_table(tmp_path / "t.safetensors", dense)
+    same_bytes(io.open_table(tmp_path / "t.safetensors"), dense.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    table = quantized("fp8_e4m3")
+    on_torch = QuantizedTable(torch.from_numpy(table.data), table.format, table.dim, torch.from_numpy(table.scales))
+    io.save_table(tmp_path / "q.safetensors", on_torch)
+    back = io.open_table(tmp_path / "q.safetensors")
+    same_bytes(back.data, table.data)
+    same_bytes(back.scales, table.scales)
+
+
 class _DeviceArray:
     """Stands in for a GPU array, which numpy refuses to convert implicitly."""
 
@@ -202,6 +249,9 @@ TAG = {"fastembed.tensor": "w", "fastembed.format": "fp8_e4m3", "fastembed.dim":
         ({"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.format": "q9"}, "unknown quantized format 'q9'"),
         ({"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.dim": "sixty"}, "do not describe a quantized table"),
         ({"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.dim": "65"}, "not U8 \\[40, 64\\]"),
+        ({"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.dim": "6_4"}, "in decimal digits, not '6_4'"),
+        ({"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.dim": " +64"}, "in decimal digits"),
+        ({"w": FP8.data, "w.scales": FP8.scales}, {**TAG, "fastembed.dim": "\u0666\u0664"}, "in decimal digits"),
         ({"w": FP8.data.view(np.int8), "w.scales": FP8.scales}, TAG, "stored as U8 rows of shape \\(vocab_size, 64\\), not I8"),
         ({"w": FP8.data}, {**TAG, "fastembed.format": "q8_0", "fastembed.dim": "32"}, "a q8_0 table of dim 32"),
         ({"w": FP8.data}, {"fastembed.tensor": "v"}, "names tensor 'v', which the header does not hold"),

@@ -184,3 +184,10 @@ def test_a_dense_gguf_table_opens_through_from_pretrained(tmp_path):
     loaded = fastembed.Embedding.from_pretrained(tmp_path / "model.gguf")
     assert loaded.format == "dense" and loaded.dtype == np.float16
     assert_bit_equal(loaded([5, 99]), emb([5, 99]))
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+def test_quantizing_into_a_format_only_files_hold_is_refused_whatever_the_rows(rows):
+    with pytest.raises(ValueError, match="q4_k tables come from GGUF files"):
+        fastembed.Embedding(np.ones((rows, 256), np.float32)).quantize("q4_k")
+    assert fastembed.Embedding(np.ones((0, 64), np.float32)).quantize("q8_0").table.data.shape == (0, 68)

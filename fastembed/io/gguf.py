@@ -341,7 +341,8 @@ def _check_table(path: Any, tensor: GGUFTensor, file_size: int) -> tuple[int, in
     n_embd, n_vocab = tensor.dims
     if tensor.ggml_type not in DENSE_TYPES and tensor.ggml_type not in QUANTIZED_TYPES:
         readable = [GGML_TYPES[code][0] for code in (*DENSE_TYPES, *QUANTIZED_TYPES)]
-        raise ValueError(f"{where} has type {ggml_type_name(tensor.ggml_type)}, which fastembed does not read; "
+        name = ggml_type_name(tensor.ggml_type)
+        raise ValueError(f"{where} has {name if name.startswith('type code') else 'type ' + name}, which fastembed does not read; "
                          f"it reads {', '.join(readable)}")
     if n_embd == 0 or n_vocab == 0:
         raise ValueError(f"{where} is empty (dims {list(tensor.dims)})")

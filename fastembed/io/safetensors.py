@@ -452,7 +452,10 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
     where = f"{path}: tensor {name!r}"
     try:
         fmt = block_format(metadata[FORMAT_KEY])
-        dim = int(metadata.get(DIM_KEY, ""))
+        text = metadata.get(DIM_KEY, "")
+        if not (isinstance(text, str) and text.isascii() and text.isdigit()):
+            raise ValueError(f"a dim is written in decimal digits, not {_short_repr(text)}")
+        dim = int(text)
         if not 0 < dim < 2**48:  # beyond any file's bytes, and kept out of later messages
             raise ValueError(f"a dim is a positive count of values, not {_short_repr(dim)}")
         row_bytes = fmt.row_bytes(dim)

@@ -14,7 +14,10 @@
   a name and maps it back as a QuantizedTable.
 
 The file is written beside its destination and renamed over it at the end, so
-a table mapped from the destination keeps its old pages (see docs/loading.md).
+a table mapped from the destination keeps its old pages (see docs/loading.md);
+a file replaced keeps its permissions, and a symbolic link at the destination
+is itself replaced, its target left as it was (a Hugging Face cache's
+content-addressed blob stays intact).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import validate
+from ..arrays import adapter_of
 from ..formats import QuantizedTable
 from ._files import check_tensor_name
 from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
@@ -104,6 +109,7 @@ def _check_readable(path: Any, temporary: str, name: str, suffix: str) -> None:
 def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
     """`table` as a 2-D, non-empty, little-endian host array, or a QuantizedTable with host arrays."""
     if isinstance(table, QuantizedTable):
+        table = validate.table_snapshot(table)  # host tensors as numpy arrays over their memory
         for array in (table.data, table.scales):
             if array is not None and not isinstance(array, np.ndarray):
                 raise TypeError(f"{path}: save_table writes host tables; this {table.format.name} table's arrays are "
@@ -111,6 +117,9 @@ def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
         if table.shape[0] == 0:
             raise ValueError(f"{path}: the table is empty (shape {table.shape})")
         return table
+    adapter = None if isinstance(table, np.ndarray) else adapter_of(table)
+    if adapter is not None and adapter.device(table) == "cpu":
+        table = adapter.snapshot(table)  # bfloat16 and float8 tensors too, which np.asarray cannot take
     try:
         array = np.asarray(table)
     except (TypeError, ValueError, RuntimeError) as error:
@@ -198,12 +207,21 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
     directory, base = os.path.split(os.path.abspath(path))
     temporary = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # Created here with 0o666 less the umask, as for any new file; the writer may replace it with a private one.
-    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
-        mode = os.stat(temporary).st_mode
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except OSError as error:
+        raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
+    try:
+        try:
+            mode = os.stat(path).st_mode  # a file replaced keeps its permissions
+        except OSError:
+            mode = os.stat(temporary).st_mode
         write(temporary)
         os.chmod(temporary, mode)
-        os.replace(temporary, path)
+        try:
+            os.replace(temporary, path)
+        except OSError as error:  # named by the destination, not by the temporary file's name
+            raise OSError(error.errno, error.strerror, os.fspath(path)) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
