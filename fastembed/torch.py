@@ -9,26 +9,38 @@ the weight (zero-copy, see docs/interop.md) when no gradient is needed: in
 inference, or when the weight is frozen. It gives torch's result in every
 other case by using torch's own embedding (never a copy of the weight):
 
-* while torch compiles or traces the model (``torch.compile``,
-  ``torch.export``, ``torch.jit.trace``, ``torch.fx`` symbolic tracing), so
-  the graph holds torch's operation, which runs on fake and traced tensors;
-  this is not warned about;
-* under forward-mode AD (a weight with a tangent) and inside ``torch.func``
-  transforms (``vmap``, ``jvp``, ``grad``), which pass tensors of their own
-  that torch's operation knows how to carry; not warned about either;
+* while torch compiles, traces or scripts the model (``torch.compile``,
+  ``torch.export``, ``torch.jit.trace``, ``torch.jit.script``, ``torch.fx``
+  symbolic tracing), so the graph holds torch's operation, which runs on
+  fake and traced tensors; this is not warned about;
+* under forward-mode AD (a weight with a tangent), inside ``torch.func``
+  transforms (``vmap``, ``jvp``, ``grad``), under an active torch function
+  or dispatch mode (``FakeTensorMode``, say), and when the weight or the
+  ids are a subclass of ``torch.Tensor`` other than ``nn.Parameter``
+  (DTensor, FakeTensor, a wrapper subclass: their memory need not hold
+  their values), which torch's operation knows how to carry; not warned
+  about either;
+* when the ids are not an int32 or int64 tensor: torch's embedding then
+  accepts or refuses them, as it would in training, so a model behaves
+  alike in both;
 * when autograd needs a gradient (the weight requires grad and grad mode is
   on), so training keeps working;
 * when the weight or the ids are not on the CPU;
 * when fastembed cannot gather from the weight as it lies in memory: a
   weight that is not C-contiguous (``from_pretrained(w.T)``), or of a dtype
   fastembed cannot view (``complex32``, say), which fastembed would refuse
-  rather than copy.
+  rather than copy;
+* when ``max_norm`` is set after construction (or the layer's class was
+  swapped in on a ``torch.nn.Embedding`` that has it): torch renormalizes
+  the weight's rows in place, which the gather does not.
 
-Each of the last three is said once per process (a ``UserWarning`` naming the reason).
+Each of the last four is said once per process (a ``UserWarning`` naming
+the reason, pointing at the caller's line).
 
 Options that change the forward pass or the weight's gradient layout and
 that the gather does not implement (``max_norm``, ``sparse``,
-``scale_grad_by_freq``) are refused with a ValueError naming the option.
+``scale_grad_by_freq``) are refused with a ValueError naming the option
+when the layer is made.
 
 Example:
     >>> import torch, fastembed.torch
@@ -39,10 +51,13 @@ Example:
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.autograd import forward_ad
 
 from .api import lookup
@@ -79,27 +94,46 @@ class Embedding(torch.nn.Embedding):
         """``weight[input]``, as torch.nn.Embedding gives it: gathered by fastembed, or by torch where the module docstring says.
 
         Raises:
-            IndexError, TypeError: fastembed's errors for bad ids where fastembed serves; torch's where torch does.
+            IndexError: fastembed's error for an id out of range where fastembed serves; torch's where torch does.
         """
+        if torch.jit.is_scripting():  # TorchScript compiles this branch alone
+            return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                               self.scale_grad_by_freq, self.sparse)
+        return self._forward_eagerly(input)
+
+    @torch.jit.unused
+    def _forward_eagerly(self, input: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` outside TorchScript."""
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or isinstance(input, torch.fx.Proxy):
             return super().forward(input)  # the graph must hold torch's operation, not a gather done now
         weight = self.weight
-        if _transformed(weight, input):
-            return super().forward(input)  # forward-mode AD or a torch.func transform: torch's operation carries them
+        if _carried_by_torch(weight, input):
+            return super().forward(input)  # AD, transforms, modes, subclasses, other ids: torch's operation handles them
         if (weight.requires_grad and torch.is_grad_enabled()) or weight.device.type != "cpu" or (
-            isinstance(input, torch.Tensor) and input.device.type != "cpu"
-        ) or not weight.is_contiguous() or not _viewable(weight):
-            _say_fallback_once(weight, input)
+            input.device.type != "cpu"
+        ) or not weight.is_contiguous() or not _viewable(weight) or self.max_norm is not None:
+            _say_fallback_once(self, input)
             return super().forward(input)
-        if isinstance(input, torch.Tensor) and input.is_neg():
+        if input.is_neg():
             input = input.resolve_neg()  # a lazy negation view of ids; fastembed copies the ids anyway
         return lookup(weight, input)
 
 
-def _transformed(weight: torch.Tensor, input: Any) -> bool:
-    """Whether the weight carries a forward-mode tangent, or either tensor is wrapped by a torch.func transform (vmap, jvp, grad)."""
+#: The tensor types fastembed reads as memory (any other subclass of torch.Tensor is torch's to handle).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: The id dtypes torch's embedding takes, and so the drop-in's gather too.
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
+    """Whether torch's own operation must serve, silently: ids other than an int32/int64 tensor, a tensor
+    subclass, an active torch function or dispatch mode, a forward-mode tangent, or a torch.func wrapper."""
+    if type(input) not in _PLAIN or input.dtype not in _ID_DTYPES or type(weight) not in _PLAIN:
+        return True
+    if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if wrapped(weight) or (isinstance(input, torch.Tensor) and wrapped(input)):
+    if wrapped(weight) or wrapped(input):
         return True
     return forward_ad._current_level >= 0 and forward_ad.unpack_dual(weight).tangent is not None
 
@@ -119,12 +153,16 @@ def _viewable(weight: torch.Tensor) -> bool:
     return viewable and not (weight.is_conj() or weight.is_neg())
 
 
-def _say_fallback_once(weight: torch.Tensor, input: Any) -> None:
+def _say_fallback_once(layer: Embedding, input: torch.Tensor) -> None:
     """Warn, once per process for each reason, that torch's own embedding serves this call, and why."""
+    weight = layer.weight
     if weight.requires_grad and torch.is_grad_enabled():
         kind, reason = "autograd", "autograd needs the weight's gradient (it requires grad and grad mode is on)"
-    elif weight.device.type != "cpu" or (isinstance(input, torch.Tensor) and input.device.type != "cpu"):
+    elif weight.device.type != "cpu" or input.device.type != "cpu":
         kind, reason = "device", "the weight or the ids are not on the CPU"
+    elif layer.max_norm is not None:
+        kind, reason = "max_norm", (f"max_norm is {layer.max_norm} (set after the layer was made), and torch "
+                                    "renormalizes the weight's rows in place, which fastembed's gather does not")
     elif not weight.is_contiguous():
         kind, reason = "layout", ("the weight is not C-contiguous, and fastembed gathers from a table as it lies in "
                                   "memory, never from a copy (weight.data = weight.contiguous() copies it once)")
@@ -135,4 +173,18 @@ def _say_fallback_once(weight: torch.Tensor, input: Any) -> None:
         return
     _REASONS_SAID.add(kind)
     warnings.warn(f"fastembed.torch.Embedding uses torch's own embedding while {reason}; this is said once",
-                  UserWarning, stacklevel=3)
+                  UserWarning, stacklevel=_callers_level())
+
+
+#: Frames in these folders are not the caller's: this package's, and torch's module-calling machinery.
+_NOT_THE_CALLER = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.nn.modules.module.__file__) + os.sep)
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` for :func:`warnings.warn`, called from here, that names the first frame outside
+    fastembed and torch's module calls: the line that called the layer."""
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_CALLER):
+        frame, level = frame.f_back, level + 1
+    return level

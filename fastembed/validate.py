@@ -419,7 +419,8 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
         TypeError: wrong type, dtype or device.
         ValueError: wrong shape, not C-contiguous, read-only (also read-only
             memory under a torch tensor, which torch does not flag: the adapter's
-            ``writable`` probes it), or overlapping the table or the ids.
+            ``writable`` probes it), a tensor torch forbids writing in place there
+            (the adapter's ``write_refusal``), or overlapping the table or the ids.
     """
     if type(out) is _NDARRAY and type(table) is _NDARRAY:
         view = out.view()
@@ -464,6 +465,10 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
         raise ValueError(
             "out requires grad: lookup writes it in place and records no autograd; pass a tensor that does not"
         )
+    write_refusal = getattr(adapter, "write_refusal", None)
+    refusal = None if write_refusal is None else write_refusal(out)
+    if refusal is not None:
+        raise ValueError(refusal)
     view = adapter.snapshot(out)  # a torch CPU tensor: a numpy view over its memory, like the table's snapshot
     if adapter_of(view) is not adapter_of(rows):
         raise TypeError(

@@ -448,3 +448,14 @@ def test_a_quantized_torch_table_keeps_torch_arrays_and_results(kind):
     assert isinstance(result, torch.Tensor)
     expected = fastembed.Embedding(table.numpy()).quantize(kind)([3, 1])
     np.testing.assert_array_equal(result.numpy().view(np.uint32), expected.view(np.uint32))
+
+
+def test_an_inference_tensor_is_refused_as_out_outside_inference_mode():
+    table = torch_table("float32")
+    with torch.inference_mode():
+        out = torch.zeros(2, DIM)
+    with pytest.raises(ValueError, match="inference tensor"):
+        fastembed.lookup(table, [1, 2], out=out)
+    assert not out.any()
+    with torch.inference_mode():
+        assert torch.equal(fastembed.lookup(table, [1, 2], out=out), table[[1, 2]])

@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import fastembed  # noqa: E402
 import fastembed.torch as fastembed_torch  # noqa: E402  (needs torch)
 from fastembed.torch import Embedding  # noqa: E402
 
@@ -258,3 +259,88 @@ def test_a_weight_whose_storage_was_freed_is_a_value_error_not_a_crash():
     weight.untyped_storage().resize_(0)  # as FSDP frees a parameter
     with pytest.raises(ValueError, match="storage was shrunk or freed"):
         layer(torch.tensor([999, 5]))
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass (as DTensor and torchao's tensors are): its own memory does not hold its values."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, _Wrapped) else x  # noqa: E731
+        result = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return _Wrapped(result) if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) else result
+
+
+class _ProjectParameter(torch.nn.Parameter):
+    """A parameter subclass defined outside torch, over real memory."""
+
+
+def test_tensor_subclasses_get_torchs_own_result():
+    weight = torch.randn(10, 4)
+    ids = torch.tensor([1, 7])
+    wrapped = Embedding.from_pretrained(_Wrapped(weight.clone()))
+    assert torch.equal(torch.as_tensor(wrapped(ids)), weight[ids])
+    layer = Embedding(10, 4)
+    layer.weight = _ProjectParameter(weight.clone(), requires_grad=False)
+    result = layer(ids)
+    assert type(result) is torch.Tensor and torch.equal(result, weight[ids])
+
+
+def test_lookup_refuses_a_tensor_dispatched_in_python_and_reads_other_subclasses_as_tensors():
+    weight = torch.randn(10, 4)
+    with pytest.raises(TypeError, match="dispatches to Python"):
+        fastembed.lookup(_Wrapped(weight.clone()), [1])
+    result = fastembed.lookup(_ProjectParameter(weight.clone(), requires_grad=False), [1, 7])
+    assert type(result) is torch.Tensor and torch.equal(result, weight[[1, 7]])
+
+
+def test_under_a_fake_tensor_mode_the_result_is_torchs():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer = Embedding(1000, 64).requires_grad_(False)
+        result = layer(torch.tensor([3, 5]))
+    assert isinstance(result, FakeTensor) and tuple(result.shape) == (2, 64)
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([1], dtype=torch.uint8), torch.tensor([1], dtype=torch.int16), [1]],
+                         ids=["uint8", "int16", "list"])
+def test_ids_torch_refuses_are_refused_alike_in_training_and_inference(ids):
+    layer = Embedding(10, 4)
+    errors = []
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises((RuntimeError, TypeError)) as caught:
+            layer(ids)
+        errors.append(type(caught.value))
+    assert errors[0] is errors[1]
+
+
+def test_max_norm_set_after_construction_renormalizes_as_torch_does(fallback_not_said_yet):
+    weight = torch.randn(10, 4) * 10
+    ids = torch.tensor([1, 2])
+    ours, theirs = Embedding.from_pretrained(weight.clone()), torch.nn.Embedding.from_pretrained(weight.clone())
+    ours.max_norm = theirs.max_norm = 1.0
+    with torch.no_grad(), pytest.warns(UserWarning, match="max_norm is 1.0") as said:
+        assert torch.equal(ours(ids), theirs(ids))
+    assert said[0].filename == __file__  # the warning names the caller's line
+    assert torch.equal(ours.weight, theirs.weight)
+    swapped = torch.nn.Embedding.from_pretrained(weight.clone(), max_norm=1.0)
+    swapped.__class__ = Embedding
+    with torch.no_grad():
+        assert torch.equal(swapped(ids), theirs(ids))
+
+
+def test_the_layer_scripts_with_torchscript():
+    layer = Embedding.from_pretrained(torch.randn(10, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(layer)
+    ids = torch.tensor([[1, 9]])
+    assert torch.equal(scripted(ids), layer(ids))

@@ -44,7 +44,10 @@ class ArrayAdapter(Protocol):
     an array's address range without making a view of it (torch:
     ``data_ptr()``) provides ``byte_span(array)``, ``(first byte, past the
     last)``: validation tells an ``out`` and ids with disjoint spans apart
-    without the exact test.
+    without the exact test. An adapter whose library forbids in-place writes
+    to some arrays in some states (torch: an inference tensor outside
+    inference mode) provides ``write_refusal(array)``, the reason or None,
+    which validation asks of an ``out``.
     """
 
     name: str

@@ -20,7 +20,12 @@ work, with no synchronisation added. Nothing moves between devices: ids or
 
 A tensor that requires grad is gathered through ``tensor.detach()`` (no
 copy): lookup does not record autograd. Tensors on other devices (``meta``,
-``mps``, ...) are refused (TypeError).
+``mps``, ...) are refused (TypeError), and so are tensors whose operations
+torch dispatches to Python (``__torch_dispatch__``: DTensor, FakeTensor,
+wrapper subclasses), whose memory need not hold their values. Other
+subclasses of ``torch.Tensor`` (a project's ``nn.Parameter`` subclass) are
+torch tensors wherever they are defined: read as their memory lies, their
+results plain tensors.
 
 torch does not mark a tensor over read-only memory read-only (one made with
 ``torch.from_dlpack`` of a read-only memory map, say), so the numpy view of
@@ -68,7 +73,11 @@ class TorchAdapter:
 
     def owns(self, array: Any) -> bool:
         # __dlpack__ tells a tensor (nn.Parameter included) from torch's other types (Size, storages, dtypes).
-        return type(array).__module__.partition(".")[0] == "torch" and hasattr(array, "__dlpack__")
+        kind = type(array)
+        if kind.__module__.partition(".")[0] == "torch" and hasattr(array, "__dlpack__"):
+            return True
+        # A tensor subclass defined outside torch (a project's Parameter subclass, say): known by its ancestry.
+        return any(base.__name__ == "Tensor" and base.__module__ == "torch" for base in kind.__mro__[1:])
 
     def device(self, array: Any) -> str:
         device = array.device
@@ -90,6 +99,11 @@ class TorchAdapter:
             ValueError: a tensor whose shape reaches past its storage (a
                 storage shrunk in place, as FSDP frees parameters).
         """
+        if _dispatched_in_python(array):
+            raise TypeError(
+                f"this torch tensor is a {type(array).__module__}.{type(array).__qualname__}, whose operations "
+                "torch dispatches to Python (DTensor, FakeTensor, wrapper subclasses): its memory need not hold its "
+                "values, and fastembed reads memory as it lies; gather from the local or plain tensor it wraps")
         device = self.device(array)
         tensor = array.detach() if array.requires_grad else array  # no copy: lookup does not record autograd
         if tensor.is_neg() or tensor.is_conj():
@@ -197,6 +211,17 @@ class TorchAdapter:
         """
         return not isinstance(view, np.ndarray) or _kernel_can_write(view)
 
+    def write_refusal(self, array: Any) -> str | None:
+        """Why torch forbids writing `array` in place here, or None (an inference tensor outside inference mode)."""
+        if array.is_inference():
+            import torch
+
+            if not torch.is_inference_mode_enabled():
+                return ("out is an inference tensor (made under torch.inference_mode), and torch forbids writing one "
+                        "in place outside inference mode; call the lookup inside torch.inference_mode(), or pass "
+                        "another tensor")
+        return None
+
     def byte_span(self, array: Any) -> tuple[int, int]:
         """The addresses on its device of a tensor's first byte and of the byte past its last element (equal: none).
 
@@ -246,6 +271,14 @@ class _StorageGuard:
                 f"{self._storage.nbytes()} at {self._storage.data_ptr():#x}: resize_, or untyped_storage().resize_) "
                 "after this layer took its view of it; the old memory is gone, so build a new layer"
             )
+
+
+def _dispatched_in_python(tensor: Any) -> bool:
+    """Whether torch hands `tensor`'s operations to Python code (``__torch_dispatch__``): its memory need not be its values."""
+    import torch
+
+    return type(tensor) not in (torch.Tensor, torch.nn.Parameter) and torch._C._dispatch_keys(tensor).has(
+        torch._C.DispatchKey.Python)
 
 
 def _strided_layout() -> Any:
