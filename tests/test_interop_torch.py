@@ -459,3 +459,12 @@ def test_an_inference_tensor_is_refused_as_out_outside_inference_mode():
     assert not out.any()
     with torch.inference_mode():
         assert torch.equal(fastembed.lookup(table, [1, 2], out=out), table[[1, 2]])
+
+
+def test_a_table_moved_to_shared_memory_after_the_layer_was_made_is_named():
+    table = torch_table("float32").clone()
+    layer = fastembed.Embedding(table)
+    table.share_memory_()
+    with pytest.raises(ValueError, match="share_memory_"):
+        layer([1])
+    assert torch.equal(fastembed.Embedding(table)([1]), table[[1]])

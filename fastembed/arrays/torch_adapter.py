@@ -267,9 +267,10 @@ class _StorageGuard:
         """Raise ValueError if the storage's memory moved or changed size since the guard was made."""
         if self._storage.data_ptr() != self._pointer or self._storage.nbytes() != self._nbytes:
             raise ValueError(
-                f"the torch tensor's storage was resized in place ({self._nbytes} bytes at {self._pointer:#x}, now "
-                f"{self._storage.nbytes()} at {self._storage.data_ptr():#x}: resize_, or untyped_storage().resize_) "
-                "after this layer took its view of it; the old memory is gone, so build a new layer"
+                f"the torch tensor's storage was resized in place or moved ({self._nbytes} bytes at "
+                f"{self._pointer:#x}, now {self._storage.nbytes()} at {self._storage.data_ptr():#x}: resize_, "
+                "untyped_storage().resize_, or share_memory_(), which module.share_memory() calls) after this "
+                "layer took its view of it; the old memory is gone, so build a new layer (after share_memory())"
             )
 
 
