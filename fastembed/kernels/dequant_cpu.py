@@ -27,10 +27,11 @@ Contract shared by the two kernels, :func:`dequantize_serial` and
 
 Each row is dequantized :data:`CHUNK` values at a time, each block by one
 piece of vector IR (an intrinsic) that stores its values into the output
-row itself (float32, or float16 rounded in the same registers); bfloat16
-values go through a float32 buffer on the stack and are rounded and stored
-eight at a time, also as vector IR: numba runs no SLP vectorizer, and
-fixed-size loops over a block would stay scalar. Inside a row everything
+row itself (float32, or float16 or bfloat16 rounded in the same
+registers); float16 by bit operations (:data:`FLOAT16_BITS`) goes through a
+float32 buffer on the stack and is rounded and stored eight values at a
+time, also as vector IR: numba runs no SLP vectorizer, and fixed-size loops
+over a block would stay scalar. Inside a row everything
 is addressed by plain integers (the rows, the buffer, the output), so no
 array is passed, or reference-counted, per chunk. With
 ``stream``, the stores are non-temporal (``out`` 16-byte aligned, rows a
@@ -364,21 +365,25 @@ def _fifth_bit_lanes(builder, qh):
     return builder.shl(builder.and_(bits, _constant(_I32, 32, 1)), _constant(_I32, 32, 4))
 
 
-def _put(halves, nontemporal):
-    """Put values `first`... of a chunk (a vector) at `destination`: float32, or rounded to float16 if `halves`;
-    stored non-temporally (16-byte aligned there) if `nontemporal`."""
+def _put(lanes, nontemporal):
+    """Put values `first`... of a chunk (a vector) at `destination`: float32, or the 16-bit words `lanes` rounds
+    them to (a function of the builder and the vector); stored non-temporally (16-byte aligned there) if
+    `nontemporal`."""
     def put(builder, destination, first, value):
-        data = _FLOAT16_LANES(builder, value) if halves else value
-        address = builder.add(destination, destination.type((2 if halves else 4) * first))
-        _put_vector(builder, address, data, nontemporal, 2 if halves else 4)
+        data = value if lanes is None else lanes(builder, value)
+        width = 4 if lanes is None else 2
+        _put_vector(builder, builder.add(destination, destination.type(width * first)), data, nontemporal, width)
 
     return put
 
 
 #: Where a block puts its values (a literal argument of the block intrinsics and the chunk functions).
-_TO_FLOATS, _TO_STREAMED_FLOATS, _TO_HALVES, _TO_STREAMED_HALVES = range(4)
-_PUTS = {_TO_FLOATS: _put(False, False), _TO_STREAMED_FLOATS: _put(False, True), _TO_HALVES: _put(True, False),
-         _TO_STREAMED_HALVES: _put(True, True)}
+_TO_FLOATS, _TO_STREAMED_FLOATS, _TO_HALVES, _TO_STREAMED_HALVES, _TO_BFLOAT16, _TO_STREAMED_BFLOAT16 = range(6)
+_PUTS = {_TO_FLOATS: _put(None, False), _TO_STREAMED_FLOATS: _put(None, True),
+         _TO_HALVES: _put(lambda builder, value: _FLOAT16_LANES(builder, value), False),
+         _TO_STREAMED_HALVES: _put(lambda builder, value: _FLOAT16_LANES(builder, value), True),
+         _TO_BFLOAT16: _put(lambda builder, value: _bfloat16_lanes(builder, value), False),
+         _TO_STREAMED_BFLOAT16: _put(lambda builder, value: _bfloat16_lanes(builder, value), True)}
 
 
 def _block(put, body, *scalars):
@@ -391,8 +396,8 @@ def _block(put, body, *scalars):
     ``put`` is a literal: ``_TO_FLOATS`` and ``_TO_STREAMED_FLOATS`` store
     the values as float32 (into the output, or into the buffer that
     :func:`_emit` converts), ``_TO_HALVES`` and ``_TO_STREAMED_HALVES`` round
-    them to float16 and store them into the output; streamed: 16-byte
-    aligned there.
+    them to float16 and store them into the output, ``_TO_BFLOAT16`` and
+    ``_TO_STREAMED_BFLOAT16`` to bfloat16; streamed: 16-byte aligned there.
     """
     if not isinstance(put, types.IntegerLiteral):
         return None
@@ -722,7 +727,7 @@ def _eight_halves(lanes, nontemporal):
 
 
 # The F16C conversion only where numba compiles for it: elsewhere LLVM would call a runtime routine.
-_FLOAT16_LANES = _float16_hardware_lanes if HARDWARE_FLOAT16 else _float16_bits_lanes
+_FLOAT16_LANES: Any = _float16_hardware_lanes if HARDWARE_FLOAT16 else _float16_bits_lanes
 _store_float16 = _eight_halves(_FLOAT16_LANES, False)
 _stream_float16 = _eight_halves(_FLOAT16_LANES, True)
 _store_bfloat16 = _eight_halves(_bfloat16_lanes, False)
@@ -1004,6 +1009,8 @@ def _fp8_e4m3(source, count, scale, destination, put):
         value = fp8_e4m3_value(_byte(source + j)) * scale
         if _value_bytes(put) == 4:
             _store_f32(destination + 4 * j, value)
+        elif put == _TO_BFLOAT16 or put == _TO_STREAMED_BFLOAT16:
+            _store_u16(destination + 2 * j, bfloat16_bits(value))
         else:
             _store_u16(destination + 2 * j, _float16_fast(value))
 
@@ -1177,7 +1184,8 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     destination = np.intp(out.ctypes.data)
     buf = np.intp(_stack_floats(CHUNK))
     table = np.intp(_stack_floats(64))  # 128 16-bit entries
-    halves = word == 2 and mode == FLOAT16  # float16 and float32: the blocks write the output themselves
+    # float16, bfloat16 and float32: the blocks write the output themselves
+    halves, bfloats = word == 2 and mode == FLOAT16, word == 2 and mode == BFLOAT16
     # a table of 128 entries pays for itself on rows of at least as many values
     by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
     by_nibble_table = NIBBLE_TABLE_LOOKUP and word == 2 and mode != FLOAT16_BITS and (
@@ -1213,6 +1221,10 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
                 _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_HALVES)
             elif halves:
                 _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_HALVES)
+            elif bfloats and stream:
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_BFLOAT16)
+            elif bfloats:
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_BFLOAT16)
             elif word == 4 and stream:
                 _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_FLOATS)
             elif word == 4:
