@@ -14,6 +14,11 @@ started here to finish, and for every :func:`foreground` section (the
 kernel import, a first call that compiles on the caller's thread) that
 another thread is in. A compile lasts seconds at most, so a fork is delayed
 by that at most; a fork from inside such a section does not wait for itself.
+
+Interpreter exit: once it has begun, no compile starts (the key's calls stay
+served another way): a thread started then, from an ``atexit`` handler say,
+would outlive the join of threads that exit performs, and exit could hang on
+numba inside LLVM.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ _ready: set[Hashable] = set()
 _threads: list[threading.Thread] = []
 _foreground_done = threading.Condition(threading.Lock())
 _foreground_threads: dict[int, int] = {}  # thread ident -> nesting depth
+_held_for_fork: list[Any] = []  # the locks _wait_before_fork took, released after the fork
+_exiting = False
 
 
 @contextlib.contextmanager
@@ -57,7 +64,7 @@ def is_ready(key: Hashable) -> bool:
 def start(key: Hashable, first_call: Callable[[], Any]) -> None:
     """Run `first_call` (a call that makes numba compile) on a new thread, once per key."""
     with _guard:
-        if key in _started:
+        if key in _started or _exiting:
             return
         _started.add(key)
         # Not a daemon: a daemon thread killed inside LLVM at interpreter exit can crash it.
@@ -87,20 +94,33 @@ def wait() -> None:
 
 
 def _wait_before_fork() -> None:
-    """Hold off new compiles and foreground sections, then wait for the running ones; released after the fork."""
+    """Hold off new compiles and foreground sections, then wait for the running ones; released after the fork.
+
+    Python ignores an exception here (an interrupt during a join) and forks
+    anyway: only the locks actually taken are released afterwards.
+    """
     ident = threading.get_ident()
     _guard.acquire()  # a thread inside start() holds it while its compile thread starts
+    _held_for_fork.append(_guard)
     for thread in list(_threads):
         if thread is not threading.current_thread():
             thread.join()
     _threads[:] = [thread for thread in _threads if thread.is_alive()]
     _foreground_done.acquire()
+    _held_for_fork.append(_foreground_done)
     _foreground_done.wait_for(lambda: not (set(_foreground_threads) - {ident}))
 
 
 def _after_fork() -> None:
-    _foreground_done.release()
-    _guard.release()
+    while _held_for_fork:
+        _held_for_fork.pop().release()
+
+
+def _stop_new_compiles() -> None:
+    """Called when interpreter exit begins, before it joins the running threads."""
+    global _exiting
+    with _guard:
+        _exiting = True
 
 
 def forget() -> None:
@@ -111,5 +131,8 @@ def forget() -> None:
         _ready.clear()
 
 
+# The hook that concurrent.futures uses to act before exit joins threads; atexit handlers run after that join.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_stop_new_compiles)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_wait_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
