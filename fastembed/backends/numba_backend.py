@@ -124,17 +124,25 @@ class NumbaBackend:
     def __init__(self) -> None:
         self._parallel_lock = threading.Lock()
         self._import_lock = threading.Lock()
+
+        self.pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
+        self.forked_after_pool_start = False
         self.reset()
 
     def reset(self) -> None:
-        """Forget availability, the kernel import's failure and the parallel kernel's failure."""
+        """Forget availability, the kernel import's failure, the parallel kernel's failure and what compiled.
+
+        Compiles running in the background finish first, and every key they
+        started is forgotten with them, so each signature compiles again.
+        Facts of the process (its thread pool started, a fork after that)
+        stay: forgetting them would let a forked child run a pool it cannot.
+        """
+        background_compile.forget()
         self._kernels: Any = None
         self._import_error: str | None = None
         self._dequantize_kernels: Any = None
         self._dequantize_error: str | None = None  # the dequantizing kernels cannot load or compile: numpy serves
         self._parallel_error: str | None = None
-        self.pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
-        self.forked_after_pool_start = False
         self._unavailable: list[str] | None = None
         self.wait_policy = "not loaded yet"
         self._compiled: set[tuple] = set()  # kernels known compiled, by what numba specialises on
@@ -245,6 +253,8 @@ class NumbaBackend:
         if signature not in self._compiled and not self._compile(signature, table_words, flat_ids):
             return numpy_backend.BACKEND.gather(table, ids, out)  # compiling in the background meanwhile
         kernels = self._kernels
+        if kernels is None:  # reset() by another thread since the check
+            return numpy_backend.BACKEND.gather(table, ids, out)
         parallel = not self.forked_after_pool_start and self._parallel_error is None
         if out is None:
             out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype)
@@ -336,21 +346,24 @@ class NumbaBackend:
             signature not in self._compiled and not self._compile_dequantize(signature)
         ):
             return numpy_backend.dequantize_into(table, ids, out)  # the kernels are compiling (or cannot load)
+        kernels, gather_kernels = self._dequantize_kernels, self._kernels
+        if kernels is None or gather_kernels is None:  # reset() by another thread since the check
+            return numpy_backend.dequantize_into(table, ids, out)
         rows = out.reshape(n, table.dim).view(word)
         staged = rows.ctypes.data % word.itemsize != 0  # numba compiles unaligned arrays apart: stage those rows
-        status = self._run_dequantize(table, _int64_ids(ids), np.empty_like(rows) if staged else rows, dtype, rows)
+        status = self._run_dequantize(kernels, gather_kernels.can_stream, table, _int64_ids(ids),
+                                      np.empty_like(rows) if staged else rows, dtype, rows)
         _raise_for_status(status, ids, table.shape[0])
         return out
 
-    def _run_dequantize(self, table: QuantizedTable, flat_ids: np.ndarray, rows: np.ndarray, dtype: np.dtype,
-                        destination: np.ndarray) -> int:
+    def _run_dequantize(self, kernels: Any, can_stream: Any, table: QuantizedTable, flat_ids: np.ndarray,
+                        rows: np.ndarray, dtype: np.dtype, destination: np.ndarray) -> int:
         """Run the serial or parallel kernel into `rows`, then copy them into `destination` if they differ."""
-        kernels = self._dequantize_kernels
         fmt = table.format
         data = _read_only(table.data)
         scales = _read_only(table.scales.view(np.uint8) if fmt.row_scale else _NO_SCALES)  # bytes: any alignment
         mode = kernels.BFLOAT16 if dtype.itemsize == 2 and dtype != np.float16 else kernels.FLOAT16
-        stream = rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and self._kernels.can_stream(rows)
+        stream = rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and can_stream(rows)
         arguments = (kernels.FORMAT_CODES[fmt.name], data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD,
                      DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD)
         if rows.nbytes < PARALLEL_MIN_BYTES or not self._runs_parallel() or not self._parallel_lock.acquire(False):
