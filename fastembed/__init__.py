@@ -31,13 +31,13 @@ __all__ = [
 ]
 
 
-def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto") -> Selection:
-    """Which backend ``lookup(table, ids, out=out, backend=backend)`` would use, and why the others were skipped.
+def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto", dtype: Any = None) -> Selection:
+    """Which backend ``lookup(table, ids, out=out, dtype=dtype, backend=backend)`` would use, and why the others were skipped.
 
     Validates like :func:`lookup` (same exceptions) but gathers nothing.
 
     Args:
-        table, ids, out, backend: as for :func:`lookup`.
+        table, ids, out, backend, dtype: as for :func:`lookup`.
 
     Returns:
         A :class:`Selection`: the backend's name, and for each other backend why it was skipped.
@@ -56,8 +56,9 @@ def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto")
 
     table_view = validate.table_snapshot(table)
     ids_view = validate.ids_snapshot(ids, table_view)
+    target = validate.output_dtype(table_view, dtype, validate.storage(table))
     if out is not None:
-        validate.out_snapshot(out, ids_view, table_view, table, ids)
+        validate.out_snapshot(out, ids_view, table_view, table, ids, target)
     return explain(table_view, backend)
 
 

@@ -228,3 +228,21 @@ def test_small_allocating_lookups_call_the_backends_small_gather_and_larger_ones
 def test_a_backend_that_is_not_a_string_is_named_in_the_error(backend):
     with pytest.raises(TypeError, match="backend must be a string, one of auto, cuda, numba, numpy; got"):
         fastembed.lookup(random_table(10, 4), [1], backend=backend)
+
+
+def test_select_backend_takes_an_out_and_a_dtype_for_a_quantized_table():
+    """As lookup: a quantized table gathers into float32 by default, or into the dtype asked for."""
+    from fastembed.tables import random_quantized_table
+
+    table = random_quantized_table("q8_0", 20, 64, seed=3)
+    ids = np.array([1, 5])
+    expected = fastembed.select_backend(table, ids).backend
+    assert fastembed.select_backend(table, ids, np.empty((2, 64), np.float32)).backend == expected
+    assert fastembed.select_backend(table, ids, np.empty((2, 64), np.float16), dtype="float16").backend == expected
+    for out, dtype in [(np.empty((2, 64), np.float16), None), (np.empty((2, 64), np.float32), "float16")]:
+        with pytest.raises(TypeError):
+            fastembed.lookup(table, ids, out=out, dtype=dtype)
+        with pytest.raises(TypeError):
+            fastembed.select_backend(table, ids, out, dtype=dtype)
+    with pytest.raises(TypeError, match="dequantizes into"):
+        fastembed.select_backend(table, ids, dtype="int8")
