@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -331,6 +333,98 @@ def test_fork_waits_for_a_background_compile():
         ready_in_child = pool.apply_async(background_compile.is_ready, (key,)).get(timeout=60)
     assert ready_in_child
     background_compile.forget()
+
+
+def test_a_refresh_keeps_that_the_process_was_forked_after_its_pool_started(monkeypatch):
+    """A forked child's pool cannot run (GNU OpenMP kills the child): a refresh there must not forget it."""
+    monkeypatch.setattr(BACKEND, "pool_started", True)
+    monkeypatch.setattr(BACKEND, "forked_after_pool_start", True)
+    fastembed.dispatch.refresh()
+    assert BACKEND.pool_started and BACKEND.forked_after_pool_start
+
+
+def test_signatures_compile_again_after_a_refresh(monkeypatch):
+    """A refresh forgets the compiled kernels, and the keys of their compiles with them: numba serves again."""
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
+    parallel_calls = []
+    for _ in range(2):
+        fastembed.lookup(table, ids, backend="numba")
+        fastembed.wait_for_compiles()
+        kernels = BACKEND.kernels()
+        monkeypatch.setattr(kernels, "gather_parallel", _Spy(kernels.gather_parallel))
+        assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+        parallel_calls.append(kernels.gather_parallel.batches)
+        monkeypatch.undo()
+        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+        fastembed.dispatch.refresh()
+    assert parallel_calls == [[ids.size], [ids.size]]
+
+
+def test_a_refresh_during_a_lookup_leaves_the_lookup_exact(monkeypatch):
+    """reset() between the check for compiled kernels and their use: the lookup is served by numpy, exactly."""
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
+    fastembed.lookup(table, ids, backend="numba")
+    fastembed.wait_for_compiles()
+    original = numba_backend._signature
+
+    def signature_then_reset(*arguments):
+        signature = original(*arguments)
+        BACKEND._kernels = None  # what reset() on another thread does at this moment
+        return signature
+
+    monkeypatch.setattr(numba_backend, "_signature", signature_then_reset)
+    assert_bit_equal(BACKEND.gather(table, ids, None), table[ids])
+
+
+class _InterruptedJoin:
+    """A compile thread whose join is interrupted (Ctrl-C while a fork waits for it)."""
+
+    def join(self):
+        raise KeyboardInterrupt
+
+    def is_alive(self):
+        return False
+
+
+def test_an_interrupted_wait_before_fork_releases_only_what_it_took(monkeypatch):
+    """Python forks even when the before-fork hook raises: the hook's after half must leave no lock held."""
+    background_compile = numba_backend.background_compile
+    monkeypatch.setattr(background_compile, "_threads", [_InterruptedJoin()])
+    with pytest.raises(KeyboardInterrupt):
+        background_compile._wait_before_fork()
+    background_compile._after_fork()  # what Python runs after the fork
+    assert not background_compile._guard.locked()
+    assert background_compile._foreground_done.acquire(timeout=1)
+    background_compile._foreground_done.release()
+
+
+def test_no_compile_starts_once_interpreter_exit_has_begun(monkeypatch):
+    background_compile = numba_backend.background_compile
+    monkeypatch.setattr(background_compile, "_exiting", False)
+    background_compile._stop_new_compiles()
+    started = []
+    background_compile.start(("test", "after exit began"), lambda: started.append(1))
+    background_compile.wait()
+    assert started == [] and not background_compile.is_ready(("test", "after exit began"))
+
+
+def test_a_large_lookup_in_an_atexit_handler_exits(tmp_path):
+    """The lookup is served by numpy, and no compile thread is left running into interpreter teardown."""
+    script = tmp_path / "at_exit.py"
+    script.write_text(
+        "import atexit, numpy as np, fastembed\n"
+        "table = np.random.default_rng(0).standard_normal((4000, 1024)).astype(np.float32)\n"
+        "def at_exit():\n"
+        "    ids = np.arange(0, 4000, 2, dtype=np.int64)\n"
+        "    assert np.array_equal(fastembed.lookup(table, ids), table[ids])\n"
+        "    print('looked up', flush=True)\n"
+        "atexit.register(at_exit)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "looked up" in done.stdout
 
 
 @pytest.mark.parametrize("cache_bytes", [0, 2**30])
