@@ -167,12 +167,21 @@ def refresh() -> None:
 
     Resets every backend's own state too (:meth:`Backend.reset`).
     """
-    global _available
-    _available = None
-    _selected.clear()
+    _forget_choices()
     for backend in BACKENDS.values():
         backend.reset()
     read_environment()  # last: its new generation retires any answer remembered while the backends reset
+
+
+def _forget_choices() -> None:
+    """Forget the backends chosen so far: the next call of each kind chooses again."""
+    global _available, generation
+    _available = None
+    _selected.clear()
+    generation += 1
+
+
+base.on_availability_change(_forget_choices)
 
 
 def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any], Any]]:

@@ -98,6 +98,22 @@ class DequantizingBackend(Backend, Protocol):
         ...
 
 
+#: Called when a backend finds out that it cannot run after its answer was given (a library that fails to
+#: load on a background thread): the dispatcher registers one that forgets the choices it remembered.
+_availability_listeners: list[Callable[[], None]] = []
+
+
+def on_availability_change(listener: Callable[[], None]) -> None:
+    """Call `listener` whenever a backend's :meth:`Backend.unavailable_reasons` changes after a first answer."""
+    _availability_listeners.append(listener)
+
+
+def availability_changed() -> None:
+    """Tell the listeners that a backend's :meth:`Backend.unavailable_reasons` has changed."""
+    for listener in list(_availability_listeners):
+        listener()
+
+
 class SmallGather(NamedTuple):
     """A backend's own allocating gather of small outputs, which callers may call without dispatch.
 

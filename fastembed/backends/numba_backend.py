@@ -64,7 +64,7 @@ import numpy as np
 
 from .. import validate
 from ..formats import FORMATS, QuantizedTable
-from . import background_compile, numpy_backend, output_cache
+from . import background_compile, base, numpy_backend, output_cache
 from .base import DENSE, Capabilities, SmallGather
 from .numpy_backend import take_into, take_new
 
@@ -146,6 +146,7 @@ class NumbaBackend:
         self._unavailable: list[str] | None = None
         self.wait_policy = "not loaded yet"
         self._compiled: set[tuple] = set()  # kernels known compiled, by what numba specialises on
+        self._compile_failures: dict[tuple, str] = {}  # signature -> why its kernels failed to compile
 
     # -- availability --------------------------------------------------------
 
@@ -158,8 +159,8 @@ class NumbaBackend:
     def _find_unavailable_reasons() -> list[str]:
         if importlib.util.find_spec("numba") is None:
             return ["numba is not installed (pip install numba)"]
-        if os.environ.get("NUMBA_DISABLE_JIT", "0").strip() not in ("", "0"):
-            return ["NUMBA_DISABLE_JIT is set: numba would run the kernels as Python, slower than numpy"]
+        if _jit_disabled_by_environment():
+            return [_JIT_DISABLED]
         return []
 
     def kernels(self) -> Any:
@@ -178,11 +179,22 @@ class NumbaBackend:
         with background_compile.foreground(), self._import_lock:
             if self._kernels is None:
                 try:
-                    self._kernels = _import_or_undo("fastembed.kernels.gather_cpu", self._load_threading_layer)
+                    kernels = _import_or_undo("fastembed.kernels.gather_cpu", self._load_threading_layer)
                 except Exception as error:  # an interrupt propagates: the next call tries again
-                    self._import_error = f"numba failed to load: {type(error).__name__}: {error}"
+                    self._refuse(f"numba failed to load: {type(error).__name__}: {error}")
                     raise ImportError(self._import_error) from error
+                import numba
+
+                if numba.config.DISABLE_JIT:  # type: ignore[attr-defined] # set in a .numba_config.yaml, or at run time
+                    self._refuse(_JIT_DISABLED)
+                    raise ImportError(self._import_error)
+                self._kernels = kernels
         return self._kernels
+
+    def _refuse(self, reason: str) -> None:
+        """Keep why numba cannot serve, and have the dispatcher choose again (it may have chosen this backend)."""
+        self._import_error = reason
+        base.availability_changed()
 
     def dequantize_kernels(self) -> Any:
         """The dequantizing kernel module (:mod:`fastembed.kernels.dequant_cpu`), imported as :meth:`kernels` is.
@@ -212,30 +224,29 @@ class NumbaBackend:
         a fraction of one (docs/backends.md). OpenMP reads OMP_WAIT_POLICY
         once, when its library loads; the variable is set to ``passive`` for
         that moment only, and only if the user has not set it, so that no
-        OpenMP runtime another library loads later sees it.
+        OpenMP runtime another library loads later sees it. A runtime that
+        another library loaded before (torch's own copy, say) has read it
+        already and is not affected.
         """
         import numba
 
         given = os.environ.get("OMP_WAIT_POLICY")
         user_policy = given if given and given.strip() else None  # GNU OpenMP ignores an empty value and spins
-        already_loaded = _gomp_loaded()
-        if user_policy is not None:
-            self.wait_policy = f"{user_policy} (OMP_WAIT_POLICY set by the user)"
-        elif already_loaded:
-            self.wait_policy = "as GNU OpenMP read it when another library loaded it first"
-        else:
+        runtimes_before = _gomp_paths()
+        if user_policy is None:
             os.environ["OMP_WAIT_POLICY"] = "passive"
-            self.wait_policy = "passive (set by fastembed while numba's OpenMP runtime loaded)"
         try:
             numba.get_num_threads()  # loads the threading layer
         except Exception as error:  # noqa: BLE001 - no usable layer: the serial kernel serves, and describe() says why
             self._parallel_error = _one_line(error)
         finally:
-            if user_policy is None and not already_loaded:
+            # Restored only if still ours: another thread may have set it meanwhile.
+            if user_policy is None and os.environ.get("OMP_WAIT_POLICY") == "passive":
                 if given is None:
-                    del os.environ["OMP_WAIT_POLICY"]
+                    os.environ.pop("OMP_WAIT_POLICY", None)
                 else:
                     os.environ["OMP_WAIT_POLICY"] = given
+        self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _gomp_paths())
 
     # -- the gather ----------------------------------------------------------
 
@@ -300,7 +311,11 @@ class NumbaBackend:
         except ImportError:
             return  # kept as the backend's reason: unavailable_reasons() reports it
         table_words, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
-        kernels.gather_serial(table_words, no_ids, no_rows)
+        try:
+            kernels.gather_serial(table_words, no_ids, no_rows)
+        except Exception as error:  # a corrupt on-disk cache, say: numpy serves the signature, describe() says why
+            self._compile_failures[signature] = _one_line(error)
+            raise
         if self._parallel_error is None and not self.forked_after_pool_start:
             with self._parallel_lock:
                 self.pool_started = True
@@ -451,6 +466,10 @@ class NumbaBackend:
         }
         if self._parallel_error is not None:
             facts["parallel_kernels"] = f"unavailable, serving serially: {self._parallel_error}"
+        failures = list(self._compile_failures.values())
+        if failures:
+            facts["compile_failures"] = (f"the kernels of {len(failures)} argument signature(s) failed to compile, "
+                                         f"numpy serves those lookups: {failures[0]}")
         facts["dequantize_formats"] = ", ".join(FORMATS)
         try:
             kernels = self.dequantize_kernels()
@@ -461,6 +480,17 @@ class NumbaBackend:
         if self._dequantize_error is not None:
             facts["dequantize_kernels"] = f"unavailable, the numpy reference serves: {self._dequantize_error}"
         return facts
+
+
+_JIT_DISABLED = "numba's JIT is disabled (NUMBA_DISABLE_JIT or disable_jit in .numba_config.yaml): numba would run the kernels as Python, slower than numpy"
+
+
+def _jit_disabled_by_environment() -> bool:
+    """NUMBA_DISABLE_JIT read as numba reads it: an integer, anything else ignored."""
+    try:
+        return int(os.environ.get("NUMBA_DISABLE_JIT", "")) != 0
+    except ValueError:
+        return False
 
 
 def _import_or_undo(name: str, then: Any = None) -> Any:
@@ -491,13 +521,24 @@ def _numba_pool_started() -> bool:
     return parallel is not None and bool(getattr(parallel, "_is_initialized", True))
 
 
-def _gomp_loaded() -> bool:
-    """Whether GNU OpenMP is already mapped into this process (Linux; False where /proc cannot tell)."""
+def _gomp_paths() -> set[str]:
+    """The GNU OpenMP libraries mapped into this process (Linux; empty where /proc cannot tell)."""
     try:
         with open("/proc/self/maps") as maps:
-            return any("libgomp" in line for line in maps)
+            return {line.split()[-1] for line in maps if "libgomp" in line}
     except OSError:
-        return False
+        return set()
+
+
+def _wait_policy_fact(user_policy: str | None, runtimes_before: set[str], runtimes_after: set[str]) -> str:
+    """What OMP_WAIT_POLICY numba's OpenMP workers follow, for ``describe()``."""
+    if user_policy is not None:
+        return f"{user_policy} (OMP_WAIT_POLICY set by the user)"
+    if runtimes_after - runtimes_before:
+        return "passive (set by fastembed while numba's OpenMP runtime loaded)"
+    if runtimes_before and _threading_layer() == "omp":
+        return "as GNU OpenMP read it when another library loaded it first"
+    return f"not applicable: numba's threading layer is {_threading_layer()}"
 
 
 def _raise_for_status(status: int, ids: np.ndarray, vocab_size: int) -> None:
