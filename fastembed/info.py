@@ -83,11 +83,12 @@ def other_fastembed_distributions() -> list[str]:
 
 def report() -> dict[str, Any]:
     """Every fact ``python -m fastembed info`` prints, as JSON-serialisable values."""
+    facts_by_name = {status.name: BACKENDS[status.name].describe() for status in backend_statuses() if status.available}
     backends = []
-    for status in backend_statuses():
+    for status in backend_statuses():  # again: describing loads a backend's library, which may find it unusable
         entry: dict[str, Any] = {"name": status.name, "available": status.available, "reasons": status.reasons}
         if status.available:
-            entry.update(BACKENDS[status.name].describe())
+            entry.update(facts_by_name.get(status.name, {}))
         backends.append(entry)
     version, version_source = fastembed_version()
     return {
@@ -132,6 +133,12 @@ def format_report(facts: dict[str, Any]) -> str:
         lines.append(
             f"ERROR: FASTEMBED_BACKEND={environment['value']!r} is unknown; valid names: "
             f"{', '.join(environment['valid_names'])}. Every lookup without backend= raises ValueError until it is fixed."
+        )
+    named = next((b for b in facts["backends"] if b["name"] == environment["value"]), None)
+    if named is not None and not named["available"]:
+        lines.append(
+            f"ERROR: FASTEMBED_BACKEND={environment['value']!r} names a backend that cannot run here: "
+            f"{'; '.join(named['reasons'])}. Every lookup without backend= raises BackendUnavailableError until it is fixed."
         )
     lines.append("backends (priority order):")
     for backend in facts["backends"]:
