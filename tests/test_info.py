@@ -87,7 +87,8 @@ def test_an_unknown_fastembed_backend_is_flagged_with_the_valid_names():
     text = run_info(FASTEMBED_BACKEND="bogus")
     valid = ", ".join(["auto", *dispatch.BACKENDS])
     assert f"ERROR: FASTEMBED_BACKEND='bogus' is unknown; valid names: {valid}." in text
-    for good in ["auto", *dispatch.BACKENDS]:
+    usable = ["auto", *(status.name for status in fastembed.backend_statuses() if status.available)]
+    for good in usable:
         assert "ERROR" not in run_info(FASTEMBED_BACKEND=good)
     facts = json.loads(run_info("--json", FASTEMBED_BACKEND="bogus"))
     assert facts["backend_env"] == {"value": "bogus", "valid": False, "valid_names": ["auto", *dispatch.BACKENDS]}
@@ -161,3 +162,33 @@ def test_an_empty_openmp_wait_policy_counts_as_unset():
     if not numba["available"] or numba.get("threading_layer") != "omp":
         pytest.skip("numba's OpenMP layer is not in use here")
     assert numba["omp_wait_policy"].startswith("passive (set by fastembed")
+
+
+def test_info_reports_a_backend_that_fails_while_it_is_described(monkeypatch):
+    """Describing numba loads it; a failure found then shows as the backend's status, not beside "available"."""
+    from fastembed.backends import numba_backend
+
+    backend = numba_backend.BACKEND
+    monkeypatch.setattr(backend, "_unavailable", [])
+    monkeypatch.setattr(backend, "_import_error", None)
+
+    def failing_describe():
+        backend._refuse("numba failed to load: ImportError: llvmlite is broken")
+        return {"error": "numba failed to load: ImportError: llvmlite is broken"}
+
+    monkeypatch.setattr(backend, "describe", failing_describe)
+    entry = next(b for b in info.report()["backends"] if b["name"] == "numba")
+    assert entry["available"] is False and entry["reasons"] == ["numba failed to load: ImportError: llvmlite is broken"]
+    assert "error" not in entry
+    monkeypatch.undo()
+    fastembed.dispatch.refresh()
+
+
+def test_info_flags_a_fastembed_backend_that_cannot_run(monkeypatch):
+    cuda = next(status for status in fastembed.backend_statuses() if status.name == "cuda")
+    if cuda.available:
+        pytest.skip("the cuda backend can run here")
+    monkeypatch.setenv("FASTEMBED_BACKEND", "cuda")
+    text = info.format_report(info.report())
+    assert "ERROR: FASTEMBED_BACKEND='cuda' names a backend that cannot run here" in text
+    assert cuda.reasons[0] in text

@@ -378,6 +378,99 @@ def test_a_refresh_during_a_lookup_leaves_the_lookup_exact(monkeypatch):
     assert_bit_equal(BACKEND.gather(table, ids, None), table[ids])
 
 
+@pytest.fixture
+def fresh_backend():
+    """The backend's state forgotten before and after the test (a failure it provokes does not outlive it)."""
+    fastembed.dispatch.refresh()
+    yield BACKEND
+    fastembed.dispatch.refresh()
+
+
+def test_a_numba_that_fails_to_load_is_refused_by_name_and_skipped_by_auto(monkeypatch, fresh_backend):
+    """The failure shows on the background thread, after the call chose numba: the next choice knows it."""
+    original = numba_backend._import_or_undo
+
+    def broken_import(name, *rest):
+        if name == "fastembed.kernels.gather_cpu":
+            raise ImportError("llvmlite is broken")
+        return original(name, *rest)
+
+    monkeypatch.setattr(numba_backend, "_import_or_undo", broken_import)
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
+    assert fastembed.select_backend(table, ids).backend == "numba"
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])  # numpy, while numba loads
+    fastembed.wait_for_compiles()
+    with pytest.raises(fastembed.BackendUnavailableError, match="numba failed to load: ImportError: llvmlite is broken"):
+        fastembed.lookup(table, ids, backend="numba")
+    selection = fastembed.select_backend(table, ids)
+    assert selection.backend == "numpy" and "llvmlite is broken" in selection.skipped["numba"][0]
+    assert_bit_equal(fastembed.lookup(table, ids), table[ids])
+
+
+def test_a_jit_disabled_in_numbas_configuration_makes_the_backend_unavailable(monkeypatch, fresh_backend):
+    """numba.config.DISABLE_JIT also comes from a .numba_config.yaml, which only numba reads."""
+    import numba
+
+    monkeypatch.setattr(numba.config, "DISABLE_JIT", 1)
+    with pytest.raises(ImportError, match="JIT is disabled"):
+        BACKEND.kernels()
+    assert any("JIT is disabled" in reason for reason in BACKEND.unavailable_reasons())
+    table, ids = random_table(20, 8), np.array([3, 1])
+    assert fastembed.select_backend(table, ids).backend == "numpy"
+
+
+@pytest.mark.parametrize(("value", "disabled"), [("1", True), ("2", True), ("0", False), ("", False),
+                                                 ("true", False), ("0.0", False), (" 1 ", True)])
+def test_numba_disable_jit_is_read_as_numba_reads_it(monkeypatch, value, disabled):
+    """numba takes an integer and ignores anything else (with a warning): so does the availability check."""
+    monkeypatch.setenv("NUMBA_DISABLE_JIT", value)
+    assert numba_backend._jit_disabled_by_environment() is disabled
+
+
+def test_a_signature_that_fails_to_compile_is_served_by_numpy_with_the_reason(monkeypatch, fresh_backend):
+    """A corrupt on-disk cache makes numba raise while loading a kernel: numpy serves, describe() tells why."""
+    import pickle
+
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    kernels = BACKEND.kernels()
+
+    def corrupt_cache(*arguments):
+        raise pickle.UnpicklingError("invalid load key, 'x'")
+
+    monkeypatch.setattr(kernels, "gather_serial", corrupt_cache)
+    table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
+    for _ in range(2):
+        assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+        fastembed.wait_for_compiles()
+    failures = BACKEND.describe()["compile_failures"]
+    assert "UnpicklingError: invalid load key" in failures and "numpy serves" in failures
+
+
+def test_the_wait_policy_reaches_numbas_openmp_when_another_library_loaded_its_own(monkeypatch):
+    """torch maps its own copy of GNU OpenMP; numba's is another library, which reads the variable as it loads."""
+    import numba
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    mapped = iter([{"/torch/lib/libgomp-a34b3233.so.1"}, {"/torch/lib/libgomp-a34b3233.so.1", "/usr/lib/libgomp.so.1"}])
+    monkeypatch.setattr(numba_backend, "_gomp_paths", lambda: next(mapped))
+    seen = []
+    monkeypatch.setattr(numba, "get_num_threads", lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")))
+    backend = numba_backend.NumbaBackend()
+    backend._load_threading_layer()
+    assert seen == ["passive"] and "OMP_WAIT_POLICY" not in os.environ
+    assert backend.wait_policy.startswith("passive (set by fastembed")
+
+
+def test_a_wait_policy_set_by_another_thread_while_numba_loads_is_kept(monkeypatch):
+    import numba
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(numba, "get_num_threads", lambda: os.environ.__setitem__("OMP_WAIT_POLICY", "active"))
+    numba_backend.NumbaBackend()._load_threading_layer()
+    assert os.environ["OMP_WAIT_POLICY"] == "active"
+
+
 class _InterruptedJoin:
     """A compile thread whose join is interrupted (Ctrl-C while a fork waits for it)."""
 
