@@ -62,21 +62,29 @@ def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto",
     return explain(table_view, backend)
 
 
-def wait_for_compiles() -> None:
-    """Block until every kernel compiling in the background is ready.
+def wait_for_compiles(timeout: float | None = None) -> bool:
+    """Block until every kernel compiling in the background is ready, or `timeout` seconds have passed.
 
     No lookup compiles on the caller's thread: a call whose kernels are
     not compiled yet is served by numpy's take while they compile on a
     background thread. A server that wants full speed from its first
     request makes one lookup of a typical batch at start-up, then calls this.
 
+    Args:
+        timeout: the most seconds to wait (None: until done).
+
+    Returns:
+        True when no compile is running any more; False when the timeout
+        came first (the compiles go on, and calls stay served meanwhile).
+
     Example:
         >>> import fastembed
-        >>> fastembed.wait_for_compiles()
+        >>> fastembed.wait_for_compiles(timeout=60)
+        True
     """
     from .backends import background_compile
 
-    background_compile.wait()
+    return background_compile.wait(timeout)
 
 
 def empty_cache() -> None:

@@ -471,6 +471,20 @@ def test_a_wait_policy_set_by_another_thread_while_numba_loads_is_kept(monkeypat
     assert os.environ["OMP_WAIT_POLICY"] == "active"
 
 
+def test_wait_for_compiles_returns_at_its_timeout_and_says_so():
+    background_compile = numba_backend.background_compile
+    release = threading.Event()
+    background_compile.start(("test", "held compile"), lambda: release.wait(30))
+    try:
+        assert fastembed.wait_for_compiles(timeout=0.05) is False
+        assert not background_compile.is_ready(("test", "held compile"))
+    finally:
+        release.set()
+    assert fastembed.wait_for_compiles(timeout=30) is True
+    assert background_compile.is_ready(("test", "held compile"))
+    background_compile.forget()
+
+
 class _InterruptedJoin:
     """A compile thread whose join is interrupted (Ctrl-C while a fork waits for it)."""
 

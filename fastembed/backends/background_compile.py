@@ -26,6 +26,7 @@ import contextlib
 import logging  # noqa: F401 - imported here so that its fork hooks are never registered mid-fork (numba imports it)
 import os
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -82,15 +83,17 @@ def _compile(key: Hashable, first_call: Callable[[], Any]) -> None:
         _ready.add(key)
 
 
-def wait() -> None:
-    """Block until every compile started so far has finished (benchmarks, tests, fork)."""
+def wait(timeout: float | None = None) -> bool:
+    """Block until every compile started so far has finished, or `timeout` seconds have passed; True if all finished."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     with _guard:
         threads = list(_threads)
     for thread in threads:
         if thread is not threading.current_thread():
-            thread.join()
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
     with _guard:
         _threads[:] = [thread for thread in _threads if thread.is_alive()]
+        return not any(thread is not threading.current_thread() for thread in _threads)
 
 
 def _wait_before_fork() -> None:
