@@ -36,7 +36,7 @@ _ready: set[Hashable] = set()
 _threads: list[threading.Thread] = []
 _foreground_done = threading.Condition(threading.Lock())
 _foreground_threads: dict[int, int] = {}  # thread ident -> nesting depth
-_held_for_fork: list[Any] = []  # the locks _wait_before_fork took, released after the fork
+_held_for_fork: dict[int, list[Any]] = {}  # forking thread -> the locks its _wait_before_fork took
 _exiting = False
 
 
@@ -103,20 +103,21 @@ def _wait_before_fork() -> None:
     anyway: only the locks actually taken are released afterwards.
     """
     ident = threading.get_ident()
+    held = _held_for_fork.setdefault(ident, [])
     _guard.acquire()  # a thread inside start() holds it while its compile thread starts
-    _held_for_fork.append(_guard)
+    held.append(_guard)
     for thread in list(_threads):
         if thread is not threading.current_thread():
             thread.join()
     _threads[:] = [thread for thread in _threads if thread.is_alive()]
     _foreground_done.acquire()
-    _held_for_fork.append(_foreground_done)
+    held.append(_foreground_done)
     _foreground_done.wait_for(lambda: not (set(_foreground_threads) - {ident}))
 
 
 def _after_fork() -> None:
-    while _held_for_fork:
-        _held_for_fork.pop().release()
+    for lock in reversed(_held_for_fork.pop(threading.get_ident(), [])):
+        lock.release()
 
 
 def _stop_new_compiles() -> None:
