@@ -154,9 +154,13 @@ def reasons_against(backend: Backend, table: Any) -> list[str]:
 def available_backends() -> tuple[Backend, ...]:
     """The backends that can run on this machine, in priority order (cached)."""
     global _available
-    if _available is None:
-        _available = tuple(backend for backend in BACKENDS.values() if not backend.unavailable_reasons())
-    return _available
+    if _available is not None:
+        return _available
+    seen = generation
+    available = tuple(backend for backend in BACKENDS.values() if not backend.unavailable_reasons())
+    if generation == seen:  # else the choices were forgotten meanwhile: this answer may be stale
+        _available = available
+    return available
 
 
 _available: tuple[Backend, ...] | None = None
@@ -237,8 +241,10 @@ def select(table: Any, backend: str = AUTO) -> Backend:
         ) from None
     if remembered is not None:
         return remembered
+    seen = generation
     chosen = _choose(table, backend, environment)
-    _selected[key] = chosen
+    if generation == seen:  # else the choices were forgotten meanwhile: this one may be stale
+        _selected[key] = chosen
     return chosen
 
 
