@@ -51,6 +51,7 @@ table.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -127,24 +128,26 @@ class NumbaBackend:
 
         self.pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
         self.forked_after_pool_start = False
+        self.wait_policy = "not loaded yet"  # the OpenMP wait policy in force, as numba's runtime loaded
+        self._epoch = 0  # counts resets: a background compile's key holds it, so each compiles again after one
         self.reset()
 
     def reset(self) -> None:
         """Forget availability, the kernel import's failure, the parallel kernel's failure and what compiled.
 
-        Compiles running in the background finish first, and every key they
-        started is forgotten with them, so each signature compiles again.
-        Facts of the process (its thread pool started, a fork after that)
-        stay: forgetting them would let a forked child run a pool it cannot.
+        Each signature compiles again afterwards; a compile still running
+        records its result where the reset left it, not in the new state.
+        Facts of the process (its thread pool started, a fork after that, the
+        wait policy its OpenMP runtime read) stay: forgetting them would let
+        a forked child run a pool it cannot.
         """
-        background_compile.forget()
+        self._epoch += 1
         self._kernels: Any = None
         self._import_error: str | None = None
         self._dequantize_kernels: Any = None
         self._dequantize_error: str | None = None  # the dequantizing kernels cannot load or compile: numpy serves
         self._parallel_error: str | None = None
         self._unavailable: list[str] | None = None
-        self.wait_policy = "not loaded yet"
         self._compiled: set[tuple] = set()  # kernels known compiled, by what numba specialises on
         self._compile_failures: dict[tuple, str] = {}  # signature -> why its kernels failed to compile
 
@@ -176,24 +179,27 @@ class NumbaBackend:
         """
         if self._kernels is not None:
             return self._kernels
+        failure: Exception | None = None
         with background_compile.foreground(), self._import_lock:
             if self._kernels is None:
                 try:
                     kernels = _import_or_undo("fastembed.kernels.gather_cpu", self._load_threading_layer)
-                except Exception as error:  # an interrupt propagates: the next call tries again
-                    self._refuse(f"numba failed to load: {type(error).__name__}: {error}")
-                    raise ImportError(self._import_error) from error
-                import numba
+                    import numba
 
-                if numba.config.DISABLE_JIT:  # type: ignore[attr-defined] # set in a .numba_config.yaml, or at run time
-                    self._refuse(_JIT_DISABLED)
-                    raise ImportError(self._import_error)
-                self._kernels = kernels
+                    if numba.config.DISABLE_JIT:  # type: ignore[attr-defined] # also set by a .numba_config.yaml
+                        raise ImportError(_JIT_DISABLED)
+                    self._kernels = kernels
+                except Exception as error:  # an interrupt propagates: the next call tries again
+                    self._import_error = str(error) if str(error) == _JIT_DISABLED else (
+                        f"numba failed to load: {type(error).__name__}: {error}")
+                    failure = error
+        if failure is not None:
+            self._refuse()  # outside the lock: a listener may reset this backend
+            raise ImportError(self._import_error) from failure
         return self._kernels
 
-    def _refuse(self, reason: str) -> None:
-        """Keep why numba cannot serve, and have the dispatcher choose again (it may have chosen this backend)."""
-        self._import_error = reason
+    def _refuse(self) -> None:
+        """Have the dispatcher choose again: it may have chosen this backend before its reason was known."""
         base.availability_changed()
 
     def dequantize_kernels(self) -> Any:
@@ -230,6 +236,12 @@ class NumbaBackend:
         """
         import numba
 
+        if self.wait_policy != "not loaded yet":  # loaded before a reset: the runtime read its policy then
+            try:
+                numba.get_num_threads()
+            except Exception as error:  # noqa: BLE001 - as below
+                self._parallel_error = _one_line(error)
+            return
         given = os.environ.get("OMP_WAIT_POLICY")
         user_policy = given if given and given.strip() else None  # GNU OpenMP ignores an empty value and spins
         runtimes_before = _gomp_paths()
@@ -290,21 +302,27 @@ class NumbaBackend:
         the caller's thread; otherwise here.
         """
         templates = _templates(table_words, flat_ids, signature)
+        if signature in self._compile_failures:
+            return False
+        compiled = self._compiled
         if COMPILE_IN_BACKGROUND:
-            background_compile.start(("kernels", *signature), lambda: self._compile_now(signature, templates))
-            return signature in self._compiled
-        with background_compile.foreground():
-            self._compile_now(signature, templates)
-        return signature in self._compiled
+            background_compile.start(("kernels", self._epoch, *signature),
+                                     lambda: self._compile_now(signature, templates, compiled))
+            return signature in compiled
+        with background_compile.foreground(), contextlib.suppress(Exception):  # kept: describe() reports it
+            self._compile_now(signature, templates, compiled)
+        return signature in compiled
 
-    def _compile_now(self, signature: tuple, templates: tuple) -> None:
+    def _compile_now(self, signature: tuple, templates: tuple, compiled: set[tuple]) -> None:
         """Compile every kernel for these argument types with calls that gather no row.
 
         The templates have the arguments' types (dtype, read-only flag,
         alignment) but none of their memory, so a compile keeps no table
         alive. A parallel kernel that cannot run (no usable threading layer)
         is remembered: the serial kernel then serves every batch, and
-        ``describe()`` says why.
+        ``describe()`` says why. Kernels that fail to compile are remembered
+        too: numpy serves their signature. `compiled` is the set of the
+        backend's state when the compile started.
         """
         try:
             kernels = self.kernels()
@@ -326,7 +344,7 @@ class NumbaBackend:
                                                        TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
                 except Exception as error:  # noqa: BLE001 - kept, reported by describe()
                     self._parallel_error = _one_line(error)
-        self._compiled.add(signature)
+        compiled.add(signature)
 
     def _run_parallel(self, kernels: Any, table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
         if not self._parallel_lock.acquire(blocking=False):
@@ -398,14 +416,15 @@ class NumbaBackend:
 
     def _compile_dequantize(self, signature: tuple) -> bool:
         """As :meth:`_compile`, for the dequantizing kernels of `signature` ("dequantize", output word)."""
+        compiled = self._compiled
         if COMPILE_IN_BACKGROUND:
-            background_compile.start(signature, lambda: self._compile_dequantize_now(signature))
-            return signature in self._compiled
-        with background_compile.foreground():
-            self._compile_dequantize_now(signature)
-        return signature in self._compiled
+            background_compile.start((self._epoch, *signature), lambda: self._compile_dequantize_now(signature, compiled))
+            return signature in compiled
+        with background_compile.foreground(), contextlib.suppress(Exception):  # kept: describe() reports it
+            self._compile_dequantize_now(signature, compiled)
+        return signature in compiled
 
-    def _compile_dequantize_now(self, signature: tuple) -> None:
+    def _compile_dequantize_now(self, signature: tuple, compiled: set[tuple]) -> None:
         """Compile the dequantizing kernels for an output word with calls that dequantize no row (one bad id)."""
         try:
             kernels = self.dequantize_kernels()
@@ -427,7 +446,7 @@ class NumbaBackend:
                     kernels.dequantize_parallel(*arguments, 1)
                 except Exception as error:  # noqa: BLE001 - kept, reported by describe()
                     self._parallel_error = _one_line(error)
-        self._compiled.add(signature)
+        compiled.add(signature)
 
     def after_fork_in_child(self) -> None:
         self.forked_after_pool_start = self.pool_started or _numba_pool_started()
