@@ -359,7 +359,7 @@ def test_numpy_serves_while_the_kernels_compile_in_the_background(monkeypatch):
                         lambda table, ids, out: served.append(ids.size) or reference_into(table, ids, out))
     release = threading.Event()
     compile_now = BACKEND._compile_dequantize_now
-    monkeypatch.setattr(BACKEND, "_compile_dequantize_now", lambda signature: release.wait(30) and compile_now(signature))
+    monkeypatch.setattr(BACKEND, "_compile_dequantize_now", lambda *arguments: release.wait(30) and compile_now(*arguments))
     table = random_quantized_table("q5_1", 100, 96)
     ids = np.arange(100)[::-1].copy()
     for _ in range(2):

@@ -246,3 +246,19 @@ def test_select_backend_takes_an_out_and_a_dtype_for_a_quantized_table():
             fastembed.select_backend(table, ids, out, dtype=dtype)
     with pytest.raises(TypeError, match="dequantizes into"):
         fastembed.select_backend(table, ids, dtype="int8")
+
+
+def test_a_choice_made_while_the_choices_are_forgotten_is_not_remembered(monkeypatch):
+    """A backend that finds out meanwhile that it cannot run has the choices forgotten: a choice made before must not stay."""
+    original = dispatch._choose
+
+    def choose_then_forget(*arguments):
+        chosen = original(*arguments)
+        dispatch._forget_choices()  # what a backend's failure on another thread does at this moment
+        return chosen
+
+    monkeypatch.setattr(dispatch, "_choose", choose_then_forget)
+    table = random_table(10, 4)
+    dispatch._forget_choices()
+    dispatch.select(table)
+    assert dispatch._selected == {}

@@ -173,7 +173,8 @@ def test_info_reports_a_backend_that_fails_while_it_is_described(monkeypatch):
     monkeypatch.setattr(backend, "_import_error", None)
 
     def failing_describe():
-        backend._refuse("numba failed to load: ImportError: llvmlite is broken")
+        backend._import_error = "numba failed to load: ImportError: llvmlite is broken"
+        backend._refuse()
         return {"error": "numba failed to load: ImportError: llvmlite is broken"}
 
     monkeypatch.setattr(backend, "describe", failing_describe)

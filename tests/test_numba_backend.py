@@ -371,7 +371,7 @@ def test_a_refresh_during_a_lookup_leaves_the_lookup_exact(monkeypatch):
 
     def signature_then_reset(*arguments):
         signature = original(*arguments)
-        BACKEND._kernels = None  # what reset() on another thread does at this moment
+        monkeypatch.setattr(BACKEND, "_kernels", None)  # what reset() on another thread does at this moment
         return signature
 
     monkeypatch.setattr(numba_backend, "_signature", signature_then_reset)
@@ -428,10 +428,12 @@ def test_numba_disable_jit_is_read_as_numba_reads_it(monkeypatch, value, disable
     assert numba_backend._jit_disabled_by_environment() is disabled
 
 
-def test_a_signature_that_fails_to_compile_is_served_by_numpy_with_the_reason(monkeypatch, fresh_backend):
+@pytest.mark.parametrize("in_background", [True, False])
+def test_a_signature_that_fails_to_compile_is_served_by_numpy_with_the_reason(monkeypatch, fresh_backend, in_background):
     """A corrupt on-disk cache makes numba raise while loading a kernel: numpy serves, describe() tells why."""
     import pickle
 
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", in_background)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     kernels = BACKEND.kernels()
 
@@ -451,7 +453,8 @@ def test_the_wait_policy_reaches_numbas_openmp_when_another_library_loaded_its_o
     """torch maps its own copy of GNU OpenMP; numba's is another library, which reads the variable as it loads."""
     import numba
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
     mapped = iter([{"/torch/lib/libgomp-a34b3233.so.1"}, {"/torch/lib/libgomp-a34b3233.so.1", "/usr/lib/libgomp.so.1"}])
     monkeypatch.setattr(numba_backend, "_gomp_paths", lambda: next(mapped))
     seen = []
@@ -465,7 +468,8 @@ def test_the_wait_policy_reaches_numbas_openmp_when_another_library_loaded_its_o
 def test_a_wait_policy_set_by_another_thread_while_numba_loads_is_kept(monkeypatch):
     import numba
 
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")  # recorded, so that the value the test leaves is undone
+    monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setattr(numba, "get_num_threads", lambda: os.environ.__setitem__("OMP_WAIT_POLICY", "active"))
     numba_backend.NumbaBackend()._load_threading_layer()
     assert os.environ["OMP_WAIT_POLICY"] == "active"
@@ -483,6 +487,57 @@ def test_wait_for_compiles_returns_at_its_timeout_and_says_so():
     assert fastembed.wait_for_compiles(timeout=30) is True
     assert background_compile.is_ready(("test", "held compile"))
     background_compile.forget()
+
+
+def test_a_refresh_takes_no_lock_of_the_background_compiles():
+    """A fork hook registered before fastembed's runs while fastembed's holds them; a refresh there must go on."""
+    background_compile = numba_backend.background_compile
+    refreshed = threading.Event()
+
+    def refresh_holding_the_guard():
+        with background_compile._guard:
+            fastembed.dispatch.refresh()
+            refreshed.set()
+
+    thread = threading.Thread(target=refresh_holding_the_guard, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert refreshed.is_set()
+
+
+def test_each_forking_thread_releases_only_its_own_locks():
+    """Two threads forking at once: one thread's after-fork hook must leave the other's locks held."""
+    background_compile = numba_backend.background_compile
+    background_compile._wait_before_fork()
+    other = threading.Thread(target=background_compile._after_fork)  # a thread that took nothing
+    other.start()
+    other.join(30)
+    assert background_compile._guard.locked()
+    background_compile._after_fork()
+    assert not background_compile._guard.locked()
+
+
+def test_a_listener_that_refreshes_on_a_load_failure_does_not_deadlock(monkeypatch, fresh_backend):
+    from fastembed.backends import base
+
+    def broken_import(name, *rest):
+        raise ImportError("llvmlite is broken")
+
+    monkeypatch.setattr(numba_backend, "_import_or_undo", broken_import)
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(base, "_availability_listeners", [*base._availability_listeners, fastembed.dispatch.refresh])
+    table = random_table(200, 48)
+    for ids in (np.arange(0, 200, 3, dtype=np.int64), np.arange(0, 200, 3, dtype=np.int32)):
+        assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+    assert fastembed.wait_for_compiles(timeout=60)
+
+
+def test_the_wait_policy_is_reported_as_loaded_after_a_refresh(fresh_backend):
+    """The OpenMP runtime read its policy once; a refresh does not make the report forget which."""
+    BACKEND.kernels()
+    policy = BACKEND.describe()["omp_wait_policy"]
+    fastembed.dispatch.refresh()
+    assert BACKEND.describe()["omp_wait_policy"] == policy
 
 
 class _InterruptedJoin:
@@ -521,17 +576,18 @@ def test_a_large_lookup_in_an_atexit_handler_exits(tmp_path):
     """The lookup is served by numpy, and no compile thread is left running into interpreter teardown."""
     script = tmp_path / "at_exit.py"
     script.write_text(
-        "import atexit, numpy as np, fastembed\n"
+        "import atexit, threading, numpy as np, fastembed\n"
         "table = np.random.default_rng(0).standard_normal((4000, 1024)).astype(np.float32)\n"
         "def at_exit():\n"
         "    ids = np.arange(0, 4000, 2, dtype=np.int64)\n"
         "    assert np.array_equal(fastembed.lookup(table, ids), table[ids])\n"
-        "    print('looked up', flush=True)\n"
+        "    compiling = [t for t in threading.enumerate() if t.name == 'fastembed-compile']\n"
+        "    print('looked up; compile threads started:', len(compiling), flush=True)\n"
         "atexit.register(at_exit)\n"
     )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "looked up" in done.stdout
+    assert "looked up; compile threads started: 0" in done.stdout
 
 
 @pytest.mark.parametrize("cache_bytes", [0, 2**30])
