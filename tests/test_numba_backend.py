@@ -456,7 +456,7 @@ def test_the_wait_policy_reaches_numbas_openmp_when_another_library_loaded_its_o
     monkeypatch.setenv("OMP_WAIT_POLICY", "")
     monkeypatch.delenv("OMP_WAIT_POLICY")
     mapped = iter([{"/torch/lib/libgomp-a34b3233.so.1"}, {"/torch/lib/libgomp-a34b3233.so.1", "/usr/lib/libgomp.so.1"}])
-    monkeypatch.setattr(numba_backend, "_gomp_paths", lambda: next(mapped))
+    monkeypatch.setattr(numba_backend, "_openmp_paths", lambda: next(mapped))
     seen = []
     monkeypatch.setattr(numba, "get_num_threads", lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")))
     backend = numba_backend.NumbaBackend()

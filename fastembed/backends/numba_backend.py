@@ -244,7 +244,7 @@ class NumbaBackend:
             return
         given = os.environ.get("OMP_WAIT_POLICY")
         user_policy = given if given and given.strip() else None  # GNU OpenMP ignores an empty value and spins
-        runtimes_before = _gomp_paths()
+        runtimes_before = _openmp_paths()
         if user_policy is None:
             os.environ["OMP_WAIT_POLICY"] = "passive"
         try:
@@ -258,7 +258,7 @@ class NumbaBackend:
                     os.environ.pop("OMP_WAIT_POLICY", None)
                 else:
                     os.environ["OMP_WAIT_POLICY"] = given
-        self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _gomp_paths())
+        self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _openmp_paths())
 
     # -- the gather ----------------------------------------------------------
 
@@ -540,11 +540,15 @@ def _numba_pool_started() -> bool:
     return parallel is not None and bool(getattr(parallel, "_is_initialized", True))
 
 
-def _gomp_paths() -> set[str]:
-    """The GNU OpenMP libraries mapped into this process (Linux; empty where /proc cannot tell)."""
+#: File names of the OpenMP runtimes numba's omp layer may use: GNU, LLVM and Intel; each reads OMP_WAIT_POLICY.
+_OPENMP_LIBRARIES = ("libgomp", "libomp", "libiomp")
+
+
+def _openmp_paths() -> set[str]:
+    """The OpenMP runtimes mapped into this process (Linux; empty where /proc cannot tell)."""
     try:
         with open("/proc/self/maps") as maps:
-            return {line.split()[-1] for line in maps if "libgomp" in line}
+            return {line.split()[-1] for line in maps if any(name in line for name in _OPENMP_LIBRARIES)}
     except OSError:
         return set()
 
@@ -556,7 +560,7 @@ def _wait_policy_fact(user_policy: str | None, runtimes_before: set[str], runtim
     if runtimes_after - runtimes_before:
         return "passive (set by fastembed while numba's OpenMP runtime loaded)"
     if runtimes_before and _threading_layer() == "omp":
-        return "as GNU OpenMP read it when another library loaded it first"
+        return "as the OpenMP runtime read it when another library loaded it first"
     return f"not applicable: numba's threading layer is {_threading_layer()}"
 
 
