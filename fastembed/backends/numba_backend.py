@@ -136,10 +136,11 @@ class NumbaBackend:
         """Forget availability, the kernel import's failure, the parallel kernel's failure and what compiled.
 
         Each signature compiles again afterwards; a compile still running
-        records its result where the reset left it, not in the new state.
-        Facts of the process (its thread pool started, a fork after that, the
-        wait policy its OpenMP runtime read) stay: forgetting them would let
-        a forked child run a pool it cannot.
+        records its result in the state it started from, which the reset has
+        replaced. Waits for nothing: it may run inside a fork hook, while the
+        compiles' locks are held. Facts of the process (its thread pool
+        started, a fork after that, the wait policy its OpenMP runtime read)
+        stay: forgetting them would let a forked child run a pool it cannot.
         """
         self._epoch += 1
         self._kernels: Any = None
