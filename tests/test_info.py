@@ -174,7 +174,7 @@ def test_info_reports_a_backend_that_fails_while_it_is_described(monkeypatch):
 
     def failing_describe():
         backend._import_error = "numba failed to load: ImportError: llvmlite is broken"
-        backend._refuse()
+        fastembed.backends.base.availability_changed()
         return {"error": "numba failed to load: ImportError: llvmlite is broken"}
 
     monkeypatch.setattr(backend, "describe", failing_describe)

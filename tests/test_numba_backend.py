@@ -449,6 +449,33 @@ def test_a_signature_that_fails_to_compile_is_served_by_numpy_with_the_reason(mo
     assert "UnpicklingError: invalid load key" in failures and "numpy serves" in failures
 
 
+def test_a_compile_that_fails_after_a_refresh_leaves_the_new_record_clean(monkeypatch, fresh_backend):
+    """The failure belongs to the record from before the refresh: the signature compiles again afterwards."""
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    kernels = BACKEND.kernels()
+    release = threading.Event()
+    serial = kernels.gather_serial
+
+    def held_then_broken(*arguments):
+        release.wait(30)
+        raise RuntimeError("stale compile failed")
+
+    monkeypatch.setattr(kernels, "gather_serial", held_then_broken)
+    table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])  # numpy; the compile waits
+    fastembed.dispatch.refresh()
+    release.set()
+    fastembed.wait_for_compiles(timeout=60)
+    monkeypatch.setattr(kernels, "gather_serial", serial)
+    assert "compile_failures" not in BACKEND.describe()
+    fastembed.lookup(table, ids, backend="numba")
+    fastembed.wait_for_compiles(timeout=60)
+    parallel = _Spy(BACKEND.kernels().gather_parallel)
+    monkeypatch.setattr(BACKEND.kernels(), "gather_parallel", parallel)
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+    assert parallel.batches == [ids.size]
+
+
 def test_the_wait_policy_reaches_numbas_openmp_when_another_library_loaded_its_own(monkeypatch):
     """torch maps its own copy of GNU OpenMP; numba's is another library, which reads the variable as it loads."""
     import numba

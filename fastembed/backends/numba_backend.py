@@ -36,7 +36,10 @@ Safety, whatever threading layer numba picked:
   inherit the import or compile lock held by a thread it does not have;
 - an import of numba that is interrupted is undone, so the next one starts afresh;
 - a parallel kernel that cannot run (a threading layer that fails to load)
-  leaves the serial kernel serving, with the reason in ``describe()``.
+  leaves the serial kernel serving, with the reason in ``describe()``;
+- numba failing to load (or its JIT off) on the background thread makes the
+  dispatcher choose again; kernels that fail to compile leave numpy serving
+  their signature, reported by ``describe()``.
 
 Quantized tables (:meth:`NumbaBackend.dequantize`, every block format of
 :mod:`fastembed.formats`) go through :mod:`fastembed.kernels.dequant_cpu`:
@@ -54,10 +57,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import itertools
 import os
 import platform
 import sys
 import threading
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -105,6 +110,18 @@ _BYTE = np.dtype(np.uint8)
 _CHANGED_DURING_COPY = -2
 
 
+_epochs = itertools.count()
+
+
+@dataclass
+class _Compiles:
+    """What the backend knows of its kernels' compiles between two resets."""
+
+    epoch: int = field(default_factory=lambda: next(_epochs))  # in each background key: a reset compiles anew
+    done: set[tuple] = field(default_factory=set)  # signatures whose kernels are compiled
+    failed: dict[tuple, str] = field(default_factory=dict)  # signature -> why its kernels failed to compile
+
+
 def word_dtype(row_bytes: int) -> np.dtype:
     """The widest unsigned word (8, 4, 2 or 1 bytes) that divides the row size.
 
@@ -129,7 +146,7 @@ class NumbaBackend:
         self.pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
         self.forked_after_pool_start = False
         self.wait_policy = "not loaded yet"  # the OpenMP wait policy in force, as numba's runtime loaded
-        self._epoch = 0  # counts resets: a background compile's key holds it, so each compiles again after one
+        self._threading_layer_loaded = False  # a fact of the process: a reset keeps it
         self.reset()
 
     def reset(self) -> None:
@@ -142,15 +159,13 @@ class NumbaBackend:
         started, a fork after that, the wait policy its OpenMP runtime read)
         stay: forgetting them would let a forked child run a pool it cannot.
         """
-        self._epoch += 1
         self._kernels: Any = None
         self._import_error: str | None = None
         self._dequantize_kernels: Any = None
-        self._dequantize_error: str | None = None  # the dequantizing kernels cannot load or compile: numpy serves
+        self._dequantize_error: str | None = None  # the dequantizing kernels cannot load: numpy serves
         self._parallel_error: str | None = None
         self._unavailable: list[str] | None = None
-        self._compiled: set[tuple] = set()  # kernels known compiled, by what numba specialises on
-        self._compile_failures: dict[tuple, str] = {}  # signature -> why its kernels failed to compile
+        self._compiles = _Compiles()  # one object, swapped whole: a compile started before holds the old one
 
     # -- availability --------------------------------------------------------
 
@@ -175,8 +190,10 @@ class NumbaBackend:
         modules it added are removed so that the next call imports afresh.
 
         Raises:
-            ImportError: numba cannot be loaded (the reason is also kept, and
-                reported by :meth:`unavailable_reasons`).
+            ImportError: numba cannot be loaded or its JIT is off
+                (NUMBA_DISABLE_JIT, a ``.numba_config.yaml``); the reason is
+                kept, reported by :meth:`unavailable_reasons`, and the
+                dispatcher told to choose again (``base.availability_changed``).
         """
         if self._kernels is not None:
             return self._kernels
@@ -185,23 +202,23 @@ class NumbaBackend:
             if self._kernels is None:
                 try:
                     kernels = _import_or_undo("fastembed.kernels.gather_cpu", self._load_threading_layer)
+                except Exception as error:  # an interrupt propagates: the next call tries again
+                    self._import_error = f"numba failed to load: {type(error).__name__}: {error}"
+                    failure = error
+                else:
                     import numba
 
                     if numba.config.DISABLE_JIT:  # type: ignore[attr-defined] # also set by a .numba_config.yaml
-                        raise ImportError(_JIT_DISABLED)
-                    self._kernels = kernels
-                except Exception as error:  # an interrupt propagates: the next call tries again
-                    self._import_error = str(error) if str(error) == _JIT_DISABLED else (
-                        f"numba failed to load: {type(error).__name__}: {error}")
-                    failure = error
+                        self._import_error = _JIT_DISABLED
+                        failure = ImportError(_JIT_DISABLED)
+                    else:
+                        self._kernels = kernels
         if failure is not None:
-            self._refuse()  # outside the lock: a listener may reset this backend
+            # The dispatcher may have chosen this backend before the reason was known; outside the lock, since a
+            # listener may reset this backend.
+            base.availability_changed()
             raise ImportError(self._import_error) from failure
         return self._kernels
-
-    def _refuse(self) -> None:
-        """Have the dispatcher choose again: it may have chosen this backend before its reason was known."""
-        base.availability_changed()
 
     def dequantize_kernels(self) -> Any:
         """The dequantizing kernel module (:mod:`fastembed.kernels.dequant_cpu`), imported as :meth:`kernels` is.
@@ -237,7 +254,7 @@ class NumbaBackend:
         """
         import numba
 
-        if self.wait_policy != "not loaded yet":  # loaded before a reset: the runtime read its policy then
+        if self._threading_layer_loaded:  # loaded before a reset: the runtime read its policy then
             try:
                 numba.get_num_threads()
             except Exception as error:  # noqa: BLE001 - as below
@@ -260,6 +277,7 @@ class NumbaBackend:
                 else:
                     os.environ["OMP_WAIT_POLICY"] = given
         self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _openmp_paths())
+        self._threading_layer_loaded = True
 
     # -- the gather ----------------------------------------------------------
 
@@ -274,7 +292,7 @@ class NumbaBackend:
         flat_ids = kernel_ids(ids)
         given_words = None if out is None else _row_words(out, n, word)
         signature = _signature(table_words, flat_ids, given_words)
-        if signature not in self._compiled and not self._compile(signature, table_words, flat_ids):
+        if signature not in self._compiles.done and not self._compile(signature, table_words, flat_ids):
             return numpy_backend.BACKEND.gather(table, ids, out)  # compiling in the background meanwhile
         kernels = self._kernels
         if kernels is None:  # reset() by another thread since the check
@@ -303,18 +321,18 @@ class NumbaBackend:
         the caller's thread; otherwise here.
         """
         templates = _templates(table_words, flat_ids, signature)
-        if signature in self._compile_failures:
+        compiles = self._compiles
+        if signature in compiles.failed:
             return False
-        compiled = self._compiled
         if COMPILE_IN_BACKGROUND:
-            background_compile.start(("kernels", self._epoch, *signature),
-                                     lambda: self._compile_now(signature, templates, compiled))
-            return signature in compiled
+            background_compile.start(("gather", compiles.epoch, *signature),
+                                     lambda: self._compile_now(signature, templates, compiles))
+            return signature in compiles.done
         with background_compile.foreground(), contextlib.suppress(Exception):  # kept: describe() reports it
-            self._compile_now(signature, templates, compiled)
-        return signature in compiled
+            self._compile_now(signature, templates, compiles)
+        return signature in compiles.done
 
-    def _compile_now(self, signature: tuple, templates: tuple, compiled: set[tuple]) -> None:
+    def _compile_now(self, signature: tuple, templates: tuple, compiles: _Compiles) -> None:
         """Compile every kernel for these argument types with calls that gather no row.
 
         The templates have the arguments' types (dtype, read-only flag,
@@ -322,8 +340,8 @@ class NumbaBackend:
         alive. A parallel kernel that cannot run (no usable threading layer)
         is remembered: the serial kernel then serves every batch, and
         ``describe()`` says why. Kernels that fail to compile are remembered
-        too: numpy serves their signature. `compiled` is the set of the
-        backend's state when the compile started.
+        too: numpy serves their signature. Both go into `compiles`, the
+        backend's record when the compile started.
         """
         try:
             kernels = self.kernels()
@@ -333,7 +351,7 @@ class NumbaBackend:
         try:
             kernels.gather_serial(table_words, no_ids, no_rows)
         except Exception as error:  # a corrupt on-disk cache, say: numpy serves the signature, describe() says why
-            self._compile_failures[signature] = _one_line(error)
+            compiles.failed[signature] = _one_line(error)
             raise
         if self._parallel_error is None and not self.forked_after_pool_start:
             with self._parallel_lock:
@@ -345,7 +363,7 @@ class NumbaBackend:
                                                        TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
                 except Exception as error:  # noqa: BLE001 - kept, reported by describe()
                     self._parallel_error = _one_line(error)
-        compiled.add(signature)
+        compiles.done.add(signature)
 
     def _run_parallel(self, kernels: Any, table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
         if not self._parallel_lock.acquire(blocking=False):
@@ -377,7 +395,7 @@ class NumbaBackend:
         word = np.dtype(np.float32) if dtype.itemsize == 4 else np.dtype(np.uint16)
         signature = ("dequantize", word)
         if self._import_error is not None or self._dequantize_error is not None or (
-            signature not in self._compiled and not self._compile_dequantize(signature)
+            signature not in self._compiles.done and not self._compile_dequantize(signature)
         ):
             return numpy_backend.dequantize_into(table, ids, out)  # the kernels are compiling (or cannot load)
         kernels, gather_kernels = self._dequantize_kernels, self._kernels
@@ -417,15 +435,18 @@ class NumbaBackend:
 
     def _compile_dequantize(self, signature: tuple) -> bool:
         """As :meth:`_compile`, for the dequantizing kernels of `signature` ("dequantize", output word)."""
-        compiled = self._compiled
+        compiles = self._compiles
+        if signature in compiles.failed:
+            return False
         if COMPILE_IN_BACKGROUND:
-            background_compile.start((self._epoch, *signature), lambda: self._compile_dequantize_now(signature, compiled))
-            return signature in compiled
+            background_compile.start((signature[0], compiles.epoch, *signature[1:]),
+                                     lambda: self._compile_dequantize_now(signature, compiles))
+            return signature in compiles.done
         with background_compile.foreground(), contextlib.suppress(Exception):  # kept: describe() reports it
-            self._compile_dequantize_now(signature, compiled)
-        return signature in compiled
+            self._compile_dequantize_now(signature, compiles)
+        return signature in compiles.done
 
-    def _compile_dequantize_now(self, signature: tuple, compiled: set[tuple]) -> None:
+    def _compile_dequantize_now(self, signature: tuple, compiles: _Compiles) -> None:
         """Compile the dequantizing kernels for an output word with calls that dequantize no row (one bad id)."""
         try:
             kernels = self.dequantize_kernels()
@@ -437,8 +458,8 @@ class NumbaBackend:
                      False, 0, 0)
         try:
             kernels.dequantize_serial(*arguments)
-        except Exception as error:
-            self._dequantize_error = f"failed to compile: {_one_line(error)}"
+        except Exception as error:  # numpy serves the signature, describe() says why
+            compiles.failed[signature] = _one_line(error)
             raise
         if self._runs_parallel():
             with self._parallel_lock:
@@ -447,7 +468,7 @@ class NumbaBackend:
                     kernels.dequantize_parallel(*arguments, 1)
                 except Exception as error:  # noqa: BLE001 - kept, reported by describe()
                     self._parallel_error = _one_line(error)
-        compiled.add(signature)
+        compiles.done.add(signature)
 
     def after_fork_in_child(self) -> None:
         self.forked_after_pool_start = self.pool_started or _numba_pool_started()
@@ -486,7 +507,7 @@ class NumbaBackend:
         }
         if self._parallel_error is not None:
             facts["parallel_kernels"] = f"unavailable, serving serially: {self._parallel_error}"
-        failures = list(self._compile_failures.values())
+        failures = list(self._compiles.failed.values())
         if failures:
             facts["compile_failures"] = (f"the kernels of {len(failures)} argument signature(s) failed to compile, "
                                          f"numpy serves those lookups: {failures[0]}")
