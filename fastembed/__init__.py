@@ -74,8 +74,10 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
         timeout: the most seconds to wait (None: until done).
 
     Returns:
-        True when no compile is running any more; False when the timeout
-        came first (the compiles go on, and calls stay served meanwhile).
+        True when no compile is running any more (each finished or failed:
+        ``python -m fastembed info`` lists failures under
+        ``compile_failures``); False when the timeout came first (the
+        compiles go on, and calls stay served meanwhile).
 
     Example:
         >>> import fastembed

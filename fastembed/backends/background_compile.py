@@ -1,10 +1,9 @@
 """Compile kernels on a background thread while calls are served another way.
 
-Numba compiles a parallel kernel in 1-2 s on the development machine; a
-serial kernel in a fraction of that. The numba backend therefore
-serves a batch whose parallel kernel is not compiled yet with the serial
-kernel, and compiles the parallel one here, once per key, off the caller's
-thread. Later calls find the key ready and run in parallel.
+A compile takes long enough to stall a caller, so the numba backend serves
+a call whose kernels are not compiled yet with the numpy backend and
+compiles them here, once per key, off the caller's thread; later calls
+find them compiled.
 
 Fork-safety: numba compiles under one process-wide lock, and Python imports
 under per-module locks. A process forked while another thread holds one

@@ -28,9 +28,9 @@ Contract shared by the two kernels, :func:`dequantize_serial` and
 Each row is dequantized :data:`CHUNK` values at a time, each block by one
 piece of vector IR (an intrinsic) that stores its values into the output
 row itself (float32, or float16 or bfloat16 rounded in the same
-registers); float16 by bit operations (:data:`FLOAT16_BITS`) goes through a
-float32 buffer on the stack and is rounded and stored eight values at a
-time, also as vector IR: numba runs no SLP vectorizer, and fixed-size loops
+registers); the test-only mode :data:`FLOAT16_BITS` (float16 by bit
+operations on any CPU) goes through a float32 buffer on the stack and is
+rounded and stored eight values at a time, also as vector IR: numba runs no SLP vectorizer, and fixed-size loops
 over a block would stay scalar. Inside a row everything
 is addressed by plain integers (the rows, the buffer, the output), so no
 array is passed, or reference-counted, per chunk. With
@@ -378,6 +378,7 @@ def _put(lanes, nontemporal):
 
 
 #: Where a block puts its values (a literal argument of the block intrinsics and the chunk functions).
+#: (Lambdas: the lane functions are defined further down.)
 _TO_FLOATS, _TO_STREAMED_FLOATS, _TO_HALVES, _TO_STREAMED_HALVES, _TO_BFLOAT16, _TO_STREAMED_BFLOAT16 = range(6)
 _PUTS = {_TO_FLOATS: _put(None, False), _TO_STREAMED_FLOATS: _put(None, True),
          _TO_HALVES: _put(lambda builder, value: _FLOAT16_LANES(builder, value), False),
