@@ -1,6 +1,9 @@
 """Helpers the tests share: random tables (never zeros), poisoned outputs, bit-exact comparison."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 
 import fastembed
@@ -36,3 +39,10 @@ def random_quantized(fmt_name: str, vocab_size: int, dim: int, seed: int = 0):
     from fastembed.tables import random_quantized_table
 
     return random_quantized_table(fmt_name, vocab_size, dim, seed)
+
+
+def run_script(folder, source: str) -> subprocess.CompletedProcess:
+    """Run `source` as a Python script file in a fresh interpreter (exit-time behaviour needs a real exit)."""
+    script = folder / "script.py"
+    script.write_text(source)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -12,7 +10,7 @@ import numpy as np
 import pytest
 
 import fastembed
-from helpers import assert_bit_equal, poisoned, random_table
+from helpers import assert_bit_equal, poisoned, random_table, run_script
 
 numba_backend = pytest.importorskip("fastembed.backends.numba_backend")
 BACKEND = numba_backend.BACKEND
@@ -601,8 +599,8 @@ def test_no_compile_starts_once_interpreter_exit_has_begun(monkeypatch):
 
 def test_a_large_lookup_in_an_atexit_handler_exits(tmp_path):
     """The lookup is served by numpy, and no compile thread is left running into interpreter teardown."""
-    script = tmp_path / "at_exit.py"
-    script.write_text(
+    done = run_script(
+        tmp_path,
         "import atexit, threading, numpy as np, fastembed\n"
         "table = np.random.default_rng(0).standard_normal((4000, 1024)).astype(np.float32)\n"
         "def at_exit():\n"
@@ -610,9 +608,8 @@ def test_a_large_lookup_in_an_atexit_handler_exits(tmp_path):
         "    assert np.array_equal(fastembed.lookup(table, ids), table[ids])\n"
         "    compiling = [t for t in threading.enumerate() if t.name == 'fastembed-compile']\n"
         "    print('looked up; compile threads started:', len(compiling), flush=True)\n"
-        "atexit.register(at_exit)\n"
+        "atexit.register(at_exit)\n",
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "looked up; compile threads started: 0" in done.stdout
 

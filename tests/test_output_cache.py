@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import copy
 import pickle
-import subprocess
-import sys
 import threading
 
 import numpy as np
@@ -12,7 +10,7 @@ import pytest
 
 import fastembed
 from fastembed.backends import numba_backend, output_cache
-from helpers import assert_bit_equal, random_table
+from helpers import assert_bit_equal, random_table, run_script
 
 SHAPE = (600, 4096)  # 4.7 MiB of float16: above output_cache.MIN_BYTES
 
@@ -161,8 +159,8 @@ def test_info_shows_the_cache():
 
 def test_a_result_alive_at_exit_keeps_its_buffer(tmp_path):
     """Pending finalizers run at exit; an atexit handler's lookup must not land on a result that is still alive."""
-    script = tmp_path / "at_exit.py"
-    script.write_text(
+    finished = run_script(
+        tmp_path,
         "import atexit, numpy as np\n"
         "from fastembed.backends import output_cache\n"
         "output_cache.set_limit(64 * 2**20)\n"
@@ -172,9 +170,8 @@ def test_a_result_alive_at_exit_keeps_its_buffer(tmp_path):
         "    print(later.ctypes.data != result.ctypes.data, bool((result == 1.5).all()))\n"
         "atexit.register(at_exit)\n"
         "result = output_cache.new_output((600, 4096), np.float16)\n"
-        "result[...] = 1.5\n"
+        "result[...] = 1.5\n",
     )
-    finished = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert finished.returncode == 0, finished.stderr
     assert finished.stdout.split() == ["True", "True"]
 
