@@ -254,16 +254,12 @@ class NumbaBackend:
         """
         import numba
 
-        if self._threading_layer_loaded:  # loaded before a reset: the runtime read its policy then
-            try:
-                numba.get_num_threads()
-            except Exception as error:  # noqa: BLE001 - as below
-                self._parallel_error = _one_line(error)
-            return
+        first_load = not self._threading_layer_loaded  # after a reset, the runtime has read its policy already
         given = os.environ.get("OMP_WAIT_POLICY")
         user_policy = given if given and given.strip() else None  # GNU OpenMP ignores an empty value and spins
+        set_passive = first_load and user_policy is None
         runtimes_before = _openmp_paths()
-        if user_policy is None:
+        if set_passive:
             os.environ["OMP_WAIT_POLICY"] = "passive"
         try:
             numba.get_num_threads()  # loads the threading layer
@@ -271,13 +267,14 @@ class NumbaBackend:
             self._parallel_error = _one_line(error)
         finally:
             # Restored only if still ours: another thread may have set it meanwhile.
-            if user_policy is None and os.environ.get("OMP_WAIT_POLICY") == "passive":
+            if set_passive and os.environ.get("OMP_WAIT_POLICY") == "passive":
                 if given is None:
                     os.environ.pop("OMP_WAIT_POLICY", None)
                 else:
                     os.environ["OMP_WAIT_POLICY"] = given
-        self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _openmp_paths())
-        self._threading_layer_loaded = True
+        if first_load:
+            self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _openmp_paths())
+            self._threading_layer_loaded = True
 
     # -- the gather ----------------------------------------------------------
 
