@@ -79,13 +79,24 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
         ``compile_failures``); False when the timeout came first (the
         compiles go on, and calls stay served meanwhile).
 
+    Raises:
+        TypeError: `timeout` is not a number.
+        ValueError: `timeout` is negative or NaN.
+
     Example:
         >>> import fastembed
         >>> fastembed.wait_for_compiles(timeout=60)
         True
     """
+    import numbers
+
     from .backends import background_compile
 
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+            raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+        if not timeout >= 0:
+            raise ValueError(f"timeout must be at least 0 seconds, not {timeout}")
     return background_compile.wait(timeout)
 
 

@@ -565,6 +565,13 @@ def test_the_wait_policy_is_reported_as_loaded_after_a_refresh(fresh_backend):
     assert BACKEND.describe()["omp_wait_policy"] == policy
 
 
+@pytest.mark.parametrize(("timeout", "error"), [("5", TypeError), (True, TypeError), (-1, ValueError),
+                                              (float("nan"), ValueError)])
+def test_wait_for_compiles_refuses_a_timeout_that_is_no_duration(timeout, error):
+    with pytest.raises(error, match="timeout"):
+        fastembed.wait_for_compiles(timeout=timeout)
+
+
 class _InterruptedJoin:
     """A compile thread whose join is interrupted (Ctrl-C while a fork waits for it)."""
 
