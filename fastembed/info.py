@@ -75,8 +75,11 @@ def other_fastembed_distributions() -> list[str]:
         if name.lower().replace("_", "-") == DISTRIBUTION:
             continue
         top_level = (distribution.read_text("top_level.txt") or "").split()
-        files = [str(path) for path in (distribution.files or [])]
-        if "fastembed" in top_level or any(path.startswith("fastembed/") for path in files):
+        # RECORD as text: parsing it into paths (distribution.files) costs about a second with torch installed.
+        record = distribution.read_text("RECORD")
+        if record is None:  # an egg-info install lists its files elsewhere
+            record = "\n".join(str(path) for path in (distribution.files or []))
+        if "fastembed" in top_level or record.startswith("fastembed/") or "\nfastembed/" in record:
             others.append(f"{name} {distribution.version}")
     return sorted(set(others))
 

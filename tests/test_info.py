@@ -73,6 +73,22 @@ def test_info_warns_about_qdrant_fastembed(monkeypatch):
     assert "WARNING: fastembed 0.9.1 also installs an import package named 'fastembed'" in text
 
 
+@pytest.mark.parametrize("listing", ["RECORD", "SOURCES.txt", "top_level.txt"])
+def test_another_distribution_installing_fastembed_is_found_however_it_lists_its_files(tmp_path, monkeypatch, listing):
+    metadata = "METADATA"
+    if listing == "SOURCES.txt":  # an egg-info install: no RECORD
+        folder, metadata = tmp_path / "fastembed-0.9.1-py3.11.egg-info", "PKG-INFO"
+        content = "setup.py\nfastembed/__init__.py\n"
+    else:
+        folder = tmp_path / "fastembed-0.9.1.dist-info"
+        content = {"RECORD": "qdrant_helpers.py,,\nfastembed/__init__.py,sha256=x,10\n", "top_level.txt": "fastembed\n"}[listing]
+    folder.mkdir()
+    (folder / metadata).write_text("Metadata-Version: 2.1\nName: fastembed\nVersion: 0.9.1\n")
+    (folder / listing).write_text(content)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "fastembed 0.9.1" in info.other_fastembed_distributions()
+
+
 def run_info(*arguments: str, **environment: str) -> str:
     import os
 
