@@ -36,9 +36,12 @@ def test_id_sets_are_fresh_and_in_range():
 
 
 def test_runner_writes_table_json_and_plot(tmp_path):
-    result = bench(*SMALL, "--batch", "6,512", "--dist", "uniform,zipf", "--reps", "3", "--out", str(tmp_path))
+    result = bench(*SMALL, "--batch", "6,512", "--dist", "uniform,zipf", "--reps", "3", "--out", str(tmp_path),
+                   env=dict(os.environ, COLUMNS="200"))
     assert result.returncode == 0, result.stderr
     assert "fastembed auto out=" in result.stdout and "numpy table[ids]" in result.stdout
+    assert "alloc" in result.stdout and "mem +" in result.stdout  # wide enough for the memory columns
+    assert "scattered read" in result.stdout
     payload = json.loads((tmp_path / "results.json").read_text())
     rows = payload["results"]
     assert {(r["batch"], r["distribution"]) for r in rows} == {(6, "uniform"), (512, "uniform"), (6, "zipf"), (512, "zipf")}
@@ -47,6 +50,9 @@ def test_runner_writes_table_json_and_plot(tmp_path):
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
     markdown = (tmp_path / "results.md").read_text().splitlines()
     assert len(markdown) == 2 + len(rows) and "| cpu | 512 | zipf | fastembed auto out= |" in "\n".join(markdown)
+    read = next(row for row in rows if row["id"] == "read-scattered")
+    assert read["kind"] == "limit" and read["gbps"] > 0 and read["contender"] == "scattered read"
+    assert all(row["fraction_of_scattered_read"] > 0 for row in rows)
 
 
 def test_plots_are_skipped_without_matplotlib(tmp_path, monkeypatch):
@@ -204,13 +210,13 @@ def test_gate_fails_when_auto_does_not_pick_numba(tmp_path):
     assert verdict["measured"] == "numpy" and not verdict["passed"]
 
 
-#: How long a slowed contender sleeps after each real lookup: hundreds of times a lookup of the
-#: test table, and far longer than a descheduled thread of a busy machine stalls a call.
-SLOW_CALL_S = 0.2
+#: How long a slowed contender sleeps after each real lookup: tens to hundreds of times a lookup of
+#: the test table, and several times the longest stall a descheduled thread of a busy machine adds to a call.
+SLOW_CALL_S = 0.05
 
 
 def _slowed(contender, new_id=None):
-    """`contender` whose every call does its real lookup, then sleeps SLOW_CALL_S: a kernel slowed hundreds of times."""
+    """`contender` whose every call does its real lookup, then sleeps SLOW_CALL_S: a kernel slowed tens of times or more."""
     from dataclasses import replace
 
     def prepare(table, n):
@@ -227,14 +233,14 @@ def _slowed(contender, new_id=None):
 
 
 def test_gate_ratio_checks_fail_a_slowed_kernel():
-    """The packaged ratio checks of the auto contender, against a fastembed slowed hundreds of times.
+    """The packaged ratio checks of the auto contender, against a fastembed slowed tens of times or more.
 
     It takes the real contender's id, so the gate's own checks judge it. The
     margins are enormous: its ratios come out at a few hundredths where the
     thresholds ask for 0.6 to 2 (against the scattered read of its rows,
     numpy's backend and numpy's indexing). A second slowed copy shows that the same
     check passes when both sides do the same (a ratio of 1 give or take a
-    stall of a few milliseconds in 200).
+    stall of a few milliseconds in 50).
     """
     from fastembed.benchmark.contenders import host_contenders
     from fastembed.tables import random_table
@@ -424,10 +430,7 @@ def test_output_fits_a_narrow_terminal_names_the_table_and_plots_both_distributi
 
     if importlib.util.find_spec("torch") is None:
         assert "pip install torch" in result.stdout
-    wide = bench(*SMALL, "--batch", "6", "--dist", "uniform", "--reps", "1", "--out", str(tmp_path / "wide"),
-                 env=dict(os.environ, COLUMNS="200"))
-    assert "alloc" in wide.stdout and "mem +" in wide.stdout
-    assert "alloc" not in result.stdout.split("┡")[0]  # narrow: the memory columns are dropped
+    assert "alloc" not in result.stdout.split("┡")[0]  # narrow: the memory columns are dropped (wide: the runner test)
 
 
 def test_plot_draws_a_panel_per_distribution(tmp_path, monkeypatch):
@@ -514,16 +517,6 @@ def test_copy_kernels_copy_and_read_exactly():
 def test_contenders_use_no_private_backend_internals():
     source = (ROOT / "fastembed" / "benchmark" / "contenders.py").read_text()
     assert "numba_backend" not in source and "gather_cpu" not in source
-
-
-def test_scattered_read_is_reported_as_a_limit(tmp_path):
-    result = bench(*SMALL, "--batch", "64", "--dist", "uniform", "--reps", "1", "--out", str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    rows = json.loads((tmp_path / "results.json").read_text())["results"]
-    read = next(row for row in rows if row["id"] == "read-scattered")
-    assert read["kind"] == "limit" and read["gbps"] > 0 and read["contender"] == "scattered read"
-    assert all(row["fraction_of_scattered_read"] > 0 for row in rows)
-    assert "scattered read" in result.stdout
 
 
 def test_processes_mode_reports_spread_tails_and_goals(tmp_path):
