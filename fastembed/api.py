@@ -174,9 +174,7 @@ class Embedding:
             ValueError: also when the memory of a torch table was resized in
                 place (``resize_``) after the layer was built.
         """
-        table_view = self._view
-        for guard in self._guards:
-            guard.check()
+        table_view = self._checked_view()
         if dtype is not None or type(table_view) is not _NDARRAY:
             return _converting_lookup(table_view, ids, out, dtype, backend, self._rows)
         ids_view = validate.ids_snapshot(ids, table_view)
@@ -193,6 +191,12 @@ class Embedding:
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
         dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
         return out if type(out) is _NDARRAY else mark_written(out)
+
+    def _checked_view(self) -> Any:
+        """The table's view, once its memory is known to be where the view points (raises ValueError if not)."""
+        for guard in self._guards:
+            guard.check()
+        return self._view
 
     @property
     def table(self) -> Any:
@@ -362,10 +366,12 @@ class Embedding:
                 type cannot hold (GGUF: float32, float16, bfloat16 and the GGUF block formats).
             TypeError: a table that is not on the host (copy it back first); a `name` that is not a string.
             ImportError: ``.safetensors`` needs the safetensors package and it is missing.
+
+        Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_``).
         """
         from .io import save_table
 
-        save_table(path, self._view, name)
+        save_table(path, self._checked_view(), name)
 
     def quantize(self, kind: str) -> Embedding:
         """A new Embedding over this table quantized into `kind`: ``"q8_0"`` or ``"fp8_e4m3"``.
@@ -383,6 +389,8 @@ class Embedding:
                 8.3e6 in magnitude (its block scale is a float16).
             TypeError: a table that is not a float table on the host, or already quantized.
 
+        Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_``).
+
         Example:
             >>> import fastembed
             >>> emb = fastembed.Embedding.random(1000, 64).quantize("q8_0")
@@ -392,7 +400,7 @@ class Embedding:
         from .formats import QuantizedTable, block_format, quantize_rows
 
         fmt = block_format(kind)
-        view = self._view
+        view = self._checked_view()
         if type(view) is QuantizedTable or not isinstance(view, np.ndarray) or not validate.is_float_dtype(view.dtype):
             raise TypeError(f"quantize() takes a dense floating-point host table, not {self!r}")
         vocab_size, dim = view.shape
@@ -432,7 +440,7 @@ class Embedding:
         Raises:
             BackendUnavailableError: cupy or a device is missing.
             TypeError: `device` is not an int; the table is not on the host.
-            ValueError: no such device.
+            ValueError: no such device; a torch table's memory resized in place (``resize_``).
         """
         from .backends import cuda_backend
         from .dispatch import BackendUnavailableError
@@ -443,4 +451,4 @@ class Embedding:
         reasons = cuda_backend.BACKEND.unavailable_reasons()
         if reasons:
             raise BackendUnavailableError(f"cannot move the table to cuda:{index}: {'; '.join(reasons)}")
-        return Embedding(cuda_backend.to_device(self._view, index))  # a QuantizedTable moves its data and scales
+        return Embedding(cuda_backend.to_device(self._checked_view(), index))  # a QuantizedTable moves its data and scales

@@ -367,6 +367,39 @@ def test_an_embedding_keeps_a_torch_tables_memory_and_notices_a_resize():
             layer(torch.tensor([1]))
 
 
+def _resized_layer(quantized: bool):
+    """An Embedding over a torch table (dense float32, or q8_0 rows as a uint8 tensor) whose tensor was then
+    resized in place: torch moved the rows and freed the memory the layer's view points at."""
+    table = torch.randn(4_000, 256)
+    if quantized:
+        from fastembed.formats import QuantizedTable
+
+        rows = torch.tensor(fastembed.Embedding(table.numpy()).quantize("q8_0").table.data)
+        layer = fastembed.Embedding(QuantizedTable(rows, "q8_0", 256))
+        rows.resize_(40_000, 272)
+    else:
+        layer = fastembed.Embedding(table)
+        table.resize_(40_000, 256)
+    return layer
+
+
+@pytest.mark.parametrize("method", ["quantize", "save", "save quantized"])
+def test_every_method_reading_the_rows_refuses_a_resized_torch_table(method, tmp_path):
+    """Not only lookups: quantize and save would read the freed memory too (a crash, or a wrong file)."""
+    layer = _resized_layer(quantized=method == "save quantized")
+    act = {"quantize": lambda: layer.quantize("q8_0"), "save": lambda: layer.save(tmp_path / "t.safetensors"),
+           "save quantized": lambda: layer.save(tmp_path / "t.gguf")}[method]
+    with pytest.raises(ValueError, match="storage was resized in place"):
+        act()
+    assert not list(tmp_path.iterdir())
+
+
+def test_to_device_refuses_a_resized_torch_table(cupy_or_double):
+    for quantized in (False, True):
+        with pytest.raises(ValueError, match="storage was resized in place"):
+            _resized_layer(quantized).to_device(0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_dtype_may_be_a_torch_dtype(dtype):
     """dtype=torch.float16 means numpy's float16: the cast of a dense table and the output of a quantized one."""
