@@ -319,3 +319,16 @@ def test_a_long_fastembed_metadata_value_is_refused(tmp_path):
     write_tagged(path, {"w": FP8.data}, {"fastembed.tensor": "w" * 5000})
     with pytest.raises(ValueError, match="fastembed.tensor is 5000 characters long"):
         io.map_safetensors(path)
+
+
+def test_a_format_of_the_callers_own_is_not_written_to_gguf_under_a_ggml_type(tmp_path):
+    """GGUF names a layout by its type code: a format of the caller's own claiming one would reload as another."""
+    from fastembed.formats import BlockFormat, QuantizedTable
+
+    mine = BlockFormat("mine", 32, 40, 8, lambda blocks: blocks[:, :32].astype(np.float32))  # claims q8_0's type code
+    table = QuantizedTable(np.arange(800, dtype=np.uint8).reshape(10, 80) % 200, mine, 64)
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"kept")
+    with pytest.raises(ValueError, match="not the caller's format 'mine'; save it as .safetensors"):
+        fastembed.Embedding(table).save(target)
+    assert target.read_bytes() == b"kept" and [p.name for p in tmp_path.iterdir()] == ["t.gguf"]

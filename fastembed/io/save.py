@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import validate
 from ..arrays import adapter_of
-from ..formats import QuantizedTable
+from ..formats import FORMATS, QuantizedTable
 from ._files import check_tensor_name
 from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
 from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
@@ -42,6 +42,8 @@ from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX,
 SAFETENSORS_NAME = "weight"
 #: GGUF type codes of the dense dtypes a GGUF file holds.
 _GGUF_DENSE = {"float32": 0, "float16": 1, "bfloat16": 30}
+#: The block formats a GGUF file holds, by name.
+_GGUF_FORMATS = [name for name, fmt in FORMATS.items() if fmt.ggml_type is not None]
 #: The dense dtypes (numpy names) a safetensors file holds and the loaders map back.
 _SAFETENSORS_DENSE = frozenset(SAFETENSORS_DTYPES.values())
 #: Bytes written at a time (a memory-mapped table is streamed, never copied whole).
@@ -138,6 +140,9 @@ def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> Non
         ggml_type, rows, dim = table.format.ggml_type, table.data, table.dim
         if ggml_type is None:
             raise ValueError(f"{path}: GGUF has no type for {table.format.name} tables; save it as .safetensors")
+        if FORMATS.get(table.format.name) is not table.format:  # the caller's own format, whatever type code it claims
+            raise ValueError(f"{path}: GGUF holds fastembed's GGUF block formats ({', '.join(_GGUF_FORMATS)}), "
+                             f"not the caller's format {table.format.name!r}; save it as .safetensors")
     else:
         ggml_type, rows, dim = _GGUF_DENSE.get(table.dtype.name), table, table.shape[1]
         if ggml_type is None:
