@@ -56,6 +56,7 @@ def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto",
 
     table_view = validate.table_snapshot(table)
     ids_view = validate.ids_snapshot(ids, table_view)
+    validate.check_ids_in_range(ids_view, int(table_view.shape[0]))  # lookup checks int32/int64 ids as it gathers
     target = validate.output_dtype(table_view, dtype, validate.storage(table))
     if out is not None:
         validate.out_snapshot(out, ids_view, table_view, table, ids, target)

@@ -248,6 +248,20 @@ def test_select_backend_takes_an_out_and_a_dtype_for_a_quantized_table():
         fastembed.select_backend(table, ids, dtype="int8")
 
 
+@pytest.mark.parametrize("dtype, bad", [("int64", 20), ("int64", -1), ("int32", 20), ("int32", -1), ("uint16", 20)])
+def test_select_backend_refuses_an_id_out_of_range_as_lookup_does(dtype, bad):
+    """int32/int64 ids are checked by the kernels as they gather, so select_backend checks them itself."""
+    from fastembed.tables import random_quantized_table
+
+    ids = np.array([3, bad], dtype)
+    for table in (random_table(20, 4), random_quantized_table("q8_0", 20, 64)):
+        with pytest.raises(IndexError, match=f"id {bad} at position 1") as from_lookup:
+            fastembed.lookup(table, ids)
+        with pytest.raises(IndexError) as from_select:
+            fastembed.select_backend(table, ids)
+        assert str(from_select.value) == str(from_lookup.value)
+
+
 def test_a_choice_made_while_the_choices_are_forgotten_is_not_remembered(monkeypatch):
     """A backend that finds out meanwhile that it cannot run has the choices forgotten: a choice made before must not stay."""
     original = dispatch._choose
