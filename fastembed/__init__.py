@@ -126,8 +126,12 @@ def set_output_cache_limit(nbytes: int) -> None:
     """Keep at most `nbytes` of free output buffers for reuse (0: none); the excess is freed now.
 
     The default is a sixteenth of the machine's memory, at most 2 GiB, or
-    FASTEMBED_OUTPUT_CACHE_BYTES when set (read at the first large
-    allocating lookup; a call to this function takes precedence).
+    FASTEMBED_OUTPUT_CACHE_BYTES when set (read at the first allocating
+    lookup of 4 MiB or more that the numba backend is asked to serve; a
+    call to this function takes precedence).
+
+    Args:
+        nbytes: bytes of free buffers to keep, an integer >= 0.
 
     Raises:
         ValueError: a negative or non-integer size.

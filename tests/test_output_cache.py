@@ -146,6 +146,23 @@ def test_a_bad_environment_setting_is_named_by_large_lookups_and_info(monkeypatc
     assert fastembed.lookup(random_table(700, 4096), np.arange(600), backend="numba").shape == (600, 4096)
 
 
+def test_a_bad_environment_setting_is_named_even_while_numpy_serves_during_a_compile(monkeypatch):
+    """A server warming up while the kernels compile must not pass start-up and fail its first large request later."""
+    from fastembed.backends import numba_backend
+
+    if numba_backend.BACKEND.unavailable_reasons():
+        pytest.skip("the numba backend is unavailable here")
+    monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, "lots")
+    monkeypatch.setattr(output_cache, "_limit", None)
+    monkeypatch.setattr(numba_backend, "_signature", lambda *arguments: "a signature still compiling")
+    monkeypatch.setattr(numba_backend.BACKEND, "_compile", lambda *arguments: False)  # numpy serves meanwhile
+    table = random_table(700, 4096)
+    with pytest.raises(ValueError, match="FASTEMBED_OUTPUT_CACHE_BYTES='lots'"):
+        fastembed.lookup(table, np.arange(600), backend="numba")
+    out = np.empty((600, 4096), table.dtype)
+    assert fastembed.lookup(table, np.arange(600), out=out, backend="numba") is out  # no output to allocate
+
+
 def test_small_outputs_come_from_numpy():
     out = output_cache.new_output((10, 64), np.float32)
     assert out.flags.owndata

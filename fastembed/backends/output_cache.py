@@ -80,9 +80,9 @@ def limit() -> int:
     Raises:
         ValueError: FASTEMBED_OUTPUT_CACHE_BYTES is set to something other than a byte count. Until the
             setting is fixed or :func:`set_limit` is called, every allocating lookup of at least
-            :data:`MIN_BYTES` that takes its output from this cache raises it: those the numba backend
-            serves (a gather once its kernels are compiled, every dequantizing gather) and those on a
-            JAX table. The numpy backend, which serves while numba compiles, does not read the setting.
+            :data:`MIN_BYTES` that the numba backend is asked to serve raises it (also while numpy
+            serves for it during a compile), and so does every one on a JAX table. A lookup with
+            ``backend="numpy"`` does not read the setting.
     """
     global _limit
     value = _limit
