@@ -10,7 +10,7 @@ from typing import Any
 
 from .api import Embedding, lookup
 from .backends.cuda_backend import deferred_id_checks, raise_deferred_id_errors
-from .dispatch import BackendStatus, BackendUnavailableError, Selection, backend_statuses, explain
+from .dispatch import BackendStatus, BackendUnavailableError, Selection, backend_statuses
 
 __version__ = "0.1.0"
 
@@ -60,6 +60,8 @@ def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto",
     target = validate.output_dtype(table_view, dtype, validate.storage(table))
     if out is not None:
         validate.out_snapshot(out, ids_view, table_view, table, ids, target)
+    from .dispatch import explain
+
     return explain(table_view, backend)
 
 

@@ -52,7 +52,7 @@ def test_the_default_output_is_float32_and_auto_picks_a_backend_that_declares_th
     assert "q4_k" in repr(emb)
     result = emb([[1, 2], [3, 4]])
     assert result.dtype == np.float32 and result.shape == (2, 2, 256)
-    assert fastembed.explain(emb.table).backend in {b for b, name in DECLARED if name == "q4_k"}
+    assert fastembed.dispatch.explain(emb.table).backend in {b for b, name in DECLARED if name == "q4_k"}
 
 
 def test_an_embedding_keeps_its_own_view_of_a_quantized_table():

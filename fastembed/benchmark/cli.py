@@ -54,12 +54,14 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="time every call alone, right after the caches are evicted, as a decode step meets the "
                              "lookup after a forward pass (default: small batches are timed as warm loops of calls; "
                              "use many --reps, such as 200)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for JSON and PNG")
-    parser.add_argument("--vocab-size", type=_positive_int, default=129280)
-    parser.add_argument("--dim", type=_positive_int, default=4096)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="folder for the results: JSON, a Markdown table and PNG plots (default: bench-results)")
+    parser.add_argument("--vocab-size", type=_positive_int, default=129280,
+                        help="rows of the random table (default: 129280)")
+    parser.add_argument("--dim", type=_positive_int, default=4096, help="width of the random table (default: 4096)")
     parser.add_argument("--dtype", type=_dtype, default="float16", help="float16 (default), bfloat16, float32, ...")
     parser.add_argument("--table", type=Path,
-                        help="measure this table instead of a random one: a .npy or safetensors file, memory-mapped "
+                        help="measure this table instead of a random one: a .npy, safetensors or GGUF file, memory-mapped "
                              "read-only (--vocab-size, --dim and --dtype are then ignored)")
     parser.add_argument("--tensor", help="--table: the tensor's name in a safetensors file (default: the one named "
                                          "like a token embedding)")

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 import fastembed
+from fastembed import dispatch
 from fastembed.formats import QuantizedTable, dequantize_rows
 from fastembed.tables import random_quantized_table
 
@@ -61,7 +62,7 @@ def _into(table: Any, out_by_dtype: dict[str, np.ndarray], dtype: str) -> Callab
         fastembed.lookup(table, np.zeros(n, np.int64), out=out, dtype=dtype)
         fastembed.wait_for_compiles()
         call = lambda ids: fastembed.lookup(table, ids, out=out, dtype=dtype)  # noqa: E731
-        call.served_by = fastembed.explain(_storage_view(table)).backend  # type: ignore[attr-defined]
+        call.served_by = dispatch.explain(_storage_view(table)).backend  # type: ignore[attr-defined]
         return call
 
     return prepare
