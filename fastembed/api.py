@@ -251,6 +251,23 @@ class Embedding:
         Floats: random sign, magnitudes in [1/64, 1/32) (an embedding's
         scale); integers: uniform over their dtype's range; other dtypes:
         random bytes. See :func:`fastembed.tables.random_table`.
+
+        Args:
+            vocab_size, dim: the table's rows and width (the default is the 129,280 x 4,096 table, about 1 GiB).
+            dtype: any fixed-size numpy dtype or its name (bfloat16 needs ml_dtypes).
+            seed: the random generator's seed; one seed gives the same table everywhere.
+
+        Returns:
+            An Embedding over a new C-contiguous ``(vocab_size, dim)`` numpy array.
+
+        Raises:
+            ValueError: a negative size.
+            TypeError: a dtype numpy does not know.
+
+        Example:
+            >>> import fastembed
+            >>> fastembed.Embedding.random(100, 8, "float32", seed=1)([3]).shape
+            (1, 8)
         """
         from .tables import random_table
 
@@ -279,6 +296,12 @@ class Embedding:
     def from_npy(cls, path: str | os.PathLike) -> Embedding:
         """Memory-map a 2-D .npy file, read-only, zero-copy.
 
+        Args:
+            path: the ``.npy`` file (a str or os.PathLike).
+
+        Returns:
+            An Embedding over the mapped array; :meth:`check_file` watches the file.
+
         Raises:
             FileNotFoundError: no file at `path`.
             ValueError: a directory, another file format, a corrupt header, or not 2-D.
@@ -301,10 +324,15 @@ class Embedding:
                 conventions of the common families, confirmed by ``config.json``
                 where there is one.
 
+        Returns:
+            An Embedding over the mapped tensor (:meth:`check_file` watches its
+            file), or over `source` itself when it is an array.
+
         Raises:
             FileNotFoundError: no such path.
             ValueError: no checkpoint there, another file format, an ambiguous
                 or missing tensor, a corrupt header.
+            TypeError: BF16/F8 tensors need ml_dtypes and it is missing.
 
         Example:
             >>> import numpy as np, fastembed
@@ -383,6 +411,13 @@ class Embedding:
         ``absmax / 448`` per row. Error bounds: docs/quantized.md. The table is
         read a few MiB of rows at a time; the new table is the only large allocation.
 
+        Args:
+            kind: ``"q8_0"`` or ``"fp8_e4m3"`` (case-insensitive).
+
+        Returns:
+            A new Embedding over a :class:`fastembed.formats.QuantizedTable`
+            whose arrays belong to this table's library (numpy, torch, JAX).
+
         Raises:
             ValueError: an unknown kind, a kind fastembed cannot produce, a dim
                 that is not a whole number of blocks, NaN/infinite values or
@@ -437,6 +472,12 @@ class Embedding:
 
     def to_device(self, device: int = 0) -> Embedding:
         """An Embedding over a copy of this host table on CUDA device `device` (explicit, one copy).
+
+        Args:
+            device: the CUDA device's index.
+
+        Returns:
+            A new Embedding over a cupy array (a quantized table: cupy data and scales) on that device.
 
         Raises:
             BackendUnavailableError: cupy or a device is missing.

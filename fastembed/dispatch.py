@@ -33,7 +33,10 @@ class BackendUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class BackendStatus:
-    """Whether a backend can run on this machine, and if not, why."""
+    """Whether a backend can run on this machine, and if not, why.
+
+    Fields: ``name`` (``"numba"``...), ``available``, ``reasons`` (one line each; empty when available).
+    """
 
     name: str
     available: bool
@@ -42,7 +45,10 @@ class BackendStatus:
 
 @dataclass(frozen=True)
 class Selection:
-    """The backend a call would use, and why each other backend was skipped."""
+    """The backend a call would use, and why each other backend was skipped.
+
+    Fields: ``backend`` (its name), ``skipped`` (each other backend's name to its reasons).
+    """
 
     backend: str
     skipped: dict[str, list[str]]

@@ -268,7 +268,8 @@ class QuantizedTable:
 
     Args:
         data: ``(vocab_size, fmt.row_bytes(dim))`` uint8 rows, C-contiguous,
-            on the host (numpy, np.memmap) or a GPU (cupy).
+            on the host (numpy, np.memmap, a torch CPU tensor, a JAX CPU
+            array) or a GPU (cupy, a torch CUDA tensor).
         fmt: a :class:`BlockFormat` or its name.
         dim: values per row.
         scales: ``(vocab_size,)`` float32 beside `data` for ``row_scale`` formats, else None.

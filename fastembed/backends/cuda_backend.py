@@ -485,7 +485,7 @@ def raise_deferred_id_errors(device_id: int = 0) -> None:
     last check); the value is not kept (the ids may be gone by now).
 
     Args:
-        device_id: the CUDA device whose deferred lookups are checked.
+        device_id: the CUDA device whose deferred lookups are checked (default 0).
 
     Returns:
         None, also where the cuda backend is unavailable (no cupy or no
