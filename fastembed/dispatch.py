@@ -63,14 +63,17 @@ def register_backend(backend: Backend, before: str | None = None) -> None:
     """Add `backend` to the registry, with priority just above `before` (None: lowest).
 
     Raises:
-        TypeError: `backend` does not implement :class:`~fastembed.backends.base.Backend`.
+        TypeError: `backend` does not implement :class:`~fastembed.backends.base.Backend`, or declares
+            quantized formats without a ``dequantize`` method (:class:`~fastembed.backends.base.DequantizingBackend`).
         ValueError: its name is taken or is ``"auto"``, or `before` is unknown.
     """
     if not isinstance(backend, Backend):
         raise TypeError(f"{backend!r} does not implement fastembed.backends.base.Backend")
     if backend.capabilities.formats - base.DENSE_ONLY and not isinstance(backend, base.DequantizingBackend):
         raise TypeError(f"{backend!r} declares quantized formats but has no dequantize method")
-    if backend.name in BACKENDS or backend.name == AUTO:
+    if backend.name == AUTO:
+        raise ValueError(f"{AUTO!r} names the automatic choice; give the backend another name")
+    if backend.name in BACKENDS:
         raise ValueError(f"a backend named {backend.name!r} is already registered")
     if before is not None and before not in BACKENDS:
         raise ValueError(f"unknown backend {before!r}; known: {', '.join(BACKENDS)}")

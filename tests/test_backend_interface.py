@@ -91,6 +91,10 @@ def test_registration_refuses_duplicates_and_non_backends(rowloop):
         other = RowLoopBackend()
         other.name = "other"
         dispatch.register_backend(other, before="tpu")
+    named_auto = RowLoopBackend()
+    named_auto.name = "auto"
+    with pytest.raises(ValueError, match="'auto' names the automatic choice"):
+        dispatch.register_backend(named_auto)
 
 
 def test_a_backend_without_small_gather_serves_small_lookups_through_gather():
