@@ -80,7 +80,7 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
     if stat.S_ISDIR(status.st_mode):
         raise ValueError(
             f"{path}: is a directory; {opener} opens one file. To open a checkpoint directory "
-            "(model.safetensors, or shards with model.safetensors.index.json) use fastembed.io.open_table"
+            "(model.safetensors, or shards with model.safetensors.index.json) use fastembed.Embedding.from_pretrained (or fastembed.io.open_table)"
         )
     if not stat.S_ISREG(status.st_mode):
         raise ValueError(f"{path}: not a regular file; {opener} opens a regular file")

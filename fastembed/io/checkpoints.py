@@ -221,7 +221,7 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
     check_tensor_name(source, name)
     path = Path(os.fsdecode(source) if isinstance(source, bytes) else source)
     if not path.exists():
-        raise FileNotFoundError(errno.ENOENT, "fastembed.io.open_table: no such file or directory", str(source))
+        raise FileNotFoundError(errno.ENOENT, "no such file or directory", str(source))
     if path.is_dir():
         if (path / INDEX_NAME).is_file():
             return _open_sharded(path / INDEX_NAME, name)
@@ -394,7 +394,7 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap | QuantizedTa
     tagged: list[str] = []  # tables a shard's fastembed metadata names (a quantized table fastembed saved)
     for shard, tensors in by_shard.items():
         if not os.path.exists(shard):
-            raise FileNotFoundError(errno.ENOENT, f"fastembed.io.open_table: {index_path.name} puts {tensors[0]!r} in a shard that is "
+            raise FileNotFoundError(errno.ENOENT, f"{index_path.name} puts {tensors[0]!r} in a shard that is "
                                        "missing (an incomplete download?)", shard)
         # A quantized table's row scales sit beside it in the same file.
         header = scan_safetensors_header(shard, keep=_named({*tensors, *(t + SCALES_SUFFIX for t in tensors)}))
