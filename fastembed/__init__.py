@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .api import Embedding, lookup
 from .backends.cuda_backend import deferred_id_checks, raise_deferred_id_errors
 from .dispatch import BackendStatus, BackendUnavailableError, Selection, backend_statuses
@@ -34,7 +36,9 @@ __all__ = [
 def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto", dtype: Any = None) -> Selection:
     """Which backend ``lookup(table, ids, out=out, dtype=dtype, backend=backend)`` would use, and why the others were skipped.
 
-    Validates like :func:`lookup` (same exceptions) but gathers nothing.
+    Validates like :func:`lookup` (same exceptions) but gathers nothing;
+    the ids of a GPU table are left to the lookup, which checks them on the
+    device (or defers the check, see :func:`deferred_id_checks`).
 
     Args:
         table, ids, out, backend, dtype: as for :func:`lookup`.
@@ -56,13 +60,15 @@ def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto",
 
     table_view = validate.table_snapshot(table)
     ids_view = validate.ids_snapshot(ids, table_view)
-    validate.check_ids_in_range(ids_view, int(table_view.shape[0]))  # lookup checks int32/int64 ids as it gathers
     target = validate.output_dtype(table_view, dtype, validate.storage(table))
     if out is not None:
         validate.out_snapshot(out, ids_view, table_view, table, ids, target)
     from .dispatch import explain
 
-    return explain(table_view, backend)
+    selection = explain(table_view, backend)
+    if isinstance(validate.storage(table_view), np.ndarray):  # a host lookup checks int32/int64 ids as it gathers
+        validate.check_ids_in_range(ids_view, int(table_view.shape[0]))
+    return selection
 
 
 def wait_for_compiles(timeout: float | None = None) -> bool:
@@ -129,8 +135,9 @@ def set_output_cache_limit(nbytes: int) -> None:
 
     The default is a sixteenth of the machine's memory, at most 2 GiB, or
     FASTEMBED_OUTPUT_CACHE_BYTES when set (read at the first allocating
-    lookup of 4 MiB or more that the numba backend is asked to serve; a
-    call to this function takes precedence).
+    lookup of 4 MiB or more that the numba backend is asked to serve, or
+    on a JAX table whatever the backend; a call to this function takes
+    precedence).
 
     Args:
         nbytes: bytes of free buffers to keep, an integer >= 0.

@@ -260,6 +260,13 @@ def test_select_backend_refuses_an_id_out_of_range_as_lookup_does(dtype, bad):
         with pytest.raises(IndexError) as from_select:
             fastembed.select_backend(table, ids)
         assert str(from_select.value) == str(from_lookup.value)
+    table = random_table(20, 4)  # with another error in the same call, the same one of the two comes first
+    for arguments in [{"dtype": "int8"}, {"out": np.empty((3, 4), table.dtype)}, {"backend": "tpu"}]:
+        with pytest.raises((TypeError, ValueError, IndexError)) as from_lookup:
+            fastembed.lookup(table, ids, **arguments)
+        with pytest.raises((TypeError, ValueError, IndexError)) as from_select:
+            fastembed.select_backend(table, ids, **arguments)
+        assert (from_select.type, str(from_select.value)) == (from_lookup.type, str(from_lookup.value))
 
 
 def test_a_choice_made_while_the_choices_are_forgotten_is_not_remembered(monkeypatch):
@@ -276,3 +283,16 @@ def test_a_choice_made_while_the_choices_are_forgotten_is_not_remembered(monkeyp
     dispatch._forget_choices()
     dispatch.select(table)
     assert dispatch._selected == {}
+
+
+def test_select_backend_leaves_a_gpu_tables_ids_to_the_lookup(cupy_or_double):
+    """On the device the lookup checks ids (or defers the check): select_backend neither syncs nor raises for them."""
+    from fastembed.backends import cuda_backend
+
+    table = cuda_backend.to_device(random_table(20, 64), 0)
+    for ids in ([3, 20], cupy_or_double.asarray(np.array([3, 20]))):
+        assert fastembed.select_backend(table, ids).backend == "cuda"
+        with fastembed.deferred_id_checks():
+            assert fastembed.lookup(table, ids).shape == (2, 64)
+        with pytest.raises(IndexError):
+            fastembed.raise_deferred_id_errors()
