@@ -332,3 +332,16 @@ def test_a_format_of_the_callers_own_is_not_written_to_gguf_under_a_ggml_type(tm
     with pytest.raises(ValueError, match="not the caller's format 'mine'; save it as .safetensors"):
         fastembed.Embedding(table).save(target)
     assert target.read_bytes() == b"kept" and [p.name for p in tmp_path.iterdir()] == ["t.gguf"]
+
+
+def test_a_copy_of_a_builtin_format_is_still_written_to_gguf(tmp_path):
+    """A table that crossed a process boundary (pickled) or was deep-copied keeps fastembed's own layout."""
+    import copy
+    import pickle
+
+    table = fastembed.Embedding.random(40, 64, "float32").quantize("q8_0").table
+    for twin in (pickle.loads(pickle.dumps(table)), copy.deepcopy(table)):
+        assert twin.format is not FORMATS["q8_0"]
+        fastembed.Embedding(twin).save(tmp_path / "t.gguf")
+        back = fastembed.Embedding.from_gguf(tmp_path / "t.gguf")
+        assert back.format == "q8_0" and np.array_equal(np.asarray(back.table.data), table.data)

@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import validate
 from ..arrays import adapter_of
-from ..formats import FORMATS, QuantizedTable
+from ..formats import FORMATS, BlockFormat, QuantizedTable
 from ._files import check_tensor_name
 from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
 from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
@@ -134,13 +134,19 @@ def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
     return array
 
 
+def _is_builtin(fmt: BlockFormat) -> bool:
+    """Whether `fmt` is fastembed's format of its name (or a copy of it: pickled, deep-copied)."""
+    builtin = FORMATS.get(fmt.name)
+    return builtin is not None and builtin == fmt and builtin.dequantize_blocks is fmt.dequantize_blocks
+
+
 def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
     """A GGUF v3 file: one metadata entry (general.alignment), one tensor, its rows."""
     if isinstance(table, QuantizedTable):
         ggml_type, rows, dim = table.format.ggml_type, table.data, table.dim
         if ggml_type is None:
             raise ValueError(f"{path}: GGUF has no type for {table.format.name} tables; save it as .safetensors")
-        if FORMATS.get(table.format.name) is not table.format:  # the caller's own format, whatever type code it claims
+        if not _is_builtin(table.format):  # the caller's own format, whatever type code it claims
             raise ValueError(f"{path}: GGUF holds fastembed's GGUF block formats ({', '.join(_GGUF_FORMATS)}), "
                              f"not the caller's format {table.format.name!r}; save it as .safetensors")
     else:
