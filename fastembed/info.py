@@ -79,7 +79,7 @@ def other_fastembed_distributions() -> list[str]:
         record = distribution.read_text("RECORD")
         if record is None:  # an egg-info install lists its files elsewhere
             record = "\n".join(str(path) for path in (distribution.files or []))
-        if "fastembed" in top_level or record.startswith("fastembed/") or "\nfastembed/" in record:
+        if "fastembed" in top_level or any(line.lstrip('"').startswith("fastembed/") for line in record.splitlines()):
             others.append(f"{name} {distribution.version}")
     return sorted(set(others))
 

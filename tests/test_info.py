@@ -73,7 +73,7 @@ def test_info_warns_about_qdrant_fastembed(monkeypatch):
     assert "WARNING: fastembed 0.9.1 also installs an import package named 'fastembed'" in text
 
 
-@pytest.mark.parametrize("listing", ["RECORD", "SOURCES.txt", "top_level.txt"])
+@pytest.mark.parametrize("listing", ["RECORD", "quoted RECORD", "SOURCES.txt", "top_level.txt"])
 def test_another_distribution_installing_fastembed_is_found_however_it_lists_its_files(tmp_path, monkeypatch, listing):
     metadata = "METADATA"
     if listing == "SOURCES.txt":  # an egg-info install: no RECORD
@@ -81,7 +81,10 @@ def test_another_distribution_installing_fastembed_is_found_however_it_lists_its
         content = "setup.py\nfastembed/__init__.py\n"
     else:
         folder = tmp_path / "fastembed-0.9.1.dist-info"
-        content = {"RECORD": "qdrant_helpers.py,,\nfastembed/__init__.py,sha256=x,10\n", "top_level.txt": "fastembed\n"}[listing]
+        content = {"RECORD": "qdrant_helpers.py,,\nfastembed/__init__.py,sha256=x,10\n",
+                   "quoted RECORD": '"qdrant_helpers.py","",""\r\n"fastembed/__init__.py","sha256=x","10"\r\n',
+                   "top_level.txt": "fastembed\n"}[listing]
+        listing = listing.removeprefix("quoted ")
     folder.mkdir()
     (folder / metadata).write_text("Metadata-Version: 2.1\nName: fastembed\nVersion: 0.9.1\n")
     (folder / listing).write_text(content)
