@@ -62,7 +62,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
             an unknown backend name (in `backend` or FASTEMBED_BACKEND); a
             FASTEMBED_OUTPUT_CACHE_BYTES that is not a byte count (read at the
             first allocating lookup of 4 MiB or more that the numba backend
-            is asked to serve).
+            is asked to serve, or on a JAX table whatever the backend).
         IndexError: an id out of range, naming the first bad id's position and value.
         BackendUnavailableError: a named backend cannot serve the call.
 

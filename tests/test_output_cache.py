@@ -161,6 +161,9 @@ def test_a_bad_environment_setting_is_named_even_while_numpy_serves_during_a_com
         fastembed.lookup(table, np.arange(600), backend="numba")
     out = np.empty((600, 4096), table.dtype)
     assert fastembed.lookup(table, np.arange(600), out=out, backend="numba") is out  # no output to allocate
+    # A one-row table's row stride can be anything: the output's size (128 bytes here), not the stride, decides.
+    one_row = np.lib.stride_tricks.as_strided(np.zeros(4, np.float32), shape=(1, 4), strides=(2**30, 4))
+    assert fastembed.lookup(one_row, np.zeros(8, np.int64), backend="numba").shape == (8, 4)
 
 
 def test_small_outputs_come_from_numpy():

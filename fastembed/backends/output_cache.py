@@ -81,8 +81,8 @@ def limit() -> int:
         ValueError: FASTEMBED_OUTPUT_CACHE_BYTES is set to something other than a byte count. Until the
             setting is fixed or :func:`set_limit` is called, every allocating lookup of at least
             :data:`MIN_BYTES` that the numba backend is asked to serve raises it (also while numpy
-            serves for it during a compile), and so does every one on a JAX table. A lookup with
-            ``backend="numpy"`` does not read the setting.
+            serves for it during a compile), and so does every one on a JAX table, whatever the
+            backend. Other lookups with ``backend="numpy"`` do not read the setting.
     """
     global _limit
     value = _limit
