@@ -175,7 +175,9 @@ class Embedding:
             ValueError: also when the memory of a torch table was resized in
                 place (``resize_``) after the layer was built.
         """
-        table_view = self._checked_view()
+        table_view = self._view
+        for guard in self._guards:  # as _checked_view(), inline: a decode step is mostly call overhead
+            guard.check()
         if dtype is not None or type(table_view) is not _NDARRAY:
             return _converting_lookup(table_view, ids, out, dtype, backend, self._rows)
         ids_view = validate.ids_snapshot(ids, table_view)

@@ -75,7 +75,7 @@ def other_fastembed_distributions() -> list[str]:
         if name.lower().replace("_", "-") == DISTRIBUTION:
             continue
         top_level = (distribution.read_text("top_level.txt") or "").split()
-        # RECORD as text: parsing it into paths (distribution.files) costs about a second with torch installed.
+        # RECORD as text: parsing every installed path (distribution.files) was most of info's time.
         record = distribution.read_text("RECORD")
         if record is None:  # an egg-info install lists its files elsewhere
             record = "\n".join(str(path) for path in (distribution.files or []))

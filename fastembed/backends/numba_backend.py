@@ -288,10 +288,10 @@ class NumbaBackend:
         table_words, word = kernel_table(table)
         flat_ids = kernel_ids(ids)
         given_words = None if out is None else _row_words(out, n, word)
-        if out is None and n * table.shape[1] * table.dtype.itemsize >= output_cache.MIN_BYTES:
-            output_cache.limit()  # a bad setting raises from the first such call, before numpy serves during a compile
         signature = _signature(table_words, flat_ids, given_words)
         if signature not in self._compiles.done and not self._compile(signature, table_words, flat_ids):
+            if out is None and n * table.shape[1] * table.dtype.itemsize >= output_cache.MIN_BYTES:
+                output_cache.limit()  # a bad setting raises now, as it will once the kernels serve
             return numpy_backend.BACKEND.gather(table, ids, out)  # compiling in the background meanwhile
         kernels = self._kernels
         if kernels is None:  # reset() by another thread since the check

@@ -33,17 +33,15 @@ import numpy as np
 
 from .. import validate
 from ..arrays import adapter_of
-from ..formats import FORMATS, BlockFormat, QuantizedTable
+from ..formats import QuantizedTable
 from ._files import check_tensor_name
-from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
+from .gguf import DEFAULT_ALIGNMENT, QUANTIZED_TYPES, TOKEN_EMBEDDING
 from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
 
 #: The tensor name a table is saved under in a safetensors file when none is given.
 SAFETENSORS_NAME = "weight"
 #: GGUF type codes of the dense dtypes a GGUF file holds.
 _GGUF_DENSE = {"float32": 0, "float16": 1, "bfloat16": 30}
-#: The block formats a GGUF file holds, by name.
-_GGUF_FORMATS = [name for name, fmt in FORMATS.items() if fmt.ggml_type is not None]
 #: The dense dtypes (numpy names) a safetensors file holds and the loaders map back.
 _SAFETENSORS_DENSE = frozenset(SAFETENSORS_DTYPES.values())
 #: Bytes written at a time (a memory-mapped table is streamed, never copied whole).
@@ -134,20 +132,16 @@ def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
     return array
 
 
-def _is_builtin(fmt: BlockFormat) -> bool:
-    """Whether `fmt` is fastembed's format of its name (or a copy of it: pickled, deep-copied)."""
-    builtin = FORMATS.get(fmt.name)
-    return builtin is not None and builtin == fmt and builtin.dequantize_blocks is fmt.dequantize_blocks
-
-
 def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
     """A GGUF v3 file: one metadata entry (general.alignment), one tensor, its rows."""
     if isinstance(table, QuantizedTable):
         ggml_type, rows, dim = table.format.ggml_type, table.data, table.dim
         if ggml_type is None:
             raise ValueError(f"{path}: GGUF has no type for {table.format.name} tables; save it as .safetensors")
-        if not _is_builtin(table.format):  # the caller's own format, whatever type code it claims
-            raise ValueError(f"{path}: GGUF holds fastembed's GGUF block formats ({', '.join(_GGUF_FORMATS)}), "
+        read_back = QUANTIZED_TYPES.get(ggml_type)  # what the loader makes of the type code (a copy matches too)
+        if read_back != table.format or read_back.dequantize_blocks is not table.format.dequantize_blocks:
+            names = ", ".join(fmt.name for fmt in QUANTIZED_TYPES.values())
+            raise ValueError(f"{path}: GGUF holds fastembed's GGUF block formats ({names}), "
                              f"not the caller's format {table.format.name!r}; save it as .safetensors")
     else:
         ggml_type, rows, dim = _GGUF_DENSE.get(table.dtype.name), table, table.shape[1]
