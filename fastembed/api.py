@@ -306,11 +306,12 @@ class Embedding:
 
         Raises:
             FileNotFoundError: no file at `path`.
-            ValueError: a directory, another file format, a corrupt header, or not 2-D.
+            ValueError: a directory, another file format, a corrupt header, not 2-D,
+                or in Fortran (column-major) order, whose rows are not contiguous.
         """
-        from .io import map_npy
+        from .io import map_npy_rows
 
-        return cls._opened(map_npy(path))
+        return cls._opened(map_npy_rows(path))
 
     @classmethod
     def from_pretrained(cls, source: Any, name: str | None = None) -> Embedding:
@@ -396,7 +397,6 @@ class Embedding:
             ValueError: a suffix other than ``.gguf``/``.safetensors``, or a dtype or format the file
                 type cannot hold (GGUF: float32, float16, bfloat16 and the GGUF block formats).
             TypeError: a table that is not on the host (copy it back first); a `name` that is not a string.
-            ImportError: ``.safetensors`` needs the safetensors package and it is missing.
 
         Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_``).
         """

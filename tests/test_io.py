@@ -279,3 +279,15 @@ def test_one_gib_file_lookup_grows_rss_by_less_than_32_mib(tmp_path_factory, bac
     assert emb.nbytes == 1_059_061_760
     assert growth < 32 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB"
     assert result.shape == (6, 4096)
+
+
+@pytest.mark.parametrize("field", ["dtype", "shape", "data_offsets"])
+def test_a_field_given_twice_in_an_entry_is_refused(tmp_path, field):
+    data = random_table(8, 6, "float32").tobytes()
+    fields = {"dtype": '"F32"', "shape": "[8, 6]", "data_offsets": f"[0, {len(data)}]"}
+    text = ", ".join([f'"{name}": {value}' for name, value in fields.items()] + [f'"{field}": {fields[field]}'])
+    header = ('{"wte.weight": {' + text + "}}").encode()
+    path = tmp_path / "twice.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    with pytest.raises(ValueError, match=f"tensor 'wte.weight'.*field '{field}' is given twice"):
+        io.map_safetensors(path)

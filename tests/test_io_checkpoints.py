@@ -369,3 +369,17 @@ def test_the_only_candidate_of_another_rank_is_named_in_the_error(tmp_path):
                                 str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' is named like a token embedding but has shape \[40\]"):
         io.open_table(tmp_path)
+
+
+def test_a_dangling_link_or_a_directory_where_the_checkpoint_should_be_is_named(tmp_path):
+    import os
+
+    linked = tmp_path / "copied_snapshot"
+    linked.mkdir()
+    os.symlink("../../blobs/0123abcd", linked / "model.safetensors")  # a Hugging Face snapshot copied without its blobs
+    with pytest.raises(FileNotFoundError, match=r"symbolic link to '../../blobs/0123abcd', which does not exist"):
+        io.open_table(linked)
+    nested = tmp_path / "nested"
+    (nested / "model.safetensors.index.json").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: is a directory"):
+        io.open_table(nested)

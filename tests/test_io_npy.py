@@ -123,3 +123,46 @@ def test_fuzzed_npy_headers_only_give_value_errors(tmp_path, flips, inserts, cut
         return
     assert table.ndim == 2 and table.nbytes <= len(content)
     fastembed.lookup(np.ascontiguousarray(table[:1]), [0])
+
+
+def test_a_fortran_order_file_is_refused_as_a_table_naming_the_file_and_the_rewrite(tmp_path):
+    values = np.random.default_rng(2).standard_normal((64, 100)).astype(np.float32)
+    path = tmp_path / "transposed.npy"
+    np.save(path, values.T)  # np.save writes a transposed array in Fortran order
+    for open_it in (fastembed.Embedding.from_npy, fastembed.Embedding.from_pretrained, io.open_table):
+        with pytest.raises(ValueError, match="Fortran.*rewrite it once") as caught:
+            open_it(path)
+        assert str(path) in str(caught.value)
+    code = str(caught.value).split("row-major order: ", 1)[1]
+    exec(code, {"np": np, "path": str(path)})  # noqa: S102 - the message's own rewrite, on this test's file
+    np.testing.assert_array_equal(fastembed.Embedding.from_npy(path)(np.arange(100)), values.T)
+
+
+def test_a_sub_array_dtype_is_refused_as_not_2d(tmp_path):
+    path = tmp_path / "sub.npy"
+    data = np.random.default_rng(3).standard_normal((5, 12)).astype("<f4")
+    path.write_bytes(npy_bytes("{'descr': ('<f4', (1,)), 'fortran_order': False, 'shape': (5, 12), }", data.tobytes()))
+    for open_it in (io.map_npy, io.open_table, fastembed.Embedding.from_npy):
+        with pytest.raises(ValueError, match=r"sub-array type.*float32 of shape \(1,\)") as caught:
+            open_it(path)
+        assert str(path) in str(caught.value)
+
+
+def test_a_path_whose_fspath_gives_bytes_opens_and_is_watched(tmp_path):
+    import os
+
+    path = tmp_path / "t.npy"
+    table = np.random.default_rng(4).standard_normal((30, 8)).astype(np.float32)
+    np.save(path, table)
+
+    class BytesPath:
+        def __fspath__(self) -> bytes:
+            return os.fsencode(path)
+
+    for open_it in (fastembed.Embedding.from_npy, fastembed.Embedding.from_pretrained):
+        emb = open_it(BytesPath())
+        emb.check_file()  # watched: the mapped array names the file
+        np.testing.assert_array_equal(emb([3, 1]), table[[3, 1]])
+    np.save(path, table + 1)
+    with pytest.raises(io.FileChangedError):
+        emb.check_file()

@@ -225,11 +225,41 @@ def test_int8_goes_to_safetensors(tmp_path):
     same_bytes(io.map_safetensors(tmp_path / "t.safetensors"), table)
 
 
-def test_without_the_safetensors_package_the_message_names_it(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
-    with pytest.raises(ImportError, match="pip install safetensors"):
-        io.save_table(tmp_path / "t.safetensors", rows())
-    assert os.listdir(tmp_path) == []
+def test_safetensors_files_need_no_package_to_write_and_the_package_reads_them(tmp_path, monkeypatch):
+    dense, fp8 = rows("float16", seed=3), quantized("fp8_e4m3")
+    with monkeypatch.context() as without:
+        without.setitem(sys.modules, "safetensors", None)
+        without.setitem(sys.modules, "safetensors.numpy", None)
+        io.save_table(tmp_path / "dense.safetensors", dense, name="model.embed_tokens.weight")
+        io.save_table(tmp_path / "fp8.safetensors", fp8)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "dense.safetensors"), "np") as reader:
+        assert reader.metadata() == {"fastembed.tensor": "model.embed_tokens.weight"}
+        same_bytes(reader.get_tensor("model.embed_tokens.weight"), dense)
+    with safe_open(str(tmp_path / "fp8.safetensors"), "np") as reader:
+        assert reader.metadata() == {"fastembed.tensor": "weight", "fastembed.format": "fp8_e4m3", "fastembed.dim": str(DIM)}
+        same_bytes(reader.get_tensor("weight"), fp8.data)
+        same_bytes(reader.get_tensor("weight.scales"), fp8.scales)
+
+
+@pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])
+def test_big_endian_and_column_major_tables_are_converted_chunk_by_chunk(tmp_path, monkeypatch, suffix):
+    import tracemalloc
+
+    from fastembed.io import save
+
+    monkeypatch.setattr(save, "_CHUNK_BYTES", 2**20)
+    values = np.random.default_rng(4).standard_normal((4096, 1024)).astype(np.float32)  # 16 MiB
+    for kind, table in (("big", values.astype(">f4")), ("fortran", np.asfortranarray(values))):
+        tracemalloc.start()
+        try:
+            io.save_table(tmp_path / f"{kind}{suffix}", table)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 * 2**20, (kind, peak)  # a chunk or two, not the 16 MiB table
+        same_bytes(io.open_table(tmp_path / f"{kind}{suffix}"), values)
 
 
 def write_tagged(path, tensors: dict, metadata: dict) -> None:

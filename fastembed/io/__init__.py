@@ -29,7 +29,7 @@ from .checkpoints import (
     token_embedding_name,
 )
 from .gguf import MAX_GGUF_HEADER_BYTES, GGUFTensor, ggml_type_name, map_gguf, scan_gguf
-from .npy import map_npy, read_npy_header
+from .npy import map_npy, map_npy_rows, read_npy_header
 from .safetensors import (
     MAX_ENTRY_BYTES,
     MAX_HEADER_BYTES,
@@ -58,6 +58,7 @@ __all__ = [
     "ggml_type_name",
     "map_gguf",
     "map_npy",
+    "map_npy_rows",
     "map_safetensors",
     "open_table",
     "read_config_shape",

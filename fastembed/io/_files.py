@@ -6,6 +6,9 @@ import os
 import stat
 import zipfile
 from collections.abc import Iterable
+from typing import Any, Literal
+
+import numpy as np
 
 #: How many names an error message lists before "... and N more".
 NAMES_SHOWN = 12
@@ -54,6 +57,16 @@ def shorten(names: Iterable[str], total: int | None = None, limit: int = NAMES_S
     return text + (f" ... and {total - len(shown)} more" if total > len(shown) else "")
 
 
+def map_file(path: str | os.PathLike, dtype: Any, offset: int, shape: tuple[int, ...],
+             order: Literal["C", "F"] = "C") -> np.memmap:
+    """A read-only np.memmap of `shape` at byte `offset` of the file at `path` (a path whose ``__fspath__`` gives bytes too).
+
+    The path is passed on as text, so the map's ``filename`` names the file
+    and :class:`~fastembed.io.FileWatch` can watch it.
+    """
+    return np.memmap(os.fsdecode(os.fspath(path)), dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
+
+
 def check_file(path: str | os.PathLike, opener: str) -> int:
     """The size of the regular file at `path`.
 
@@ -74,6 +87,9 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
     try:
         status = os.stat(path)
     except FileNotFoundError:
+        if os.path.islink(path):  # a copied Hugging Face snapshot whose links into the cache no longer resolve, say
+            raise FileNotFoundError(errno.ENOENT, f"{opener}: a symbolic link to {os.readlink(os.fspath(path))!r}, which does not exist",
+                                    os.fsdecode(os.fspath(path))) from None
         raise FileNotFoundError(errno.ENOENT, f"{opener}: no such file", str(path)) from None
     except NotADirectoryError:
         raise FileNotFoundError(errno.ENOENT, f"{opener}: no such file (a parent is not a directory)", str(path)) from None

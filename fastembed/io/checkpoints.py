@@ -30,7 +30,7 @@ from ._files import (
     shorten,
 )
 from .gguf import map_gguf
-from .npy import map_npy
+from .npy import map_npy_rows
 from .safetensors import SCALES_SUFFIX, TENSOR_KEY, SafetensorsHeader, TensorEntry, map_entry, scan_safetensors_header
 
 #: Tensor-name endings that mark a token embedding, best first, with the families that use them.
@@ -219,13 +219,14 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
         TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
     """
     check_tensor_name(source, name)
-    path = Path(os.fsdecode(source) if isinstance(source, bytes) else source)
+    path = Path(os.fsdecode(os.fspath(source)))  # a str, bytes or os.PathLike (whose __fspath__ may give bytes)
     if not path.exists():
         raise FileNotFoundError(errno.ENOENT, "no such file or directory", str(source))
     if path.is_dir():
-        if (path / INDEX_NAME).is_file():
+        # Present as any entry (a dangling link, a directory): opening it raises what is wrong with it.
+        if os.path.lexists(path / INDEX_NAME):
             return _open_sharded(path / INDEX_NAME, name)
-        if (path / SINGLE_NAME).is_file():
+        if os.path.lexists(path / SINGLE_NAME):
             return _open_single(path / SINGLE_NAME, name, read_config_shape(path))
         raise ValueError(_no_checkpoint_message(path))
     check_file(path, "fastembed.io.open_table")
@@ -233,7 +234,7 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
     if head.startswith(b"\x93NUMPY"):
         if name is not None:
             raise ValueError(f"{path}: a .npy file holds one array; name= must be None")
-        return map_npy(path)
+        return map_npy_rows(path)
     if head.startswith(b"GGUF") or path.suffix.lower() == ".gguf":
         return map_gguf(path, name)
     if path.name.endswith(".index.json") or (describe(path, head) or "").startswith("is a sharded checkpoint's index"):

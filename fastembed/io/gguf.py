@@ -30,7 +30,7 @@ import numpy as np
 
 from ..formats import FORMATS, BlockFormat, QuantizedTable
 from ..tables import resolve_dtype
-from ._files import check_file, check_tensor_name, describe, read_head, shorten
+from ._files import check_file, check_tensor_name, describe, map_file, read_head, shorten
 
 _OPENER = "fastembed.Embedding.from_gguf"
 #: The tensor ``map_gguf`` opens when no name is given: llama.cpp's token embedding.
@@ -390,6 +390,6 @@ def map_gguf(path: str | os.PathLike, name: str | None = None) -> np.memmap | Qu
     n_vocab, n_embd, row_bytes = _check_table(path, tensor, os.path.getsize(path))
     if tensor.ggml_type in DENSE_TYPES:
         dtype = resolve_dtype(DENSE_TYPES[tensor.ggml_type])
-        return np.memmap(os.fspath(path), dtype=dtype, mode="r", offset=tensor.offset, shape=(n_vocab, n_embd))
-    data = np.memmap(os.fspath(path), dtype=np.uint8, mode="r", offset=tensor.offset, shape=(n_vocab, row_bytes))
+        return map_file(path, dtype, tensor.offset, (n_vocab, n_embd))
+    data = map_file(path, np.uint8, tensor.offset, (n_vocab, row_bytes))
     return QuantizedTable(data, QUANTIZED_TYPES[tensor.ggml_type], n_embd)

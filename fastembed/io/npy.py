@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from numpy.lib import format as npy_format
 
-from ._files import check_file, describe, read_head
+from ._files import check_file, describe, map_file, read_head
 
 _OPENER = "fastembed.Embedding.from_npy"
 #: numpy's own default limit on a .npy header's length (np.load's max_header_size).
@@ -104,12 +104,32 @@ def map_npy(path: str | os.PathLike) -> np.memmap:
 
     Raises:
         FileNotFoundError: no file at `path`.
-        ValueError: as :func:`read_npy_header`; the array is not 2-D or is empty.
+        ValueError: as :func:`read_npy_header`; the array is not 2-D (a sub-array
+            dtype such as ``('<f4', (4,))`` adds dimensions) or is empty.
     """
     shape, fortran_order, dtype, offset = read_npy_header(path)
+    if dtype.subdtype is not None:
+        raise ValueError(f"{path}: dtype {dtype} is a sub-array type (each element holds {dtype.subdtype[0]} of shape "
+                         f"{dtype.shape}); an embedding table's dtype is a scalar type")
     if len(shape) != 2:
         raise ValueError(f"{path}: holds shape {shape}; an embedding table is 2-D")
     if 0 in shape:
         raise ValueError(f"{path}: holds an empty array of shape {shape}")
-    return np.memmap(os.fspath(path), dtype=dtype, mode="r", offset=offset, shape=shape,
-                     order="F" if fortran_order else "C")
+    return map_file(path, dtype, offset, shape, order="F" if fortran_order else "C")
+
+
+def map_npy_rows(path: str | os.PathLike) -> np.memmap:
+    """:func:`map_npy` for a table whose rows are gathered: the file must be in row-major (C) order.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`map_npy`; and a ValueError for a
+            Fortran-order file, whose rows are not contiguous (gathering them would
+            need a copy of the whole table), saying how to rewrite it once.
+    """
+    table = map_npy(path)
+    if not table.flags.c_contiguous:
+        raise ValueError(
+            f"{path}: stores its array in Fortran (column-major) order, so a row's values are not contiguous in "
+            "the file and fastembed would have to copy the whole table to gather rows; rewrite it once in "
+            "row-major order: np.save(path, np.ascontiguousarray(np.load(path, mmap_mode='r')))")
+    return table

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..formats import QuantizedTable, block_format
 from ..tables import resolve_dtype
-from ._files import OPENS, check_file, check_tensor_name, describe, read_head, shorten
+from ._files import OPENS, check_file, check_tensor_name, describe, map_file, read_head, shorten
 
 #: safetensors dtype codes -> numpy dtype names (ml_dtypes for BF16 and F8).
 SAFETENSORS_DTYPES = {
@@ -246,7 +246,17 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
     return SafetensorsHeader(kept, data_start, tensor_count, sample, metadata)
 
 
-_DECODER = json.JSONDecoder()
+def _unique_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's fields, refusing one given twice (which value counts would be a guess; safetensors refuses it)."""
+    fields: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in fields:
+            raise ValueError(f"field {_short_repr(key)} is given twice")
+        fields[key] = value
+    return fields
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_fields)
 _WS = r"[ \t\n\r]*"
 _DIGITS = r"(?:0|[1-9]\d{0,19})"
 _INT = _WS + "(" + _DIGITS + ")" + _WS
@@ -431,7 +441,7 @@ def map_tensor(path: str | os.PathLike, entry: TensorEntry, data_start: int, nam
     if 0 in entry.shape:
         raise ValueError(f"{path}: tensor {name!r} is empty (shape {list(entry.shape)})")
     dtype = resolve_dtype(SAFETENSORS_DTYPES[entry.dtype])
-    return np.memmap(os.fspath(path), dtype=dtype, mode="r", offset=data_start + entry.begin, shape=entry.shape)
+    return map_file(path, dtype, data_start + entry.begin, entry.shape)
 
 
 def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> np.memmap | QuantizedTable:
@@ -467,7 +477,7 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
     if entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] != row_bytes or entry.shape[0] == 0:
         raise ValueError(f"{where}: a {fmt.name} table of dim {dim} is stored as U8 rows of shape "
                          f"(vocab_size, {row_bytes}), not {entry.dtype} {list(entry.shape)}")
-    data = np.memmap(os.fspath(path), dtype=np.uint8, mode="r", offset=header.data_start + entry.begin, shape=entry.shape)
+    data = map_file(path, np.uint8, header.data_start + entry.begin, entry.shape)
     if not fmt.row_scale:
         return QuantizedTable(data, fmt, dim)
     scales_entry = header.entries.get(name + SCALES_SUFFIX)
@@ -475,8 +485,7 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
         found = "missing" if scales_entry is None else f"{scales_entry.dtype} {list(scales_entry.shape)}"
         raise ValueError(f"{where}: a {fmt.name} table keeps its row scales as F32 [{entry.shape[0]}] in "
                          f"{name + SCALES_SUFFIX!r}, found {found}")
-    scales = np.memmap(os.fspath(path), dtype="<f4", mode="r", offset=header.data_start + scales_entry.begin,
-                       shape=scales_entry.shape)
+    scales = map_file(path, "<f4", header.data_start + scales_entry.begin, scales_entry.shape)
     return QuantizedTable(data, fmt, dim, scales)
 
 

@@ -5,13 +5,18 @@
   quantized tables whose format has a GGUF type (Q8_0, Q4_K, ...), their rows'
   bytes as they are. Written here (the format is a short header and the rows),
   so no GGUF package is needed.
-* ``.safetensors``: through the ``safetensors`` package. A dense table is one
+* ``.safetensors``: written here too (a JSON header, then the tensors'
+  bytes). A dense table is one
   tensor (``weight`` by default); a quantized table is its uint8 rows under
   the name, plus the float32 row scales under ``<name>.scales`` when its
   format has them. ``__metadata__`` names the table (``fastembed.tensor``) and,
   for a quantized table, its format and values per row (``fastembed.format``,
   ``fastembed.dim``), so :func:`~fastembed.io.map_safetensors` finds it without
   a name and maps it back as a QuantizedTable.
+
+Both writers stream the rows a few MiB at a time, converted to little-endian
+row-major order chunk by chunk, so a memory-mapped, big-endian or
+column-major table is never copied whole.
 
 The file is written beside its destination and renamed over it at the end, so
 a table mapped from the destination keeps its old pages (see docs/loading.md);
@@ -22,6 +27,7 @@ content-addressed blob stays intact).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import struct
@@ -42,8 +48,8 @@ from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX,
 SAFETENSORS_NAME = "weight"
 #: GGUF type codes of the dense dtypes a GGUF file holds.
 _GGUF_DENSE = {"float32": 0, "float16": 1, "bfloat16": 30}
-#: The dense dtypes (numpy names) a safetensors file holds and the loaders map back.
-_SAFETENSORS_DENSE = frozenset(SAFETENSORS_DTYPES.values())
+#: The safetensors dtype code of each dense dtype (numpy names) a safetensors file holds and the loaders map back.
+_SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 #: Bytes written at a time (a memory-mapped table is streamed, never copied whole).
 _CHUNK_BYTES = 64 * 2**20
 
@@ -67,7 +73,6 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             a file the loaders would refuse (a name over their limit of 4,096 bytes, say):
             nothing is written then.
         TypeError: a table that is not on the host; a `name` that is not a string.
-        ImportError: ``.safetensors`` needs the safetensors package and it is missing.
 
     Example:
         >>> import numpy as np, tempfile, os
@@ -127,9 +132,7 @@ def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
                         f"(copy it to the host first): {error}") from None
     if array.ndim != 2 or 0 in array.shape:
         raise ValueError(f"{path}: a table is a non-empty 2-D array, got shape {array.shape}")
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    return array
+    return array  # big-endian or column-major arrays are converted chunk by chunk as they are written
 
 
 def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
@@ -176,32 +179,43 @@ def _gguf_header(name: str, dim: int, vocab_size: int, ggml_type: int) -> bytes:
 
 
 def _row_chunks(rows: np.ndarray) -> Iterator[memoryview]:
-    """The bytes of `rows`, in C order, a few MiB at a time."""
+    """The bytes of `rows` (2-D) in row-major order and little-endian, a few MiB at a time."""
+    little = rows.dtype.newbyteorder("<") if rows.dtype.byteorder == ">" else rows.dtype
     step = max(1, _CHUNK_BYTES // max(1, rows.shape[1] * rows.dtype.itemsize))
     for start in range(0, rows.shape[0], step):
-        chunk = np.ascontiguousarray(rows[start:start + step])
+        chunk = np.ascontiguousarray(rows[start:start + step], dtype=little)
         yield chunk.reshape(-1).view(np.uint8).data
 
 
 def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
     """The table as safetensors tensors, with the metadata that lets the loaders find and rebuild it."""
-    try:
-        from safetensors.numpy import save_file
-    except ImportError:
-        raise ImportError("writing .safetensors files needs the safetensors package (pip install safetensors)") from None
     metadata = {TENSOR_KEY: name}
     if isinstance(table, QuantizedTable):
-        tensors = {name: np.ascontiguousarray(table.data)}
+        tensors: dict[str, tuple[str, list[int], np.ndarray]] = {name: ("U8", list(table.data.shape), table.data)}
         metadata.update({FORMAT_KEY: table.format.name, DIM_KEY: str(table.dim)})
         if table.scales is not None:
-            tensors[name + SCALES_SUFFIX] = np.ascontiguousarray(table.scales, dtype="<f4")
+            tensors[name + SCALES_SUFFIX] = ("F32", [table.scales.shape[0]], table.scales.reshape(-1, 1))
     else:
-        if table.dtype.name not in _SAFETENSORS_DENSE:
-            raise ValueError(f"{path}: a safetensors file holds {', '.join(sorted(_SAFETENSORS_DENSE))} tables, "
+        code = _SAFETENSORS_CODES.get(table.dtype.name)
+        if code is None:
+            raise ValueError(f"{path}: a safetensors file holds {', '.join(sorted(_SAFETENSORS_CODES))} tables, "
                              f"not {table.dtype}")
-        tensors = {name: np.ascontiguousarray(table)}
+        tensors = {name: (code, list(table.shape), table)}
+    header: dict[str, Any] = {"__metadata__": metadata}
+    begin = 0
+    for tensor, (code, shape, rows) in tensors.items():
+        end = begin + rows.size * rows.dtype.itemsize
+        header[tensor] = {"dtype": code, "shape": shape, "data_offsets": [begin, end]}
+        begin = end
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the safetensors package writes it
+
     def write(temporary: str) -> None:
-        save_file(tensors, temporary, metadata=metadata)
+        with open(temporary, "wb") as handle:
+            handle.write(struct.pack("<Q", len(text)) + text)
+            for _, _, rows in tensors.values():
+                for chunk in _row_chunks(rows):
+                    handle.write(chunk)
         _check_readable(path, temporary, name, ".safetensors")
 
     _replace(path, write)
