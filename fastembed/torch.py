@@ -15,12 +15,13 @@ other case by using torch's own embedding (never a copy of the weight):
   fake and traced tensors; this is not warned about;
 * under forward-mode AD (a weight with a tangent), inside ``torch.func``
   transforms (``vmap``, ``jvp``, ``grad``), under an active torch function
-  or dispatch mode (``FakeTensorMode``, say), and when the weight or the
+  or dispatch mode (``FakeTensorMode``, ``with torch.device(...)``,
+  ``torch.set_default_device``), and when the weight or the
   ids are a subclass of ``torch.Tensor`` other than ``nn.Parameter``
   (DTensor, FakeTensor, a wrapper subclass: their memory need not hold
   their values), which torch's operation knows how to carry; not warned
   about either;
-* when the ids are not an int32 or int64 tensor: torch's embedding then
+* when the ids are not a dense int32 or int64 tensor (nested, sparse): torch's embedding then
   accepts or refuses them, as it would in training, so a model behaves
   alike in both;
 * when autograd needs a gradient (the weight requires grad and grad mode is
@@ -126,9 +127,11 @@ _ID_DTYPES = (torch.int64, torch.int32)
 
 
 def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
-    """Whether torch's own operation must serve, silently: ids other than an int32/int64 tensor, a tensor
+    """Whether torch's own operation must serve, silently: ids other than a dense int32/int64 tensor, a tensor
     subclass, an active torch function or dispatch mode, a forward-mode tangent, or a torch.func wrapper."""
     if type(input) not in _PLAIN or input.dtype not in _ID_DTYPES or type(weight) not in _PLAIN:
+        return True
+    if input.layout is not torch.strided or input.is_nested:  # sparse or nested ids: torch's embedding takes them
         return True
     if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
         return True

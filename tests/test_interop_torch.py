@@ -501,3 +501,19 @@ def test_a_table_moved_to_shared_memory_after_the_layer_was_made_is_named():
     with pytest.raises(ValueError, match="share_memory_"):
         layer([1])
     assert torch.equal(fastembed.Embedding(table)([1]), table[[1]])
+
+
+def test_transforms_compilation_and_nested_tensors_are_type_errors_saying_why():
+    table = torch_table("float32")
+    ids = torch.tensor([[1, 2], [3, 4]])
+    with pytest.raises(TypeError, match="torch.func transform's wrapper"):
+        torch.func.vmap(lambda row_ids: fastembed.lookup(table, row_ids))(ids)
+    with pytest.raises(TypeError, match="torch.func transform's wrapper"):
+        torch.func.grad(lambda weight: fastembed.lookup(weight, torch.tensor([0, 1])).sum())(table)
+    nested = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
+    with pytest.raises(TypeError, match="nested torch tensors are not supported"):
+        fastembed.lookup(table, nested)
+    compiled = torch.compile(lambda weight, row_ids: fastembed.lookup(weight, row_ids), backend="eager")
+    with pytest.raises(TypeError, match="torch.compile cannot trace"):
+        compiled(table, ids)
+    assert torch.equal(fastembed.lookup(table, ids), table[ids])  # outside the transforms, as before

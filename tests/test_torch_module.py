@@ -344,3 +344,16 @@ def test_the_layer_scripts_with_torchscript():
         scripted = torch.jit.script(layer)
     ids = torch.tensor([[1, 9]])
     assert torch.equal(scripted(ids), layer(ids))
+
+
+def test_nested_and_sparse_ids_give_torchs_result_or_error():
+    weight = torch.randn(30, 8)
+    nested = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
+    for cls in (torch.nn.Embedding, Embedding):
+        rows = cls.from_pretrained(weight)(nested)
+        assert rows.is_nested and all(torch.equal(part, weight[ids]) for part, ids in zip(rows.unbind(), nested.unbind(), strict=True))
+    sparse = torch.tensor([[0, 1]]).to_sparse()
+    with pytest.raises(RuntimeError) as expected:
+        torch.nn.Embedding.from_pretrained(weight)(sparse)
+    with pytest.raises(RuntimeError, match=str(expected.value)):
+        Embedding.from_pretrained(weight)(sparse)

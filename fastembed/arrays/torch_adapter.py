@@ -93,12 +93,16 @@ class TorchAdapter:
 
         Raises:
             TypeError: a tensor on another kind of device, a dtype the view
-                cannot hold, a bfloat16 or float8 CPU tensor without ml_dtypes,
+                cannot hold, a nested tensor, a torch.func wrapper or a call that
+                torch.compile traces, a bfloat16 or float8 CPU tensor without ml_dtypes,
                 a CUDA tensor without cupy installed, or a lazy negation or
                 conjugate view (its memory holds other values).
             ValueError: a tensor whose shape reaches past its storage (a
                 storage shrunk in place, as FSDP frees parameters).
         """
+        unreadable = _traced_or_wrapped(array)
+        if unreadable is not None:
+            raise TypeError(unreadable)
         if _dispatched_in_python(array):
             raise TypeError(
                 f"this torch tensor is a {type(array).__module__}.{type(array).__qualname__}, whose operations "
@@ -274,6 +278,31 @@ class _StorageGuard:
             )
 
 
+def _traced_or_wrapped(tensor: Any) -> str | None:
+    """Why `tensor` has no memory fastembed can read (torch.compile tracing, a nested tensor), or None.
+
+    Under torch.compile the error makes Dynamo run the call outside the graph
+    (a graph break), where the tensors are real; with ``fullgraph=True`` it
+    stops the compile with this message.
+    """
+    import torch
+
+    if torch.compiler.is_compiling():
+        return ("fastembed reads a tensor's memory, which torch.compile cannot trace: call it outside the compiled "
+                "region (torch.compiler.disable), or use fastembed.torch.Embedding, which torch.compile traces as "
+                "torch's embedding")
+    if tensor.is_nested:
+        return ("nested torch tensors are not supported: fastembed reads one strided block of memory; gather each "
+                "component (tensor.unbind()) or use torch.nn.functional.embedding")
+    return None
+
+
+#: Why a torch.func transform's tensors are refused (they are noticed when their storage is asked for).
+_FUNCTORCH_WRAPPER = ("this torch tensor is a torch.func transform's wrapper (vmap, grad, jvp), which has no memory of "
+                      "its own for fastembed to read: use torch.nn.functional.embedding inside transforms, or "
+                      "fastembed.torch.Embedding, which hands them to torch")
+
+
 def _dispatched_in_python(tensor: Any) -> bool:
     """Whether torch hands `tensor`'s operations to Python code (``__torch_dispatch__``): its memory need not be its values."""
     import torch
@@ -303,7 +332,14 @@ def _check_storage_holds(tensor: Any) -> None:
     else:
         last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     needed = (last + 1) * tensor.element_size()
-    held = tensor.untyped_storage().nbytes()
+    try:
+        held = tensor.untyped_storage().nbytes()
+    except NotImplementedError:  # the one place a torch.func wrapper tells itself apart, at no cost to other tensors
+        import torch
+
+        if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
+            raise TypeError(_FUNCTORCH_WRAPPER) from None
+        raise
     if needed > held:
         raise ValueError(f"this torch tensor of shape {tuple(tensor.shape)} needs {needed} bytes of its storage, which "
                          f"holds {held}: the storage was shrunk or freed (untyped_storage().resize_, as FSDP frees "
