@@ -246,3 +246,37 @@ def test_a_lease_cannot_be_copied_or_pickled():
         with pytest.raises(TypeError, match="cannot be copied or pickled"):
             duplicate(lease)
     assert pickle.loads(pickle.dumps(out)).shape == SHAPE  # the array itself pickles as data
+
+
+class _Cycle:
+    """An object in a reference cycle: only the garbage collector frees what it holds."""
+
+
+@pytest.mark.parametrize("shrink", [fastembed.empty_cache, lambda: fastembed.set_output_cache_limit(12 * 2**20)])
+def test_a_result_freed_by_a_collection_inside_the_cache_is_kept_on_the_way_out(shrink):
+    """A lease's finalizer run by a garbage collection in the middle of a trim once made it index past the list."""
+    import gc
+
+    table = random_table(4096, 1024, "float32")  # 4 KiB rows: 1,024 ids make 4 MiB
+    fastembed.lookup(table, np.arange(1024), backend="numba")
+    for threshold in range(1, 40):  # some threshold collects inside the trim's loop
+        gc.disable()
+        try:
+            fastembed.set_output_cache_limit(16 * 2**20)
+            fastembed.empty_cache()
+            first, second, third, kept = (fastembed.lookup(table, np.arange(n), backend="numba")
+                                          for n in (1024, 1024, 2048, 2048))
+            del first, second, third  # 4 + 4 + 8 MiB free in the cache
+            gc.collect()
+            cycle = _Cycle()
+            cycle.self, cycle.result = cycle, kept
+            del cycle, kept
+            gc.set_threshold(threshold)
+            gc.enable()
+            shrink()
+        finally:
+            gc.set_threshold(700)
+            gc.enable()
+        gc.collect()
+        assert output_cache.cached_bytes() <= output_cache.limit()
+        assert output_cache.cached_bytes() == sum(buffer.size for buffer in output_cache._free)

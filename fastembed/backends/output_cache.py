@@ -162,12 +162,16 @@ def _take(nbytes: int) -> np.ndarray:
     """The smallest free buffer of at least `nbytes` and at most twice that, or a new one faulted in."""
     global _free_bytes
     with _lock:
-        fitting = [i for i, b in enumerate(_free) if nbytes <= b.size <= 2 * nbytes]
-        if fitting:
-            best = min(fitting, key=lambda i: _free[i].size)
-            buffer = _free.pop(best)
-            _free_bytes -= buffer.size
-            return buffer
+        _enter()
+        try:
+            fitting = [i for i, b in enumerate(_free) if nbytes <= b.size <= 2 * nbytes]
+            if fitting:
+                best = min(fitting, key=lambda i: _free[i].size)
+                buffer = _free.pop(best)
+                _free_bytes -= buffer.size
+                return buffer
+        finally:
+            _leave()
     size = -(-nbytes // GRANULE) * GRANULE
     buffer = _aligned_empty((size,), np.dtype(np.uint8), ALIGNMENT)
     fault_in(buffer)
@@ -175,23 +179,65 @@ def _take(nbytes: int) -> np.ndarray:
 
 
 def _give_back(buffer: np.ndarray) -> None:
-    """Finalizer of a lease: keep its buffer, freeing the oldest free buffers to stay within the limit."""
-    global _free_bytes
+    """Finalizer of a lease: keep its buffer (see :func:`_keep`), or later, when this thread is inside the cache's code."""
     with _lock:
-        keep = _limit or 0
-        if buffer.size > keep:
+        if _depth:  # a garbage collection in the middle of this thread's _take or _trim ran this finalizer
+            _returned_meanwhile.append(buffer)
             return
-        while _free_bytes + buffer.size > keep:
-            _free_bytes -= _free.pop(0).size  # returned first, so least recently used
-        _free.append(buffer)
-        _free_bytes += buffer.size
+        _enter()
+        try:
+            _keep(buffer)
+        finally:
+            _leave()
+
+
+def _keep(buffer: np.ndarray) -> None:
+    """Keep `buffer`, freeing the oldest free buffers to stay within the limit (with the lock held)."""
+    global _free_bytes
+    keep = _limit or 0
+    if buffer.size > keep:
+        return
+    while _free_bytes + buffer.size > keep:
+        _free_bytes -= _free.pop(0).size  # returned first, so least recently used
+    _free.append(buffer)
+    _free_bytes += buffer.size
 
 
 def _trim(keep: int) -> None:
+    """Free buffers, largest first, until at most `keep` bytes stay (with the lock held)."""
     global _free_bytes
-    while _free and _free_bytes > keep:
-        largest = max(range(len(_free)), key=lambda i: _free[i].size)
-        _free_bytes -= _free.pop(largest).size
+    while _free and _free_bytes > keep:  # again when buffers came back meanwhile (kept on the way out)
+        _enter()
+        try:
+            while _free and _free_bytes > keep:
+                largest = max(range(len(_free)), key=lambda i: _free[i].size)
+                _free_bytes -= _free.pop(largest).size
+        finally:
+            _leave()
+
+
+# Any allocation can start a garbage collection, which may run a lease's finalizer on this very thread while it
+# is inside _take or _trim (the lock is re-entrant): the finalizer then leaves its buffer here, and the outermost
+# of those calls keeps it on the way out, so no list of buffers changes under a loop reading it.
+_depth = 0  # how many of the cache's calls the thread holding the lock is inside
+_returned_meanwhile: list[np.ndarray] = []
+
+
+def _enter() -> None:
+    global _depth
+    _depth += 1
+
+
+def _leave() -> None:
+    global _depth
+    _depth -= 1
+    while not _depth and _returned_meanwhile:
+        buffer = _returned_meanwhile.pop()
+        _depth += 1
+        try:
+            _keep(buffer)
+        finally:
+            _depth -= 1
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> np.ndarray:
@@ -204,8 +250,11 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> n
 
 def _after_fork_in_child() -> None:
     """A fork copies the lock as it was: held, if another thread held it then, by a thread the child lacks."""
-    global _lock, _free_bytes
+    global _lock, _free_bytes, _depth
     _lock = threading.RLock()
+    _depth = 0
+    _free.extend(_returned_meanwhile)  # left by that thread's finalizers: buffers no result uses any more
+    _returned_meanwhile.clear()
     _free_bytes = sum(buffer.size for buffer in _free)  # that thread may have been between its two updates
 
 
