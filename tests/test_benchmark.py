@@ -119,6 +119,17 @@ _CHECK = 'name = "x"\ncontender = "fastembed-out"\nmetric = "speedup_vs_numpy"\n
     (f'[[check]]\n{_CHECK}batch = 1000000000000\ndistribution = "uniform"\n', "batch must be an integer from 1 to"),
     (f'[[check]]\n{_CHECK}batch = 8\ndistribution = "uniform"\n'.replace('name = "x"', "name = 5"),
      "a check's name must be a string, got 5"),
+    (f'[[check]]\n{_CHECK}batch = true\ndistribution = "uniform"\n', "batch must be an integer from 1 to"),
+    (f'[[check]]\n{_CHECK}batch = 8\ndistribution = "uniform"\n'.replace("min = 1", "min = nan"), "a finite number 'min'"),
+    (f'[[check]]\n{_CHECK}batch = 8\ndistribution = "uniform"\n'.replace("min = 1", "min = true"), "a finite number 'min'"),
+    ('[[check]]\nname = "x"\ncontender = "fastembed-auto-outt"\nmetric = "speedup_vs_numpy"\nmin = 1\nbatch = 8\n'
+     'distribution = "uniform"\n', "contender 'fastembed-auto-outt' is not measured on this machine"),
+    ('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "speedup_vs_contender"\nversus = "numpy-fancyy"\n'
+     'min = 1\nbatch = 8\ndistribution = "uniform"\n', "versus 'numpy-fancyy' is not measured on this machine"),
+    ('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "served_by"\nexpect_backend = "numbaa"\n'
+     'batch = 8\ndistribution = "uniform"\n', "expect_backend 'numbaa' is no backend"),
+    ("repetitions = true\n[[check]]\nname = 'x'\ncontender = 'fastembed-auto-out'\nmetric = 'speedup_vs_numpy'\n"
+     "min = 1\nbatch = 8\ndistribution = 'uniform'\n", "repetitions must be an integer >= 1"),
 ])
 def test_gate_thresholds_are_checked_whole(tmp_path, content, message):
     path = tmp_path / "thresholds.toml"
@@ -206,8 +217,10 @@ def test_gate_fails_when_auto_does_not_pick_numba(tmp_path):
     assert passed.returncode == 0, passed.stdout + passed.stderr
     failed = bench(*arguments, "--out", str(tmp_path / "numpy"), env=dict(os.environ, FASTEMBED_BACKEND="numpy"))
     assert failed.returncode == 1, failed.stdout + failed.stderr
-    verdict = json.loads((tmp_path / "numpy" / "gate.json").read_text())["verdicts"][0]
+    written = json.loads((tmp_path / "numpy" / "gate.json").read_text())
+    verdict = written["verdicts"][0]
     assert verdict["measured"] == "numpy" and not verdict["passed"]
+    assert written["command"].startswith("fastembed-bench --gate --thresholds") and written["date"]
 
 
 #: How long a slowed contender sleeps after each real lookup: hundreds of times a lookup of the
@@ -336,7 +349,7 @@ def test_bench_refuses_a_table_file_it_cannot_map(tmp_path):
     assert empty.returncode == 2 and "empty" in empty.stderr and "Traceback" not in empty.stderr
     for arguments in (["--tensor", "wte.weight"], ["--table", "table.npy", "--tensor", "wte.weight"]):
         misplaced = bench(*arguments, "--batch", "6", "--reps", "1")
-        assert misplaced.returncode == 2 and "--tensor names a tensor of a safetensors file" in misplaced.stderr
+        assert misplaced.returncode == 2 and "--tensor names a tensor of a safetensors or GGUF file" in misplaced.stderr
 
 
 def test_gate_refuses_the_gpu_it_does_not_judge(capsys, tmp_path):
@@ -394,6 +407,9 @@ def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
     (["--backend", "bogus"], "--backend: unknown 'bogus'; choose from"),
     (["--reps", "x"], "--reps: not an integer: 'x'"),
     (["--thresholds", "gate.toml"], "--thresholds goes with --gate"),
+    (["--batch", "64,1024,64"], "--batch: 64 is given twice"),
+    (["--dist", "zipf,zipf"], "--dist: zipf is given twice"),
+    (["--gate", "--backend", "numba"], "--backend goes without --gate"),
 ])
 def test_bench_refuses_bad_arguments_at_once(arguments, message):
     """One line, exit 2, before any table is built (they used to crash late, or grow memory without bound)."""
@@ -402,6 +418,16 @@ def test_bench_refuses_bad_arguments_at_once(arguments, message):
     assert message in result.stderr and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("fastembed-bench: error:")
     assert "table:" not in result.stdout
+
+
+@pytest.mark.parametrize("setting, words", [("bogus", "unknown backend in FASTEMBED_BACKEND='bogus'"),
+                                            ("cuda", "cuda")])
+def test_a_backend_setting_that_cannot_serve_the_host_is_refused_at_once(tmp_path, setting, words):
+    """It used to build the table and fail inside the first measurement, with a traceback (exit 1, like a FAIL)."""
+    for arguments in ((), ("--gate",)):
+        result = bench(*arguments, *SMALL, "--out", str(tmp_path), env=dict(os.environ, FASTEMBED_BACKEND=setting))
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert words in result.stderr and "Traceback" not in result.stderr and "table:" not in result.stdout
 
 
 def test_bench_refuses_an_unwritable_out_before_measuring(tmp_path):
@@ -633,6 +659,7 @@ def test_a_quantized_gguf_table_is_measured_by_itself(tmp_path):
     (["--format", "q8_0", "--processes", "2"], "not with --gate, --processes"),
     (["--format", "q4_k", "--dim", "64"], "--format q4_k: a row of 64 values is not a whole number of its 256-value"),
     (["--format", "q8_0", "--dim", "64", "--dtype", "int8"], "--format quantizes a float table, not int8"),
+    (["--format", "q8_0", "--dim", "64", "--dtype", "float32"], "the dense float16 gather, and the table is float32"),
     (["--dtype", "float8_e4m3b11fnuz"], "of ml_dtypes' dtypes only bfloat16"),
     (["--dtype", ">f2"], "not this machine's byte order"),
     (["--dtype", "longdouble"], "floats up to float64"),
@@ -647,14 +674,16 @@ def test_format_arguments_are_checked_first(arguments, words, capsys):
     assert words in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("options", [["--gate"], ["--processes", "1"], ["--cold"]])
-def test_a_quantized_gguf_table_refuses_the_modes_that_measure_dense_tables(tmp_path, options, capsys):
+@pytest.mark.parametrize("options, words", [(["--gate"], "not with --gate"), (["--processes", "1"], "not with --gate"),
+                                            (["--cold"], "not with --gate"), (["--format", "q4_0"], "in its own format")])
+def test_a_quantized_gguf_table_refuses_the_modes_that_measure_dense_tables(tmp_path, options, words, capsys):
     from fastembed import Embedding
     from fastembed.benchmark import cli
 
     Embedding.random(2000, 64, "float32").quantize("q8_0").save(tmp_path / "model.gguf")
     assert cli.main(["--table", str(tmp_path / "model.gguf"), *options, "--out", str(tmp_path)]) == 2
-    assert "is a quantized (q8_0) table" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "is a quantized (q8_0) table" in error and words in error
 
 
 @pytest.mark.parametrize("dtype", [">f2", "U2"])
@@ -725,3 +754,17 @@ def test_the_settling_read_is_told_what_a_sample_writes_or_that_the_call_is_cold
     received.clear()
     measure_case(table, [contender], 6, "uniform", 2, warmup=1, platform=platform, cold=True)
     assert received == [None] * 3
+
+
+def test_rank_report_sizes_and_times_never_use_exponents():
+    from fastembed.benchmark import ranks
+
+    assert ranks._bytes(1010 * 2**10) == "1010 KiB" and ranks._bytes(5.5 * 2**20) == "5.5 MiB"
+    assert ranks._time(1_234_567) == "1.23 s" and ranks._time(999_000) == "999 ms" and ranks._time(12) == "12 us"
+
+
+def test_a_table_file_without_an_embedding_name_asks_for_tensor_not_name(tmp_path):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    safetensors_numpy.save_file({"w": np.ones((50, 8), np.float16)}, str(tmp_path / "one.safetensors"))
+    result = bench("--table", str(tmp_path / "one.safetensors"), "--batch", "6", "--reps", "1", "--out", str(tmp_path))
+    assert result.returncode == 2 and "pass --tensor" in result.stderr and "name=" not in result.stderr, result.stderr

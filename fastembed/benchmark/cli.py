@@ -41,7 +41,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
     backends = [status.name for status in fastembed.backend_statuses() if status.name != "cuda"]
     parser = argparse.ArgumentParser(prog="fastembed-bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer batches and repetitions (< 60 s on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="fewer batches and repetitions")
     parser.add_argument("--backend", type=_choices(backends),
                         help=f"comma-separated fastembed backends to measure one by one: {', '.join(backends)} "
                              "(default: all available)")
@@ -63,8 +63,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--table", type=Path,
                         help="measure this table instead of a random one: a .npy, safetensors or GGUF file, memory-mapped "
                              "read-only (--vocab-size, --dim and --dtype are then ignored)")
-    parser.add_argument("--tensor", help="--table: the tensor's name in a safetensors file (default: the one named "
-                                         "like a token embedding)")
+    parser.add_argument("--tensor", help="--table: the tensor's name in a safetensors or GGUF file (default: the one "
+                                         "named like a token embedding; token_embd.weight in GGUF)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: the host, plus the GPU where one is usable (default); cpu or cuda: only that")
     parser.add_argument("--gate", action="store_true",
@@ -91,7 +91,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="gate thresholds (TOML; default: the thresholds.toml shipped with fastembed.benchmark)")
     arguments = parser.parse_args(argv)
     if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix == ".npy"):
-        parser.error("--tensor names a tensor of a safetensors file given with --table")
+        parser.error("--tensor names a tensor of a safetensors or GGUF file given with --table")
+    if arguments.gate and arguments.backend:
+        parser.error("--gate measures what its checks name (every backend it compares); --backend goes without --gate")
     if arguments.gate and arguments.device == "cuda":
         # The gate judges host rows only (gate.judge): a GPU gate would silently measure the CPU.
         parser.error("--gate checks the host only; --device cuda has no gate thresholds (run without --gate)")
@@ -120,6 +122,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
             problem = quantizing_problem(arguments.format, arguments.dim, resolve_dtype(arguments.dtype))
             if problem:
                 parser.error(problem)
+    problem = None if arguments.device == "cuda" else _backend_setting_problem()
+    if problem:
+        parser.error(problem)
     if arguments.ranks and importlib.util.find_spec("torch") is None:
         parser.error("--ranks needs torch: pip install 'fastembed-gather[distributed]'")
     arguments.checks, arguments.gate_repetitions = None, None
@@ -151,6 +156,14 @@ def _batches(text: str) -> list[int]:
     too_large = [value for value in values if value > MAX_BATCH]
     if too_large:
         raise argparse.ArgumentTypeError(f"{too_large[0]} is more than {MAX_BATCH} ids")
+    return _once_each(values)
+
+
+def _once_each(values: list[Any]) -> list[Any]:
+    """`values`, refusing one given twice: the report pairs each case's samples by its values."""
+    repeated = next((value for index, value in enumerate(values) if value in values[:index]), None)
+    if repeated is not None:
+        raise argparse.ArgumentTypeError(f"{repeated} is given twice")
     return values
 
 
@@ -160,7 +173,7 @@ def _choices(known: tuple[str, ...] | list[str]):
         unknown = [value for value in values if value not in known]
         if unknown:
             raise argparse.ArgumentTypeError(f"unknown {unknown[0]!r}; choose from {', '.join(known)}")
-        return values
+        return _once_each(values)
 
     return parse
 
@@ -202,15 +215,34 @@ def dtype_problem(dtype: Any) -> str | None:
 
 def quantizing_problem(formats: list[str], dim: int, dtype: Any) -> str | None:
     """Why --format cannot make its tables from a dense table of width `dim` and `dtype`, or None when it can."""
+    import numpy as np
+
     from fastembed.formats import FORMATS
     from fastembed.validate import is_float_dtype
 
     if not is_float_dtype(dtype):
         return f"--format quantizes a float table, not {dtype}"
+    if dtype != np.float16:
+        # The dense row is the table's own gather: only a float16 table gives the baseline the goals name.
+        return (f"--format compares each format with the dense float16 gather, and the table is {dtype}: "
+                "use --dtype float16 (or a float16 --table)")
     misfits = [name for name in formats if dim % FORMATS[name].block_values]
     if misfits:
         block = FORMATS[misfits[0]].block_values
         return f"--format {misfits[0]}: a row of {dim} values is not a whole number of its {block}-value blocks"
+    return None
+
+
+def _backend_setting_problem() -> str | None:
+    """Why FASTEMBED_BACKEND (read when fastembed was imported) cannot serve the host's lookups, or None."""
+    import numpy as np
+
+    from fastembed import BackendUnavailableError, dispatch
+
+    try:
+        dispatch.select(np.empty((1, 1), np.float16))
+    except (ValueError, BackendUnavailableError) as error:
+        return str(error)
     return None
 
 
@@ -280,7 +312,8 @@ def load_table(path: Path, tensor: str | None, console: Any) -> Any:
         else:
             embedding = Embedding.from_safetensors(path, tensor)
     except (OSError, ValueError, TypeError) as error:
-        raise ValueError(f"--table {path}: {error}") from error
+        # The loaders speak to Python callers; on the command line a tensor is chosen with --tensor.
+        raise ValueError(f"--table {path}: {str(error).replace('pass name=', 'pass --tensor')}") from error
     table = embedding.table
     if 0 in table.shape:
         raise ValueError(f"--table {path}: shape {tuple(table.shape)} is empty: nothing to gather")
@@ -368,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastembed-bench: {problem}", file=sys.stderr)
         return 2
     if arguments.gate:
-        return gate(arguments, console, table, described)
+        return gate(arguments, console, table, described, argv)
     if arguments.processes:
         return processes(arguments, console, table, described, argv)
     if arguments.format or described.get("format"):
@@ -385,8 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(b, d) for d in distributions for b in batches]
     rows = run(arguments, console, table, cases, repetitions, device=arguments.device)
     report.print_table(rows, console, described)
-    payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
-               "machine": report.machine_facts(), "table": described, "repetitions": repetitions,
+    payload = {**report.run_facts(argv), "table": described, "repetitions": repetitions,
                "cold": arguments.cold, "results": rows}
     report.write_json(arguments.out / "results.json", payload)
     report.write_markdown(arguments.out / "results.md", rows)
@@ -403,6 +435,9 @@ def _table_problem(arguments: argparse.Namespace, table: Any, described: dict[st
         if arguments.gate or arguments.processes or arguments.ranks or arguments.device == "cuda" or arguments.cold:
             return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured as --format "
                     "measures: not with --gate, --processes, --ranks, --device cuda or --cold")
+        if arguments.format:
+            return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured in its own "
+                    "format: --format makes formats from a dense float16 table")
         return None
     if arguments.format:
         return quantizing_problem(arguments.format, table.shape[1], table.dtype)
@@ -426,8 +461,7 @@ def processes(arguments: argparse.Namespace, console: Any, table: Any, described
     multi.print_report(rows, verdicts, console,
                        f"{arguments.processes} fresh processes{load}: {report.table_title(described)}")
     report.write_json(arguments.out / "processes.json", {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
-        "machine": report.machine_facts(), "table": described, "load": arguments.load, "reps": reps,
+        **report.run_facts(argv), "table": described, "load": arguments.load, "reps": reps,
         "results": rows, "goals": [{"goal": goal, "met": met} for goal, met in verdicts], "samples": runs,
     })
     console.print(f"wrote {arguments.out / 'processes.json'}", soft_wrap=True, markup=False)
@@ -455,15 +489,15 @@ def formats(arguments: argparse.Namespace, console: Any, table: Any, described: 
     verdicts = quantized.goals(rows)
     quantized.print_report(rows, verdicts, console, f"quantized tables: {report.table_title(described)}")
     report.write_json(arguments.out / "quantized.json", {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *(argv or sys.argv[1:])]),
-        "machine": report.machine_facts(), "table": described, "repetitions": repetitions, "results": rows,
+        **report.run_facts(argv), "table": described, "repetitions": repetitions, "results": rows,
         "goals": [{"goal": goal, "met": met} for goal, met in verdicts],
     })
     console.print(f"wrote {arguments.out / 'quantized.json'}", soft_wrap=True, markup=False)
     return 0
 
 
-def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dict[str, Any]) -> int:
+def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dict[str, Any],
+         argv: list[str] | None = None) -> int:
     """Measure the checks' cases, print and write the verdicts; 1 when any check fails, else 0."""
     from rich.markup import escape
     from rich.table import Table
@@ -495,7 +529,7 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
                              escape(verdict.check.threshold), result)
     console.print(result_table)
     report.write_json(arguments.out / "gate.json", {
-        "machine": report.machine_facts(), "table": described, "thresholds": str(source),
+        **report.run_facts(argv), "table": described, "thresholds": str(source),
         "verdicts": [{"check": v.check.__dict__, "measured": v.measured, "passed": v.passed} for v in verdicts],
         "results": rows,
     })

@@ -7,6 +7,7 @@ id (see contenders.Contender), never by display name.
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from importlib import resources
@@ -83,7 +84,9 @@ def load_checks(path: Path | None = None) -> tuple[list[Check], int]:
 
     Raises ValueError naming the file and the check for anything it cannot
     use: unreadable, not TOML, no checks, unknown keys or metrics, missing
-    ``min`` / ``versus`` / ``expect_backend`` where the metric needs them.
+    ``min`` / ``versus`` / ``expect_backend`` where the metric needs them, a
+    ``min`` that is not a finite number, a contender this machine does not
+    measure, a backend that is not registered.
     """
     where, text = thresholds_text(path)
     try:
@@ -104,7 +107,7 @@ def load_checks(path: Path | None = None) -> tuple[list[Check], int]:
         _validate(check, where)
         checks.append(check)
     repetitions = document.get("repetitions", 11)
-    if not isinstance(repetitions, int) or repetitions < 1:
+    if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
         raise ValueError(f"{where}: repetitions must be an integer >= 1, got {repetitions!r}")
     return checks, repetitions
 
@@ -112,6 +115,8 @@ def load_checks(path: Path | None = None) -> tuple[list[Check], int]:
 def _validate(check: Check, where: str) -> None:
     def fail(reason: str) -> None:
         raise ValueError(f"{where}: check {check.name!r}: {reason}")
+
+    from fastembed.dispatch import BACKENDS
 
     from .cli import MAX_BATCH
     from .ids import DISTRIBUTIONS
@@ -124,9 +129,11 @@ def _validate(check: Check, where: str) -> None:
         fail("'versus' goes with speedup_vs_contender, and only there")
     if (check.metric == "served_by") != (check.expect_backend is not None):
         fail("'expect_backend' goes with served_by, and only there")
-    if (check.metric in RATIO_METRICS) != isinstance(check.min, (int, float)):
-        fail("ratio metrics need a number 'min'; served_by takes none")
-    if not isinstance(check.batch, int) or not 1 <= check.batch <= MAX_BATCH:
+    if (check.metric in RATIO_METRICS) != _is_number(check.min):
+        fail("ratio metrics need a finite number 'min'; served_by takes none")
+    if check.metric == "served_by" and check.expect_backend not in BACKENDS:
+        fail(f"expect_backend {check.expect_backend!r} is no backend; known: {', '.join(BACKENDS)}")
+    if isinstance(check.batch, bool) or not isinstance(check.batch, int) or not 1 <= check.batch <= MAX_BATCH:
         fail(f"batch must be an integer from 1 to {MAX_BATCH}, got {check.batch!r}")
     if check.distribution not in DISTRIBUTIONS:
         fail(f"unknown distribution {check.distribution!r}; known: {', '.join(DISTRIBUTIONS)}")
@@ -135,6 +142,18 @@ def _validate(check: Check, where: str) -> None:
 
         if check.contender not in CONTENDERS or check.contender == "numpy-fancy" or check.distribution != "uniform":
             fail(f"{COLOCATED} measures {', '.join(CONTENDERS[:2])} on uniform ids")
+        return
+    from .contenders import host_contenders
+
+    measured = [contender.id for contender in host_contenders()]
+    for role, contender in (("contender", check.contender), ("versus", check.versus)):
+        if (role == "contender" or contender is not None) and contender not in measured:
+            fail(f"{role} {contender!r} is not measured on this machine; its contenders: {', '.join(measured)}")
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float (TOML's booleans are Python bools, which are ints)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def judge(checks: list[Check], summary_rows: list[dict[str, Any]]) -> list[Verdict]:

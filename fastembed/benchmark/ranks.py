@@ -310,19 +310,25 @@ def _table(title: str, columns: tuple[str, ...], values: list[tuple[Any, ...]]) 
 
 
 def _time(us: float) -> str:
-    return f"{us:.0f} us" if us < 1000 else f"{us / 1000:.3g} ms"
+    if us < 1000:
+        return f"{us:.0f} us"
+    return f"{_digits(us / 1000)} ms" if us < 1e6 else f"{_digits(us / 1e6)} s"
 
 
 def _bytes(count: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if count >= size:
-            return f"{count / size:.3g} {unit}"
+            return f"{_digits(count / size)} {unit}"
     return f"{count:.0f} B"
+
+
+def _digits(value: float) -> str:
+    """Three significant digits, never in exponent notation (1,010 stays 1010, not 1.01e+03)."""
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
 def main(arguments: Any, console: Any, table: Any, described: dict[str, Any], argv: list[str] | None) -> int:
     """``fastembed-bench --ranks N``: measure, print, write ranks.json into --out; 0 when done."""
-    import sys
 
     from . import report
 
@@ -337,9 +343,7 @@ def main(arguments: Any, console: Any, table: Any, described: dict[str, Any], ar
     print_report(rows, measured, console, f"{arguments.ranks} ranks (gloo, {exchange} exchange, this machine) against "
                                           f"1 process: {report.table_title(described)}")
     report.write_json(arguments.out / "ranks.json", {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(["fastembed-bench", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": report.machine_facts(), "table": described, "ranks": arguments.ranks, "reps": reps,
+        **report.run_facts(argv), "table": described, "ranks": arguments.ranks, "reps": reps,
         "cpus": os.cpu_count(), "exchange": exchange, "results": rows, "processes": measured,
     })
     console.print(f"wrote {arguments.out / 'ranks.json'}", soft_wrap=True, markup=False)

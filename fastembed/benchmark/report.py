@@ -5,6 +5,8 @@ import importlib.util
 import json
 import os
 import platform
+import sys
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,8 +35,19 @@ def machine_facts() -> dict[str, Any]:
     return {
         "fastembed": fastembed.__version__, "python": platform.python_version(), "platform": platform.platform(),
         "cpu": facts["cpu"], "cpu_count": os.cpu_count(), "numba_threads": threads, "versions": versions,
-        "backends": facts["backends"], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "backends": facts["backends"],  # the numba backend's entry names the OpenMP wait policy in force
     }
+
+
+def run_facts(argv: list[str] | None) -> dict[str, Any]:
+    """When and how a run was made, and on what: the head of every JSON file a run writes.
+
+    Args:
+        argv: the command's arguments (None: this process's own).
+    """
+    arguments = sys.argv[1:] if argv is None else argv
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *arguments]),
+            "machine": machine_facts()}
 
 
 def table_title(table: dict[str, Any] | None) -> str:
