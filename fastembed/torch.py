@@ -9,6 +9,10 @@ the weight (zero-copy, see docs/interop.md) when no gradient is needed: in
 inference, or when the weight is frozen. It gives torch's result in every
 other case by using torch's own embedding (never a copy of the weight):
 
+* for small batches: an output below the size under which fastembed's
+  backend would gather on the calling thread with the array library's own
+  take (:func:`fastembed.dispatch.small_gather_for_ndarray`), since for torch
+  tensors that take is torch's embedding, without the conversions between;
 * while torch compiles, traces or scripts the model (``torch.compile``,
   ``torch.export``, ``torch.jit.trace``, ``torch.jit.script``, ``torch.fx``
   symbolic tracing), so the graph holds torch's operation, which runs on
@@ -57,10 +61,12 @@ import sys
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
 
+from . import dispatch
 from .api import lookup
 
 #: The reasons for using torch's embedding already warned about (each is said once per process).
@@ -108,6 +114,8 @@ class Embedding(torch.nn.Embedding):
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or isinstance(input, torch.fx.Proxy):
             return super().forward(input)  # the graph must hold torch's operation, not a gather done now
         weight = self.weight
+        if type(input) in _PLAIN and input.numel() * weight.stride(0) * weight.element_size() < _small_gather_bytes():
+            return super().forward(input)  # a gather fastembed would leave to a library's take: torch's is that take
         if _carried_by_torch(weight, input):
             return super().forward(input)  # AD, transforms, modes, subclasses, other ids: torch's operation handles them
         if (weight.requires_grad and torch.is_grad_enabled()) or weight.device.type != "cpu" or (
@@ -139,6 +147,20 @@ def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
     if wrapped(weight) or wrapped(input):
         return True
     return forward_ad._current_level >= 0 and forward_ad.unpack_dual(weight).tangent is not None
+
+
+def _small_gather_bytes() -> int:
+    """The output size below which fastembed's backend for host tables gathers on the calling thread with the
+    array library's own take (:func:`fastembed.dispatch.small_gather_for_ndarray`); for torch tensors that take
+    is torch's embedding, without the DLPack conversions in between."""
+    small = dispatch.ndarray_small_gather
+    if small[0] != dispatch.generation:
+        small = dispatch.small_gather_for_ndarray(_PROBE_TABLE)
+    return small[1]
+
+
+#: A numpy table to ask the dispatcher with: its choice for host tables depends only on the table's type.
+_PROBE_TABLE = np.empty((1, 1), np.float16)
 
 
 def _viewable(weight: torch.Tensor) -> bool:

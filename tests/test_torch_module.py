@@ -5,6 +5,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -27,6 +28,13 @@ class TinyModel(torch.nn.Module):
 @pytest.fixture(autouse=True)
 def fallback_not_said_yet(monkeypatch):
     monkeypatch.setattr(fastembed_torch, "_REASONS_SAID", set())
+
+
+@pytest.fixture(autouse=True)
+def fastembed_serves_every_size(request, monkeypatch):
+    """The tests' small tables would all be torch's small batches: fastembed's path is what most of them check."""
+    if "small_batches" not in request.keywords:
+        monkeypatch.setattr(fastembed_torch, "_small_gather_bytes", lambda: 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -357,3 +365,25 @@ def test_nested_and_sparse_ids_give_torchs_result_or_error():
         torch.nn.Embedding.from_pretrained(weight)(sparse)
     with pytest.raises(RuntimeError, match=str(expected.value)):
         Embedding.from_pretrained(weight)(sparse)
+
+
+@pytest.mark.small_batches
+def test_batches_below_the_small_gather_size_are_torchs_own_embedding(monkeypatch):
+    """Below it fastembed would gather with a library's take on this thread; for torch tensors that take is torch's."""
+    from fastembed import dispatch
+
+    calls = []
+    monkeypatch.setattr(fastembed_torch, "lookup", lambda *args: calls.append(args) or fastembed.lookup(*args))
+    below = fastembed_torch._small_gather_bytes()
+    assert below == dispatch.small_gather_for_ndarray(np.empty((1, 1), np.float16))[1] > 0
+    weight = torch.randn(4096, 64)  # 256-byte rows
+    layer = Embedding.from_pretrained(weight)
+    with torch.inference_mode():
+        small = torch.randint(0, 4096, (max(1, below // 256 - 1),))
+        assert torch.equal(layer(small), weight[small]) and not calls
+        for wrong in (torch.tensor([4096]), torch.tensor([-1])):
+            with pytest.raises(IndexError, match="index out of range in self"):  # torch's own error, as nn.Embedding's
+                layer(wrong)
+        if below < 4096 * 256 * 4:  # the numpy backend's take serves every size: torch's embedding does too
+            large = torch.randint(0, 4096, (below // 256 + 1,))
+            assert torch.equal(layer(large), weight[large]) and len(calls) == 1
