@@ -436,6 +436,8 @@ def test_bench_refuses_an_unwritable_out_before_measuring(tmp_path):
     result = bench("--out", str(blocker / "results"))
     assert result.returncode == 2 and f"--out {blocker / 'results'}: cannot write results there" in result.stderr
     assert "Traceback" not in result.stderr and "table:" not in result.stdout
+    result = bench("--out", str(blocker))
+    assert result.returncode == 2 and f"--out {blocker}: is a file, not a folder" in result.stderr
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)

@@ -41,7 +41,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
     backends = [status.name for status in fastembed.backend_statuses() if status.name != "cuda"]
     parser = argparse.ArgumentParser(prog="fastembed-bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer batches and repetitions")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer batches and repetitions (the main run; --format and --ranks: fewer repetitions)")
     parser.add_argument("--backend", type=_choices(backends),
                         help=f"comma-separated fastembed backends to measure one by one: {', '.join(backends)} "
                              "(default: all available)")
@@ -49,7 +50,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated batch sizes, 1 to {MAX_BATCH} (default: {','.join(map(str, BATCHES))})")
     parser.add_argument("--dist", type=_choices(DISTRIBUTIONS),
                         help=f"comma-separated id distributions: {', '.join(DISTRIBUTIONS)} (default: both)")
-    parser.add_argument("--reps", type=_positive_int, help="timed repetitions per case (default 15, quick 5)")
+    parser.add_argument("--reps", type=_positive_int,
+                        help="timed repetitions per case (default 15, quick 5; --gate: the thresholds file's, "
+                             "--processes: 100 per process, --ranks: 20, quick 5)")
     parser.add_argument("--cold", action="store_true",
                         help="time every call alone, right after the caches are evicted, as a decode step meets the "
                              "lookup after a forward pass (default: small batches are timed as warm loops of calls; "
@@ -260,6 +263,8 @@ RESULT_FILES = ("results.json", "results.md", "processes.json", "quantized.json"
 
 def _unwritable(folder: Path) -> str | None:
     """Why results cannot be written into `folder` (created if missing), or None when they can."""
+    if folder.exists() and not folder.is_dir():
+        return "is a file, not a folder for the results"
     taken = [name for name in RESULT_FILES if (folder / name).is_dir()]
     if taken:
         return f"{folder / taken[0]} is a directory, where a result file goes"
