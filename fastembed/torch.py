@@ -114,15 +114,17 @@ class Embedding(torch.nn.Embedding):
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or isinstance(input, torch.fx.Proxy):
             return super().forward(input)  # the graph must hold torch's operation, not a gather done now
         weight = self.weight
-        if type(input) in _PLAIN and input.numel() * weight.stride(0) * weight.element_size() < _small_gather_bytes():
-            return super().forward(input)  # a gather fastembed would leave to a library's take: torch's is that take
         if _carried_by_torch(weight, input):
             return super().forward(input)  # AD, transforms, modes, subclasses, other ids: torch's operation handles them
-        if (weight.requires_grad and torch.is_grad_enabled()) or weight.device.type != "cpu" or (
-            input.device.type != "cpu"
-        ) or not weight.is_contiguous() or not _viewable(weight) or self.max_norm is not None:
+        if (weight.requires_grad and torch.is_grad_enabled()) or not (weight.is_cpu and input.is_cpu) or (
+            not weight.is_contiguous()
+        ) or not _viewable(weight) or self.max_norm is not None:
             _say_fallback_once(self, input)
             return super().forward(input)
+        if input.numel() * weight.shape[1] * weight.element_size() < _small_gather_bytes():
+            # A gather fastembed would leave to a library's take on this thread: torch's embedding is that take.
+            return F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq,
+                               self.sparse)
         if input.is_neg():
             input = input.resolve_neg()  # a lazy negation view of ids; fastembed copies the ids anyway
         return lookup(weight, input)

@@ -241,6 +241,27 @@ def test_safetensors_files_need_no_package_to_write_and_the_package_reads_them(t
         assert reader.metadata() == {"fastembed.tensor": "weight", "fastembed.format": "fp8_e4m3", "fastembed.dim": str(DIM)}
         same_bytes(reader.get_tensor("weight"), fp8.data)
         same_bytes(reader.get_tensor("weight.scales"), fp8.scales)
+    # Laid out as the package lays them out (the float32 scales first, aligned): the same header and data bytes
+    # (the package writes metadata keys in no set order).
+    def layout(path):
+        raw = path.read_bytes()
+        length = struct.unpack("<Q", raw[:8])[0]
+        return json.loads(raw[8: 8 + length]), length, raw[8 + length:]
+
+    for file_name, tensors, metadata in (
+        ("dense.safetensors", {"model.embed_tokens.weight": dense}, {"fastembed.tensor": "model.embed_tokens.weight"}),
+        ("fp8.safetensors", {"weight": fp8.data, "weight.scales": fp8.scales},
+         {"fastembed.tensor": "weight", "fastembed.format": "fp8_e4m3", "fastembed.dim": str(DIM)}),
+    ):
+        safetensors_numpy.save_file(tensors, str(tmp_path / "reference"), metadata=metadata)
+        assert layout(tmp_path / file_name) == layout(tmp_path / "reference"), file_name
+    assert io.map_safetensors(tmp_path / "fp8.safetensors").scales.flags.aligned
+
+
+def test_a_name_that_is_not_unicode_text_is_refused_and_nothing_is_written(tmp_path):
+    with pytest.raises(ValueError, match="is not valid Unicode text"):
+        io.save_table(tmp_path / "t.safetensors", rows(), name="w\udc80")
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])

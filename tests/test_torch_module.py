@@ -387,3 +387,22 @@ def test_batches_below_the_small_gather_size_are_torchs_own_embedding(monkeypatc
         if below < 4096 * 256 * 4:  # the numpy backend's take serves every size: torch's embedding does too
             large = torch.randint(0, 4096, (below // 256 + 1,))
             assert torch.equal(layer(large), weight[large]) and len(calls) == 1
+
+
+@pytest.mark.small_batches
+def test_a_backend_setting_fastembed_cannot_use_leaves_the_calls_torch_serves_alone(monkeypatch):
+    """Training, and every other call torch serves, never asks the dispatcher; fastembed's own calls raise its error."""
+    from fastembed import dispatch
+
+    monkeypatch.setenv("FASTEMBED_BACKEND", "bogus")
+    dispatch.read_environment()
+    try:
+        layer = Embedding(10, 4)
+        with pytest.warns(UserWarning, match="autograd"):
+            layer(torch.tensor([1, 2])).sum().backward()
+        assert layer.weight.grad is not None
+        with torch.inference_mode(), pytest.raises(ValueError, match="unknown backend in FASTEMBED_BACKEND='bogus'"):
+            layer(torch.tensor([1, 2]))
+    finally:
+        monkeypatch.delenv("FASTEMBED_BACKEND")
+        dispatch.read_environment()

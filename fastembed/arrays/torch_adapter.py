@@ -281,9 +281,8 @@ class _StorageGuard:
 def _traced_or_wrapped(tensor: Any) -> str | None:
     """Why `tensor` has no memory fastembed can read (torch.compile tracing, a nested tensor), or None.
 
-    Under torch.compile the error makes Dynamo run the call outside the graph
-    (a graph break), where the tensors are real; with ``fullgraph=True`` it
-    stops the compile with this message.
+    Under torch.compile Dynamo hands the error to the caller (with
+    ``fullgraph=True`` as an unsupported exception).
     """
     import torch
 

@@ -224,11 +224,13 @@ _returned_meanwhile: list[np.ndarray] = []
 
 
 def _enter() -> None:
+    """This thread (holding the lock) enters the cache's code: finalizers run meanwhile leave their buffers for later."""
     global _depth
     _depth += 1
 
 
 def _leave() -> None:
+    """This thread leaves the cache's code: on leaving the outermost call, keep the buffers left meanwhile."""
     global _depth
     _depth -= 1
     while not _depth and _returned_meanwhile:
@@ -256,6 +258,8 @@ def _after_fork_in_child() -> None:
     _free.extend(_returned_meanwhile)  # left by that thread's finalizers: buffers no result uses any more
     _returned_meanwhile.clear()
     _free_bytes = sum(buffer.size for buffer in _free)  # that thread may have been between its two updates
+    if _limit is not None:
+        _trim(_limit)
 
 
 if hasattr(os, "register_at_fork"):

@@ -219,8 +219,21 @@ def host_contenders(backends: list[str] | None = None) -> list[Contender]:
     ``backends``: the fastembed backends to measure forced one by one (default:
     every available one); the auto contenders, peers and limits always run.
     """
-    contenders = []
     available = [status.name for status in fastembed.backend_statuses() if status.available]
+    stream = platform.machine().lower() in ("x86_64", "amd64")  # non-temporal stores: x86-64 only
+    return _host_contenders(available, backends, torch_installed(), stream)
+
+
+def known_host_contender_ids() -> set[str]:
+    """The id of every contender a host run measures on some machine (this one's, or one with every backend,
+    torch and x86-64 stores): what a gate check may name."""
+    everything = [status.name for status in fastembed.backend_statuses()]
+    return {contender.id for contender in _host_contenders(everything, None, True, True)}
+
+
+def _host_contenders(available: list[str], backends: list[str] | None, torch: bool, stream: bool) -> list[Contender]:
+    """The host contenders, given the backends available, whether torch is installed and whether stores stream."""
+    contenders = []
     for name in available:
         if name == "cuda" or (backends and name not in backends):
             continue
@@ -233,12 +246,11 @@ def host_contenders(backends: list[str] | None = None) -> list[Contender]:
         Contender("numpy table[ids]", "peer", True, _numpy_fancy, id="numpy-fancy"),
         Contender("numpy take(out=)", "peer", False, _numpy_take_out, id="numpy-take-out"),
     ]
-    if torch_installed():
+    if torch:
         contenders.append(Contender("torch index_select(out=)", "peer", False, _torch_index_select_out,
                                     id="torch-index-select-out"))
         contenders.append(Contender("torch F.embedding", "peer", True, _torch_embedding, id="torch-embedding"))
     contenders.append(Contender("copy numpy", "limit", False, _copy_numpy, id="copy-numpy"))
-    stream = platform.machine().lower() in ("x86_64", "amd64")  # non-temporal stores: x86-64 only
     if "numba" in available:
         contenders.append(Contender("copy numba", "limit", False, _copy_numba(stream=False), id="copy-numba"))
         if stream:

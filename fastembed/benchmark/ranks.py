@@ -310,9 +310,9 @@ def _table(title: str, columns: tuple[str, ...], values: list[tuple[Any, ...]]) 
 
 
 def _time(us: float) -> str:
-    if us < 1000:
+    if us < 999.5:
         return f"{us:.0f} us"
-    return f"{_digits(us / 1000)} ms" if us < 1e6 else f"{_digits(us / 1e6)} s"
+    return f"{_digits(us / 1000)} ms" if us < 999.5e3 else f"{_digits(us / 1e6)} s"
 
 
 def _bytes(count: float) -> str:
@@ -324,7 +324,7 @@ def _bytes(count: float) -> str:
 
 def _digits(value: float) -> str:
     """Three significant digits, never in exponent notation (1,010 stays 1010, not 1.01e+03)."""
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return f"{value:.3g}" if abs(value) < 999.5 else f"{value:.0f}"
 
 
 def main(arguments: Any, console: Any, table: Any, described: dict[str, Any], argv: list[str] | None) -> int:

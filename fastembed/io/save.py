@@ -201,13 +201,18 @@ def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str)
             raise ValueError(f"{path}: a safetensors file holds {', '.join(sorted(_SAFETENSORS_CODES))} tables, "
                              f"not {table.dtype}")
         tensors = {name: (code, list(table.shape), table)}
-    header: dict[str, Any] = {"__metadata__": metadata}
+    # As the safetensors package lays tensors out: widest dtype first, then by name, so every tensor starts aligned.
+    tensors = dict(sorted(tensors.items(), key=lambda item: (-item[1][2].dtype.itemsize, item[0])))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     begin = 0
     for tensor, (code, shape, rows) in tensors.items():
         end = begin + rows.size * rows.dtype.itemsize
         header[tensor] = {"dtype": code, "shape": shape, "data_offsets": [begin, end]}
         begin = end
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    try:
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{path}: the tensor name {name!r} is not valid Unicode text ({error.reason})") from None
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the safetensors package writes it
 
     def write(temporary: str) -> None:
