@@ -329,7 +329,6 @@ def _digits(value: float) -> str:
 
 def main(arguments: Any, console: Any, table: Any, described: dict[str, Any], argv: list[str] | None) -> int:
     """``fastembed-bench --ranks N``: measure, print, write ranks.json into --out; 0 when done."""
-
     from . import report
 
     batches = arguments.batch or list(BATCHES)
