@@ -223,9 +223,50 @@ def test_traced_values_are_refused_with_a_way_out():
         jax.jit(lambda ids: fastembed.lookup(np.ones((4, 2), np.float32), ids))(jnp.array([1]))
 
 
-def test_packed_sub_byte_dtypes_are_refused_rather_than_copied():
-    with pytest.raises(TypeError, match="JAX dtype int4 cannot be seen as a numpy array without a copy"):
-        fastembed.Embedding(jnp.ones((4, 8), jnp.int4))
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "float4_e2m1fn", "int2"])
+def test_packed_sub_byte_dtypes_are_refused_before_any_copy(dtype):
+    import tracemalloc
+
+    table = jnp.ones((4096, 1024), getattr(jnp, dtype))  # 4 Mi values: 4 MiB unpacked by numpy
+    table.block_until_ready()
+    tracemalloc.start()
+    try:
+        with pytest.raises(TypeError, match=f"JAX dtype {dtype} packs .*-bit values"):
+            fastembed.lookup(table, [1])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float64", "uint64", "complex128"])
+def test_64_bit_results_keep_their_dtype_and_memory_with_jax_64_bit_mode_off(dtype):
+    assert not jax.config.jax_enable_x64
+    host = (np.arange(40).reshape(10, 4) * (2**40 + 0.1)).astype(dtype)
+    with jax.enable_x64(True):
+        table = jnp.asarray(host)
+    result = fastembed.lookup(table, [9, 0, 3])
+    assert_jax_bit_equal(result, host[[9, 0, 3]])
+    assert not jax.config.jax_enable_x64  # the caller's setting is left as it was
+
+
+def test_a_float64_result_of_a_float32_jax_table_is_float64_and_shared(monkeypatch):
+    table = jax_table("float32")
+    seen = []
+    put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda array, *args, **kwargs: seen.append(array) or put(array, *args, **kwargs))
+    result = fastembed.lookup(table, IDS, dtype=np.float64)
+    assert_jax_bit_equal(result, numpy_table("float32")[IDS].astype(np.float64))
+    assert address(result) == address(seen[-1])
+
+
+def test_a_jax_table_deleted_while_its_view_is_taken_is_a_type_error(monkeypatch):
+    table = jax_table("bfloat16")  # read through JAX's host view: DLPack has no bfloat16
+    device = table.devices().pop()
+    table.delete()
+    monkeypatch.setattr(jax_adapter, "_single_device", lambda array: device)  # deleted after the check
+    with pytest.raises(TypeError, match="the JAX array cannot be seen as a numpy array"):
+        fastembed.lookup(table, [1])
 
 
 def test_deleted_jax_arrays_are_refused():

@@ -24,6 +24,7 @@ over several devices, deleted (donated) arrays, and traced values inside
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,7 @@ class JaxAdapter:
         device = self.device(array)
         if device != "cpu":
             raise TypeError(_not_on_host(device))
+        _check_whole_bytes(array.dtype)
         try:
             view = np.from_dlpack(array)
         except (BufferError, RuntimeError, TypeError):
@@ -79,11 +81,13 @@ class JaxAdapter:
 
         JAX shares the buffer when its address is a multiple of
         :data:`JAX_HOST_ALIGNMENT` and copies it otherwise; the JAX array
-        keeps the numpy array alive.
+        keeps the numpy array alive. A 64-bit result keeps its dtype where
+        JAX's 64-bit mode is off (as indexing a 64-bit JAX array does), where
+        ``device_put`` alone would convert it to 32 bits.
         """
         import jax
 
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.devices("cpu")[0]), _keeping_64_bits(result.dtype):
             return jax.device_put(result)  # uncommitted, as a fresh jnp array is
 
     def from_host(self, host: np.ndarray, device: str = "cpu") -> Any:
@@ -137,9 +141,36 @@ def _not_on_host(device: str) -> str:
     return message
 
 
+def _keeping_64_bits(dtype: np.dtype) -> Any:
+    """A context in which ``jax.device_put`` keeps `dtype` where JAX's 64-bit mode off would narrow it (its mode on for this thread), else a null one."""
+    import jax
+
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
+def _check_whole_bytes(dtype: Any) -> None:
+    """Raise TypeError for a JAX dtype of fewer bits than its numpy dtype's bytes hold (int4: numpy's view would be an unpacked copy)."""
+    import jax
+
+    bits = jax.dtypes.itemsize_bits(dtype)
+    if bits < 8 * np.dtype(dtype).itemsize:
+        raise TypeError(f"JAX dtype {dtype} packs {bits}-bit values, which numpy holds one per byte: a numpy view "
+                        "of the table would be an unpacked copy; fastembed reads tables of whole-byte values")
+
+
 def _host_view(array: Any) -> np.ndarray:
-    """JAX's own numpy view of a host array, for dtypes DLPack lacks; a TypeError if it would be a copy."""
-    view = np.asarray(array)
+    """JAX's own numpy view of a host array, for dtypes DLPack lacks; a TypeError if it would be a copy.
+
+    Raises:
+        TypeError: the view would be a copy, or JAX cannot give one (the
+            array was deleted by another thread since it was checked).
+    """
+    try:
+        view = np.asarray(array)
+    except Exception as error:  # noqa: BLE001 - whatever JAX raises, the caller gets the documented TypeError
+        raise TypeError(f"the JAX array cannot be seen as a numpy array: {error}") from None
     if view.size and view.ctypes.data != array.unsafe_buffer_pointer():
         raise TypeError(f"JAX dtype {array.dtype} cannot be seen as a numpy array without a copy")
     return view
