@@ -493,7 +493,8 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
                          f"{view.dtype.itemsize}-byte items, and the GPU kernels write them one by one: pass an "
                          "aligned out")
     if isinstance(view, np.ndarray) and not flags.writeable:
-        raise ValueError("out is read-only memory: lookup writes into out; pass a writeable array")
+        raise ValueError("out is read-only memory: lookup writes into out; pass a writeable array"
+                         + getattr(adapter, "read_only_note", ""))
     writable = getattr(adapter, "writable", None)
     if writable is not None and not writable(view):
         raise ValueError(

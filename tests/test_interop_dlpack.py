@@ -103,6 +103,33 @@ def test_a_read_only_export_is_refused_as_out_and_served_as_a_table():
     assert not out.any()
 
 
+def test_a_legacy_export_as_out_is_refused_saying_why():
+    table = random_table(50, 8)
+    out = np.zeros((1, 8), table.dtype)
+    with pytest.raises(ValueError, match=r"out is read-only memory.*predates DLPack 1.0"):
+        fastembed.lookup(table, [2], out=LegacyProducer(out))
+    assert not out.any()
+
+
+class CopyingProducer(Producer):
+    """A producer that can export only a copy of its memory: it raises when asked for none (copy=False)."""
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        if copy is False:
+            raise BufferError("this array can only be exported as a copy")
+        return self.array.copy().__dlpack__(max_version=max_version)
+
+
+def test_a_producer_that_can_only_export_a_copy_is_refused():
+    table = random_table(50, 8)
+    out = np.zeros((2, 8), table.dtype)
+    with pytest.raises(TypeError, match="can only be exported as a copy"):
+        fastembed.lookup(table, [1, 2], out=CopyingProducer(out))
+    assert not out.any()
+    with pytest.raises(TypeError, match="can only be exported as a copy"):
+        fastembed.Embedding(CopyingProducer(table))
+
+
 @pytest.mark.parametrize("device_type, index, name", [(2, 1, "cuda:1"), (10, 0, "rocm:0"), (8, 0, "metal:0"),
                                                       (99, 3, "dlpack device type 99:3")])
 def test_a_producer_off_the_host_is_a_type_error_naming_its_device(device_type, index, name):
@@ -129,8 +156,13 @@ def test_what_numpy_cannot_take_is_a_type_error():
         def __dlpack_device__(self):
             return "cpu"
 
-    with pytest.raises(TypeError, match=r"__dlpack_device__\(\) must return \(device type, device index\)"):
-        fastembed.lookup(BadDevice(np.ones((4, 2))), [1])
+    class RaisingDevice(Producer):
+        def __dlpack_device__(self):
+            raise RuntimeError("the producer failed")
+
+    for producer in (BadDevice, RaisingDevice):
+        with pytest.raises(TypeError, match=r"__dlpack_device__\(\) must return \(device type, device index\)"):
+            fastembed.lookup(producer(np.ones((4, 2))), [1])
 
 
 @pytest.mark.parametrize("raised", [AttributeError("no buffer"), KeyError("stream"), OSError("device lost")])

@@ -47,7 +47,10 @@ class ArrayAdapter(Protocol):
     without the exact test. An adapter whose library forbids in-place writes
     to some arrays in some states (torch: an inference tensor outside
     inference mode) provides ``write_refusal(array)``, the reason or None,
-    which validation asks of an ``out``.
+    which validation asks of an ``out``. An adapter whose read-only
+    snapshots may stand for memory that is writable (DLPack: numpy imports an
+    export older than DLPack 1.0 read-only) sets ``read_only_note``, the
+    sentence validation adds when it refuses such an ``out``.
     """
 
     name: str

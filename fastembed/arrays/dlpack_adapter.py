@@ -6,9 +6,14 @@ or jax, which are detected first) is an array to fastembed when it has
 protocol). Telling one from anything else calls no method of it, so no
 library is imported.
 
-A snapshot is ``np.from_dlpack(array)``: a numpy array over the producer's
-own memory, read-only when the producer exports it read-only (DLPack 1.0's
-read-only flag), so validation refuses such an array as ``out``. It accepts
+A snapshot is ``np.from_dlpack(array, copy=False)``: a numpy array over the
+producer's own memory, read-only when the producer exports it read-only
+(DLPack 1.0's read-only flag) or through the protocol older than DLPack 1.0
+(a ``__dlpack__`` without ``max_version``, which cannot say its memory is
+writable, so numpy imports it read-only); validation refuses such an array
+as ``out``, saying which. A producer that can export only a copy (it raises
+when asked for none) is a TypeError: a copy as ``out`` would never reach
+the caller, and a copy as a table would be a hidden one. It accepts
 the host device types (CPU, and CUDA or ROCm pinned host memory) and the
 dtypes numpy has; a dtype numpy lacks (bfloat16 exported by another
 library, say) is a TypeError naming it. A result on such a table is the
@@ -35,6 +40,9 @@ _DEVICE_NAMES = {2: "cuda", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: 
 class DlpackAdapter:
     name = "dlpack"
     result_alignment = 0
+    read_only_note = ("; numpy imports DLPack exports read-only when the producer marks them so, or when its "
+                      "__dlpack__ predates DLPack 1.0 (it takes no max_version), which cannot say its memory is "
+                      "writable: pass a numpy array, or a producer of DLPack 1.0 over writeable memory")
 
     def stored_dtype(self, dtype: Any) -> Any:
         return dtype
@@ -51,7 +59,7 @@ class DlpackAdapter:
         """
         try:
             device_type, index = (int(value) for value in array.__dlpack_device__())
-        except (TypeError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - whatever the producer raises, the caller gets one TypeError
             raise TypeError(
                 f"{_kind(array)}.__dlpack_device__() must return (device type, device index), as DLPack says: {error}"
             ) from None
@@ -60,7 +68,7 @@ class DlpackAdapter:
         return f"{_DEVICE_NAMES.get(device_type, f'dlpack device type {device_type}')}:{index}"
 
     def snapshot(self, array: Any) -> np.ndarray:
-        """A numpy array over the producer's memory (``np.from_dlpack``, no copy), read-only where the export is.
+        """A numpy array over the producer's memory (``np.from_dlpack``, never a copy), read-only where the export is.
 
         Raises:
             TypeError: the array is not in host memory (naming its device), or
@@ -75,7 +83,11 @@ class DlpackAdapter:
                 "cupy.from_dlpack(array) is zero-copy); copy it to the host explicitly"
             )
         try:
-            return np.from_dlpack(array)
+            try:
+                return np.from_dlpack(array, copy=False)  # a producer that could only export a copy raises
+            except TypeError:
+                # A producer older than DLPack 1.0 takes no copy= (nor max_version=): it cannot be told not to copy.
+                return np.from_dlpack(array)
         except Exception as error:  # noqa: BLE001 - whatever the producer raises, the caller gets one TypeError
             raise TypeError(f"a {_kind(array)} array cannot be seen as a numpy array through DLPack: {error}") from None
 
