@@ -97,6 +97,10 @@ SEGMENT_PREFIX = "fastembed-"
 SEGMENT_GRANULE = 2 * 2**20
 #: The range of ``timeout=`` in seconds: torch waits whole milliseconds (0 means no limit), and a year is plenty.
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 365 * 24 * 3600.0
+#: The largest ``pad_to_multiple=``: a padded vocabulary then still counts its rows in 64 bits.
+MAX_PAD_TO_MULTIPLE = 2**62
+#: What ``source`` is a checkpoint path as (as for Embedding.from_pretrained); anything else is a table.
+_PATH_TYPES = (str, bytes, os.PathLike)
 #: Bytes of an error message or description one rank shares with the others (longer ones are cut).
 MESSAGE_BYTES = 2048
 TORCH_NEEDED = "fastembed.distributed needs torch 2.13 or later (the release it is tested with): pip install 'fastembed-gather[distributed]'"
@@ -283,7 +287,7 @@ class VocabParallelEmbedding:
             torch's current GPU; on that rank only, before any collective, where torch
             sees no GPU); ranks that opened tables of different
             shapes or dtypes, on the host and on GPUs, or asked for different exchanges (the values
-            themselves are not compared); ``pad_to_multiple`` not positive,
+            themselves are not compared); ``pad_to_multiple`` not from 1 to 2**62,
             ``timeout`` outside 1 ms to a year; `name` with an array; ``exchange="shared_memory"``
             on ranks that do not all run on one host with a usable /dev/shm, or
             with a GPU table; a `device` that is not the host or a visible GPU,
@@ -339,7 +343,7 @@ class VocabParallelEmbedding:
         self._calling = threading.Lock()
         self._timeout: float | None = None
         self.last_timings: LookupTimings | None = None
-        shard, error, placement = None, None, None
+        shard, error, placement, pad = None, None, None, 1
         try:
             self._timeout = _checked_timeout(timeout)  # first: it bounds the agreement below whatever fails next
             pad = _checked_pad(pad_to_multiple)
@@ -367,15 +371,15 @@ class VocabParallelEmbedding:
         where = "" if placement is None else " on the host" if placement == "cpu" else " on a GPU"
         described = "" if shard is None else (
             f"a {shard.vocab_size} x {shard.rows.shape[1]} {_kind(shard.rows)} table{where}, "
-            f"pad_to_multiple={pad_to_multiple}, exchange={exchange!r}")
+            f"pad_to_multiple={pad}, exchange={exchange!r}")
         self._agree(error, _digest(described.encode()), lambda: described, "the table",
                     "every rank must open a table of the same shape and dtype, with the same pad_to_multiple "
                     "and exchange")
         assert shard is not None  # _agree raised otherwise
         self._shard = shard
         self.vocab_size: int = shard.vocab_size
-        self.padded_vocab_size: int = padded_vocab_size(shard.vocab_size, pad_to_multiple)
-        self.vocab_start, self.vocab_end = row_range(shard.vocab_size, self.world_size, self.rank, pad_to_multiple)
+        self.padded_vocab_size: int = padded_vocab_size(shard.vocab_size, pad)
+        self.vocab_start, self.vocab_end = row_range(shard.vocab_size, self.world_size, self.rank, pad)
         rows = shard.rows
         #: Where this rank's rows live, and its results: ``"cpu"`` or ``"cuda:N"``.
         self.device: str = str(placement)
@@ -392,7 +396,7 @@ class VocabParallelEmbedding:
         self._local = Embedding(local) if self._stored else None
         self._phantom = np.empty((self.vocab_size, 0), np.uint8)  # ids are checked against the whole vocabulary
         # The first row of every rank but the first: searchsorted over them names each id's owner.
-        self._bounds = np.array([row_range(self.vocab_size, self.world_size, rank, pad_to_multiple)[0]
+        self._bounds = np.array([row_range(self.vocab_size, self.world_size, rank, pad)[0]
                                  for rank in range(1, self.world_size)], np.int64)
         self._requested = exchange
         self._segment: _Segment | None = None
@@ -481,7 +485,8 @@ class VocabParallelEmbedding:
             TypeError: ids that are not integers, or on another device than the
                 table; a dtype the table cannot give (int8 from a quantized table,
                 a cast of a dense GPU table); raised on every rank.
-            CommunicationError: a rank died or did not call within `timeout`.
+            CommunicationError: a rank died or did not call within `timeout`, or
+                the process group was destroyed since the layer was built.
             RuntimeError: another thread of this rank is calling the layer (raised
                 on this rank only, before any collective); on a GPU shard, a rank ran
                 out of GPU memory for this call's buffers (raised on every rank, with
@@ -926,6 +931,10 @@ class VocabParallelEmbedding:
                     work.wait()
                 else:
                     work.wait(timeout=datetime.timedelta(seconds=self._timeout))
+        except ValueError as error:  # torch's word for a group that no longer exists (destroy_process_group)
+            self._broken = (f"VocabParallelEmbedding: {what} could not start on rank {self.rank}: its process group was "
+                            f"destroyed; build a new layer on a new group. torch.distributed said: {str(error).strip()}")
+            raise CommunicationError(self._broken) from error
         except RuntimeError as error:  # torch's DistBackendError, "Operation timed out!", gloo's lost connections
             limit = "the group's timeout" if self._timeout is None else f"timeout={self._timeout:g} s"
             self._broken = (
@@ -1033,7 +1042,7 @@ def _placement(source: Any, device: Any) -> str:
         TypeError: an array on a GPU that is not a torch CUDA tensor (a cupy array),
             or on another kind of device.
     """
-    if isinstance(source, (str, os.PathLike)):
+    if isinstance(source, _PATH_TYPES):
         return _checked_device(device)
     rows = validate.storage(source)
     placement = device_of(rows)
@@ -1095,8 +1104,8 @@ def _check_transport(backend: str, carriers: dict[str, str | None], placement: s
 
 def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: int, placement: str) -> _Shard:
     """This rank's rows of `source`: a map of only their bytes for a path (copied to `placement` if a GPU), a view for an array."""
-    if isinstance(source, (str, os.PathLike)):
-        shard = _map_shard(source, name, pad, rank, world_size)
+    if isinstance(source, _PATH_TYPES):
+        shard = _map_shard(os.fsdecode(source), name, pad, rank, world_size)
         return shard if placement == "cpu" else _copied_to(shard, placement)
     if name is not None:
         raise ValueError("name= picks a tensor of a checkpoint; it does not apply to an array source")
@@ -1184,8 +1193,10 @@ def _checked_timeout(timeout: Any) -> float | None:
 
 
 def _checked_pad(pad_to_multiple: Any) -> int:
-    if isinstance(pad_to_multiple, bool) or not isinstance(pad_to_multiple, (int, np.integer)) or pad_to_multiple < 1:
-        raise ValueError(f"pad_to_multiple must be an integer of 1 or more, got {pad_to_multiple!r}")
+    """``pad_to_multiple`` as a Python int from 1 to :data:`MAX_PAD_TO_MULTIPLE`, else ValueError."""
+    if (isinstance(pad_to_multiple, bool) or not isinstance(pad_to_multiple, (int, np.integer))
+            or not 1 <= int(pad_to_multiple) <= MAX_PAD_TO_MULTIPLE):
+        raise ValueError(f"pad_to_multiple must be an integer from 1 to 2**62, got {pad_to_multiple!r}")
     return int(pad_to_multiple)
 
 

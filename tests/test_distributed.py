@@ -313,6 +313,11 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
     on_torch = build(torch_table, timeout=30)
     last = world - 1
 
+    def pad_of(layer: VocabParallelEmbedding) -> None:
+        padded_size, bounds = layer.padded_vocab_size, layer._bounds
+        assert type(padded_size) is int and padded_size == 48 and bounds.tolist() == [
+            distributed.row_range(VOCAB, world, r, 8)[0] for r in range(1, world)], (padded_size, bounds)
+
     def while_another_thread_calls():
         with emb._calling:  # as a second thread of this rank finds it
             emb([1])
@@ -335,6 +340,10 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
         "padded id": lambda: padded([VOCAB + 1]),
         "int dtypes differ": lambda: emb(np.array([4, 5], np.int32 if rank == 0 else np.int64)),
         "different pad": lambda: build(table, pad_to_multiple=1 + rank, timeout=30),
+        "pad as a numpy integer on one rank": lambda: pad_of(build(table, timeout=30, pad_to_multiple=(
+            np.uint64(8) if rank == last else 8))),
+        "pad beyond 64 bits on one rank": lambda: build(table, pad_to_multiple=2**64 if rank == last else 8),
+        "checkpoint path as bytes": lambda: build(os.fsencode(file_path), timeout=30),
         "different tables": lambda: build(make_table("float16", 6 + (rank == last))),
         "file missing on one rank": lambda: build(file_path + ("-missing" if rank == last else "")),
         "bad timeout on one rank": lambda: build(table, timeout=-1 if rank == last else 30),
@@ -629,6 +638,8 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
         "bad id on one rank": "IndexError", "bad id everywhere": "IndexError", "negative id everywhere": "IndexError",
         "float ids on one rank": "TypeError", "bad mode": "ValueError", "scalar scatter": "ValueError",
         "padded id": "IndexError", "int dtypes differ": "no error", "different pad": "ValueError",
+        "pad as a numpy integer on one rank": "no error", "pad beyond 64 bits on one rank": "ValueError",
+        "checkpoint path as bytes": "no error",
         "different tables": "ValueError", "file missing on one rank": "FileNotFoundError",
         "bad timeout on one rank": "ValueError", "name with an array": "ValueError",
         "different layers": "ValueError", "timeout under a millisecond": "ValueError",
@@ -654,6 +665,8 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
     assert f"(on rank {world - 1} of {world})" in message["float ids on one rank"]
     assert "the ranks disagree on the table" in message["different pad"]
     assert "the ranks disagree on the table" in message["different tables"]
+    assert message["pad beyond 64 bits on one rank"].startswith(
+        f"pad_to_multiple must be an integer from 1 to 2**62, got {2**64} (on rank {world - 1} of {world})")
     assert "-missing" in message["file missing on one rank"]
     assert "timeout must be None or a number of seconds from 0.001" in message["bad timeout on one rank"]
     assert "timeout must be None" in message["timeout under a millisecond"]
@@ -824,6 +837,19 @@ def test_a_rank_whose_build_fails_waits_only_its_timeout_for_absent_peers(tmp_pa
     kind, message, seconds = outcomes[0]["outcome"]
     assert kind == "CommunicationError" and "timeout=2 s" in message, message
     assert seconds < 10  # the group's own timeout is 60 s
+
+
+def destroyed_group_task(rank: int, world: int) -> dict:
+    emb = VocabParallelEmbedding(make_table("float16", 6), timeout=30)
+    emb([1, 2])
+    dist.destroy_process_group()
+    return {"calls": [_outcome(lambda: emb([1, 2]))[:2] for _ in range(2)]}
+
+
+def test_a_layer_whose_group_was_destroyed_says_so_on_every_later_call(tmp_path):
+    for outcome in results(run_ranks(tmp_path, 2, destroyed_group_task)):
+        for kind, message in outcome["calls"]:
+            assert kind == "CommunicationError" and "its process group was destroyed" in message, message
 
 
 def test_the_helpers_split_as_documented():
