@@ -1186,7 +1186,8 @@ def _checked_timeout(timeout: Any) -> float | None:
     """`timeout` as seconds: None, or from 1 ms (torch counts whole milliseconds, and reads 0 as no limit) to a year."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S:
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating))
+            or not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
         raise ValueError(f"timeout must be None or a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} "
                          f"(a year), got {timeout!r}")
     return float(timeout)

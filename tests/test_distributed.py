@@ -867,6 +867,19 @@ def test_the_helpers_split_as_documented():
         distributed.row_range(10, 2, 0, pad_to_multiple=0)
 
 
+def test_timeouts_and_pads_take_numpy_numbers_as_python_ones():
+    for timeout in (np.float32(5), np.int64(5), 5, 5.0):
+        assert type(distributed._checked_timeout(timeout)) is float and distributed._checked_timeout(timeout) == 5
+    for pad in (np.uint64(8), np.int16(8), 8):
+        assert type(distributed._checked_pad(pad)) is int and distributed._checked_pad(pad) == 8
+    for bad_timeout in (np.bool_(True), True, np.float64("nan"), np.int64(0), "5"):
+        with pytest.raises(ValueError, match="timeout must be None or a number of seconds"):
+            distributed._checked_timeout(bad_timeout)
+    for bad_pad in (np.uint64(0), 2**62 + 1, np.float32(8), True):
+        with pytest.raises(ValueError, match="pad_to_multiple must be an integer from 1 to 2"):
+            distributed._checked_pad(bad_pad)
+
+
 def test_docstring_examples_run():
     import doctest
 
