@@ -9,6 +9,7 @@ tests therefore run in CI without a GPU and unchanged on one
 """
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -147,6 +148,9 @@ def test_to_device_refuses_an_item_size_cupy_cannot_carry(cp):
     host = np.zeros((4, 2), "V3")
     with pytest.raises(TypeError, match="cupy has no dtype of 3 bytes"):
         fastembed.Embedding(host).to_device()
+    for dtype in ("U2", "S4", "M8[s]", "m8[ns]"):
+        with pytest.raises(TypeError, match=re.escape(f"dtype {np.dtype(dtype)} to the GPU: cupy arrays hold booleans and numbers")):
+            fastembed.Embedding(np.zeros((4, 2), dtype)).to_device()
 
 
 @pytest.mark.parametrize("device, error, words", [
@@ -263,6 +267,21 @@ def test_an_out_overlapping_the_callers_device_ids_is_refused_whether_or_not_the
     with pytest.raises(ValueError, match="out overlaps the ids"):
         fastembed.lookup(table, ids, out=out)
     assert (cp.asnumpy(ids) == [5, 6, 7]).all()
+
+
+@pytest.mark.parametrize("ids_slice, out_slice", [(slice(10, 0, -1), slice(0, 10)),  # reversed: data.ptr is the end
+                                                    (slice(0, 20, 4), slice(7, 12))])  # strided: wider than nbytes
+def test_an_out_overlapping_strided_or_reversed_device_ids_is_refused(cp, ids_slice, out_slice):
+    table = cp.asarray(np.arange(10, dtype=np.int64).reshape(10, 1))
+    buffer = cp.asarray(np.arange(40, dtype=np.int64) % 10)
+    ids, out = buffer[ids_slice], buffer[out_slice].reshape(-1, 1)
+    before = cp.asnumpy(buffer)
+    with pytest.raises(ValueError, match="out overlaps the ids"):
+        fastembed.lookup(table, ids, out=out)
+    assert (cp.asnumpy(buffer) == before).all()
+    apart = cp.asarray(np.arange(40, dtype=np.int64) % 10)
+    assert_rows(fastembed.lookup(table, apart[0:20:4], out=apart[21:26].reshape(5, 1)),
+                np.arange(10, dtype=np.int64).reshape(10, 1)[[0, 4, 8, 2, 6]], cp)  # disjoint spans: served
 
 
 def test_concurrent_threads_each_see_their_own_bad_id(cp):

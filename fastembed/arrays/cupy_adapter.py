@@ -52,14 +52,26 @@ class CupyAdapter:
         return cupy.asnumpy(array)
 
     def may_share_memory(self, first: Any, second: Any) -> bool:
-        """Whether the device byte ranges of two arrays intersect."""
-        if not self.owns(second) or first.nbytes == 0 or second.nbytes == 0:
+        """Whether the device byte ranges the two arrays' elements span intersect (strided, reversed and broadcast arrays too)."""
+        if not self.owns(second) or first.size == 0 or second.size == 0:
             return False
-        first_start, second_start = first.data.ptr, second.data.ptr
-        return first_start < second_start + second.nbytes and second_start < first_start + first.nbytes
+        first_start, first_stop = _span(first)
+        second_start, second_stop = _span(second)
+        return first_start < second_stop and second_start < first_stop
 
     def wrap(self, result: Any) -> Any:
         return result
+
+
+def _span(array: Any) -> tuple[int, int]:
+    """``(first byte, past the last)`` of the device memory a non-empty array's elements lie in, from its strides."""
+    start = stop = int(array.data.ptr)
+    for extent, stride in zip(array.shape, array.strides, strict=True):
+        if stride < 0:
+            start += (extent - 1) * stride
+        else:
+            stop += (extent - 1) * stride
+    return start, stop + array.dtype.itemsize
 
 
 def device_index(device: str) -> int:

@@ -398,6 +398,10 @@ def to_device(table: Any, device_id: int) -> Any:
     words; ``cupy.asnumpy(rows).view(ml_dtypes.bfloat16)`` reads them back.
     A :class:`QuantizedTable` moves its data and scales and comes back as a
     QuantizedTable over cupy arrays.
+
+    Raises:
+        TypeError: a dtype cupy cannot carry: strings, datetimes, objects, or
+            a structured or ml_dtypes dtype of other than 1, 2, 4 or 8 bytes.
     """
     import cupy
 
@@ -412,6 +416,9 @@ def to_device(table: Any, device_id: int) -> Any:
             raise TypeError(f"cannot move a table of dtype {host.dtype} to the GPU: cupy has no dtype of "
                             f"{host.dtype.itemsize} bytes to carry it")
         host = host.view(f"u{host.dtype.itemsize}")
+    elif host.dtype.kind not in "biufc":
+        raise TypeError(f"cannot move a table of dtype {host.dtype} to the GPU: cupy arrays hold booleans and numbers "
+                        "only")
     with cupy.cuda.Device(device_id):
         return cupy.asarray(host)
 
