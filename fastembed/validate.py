@@ -205,12 +205,13 @@ def check_quantized(table: Any) -> None:
             "give a format of your own a name of its own"
         )
     adapter = adapter_of(data)
+    own = _dtype_name(data)  # a torch float8 tensor on a GPU: its snapshot holds the bytes as uint8
     if adapter is not None:
         data = adapter.snapshot(data)  # a torch or JAX host array: a numpy view, as the gather will see it
-    if adapter is None or np.dtype(data.dtype) != np.uint8:
+    if adapter is None or np.dtype(data.dtype) != np.uint8 or own not in (None, "uint8"):
         raise TypeError(
             f"a {fmt.name} table's data must be a uint8 array (numpy, np.memmap, cupy, or a torch or JAX host array), got "
-            f"{type(data).__module__}.{type(data).__qualname__} of dtype {getattr(data, 'dtype', None)}"
+            f"{type(data).__module__}.{type(data).__qualname__} of dtype {own or getattr(data, 'dtype', None)}"
         )
     expected = fmt.row_bytes(table.dim)
     if data.ndim != 2 or data.shape[1] != expected:
@@ -286,6 +287,9 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     if ids_device != "cpu":
         adapter = adapter_of(ids)
         view = adapter.snapshot(ids) if adapter is not None else ids
+        own = _dtype_name(ids)  # a torch bfloat16 or float8 tensor's snapshot holds its values as unsigned words
+        if own is not None and not own.startswith(("int", "uint")):
+            raise TypeError(f"ids must be integers, got non-integer dtype {own}")
         _check_integer_dtype(np.dtype(view.dtype))
         native = _native_ids(view, table.shape[0])
         return native.copy() if _misaligned(native, adapter) else native  # the kernels read ids element by element

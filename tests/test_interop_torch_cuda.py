@@ -190,6 +190,18 @@ def test_bad_ids_raise_and_the_device_stays_usable(tc, ids_dtype):
     assert_bit_equal(fastembed.lookup(table, tc.to_cuda(torch.tensor([4], dtype=ids_dtype))), host[[4]], tc)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float16])
+def test_float_ids_are_refused_on_the_device_as_on_the_host(tc, dtype):
+    """bfloat16 and float8 tensors travel as unsigned words: their own dtype, not their snapshot's, says they are no ids."""
+    table = tc.to_cuda(host_table(torch.float32))
+    ids = torch.tensor([0.015625, 1.0], dtype=torch.float32).to(dtype)
+    for given in (ids, tc.to_cuda(ids)):
+        with pytest.raises(TypeError, match=f"ids must be integers, got .*{str(dtype).removeprefix('torch.')}"):
+            fastembed.lookup(table, given)
+    with pytest.raises(TypeError, match="data must be a uint8 array .* of dtype float8_e4m3fn"):
+        QuantizedTable(tc.to_cuda(torch.zeros((4, 34), dtype=torch.uint8).view(torch.float8_e4m3fn)), "q8_0", 32)
+
+
 def test_zero_size_tensors(tc):
     host = host_table(torch.float16)
     table = tc.to_cuda(host)
