@@ -146,18 +146,27 @@ def _keeping_64_bits(dtype: np.dtype) -> Any:
     import jax
 
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-        return jax.enable_x64(True)
+        enable_x64 = getattr(jax, "enable_x64", None)
+        if enable_x64 is None:
+            enable_x64 = jax.experimental.enable_x64  # its home before jax 0.8
+        return enable_x64(True)
     return contextlib.nullcontext()
 
 
 def _check_whole_bytes(dtype: Any) -> None:
     """Raise TypeError for a JAX dtype of fewer bits than its numpy dtype's bytes hold (int4: numpy's view would be an unpacked copy)."""
-    import jax
+    dtype = np.dtype(dtype)
+    if dtype.type.__module__ != "ml_dtypes":
+        return  # numpy's own dtypes: JAX stores them as numpy does
+    import ml_dtypes
 
-    bits = jax.dtypes.itemsize_bits(dtype)
-    if bits < 8 * np.dtype(dtype).itemsize:
+    try:
+        bits = ml_dtypes.iinfo(dtype).bits
+    except (TypeError, ValueError):
+        bits = ml_dtypes.finfo(dtype).bits
+    if bits < 8 * dtype.itemsize:
         raise TypeError(f"JAX dtype {dtype} packs {bits}-bit values, which numpy holds one per byte: a numpy view "
-                        "of the table would be an unpacked copy; fastembed reads tables of whole-byte values")
+                        "of the array would be an unpacked copy; fastembed reads arrays of whole-byte values")
 
 
 def _host_view(array: Any) -> np.ndarray:
