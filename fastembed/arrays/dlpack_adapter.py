@@ -11,9 +11,10 @@ producer's own memory, read-only when the producer exports it read-only
 (DLPack 1.0's read-only flag) or through the protocol older than DLPack 1.0
 (a ``__dlpack__`` without ``max_version``, which cannot say its memory is
 writable, so numpy imports it read-only); validation refuses such an array
-as ``out``, saying which. A producer that can export only a copy (it raises
-when asked for none) is a TypeError: a copy as ``out`` would never reach
-the caller, and a copy as a table would be a hidden one. It accepts
+as ``out``, naming both causes. With numpy 2.1 or later, a producer that can
+export only a copy (it raises when asked for none) is a TypeError: a copy as
+``out`` would never reach the caller, and a copy as a table would be a
+hidden one; older numpy cannot ask. It accepts
 the host device types (CPU, and CUDA or ROCm pinned host memory) and the
 dtypes numpy has; a dtype numpy lacks (bfloat16 exported by another
 library, say) is a TypeError naming it. A result on such a table is the
@@ -30,6 +31,8 @@ import numpy as np
 
 from . import numpy_adapter
 
+#: Whether np.from_dlpack takes copy= (numpy 2.1 on), to ask a producer for its memory and never a copy.
+_NUMPY_ASKS_FOR_NO_COPY = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
 #: DLPack device types whose memory the host reads directly: kDLCPU, kDLCUDAHost, kDLROCMHost.
 HOST_DEVICE_TYPES = frozenset((1, 3, 11))
 #: Names of the other DLPack device types, for messages (dlpack.h's DLDeviceType).
@@ -58,8 +61,12 @@ class DlpackAdapter:
             TypeError: ``__dlpack_device__()`` does not return a (device type, index) pair of integers.
         """
         try:
-            device_type, index = (int(value) for value in array.__dlpack_device__())
+            reported = array.__dlpack_device__()
         except Exception as error:  # noqa: BLE001 - whatever the producer raises, the caller gets one TypeError
+            raise TypeError(f"{_kind(array)}.__dlpack_device__() failed: {error}") from None
+        try:
+            device_type, index = (int(value) for value in reported)
+        except (TypeError, ValueError) as error:
             raise TypeError(
                 f"{_kind(array)}.__dlpack_device__() must return (device type, device index), as DLPack says: {error}"
             ) from None
@@ -68,7 +75,7 @@ class DlpackAdapter:
         return f"{_DEVICE_NAMES.get(device_type, f'dlpack device type {device_type}')}:{index}"
 
     def snapshot(self, array: Any) -> np.ndarray:
-        """A numpy array over the producer's memory (``np.from_dlpack``, never a copy), read-only where the export is.
+        """A numpy array over the producer's memory (``np.from_dlpack``; never a copy with numpy 2.1 on), read-only where the export is.
 
         Raises:
             TypeError: the array is not in host memory (naming its device), or
@@ -83,11 +90,16 @@ class DlpackAdapter:
                 "cupy.from_dlpack(array) is zero-copy); copy it to the host explicitly"
             )
         try:
+            if not _NUMPY_ASKS_FOR_NO_COPY:
+                return np.from_dlpack(array)
             try:
                 return np.from_dlpack(array, copy=False)  # a producer that could only export a copy raises
-            except TypeError:
-                # A producer older than DLPack 1.0 takes no copy= (nor max_version=): it cannot be told not to copy.
-                return np.from_dlpack(array)
+            except TypeError as refused:
+                # A producer older than DLPack 1.0 takes no copy= (nor max_version=), and numpy imports it read-only.
+                legacy = np.from_dlpack(array)
+                if legacy.flags.writeable:  # not such a producer: one that refused copy=False with a TypeError
+                    raise refused from None
+                return legacy
         except Exception as error:  # noqa: BLE001 - whatever the producer raises, the caller gets one TypeError
             raise TypeError(f"a {_kind(array)} array cannot be seen as a numpy array through DLPack: {error}") from None
 
