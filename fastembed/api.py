@@ -484,8 +484,7 @@ class Embedding:
         Raises:
             BackendUnavailableError: cupy or a device is missing.
             TypeError: `device` is not an int; the table is not on the host; a
-                dtype cupy cannot carry (strings, datetimes; a structured dtype of
-                other than 1, 2, 4 or 8 bytes).
+                dtype cupy cannot carry (:func:`fastembed.backends.cuda_backend.to_device`).
             ValueError: no such device; a torch table's memory resized in place (``resize_``).
         """
         from .backends import cuda_backend

@@ -204,6 +204,7 @@ def check_quantized(table: Any) -> None:
             f"a format named {fmt.name!r} must be fastembed's own {fmt.name} layout ({known}); "
             "give a format of your own a name of its own"
         )
+    given = data
     adapter = adapter_of(data)
     own = _dtype_name(data)  # a torch float8 tensor on a GPU: its snapshot holds the bytes as uint8
     if adapter is not None:
@@ -211,7 +212,7 @@ def check_quantized(table: Any) -> None:
     if adapter is None or np.dtype(data.dtype) != np.uint8 or own not in (None, "uint8"):
         raise TypeError(
             f"a {fmt.name} table's data must be a uint8 array (numpy, np.memmap, cupy, or a torch or JAX host array), got "
-            f"{type(data).__module__}.{type(data).__qualname__} of dtype {own or getattr(data, 'dtype', None)}"
+            f"{type(given).__module__}.{type(given).__qualname__} of dtype {own or getattr(data, 'dtype', None)}"
         )
     expected = fmt.row_bytes(table.dim)
     if data.ndim != 2 or data.shape[1] != expected:
@@ -287,8 +288,8 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     if ids_device != "cpu":
         adapter = adapter_of(ids)
         view = adapter.snapshot(ids) if adapter is not None else ids
-        own = _dtype_name(ids)  # a torch bfloat16 or float8 tensor's snapshot holds its values as unsigned words
-        if own is not None and not own.startswith(("int", "uint")):
+        own = _dtype_name(ids)
+        if own is not None and own != np.dtype(view.dtype).name:  # bfloat16 and float8 travel as unsigned words
             raise TypeError(f"ids must be integers, got non-integer dtype {own}")
         _check_integer_dtype(np.dtype(view.dtype))
         native = _native_ids(view, table.shape[0])

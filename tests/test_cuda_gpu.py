@@ -148,7 +148,7 @@ def test_to_device_refuses_an_item_size_cupy_cannot_carry(cp):
     host = np.zeros((4, 2), "V3")
     with pytest.raises(TypeError, match="cupy has no dtype of 3 bytes"):
         fastembed.Embedding(host).to_device()
-    for dtype in ("U2", "S4", "M8[s]", "m8[ns]"):
+    for dtype in ("U2", "S4", "M8[s]", "m8[ns]", ">f4", ">i8", "g", "G"):
         with pytest.raises(TypeError, match=re.escape(f"dtype {np.dtype(dtype)} to the GPU: cupy arrays hold booleans and numbers")):
             fastembed.Embedding(np.zeros((4, 2), dtype)).to_device()
 

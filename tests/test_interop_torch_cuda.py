@@ -196,9 +196,9 @@ def test_float_ids_are_refused_on_the_device_as_on_the_host(tc, dtype):
     table = tc.to_cuda(host_table(torch.float32))
     ids = torch.tensor([0.015625, 1.0], dtype=torch.float32).to(dtype)
     for given in (ids, tc.to_cuda(ids)):
-        with pytest.raises(TypeError, match=f"ids must be integers, got .*{str(dtype).removeprefix('torch.')}"):
+        with pytest.raises(TypeError, match=f"ids must be integers, got (non-integer|floating) dtype {str(dtype).removeprefix('torch.')}$"):
             fastembed.lookup(table, given)
-    with pytest.raises(TypeError, match="data must be a uint8 array .* of dtype float8_e4m3fn"):
+    with pytest.raises(TypeError, match=r"data must be a uint8 array .*got torch\.\w+ of dtype float8_e4m3fn"):
         QuantizedTable(tc.to_cuda(torch.zeros((4, 34), dtype=torch.uint8).view(torch.float8_e4m3fn)), "q8_0", 32)
 
 

@@ -390,6 +390,10 @@ def _probe() -> list[str]:
 BACKEND = CudaBackend()
 
 
+#: The dtypes cupy arrays hold, by numpy's character codes: bool, the integers, float16/32/64, complex64/128.
+_CUPY_DTYPE_CHARS = frozenset("?bhilqBHILQefdFD")
+
+
 def to_device(table: Any, device_id: int) -> Any:
     """A copy of a host table on `device_id` (the one explicit host-to-device move).
 
@@ -400,8 +404,9 @@ def to_device(table: Any, device_id: int) -> Any:
     QuantizedTable over cupy arrays.
 
     Raises:
-        TypeError: a dtype cupy cannot carry: strings, datetimes, objects, or
-            a structured or ml_dtypes dtype of other than 1, 2, 4 or 8 bytes.
+        TypeError: a dtype cupy cannot carry: strings, datetimes, objects,
+            long doubles, another byte order than the machine's, or a
+            structured or ml_dtypes dtype of other than 1, 2, 4 or 8 bytes.
     """
     import cupy
 
@@ -416,9 +421,10 @@ def to_device(table: Any, device_id: int) -> Any:
             raise TypeError(f"cannot move a table of dtype {host.dtype} to the GPU: cupy has no dtype of "
                             f"{host.dtype.itemsize} bytes to carry it")
         host = host.view(f"u{host.dtype.itemsize}")
-    elif host.dtype.kind not in "biufc":
+    elif host.dtype.char not in _CUPY_DTYPE_CHARS or not host.dtype.isnative:
         raise TypeError(f"cannot move a table of dtype {host.dtype} to the GPU: cupy arrays hold booleans and numbers "
-                        "only")
+                        "of up to 64 bits (128 complex) in native byte order only; convert the host table first "
+                        "(table.astype(table.dtype.newbyteorder('=')) for another byte order)")
     with cupy.cuda.Device(device_id):
         return cupy.asarray(host)
 
