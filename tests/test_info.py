@@ -161,7 +161,7 @@ def test_the_version_comes_from_this_distribution_not_the_import_package(monkeyp
 
 
 def _numba_facts(environment: dict[str, str]) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     output = subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], capture_output=True, text=True,
                             check=True, env={**env, **environment}).stdout
     return next(backend for backend in json.loads(output)["backends"] if backend["name"] == "numba")
@@ -173,6 +173,8 @@ def test_info_reports_the_openmp_wait_policy_and_respects_the_users():
         pytest.skip("numba's OpenMP layer is not in use here")
     assert numba["omp_wait_policy"].startswith("passive (set by fastembed")
     assert _numba_facts({"OMP_WAIT_POLICY": "active"})["omp_wait_policy"] == "active (OMP_WAIT_POLICY set by the user)"
+    # GNU OpenMP's spin count overrides the policy: fastembed leaves it be, and says so.
+    assert _numba_facts({"GOMP_SPINCOUNT": "infinite"})["omp_wait_policy"] == "infinite (GOMP_SPINCOUNT set by the user)"
 
 
 def test_an_empty_openmp_wait_policy_counts_as_unset():

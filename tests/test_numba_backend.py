@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -534,11 +536,11 @@ def test_each_forking_thread_releases_only_its_own_locks():
     """Two threads forking at once: one thread's after-fork hook must leave the other's locks held."""
     background_compile = numba_backend.background_compile
     background_compile._wait_before_fork()
-    other = threading.Thread(target=background_compile._after_fork)  # a thread that took nothing
+    other = threading.Thread(target=background_compile._after_fork_in_parent)  # a thread that took nothing
     other.start()
     other.join(30)
     assert background_compile._guard.locked()
-    background_compile._after_fork()
+    background_compile._after_fork_in_parent()
     assert not background_compile._guard.locked()
 
 
@@ -573,25 +575,99 @@ def test_wait_for_compiles_refuses_a_timeout_that_is_no_duration(timeout, error)
 
 
 class _InterruptedJoin:
-    """A compile thread whose join is interrupted (Ctrl-C while a fork waits for it)."""
+    """A compile thread whose join is interrupted once by `error` (Ctrl-C, or a signal handler's exception, while a
+    fork waits for it)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error: BaseException | None = error
 
     def join(self):
-        raise KeyboardInterrupt
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
     def is_alive(self):
         return False
 
 
-def test_an_interrupted_wait_before_fork_releases_only_what_it_took(monkeypatch):
-    """Python forks even when the before-fork hook raises: the hook's after half must leave no lock held."""
+def test_a_ctrl_c_while_a_fork_waits_is_held_back_until_the_fork_is_done(monkeypatch):
     background_compile = numba_backend.background_compile
-    monkeypatch.setattr(background_compile, "_threads", [_InterruptedJoin()])
+    monkeypatch.setattr(background_compile, "_threads", [_InterruptedJoin(KeyboardInterrupt())])
+    background_compile._wait_before_fork()  # the wait goes on to its end
+    assert background_compile._guard.locked()
     with pytest.raises(KeyboardInterrupt):
-        background_compile._wait_before_fork()
-    background_compile._after_fork()  # what Python runs after the fork
+        background_compile._after_fork_in_parent()  # raised again once the locks are released
     assert not background_compile._guard.locked()
     assert background_compile._foreground_done.acquire(timeout=1)
     background_compile._foreground_done.release()
+
+
+def test_a_fork_whose_wait_another_error_cut_short_leaves_a_child_that_never_uses_numba(monkeypatch, fresh_backend):
+    """Python forks even when the before-fork hook raises: no lock stays held, and the child never compiles."""
+    background_compile = numba_backend.background_compile
+    monkeypatch.setattr(background_compile, "_threads", [_InterruptedJoin(RuntimeError("a signal handler raised"))])
+    monkeypatch.setattr(background_compile, "_no_compiles", False)
+    with pytest.raises(RuntimeError):
+        background_compile._wait_before_fork()
+    background_compile._after_fork_in_child()  # what Python runs in the child
+    try:
+        assert not background_compile._guard.locked() and background_compile.compiles_disabled()
+        started: list[int] = []
+        background_compile.start(("never compiled",), lambda: started.append(1))
+        assert started == [] and ("never compiled",) not in background_compile._started
+        BACKEND.after_fork_in_child()
+        assert any("forked while numba loaded or compiled" in reason for reason in BACKEND.unavailable_reasons())
+        table = random_table(300, 2048)  # outputs of 2 MiB and more: the numba backend's own size
+        assert fastembed.select_backend(table, np.arange(300)).backend == "numpy"
+        with pytest.raises(fastembed.BackendUnavailableError, match="forked while numba"):
+            fastembed.lookup(table, np.arange(300), backend="numba")
+    finally:
+        monkeypatch.setattr(background_compile, "_no_compiles", False)
+        fastembed.dispatch.refresh()
+    assert not BACKEND.unavailable_reasons()
+
+
+def test_a_signal_handlers_lookup_while_its_thread_waits_before_a_fork_starts_no_compile(monkeypatch):
+    background_compile = numba_backend.background_compile
+    started: list[int] = []
+    monkeypatch.setattr(background_compile, "_threads", [])
+    background_compile._wait_before_fork()  # holds _guard, as while a fork waits
+    try:
+        background_compile.start(("in a handler",), lambda: started.append(1))  # returns instead of deadlocking
+        assert background_compile.wait(timeout=1) is False
+    finally:
+        background_compile._after_fork_in_parent()
+    assert started == [] and not background_compile._guard.locked()
+
+
+def test_wait_for_compiles_takes_timeouts_longer_than_a_join_can(monkeypatch):
+    background_compile = numba_backend.background_compile
+    for timeout in (float("inf"), 1e12):
+        running = threading.Thread(target=time.sleep, args=(0.2,))  # stands for a compile under way
+        running.start()
+        monkeypatch.setattr(background_compile, "_threads", [running])
+        assert fastembed.wait_for_compiles(timeout) and not running.is_alive()
+
+
+def test_a_failed_numba_import_drops_only_its_own_modules(monkeypatch):
+    sys.modules.pop("fastembed_test_bystander", None)
+
+    def import_and_fail(name):
+        sys.modules["numba_fake_part"] = types.ModuleType("numba_fake_part")
+        sys.modules["numba.fake_part"] = types.ModuleType("numba.fake_part")
+        sys.modules["llvmlite.fake_part"] = types.ModuleType("llvmlite.fake_part")
+        sys.modules["fastembed_test_bystander"] = types.ModuleType("fastembed_test_bystander")  # another thread's
+        raise ImportError("numba cannot load")
+
+    monkeypatch.setattr(numba_backend.importlib, "import_module", import_and_fail)
+    try:
+        with pytest.raises(ImportError):
+            numba_backend._import_or_undo("fastembed.kernels.gather_cpu")
+        assert "numba.fake_part" not in sys.modules and "llvmlite.fake_part" not in sys.modules
+        assert "fastembed_test_bystander" in sys.modules and "numba_fake_part" in sys.modules
+    finally:
+        for name in ("numba_fake_part", "fastembed_test_bystander"):
+            sys.modules.pop(name, None)
 
 
 def test_no_compile_starts_once_interpreter_exit_has_begun(monkeypatch):
@@ -602,6 +678,22 @@ def test_no_compile_starts_once_interpreter_exit_has_begun(monkeypatch):
     background_compile.start(("test", "after exit began"), lambda: started.append(1))
     background_compile.wait()
     assert started == [] and not background_compile.is_ready(("test", "after exit began"))
+
+
+def test_compiles_waiting_for_their_turn_when_exit_begins_never_run(monkeypatch):
+    """Exit waits for the compile under way only; threading's own flag counts, whatever order the exit hooks run in."""
+    background_compile = numba_backend.background_compile
+    monkeypatch.setattr(background_compile, "_exiting", False)
+    ran: list[str] = []
+    background_compile._one_at_a_time.acquire()  # the compile under way
+    try:
+        background_compile.start(("test", "queued"), lambda: ran.append("queued"))
+        monkeypatch.setattr(threading, "_SHUTTING_DOWN", True, raising=False)
+        background_compile.start(("test", "after the flag"), lambda: ran.append("after the flag"))
+    finally:
+        background_compile._one_at_a_time.release()
+    background_compile.wait(timeout=30)
+    assert ran == [] and background_compile.is_ready(("test", "queued"))
 
 
 def test_a_large_lookup_in_an_atexit_handler_exits(tmp_path):

@@ -5,6 +5,9 @@ a call whose kernels are not compiled yet with the numpy backend and
 compiles them here, once per key, off the caller's thread; later calls
 find them compiled.
 
+Compiles run one at a time (numba's own lock would serialise them anyway),
+each on its own thread.
+
 Fork-safety: numba compiles under one process-wide lock, and Python imports
 under per-module locks. A process forked while another thread holds one
 would inherit it held by a thread that does not exist in the child, and the
@@ -13,17 +16,24 @@ started here to finish, and for every :func:`foreground` section (the
 kernel import, a first call that compiles on the caller's thread) that
 another thread is in. A compile lasts seconds at most, so a fork is delayed
 by that at most; a fork from inside such a section does not wait for itself.
+A Ctrl-C meanwhile does not cut the wait short: it is raised again in the
+parent once the fork is done. Should another exception from a signal
+handler end the wait (Python forks anyway), the child never compiles: its
+calls stay served another way. A lookup made by a signal handler of the
+forking thread while it waits starts no compile.
 
 Interpreter exit: once it has begun, no compile starts (the key's calls stay
-served another way): a thread started then, from an ``atexit`` handler say,
-would outlive the join of threads that exit performs, and exit could hang on
-numba inside LLVM.
+served another way) and none of those waiting for their turn runs: exit
+waits for the one compile under way at most. A thread started later, from
+an ``atexit`` handler say, would outlive the join of threads that exit
+performs, and exit could hang on numba inside LLVM.
 """
 from __future__ import annotations
 
 import contextlib
 import logging  # noqa: F401 - imported here so that its fork hooks are never registered mid-fork (numba imports it)
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -36,7 +46,12 @@ _threads: list[threading.Thread] = []
 _foreground_done = threading.Condition(threading.Lock())
 _foreground_threads: dict[int, int] = {}  # thread ident -> nesting depth
 _held_for_fork: dict[int, list[Any]] = {}  # forking thread -> the locks its _wait_before_fork took
+_ctrl_c_held: set[int] = set()  # forking threads whose wait held back a KeyboardInterrupt
+_one_at_a_time = threading.Lock()  # held by the compile under way
 _exiting = False
+_forking_threads: set[int] = set()  # the threads inside _wait_before_fork, up to their fork
+_interrupted_fork = False  # the wait before the fork now under way ended early (the child must not compile)
+_no_compiles = False  # in a child forked after such a wait: numba's locks may be held by a thread it lacks
 
 
 @contextlib.contextmanager
@@ -61,10 +76,17 @@ def is_ready(key: Hashable) -> bool:
     return key in _ready
 
 
+def _exit_begun() -> bool:
+    # threading's own flag is set before the exit hooks run, whatever their order.
+    return _exiting or bool(getattr(threading, "_SHUTTING_DOWN", False))
+
+
 def start(key: Hashable, first_call: Callable[[], Any]) -> None:
     """Run `first_call` (a call that makes numba compile) on a new thread, once per key."""
+    if threading.get_ident() in _forking_threads or _no_compiles:
+        return  # a signal handler of the thread waiting before a fork holds _guard; or a child that must not compile
     with _guard:
-        if key in _started or _exiting:
+        if key in _started or _exit_begun():
             return
         _started.add(key)
         # Not a daemon: a daemon thread killed inside LLVM at interpreter exit can crash it.
@@ -75,7 +97,9 @@ def start(key: Hashable, first_call: Callable[[], Any]) -> None:
 
 def _compile(key: Hashable, first_call: Callable[[], Any]) -> None:
     try:
-        first_call()
+        with _one_at_a_time:
+            if not _exit_begun():
+                first_call()
     except Exception:  # noqa: BLE001 - the foreground call then compiles again and raises to its caller
         pass
     finally:
@@ -84,6 +108,10 @@ def _compile(key: Hashable, first_call: Callable[[], Any]) -> None:
 
 def wait(timeout: float | None = None) -> bool:
     """Block until every compile started so far has finished, or `timeout` seconds have passed; True if all finished."""
+    if timeout is not None and timeout > threading.TIMEOUT_MAX:
+        timeout = None  # a join cannot wait longer, and would raise OverflowError
+    if threading.get_ident() in _forking_threads:
+        return False  # a signal handler of the thread waiting before a fork: that wait holds _guard
     deadline = None if timeout is None else time.monotonic() + timeout
     with _guard:
         threads = list(_threads)
@@ -98,25 +126,73 @@ def wait(timeout: float | None = None) -> bool:
 def _wait_before_fork() -> None:
     """Hold off new compiles and foreground sections, then wait for the running ones; released after the fork.
 
-    Python ignores an exception here (an interrupt during a join) and forks
-    anyway: only the locks actually taken are released afterwards.
+    A KeyboardInterrupt meanwhile is held back until the fork is done (see
+    :func:`_after_fork_in_parent`). Python ignores any other exception here
+    and forks anyway: only the locks actually taken are released afterwards,
+    and the child is told not to compile.
     """
+    global _interrupted_fork
     ident = threading.get_ident()
+    _forking_threads.add(ident)
+    _interrupted_fork = True
     held = _held_for_fork.setdefault(ident, [])
     _guard.acquire()  # a thread inside start() holds it while its compile thread starts
     held.append(_guard)
-    for thread in list(_threads):
-        if thread is not threading.current_thread():
-            thread.join()
+    interrupted = _uninterrupted(_join_compiles)
     _threads[:] = [thread for thread in _threads if thread.is_alive()]
     _foreground_done.acquire()
     held.append(_foreground_done)
-    _foreground_done.wait_for(lambda: not (set(_foreground_threads) - {ident}))
+    interrupted |= _uninterrupted(lambda: _foreground_done.wait_for(lambda: not (set(_foreground_threads) - {ident})))
+    if interrupted:
+        _ctrl_c_held.add(ident)
+    _interrupted_fork = False
 
 
-def _after_fork() -> None:
+def _join_compiles() -> None:
+    for thread in list(_threads):
+        if thread is not threading.current_thread():
+            thread.join()
+
+
+def _uninterrupted(wait: Callable[[], Any]) -> bool:
+    """Run `wait` to its end whatever KeyboardInterrupts arrive meanwhile; whether one arrived."""
+    interrupted = False
+    while True:
+        try:
+            wait()
+            return interrupted
+        except KeyboardInterrupt:
+            interrupted = True
+
+
+def _release_fork_locks() -> None:
+    _forking_threads.discard(threading.get_ident())
     for lock in reversed(_held_for_fork.pop(threading.get_ident(), [])):
         lock.release()
+
+
+def _after_fork_in_parent() -> None:
+    global _interrupted_fork
+    _interrupted_fork = False
+    _release_fork_locks()
+    ident = threading.get_ident()
+    if ident in _ctrl_c_held:
+        _ctrl_c_held.discard(ident)
+        signal.raise_signal(signal.SIGINT)  # the Ctrl-C held back while the fork waited
+
+
+def _after_fork_in_child() -> None:
+    global _no_compiles, _interrupted_fork, _one_at_a_time
+    _no_compiles = _no_compiles or _interrupted_fork
+    _interrupted_fork = False
+    _one_at_a_time = threading.Lock()  # held only if a compile thread the child lacks held it
+    _ctrl_c_held.clear()
+    _release_fork_locks()
+
+
+def compiles_disabled() -> bool:
+    """Whether this process was forked while a wait for compiles was cut short: it must never compile or import numba."""
+    return _no_compiles
 
 
 def _stop_new_compiles() -> None:
@@ -138,4 +214,5 @@ def forget() -> None:
 if hasattr(threading, "_register_atexit"):
     threading._register_atexit(_stop_new_compiles)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_wait_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+    os.register_at_fork(before=_wait_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)

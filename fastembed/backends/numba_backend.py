@@ -180,6 +180,8 @@ class NumbaBackend:
             return ["numba is not installed (pip install numba)"]
         if _jit_disabled_by_environment():
             return [_JIT_DISABLED]
+        if background_compile.compiles_disabled():
+            return [_FORKED_MID_COMPILE]
         return []
 
     def kernels(self) -> Any:
@@ -247,16 +249,18 @@ class NumbaBackend:
         the scheduler's time slice ends: lookups took milliseconds instead of
         a fraction of one (docs/backends.md). OpenMP reads OMP_WAIT_POLICY
         once, when its library loads; the variable is set to ``passive`` for
-        that moment only, and only if the user has not set it, so that no
-        OpenMP runtime another library loads later sees it. A runtime that
-        another library loaded before (torch's own copy, say) has read it
-        already and is not affected.
+        that moment only (other threads can see it in ``os.environ`` then),
+        and only if the user has set neither it nor GNU OpenMP's
+        GOMP_SPINCOUNT, which overrides it. A library that uses the same
+        runtime afterwards (one that loads the same ``libgomp.so.1``, as
+        torch's CPU build was seen to) shares its policy; a runtime that
+        another library loaded before has read it already and is not affected.
         """
         import numba
 
         first_load = not self._threading_layer_loaded  # after a reset, the runtime has read its policy already
         given = os.environ.get("OMP_WAIT_POLICY")
-        user_policy = given if given and given.strip() else None  # GNU OpenMP ignores an empty value and spins
+        user_policy = _user_wait_setting()
         set_passive = first_load and user_policy is None
         runtimes_before = _openmp_paths()
         if set_passive:
@@ -471,6 +475,9 @@ class NumbaBackend:
 
     def after_fork_in_child(self) -> None:
         self.forked_after_pool_start = self.pool_started or _numba_pool_started()
+        if background_compile.compiles_disabled():
+            self._unavailable = None  # found again: this process may never use numba
+            base.availability_changed()
 
     # -- facts ---------------------------------------------------------------
 
@@ -533,11 +540,17 @@ def _jit_disabled_by_environment() -> bool:
         return False
 
 
+_FORKED_MID_COMPILE = ("this process was forked while numba loaded or compiled on another thread, and the fork's "
+                       "wait for it was cut short: numba's locks may be held by a thread this process lacks, so "
+                       "numba is never used here")
+
+
 def _import_or_undo(name: str, then: Any = None) -> Any:
-    """Import module `name` (then call `then()`); if either fails or is interrupted, drop every module it added.
+    """Import module `name` (then call `then()`); if either fails or is interrupted, drop the modules of `name`, numba and llvmlite it added.
 
     A half-initialised numba left in ``sys.modules`` would break every later
-    import; without it, the next call imports afresh.
+    import; without it, the next call imports afresh. Other modules added
+    meanwhile stay: other threads may have imported them.
     """
     loaded_before = set(sys.modules)
     try:
@@ -547,7 +560,8 @@ def _import_or_undo(name: str, then: Any = None) -> Any:
         return module
     except BaseException:
         for added in set(sys.modules) - loaded_before:
-            del sys.modules[added]
+            if added.partition(".")[0] in ("numba", "llvmlite") or added == name or added.startswith(name + "."):
+                sys.modules.pop(added, None)
         raise
 
 
@@ -574,12 +588,25 @@ def _openmp_paths() -> set[str]:
         return set()
 
 
+def _user_wait_setting() -> str | None:
+    """The user's own OpenMP wait setting (``"active (OMP_WAIT_POLICY ...)"``), or None where fastembed may set one.
+
+    An empty value counts as unset: GNU OpenMP ignores it.
+    """
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):  # GNU OpenMP's spin count overrides the policy
+        value = os.environ.get(name)
+        if value and value.strip():
+            return f"{value} ({name} set by the user)"
+    return None
+
+
 def _wait_policy_fact(user_policy: str | None, runtimes_before: set[str], runtimes_after: set[str]) -> str:
     """What OMP_WAIT_POLICY numba's OpenMP workers follow, for ``describe()``."""
     if user_policy is not None:
-        return f"{user_policy} (OMP_WAIT_POLICY set by the user)"
+        return user_policy
     if runtimes_after - runtimes_before:
-        return "passive (set by fastembed while numba's OpenMP runtime loaded)"
+        return ("passive (set by fastembed while numba's OpenMP runtime loaded; a library using that runtime "
+                "afterwards shares it)")
     if runtimes_before and _threading_layer() == "omp":
         return "as the OpenMP runtime read it when another library loaded it first"
     return f"not applicable: numba's threading layer is {_threading_layer()}"
