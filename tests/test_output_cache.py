@@ -38,6 +38,24 @@ def test_a_dropped_output_is_reused():
     assert output_cache.cached_bytes() == 0
 
 
+def test_a_signal_handlers_lookup_inside_the_caches_code_leaves_its_lists_alone():
+    """A handler runs on the thread it interrupts, which holds the (re-entrant) lock, maybe mid-way through a loop."""
+    outputs = [output_cache.new_output(SHAPE, np.float16) for _ in range(2)]
+    del outputs  # both buffers go back to the cache
+    free = list(output_cache._free)
+    assert free
+    with output_cache._lock:
+        output_cache._enter()  # as inside _take, where the signal arrived
+        try:
+            fresh = output_cache._take(free[0].size)  # the handler's lookup
+            output_cache._trim(0)  # the handler's empty_cache()
+            assert all(fresh is not buffer for buffer in free)
+            assert [id(buffer) for buffer in output_cache._free] == [id(buffer) for buffer in free]
+        finally:
+            output_cache._leave()
+    assert output_cache.new_output(SHAPE, np.float16) is not None  # the interrupted call's own _take goes on
+
+
 @pytest.mark.parametrize(
     "keep",
     [

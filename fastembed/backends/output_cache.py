@@ -162,16 +162,17 @@ def _take(nbytes: int) -> np.ndarray:
     """The smallest free buffer of at least `nbytes` and at most twice that, or a new one faulted in."""
     global _free_bytes
     with _lock:
-        _enter()
-        try:
-            fitting = [i for i, b in enumerate(_free) if nbytes <= b.size <= 2 * nbytes]
-            if fitting:
-                best = min(fitting, key=lambda i: _free[i].size)
-                buffer = _free.pop(best)
-                _free_bytes -= buffer.size
-                return buffer
-        finally:
-            _leave()
+        if not _depth:  # else a signal handler's lookup interrupted this thread inside the cache: a new buffer
+            _enter()
+            try:
+                fitting = [i for i, b in enumerate(_free) if nbytes <= b.size <= 2 * nbytes]
+                if fitting:
+                    best = min(fitting, key=lambda i: _free[i].size)
+                    buffer = _free.pop(best)
+                    _free_bytes -= buffer.size
+                    return buffer
+            finally:
+                _leave()
     size = -(-nbytes // GRANULE) * GRANULE
     buffer = _aligned_empty((size,), np.dtype(np.uint8), ALIGNMENT)
     fault_in(buffer)
@@ -206,6 +207,8 @@ def _keep(buffer: np.ndarray) -> None:
 def _trim(keep: int) -> None:
     """Free buffers, largest first, until at most `keep` bytes stay (with the lock held)."""
     global _free_bytes
+    if _depth:
+        return  # a signal handler interrupted this thread inside the cache: the lists stay as they are; _keep trims later
     while _free and _free_bytes > keep:  # again when buffers came back meanwhile (kept on the way out)
         _enter()
         try:
@@ -218,7 +221,8 @@ def _trim(keep: int) -> None:
 
 # Any allocation can start a garbage collection, which may run a lease's finalizer on this very thread while it
 # is inside _take or _trim (the lock is re-entrant): the finalizer then leaves its buffer here, and the outermost
-# of those calls keeps it on the way out, so no list of buffers changes under a loop reading it.
+# of those calls keeps it on the way out, so no list of buffers changes under a loop reading it. A signal handler's
+# lookup there takes a new buffer, and its empty_cache() frees nothing, for the same reason.
 _depth = 0  # how many of the cache's calls the thread holding the lock is inside
 _returned_meanwhile: list[np.ndarray] = []
 
