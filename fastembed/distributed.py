@@ -174,11 +174,15 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
 def padded_vocab_size(vocab_size: int, pad_to_multiple: int = 1) -> int:
     """`vocab_size` rounded up to a multiple of `pad_to_multiple` (Megatron pads to 128 x the ranks).
 
+    Raises:
+        ValueError: a `pad_to_multiple` that is not an integer from 1 to 2**62.
+
     Example:
         >>> from fastembed.distributed import padded_vocab_size
         >>> padded_vocab_size(129280, 128 * 8)
         130048
     """
+    pad_to_multiple = _checked_pad(pad_to_multiple)
     return -(-vocab_size // pad_to_multiple) * pad_to_multiple
 
 
@@ -195,7 +199,8 @@ def row_range(vocab_size: int, world_size: int, rank: int, pad_to_multiple: int 
         ``(start, stop)`` in the padded vocabulary.
 
     Raises:
-        ValueError: a vocabulary or `pad_to_multiple` below 1, or `rank` outside ``[0, world_size)``.
+        ValueError: a vocabulary below 1, a `pad_to_multiple` that is not an
+            integer from 1 to 2**62, or `rank` outside ``[0, world_size)``.
 
     Example:
         >>> from fastembed.distributed import row_range
@@ -204,8 +209,8 @@ def row_range(vocab_size: int, world_size: int, rank: int, pad_to_multiple: int 
         >>> [row_range(10, 4, rank, pad_to_multiple=8) for rank in range(4)]  # rank 2 stores 8, 9; rank 3 none
         [(0, 4), (4, 8), (8, 12), (12, 16)]
     """
-    if vocab_size < 1 or pad_to_multiple < 1:
-        raise ValueError(f"vocab_size and pad_to_multiple must be 1 or more, got {vocab_size} and {pad_to_multiple}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be 1 or more, got {vocab_size}")
     return split_range(padded_vocab_size(vocab_size, pad_to_multiple), world_size, rank)
 
 
@@ -331,6 +336,7 @@ class VocabParallelEmbedding:
             raise RuntimeError("VocabParallelEmbedding needs a process group: call "
                                "torch.distributed.init_process_group('gloo', ...) first (docs/distributed.md)")
         self._torch, self._dist, self._group = torch, dist, group
+        self._built_on = dist.group.WORLD if group is None else group  # a new default group later is another group
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
         if self.rank < 0:
@@ -486,7 +492,8 @@ class VocabParallelEmbedding:
                 table; a dtype the table cannot give (int8 from a quantized table,
                 a cast of a dense GPU table); raised on every rank.
             CommunicationError: a rank died or did not call within `timeout`, or
-                the process group was destroyed since the layer was built.
+                the layer's process group was destroyed since it was built
+                (raised on this rank before any collective).
             RuntimeError: another thread of this rank is calling the layer (raised
                 on this rank only, before any collective); on a GPU shard, a rank ran
                 out of GPU memory for this call's buffers (raised on every rank, with
@@ -496,6 +503,10 @@ class VocabParallelEmbedding:
                 raised on every rank, and the group stays usable.
         """
         if self._broken is not None:
+            raise CommunicationError(self._broken)
+        if not self._group_exists():
+            self._broken = (f"VocabParallelEmbedding: the process group it was built on no longer exists on rank "
+                            f"{self.rank} (destroy_process_group); build a new layer on a new group")
             raise CommunicationError(self._broken)
         if not self._calling.acquire(blocking=False):
             # Before any collective: the call already running keeps the ranks in step (two at once abort gloo).
@@ -922,6 +933,14 @@ class VocabParallelEmbedding:
         """`host` as a tensor the agreements send: a CPU tensor over it, or a copy on this rank's GPU (NCCL alone)."""
         return self._torch.from_numpy(host) if self._wire == "cpu" else torch_adapter.ADAPTER.from_host(host, self._wire)
 
+    def _group_exists(self) -> bool:
+        """Whether the group the layer was built on is still registered with torch (not destroyed, not replaced)."""
+        try:
+            self._dist.get_backend(self._built_on)
+        except (ValueError, RuntimeError):
+            return False
+        return True
+
     def _collective(self, start: Callable[[], Any], what: str) -> None:
         """Start a collective and wait for it, at most `timeout` seconds; any failure is a CommunicationError."""
         try:
@@ -931,10 +950,6 @@ class VocabParallelEmbedding:
                     work.wait()
                 else:
                     work.wait(timeout=datetime.timedelta(seconds=self._timeout))
-        except ValueError as error:  # torch's word for a group that no longer exists (destroy_process_group)
-            self._broken = (f"VocabParallelEmbedding: {what} could not start on rank {self.rank}: its process group was "
-                            f"destroyed; build a new layer on a new group. torch.distributed said: {str(error).strip()}")
-            raise CommunicationError(self._broken) from error
         except RuntimeError as error:  # torch's DistBackendError, "Operation timed out!", gloo's lost connections
             limit = "the group's timeout" if self._timeout is None else f"timeout={self._timeout:g} s"
             self._broken = (
@@ -1197,7 +1212,8 @@ def _checked_pad(pad_to_multiple: Any) -> int:
     """``pad_to_multiple`` as a Python int from 1 to :data:`MAX_PAD_TO_MULTIPLE`, else ValueError."""
     if (isinstance(pad_to_multiple, bool) or not isinstance(pad_to_multiple, (int, np.integer))
             or not 1 <= int(pad_to_multiple) <= MAX_PAD_TO_MULTIPLE):
-        raise ValueError(f"pad_to_multiple must be an integer from 1 to 2**62, got {pad_to_multiple!r}")
+        raise ValueError(f"pad_to_multiple must be an integer from 1 to 2**{MAX_PAD_TO_MULTIPLE.bit_length() - 1}, "
+                         f"got {pad_to_multiple!r}")
     return int(pad_to_multiple)
 
 

@@ -839,17 +839,29 @@ def test_a_rank_whose_build_fails_waits_only_its_timeout_for_absent_peers(tmp_pa
     assert seconds < 10  # the group's own timeout is 60 s
 
 
-def destroyed_group_task(rank: int, world: int) -> dict:
-    emb = VocabParallelEmbedding(make_table("float16", 6), timeout=30)
-    emb([1, 2])
+def destroyed_group_task(rank: int, world: int, init: str) -> dict:
+    table = make_table("float16", 6)
+    on_subgroup = VocabParallelEmbedding(table, group=dist.new_group(list(range(world))), timeout=30)
+    on_default = VocabParallelEmbedding(table, timeout=30)
+    on_subgroup([1, 2])
+    on_default([1, 2])
+    dist.destroy_process_group(on_subgroup._group)
+    calls = {"subgroup": [_outcome(lambda: on_subgroup([1, 2]))[:2] for _ in range(2)]}
     dist.destroy_process_group()
-    return {"calls": [_outcome(lambda: emb([1, 2]))[:2] for _ in range(2)]}
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)  # a new default group
+    calls["default"] = [_outcome(lambda: on_default([1, 2]))[:2] for _ in range(2)]
+    calls["new layer"] = [_outcome(lambda: VocabParallelEmbedding(table, timeout=30)([1, 2]))[:2]]
+    return calls
 
 
 def test_a_layer_whose_group_was_destroyed_says_so_on_every_later_call(tmp_path):
-    for outcome in results(run_ranks(tmp_path, 2, destroyed_group_task)):
-        for kind, message in outcome["calls"]:
-            assert kind == "CommunicationError" and "its process group was destroyed" in message, message
+    init = f"file://{tmp_path / 'second-rendezvous'}"
+    for outcome in results(run_ranks(tmp_path, 2, destroyed_group_task, init)):
+        for group in ("subgroup", "default"):
+            for kind, message in outcome[group]:
+                assert kind == "CommunicationError" and "process group it was built on no longer exists" in message, (
+                    group, message)
+        assert outcome["new layer"] == [("no error", "")]
 
 
 def test_the_helpers_split_as_documented():
@@ -863,8 +875,13 @@ def test_the_helpers_split_as_documented():
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
     with pytest.raises(ValueError, match="part 3 of 10 items split into 3 parts"):
         distributed.split_range(10, 3, 3)
-    with pytest.raises(ValueError, match="pad_to_multiple must be 1 or more"):
-        distributed.row_range(10, 2, 0, pad_to_multiple=0)
+    for pad in (0, True, 2.0, 2**64):
+        with pytest.raises(ValueError, match=r"pad_to_multiple must be an integer from 1 to 2\*\*62"):
+            distributed.row_range(10, 2, 0, pad_to_multiple=pad)
+        with pytest.raises(ValueError, match=r"pad_to_multiple must be an integer from 1 to 2\*\*62"):
+            distributed.padded_vocab_size(10, pad)
+    with pytest.raises(ValueError, match="vocab_size must be 1 or more"):
+        distributed.row_range(0, 2, 0)
 
 
 def test_timeouts_and_pads_take_numpy_numbers_as_python_ones():
