@@ -50,7 +50,7 @@ _ctrl_c_held: set[int] = set()  # forking threads whose wait held back a Keyboar
 _one_at_a_time = threading.Lock()  # held by the compile under way
 _exiting = False
 _forking_threads: set[int] = set()  # the threads inside _wait_before_fork, up to their fork
-_interrupted_fork = False  # the wait before the fork now under way ended early (the child must not compile)
+_waiting_to_fork: set[int] = set()  # threads whose wait before a fork has not reached its end (yet, or ever)
 _no_compiles = False  # in a child forked after such a wait: numba's locks may be held by a thread it lacks
 
 
@@ -131,10 +131,9 @@ def _wait_before_fork() -> None:
     and forks anyway: only the locks actually taken are released afterwards,
     and the child is told not to compile.
     """
-    global _interrupted_fork
     ident = threading.get_ident()
     _forking_threads.add(ident)
-    _interrupted_fork = True
+    _waiting_to_fork.add(ident)
     held = _held_for_fork.setdefault(ident, [])
     _guard.acquire()  # a thread inside start() holds it while its compile thread starts
     held.append(_guard)
@@ -145,7 +144,7 @@ def _wait_before_fork() -> None:
     interrupted |= _uninterrupted(lambda: _foreground_done.wait_for(lambda: not (set(_foreground_threads) - {ident})))
     if interrupted:
         _ctrl_c_held.add(ident)
-    _interrupted_fork = False
+    _waiting_to_fork.discard(ident)
 
 
 def _join_compiles() -> None:
@@ -172,22 +171,22 @@ def _release_fork_locks() -> None:
 
 
 def _after_fork_in_parent() -> None:
-    global _interrupted_fork
-    _interrupted_fork = False
-    _release_fork_locks()
     ident = threading.get_ident()
+    _waiting_to_fork.discard(ident)
+    _release_fork_locks()
     if ident in _ctrl_c_held:
         _ctrl_c_held.discard(ident)
         signal.raise_signal(signal.SIGINT)  # the Ctrl-C held back while the fork waited
 
 
 def _after_fork_in_child() -> None:
-    global _no_compiles, _interrupted_fork, _one_at_a_time
-    _no_compiles = _no_compiles or _interrupted_fork
-    _interrupted_fork = False
+    global _no_compiles, _one_at_a_time
+    _no_compiles = _no_compiles or threading.get_ident() in _waiting_to_fork
+    _waiting_to_fork.clear()
     _one_at_a_time = threading.Lock()  # held only if a compile thread the child lacks held it
     _ctrl_c_held.clear()
     _release_fork_locks()
+    _forking_threads.clear()  # other threads' entries: the child lacks them, and a new thread may get their ident
 
 
 def compiles_disabled() -> bool:
