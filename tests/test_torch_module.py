@@ -1,6 +1,7 @@
 """fastembed.torch.Embedding: a drop-in for torch.nn.Embedding, forward through fastembed."""
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import warnings
@@ -87,6 +88,12 @@ def test_unsupported_options_are_named(option):
         Embedding(10, 4, **option)
     with pytest.raises(ValueError, match=f"does not support {name}="):
         Embedding.from_pretrained(torch.zeros(10, 4), **option)
+
+
+def test_tools_that_read_the_constructors_parameters_see_torchs():
+    layer = torch.nn.utils.skip_init(fastembed.torch.Embedding, 10, 4)  # looks for a `device` parameter
+    assert type(layer) is fastembed.torch.Embedding and layer.weight.shape == (10, 4)
+    assert inspect.signature(fastembed.torch.Embedding) == inspect.signature(torch.nn.Embedding)
 
 
 def test_bad_ids_raise_the_fastembed_error():
