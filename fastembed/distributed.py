@@ -76,6 +76,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -336,7 +337,8 @@ class VocabParallelEmbedding:
             raise RuntimeError("VocabParallelEmbedding needs a process group: call "
                                "torch.distributed.init_process_group('gloo', ...) first (docs/distributed.md)")
         self._torch, self._dist, self._group = torch, dist, group
-        self._built_on = dist.group.WORLD if group is None else group  # a new default group later is another group
+        # Weakly: a default group destroyed meanwhile must be freed then, not at interpreter exit (its threads abort).
+        self._built_on = weakref.ref(dist.group.WORLD if group is None else group)
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
         if self.rank < 0:
@@ -935,8 +937,11 @@ class VocabParallelEmbedding:
 
     def _group_exists(self) -> bool:
         """Whether the group the layer was built on is still registered with torch (not destroyed, not replaced)."""
+        group = self._built_on()
+        if group is None:
+            return False
         try:
-            self._dist.get_backend(self._built_on)
+            self._dist.get_backend(group)
         except (ValueError, RuntimeError):
             return False
         return True
