@@ -337,8 +337,10 @@ class VocabParallelEmbedding:
             raise RuntimeError("VocabParallelEmbedding needs a process group: call "
                                "torch.distributed.init_process_group('gloo', ...) first (docs/distributed.md)")
         self._torch, self._dist, self._group = torch, dist, group
-        # Weakly: a default group destroyed meanwhile must be freed then, not at interpreter exit (its threads abort).
-        self._built_on = weakref.ref(dist.group.WORLD if group is None else group)
+        world = dist.group.WORLD
+        # The default group weakly: destroyed meanwhile, it must be freed then, not at interpreter exit.
+        self._built_on: Callable[[], Any] = (
+            (lambda: group) if group is not None else (lambda: None) if world is None else weakref.ref(world))
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
         if self.rank < 0:
