@@ -131,10 +131,10 @@ class Embedding(torch.nn.Embedding):
         return lookup(weight, input)
 
 
-#: The tensor types fastembed reads as memory (any other subclass of torch.Tensor is torch's to handle).
 # Tools that read the constructor's parameters (torch.nn.utils.skip_init looks for `device`) see torch's, which it takes.
 Embedding.__init__.__signature__ = inspect.signature(torch.nn.Embedding.__init__)  # type: ignore[attr-defined]
 
+#: The tensor types fastembed reads as memory (any other subclass of torch.Tensor is torch's to handle).
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: The id dtypes torch's embedding takes, and so the drop-in's gather too.
 _ID_DTYPES = (torch.int64, torch.int32)

@@ -25,6 +25,7 @@ over several devices, deleted (donated) arrays, and traced values inside
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import numpy as np
@@ -143,6 +144,8 @@ def _not_on_host(device: str) -> str:
 
 def _keeping_64_bits(dtype: np.dtype) -> Any:
     """A context in which ``jax.device_put`` keeps `dtype` where JAX's 64-bit mode off would narrow it (its mode on for this thread), else a null one."""
+    if dtype.itemsize < 8:
+        return contextlib.nullcontext()  # the common case, kept cheap: JAX narrows only 64-bit dtypes
     import jax
 
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:
@@ -156,17 +159,23 @@ def _keeping_64_bits(dtype: np.dtype) -> Any:
 def _check_whole_bytes(dtype: Any) -> None:
     """Raise TypeError for a JAX dtype of fewer bits than its numpy dtype's bytes hold (int4: numpy's view would be an unpacked copy)."""
     dtype = np.dtype(dtype)
-    if dtype.type.__module__ != "ml_dtypes":
-        return  # numpy's own dtypes: JAX stores them as numpy does
-    import ml_dtypes
-
-    try:
-        bits = ml_dtypes.iinfo(dtype).bits
-    except (TypeError, ValueError):
-        bits = ml_dtypes.finfo(dtype).bits
+    bits = _value_bits(dtype)
     if bits < 8 * dtype.itemsize:
         raise TypeError(f"JAX dtype {dtype} packs {bits}-bit values, which numpy holds one per byte: a numpy view "
                         "of the array would be an unpacked copy; fastembed reads arrays of whole-byte values")
+
+
+@functools.cache
+def _value_bits(dtype: np.dtype) -> int:
+    """Bits per value of `dtype`: ml_dtypes' own count for its dtypes (int4: 4), else the itemsize's."""
+    if dtype.type.__module__ != "ml_dtypes":
+        return 8 * dtype.itemsize  # numpy's own dtypes: JAX stores them as numpy does
+    import ml_dtypes
+
+    try:
+        return int(ml_dtypes.iinfo(dtype).bits)
+    except (TypeError, ValueError):
+        return int(ml_dtypes.finfo(dtype).bits)
 
 
 def _host_view(array: Any) -> np.ndarray:
