@@ -517,3 +517,18 @@ def test_transforms_compilation_and_nested_tensors_are_type_errors_saying_why():
     with pytest.raises(TypeError, match="torch.compile cannot trace"):
         compiled(table, ids)
     assert torch.equal(fastembed.lookup(table, ids), table[ids])  # outside the transforms, as before
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_large_result_on_a_torch_table_keeps_its_memory_while_the_tensor_lives(dtype):
+    table = torch.randn((2048, 1024)).to(getattr(torch, dtype)) + 1  # 4 MiB results: the output cache serves them
+    emb = fastembed.Embedding(table)
+    ids = np.arange(2048)[::-1].copy()
+    first = emb(ids)
+    expected = first.view(torch.int16).clone()
+    for _ in range(3):  # later results of the same size must come from other memory
+        later = emb(np.arange(2048))
+        assert later.data_ptr() != first.data_ptr()
+        del later
+    assert torch.equal(first.view(torch.int16), expected)
+    assert torch.equal(first.view(torch.int16), table[torch.from_numpy(ids)].view(torch.int16))
