@@ -404,7 +404,7 @@ class Embedding:
 
         save_table(path, self._checked_view(), name)
 
-    def quantize(self, kind: str) -> Embedding:
+    def quantize(self, kind: Any) -> Embedding:
         """A new Embedding over this table quantized into `kind`: ``"q8_0"`` or ``"fp8_e4m3"``.
 
         ``q8_0`` is ggml's layout (blocks of 32 values: a float16 scale
@@ -414,7 +414,8 @@ class Embedding:
         read a few MiB of rows at a time; the new table is the only large allocation.
 
         Args:
-            kind: ``"q8_0"`` or ``"fp8_e4m3"`` (case-insensitive).
+            kind: ``"q8_0"`` or ``"fp8_e4m3"`` (case-insensitive), or that
+                :class:`fastembed.formats.BlockFormat`.
 
         Returns:
             A new Embedding over a :class:`fastembed.formats.QuantizedTable`
@@ -423,8 +424,9 @@ class Embedding:
         Raises:
             ValueError: an unknown kind, a kind fastembed cannot produce, a dim
                 that is not a whole number of blocks, NaN/infinite values or
-                values beyond float32's range; for q8_0, values above about
-                8.3e6 in magnitude (its block scale is a float16).
+                values beyond float32's range; for q8_0, a block whose largest
+                magnitude is 65520 x 127 = 8,321,040 or more (its scale, a
+                float16, would be infinite).
             TypeError: a table that is not a float table on the host, or already quantized.
 
         Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_``).

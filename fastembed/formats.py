@@ -178,8 +178,10 @@ FORMATS: dict[str, BlockFormat] = {
 OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def block_format(name: str) -> BlockFormat:
-    """The format called `name` (case-insensitive); ValueError listing the known ones otherwise."""
+def block_format(name: str | BlockFormat) -> BlockFormat:
+    """The format called `name` (case-insensitive), or `name` itself when it is a format; ValueError listing the known ones otherwise."""
+    if isinstance(name, BlockFormat):
+        return name
     fmt = FORMATS.get(str(name).lower())
     if fmt is None:
         raise ValueError(f"unknown quantized format {name!r}; known: {', '.join(FORMATS)}")
@@ -210,26 +212,45 @@ def _round_half_away(x: np.ndarray) -> np.ndarray:
     return np.copysign(whole + (magnitude - whole >= np.float32(0.5)), x)
 
 
-def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.ndarray | None]:
-    """Quantize float rows ``(n, dim)`` into `fmt`: ``(data (n, row_bytes) uint8, scales or None)``.
+def quantize_rows(rows: np.ndarray, fmt: str | BlockFormat) -> tuple[np.ndarray, np.ndarray | None]:
+    """Quantize real rows ``(n, dim)`` into `fmt` (a format or its name): ``(data (n, row_bytes) uint8, scales or None)``.
 
     Formats: ``q8_0`` (ggml's quantizer, byte for byte: per block of 32,
     ``d = absmax / 127`` stored as float16, ``q = roundf(x * (1 / d))`` in
     float32; 0 where ``1 / d`` overflows, which ggml leaves undefined) and
     ``fp8_e4m3`` (per row, ``scale = absmax / 448`` as float32, at least
     float32's smallest normal 2**-126 for a row that is not all zeros, and
-    ``x / scale`` rounded to the nearest float8_e4m3fn).
+    ``x / scale`` rounded to the nearest float8_e4m3fn). The result does not
+    depend on ``np.seterr``.
 
     Raises:
-        ValueError: a format that cannot be produced here, non-finite values,
-            values beyond float32's range, or (q8_0) a block whose scale
-            overflows float16 (values above about 8.3e6 in magnitude).
+        TypeError: rows of complex numbers or of a dtype that is not a number.
+        ValueError: rows that are not 2-D, a format that cannot be produced
+            here, non-finite values, values beyond float32's range, or (q8_0)
+            a block whose scale rounds to infinity in float16 (a largest
+            magnitude of 65520 x 127 = 8,321,040 or more).
     """
+    fmt = block_format(fmt)
     rows = np.asarray(rows)
-    with np.errstate(over="ignore"):
-        values = rows.astype(_F32)
+    if rows.ndim != 2:
+        raise ValueError(f"rows to quantize must be 2-D (n, dim), got shape {rows.shape}")
+    from .validate import is_float_dtype  # validate imports this module
+
+    if rows.dtype.kind not in "iub" and not is_float_dtype(rows.dtype):
+        raise TypeError(f"cannot quantize {rows.dtype} rows: they must hold real numbers")
+    with np.errstate(all="ignore"):  # underflow to subnormals and zeros is part of quantizing, whatever np.seterr says
+        return _quantize_checked(rows, fmt)
+
+
+#: The smallest block magnitude whose q8_0 scale (absmax / 127) rounds to infinity in float16 (65504 + half a step).
+_Q8_0_OVERFLOW = 65520 * 127
+
+
+def _quantize_checked(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`quantize_rows` once the arguments are known good, under errstate(all="ignore")."""
+    values = rows.astype(_F32)
     if not np.isfinite(values).all():
-        if np.isfinite(rows.astype(np.float64)).all():
+        if np.isfinite(rows).all():
             raise ValueError(f"cannot quantize {rows.dtype} values beyond float32's range (|x| > {float(np.finfo(_F32).max):.4g})")
         raise ValueError("cannot quantize a table holding NaN or infinite values")
     n, dim = values.shape
@@ -237,14 +258,12 @@ def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.nd
     if fmt.name == "q8_0":
         blocks = values.reshape(-1, 32)
         d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
-        with np.errstate(over="ignore"):
-            if not np.isfinite(d.astype(_F16)).all():
-                largest = float(np.abs(blocks).max())
-                raise ValueError(f"q8_0 stores each block's scale absmax / 127 as float16, so it holds values up to about "
-                                 f"{65504 * 127:.4g} in magnitude, not {largest:.4g}; use fp8_e4m3 (a float32 scale per row)")
-        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-            inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)
-            scaled = blocks * inverse
+        if not np.isfinite(d.astype(_F16)).all():
+            largest = float(np.abs(blocks).max())
+            raise ValueError(f"q8_0 stores each block's scale absmax / 127 as float16, so it holds magnitudes below "
+                             f"65520 x 127 = {_Q8_0_OVERFLOW:,}, not {largest:.10g}; use fp8_e4m3 (a float32 scale per row)")
+        inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        scaled = blocks * inverse
         # 1 / d overflows for d below about 2.9e-39, where C's conversion of roundf(inf) is undefined: q = 0 there
         # (such a d rounds to 0 in float16, so every value of the block dequantizes to 0 either way).
         q = _round_half_away(np.where(np.isfinite(scaled), scaled, np.float32(0))).astype(np.int8)
@@ -257,8 +276,7 @@ def quantize_rows(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.nd
         # Below float32's smallest normal a scale loses bits, and x / scale could pass 448 (NaN in float8_e4m3fn).
         floor = np.maximum(absmax / np.float32(448), np.finfo(_F32).tiny)
         scales = np.where(absmax == 0, np.float32(0), floor).astype(_F32)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            scaled = np.where(scales[:, None] == 0, np.float32(0), values / scales[:, None])
+        scaled = np.where(scales[:, None] == 0, np.float32(0), values / scales[:, None])
         return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scales
     raise ValueError(f"fastembed quantizes into q8_0 and fp8_e4m3; {fmt.name} tables come from GGUF files")
 
@@ -293,7 +311,7 @@ class QuantizedTable:
     def __init__(self, data: Any, fmt: BlockFormat | str, dim: int, scales: Any = None) -> None:
         from .validate import check_quantized, quantized_dim
 
-        self.format = fmt if isinstance(fmt, BlockFormat) else block_format(fmt)
+        self.format = block_format(fmt)
         self.data = data
         self.dim = quantized_dim(dim)
         self.scales = scales

@@ -163,3 +163,46 @@ def test_q8_0_blocks_too_small_for_an_inverse_scale_store_zeros_without_warnings
     assert not data[0, :34].any()
     assert_bit_equal(data[0, 34:], gguf_quants.quantize(rows[:, 32:], GGMLQuantizationType.Q8_0)[0])
     assert not dequantize_rows(data, None, FORMATS["q8_0"], 64).any()
+
+
+@pytest.mark.parametrize("name", ["q8_0", "fp8_e4m3"])
+def test_quantizing_gives_the_same_bytes_whatever_np_seterr_says(name):
+    rng = np.random.default_rng(5)
+    small = (rng.standard_normal((4, 64)) * 0.002).astype(np.float32)  # q8_0 scales in float16's subnormals
+    mixed = np.ones((1, 64), np.float32)
+    mixed[0, 5] = 1e-44  # one float32 subnormal beside ones: underflows in fp8's division
+    for rows in (small, mixed):
+        expected = quantize_rows(rows, name)
+        with np.errstate(all="raise"):
+            got = quantize_rows(rows, name)
+        assert_bit_equal(got[0], expected[0])
+        assert (got[1] is None) == (expected[1] is None)
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).max <= np.finfo(np.float64).max, reason="long double is float64 here")
+def test_a_finite_long_double_beyond_float32_is_named_as_such_without_warnings():
+    rows = np.ones((1, 32), np.longdouble)
+    rows[0, 3] = np.longdouble("1e400")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="beyond float32's range"):
+            quantize_rows(rows, "q8_0")
+
+
+def test_q8_0_refuses_exactly_the_blocks_whose_float16_scale_would_be_infinite():
+    largest_kept = np.nextafter(np.float32(65520 * 127), np.float32(0))
+    data, _ = quantize_rows(np.full((1, 32), largest_kept, np.float32), "q8_0")
+    assert data[0, :2].view(np.float16)[0] == 65504
+    with pytest.raises(ValueError, match="65520 x 127 = 8,321,040, not 8321040"):
+        quantize_rows(np.full((1, 32), 65520 * 127, np.float32), "q8_0")
+
+
+def test_the_quantizer_takes_a_format_or_its_name_and_refuses_other_rows_by_name():
+    rows = np.ones((2, 32), np.float32)
+    assert_bit_equal(quantize_rows(rows, "Q8_0")[0], quantize_rows(rows, FORMATS["q8_0"])[0])
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_rows(np.ones(32, np.float32), "q8_0")
+    with pytest.raises(TypeError, match="complex128 rows"):
+        quantize_rows(np.ones((2, 32), complex), "fp8_e4m3")
+    with pytest.raises(TypeError, match="<U1 rows"):
+        quantize_rows(np.full((2, 32), "a"), "q8_0")

@@ -152,6 +152,13 @@ def test_quantize_refuses_what_it_cannot_quantize():
         fastembed.Embedding(np.ones((4, 40), np.float32)).quantize("q8_0")
 
 
+def test_quantize_takes_a_format_as_well_as_its_name():
+    from fastembed.formats import FORMATS
+
+    emb = fastembed.Embedding(np.ones((4, 32), np.float32))
+    assert emb.quantize(FORMATS["fp8_e4m3"]).format == "fp8_e4m3"
+
+
 def test_a_quantized_table_over_torch_or_jax_bytes_gives_their_kind_of_result():
     torch = pytest.importorskip("torch", reason="torch is not installed")
     table = random_quantized("q4_0", 30, 64)
