@@ -33,10 +33,10 @@ def resolve_dtype(dtype: Any) -> np.dtype:
         import ml_dtypes
     except ImportError:
         raise TypeError(f"dtype {dtype!r} needs the ml_dtypes package (pip install ml_dtypes)") from None
-    try:
-        return np.dtype(getattr(ml_dtypes, dtype))
-    except AttributeError:
-        raise TypeError(f"unknown dtype {dtype!r}") from None
+    scalar_type = getattr(ml_dtypes, dtype, None)
+    if not (isinstance(scalar_type, type) and issubclass(scalar_type, np.generic)):  # not finfo, __name__, ...
+        raise TypeError(f"unknown dtype {dtype!r}")
+    return np.dtype(scalar_type)
 
 
 def random_table(

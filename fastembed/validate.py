@@ -338,21 +338,30 @@ def _host_ids(ids: Any) -> np.ndarray:
     if converted.dtype.kind in "fO" and not isinstance(ids, np.generic):
         if converted.size == 0:
             return converted.astype(np.intp)  # [] is float64 to numpy; table[[]] treats it as intp
-        _raise_if_too_large_for_64_bits(ids, converted.shape)
+        integers = _integers_as_int64(ids, converted.shape)
+        if integers is not None:
+            return integers
     return converted
 
 
-def _raise_if_too_large_for_64_bits(ids: Any, shape: tuple[int, ...]) -> None:
-    """For Python integers that numpy had to store as floats or objects: name the first that fits no 64-bit integer."""
+def _integers_as_int64(ids: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """Integers that numpy had to store as floats or objects (huge ones, or int64 beside uint64) as int64.
+
+    Returns None where they are not all integers (the dtype check then names the kind).
+
+    Raises:
+        IndexError: naming the first that fits no 64-bit integer.
+    """
     values = np.empty(shape, dtype=object)
     values[...] = ids
     flat = values.reshape(-1)
     if not all(isinstance(value, (int, np.integer)) and not isinstance(value, bool) for value in flat):
-        return  # genuinely not integers: the dtype check names the kind
+        return None
     for position, value in enumerate(flat):
         if not -(2**63) <= int(value) < 2**63:
             where: Any = position if len(shape) == 1 else tuple(int(i) for i in np.unravel_index(position, shape))
             raise IndexError(f"id {int(value)} at position {where} does not fit a 64-bit integer: it is out of range")
+    return np.array([int(value) for value in flat], np.int64).reshape(shape)
 
 
 def _check_integer_dtype(dtype: np.dtype) -> None:

@@ -80,6 +80,8 @@ def test_first_bad_id_is_reported_in_a_huge_batch(table, backend, with_out):
         (np.ones((10, 8), np.float16)[:, ::2], ValueError, "C-contiguous"),
         (np.ones((10, 8), np.float16).T, ValueError, "C-contiguous"),
         (np.empty((3, 3), dtype=object), TypeError, "object"),
+        (np.zeros((3, 3), dtype=[("row", np.float32), ("tag", object)]), TypeError, "object"),
+        (np.zeros((3, 0), dtype="V0"), TypeError, "fixed-size"),
         ([[1.0, 2.0]], TypeError, "numpy array"),
     ],
 )
@@ -168,3 +170,16 @@ def test_unknown_backend_lists_known_ones(table, monkeypatch):
 def test_uint64_ids_beyond_int64_are_reported_not_wrapped(table):
     with pytest.raises(IndexError, match=f"id {2**64 - 1} at position 1"):
         fastembed.lookup(table, np.array([0, 2**64 - 1], dtype=np.uint64))
+
+
+def test_a_list_of_int64_and_uint64_numbers_is_gathered_as_integers(table):
+    ids = [np.int64(1), np.uint64(3), 7]  # numpy stores this list as float64
+    assert_bit_equal(fastembed.lookup(table, ids), table[[1, 3, 7]])
+    with pytest.raises(IndexError, match="position 1"):
+        fastembed.lookup(table, [np.int64(1), np.uint64(2**64 - 1)])
+
+
+@pytest.mark.parametrize("name", ["finfo", "__name__", "iinfo"])
+def test_a_dtype_name_that_is_no_scalar_type_of_ml_dtypes_is_unknown(table, name):
+    with pytest.raises(TypeError, match=f"unknown dtype '{name}'"):
+        fastembed.lookup(table, [1], dtype=name)
