@@ -378,8 +378,9 @@ def _native_ids(ids: Any, vocab_size: int) -> Any:
     """
     if np.dtype(ids.dtype) in NATIVE_ID_DTYPES:
         return ids
-    check_ids_in_range(ids, vocab_size)
-    return ids.astype(np.int64)
+    own = ids.copy()  # checked and converted from one reading: another thread may be writing the caller's ids
+    check_ids_in_range(own, vocab_size)
+    return own.astype(np.int64)
 
 
 def check_ids_in_range(ids: Any, vocab_size: int) -> None:
@@ -542,4 +543,9 @@ def _caller_ids_memory(caller_ids: Any, ids: Any) -> Any:
     adapter = adapter_of(caller_ids)
     if adapter is not None:
         return adapter.snapshot(caller_ids)  # on a GPU too: ids of another dtype or at an odd address are copied there
-    return ids  # a list, converted for this call
+    if isinstance(caller_ids, (list, tuple, int)):
+        return ids  # converted for this call
+    try:
+        return np.asarray(caller_ids)  # a memoryview, bytearray or other buffer: an array over its memory
+    except Exception:  # noqa: BLE001 - nothing numpy can see memory in: the snapshot is all there is
+        return ids

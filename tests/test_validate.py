@@ -183,3 +183,24 @@ def test_a_list_of_int64_and_uint64_numbers_is_gathered_as_integers(table):
 def test_a_dtype_name_that_is_no_scalar_type_of_ml_dtypes_is_unknown(table, name):
     with pytest.raises(TypeError, match=f"unknown dtype '{name}'"):
         fastembed.lookup(table, [1], dtype=name)
+
+
+def test_ids_of_a_converted_dtype_are_checked_and_converted_from_one_reading(table, monkeypatch):
+    ids = np.array([5, 9], np.uint64)
+    checked = fastembed.validate.check_ids_in_range
+
+    def check_then_write_the_callers_ids(snapshot, vocab_size):  # another thread writing right after the check
+        checked(snapshot, vocab_size)
+        ids[0] = np.uint64(2**64 - 1)
+
+    monkeypatch.setattr(fastembed.validate, "check_ids_in_range", check_then_write_the_callers_ids)
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numpy"), table[[5, 9]])
+
+
+def test_out_overlapping_ids_given_as_a_memoryview_is_refused(table):
+    memory = np.zeros(64, np.int64)
+    memory[:2] = [3, 7]
+    out = memory.view(np.float16)[:16].reshape(2, 8)
+    with pytest.raises(ValueError, match="overlaps the ids"):
+        fastembed.lookup(table, memoryview(memory[:2]), out=out)
+    assert memory[:2].tolist() == [3, 7]
