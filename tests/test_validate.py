@@ -85,9 +85,10 @@ def test_first_bad_id_is_reported_in_a_huge_batch(table, backend, with_out):
         ([[1.0, 2.0]], TypeError, "numpy array"),
     ],
 )
-def test_bad_tables(bad_table, error, words):
+@pytest.mark.parametrize("ids", [[0], np.array([0]), np.array([0], np.int32)], ids=["list", "int64", "int32"])
+def test_bad_tables(bad_table, error, words, ids):
     with pytest.raises(error, match=words):
-        fastembed.lookup(bad_table, [0])
+        fastembed.lookup(bad_table, ids)
     with pytest.raises(error, match=words):
         fastembed.Embedding(bad_table)
 
