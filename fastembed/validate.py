@@ -484,7 +484,8 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     refusal = None if write_refusal is None else write_refusal(out)
     if refusal is not None:
         raise ValueError(refusal)
-    view = adapter.snapshot(out)  # a torch CPU tensor: a numpy view over its memory, like the table's snapshot
+    # A torch CPU tensor: a numpy view over its memory, like the table's snapshot, but writeable.
+    view = getattr(adapter, "writable_snapshot", adapter.snapshot)(out)
     if adapter_of(view) is not adapter_of(rows):
         raise TypeError(
             f"out is a {type(out).__module__} array and the table a {type(table).__module__} array; "

@@ -105,6 +105,23 @@ def test_snapshots_and_results_share_memory(dtype):
     assert back.dtype == table.dtype and back.data_ptr() == table.data_ptr()
 
 
+def test_a_snapshot_for_reading_is_read_only_and_keeps_the_tensor_alive_and_one_for_writing_writes_it():
+    import gc
+
+    table = torch_table("bfloat16")
+    expected = table.view(torch.int16).clone()
+    view = torch_adapter.ADAPTER.snapshot(table)
+    assert not view.flags.writeable
+    del table
+    gc.collect()
+    torch.ones(VOCAB, DIM, dtype=torch.bfloat16)  # memory freed too early would likely be reused here
+    assert np.array_equal(view.view(np.int16), expected.numpy())
+    out = torch.zeros(2, DIM, dtype=torch.bfloat16)
+    writable = torch_adapter.ADAPTER.writable_snapshot(out)
+    writable[...] = view[:2]
+    assert torch.equal(out.view(torch.int16), expected[:2])
+
+
 def test_result_is_a_tensor_over_the_gathered_memory():
     table = torch_table("bfloat16")
     result = fastembed.lookup(table, [1, 2])

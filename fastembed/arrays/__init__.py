@@ -50,7 +50,10 @@ class ArrayAdapter(Protocol):
     which validation asks of an ``out``. An adapter whose read-only
     snapshots may stand for memory that is writable (DLPack: numpy imports an
     export older than DLPack 1.0 read-only) sets ``read_only_note``, the
-    sentence validation adds when it refuses such an ``out``.
+    sentence validation adds when it refuses such an ``out``. An adapter
+    whose :meth:`snapshot` is read-only where a writeable view costs more
+    (torch) provides ``writable_snapshot(array)``, which validation takes of
+    an ``out``.
     """
 
     name: str

@@ -86,7 +86,20 @@ class TorchAdapter:
         return f"{device.type}:{device.index if device.index is not None else 0}"
 
     def snapshot(self, array: Any) -> Any:
-        """A view of the tensor's memory (no copy), its shape, strides and dtype read once.
+        """A view of the tensor's memory (no copy), its shape, strides and dtype read once, for reading.
+
+        Returns:
+            A numpy array for a CPU tensor (read-only: numpy imports torch's
+            ``to_dlpack`` export so, and it costs a fraction of
+            ``np.from_dlpack(tensor)``), a cupy array on the same device for a CUDA tensor.
+
+        Raises:
+            As :meth:`writable_snapshot`.
+        """
+        return self._view(array, writable=False)
+
+    def writable_snapshot(self, array: Any) -> Any:
+        """A view of the tensor's memory as :meth:`snapshot` gives it, writeable (for an ``out``).
 
         Returns:
             A numpy array for a CPU tensor, a cupy array on the same device for a CUDA tensor.
@@ -100,6 +113,10 @@ class TorchAdapter:
             ValueError: a tensor whose shape reaches past its storage (a
                 storage shrunk in place, as FSDP frees parameters).
         """
+        return self._view(array, writable=True)
+
+    def _view(self, array: Any, writable: bool) -> Any:
+        """The snapshot of :meth:`snapshot` (`writable`: False) or :meth:`writable_snapshot` (True)."""
         unreadable = _traced_or_wrapped(array)
         if unreadable is not None:
             raise TypeError(unreadable)
@@ -126,10 +143,10 @@ class TorchAdapter:
         via = _via_integer().get(tensor.dtype)
         if via is None:
             try:
-                return np.from_dlpack(tensor)
+                return _numpy_view(tensor, writable)
             except (BufferError, RuntimeError, TypeError) as error:
                 raise TypeError(f"torch dtype {tensor.dtype} cannot be seen as a numpy array: {error}") from None
-        return np.from_dlpack(tensor.view(via[0])).view(_ml_dtype(via[1]))
+        return _numpy_view(tensor.view(via[0]), writable).view(_ml_dtype(via[1]))
 
     def dtype_spec(self, dtype: Any) -> str | None:
         """A ``torch.dtype`` as the name numpy or ml_dtypes gives the same dtype (``torch.float16``: "float16"), else None."""
@@ -478,17 +495,54 @@ def _exports_buffer(dtype: np.dtype) -> bool:
     return dtype.kind != "V" and dtype.type.__module__ == "numpy"
 
 
+class _Export:
+    """A DLPack export of a CPU tensor, made by ``torch.utils.dlpack.to_dlpack``, handed to ``np.from_dlpack``."""
+
+    __slots__ = ("capsule",)
+
+    def __init__(self, capsule: Any) -> None:
+        self.capsule = capsule
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self.capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # DLPack's kDLCPU
+
+
+def _numpy_view(tensor: Any, writable: bool) -> np.ndarray:
+    """A numpy array over a CPU tensor's memory: read-only through ``to_dlpack``, else through ``tensor.__dlpack__``.
+
+    The tensor method's checks (requires grad, conjugate bit, streams) cost
+    microseconds that a decode step notices; the snapshot has made them already.
+    """
+    global _to_dlpack
+    if writable:
+        return np.from_dlpack(tensor)
+    if _to_dlpack is None:
+        from torch.utils.dlpack import to_dlpack
+
+        _to_dlpack = to_dlpack
+    return np.from_dlpack(_Export(_to_dlpack(tensor)))
+
+
+#: torch.utils.dlpack.to_dlpack, imported on first use (an import statement per call costs a decode step a microsecond).
+_to_dlpack: Any = None
+
+
 def _host_tensor(result: np.ndarray) -> Any:
     """A host result (a numpy array) as a CPU tensor over the same memory."""
     import torch
 
-    # from_numpy, not from_dlpack: the same zero-copy tensor, a few times cheaper for a decode step's result.
+    # from_numpy, not from_dlpack, for writeable arrays (every result): the same zero-copy tensor, a few times
+    # cheaper for a decode step's result; from_numpy would warn about a read-only array, which from_dlpack takes.
+    share = torch.from_numpy if result.flags.writeable else torch.from_dlpack
     if _exports_buffer(result.dtype):
-        return torch.from_numpy(result)
+        return share(result)
     name = result.dtype.name
     if name not in _VIA_INTEGER:
         raise TypeError(f"a {name} result has no torch dtype")
-    return torch.from_numpy(result.view(np.dtype(_VIA_INTEGER[name]))).view(getattr(torch, name))
+    return share(result.view(np.dtype(_VIA_INTEGER[name]))).view(getattr(torch, name))
 
 
 def _via_integer() -> dict[Any, tuple[Any, str]]:
