@@ -2,7 +2,8 @@
 
 Recognised by their module name, so telling a tensor from anything else never
 imports torch. A snapshot of a CPU tensor is a numpy array sharing the
-tensor's memory (``np.from_dlpack``), so validation, dispatch and the host
+tensor's memory (``np.from_dlpack``: read-only of ``to_dlpack``'s export for
+what a lookup reads, writeable of the tensor for an ``out``), so validation, dispatch and the host
 backends see numpy alone. A snapshot of a CUDA tensor is a cupy array over the
 same device memory (``cupy.from_dlpack``), so the cuda backend serves it as it
 serves a cupy table. A result is handed back as a tensor over the result's
