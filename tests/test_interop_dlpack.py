@@ -195,3 +195,20 @@ def test_classes_and_half_producers_are_not_arrays():
     for thing in (np.ndarray, Producer, type("OnlyDlpack", (), {"__dlpack__": lambda self: None})()):
         with pytest.raises(TypeError, match="table must be a numpy array.*exporting DLPack"):
             fastembed.lookup(thing, [0])
+
+
+def test_adapters_are_remembered_per_type_only_where_the_type_decides_and_within_a_bound():
+    from fastembed import arrays
+
+    class MaybeExporter:
+        def __init__(self, exports):
+            if exports:
+                self.__dlpack__ = np.arange(3).__dlpack__
+                self.__dlpack_device__ = lambda: (1, 0)
+
+    assert arrays.adapter_of(MaybeExporter(True)).name == "dlpack"
+    assert arrays.adapter_of(MaybeExporter(False)) is None
+    for index in range(3 * arrays._MAX_TYPES_REMEMBERED):
+        subclass = type(f"Array{index}", (np.ndarray,), {})
+        assert arrays.adapter_of(np.zeros(2).view(subclass)).name == "numpy"
+    assert len(arrays._ADAPTER_OF_TYPE) <= arrays._MAX_TYPES_REMEMBERED

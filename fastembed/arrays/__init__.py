@@ -57,6 +57,9 @@ class ArrayAdapter(Protocol):
     """
 
     name: str
+    #: Whether :meth:`owns` answers the same for every object of a type (its
+    #: answer is then remembered per type); False where it reads the object.
+    owned_by_type: bool
     #: Byte alignment a host result must have for :meth:`wrap` to share it
     #: (0: any); fastembed then allocates such results itself, so none is copied.
     result_alignment: int
@@ -110,10 +113,24 @@ ADAPTERS: tuple[ArrayAdapter, ...] = (
 )
 
 
+#: The adapter found for each type of array seen, where its adapter tells arrays by their type alone.
+_ADAPTER_OF_TYPE: dict[type, ArrayAdapter] = {}
+#: More types than any program passes: a program making types per call cannot grow the memo without bound.
+_MAX_TYPES_REMEMBERED = 64
+
+
 def adapter_of(array: Any) -> ArrayAdapter | None:
     """The adapter of `array`'s library, or None for anything fastembed does not know as an array."""
+    kind = type(array)
+    adapter = _ADAPTER_OF_TYPE.get(kind)
+    if adapter is not None:
+        return adapter
     for adapter in ADAPTERS:
         if adapter.owns(array):
+            if adapter.owned_by_type:  # a lookup asks several times per call, each try of the adapters costs
+                if len(_ADAPTER_OF_TYPE) >= _MAX_TYPES_REMEMBERED:
+                    _ADAPTER_OF_TYPE.clear()
+                _ADAPTER_OF_TYPE[kind] = adapter
             return adapter
     return None
 

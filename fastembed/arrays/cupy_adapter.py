@@ -10,6 +10,7 @@ from typing import Any
 
 class CupyAdapter:
     name = "cupy"
+    owned_by_type = True
     result_alignment = 0
 
     def stored_dtype(self, dtype: Any) -> Any:

@@ -44,6 +44,7 @@ _DEVICE_NAMES = {2: "cuda", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: 
 
 class DlpackAdapter:
     name = "dlpack"
+    owned_by_type = False
     result_alignment = 0
     read_only_note = ("; numpy imports DLPack exports read-only when the producer marks them so, or when its "
                       "__dlpack__ predates DLPack 1.0 (it takes no max_version), which cannot say its memory is "

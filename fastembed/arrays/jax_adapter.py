@@ -39,6 +39,7 @@ _MODULES = ("jax", "jaxlib")
 
 class JaxAdapter:
     name = "jax"
+    owned_by_type = True
     result_alignment = JAX_HOST_ALIGNMENT
     #: JAX arrays cannot be written: fastembed refuses one as ``out``.
     immutable = True

@@ -8,6 +8,7 @@ import numpy as np
 
 class NumpyAdapter:
     name = "numpy"
+    owned_by_type = True
     result_alignment = 0
 
     def stored_dtype(self, dtype: Any) -> Any:

@@ -63,6 +63,7 @@ CUPY_MISSING = (
 
 class TorchAdapter:
     name = "torch"
+    owned_by_type = True
     result_alignment = 0
 
     def stored_dtype(self, dtype: Any) -> Any:
