@@ -166,3 +166,13 @@ def test_a_path_whose_fspath_gives_bytes_opens_and_is_watched(tmp_path):
     np.save(path, table + 1)
     with pytest.raises(io.FileChangedError):
         emb.check_file()
+
+
+def test_a_dtype_without_bytes_is_a_value_error_naming_the_file(tmp_path):
+    from numpy.lib import format as npy_format
+
+    path = tmp_path / "empty-items.npy"
+    with open(path, "wb") as handle:
+        npy_format.write_array_header_1_0(handle, {"descr": "|S0", "fortran_order": False, "shape": (10, 4)})
+    with pytest.raises(ValueError, match="empty-items.npy.*no bytes per value"):
+        fastembed.Embedding.from_npy(path)

@@ -396,3 +396,10 @@ def test_a_copy_of_a_builtin_format_is_still_written_to_gguf(tmp_path):
         fastembed.Embedding(twin).save(tmp_path / "t.gguf")
         back = fastembed.Embedding.from_gguf(tmp_path / "t.gguf")
         assert back.format == "q8_0" and np.array_equal(np.asarray(back.table.data), table.data)
+
+
+def test_save_takes_bytes_paths_as_the_loaders_do(tmp_path):
+    table = np.arange(32, dtype=np.float16).reshape(4, 8)
+    path = os.fsencode(tmp_path / "table.gguf")
+    fastembed.Embedding(table).save(path)
+    assert np.array_equal(fastembed.Embedding.from_pretrained(path)(np.arange(4)), table)

@@ -112,3 +112,26 @@ def test_a_lookup_on_a_truncated_file_dies_of_sigbus_unless_checked(tmp_path, ch
         assert result.returncode == 0 and result.stdout.strip() == "FileChangedError"
     else:
         assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-500:])
+
+
+def test_a_copied_layer_watches_through_its_own_descriptor_and_a_mapped_one_refuses_pickling(tmp_path):
+    import copy
+    import gc
+    import pickle
+
+    import fastembed
+
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(16, 4, "float32"))
+    emb = fastembed.Embedding.from_npy(path)
+    twin = copy.deepcopy(emb)
+    assert twin._watch._fd != emb._watch._fd
+    del twin
+    gc.collect()
+    with open(tmp_path / "other.txt", "w") as other:  # would get the number a shared descriptor freed
+        emb.check_file()
+        del emb
+        gc.collect()
+        other.write("still open")
+    with pytest.raises(TypeError, match="cannot be pickled.*from_pretrained"):
+        pickle.dumps(fastembed.Embedding.from_npy(path))

@@ -52,6 +52,8 @@ def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.
     if dtype.hasobject:
         raise ValueError(f"{path}: not a readable .npy file: dtype {dtype} holds Python objects (a pickle); "
                          "fastembed never unpickles")
+    if dtype.itemsize == 0:
+        raise ValueError(f"{path}: not a table fastembed can gather: dtype {dtype} has no bytes per value")
     if not all(type(size) is int and size >= 0 for size in shape):
         raise ValueError(f"{path}: not a readable .npy file: corrupt header (shape {shape!r})")
     needed = math.prod(shape) * dtype.itemsize

@@ -132,3 +132,18 @@ class FileWatch:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter shutdown os may be gone
             self.close()
+
+    def __copy__(self) -> FileWatch:
+        """A watch with the same baseline over a descriptor of its own (two closing one number would close a stranger's)."""
+        twin = object.__new__(FileWatch)
+        twin.__dict__.update(self.__dict__)
+        twin._fd = None if self._fd is None else os.dup(self._fd)
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> FileWatch:
+        return self.__copy__()
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"a table memory-mapped from {self.path} cannot be pickled (its file watch holds an open "
+                        "descriptor, and the table would travel as a copy of its rows); open the file again in the "
+                        "other process with fastembed.Embedding.from_pretrained(path)")
