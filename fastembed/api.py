@@ -425,8 +425,8 @@ class Embedding:
             ValueError: an unknown kind, a kind fastembed cannot produce, a dim
                 that is not a whole number of blocks, NaN/infinite values or
                 values beyond float32's range; for q8_0, a block whose largest
-                magnitude is 65520 x 127 = 8,321,040 or more (its scale, a
-                float16, would be infinite).
+                magnitude, rounded to float32, is 65520 x 127 = 8,321,040 or
+                more (its scale, a float16, would be infinite).
             TypeError: a table that is not a float table on the host, or already quantized.
 
         Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_``).

@@ -228,9 +228,11 @@ def quantize_rows(rows: np.ndarray, fmt: str | BlockFormat) -> tuple[np.ndarray,
         ValueError: rows that are not 2-D, a format that cannot be produced
             here, non-finite values, values beyond float32's range, or (q8_0)
             a block whose scale rounds to infinity in float16 (a largest
-            magnitude of 65520 x 127 = 8,321,040 or more).
+            magnitude that rounds to 65520 x 127 = 8,321,040 or more in float32).
     """
     fmt = block_format(fmt)
+    if FORMATS.get(fmt.name) is not fmt:
+        raise ValueError(f"fastembed quantizes into its own q8_0 and fp8_e4m3 formats, not {fmt!r}")
     rows = np.asarray(rows)
     if rows.ndim != 2:
         raise ValueError(f"rows to quantize must be 2-D (n, dim), got shape {rows.shape}")
@@ -259,9 +261,10 @@ def _quantize_checked(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, n
         blocks = values.reshape(-1, 32)
         d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
         if not np.isfinite(d.astype(_F16)).all():
-            largest = float(np.abs(blocks).max())
-            raise ValueError(f"q8_0 stores each block's scale absmax / 127 as float16, so it holds magnitudes below "
-                             f"65520 x 127 = {_Q8_0_OVERFLOW:,}, not {largest:.10g}; use fp8_e4m3 (a float32 scale per row)")
+            largest = float(np.abs(rows).max())
+            raise ValueError(f"q8_0 stores each block's scale absmax / 127 as float16, so it holds magnitudes that "
+                             f"round to float32 below 65520 x 127 = {_Q8_0_OVERFLOW:,}, not {largest:.10g}; use "
+                             "fp8_e4m3 (a float32 scale per row)")
         inverse = np.where(d == 0, np.float32(0), np.float32(1) / d)
         scaled = blocks * inverse
         # 1 / d overflows for d below about 2.9e-39, where C's conversion of roundf(inf) is undefined: q = 0 there

@@ -544,9 +544,8 @@ def _caller_ids_memory(caller_ids: Any, ids: Any) -> Any:
     adapter = adapter_of(caller_ids)
     if adapter is not None:
         return adapter.snapshot(caller_ids)  # on a GPU too: ids of another dtype or at an odd address are copied there
-    if isinstance(caller_ids, (list, tuple, int)):
-        return ids  # converted for this call
     try:
-        return np.asarray(caller_ids)  # a memoryview, bytearray or other buffer: an array over its memory
-    except Exception:  # noqa: BLE001 - nothing numpy can see memory in: the snapshot is all there is
-        return ids
+        memory = memoryview(caller_ids)  # a memoryview, bytearray or other buffer (never an __array__ conversion)
+    except TypeError:
+        return ids  # a list or another object, converted for this call
+    return np.asarray(memory)

@@ -206,3 +206,17 @@ def test_the_quantizer_takes_a_format_or_its_name_and_refuses_other_rows_by_name
         quantize_rows(np.ones((2, 32), complex), "fp8_e4m3")
     with pytest.raises(TypeError, match="<U1 rows"):
         quantize_rows(np.full((2, 32), "a"), "q8_0")
+
+
+def test_a_float64_block_just_below_the_limit_is_refused_naming_its_own_value_and_float32():
+    with pytest.raises(ValueError, match="round to float32 below .* not 8321039.9"):
+        quantize_rows(np.full((1, 32), 8321039.9), "q8_0")
+
+
+def test_a_format_object_of_the_callers_own_is_not_quantized_as_the_format_of_its_name():
+    import dataclasses
+
+    lookalike = dataclasses.replace(FORMATS["q8_0"], block_bytes=34)
+    assert lookalike is not FORMATS["q8_0"]
+    with pytest.raises(ValueError, match="its own q8_0 and fp8_e4m3"):
+        quantize_rows(np.ones((1, 32), np.float32), lookalike)

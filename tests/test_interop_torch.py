@@ -549,3 +549,7 @@ def test_a_large_result_on_a_torch_table_keeps_its_memory_while_the_tensor_lives
         del later
     assert torch.equal(first.view(torch.int16), expected)
     assert torch.equal(first.view(torch.int16), table[torch.from_numpy(ids)].view(torch.int16))
+
+
+def test_a_host_copy_of_a_tensor_is_writeable():
+    assert torch_adapter.ADAPTER.to_host(torch_table("float16")).flags.writeable

@@ -728,3 +728,15 @@ def test_large_allocating_lookup_is_exact_from_a_faulted_in_output(monkeypatch, 
         assert_bit_equal(result, table[ids])
         del result
     output_cache.empty()
+
+
+def test_writeable_and_read_only_tables_share_one_kernel_signature():
+    from fastembed.backends import numba_backend
+
+    table = random_table(8, 16)
+    read_only = table.view()
+    read_only.flags.writeable = False
+    ids = np.arange(4)
+    signatures = {numba_backend._signature(numba_backend.kernel_table(t)[0], ids, None) for t in (table, read_only)}
+    assert len(signatures) == 1
+    assert table.flags.writeable  # the caller's table is left as it was

@@ -205,3 +205,17 @@ def test_out_overlapping_ids_given_as_a_memoryview_is_refused(table):
     with pytest.raises(ValueError, match="overlaps the ids"):
         fastembed.lookup(table, memoryview(memory[:2]), out=out)
     assert memory[:2].tolist() == [3, 7]
+
+
+def test_ids_converted_by_their_own_array_method_are_converted_once_with_out(table):
+    class LazyIds:
+        calls = 0
+
+        def __array__(self, dtype=None, copy=None):
+            LazyIds.calls += 1
+            return np.array([1, 2])
+
+    out = poisoned((2, 8), np.float16)
+    fastembed.lookup(table, LazyIds(), out=out)
+    assert LazyIds.calls == 1
+    assert_bit_equal(out, table[[1, 2]])

@@ -127,7 +127,7 @@ def adapter_of(array: Any) -> ArrayAdapter | None:
         return adapter
     for adapter in ADAPTERS:
         if adapter.owns(array):
-            if adapter.owned_by_type:  # a lookup asks several times per call, each try of the adapters costs
+            if getattr(adapter, "owned_by_type", False):  # a lookup asks several times per call, each try of the adapters costs
                 if len(_ADAPTER_OF_TYPE) >= _MAX_TYPES_REMEMBERED:
                     _ADAPTER_OF_TYPE.clear()
                 _ADAPTER_OF_TYPE[kind] = adapter

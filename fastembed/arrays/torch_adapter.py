@@ -223,7 +223,7 @@ class TorchAdapter:
 
     def to_host(self, array: Any) -> np.ndarray:
         """A host copy of a CUDA tensor as numpy (torch's own copy: it waits for the work queued on torch's current stream)."""
-        return self.snapshot(array.detach().cpu())
+        return self.writable_snapshot(array.detach().cpu())  # the copy is the caller's, writeable as cupy's
 
     def writable(self, view: Any) -> bool:
         """Whether a gather can write into `view`, the snapshot of an ``out`` tensor (torch cannot tell read-only memory).
@@ -536,8 +536,9 @@ def _host_tensor(result: np.ndarray) -> Any:
     """A host result (a numpy array) as a CPU tensor over the same memory."""
     import torch
 
-    # from_numpy, not from_dlpack, for writeable arrays (every result): the same zero-copy tensor, a few times
-    # cheaper for a decode step's result; from_numpy would warn about a read-only array, which from_dlpack takes.
+    # from_numpy for writeable arrays (every result): the zero-copy tensor from_dlpack gives, a few times cheaper.
+    # A read-only array (host ids or a mapped shard that from_host copies to a GPU at once) goes through
+    # from_dlpack, which takes it without a warning but cannot mark the tensor read-only: never hand one to a user.
     share = torch.from_numpy if result.flags.writeable else torch.from_dlpack
     if _exports_buffer(result.dtype):
         return share(result)

@@ -641,12 +641,15 @@ def kernel_table(table: np.ndarray) -> tuple[np.ndarray, np.dtype]:
     """The table as 2-D words for the kernels, and the word dtype.
 
     Item sizes that the word does not divide (S3, packed structs) go through
-    a byte view first. A read-only table is presented as writeable: numba
-    compiles read-only arrays separately, and the kernels never write the table.
+    a byte view first. Every table is presented read-only: numba compiles
+    read-only and writeable arrays separately, and the kernels never write the
+    table, so a writeable numpy table, a mapped file and a torch tensor (read
+    through a read-only view) share one compile.
     """
     row_bytes = table.shape[1] * table.dtype.itemsize
     word = word_dtype(row_bytes)
     words = (table if table.dtype.itemsize % word.itemsize == 0 else table.view(_BYTE)).view(word)
+    words.flags.writeable = False
     return words, word
 
 
