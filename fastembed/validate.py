@@ -376,11 +376,14 @@ def _native_ids(ids: Any, vocab_size: int) -> Any:
     The check comes first because uint64 values above 2**63 would wrap to
     negative numbers in the conversion and hide the caller's mistake.
     """
-    if np.dtype(ids.dtype) in NATIVE_ID_DTYPES:
+    dtype = np.dtype(ids.dtype)
+    if dtype in NATIVE_ID_DTYPES:
         return ids
-    own = ids.copy()  # checked and converted from one reading: another thread may be writing the caller's ids
+    # Checked and converted from one reading (another thread may be writing the caller's ids): a lossless
+    # conversion is that reading; uint64 is copied as it is first, since converting would wrap its largest values.
+    own = ids.astype(np.int64) if np.can_cast(dtype, np.int64, "safe") else ids.copy()
     check_ids_in_range(own, vocab_size)
-    return own.astype(np.int64)
+    return own if own.dtype == np.int64 else own.astype(np.int64)
 
 
 def check_ids_in_range(ids: Any, vocab_size: int) -> None:
@@ -548,4 +551,7 @@ def _caller_ids_memory(caller_ids: Any, ids: Any) -> Any:
         memory = memoryview(caller_ids)  # a memoryview, bytearray or other buffer (never an __array__ conversion)
     except TypeError:
         return ids  # a list or another object, converted for this call
-    return np.asarray(memory)
+    try:
+        return np.asarray(memory)
+    except (TypeError, ValueError):  # a buffer format numpy cannot read: the ids were converted another way
+        return ids

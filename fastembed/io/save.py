@@ -82,8 +82,8 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
         >>> map_gguf(path).shape
         (4, 8)
     """
-    check_tensor_name(path, name)
     path = os.fsdecode(path)  # bytes and PathLike objects returning bytes, as the loaders take them
+    check_tensor_name(path, name)
     suffix = Path(path).suffix.lower()
     if suffix not in (".gguf", ".safetensors"):
         raise ValueError(f"{path}: save_table writes .gguf and .safetensors files, not {suffix or 'a file without a suffix'!r} "
