@@ -397,6 +397,7 @@ class Embedding:
             ValueError: a suffix other than ``.gguf``/``.safetensors``, or a dtype or format the file
                 type cannot hold (GGUF: float32, float16, bfloat16 and the GGUF block formats).
             TypeError: a table that is not on the host (copy it back first); a `name` that is not a string.
+            OSError: as :func:`fastembed.io.save_table` (IsADirectoryError for a directory or a link to one).
 
         Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_``).
         """

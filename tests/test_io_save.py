@@ -403,3 +403,33 @@ def test_save_takes_bytes_paths_as_the_loaders_do(tmp_path):
     path = os.fsencode(tmp_path / "table.gguf")
     fastembed.Embedding(table).save(path)
     assert np.array_equal(fastembed.Embedding.from_pretrained(path)(np.arange(4)), table)
+
+
+def test_a_link_to_a_directory_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "folder.gguf").mkdir()
+    link = tmp_path / "model.gguf"
+    link.symlink_to(tmp_path / "folder.gguf")
+    for destination in (link, tmp_path / "folder.gguf"):
+        with pytest.raises(IsADirectoryError) as caught:
+            io.save_table(destination, rows())
+        assert caught.value.filename == str(destination)
+    assert link.is_symlink() and (tmp_path / "folder.gguf").is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["folder.gguf", "model.gguf"] and not os.listdir(tmp_path / "folder.gguf")
+
+
+def test_a_link_to_a_device_is_replaced_by_a_file_with_the_usual_permissions(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    link = tmp_path / "t.gguf"
+    link.symlink_to("/dev/null")
+    io.save_table(link, rows())
+    assert not link.is_symlink() and os.stat(link).st_mode & 0o777 == 0o666 & ~umask
+    same_bytes(io.map_gguf(link), rows())
+
+
+@pytest.mark.parametrize("stem", ["a" * 245, "\u00e9" * 122])
+def test_a_name_near_the_systems_limit_is_written(tmp_path, stem):
+    path = tmp_path / (stem + ".gguf")  # 250 and 249 bytes: the limit is 255
+    io.save_table(path, rows())
+    same_bytes(io.map_gguf(path), rows())
+    assert os.listdir(tmp_path) == [path.name]

@@ -22,14 +22,17 @@ The file is written beside its destination and renamed over it at the end, so
 a table mapped from the destination keeps its old pages (see docs/loading.md);
 a file replaced keeps its permissions, and a symbolic link at the destination
 is itself replaced, its target left as it was (a Hugging Face cache's
-content-addressed blob stays intact).
+content-addressed blob stays intact); a directory, or a link to one, is
+refused before anything is written.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
+import stat
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +55,8 @@ _GGUF_DENSE = {"float32": 0, "float16": 1, "bfloat16": 30}
 _SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 #: Bytes written at a time (a memory-mapped table is streamed, never copied whole).
 _CHUNK_BYTES = 64 * 2**20
+#: Bytes of the destination's name that begin the temporary file's (file names are at most 255 bytes).
+_TEMPORARY_PREFIX_BYTES = 128
 
 
 def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> None:
@@ -73,6 +78,8 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             a file the loaders would refuse (a name over their limit of 4,096 bytes, say):
             nothing is written then.
         TypeError: a table that is not on the host; a `name` that is not a string.
+        IsADirectoryError: `path` is a directory, or a symbolic link to one; nothing is written.
+        OSError: the file cannot be written beside `path` or renamed over it (the error names `path`).
 
     Example:
         >>> import numpy as np, tempfile, os
@@ -230,17 +237,23 @@ def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str)
 def _replace(path: Any, write: Callable[[str], None]) -> None:
     """Write a new file beside `path` with `write` (given its name), then rename it over `path`."""
     directory, base = os.path.split(os.path.abspath(path))
-    temporary = os.path.join(directory, f".{base}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        existing: os.stat_result | None = os.stat(path)  # follows a link: a link to a directory is refused as one
+    except OSError:
+        existing = None
+    if existing is not None and stat.S_ISDIR(existing.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", os.fspath(path))
+    # The destination's name begins the temporary file's, cut so that a name near the system's limit still fits.
+    prefix = os.fsdecode(os.fsencode(base)[:_TEMPORARY_PREFIX_BYTES])
+    temporary = os.path.join(directory, f".{prefix}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # Created here with 0o666 less the umask, as for any new file; the writer may replace it with a private one.
     try:
         os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError as error:
         raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
     try:
-        try:
-            mode = os.stat(path).st_mode  # a file replaced keeps its permissions
-        except OSError:
-            mode = os.stat(temporary).st_mode
+        # A file replaced keeps its permissions; anything else (a device a link points at, say) does not lend its own.
+        mode = existing.st_mode if existing is not None and stat.S_ISREG(existing.st_mode) else os.stat(temporary).st_mode
         write(temporary)
         os.chmod(temporary, mode)
         try:
