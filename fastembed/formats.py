@@ -236,9 +236,9 @@ def quantize_rows(rows: np.ndarray, fmt: str | BlockFormat) -> tuple[np.ndarray,
     rows = np.asarray(rows)
     if rows.ndim != 2:
         raise ValueError(f"rows to quantize must be 2-D (n, dim), got shape {rows.shape}")
-    from .validate import is_float_dtype  # validate imports this module
+    from .validate import is_real_number_dtype  # validate imports this module
 
-    if rows.dtype.kind not in "iub" and not is_float_dtype(rows.dtype):
+    if not is_real_number_dtype(rows.dtype):
         raise TypeError(f"cannot quantize {rows.dtype} rows: they must hold real numbers")
     with np.errstate(all="ignore"):  # underflow to subnormals and zeros is part of quantizing, whatever np.seterr says
         return _quantize_checked(rows, fmt)

@@ -179,6 +179,11 @@ def is_float_dtype(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or (dtype.type.__module__ == "ml_dtypes" and "float" in dtype.name)
 
 
+def is_real_number_dtype(dtype: np.dtype) -> bool:
+    """numpy bools, integers and floats, and the ml_dtypes integers (int4, uint4, ...) and floats: what casts to float32."""
+    return dtype.kind in "iub" or is_float_dtype(dtype) or (dtype.type.__module__ == "ml_dtypes" and "int" in dtype.name)
+
+
 def quantized_dim(dim: Any) -> int:
     """`dim` as an int: a Python or numpy integer (not a bool); TypeError naming it otherwise."""
     if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):

@@ -208,6 +208,20 @@ def test_the_quantizer_takes_a_format_or_its_name_and_refuses_other_rows_by_name
         quantize_rows(np.full((2, 32), "a"), "q8_0")
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "fp8_e4m3"])
+def test_rows_of_ml_dtypes_integers_are_quantized_as_their_values(fmt):
+    values = np.random.default_rng(3).integers(-8, 8, (3, 64))
+    for dtype in (ml_dtypes.int4, ml_dtypes.uint4):
+        rows = (values % 16 if dtype is ml_dtypes.uint4 else values).astype(dtype)
+        expected = quantize_rows(rows.astype(np.float32), fmt)
+        got = quantize_rows(rows, fmt)
+        assert_bit_equal(got[0], expected[0])
+        if expected[1] is not None:
+            assert_bit_equal(got[1], expected[1])
+    with pytest.raises(TypeError, match="V4 rows"):
+        quantize_rows(np.zeros((2, 32), "V4"), fmt)
+
+
 def test_a_float64_block_just_below_the_limit_is_refused_naming_its_own_value_and_float32():
     with pytest.raises(ValueError, match="round to float32 below .* not 8321039.9"):
         quantize_rows(np.full((1, 32), 8321039.9), "q8_0")
