@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,6 +22,7 @@ numba_backend = pytest.importorskip("fastembed.backends.numba_backend")
 BACKEND = numba_backend.BACKEND
 if BACKEND.unavailable_reasons():
     pytest.skip(f"numba backend unavailable: {BACKEND.unavailable_reasons()}", allow_module_level=True)
+dequant_cpu = pytest.importorskip("fastembed.kernels.dequant_cpu")
 
 OUTPUT_DTYPES = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 #: Offsets of each format's float16 fields in its block.
@@ -417,3 +421,38 @@ def test_streamed_stores_stay_non_temporal_after_a_conversion(output):
     if output == "float16" and dequant_cpu.HARDWARE_FLOAT16:
         conversions = [line for line in assembly if "cvtps2ph" in line]
         assert conversions and not any(line.rstrip().endswith(")") for line in conversions)  # none into memory
+
+
+_OTHER_CPU_CHECK = """
+import numpy as np, ml_dtypes
+from fastembed.backends import numba_backend
+from fastembed.backends.numba_backend import BACKEND
+from fastembed.kernels import dequant_cpu
+numba_backend.COMPILE_IN_BACKGROUND = False  # the kernels serve the first call, not the numpy reference
+from fastembed.formats import dequantize_rows
+from fastembed.tables import random_quantized_table
+print(dequant_cpu.NIBBLE_TABLE_LOOKUP, dequant_cpu.NIBBLE_WORD_PERMUTE, dequant_cpu.FP8_TABLE_LOOKUP)
+ids = np.random.default_rng(0).integers(0, 64, 50)
+for name in ("q4_0", "q4_1", "q4_k", "fp8_e4m3"):
+    table = random_quantized_table(name, 64, 512, seed=5)
+    scales = None if table.scales is None else table.scales[ids]
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        expected = dequantize_rows(table.data[ids], scales, table.format, table.dim).astype(dtype)
+        for out in (None, np.full(expected.shape, 7, dtype)):
+            got = BACKEND.dequantize(table, ids, out, np.dtype(dtype))
+            assert got.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes(), (name, dtype)
+"""
+
+
+@pytest.mark.skipif(not dequant_cpu.FP8_TABLE_LOOKUP, reason="the CPU has no AVX-512BW: the paths of CPUs without it are the ones the tests above ran")
+@pytest.mark.parametrize(("hidden", "flags"), [("avx512", "True False False"), ("avx", "False False False")])
+def test_the_paths_of_cpus_without_avx512_or_avx2_are_the_reference_bit_for_bit(tmp_path, hidden, flags):
+    """The table lookups by byte shuffles (AVX2) and by lane-by-lane code (no AVX2), compiled here by hiding features."""
+    from numba.core import codegen
+
+    features = ",".join("-" + feature[1:] if feature.startswith("+" + hidden) else feature
+                        for feature in codegen.get_host_cpu_features().split(","))
+    env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _OTHER_CPU_CHECK], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[0] == flags

@@ -42,8 +42,9 @@ both round alike. Values bound for 16-bit outputs are looked up instead
 where a table is small and the CPU can index it in registers: each
 fp8_e4m3 row of 128 values or more gets its 128 magnitudes times its scale
 (AVX-512BW: :data:`FP8_TABLE_LOOKUP`), each q4_0 and q4_1 block and each
-q4_k sub-block its 16 possible values (AVX2: :data:`NIBBLE_TABLE_LOOKUP`;
-q4_k into float16 only without AVX-512: :data:`Q4_K_FLOAT16_BY_TABLE`),
+q4_k sub-block its 16 possible values (AVX2 byte shuffles, AVX-512BW word
+permutes: :data:`NIBBLE_TABLE_LOOKUP`, :data:`NIBBLE_WORD_PERMUTE`; q4_k
+into float16 not with AVX-512F alone: :data:`Q4_K_FLOAT16_BY_TABLE`),
 computed by the decode's own float32 operations and rounded once into a
 table, and every value is its code's entry (an fp8_e4m3 value with its sign
 applied). Elsewhere the same lookups compile to lane-by-lane code, which
@@ -98,13 +99,16 @@ FP8_TABLE_LOOKUP = "+avx512bw" in _FEATURES and "+avx512f" in _FEATURES
 #: q4_0, q4_1 and q4_k values going to 16-bit outputs are looked up in a table of the 16 values of their block or
 #: sub-block, by AVX2 byte shuffles (else decoded value by value).
 NIBBLE_TABLE_LOOKUP = "+avx2" in _FEATURES
-#: ... q4_k's float16 outputs only where the CPU lacks AVX-512: with it, the decode (16 float32 lanes per
-#: instruction, rounded by F16C straight into the output) was the faster; bfloat16 outputs keep the table.
-Q4_K_FLOAT16_BY_TABLE = NIBBLE_TABLE_LOOKUP and "+avx512f" not in _FEATURES
+#: ... 32 values at a time by one AVX-512BW word permute, instead of two byte shuffles and an interleave.
+NIBBLE_WORD_PERMUTE = NIBBLE_TABLE_LOOKUP and FP8_TABLE_LOOKUP
+#: ... q4_k's float16 outputs too, except with AVX-512F but no word permute: there the decode (16 float32 lanes
+#: per instruction, rounded by F16C straight into the output) is the faster.
+Q4_K_FLOAT16_BY_TABLE = NIBBLE_TABLE_LOOKUP and ("+avx512f" not in _FEATURES or NIBBLE_WORD_PERMUTE)
 #: How values become 16-bit outputs, in words (for describe()).
 TO_16_BITS = "; ".join([
     "fp8_e4m3: " + ("a table of each row's 128 values, AVX-512BW word permutes" if FP8_TABLE_LOOKUP else "decoded"),
-    ("q4_0, q4_1, q4_k: a table of each block's 16 values, AVX2 byte shuffles"
+    ("q4_0, q4_1, q4_k: a table of each block's 16 values, "
+     + ("AVX-512BW word permutes" if NIBBLE_WORD_PERMUTE else "AVX2 byte shuffles")
      + ("" if Q4_K_FLOAT16_BY_TABLE else " (q4_k into float16: decoded)")) if NIBBLE_TABLE_LOOKUP else "q4_0, q4_1, q4_k: decoded",
     "others: decoded"])
 
@@ -856,8 +860,14 @@ def _byte_shuffle(builder, table, index):
 
 
 def _words_looked_up(builder, entries, index):
-    """Lane j: entry index[j] of 16 words (<16 x i16>), for 32 indexes below 16 (<32 x i8>): their low and high
-    bytes looked up apart, then interleaved."""
+    """Lane j: entry index[j] of 16 words (<16 x i16>), for 32 indexes below 16 (<32 x i8>): one word permute
+    (AVX-512BW), else their low and high bytes looked up apart, then interleaved."""
+    if NIBBLE_WORD_PERMUTE:
+        words = _vector(_I16, 32)
+        permute = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(words, [words, words]), "llvm.x86.avx512.permvar.hi.512")
+        table = builder.shuffle_vector(entries, entries, _constant(_I32, 32, list(range(16)) * 2))
+        return builder.call(permute, [table, builder.zext(index, words)])  # VPERMW: lane j is table[index[j] % 32]
     data = builder.bitcast(entries, _vector(_I8, 32))
     low = _byte_shuffle(builder, builder.shuffle_vector(data, data, _constant(_I32, 16, list(range(0, 32, 2)))), index)
     high = _byte_shuffle(builder, builder.shuffle_vector(data, data, _constant(_I32, 16, list(range(1, 32, 2)))), index)
