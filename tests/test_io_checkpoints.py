@@ -342,10 +342,13 @@ def test_the_hint_lists_only_files_fastembed_opens(tmp_path):
         ([], "must be a JSON object"),
         ({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}, "does not hold it"),
         ({"weight_map": {"model.embed_tokens.weight": "absent.safetensors"}}, "a shard that is missing"),
+        ({"weight_map": {"model.embed_tokens.weight": "folder.safetensors"}},
+         "puts 'model.embed_tokens.weight' in folder.safetensors, which is a directory, not a safetensors shard"),
     ],
 )
 def test_hostile_or_wrong_indexes(tmp_path, index, words):
     safetensors_numpy.save_file({"other.weight": _t(4, 4)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    (tmp_path / "folder.safetensors").mkdir()
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises((ValueError, FileNotFoundError), match=words):
         io.open_table(tmp_path)

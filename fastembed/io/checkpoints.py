@@ -214,7 +214,7 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
         ValueError: a directory without a checkpoint (naming the files there fastembed
             opens; for PyTorch pickles, how to convert them); a checkpoint sharded as
             PyTorch pickles (how to convert the shard holding the table); an unreadable
-            index or config; a shard named outside the directory; no such tensor; no, or several equal,
+            index or config; a shard named outside the directory, or that is a directory; no such tensor; no, or several equal,
             token-embedding candidates (listed); any error of the file loaders.
         TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
     """
@@ -397,6 +397,9 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap | QuantizedTa
         if not os.path.exists(shard):
             raise FileNotFoundError(errno.ENOENT, f"{index_path.name} puts {tensors[0]!r} in a shard that is "
                                        "missing (an incomplete download?)", shard)
+        if not os.path.isfile(shard):
+            raise ValueError(f"{index_path}: the index puts {tensors[0]!r} in {Path(shard).name}, which is "
+                             f"{'a directory' if os.path.isdir(shard) else 'not a regular file'}, not a safetensors shard")
         # A quantized table's row scales sit beside it in the same file.
         header = scan_safetensors_header(shard, keep=_named({*tensors, *(t + SCALES_SUFFIX for t in tensors)}))
         for tensor in tensors:
