@@ -425,10 +425,17 @@ def test_streamed_stores_stay_non_temporal_after_a_conversion(output):
 
 _OTHER_CPU_CHECK = """
 import numpy as np, ml_dtypes
-from fastembed.backends import numba_backend
+from fastembed.backends import numba_backend, numpy_backend
 from fastembed.backends.numba_backend import BACKEND
 from fastembed.kernels import dequant_cpu
-numba_backend.COMPILE_IN_BACKGROUND = False  # the kernels serve the first call, not the numpy reference
+numba_backend.COMPILE_IN_BACKGROUND = False  # the kernels serve the first call...
+
+
+def refused(*args):
+    raise AssertionError("the numpy reference served: the kernels did not compile")
+
+
+numpy_backend.dequantize_into = refused  # ... and never the numpy reference, which serves when they cannot compile
 from fastembed.formats import dequantize_rows
 from fastembed.tables import random_quantized_table
 print(dequant_cpu.NIBBLE_TABLE_LOOKUP, dequant_cpu.NIBBLE_WORD_PERMUTE, dequant_cpu.FP8_TABLE_LOOKUP)
@@ -452,6 +459,8 @@ def test_the_paths_of_cpus_without_avx512_or_avx2_are_the_reference_bit_for_bit(
 
     features = ",".join("-" + feature[1:] if feature.startswith("+" + hidden) else feature
                         for feature in codegen.get_host_cpu_features().split(","))
+    # Last, so that no feature named before it and implying it (f16c implies avx) turns it on again.
+    features += ",-avx512f" if hidden == "avx512" else ",-avx"
     env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", _OTHER_CPU_CHECK], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -427,9 +427,18 @@ def test_a_link_to_a_device_is_replaced_by_a_file_with_the_usual_permissions(tmp
     same_bytes(io.map_gguf(link), rows())
 
 
-@pytest.mark.parametrize("stem", ["a" * 245, "\u00e9" * 122])
+@pytest.mark.parametrize("stem", ["a" * 245, "\u00e9" * 122, "\u20ac" * 80])
 def test_a_name_near_the_systems_limit_is_written(tmp_path, stem):
-    path = tmp_path / (stem + ".gguf")  # 250 and 249 bytes: the limit is 255
+    path = tmp_path / (stem + ".gguf")  # 250, 249 and 245 bytes (the limit is 255); a 3-byte character at the cut
     io.save_table(path, rows())
     same_bytes(io.map_gguf(path), rows())
     assert os.listdir(tmp_path) == [path.name]
+
+
+def test_a_name_over_the_systems_limit_is_refused_before_the_table_is_written(tmp_path, monkeypatch):
+    path = tmp_path / ("a" * 300 + ".gguf")
+    written = []
+    monkeypatch.setattr(io.save, "_row_chunks", lambda rows: written.append(rows) or iter(()))
+    with pytest.raises(OSError, match="too long") as caught:
+        io.save_table(path, rows())
+    assert caught.value.filename == str(path) and not written and os.listdir(tmp_path) == []

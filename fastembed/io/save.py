@@ -79,7 +79,8 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             nothing is written then.
         TypeError: a table that is not on the host; a `name` that is not a string.
         IsADirectoryError: `path` is a directory, or a symbolic link to one; nothing is written.
-        OSError: the file cannot be written beside `path` or renamed over it (the error names `path`).
+        OSError: `path`'s name is too long, or the file cannot be created beside `path`, written or
+            renamed over it (naming `path`, except for errors while writing, such as a full disk).
 
     Example:
         >>> import numpy as np, tempfile, os
@@ -239,12 +240,14 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
     directory, base = os.path.split(os.path.abspath(path))
     try:
         existing: os.stat_result | None = os.stat(path)  # follows a link: a link to a directory is refused as one
-    except OSError:
+    except OSError as error:
+        if error.errno == errno.ENAMETOOLONG:  # refused before the table is written, not at the rename after it
+            raise OSError(error.errno, error.strerror, os.fspath(path)) from None
         existing = None
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", os.fspath(path))
-    # The destination's name begins the temporary file's, cut so that a name near the system's limit still fits.
-    prefix = os.fsdecode(os.fsencode(base)[:_TEMPORARY_PREFIX_BYTES])
+    # The destination's name begins the temporary file's, cut (at a character) so that a name near the limit fits.
+    prefix = os.fsencode(base)[:_TEMPORARY_PREFIX_BYTES].decode("utf-8", "ignore")
     temporary = os.path.join(directory, f".{prefix}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # Created here with 0o666 less the umask, as for any new file; the writer may replace it with a private one.
     try:
