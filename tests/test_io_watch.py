@@ -62,6 +62,22 @@ def test_a_rewrite_that_puts_the_modification_time_back_is_reported(mapped):
         watch.check()
 
 
+def test_a_rewrite_that_puts_the_modification_time_back_after_a_hard_link_is_reported(mapped, tmp_path):
+    import time
+
+    path, _, watch = mapped
+    time.sleep(0.05)  # past a tick of the kernel's file-time clock since the watch was made
+    os.link(path, tmp_path / "another-name.npy")  # the link count changes, and the change time with it
+    before = os.stat(path)
+    with open(tmp_path / "another-name.npy", "r+b") as handle:
+        handle.seek(-2, os.SEEK_END)
+        handle.write(b"\0\0")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == watch.mtime_ns
+    with pytest.raises(io.FileChangedError, match="modified in place"):
+        watch.check()
+
+
 def test_a_replaced_file_is_harmless(mapped, tmp_path):
     path, table, watch = mapped
     before = np.array(table[-1])

@@ -45,9 +45,10 @@ class FileWatch:
     The change time (``st_ctime_ns``) is set by the kernel on every write and
     cannot be set back by a user, so a rewrite that restores the modification
     time (``touch -r``, ``rsync --inplace -t``) is still noticed. It also moves
-    when the file's links change, as when a new file is renamed over the path
-    (harmless: the map keeps the old file), so it counts only while the link
-    count is what it was; a change of the file's metadata alone (``chmod``) is
+    when the file loses its last link, as when a new file is renamed over the
+    path (harmless: the map keeps the old file, which no path reaches any
+    more), so it counts only while the file has a link; a change of the
+    file's links or metadata alone (a hard link made, ``chmod``) is
     reported, a false alarm on the safe side.
 
     Args:
@@ -66,7 +67,6 @@ class FileWatch:
         self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         status = os.fstat(self._fd)
         self.size, self.mtime_ns, self.ctime_ns = status.st_size, status.st_mtime_ns, status.st_ctime_ns
-        self.links = status.st_nlink
         if self.size < self.needed_bytes:
             self.close()
             raise ValueError(f"{self.path}: {self.size} bytes, shorter than the {self.needed_bytes} the table needs")
@@ -111,7 +111,7 @@ class FileWatch:
                 f"{self.path} shrank to {status.st_size} bytes while memory-mapped; the table needs "
                 f"{self.needed_bytes}. A lookup touching the lost pages would kill the process with SIGBUS: "
                 "reopen the table from a complete file")
-        ctime_moved = status.st_ctime_ns != self.ctime_ns and status.st_nlink == self.links
+        ctime_moved = status.st_ctime_ns != self.ctime_ns and status.st_nlink > 0
         if status.st_size != self.size or status.st_mtime_ns != self.mtime_ns or ctime_moved:
             raise FileChangedError(
                 f"{self.path} was modified in place while memory-mapped (size {self.size} -> {status.st_size}; "
