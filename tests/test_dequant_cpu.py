@@ -451,8 +451,12 @@ for name in ("q4_0", "q4_1", "q4_k", "fp8_e4m3"):
 """
 
 
-@pytest.mark.skipif(not dequant_cpu.FP8_TABLE_LOOKUP, reason="the CPU has no AVX-512BW: the paths of CPUs without it are the ones the tests above ran")
-@pytest.mark.parametrize(("hidden", "flags"), [("avx512", "True False False"), ("avx", "False False False")])
+@pytest.mark.parametrize(("hidden", "flags"), [
+    pytest.param("avx512", "True False False", marks=pytest.mark.skipif(
+        not dequant_cpu.FP8_TABLE_LOOKUP, reason="the CPU has no AVX-512BW: the tests above ran its AVX2 paths")),
+    pytest.param("avx", "False False False", marks=pytest.mark.skipif(
+        not dequant_cpu.NIBBLE_TABLE_LOOKUP, reason="the CPU has no AVX2: the tests above ran the paths without it")),
+])
 def test_the_paths_of_cpus_without_avx512_or_avx2_are_the_reference_bit_for_bit(tmp_path, hidden, flags):
     """The table lookups by byte shuffles (AVX2) and by lane-by-lane code (no AVX2), compiled here by hiding features."""
     from numba.core import codegen
