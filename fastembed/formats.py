@@ -261,7 +261,7 @@ def _quantize_checked(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, n
         blocks = values.reshape(-1, 32)
         d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
         if not np.isfinite(d.astype(_F16)).all():
-            largest = float(np.abs(rows).max())
+            largest = float(np.abs(rows.astype(np.float64)).max())  # an integer's abs would wrap at its minimum
             raise ValueError(f"q8_0 stores each block's scale absmax / 127 as float16, so it holds magnitudes that "
                              f"round to float32 below 65520 x 127 = {_Q8_0_OVERFLOW:,}, not {largest:.10g}; use "
                              "fp8_e4m3 (a float32 scale per row)")

@@ -1,6 +1,7 @@
 """The block formats' numpy reference against llama.cpp's own (gguf.quants), the quantizers, and their error bounds."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import ml_dtypes
@@ -220,6 +221,14 @@ def test_rows_of_ml_dtypes_integers_are_quantized_as_their_values(fmt):
             assert_bit_equal(got[1], expected[1])
     with pytest.raises(TypeError, match="V4 rows"):
         quantize_rows(np.zeros((2, 32), "V4"), fmt)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_an_integer_block_beyond_the_limit_is_refused_naming_its_magnitude(dtype):
+    rows = np.zeros((1, 32), dtype)
+    rows[0, 3] = np.iinfo(dtype).min  # whose abs in its own dtype wraps to itself
+    with pytest.raises(ValueError, match=re.escape(f"not {float(-int(np.iinfo(dtype).min)):.10g};")):
+        quantize_rows(rows, "q8_0")
 
 
 def test_a_float64_block_just_below_the_limit_is_refused_naming_its_own_value_and_float32():
