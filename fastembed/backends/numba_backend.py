@@ -100,6 +100,10 @@ ALIAS_WINDOW = 32
 #: the numpy backend serves (see background_compile); False does both in the
 #: caller's thread.
 COMPILE_IN_BACKGROUND = True
+#: An out= whose address is no multiple of its items' size is dequantized through an aligned buffer of
+#: at most this many bytes (one row at least), a few rows at a time: no lookup allocates an
+#: output-sized temporary.
+STAGE_BYTES = 32 * 2**10
 
 _STREAMING_CPU = platform.machine().lower() in ("x86_64", "amd64")
 #: The word each row is copied in, by ``row_bytes % 8``: the widest dividing the row.
@@ -405,15 +409,37 @@ class NumbaBackend:
         if kernels is None or gather_kernels is None:  # reset() by another thread since the check
             return numpy_backend.dequantize_into(table, ids, out)
         rows = out.reshape(n, table.dim).view(word)
-        staged = rows.ctypes.data % word.itemsize != 0  # numba compiles unaligned arrays apart: stage those rows
-        status = self._run_dequantize(kernels, gather_kernels.can_stream, table, _int64_ids(ids),
-                                      np.empty_like(rows) if staged else rows, dtype, rows)
+        flat_ids = _int64_ids(ids)
+        if rows.ctypes.data % word.itemsize == 0:
+            status = self._run_dequantize(kernels, gather_kernels.can_stream, table, flat_ids, rows, dtype)
+        else:
+            numpy_backend.check_range(ids, table.shape[0])  # before any row is written: a bad id leaves out untouched
+            status = self._dequantize_staged(kernels, gather_kernels.can_stream, table, flat_ids, rows, dtype)
         _raise_for_status(status, ids, table.shape[0])
         return out
 
+    def _dequantize_staged(self, kernels: Any, can_stream: Any, table: QuantizedTable, flat_ids: np.ndarray,
+                           rows: np.ndarray, dtype: np.dtype) -> int:
+        """:meth:`_run_dequantize` into rows at an address that is no multiple of their word (an out= at an odd offset).
+
+        numba compiles unaligned arrays apart, so the rows go through an
+        aligned buffer of at most ``STAGE_BYTES`` (one row at least), a few
+        rows at a time. The caller has checked every id.
+        """
+        step = max(1, STAGE_BYTES // max(1, rows.strides[0]))
+        stage = np.empty((min(step, len(rows)), rows.shape[1]), rows.dtype)
+        for start in range(0, len(rows), step):
+            chunk = stage[: min(step, len(rows) - start)]
+            status = self._run_dequantize(kernels, can_stream, table, flat_ids[start: start + len(chunk)], chunk,
+                                          dtype)
+            if status != -1:
+                return _CHANGED_DURING_COPY  # the ids were in range a moment ago: another thread changed them
+            rows[start: start + len(chunk)] = chunk
+        return -1
+
     def _run_dequantize(self, kernels: Any, can_stream: Any, table: QuantizedTable, flat_ids: np.ndarray,
-                        rows: np.ndarray, dtype: np.dtype, destination: np.ndarray) -> int:
-        """Run the serial or parallel kernel into `rows`, then copy them into `destination` if they differ."""
+                        rows: np.ndarray, dtype: np.dtype) -> int:
+        """Run the serial or parallel kernel into `rows` (aligned to their word); return its status."""
         fmt = table.format
         data = _read_only(table.data)
         scales = _read_only(table.scales.view(np.uint8) if fmt.row_scale else _NO_SCALES)  # bytes: any alignment
@@ -429,8 +455,6 @@ class NumbaBackend:
                 status = int(kernels.dequantize_parallel(*arguments, max(1, min(len(flat_ids), _pool_size()))))
             finally:
                 self._parallel_lock.release()
-        if status == -1 and rows is not destination:
-            destination[...] = rows
         return status
 
     def _runs_parallel(self) -> bool:

@@ -73,7 +73,8 @@ def take_into(table: np.ndarray, ids: np.ndarray, out: np.ndarray) -> np.ndarray
     """Write ``table[ids]`` into `out` with numpy's take, after a range check; return `out`."""
     check_range(ids, table.shape[0])
     # Arguments by position (ids, axis, out, mode): numpy parses keywords on a slower path.
-    if table.flags.aligned:
+    # Through bytes where either is unaligned: take would first copy the table, or buffer the whole of out.
+    if table.flags.aligned and out.flags.aligned:
         table.take(ids, 0, out, "clip")
     else:
         byte_rows(table).take(ids, 0, out.view(_BYTE).reshape(ids.shape + (row_bytes(table),)), "clip")
