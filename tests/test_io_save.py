@@ -258,10 +258,15 @@ def test_safetensors_files_need_no_package_to_write_and_the_package_reads_them(t
     assert io.map_safetensors(tmp_path / "fp8.safetensors").scales.flags.aligned
 
 
-def test_a_name_that_is_not_unicode_text_is_refused_and_nothing_is_written(tmp_path):
+@pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])
+def test_a_name_that_is_not_unicode_text_is_refused_and_nothing_is_written(tmp_path, suffix):
     with pytest.raises(ValueError, match="is not valid Unicode text"):
-        io.save_table(tmp_path / "t.safetensors", rows(), name="w\udc80")
+        io.save_table(tmp_path / f"t{suffix}", rows(), name="w\udc80")
     assert os.listdir(tmp_path) == []
+    io.save_table(tmp_path / f"t{suffix}", rows())
+    for opening in (io.map_gguf if suffix == ".gguf" else io.map_safetensors, fastembed.Embedding.from_pretrained):
+        with pytest.raises(ValueError, match=r"tensor name 'w\\udc80' is not valid Unicode text"):
+            opening(tmp_path / f"t{suffix}", "w\udc80")
 
 
 @pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])

@@ -104,9 +104,20 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
 
 
 def check_tensor_name(path: str | os.PathLike, name: object) -> None:
-    """Raise TypeError unless `name` (a tensor to open or write) is None or a str."""
-    if name is not None and not isinstance(name, str):
+    """Raise TypeError unless `name` (a tensor to open or write) is None or a str, ValueError unless it is text.
+
+    Checkpoint formats store tensor names as UTF-8, which a str holding a lone
+    surrogate (``os.fsdecode`` of undecodable bytes, say) has none of.
+    """
+    if name is None:
+        return
+    if not isinstance(name, str):
         raise TypeError(f"{path}: the tensor name must be a string, got {type(name).__module__}.{type(name).__qualname__}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{path}: the tensor name {name!r} is not valid Unicode text ({error.reason}); "
+                         "checkpoints store tensor names as UTF-8") from None
 
 
 def describe(path: str | os.PathLike, head: bytes) -> str | None:

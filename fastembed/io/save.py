@@ -75,8 +75,8 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             chosen file cannot hold (GGUF: float32/float16/bfloat16 and the formats with
             a GGUF type; fp8_e4m3 goes to .safetensors; safetensors: the dtypes
             :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back);
-            a file the loaders would refuse (a name over their limit of 4,096 bytes, say):
-            nothing is written then.
+            a file the loaders would refuse (a name over their limit of 4,096 bytes, say);
+            a `name` that is not valid Unicode text (a lone surrogate): nothing is written then.
         TypeError: a table that is not on the host; a `name` that is not a string.
         IsADirectoryError: `path` is a directory, or a symbolic link to one; nothing is written.
         OSError: `path`'s name is too long, or the file cannot be created beside `path`, written or
@@ -218,10 +218,7 @@ def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str)
         end = begin + rows.size * rows.dtype.itemsize
         header[tensor] = {"dtype": code, "shape": shape, "data_offsets": [begin, end]}
         begin = end
-    try:
-        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"{path}: the tensor name {name!r} is not valid Unicode text ({error.reason})") from None
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")  # the name is text: checked
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the safetensors package writes it
 
     def write(temporary: str) -> None:
