@@ -386,3 +386,22 @@ def test_a_dangling_link_or_a_directory_where_the_checkpoint_should_be_is_named(
     (nested / "model.safetensors.index.json").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"model.safetensors.index.json: is a directory"):
         io.open_table(nested)
+
+
+@pytest.mark.parametrize("kind", ["float16", "q8_0"])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_config_confirms_the_shape_of_a_table_fastembed_saved(tmp_path, kind, sharded):
+    """A file's fastembed metadata picks the table; config.json's shape must still fit it, as for any checkpoint."""
+    emb = fastembed.Embedding(random_table(40, 64, "float32"))
+    emb = emb.quantize(kind) if kind != "float16" else fastembed.Embedding(random_table(40, 64))
+    shard = "model-00001-of-00001.safetensors" if sharded else "model.safetensors"
+    emb.save(tmp_path / shard, name="model.embed_tokens.weight")
+    if sharded:
+        index = {"weight_map": {"model.embed_tokens.weight": shard}}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 40, "hidden_size": 32}))
+    with pytest.raises(ValueError, match=r"config.json gives the token embedding shape \(40, 32\), but the table "
+                                         r"'model.embed_tokens.weight' has shape \(40, 64\)"):
+        fastembed.Embedding.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 40, "hidden_size": 64}))
+    assert_bit_equal(fastembed.Embedding.from_pretrained(tmp_path)([3, 0]), emb([3, 0]))

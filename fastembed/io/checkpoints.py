@@ -307,14 +307,28 @@ def _open_single(path: Path, name: str | None,
     if name is not None:
         return map_safetensors(path, name)
     chosen, header = select_in_file(path, expected)
-    return map_entry(path, header, chosen)
+    return _confirmed(map_entry(path, header, chosen), expected, path, chosen)
+
+
+def _confirmed(table: np.memmap | QuantizedTable, expected: tuple[int | None, int | None] | None, where: Any,
+               name: str) -> np.memmap | QuantizedTable:
+    """`table`, once its shape agrees with config.json's (`expected`, either value may be unknown).
+
+    Candidates chosen by name were narrowed by that shape already; this
+    catches the table a file's ``fastembed.tensor`` metadata names.
+    """
+    if expected is not None and not all(want is None or want == have
+                                        for want, have in zip(expected, table.shape, strict=True)):
+        raise ValueError(f"{where}: config.json gives the token embedding shape {_shape_text(expected)}, but the "
+                         f"table {name!r} has shape {tuple(table.shape)} (a config.json of another model?)")
+    return table
 
 
 def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | None] | None = None) -> tuple[str, Any]:
     """The token embedding of one safetensors file, chosen as :func:`token_embedding_name` does.
 
     A file fastembed saved names its table in its ``fastembed.tensor`` metadata, which
-    wins (`expected` aside). Keeps at most :data:`MAX_CANDIDATES` candidate entries of
+    wins (the caller confirms its shape against `expected`). Keeps at most :data:`MAX_CANDIDATES` candidate entries of
     each kind (top-level, inside numbered layers) in memory, whatever the header holds;
     more competing candidates than that is a ValueError asking for ``name=``, as for a
     sharded checkpoint.
@@ -408,12 +422,15 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap | QuantizedTa
             found[tensor] = (shard, header)
         if header.metadata.get(TENSOR_KEY) in tensors:
             tagged.append(header.metadata[TENSOR_KEY])
-    if name is None:
-        # A table fastembed saved is named in its file's metadata, which wins, as in a single file.
-        name = tagged[0] if len(tagged) == 1 else token_embedding_name(
-            {n: header.entries[n].shape for n, (_, header) in found.items()}, index_path, read_config_shape(directory))
+    if name is not None:
+        shard, header = found[name]
+        return map_entry(shard, header, name)
+    # A table fastembed saved is named in its file's metadata, which wins, as in a single file.
+    expected = read_config_shape(directory)
+    name = tagged[0] if len(tagged) == 1 else token_embedding_name(
+        {n: header.entries[n].shape for n, (_, header) in found.items()}, index_path, expected)
     shard, header = found[name]
-    return map_entry(shard, header, name)
+    return _confirmed(map_entry(shard, header, name), expected, index_path, name)
 
 
 def _shard_path(index_path: Path, shard: str) -> str:
