@@ -351,7 +351,7 @@ class Embedding:
         Raises:
             FileNotFoundError: no such path.
             ValueError: no checkpoint there, another file format, an ambiguous
-                or missing tensor, a corrupt header.
+                or missing tensor, a corrupt header; `name` with an array.
             TypeError: BF16/F8 tensors need ml_dtypes and it is missing.
 
         Example:
@@ -362,6 +362,9 @@ class Embedding:
         if isinstance(source, bytes):
             source = os.fsdecode(source)  # a path in the file system's encoding, as os functions take it
         if not isinstance(source, (str, os.PathLike)):
+            if name is not None:
+                raise ValueError(f"name={name!r} picks a tensor of a checkpoint, but the source is an array, the "
+                                 "table itself: pass name=None")
             return cls(source)
         from .io import open_table
 

@@ -86,6 +86,8 @@ def test_from_pretrained_takes_an_array_as_it_is():
     assert emb.table is table
     with pytest.raises(ValueError, match="not memory-mapped from a file"):
         emb.check_file()
+    with pytest.raises(ValueError, match="name='x' picks a tensor of a checkpoint, but the source is an array"):
+        fastembed.Embedding.from_pretrained(table, name="x")
 
 
 def test_check_file_notices_a_truncated_file(tmp_path):
