@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -771,3 +772,18 @@ def test_a_table_file_without_an_embedding_name_asks_for_tensor_not_name(tmp_pat
     safetensors_numpy.save_file({"w": np.ones((50, 8), np.float16)}, str(tmp_path / "one.safetensors"))
     result = bench("--table", str(tmp_path / "one.safetensors"), "--batch", "6", "--reps", "1", "--out", str(tmp_path))
     assert result.returncode == 2 and "pass --tensor" in result.stderr and "name=" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("missing", [("gguf",), ("ml_dtypes", "gguf")])
+def test_format_without_its_packages_is_refused_at_once(capsys, tmp_path, monkeypatch, missing):
+    """--format needs ml_dtypes and gguf: one line naming them and the extra, not a traceback mid-run."""
+    from fastembed.benchmark.cli import parse_arguments
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name in missing else find_spec(name, *rest))
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(["--format", "q8_0", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"--format needs {' and '.join(missing)}" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert parse_arguments(["--format", "q8_0", "--out", str(tmp_path)]).format == ["q8_0"]

@@ -130,6 +130,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error(problem)
     if arguments.ranks and importlib.util.find_spec("torch") is None:
         parser.error("--ranks needs torch: pip install 'fastembed-gather[distributed]'")
+    missing = [package for package in ("ml_dtypes", "gguf") if importlib.util.find_spec(package) is None]
+    if arguments.format and missing:
+        parser.error(f"--format needs {' and '.join(missing)} (bfloat16 outputs; the numpy reference is "
+                     "gguf.quants.dequantize): pip install 'fastembed-gather[gguf]'")
     arguments.checks, arguments.gate_repetitions = None, None
     if arguments.gate:
         from .gate import load_checks
