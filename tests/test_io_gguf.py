@@ -168,7 +168,7 @@ def test_the_other_loaders_point_to_from_gguf_and_back(tmp_path):
     with pytest.raises(ValueError, match=r"is a GGUF file \(llama\.cpp\); open it with fastembed\.Embedding\.from_gguf"):
         io.map_safetensors(path)
     np.save(tmp_path / "table.npy", values(2, 2))
-    with pytest.raises(ValueError, match=r"not a GGUF file .*is a \.npy file; open it with fastembed\.Embedding\.from_npy"):
+    with pytest.raises(ValueError, match=r"not a GGUF file: it is a \.npy file; open it with fastembed\.Embedding\.from_npy"):
         io.map_gguf(tmp_path / "table.npy")
     with pytest.raises(FileNotFoundError):
         io.map_gguf(tmp_path / "missing.gguf")

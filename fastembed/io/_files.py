@@ -88,11 +88,11 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
         status = os.stat(path)
     except FileNotFoundError:
         if os.path.islink(path):  # a copied Hugging Face snapshot whose links into the cache no longer resolve, say
-            raise FileNotFoundError(errno.ENOENT, f"{opener}: a symbolic link to {os.readlink(os.fspath(path))!r}, which does not exist",
+            raise FileNotFoundError(errno.ENOENT, f"a symbolic link to {os.readlink(os.fspath(path))!r}, which does not exist",
                                     os.fsdecode(os.fspath(path))) from None
-        raise FileNotFoundError(errno.ENOENT, f"{opener}: no such file", str(path)) from None
+        raise FileNotFoundError(errno.ENOENT, "no such file", str(path)) from None
     except NotADirectoryError:
-        raise FileNotFoundError(errno.ENOENT, f"{opener}: no such file (a parent is not a directory)", str(path)) from None
+        raise FileNotFoundError(errno.ENOENT, "no such file (a parent is not a directory)", str(path)) from None
     if stat.S_ISDIR(status.st_mode):
         raise ValueError(
             f"{path}: is a directory; {opener} opens one file. To open a checkpoint directory "

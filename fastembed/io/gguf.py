@@ -163,7 +163,7 @@ def _header_counts(reader: _Reader, head: bytes) -> tuple[int, int, int]:
     """Check the magic and version; returns (version, tensor_count, kv_count)."""
     if not head.startswith(_MAGIC):
         looks = describe(reader.path, head)
-        raise reader.fail(f"not a GGUF file ({_OPENER} opens .gguf files): it {looks}" if looks else
+        raise reader.fail(f"not a GGUF file: it {looks}" if looks else
                           f"not a GGUF file (no 'GGUF' magic); {_OPENER} opens .gguf files")
     reader.take(4, "the magic")
     version = reader.u32("the version")

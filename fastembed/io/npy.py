@@ -40,7 +40,7 @@ def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.
     head = read_head(path)
     if not head.startswith(b"\x93NUMPY"):
         looks = describe(path, head)
-        raise ValueError(f"{path}: not a .npy file ({_OPENER} opens .npy files): it {looks}" if looks else
+        raise ValueError(f"{path}: not a .npy file: it {looks}" if looks else
                          f"{path}: not a .npy file (no \\x93NUMPY magic); {_OPENER} opens .npy files")
     with open(path, "rb") as handle:
         try:

@@ -183,7 +183,7 @@ def scan_safetensors_header(
 def _not_safetensors(path: Any, head: bytes, problem: str) -> str:
     looks = describe(path, head)
     if looks is not None and not looks.startswith("is a safetensors file"):
-        return f"{path}: not a safetensors file ({_OPENER} opens .safetensors files): it {looks}"
+        return f"{path}: not a safetensors file: it {looks}"
     return f"{path}: not a safetensors file: {problem}"
 
 
