@@ -179,9 +179,14 @@ def is_float_dtype(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or (dtype.type.__module__ == "ml_dtypes" and "float" in dtype.name)
 
 
+def is_integer_dtype(dtype: np.dtype) -> bool:
+    """numpy integers and the ml_dtypes integers (int4, uint4, int2, ...), which numpy sees as void (kind V)."""
+    return dtype.kind in "iu" or (dtype.type.__module__ == "ml_dtypes" and "int" in dtype.name)
+
+
 def is_real_number_dtype(dtype: np.dtype) -> bool:
-    """numpy bools, integers and floats, and the ml_dtypes integers (int4, uint4, ...) and floats: what casts to float32."""
-    return dtype.kind in "iub" or is_float_dtype(dtype) or (dtype.type.__module__ == "ml_dtypes" and "int" in dtype.name)
+    """numpy bools, integers and floats, and the ml_dtypes integers and floats: what casts to float32."""
+    return dtype.kind == "b" or is_integer_dtype(dtype) or is_float_dtype(dtype)
 
 
 def quantized_dim(dim: Any) -> int:
@@ -370,7 +375,7 @@ def _integers_as_int64(ids: Any, shape: tuple[int, ...]) -> np.ndarray | None:
 
 
 def _check_integer_dtype(dtype: np.dtype) -> None:
-    if dtype.kind not in "iu":
+    if not is_integer_dtype(dtype):
         what = {"b": "bool", "f": "floating", "c": "complex", "U": "string", "S": "bytes", "O": "object"}
         raise TypeError(f"ids must be integers, got {what.get(dtype.kind, 'non-integer')} dtype {dtype}")
 

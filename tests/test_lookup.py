@@ -91,6 +91,22 @@ def test_host_ids_are_the_calls_own_copy_in_their_dtype():
             assert_bit_equal(snapshot, ids)
 
 
+@pytest.mark.parametrize("name", ["int4", "uint4", "int2", "uint2"])
+def test_ml_dtypes_integer_ids_gather_as_their_values(backend, name):
+    """ml_dtypes' small integers are integers (numpy sees them as void): gathered by value, checked for range."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    dtype = np.dtype(getattr(ml_dtypes, name))
+    table = random_table(30, 8)
+    ids = np.array([[1, 0], [1, 1]], dtype=dtype)
+    out = poisoned((2, 2, 8), table.dtype)
+    assert_bit_equal(fastembed.lookup(table, ids, out=out, backend=backend), table[ids.astype(np.int64)])
+    assert_bit_equal(fastembed.Embedding(table)(ids, backend=backend), table[ids.astype(np.int64)])
+    low = int(ml_dtypes.iinfo(dtype).min)
+    if low < 0:
+        with pytest.raises(IndexError, match=f"id {low} at position"):
+            fastembed.lookup(table, np.array([0, low], dtype=dtype), backend=backend)
+
+
 def test_large_batch_with_repeats(backend):
     table = random_table(1000, 64)
     ids = np.random.default_rng(4).integers(0, 1000, 100_000).astype(np.int32)
