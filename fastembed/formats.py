@@ -142,6 +142,11 @@ class BlockFormat:
             (``QuantizedTable.scales``); the value is ``scale * dequant(block)``.
         dequantize_blocks: the reference: ``(n, block_bytes)`` uint8 blocks
             to ``(n, block_values)`` float32.
+
+    Raises:
+        TypeError: a name that is no non-empty string, sizes or a type code
+            that are not integers, a reference that is not callable.
+        ValueError: a block of no values or no bytes.
     """
 
     name: str
@@ -150,6 +155,21 @@ class BlockFormat:
     ggml_type: int | None
     dequantize_blocks: Callable[[np.ndarray], np.ndarray] = field(repr=False, compare=False)
     row_scale: bool = False
+
+    def __post_init__(self) -> None:
+        """Raise TypeError or ValueError for fields no layout can have (a block of no values, say)."""
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"a BlockFormat's name must be a non-empty string, got {self.name!r}")
+        for field_name in ("block_values", "block_bytes"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"BlockFormat {self.name!r}: {field_name} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"BlockFormat {self.name!r}: {field_name} must be 1 or more, got {value}")
+        if self.ggml_type is not None and (isinstance(self.ggml_type, bool) or not isinstance(self.ggml_type, int)):
+            raise TypeError(f"BlockFormat {self.name!r}: ggml_type must be an integer or None, got {self.ggml_type!r}")
+        if not callable(self.dequantize_blocks):
+            raise TypeError(f"BlockFormat {self.name!r}: dequantize_blocks must be callable, got {self.dequantize_blocks!r}")
 
     def row_bytes(self, dim: int) -> int:
         """Bytes of one row of `dim` values; raises ValueError when `dim` is not a whole number of blocks."""
@@ -299,7 +319,8 @@ class QuantizedTable:
         ``shape`` is ``(vocab_size, dim)``, what the rows dequantize to.
 
     Raises:
-        TypeError: a `dim` that is not an integer; arrays of the wrong kind or dtype.
+        TypeError: a `dim` that is not an integer; arrays of the wrong kind or
+            dtype; a subclass of QuantizedTable (the API dispatches on this exact type).
         ValueError: shapes that do not fit the format (see fastembed.validate).
 
     Example:
@@ -310,6 +331,10 @@ class QuantizedTable:
     """
 
     __slots__ = ("data", "format", "dim", "scales")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        raise TypeError("QuantizedTable cannot be subclassed: fastembed recognises quantized tables by their exact "
+                        "type; keep a QuantizedTable in an attribute of your class instead")
 
     def __init__(self, data: Any, fmt: BlockFormat | str, dim: int, scales: Any = None) -> None:
         from .validate import check_quantized, quantized_dim

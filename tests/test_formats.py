@@ -8,7 +8,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fastembed.formats import FORMATS, QuantizedTable, block_format, dequantize_rows, quantize_rows, row_bytes
+from fastembed.formats import (
+    FORMATS,
+    BlockFormat,
+    QuantizedTable,
+    block_format,
+    dequantize_rows,
+    quantize_rows,
+    row_bytes,
+)
 from helpers import assert_bit_equal, random_quantized
 
 gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package is the reference for the GGUF layouts")
@@ -243,3 +251,25 @@ def test_a_format_object_of_the_callers_own_is_not_quantized_as_the_format_of_it
     assert lookalike is not FORMATS["q8_0"]
     with pytest.raises(ValueError, match="its own q8_0 and fp8_e4m3"):
         quantize_rows(np.ones((1, 32), np.float32), lookalike)
+
+
+@pytest.mark.parametrize("fields, error, words", [
+    (("mine", 0, 34, None), ValueError, "block_values must be 1 or more, got 0"),
+    (("mine", 32, -1, None), ValueError, "block_bytes must be 1 or more, got -1"),
+    (("mine", 32.0, 34, None), TypeError, "block_values must be an integer, got 32.0"),
+    (("mine", True, 34, None), TypeError, "block_values must be an integer, got True"),
+    (("mine", 32, 34, "8"), TypeError, "ggml_type must be an integer or None"),
+    (("", 32, 34, None), TypeError, "name must be a non-empty string"),
+])
+def test_a_block_format_no_layout_can_have_is_refused_when_made(fields, error, words):
+    """Checked when the format is made, before a row size divides by zero."""
+    with pytest.raises(error, match=words):
+        BlockFormat(*fields, lambda blocks: blocks.astype(np.float32))
+    with pytest.raises(TypeError, match="dequantize_blocks must be callable"):
+        BlockFormat("mine", 32, 34, None, None)
+
+
+def test_quantized_table_cannot_be_subclassed():
+    """The API recognises quantized tables by their exact type: a subclass would be refused as an unknown array."""
+    with pytest.raises(TypeError, match="QuantizedTable cannot be subclassed"):
+        type("Mine", (QuantizedTable,), {"__slots__": ()})
