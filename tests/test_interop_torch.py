@@ -345,6 +345,54 @@ def test_the_write_probe_checks_both_ends_changes_nothing_and_leaves_the_pipe_em
     assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])
 
 
+PROBE_AFTER_DAEMONIZING = """
+import os, torch, fastembed
+table = torch.arange(40, dtype=torch.float32).reshape(10, 4)
+fastembed.lookup(table, [1, 2], out=torch.empty(2, 4))  # makes the probe's pipe
+os.closerange(3, 4096)  # what a daemon does to every descriptor it inherited
+files = [os.open(os.path.join({folder!r}, name), os.O_RDWR | os.O_CREAT) for name in ("a", "b", "c")]
+out = torch.full((2, 4), 7.0)
+assert fastembed.lookup(table, [3, 4], out=out) is out and torch.equal(out, table[[3, 4]])
+assert all(os.fstat(fd).st_size == 0 for fd in files), "the probe wrote into the application's files"
+print("ok")
+"""
+
+
+def test_the_write_probe_survives_a_daemon_closing_its_descriptors(tmp_path):
+    """Its pipe's numbers, closed and given to the application's files, must be neither written nor trusted."""
+    result = subprocess.run([sys.executable, "-c", PROBE_AFTER_DAEMONIZING.format(folder=str(tmp_path))],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])
+
+
+PROBE_IN_A_SIGNAL_HANDLER = """
+import faulthandler, signal, time, torch, fastembed
+faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the test instead of stalling it
+table = torch.arange(400, dtype=torch.float32).reshape(100, 4)
+outer, inner, handled = torch.empty(3, 4), torch.empty(2, 4), []
+def handler(signum, frame):
+    assert torch.equal(fastembed.lookup(table, [1, 2], out=inner), table[[1, 2]])
+    handled.append(1)
+    signal.setitimer(signal.ITIMER_REAL, 0.0005)
+signal.signal(signal.SIGALRM, handler)
+signal.setitimer(signal.ITIMER_REAL, 0.0005)
+started = time.time()
+while time.time() - started < 3:
+    assert torch.equal(fastembed.lookup(table, [5, 6, 7], out=outer), table[[5, 6, 7]])
+signal.setitimer(signal.ITIMER_REAL, 0)
+assert handled
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="interval timers as Linux has them")
+def test_a_lookup_into_a_torch_out_from_a_signal_handler_neither_hangs_nor_mixes_bytes():
+    """A handler interrupting the probe found its lock held by its own thread and waited forever."""
+    result = subprocess.run([sys.executable, "-c", PROBE_IN_A_SIGNAL_HANDLER], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])
+
+
 def test_a_writable_torch_out_passes_the_probe(backend):
     table = torch_table("float32")
     out = poisoned_tensor((2, DIM), torch.float32)

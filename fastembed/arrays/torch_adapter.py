@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -368,8 +369,9 @@ def _index(device: str) -> int:
     return int(device.partition(":")[2] or 0)
 
 
-#: The pipe the write probe passes bytes through (read end, write end), made on first use, and its lock.
-_probe_pipe: tuple[int, int] | None = None
+#: The pipe the write probe passes bytes through: (read end, write end, the pipe's (st_dev, st_ino)), made on
+#: first use; and the lock of its one user at a time.
+_probe_pipe: tuple[int, int, tuple[int, int]] | None = None
 _probe_lock = threading.Lock()
 
 
@@ -379,9 +381,12 @@ def _kernel_can_write(view: np.ndarray) -> bool:
     Both bytes go into a pipe in one ``os.writev`` (the kernel reads them: EFAULT if it
     cannot) and are read back into their own addresses in one ``os.readv`` (the kernel
     writes them: EFAULT if it cannot), so the memory ends as it was. The pipe is the
-    process's own (a forked child makes its own) and is left empty.
+    process's own (a forked child makes its own), checked to be still open and still
+    that pipe before each use (a daemon closes every descriptor it inherited, and the
+    numbers may then name other files), and is left empty. A probe that finds it in use
+    (another thread's, or that of the code a signal handler interrupted) uses a pipe of
+    its own.
     """
-    global _probe_pipe
     if not view.flags.writeable:
         return False
     if view.nbytes == 0 or not hasattr(os, "readv"):
@@ -389,19 +394,62 @@ def _kernel_can_write(view: np.ndarray) -> bool:
     raw = view if _exports_buffer(view.dtype) else view.view(np.uint8)
     memory = raw.data.cast("B")
     cells = [memory[:1], memory[-1:]]
-    with _probe_lock:
-        if _probe_pipe is None:
-            read_end, write_end = os.pipe()
-            os.set_blocking(read_end, False)
-            _probe_pipe = (read_end, write_end)
-        read_end, write_end = _probe_pipe
+    if not _probe_lock.acquire(blocking=False):
+        read_end, write_end = _new_pipe()
         try:
-            done = os.writev(write_end, cells) == 2 and os.readv(read_end, cells) == 2
-        except OSError:
-            done = False
-        if not done:
-            _empty(read_end)
+            return _passed_through(read_end, write_end, cells)
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+    try:
+        read_end, write_end = _probe_ends()
+        return _passed_through(read_end, write_end, cells)
+    finally:
+        _probe_lock.release()
+
+
+def _passed_through(read_end: int, write_end: int, cells: list[memoryview]) -> bool:
+    """Whether `cells` went into the pipe and came back into their own memory; the pipe is left empty either way."""
+    try:
+        done = os.writev(write_end, cells) == 2 and os.readv(read_end, cells) == 2
+    except OSError:
+        done = False
+    if not done:
+        _empty(read_end)
     return done
+
+
+def _new_pipe() -> tuple[int, int]:
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    return read_end, write_end
+
+
+def _pipe_identity(read_end: int, write_end: int) -> tuple[int, int] | None:
+    """The (st_dev, st_ino) both descriptors share when they are the two ends of one pipe, else None."""
+    try:
+        ends = os.fstat(read_end), os.fstat(write_end)
+    except OSError:  # closed
+        return None
+    if not all(stat.S_ISFIFO(end.st_mode) for end in ends) or (ends[0].st_dev, ends[0].st_ino) != (
+            ends[1].st_dev, ends[1].st_ino):
+        return None
+    return ends[0].st_dev, ends[0].st_ino
+
+
+def _probe_ends() -> tuple[int, int]:
+    """The probe pipe's two ends (holding its lock): the process's pipe, or a new one where that one is gone."""
+    global _probe_pipe
+    if _probe_pipe is not None:
+        read_end, write_end, identity = _probe_pipe
+        if _pipe_identity(read_end, write_end) == identity:
+            return read_end, write_end
+        _probe_pipe = None  # never closed here: its numbers may be other files of the process's now
+    read_end, write_end = _new_pipe()
+    identity = _pipe_identity(read_end, write_end)
+    assert identity is not None  # a pipe just made
+    _probe_pipe = (read_end, write_end, identity)
+    return read_end, write_end
 
 
 def _empty(read_end: int) -> None:
@@ -417,8 +465,10 @@ def _new_probe_pipe_in_child() -> None:
     """After a fork: the child must not share the parent's pipe (their bytes would mix) nor its lock's state."""
     global _probe_pipe, _probe_lock
     if _probe_pipe is not None:
-        for end in _probe_pipe:
-            os.close(end)
+        read_end, write_end, identity = _probe_pipe
+        if _pipe_identity(read_end, write_end) == identity:  # else the numbers are other files: left alone
+            os.close(read_end)
+            os.close(write_end)
     _probe_pipe, _probe_lock = None, threading.Lock()
 
 
