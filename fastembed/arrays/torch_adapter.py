@@ -446,9 +446,9 @@ def _probe_ends() -> tuple[int, int]:
             return read_end, write_end
         _probe_pipe = None  # never closed here: its numbers may be other files of the process's now
     read_end, write_end = _new_pipe()
-    identity = _pipe_identity(read_end, write_end)
-    assert identity is not None  # a pipe just made
-    _probe_pipe = (read_end, write_end, identity)
+    made = _pipe_identity(read_end, write_end)
+    assert made is not None  # a pipe just made
+    _probe_pipe = (read_end, write_end, made)
     return read_end, write_end
 
 
