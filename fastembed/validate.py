@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import adapter_of, device_of, dtype_spec, host_copy, numpy_adapter
+from .arrays import adapter_of, device_of, dtype_spec, host_copy, numpy_adapter, write_probe
 from .backends.base import NATIVE_ID_DTYPES
 from .formats import FORMATS, OUTPUT_DTYPES, QuantizedTable
 from .tables import resolve_dtype
@@ -472,8 +472,9 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
                 return view
             if not np.may_share_memory(view, table) and not np.may_share_memory(
                 view, _caller_ids_memory(caller_ids, ids)
-            ):
-                # Disjoint address ranges cannot overlap (a mapped table, views): the exact test is left for the rest.
+            ) and not write_probe.lent(out):
+                # Disjoint address ranges cannot overlap (a mapped table, views): the exact test is left for the rest,
+                # and so is memory another library lent, which may be read-only whatever numpy says.
                 return view
     adapter = adapter_of(out)
     if adapter is None:
@@ -527,9 +528,9 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     writable = getattr(adapter, "writable", None)
     if writable is not None and not writable(view):
         raise ValueError(
-            "out is read-only memory (a tensor over a read-only mapping, such as torch.from_dlpack of "
-            "np.load(path, mmap_mode='r'); torch does not mark it read-only): lookup writes into out; "
-            "pass a writeable tensor"
+            "out is read-only memory, which its array does not mark read-only (a torch tensor over a read-only "
+            "mapping, such as torch.from_dlpack of np.load(path, mmap_mode='r'), or a numpy or DLPack view of one: "
+            "torch marks nothing read-only): lookup writes into out; pass writeable memory"
         )
     scales = table.scales if type(table) is QuantizedTable else None
     if adapter.may_share_memory(view, rows) or (scales is not None and adapter.may_share_memory(view, scales)):

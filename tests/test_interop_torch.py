@@ -289,8 +289,18 @@ import numpy as np, torch, fastembed
 np.save({path!r}, np.arange(40, dtype=np.float32).reshape(10, 4))
 tt = torch.from_dlpack(np.load({path!r}, mmap_mode="r"))  # torch drops the read-only flag
 table = np.ones((10, 4), np.float32)
+class Producer:  # another library's DLPack export of the same memory
+    def __init__(self, tensor):
+        self.tensor = tensor
+    def __dlpack__(self, **options):
+        return self.tensor.__dlpack__(**options)
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
 for attempt in (lambda: fastembed.lookup(table, [1], out=tt[:1]), lambda: fastembed.Embedding(table)([1, 2], out=tt[:2]),
-                lambda: fastembed.lookup(torch.from_numpy(table), [9], out=tt[9:])):
+                lambda: fastembed.lookup(torch.from_numpy(table), [9], out=tt[9:]),
+                lambda: fastembed.lookup(table, [1, 2], out=tt.numpy()[:2]),  # numpy's view says writeable too
+                lambda: fastembed.Embedding(table)([1, 2], out=tt[2:4].numpy()),
+                lambda: fastembed.lookup(table, [1, 2], out=Producer(tt[:2]))):
     try:
         attempt()
         raise SystemExit("no error")
@@ -304,7 +314,8 @@ print("refused as out, served as a table")
 
 
 def test_a_tensor_over_read_only_memory_as_out_is_a_value_error_not_a_crash(tmp_path):
-    """It once killed the process (SIGSEGV): torch marks no tensor read-only, so the numpy view said writeable."""
+    """It once killed the process (SIGSEGV): torch marks no tensor read-only, so the numpy view said writeable
+    (as numpy's own view of the tensor, and another library's DLPack export of it, still do)."""
     result = subprocess.run([sys.executable, "-c", READ_ONLY_OUT.format(path=str(tmp_path / "ro.npy"))],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
@@ -313,7 +324,7 @@ def test_a_tensor_over_read_only_memory_as_out_is_a_value_error_not_a_crash(tmp_
 
 WRITE_PROBE = """
 import ctypes, mmap, os, numpy as np
-from fastembed.arrays import torch_adapter
+from fastembed.arrays import torch_adapter, write_probe
 page = mmap.PAGESIZE
 memory = mmap.mmap(-1, 2 * page)
 view = np.frombuffer(memory, np.uint8)
@@ -325,7 +336,7 @@ assert libc.mprotect(ctypes.c_void_p(address + page), page, mmap.PROT_READ) == 0
 assert not torch_adapter.ADAPTER.writable(view)  # the first byte is writable, the last not
 assert torch_adapter.ADAPTER.writable(view[:page]) and not torch_adapter.ADAPTER.writable(view[page:])
 assert (view == 7).all()  # the probes wrote nothing new
-read_end = torch_adapter._probe_pipe[0]
+read_end = write_probe._probe_pipe[0]
 try:
     os.read(read_end, 1)
     raise SystemExit("a failed probe left bytes in the pipe")
@@ -333,7 +344,7 @@ except BlockingIOError:
     pass
 child = os.fork()
 if child == 0:
-    os._exit(0 if torch_adapter._probe_pipe is None and torch_adapter.ADAPTER.writable(view[:page]) else 1)
+    os._exit(0 if write_probe._probe_pipe is None and torch_adapter.ADAPTER.writable(view[:page]) else 1)
 assert os.waitpid(child, 0)[1] == 0, "a forked child must make its own pipe"
 print("ok")
 """

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import numpy_adapter
+from . import numpy_adapter, write_probe
 
 #: Whether np.from_dlpack takes copy= (numpy 2.1 on), to ask a producer for its memory and never a copy.
 _NUMPY_ASKS_FOR_NO_COPY = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
@@ -118,6 +118,11 @@ class DlpackAdapter:
     def wrap(self, result: np.ndarray) -> np.ndarray:
         """The numpy result itself: fastembed does not know how to build the producer's array type."""
         return result
+
+    def writable(self, view: np.ndarray) -> bool:
+        """Whether a gather can write `view` (an ``out``): a producer may export read-only memory as writable
+        (torch does), so the memory is probed (:mod:`fastembed.arrays.write_probe`)."""
+        return write_probe.can_write(view)
 
 
 def _kind(array: Any) -> str:

@@ -5,6 +5,8 @@ from typing import Any
 
 import numpy as np
 
+from . import write_probe
+
 
 class NumpyAdapter:
     name = "numpy"
@@ -33,6 +35,14 @@ class NumpyAdapter:
 
     def wrap(self, result: np.ndarray) -> np.ndarray:
         return result
+
+    def writable(self, view: np.ndarray) -> bool:
+        """Whether a gather can write `view` (an ``out``): probed where another library lent its memory.
+
+        A numpy view of a torch tensor over a read-only map says it is writeable (torch marks nothing
+        read-only): :mod:`fastembed.arrays.write_probe`.
+        """
+        return not write_probe.lent(view) or write_probe.can_write(view)
 
 
 ADAPTER = NumpyAdapter()

@@ -31,24 +31,19 @@ results plain tensors.
 torch does not mark a tensor over read-only memory read-only (one made with
 ``torch.from_dlpack`` of a read-only memory map, say), so the numpy view of
 it says it is writeable and a gather into it would kill the process.
-Validation asks :meth:`TorchAdapter.writable` of a host ``out``: the first
-and last byte of its memory are written back with their own values by the
-kernel (``os.readv`` from a pipe the byte was just written to), which fails
-with EFAULT, an OSError, on memory the process cannot write, and changes
-nothing on memory it can: two system calls per lookup into a torch ``out``.
+Validation asks :meth:`TorchAdapter.writable` of a host ``out``, which
+probes its memory (:mod:`fastembed.arrays.write_probe`): a few system calls
+per lookup into a torch ``out``.
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import stat
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from . import numpy_adapter
+from . import numpy_adapter, write_probe
 
 #: torch dtype name -> the torch integer dtype of the same width, for the dtypes numpy has not (ml_dtypes has them).
 _VIA_INTEGER = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
@@ -233,7 +228,7 @@ class TorchAdapter:
         probed as the module docstring says. Where the probe cannot run (no
         ``os.readv``: Windows) it answers True.
         """
-        return not isinstance(view, np.ndarray) or _kernel_can_write(view)
+        return not isinstance(view, np.ndarray) or write_probe.can_write(view)
 
     def write_refusal(self, array: Any) -> str | None:
         """Why torch forbids writing `array` in place here, or None (an inference tensor outside inference mode)."""
@@ -367,113 +362,6 @@ def _check_storage_holds(tensor: Any) -> None:
 
 def _index(device: str) -> int:
     return int(device.partition(":")[2] or 0)
-
-
-#: The pipe the write probe passes bytes through: (read end, write end, the pipe's (st_dev, st_ino)), made on
-#: first use; and the lock of its one user at a time.
-_probe_pipe: tuple[int, int, tuple[int, int]] | None = None
-_probe_lock = threading.Lock()
-
-
-def _kernel_can_write(view: np.ndarray) -> bool:
-    """Whether the kernel can write the first and last byte of `view`'s memory (a C-contiguous host array).
-
-    Both bytes go into a pipe in one ``os.writev`` (the kernel reads them: EFAULT if it
-    cannot) and are read back into their own addresses in one ``os.readv`` (the kernel
-    writes them: EFAULT if it cannot), so the memory ends as it was. The pipe is the
-    process's own (a forked child makes its own), checked to be still open and still
-    that pipe before each use (a daemon closes every descriptor it inherited, and the
-    numbers may then name other files), and is left empty. A probe that finds it in use
-    (another thread's, or that of the code a signal handler interrupted) uses a pipe of
-    its own.
-    """
-    if not view.flags.writeable:
-        return False
-    if view.nbytes == 0 or not hasattr(os, "readv"):
-        return True
-    raw = view if _exports_buffer(view.dtype) else view.view(np.uint8)
-    memory = raw.data.cast("B")
-    cells = [memory[:1], memory[-1:]]
-    if not _probe_lock.acquire(blocking=False):
-        read_end, write_end = _new_pipe()
-        try:
-            return _passed_through(read_end, write_end, cells)
-        finally:
-            os.close(read_end)
-            os.close(write_end)
-    try:
-        read_end, write_end = _probe_ends()
-        return _passed_through(read_end, write_end, cells)
-    finally:
-        _probe_lock.release()
-
-
-def _passed_through(read_end: int, write_end: int, cells: list[memoryview]) -> bool:
-    """Whether `cells` went into the pipe and came back into their own memory; the pipe is left empty either way."""
-    try:
-        done = os.writev(write_end, cells) == 2 and os.readv(read_end, cells) == 2
-    except OSError:
-        done = False
-    if not done:
-        _empty(read_end)
-    return done
-
-
-def _new_pipe() -> tuple[int, int]:
-    read_end, write_end = os.pipe()
-    os.set_blocking(read_end, False)
-    return read_end, write_end
-
-
-def _pipe_identity(read_end: int, write_end: int) -> tuple[int, int] | None:
-    """The (st_dev, st_ino) both descriptors share when they are the two ends of one pipe, else None."""
-    try:
-        ends = os.fstat(read_end), os.fstat(write_end)
-    except OSError:  # closed
-        return None
-    if not all(stat.S_ISFIFO(end.st_mode) for end in ends) or (ends[0].st_dev, ends[0].st_ino) != (
-            ends[1].st_dev, ends[1].st_ino):
-        return None
-    return ends[0].st_dev, ends[0].st_ino
-
-
-def _probe_ends() -> tuple[int, int]:
-    """The probe pipe's two ends (holding its lock): the process's pipe, or a new one where that one is gone."""
-    global _probe_pipe
-    if _probe_pipe is not None:
-        read_end, write_end, identity = _probe_pipe
-        if _pipe_identity(read_end, write_end) == identity:
-            return read_end, write_end
-        _probe_pipe = None  # never closed here: its numbers may be other files of the process's now
-    read_end, write_end = _new_pipe()
-    made = _pipe_identity(read_end, write_end)
-    assert made is not None  # a pipe just made
-    _probe_pipe = (read_end, write_end, made)
-    return read_end, write_end
-
-
-def _empty(read_end: int) -> None:
-    """Read whatever a failed probe left in the pipe."""
-    try:
-        while os.read(read_end, 64):
-            pass
-    except BlockingIOError:
-        pass
-
-
-def _new_probe_pipe_in_child() -> None:
-    """After a fork: the child must not share the parent's pipe (their bytes would mix) nor its lock's state."""
-    global _probe_pipe, _probe_lock
-    if _probe_pipe is not None:
-        read_end, write_end, identity = _probe_pipe
-        if _pipe_identity(read_end, write_end) == identity:  # else the numbers are other files: left alone
-            os.close(read_end)
-            os.close(write_end)
-    _probe_pipe, _probe_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_probe_pipe_in_child)
 
 
 @contextlib.contextmanager
