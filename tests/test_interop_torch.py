@@ -612,3 +612,20 @@ def test_a_large_result_on_a_torch_table_keeps_its_memory_while_the_tensor_lives
 
 def test_a_host_copy_of_a_tensor_is_writeable():
     assert torch_adapter.ADAPTER.to_host(torch_table("float16")).flags.writeable
+
+
+@pytest.mark.parametrize("name", ["int4", "uint3", "int1"])
+def test_torch_sub_byte_dtypes_are_refused_not_relabelled(name):
+    """torch exports its one-value-per-byte int1-int7 and uint1-uint7 as int8 or uint8: results would lose the dtype."""
+    if not hasattr(torch, name):
+        pytest.skip(f"this torch has no torch.{name}")
+    shell = getattr(torch, name)
+    stored = torch.uint8 if name.startswith("u") else torch.int8
+    table = torch.randint(0, 2 if name == "int1" else 3, (16, 4), dtype=torch.uint8).view(shell)
+    for call in (lambda: fastembed.lookup(table, [1, 2]), lambda: fastembed.Embedding(table),
+                 lambda: fastembed.lookup(torch.zeros((16, 4), dtype=stored), [1],
+                                          out=torch.zeros((1, 4), dtype=torch.uint8).view(shell))):
+        with pytest.raises(TypeError, match=f"torch.{name} keeps one value per byte"):
+            call()
+    bytes_ = table.view(stored)
+    assert torch.equal(fastembed.lookup(bytes_, [1, 2]), bytes_[[1, 2]])

@@ -46,6 +46,8 @@ import numpy as np
 from . import numpy_adapter, write_probe
 
 #: torch dtype name -> the torch integer dtype of the same width, for the dtypes numpy has not (ml_dtypes has them).
+#: torch's sub-byte "shell" dtypes, one value per byte, which torch exports through DLPack as int8 or uint8.
+_SHELL_DTYPES = frozenset([f"int{bits}" for bits in range(1, 8)] + [f"uint{bits}" for bits in range(1, 8)])
 _VIA_INTEGER = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 #: The same, keyed by torch dtype objects (torch dtype -> (torch integer dtype, name)); built on first use.
 _via_torch: dict[Any, tuple[Any, str]] | None = None
@@ -134,6 +136,12 @@ class TorchAdapter:
             raise TypeError(f"torch tensors of layout {tensor.layout} are not supported; fastembed reads strided "
                             "(dense) tensors: pass tensor.to_dense()")
         _check_storage_holds(tensor)
+        name = str(tensor.dtype).removeprefix("torch.")
+        if name in _SHELL_DTYPES:
+            raise TypeError(f"torch.{name} keeps one value per byte, which DLPack and numpy see as "
+                            f"{'uint8' if name.startswith('u') else 'int8'}, and results would come back so: view "
+                            f"the tensor as that dtype (tensor.view(torch.{'uint8' if name.startswith('u') else 'int8'}))"
+                            " to gather its bytes")
         if device != "cpu":
             if device.startswith("cuda:"):
                 return _cuda_view(tensor, _index(device))
