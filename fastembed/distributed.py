@@ -337,10 +337,8 @@ class VocabParallelEmbedding:
             raise RuntimeError("VocabParallelEmbedding needs a process group: call "
                                "torch.distributed.init_process_group('gloo', ...) first (docs/distributed.md)")
         self._torch, self._dist, self._group = torch, dist, group
-        world = dist.group.WORLD
         # The default group weakly: destroyed meanwhile, it must be freed then, not at interpreter exit.
-        self._built_on: Callable[[], Any] = (
-            (lambda: group) if group is not None else (lambda: None) if world is None else weakref.ref(world))
+        self._built_on: Callable[[], Any] = (lambda: group) if group is not None else _weak_world(dist)
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
         if self.rank < 0:
@@ -374,7 +372,10 @@ class VocabParallelEmbedding:
             self._wire = f"cuda:{torch.cuda.current_device()}"
         else:
             assert error is not None  # _check_transport's: raised on this rank alone, as no agreement can run
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # else this frame and the error's traceback hold each other (see _call)
         self._mine = self._on_wire(np.zeros(2, np.int64))
         self._theirs = self._on_wire(np.zeros((self.world_size, 2), np.int64))
         self._theirs_list = list(self._theirs.unbind(0))
@@ -382,9 +383,12 @@ class VocabParallelEmbedding:
         described = "" if shard is None else (
             f"a {shard.vocab_size} x {shard.rows.shape[1]} {_kind(shard.rows)} table{where}, "
             f"pad_to_multiple={pad}, exchange={exchange!r}")
-        self._agree(error, _digest(described.encode()), lambda: described, "the table",
-                    "every rank must open a table of the same shape and dtype, with the same pad_to_multiple "
-                    "and exchange")
+        try:
+            self._agree(error, _digest(described.encode()), lambda: described, "the table",
+                        "every rank must open a table of the same shape and dtype, with the same pad_to_multiple "
+                        "and exchange")
+        finally:
+            error = None  # see _call
         assert shard is not None  # _agree raised otherwise
         self._shard = shard
         self.vocab_size: int = shard.vocab_size
@@ -538,8 +542,13 @@ class VocabParallelEmbedding:
                 error, call = caught, None
         gathered = time.perf_counter()
         description = "" if call is None else call.description
-        self._agree(error, call.digest if call is not None else 0, lambda: description, "the ids",
-                    "every rank must call the same layer with the same ids (same shape and values), mode and dtype")
+        try:
+            self._agree(error, call.digest if call is not None else 0, lambda: description, "the ids",
+                        "every rank must call the same layer with the same ids (same shape and values), mode and dtype")
+        finally:
+            # The error's traceback holds this frame, which would hold the error: a cycle that keeps the call's
+            # buffers (and, while building, the process group) alive until a garbage collection.
+            error = None
         assert call is not None  # _agree raised otherwise
         agreed = time.perf_counter()
         result = self._communicate(call)
@@ -688,7 +697,10 @@ class VocabParallelEmbedding:
                 error = caught
             written = time.perf_counter()
             # The agreement came before these writes, so a second, status-carrying barrier follows them.
-            self._agree(error, 0, lambda: "", "writing the rows into shared memory", "")
+            try:
+                self._agree(error, 0, lambda: "", "writing the rows into shared memory", "")
+            finally:
+                error = None  # see _call
             call.late_gather_s = written - grown
             call.exchange_s = time.perf_counter() - written + grown - started
         started = time.perf_counter()
@@ -776,7 +788,10 @@ class VocabParallelEmbedding:
         except Exception as caught:
             error = caught
         gathered = time.perf_counter()
-        self._agree(error, 0, lambda: "", "gathering the rows", "")
+        try:
+            self._agree(error, 0, lambda: "", "gathering the rows", "")
+        finally:
+            error = None  # see _call
         call.late_gather_s = gathered - started
         call.exchange_s += time.perf_counter() - gathered
         return self._all_reduce(call)
@@ -881,6 +896,7 @@ class VocabParallelEmbedding:
                           f"{which} use the all-reduce", RuntimeWarning, stacklevel=4)
             return False
         finally:
+            error = None  # see _call
             _unlink_quietly(path)  # every rank has mapped it, or the ranks gave up on it
         self._close_segment()
         assert mapping is not None
@@ -1003,6 +1019,12 @@ class _Segment:
             self._mapping.close()
         except BufferError:  # a view of it is still alive somewhere: the map goes with the last one
             pass
+
+
+def _weak_world(dist: Any) -> Callable[[], Any]:
+    """A weak reference to the default process group (None when there is none), held by no frame of the caller."""
+    world = dist.group.WORLD
+    return (lambda: None) if world is None else weakref.ref(world)
 
 
 def _host_identity() -> tuple[int, bool]:

@@ -369,6 +369,36 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
             "lookup message": _message(lambda: fastembed.lookup(table, np.array([[1, 2], [VOCAB, 3]])))}
 
 
+def cycles_task(rank: int, world: int, exchange: str) -> dict:
+    """After a build or a call that raised (on the last rank's account), what the frames held is freed at once.
+
+    The error's traceback held the frame that held the error: a reference cycle, which kept the caller's ids,
+    the call's buffers and, from a failed build, the process group alive until a garbage collection (and a
+    group still alive at exit could crash gloo's threads).
+    """
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        table = make_table("float32", 8)
+        source = table.copy()
+        held = weakref.ref(source)
+        with contextlib.suppress(ValueError):  # the last rank's own error, shared with every rank
+            VocabParallelEmbedding(source, timeout=60, exchange=exchange, pad_to_multiple=0 if rank == world - 1 else 1)
+        del source
+        build_freed = held() is None
+        emb = VocabParallelEmbedding(table, timeout=60, exchange=exchange)
+        ids = np.arange(6) if rank < world - 1 else np.array([1, 2, 3, 4, 5, VOCAB])
+        held = weakref.ref(ids)
+        with contextlib.suppress(IndexError):
+            emb(ids)
+        del ids
+        return {"build freed": build_freed, "call freed": held() is None}
+    finally:
+        gc.enable()
+
+
 def shared_memory_task(rank: int, world: int) -> dict:
     """How the exchange is chosen, refused and given up, and where its segments go: per case, its outcome."""
     table = make_table("float16", 64, vocab=4099)
@@ -563,7 +593,8 @@ def combined_task(rank: int, world: int, files: dict) -> dict:
     checks = {exchange: {"exact": exactness_task(rank, world, exchange),
                          "errors": errors_task(rank, world, files["float16 safetensors"][0], exchange),
                          "checkpoint": checkpoint_task(rank, world, dense, exchange),
-                         "quantized": quantized_task(rank, world, files, exchange)}
+                         "quantized": quantized_task(rank, world, files, exchange),
+                         "cycles": cycles_task(rank, world, exchange)}
               for exchange in EXCHANGES}
     return {**checks, "shared memory": shared_memory_task(rank, world)}
 
@@ -627,6 +658,12 @@ def test_rows_split_evenly_with_padding(group, exchange):
         start, stop = distributed.row_range(VOCAB, world, rank)
         mine = int(((ids >= start) & (ids < stop)).sum())
         assert timings["payload_bytes"] == (3 if exchange == "all_reduce" else mine) * 6 * 2, timings
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_a_failed_build_or_call_frees_what_it_held_at_once(group, exchange):
+    _, ranks = group
+    assert [result[exchange]["cycles"] for result in ranks] == [{"build freed": True, "call freed": True}] * len(ranks)
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
