@@ -844,9 +844,9 @@ class VocabParallelEmbedding:
     def _grow(self, needed: int) -> bool:
         """Replace the segment by one whose buffers hold `needed` bytes, together; False where it cannot be made.
 
-        Rank 0 creates the file (its pages reserved at once), every rank maps
-        it, and it is unlinked once all have, or on any failure: nothing stays
-        in /dev/shm. With ``exchange="auto"`` a failure makes this and larger
+        Every rank unmaps the old segment first; rank 0 creates the file (its
+        pages reserved at once), every rank maps it, and it is unlinked once
+        all have, or on any failure: nothing stays in /dev/shm. With ``exchange="auto"`` a failure makes this and larger
         calls use the all-reduce (a file that another rank cannot open: every
         call); with ``"shared_memory"`` it is raised on every rank.
 
@@ -858,6 +858,11 @@ class VocabParallelEmbedding:
         buffer_bytes = -(-needed // SEGMENT_GRANULE) * SEGMENT_GRANULE
         if self._refused is not None and buffer_bytes >= self._refused:
             return False
+        if self._segment is not None:
+            # No rank reads the old segment after this call's agreement; unmapped by every rank first, its pages
+            # do not count beside the new one's in /dev/shm (a new one that fits alone is then never refused).
+            self._close_segment()
+            self._agree(None, 0, lambda: "", "releasing the shared-memory segment", "")
         path = os.path.join(SHM_FOLDER, self._segment_name(self._generation))
         self._generation += 1
         mapping: mmap.mmap | None = None

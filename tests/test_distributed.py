@@ -438,6 +438,11 @@ def shared_memory_task(rank: int, world: int) -> dict:
             raise OSError(28, "No space left on device")
         return real_create(path, size)
 
+    def room_for_one(path, size):  # a /dev/shm with room for one segment at a time, whatever its size
+        if layers[-1]._segment is not None:
+            raise OSError(28, "No space left on device (the old segment is still mapped)")
+        return real_create(path, size)
+
     def other_shm(path, size):  # the last rank sees another /dev/shm
         if rank == last:
             raise FileNotFoundError(2, "No such file or directory", path)
@@ -479,6 +484,10 @@ def shared_memory_task(rank: int, world: int) -> dict:
         "bad exchange": lambda: outcome(lambda: build(exchange="gloo")),
         "small shm, auto": lambda: with_patch("_create_mapping", small_shm, auto_sequence),
         "small shm, shared_memory": lambda: with_patch("_create_mapping", small_shm, explicit_refused),
+        "growing in a shm with room for one segment": lambda: with_patch(
+            "_create_mapping", room_for_one,
+            lambda: (lambda emb: [used(emb, small), outcome(lambda: used(emb, large))[0], emb.last_timings.exchange])(
+                build(exchange="shared_memory"))),
         "other shm, auto": lambda: with_patch("_open_mapping", other_shm, auto_sequence),
         "other shm, shared_memory": lambda: with_patch("_open_mapping", other_shm, explicit_refused),
     }
@@ -826,12 +835,15 @@ def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group)
     assert seen["bad exchange"] == ("ValueError", "exchange must be 'auto', 'shared_memory' or 'all_reduce', "
                                                       "got 'gloo'")
     # a /dev/shm too small for the large calls: those use the all-reduce (tried once, with a warning), small ones not
+    # (in a segment made again: the small one was given up before the large one was tried)
     (sequence, warned) = seen["small shm, auto"]
-    assert sequence == [shm, shm, reduce, reduce, shm, 2], sequence
+    assert sequence == [shm, shm, reduce, reduce, shm, 3], sequence
     assert len(warned) == 1 and "No space left on device" in warned[0] and "use the all-reduce" in warned[0], warned
     (before, refused, after, exchange), _ = seen["small shm, shared_memory"]
     assert (before, after, exchange) == ("no error", "no error", shm)
     assert refused[0] == "OSError" and "No space left on device" in refused[1] and f"(on rank 0 of {world})" in refused[1]
+    # the old segment is unmapped on every rank before a larger one is made
+    assert seen["growing in a shm with room for one segment"] == ([shm, "no error", shm], [])
     # a rank that cannot open rank 0's file: the layer gives shared memory up
     (sequence, warned) = seen["other shm, auto"]
     assert sequence == [shm, reduce, reduce, reduce, reduce, 1] and len(warned) == 1, (sequence, warned)
