@@ -459,6 +459,15 @@ class VocabParallelEmbedding:
                              "copied to a GPU): there is no file to check")
         self._shard.watch.check()
 
+    def __copy__(self) -> VocabParallelEmbedding:
+        raise TypeError(_NOT_COPIED)
+
+    def __deepcopy__(self, memo: dict) -> VocabParallelEmbedding:
+        raise TypeError(_NOT_COPIED)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(_NOT_COPIED)
+
     def __repr__(self) -> str:
         kind = f"format={self.format!r}" if self._quantized else f"dtype={self.dtype}"
         return (f"VocabParallelEmbedding(vocab_size={self.vocab_size}, dim={self._dim}, {kind}, "
@@ -1024,6 +1033,13 @@ class _Segment:
             self._mapping.close()
         except BufferError:  # a view of it is still alive somewhere: the map goes with the last one
             pass
+
+
+#: Why a layer is never copied: its calls are collectives, in step with the other ranks' (which buffer of the
+#: shared-memory segment a call writes, say), and a copy would fall out of step.
+_NOT_COPIED = ("a VocabParallelEmbedding cannot be copied or pickled: it is this rank's part of one layer whose calls "
+               "the ranks make in step, and a copy would fall out of step with the others; build another layer on "
+               "every rank instead")
 
 
 def _weak_world(dist: Any) -> Callable[[], Any]:

@@ -394,7 +394,11 @@ def cycles_task(rank: int, world: int, exchange: str) -> dict:
         with contextlib.suppress(IndexError):
             emb(ids)
         del ids
-        return {"build freed": build_freed, "call freed": held() is None}
+        import copy
+
+        copies = [_outcome(lambda: copy.copy(emb))[:2], _outcome(lambda: copy.deepcopy(emb))[:2],
+                  _outcome(lambda: pickle.dumps(emb))[:2]]
+        return {"build freed": build_freed, "call freed": held() is None, "copies": copies}
     finally:
         gc.enable()
 
@@ -670,9 +674,14 @@ def test_rows_split_evenly_with_padding(group, exchange):
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
-def test_a_failed_build_or_call_frees_what_it_held_at_once(group, exchange):
+def test_a_failed_build_or_call_frees_what_it_held_at_once_and_a_layer_is_never_copied(group, exchange):
     _, ranks = group
-    assert [result[exchange]["cycles"] for result in ranks] == [{"build freed": True, "call freed": True}] * len(ranks)
+    for result in ranks:
+        outcome = result[exchange]["cycles"]
+        assert (outcome["build freed"], outcome["call freed"]) == (True, True), outcome
+        # a copy would fall out of step with the other ranks (a copy's call wrote a buffer another rank still read)
+        assert [kind for kind, _ in outcome["copies"]] == ["TypeError"] * 3, outcome["copies"]
+        assert all("cannot be copied or pickled" in message for _, message in outcome["copies"])
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
