@@ -36,7 +36,7 @@ def gather_cast(backend: Backend, table: np.ndarray, ids: np.ndarray, out: np.nd
     if out is None:
         out = np.empty(ids.shape + (table.shape[1],), dtype=dtype)
     flat_ids = ids.reshape(-1)
-    rows_out = out.reshape(-1, table.shape[1])
+    rows_out = out.reshape(flat_ids.size, table.shape[1])  # not -1: a table of no columns has nothing to divide by
     step = max(1, SCRATCH_BYTES // max(1, table.shape[1] * table.dtype.itemsize))
     scratch = np.empty((min(step, flat_ids.size), table.shape[1]), dtype=table.dtype)
     # Overflow to infinity is the documented rounding, not an error: a caller's np.seterr must not stop the cast half-way.

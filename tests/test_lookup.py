@@ -183,6 +183,8 @@ def test_zero_width_table(backend):
     assert fastembed.lookup(table, [1, 4], backend=backend).shape == (2, 0)
     with pytest.raises(IndexError, match="id 5 at position 1"):
         fastembed.lookup(table, [0, 5], backend=backend)
+    for ids, shape in (([[1, 4], [0, 2]], (2, 2, 0)), ([], (0, 0))):  # cast too: no row size to divide by
+        assert fastembed.lookup(table, ids, dtype="float32", backend=backend).shape == shape
 
 
 def test_a_table_without_rows_says_no_id_is_valid(backend):
