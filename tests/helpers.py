@@ -46,3 +46,16 @@ def run_script(folder, source: str) -> subprocess.CompletedProcess:
     script = folder / "script.py"
     script.write_text(source)
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+
+
+class Producer:
+    """Another library's host array: DLPack only."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()

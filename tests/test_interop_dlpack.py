@@ -13,20 +13,7 @@ import pytest
 import fastembed
 from fastembed import validate
 from fastembed.arrays import adapter_of, dlpack_adapter
-from helpers import assert_bit_equal, poisoned, random_table
-
-
-class Producer:
-    """Another library's host array: DLPack only."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
+from helpers import Producer, assert_bit_equal, poisoned, random_table
 
 
 class LegacyProducer(Producer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -285,17 +286,13 @@ def test_import_fastembed_does_not_import_torch():
 
 
 READ_ONLY_OUT = """
+import sys
 import numpy as np, torch, fastembed
+sys.path.insert(0, {tests!r})
+from helpers import Producer  # another library's DLPack export of the same memory
 np.save({path!r}, np.arange(40, dtype=np.float32).reshape(10, 4))
 tt = torch.from_dlpack(np.load({path!r}, mmap_mode="r"))  # torch drops the read-only flag
 table = np.ones((10, 4), np.float32)
-class Producer:  # another library's DLPack export of the same memory
-    def __init__(self, tensor):
-        self.tensor = tensor
-    def __dlpack__(self, **options):
-        return self.tensor.__dlpack__(**options)
-    def __dlpack_device__(self):
-        return self.tensor.__dlpack_device__()
 for attempt in (lambda: fastembed.lookup(table, [1], out=tt[:1]), lambda: fastembed.Embedding(table)([1, 2], out=tt[:2]),
                 lambda: fastembed.lookup(torch.from_numpy(table), [9], out=tt[9:]),
                 lambda: fastembed.lookup(table, [1, 2], out=tt.numpy()[:2]),  # numpy's view says writeable too
@@ -316,7 +313,7 @@ print("refused as out, served as a table")
 def test_a_tensor_over_read_only_memory_as_out_is_a_value_error_not_a_crash(tmp_path):
     """It once killed the process (SIGSEGV): torch marks no tensor read-only, so the numpy view said writeable
     (as numpy's own view of the tensor, and another library's DLPack export of it, still do)."""
-    result = subprocess.run([sys.executable, "-c", READ_ONLY_OUT.format(path=str(tmp_path / "ro.npy"))],
+    result = subprocess.run([sys.executable, "-c", READ_ONLY_OUT.format(path=str(tmp_path / "ro.npy"), tests=str(Path(__file__).parent))],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.strip() == "refused as out, served as a table"
