@@ -933,7 +933,7 @@ class VocabParallelEmbedding:
         raise a ValueError listing each rank's description.
         """
         self._mine[0] = 0 if error is None else _error_code(error)
-        self._mine[1] = digest
+        self._mine[1] = digest if error is None else getattr(error, "errno", None) or 0  # an OSError's errno travels
         self._collective(lambda: self._dist.all_gather(self._theirs_list, self._mine, group=self._group,
                                                        async_op=True), f"the agreement on {what}")
         rows = self._theirs.tolist()  # one read back: on NCCL each read of the GPU tensor waits for the device
@@ -941,7 +941,7 @@ class VocabParallelEmbedding:
         if not any(codes) and len(set(digests)) == 1:
             return
         texts = self._gather_texts(str(error) if error is not None else describe())
-        raise _shared_error(codes, texts, what, requirement) from error
+        raise _shared_error(codes, texts, what, requirement, digests) from error
 
     def _gather_texts(self, text: str) -> list[str]:
         """Every rank's `text` (cut to MESSAGE_BYTES), on every rank: only on the error path."""
@@ -1282,8 +1282,8 @@ def _error_code(error: BaseException) -> int:
     return len(_SHARED) + 1
 
 
-def _shared_error(codes: list[int], texts: list[str], what: str, requirement: str) -> Exception:
-    """The one error every rank raises, from every rank's status code and text."""
+def _shared_error(codes: list[int], texts: list[str], what: str, requirement: str, numbers: list[int]) -> Exception:
+    """The one error every rank raises, from every rank's status code, text and (for an OSError) errno."""
     world_size = len(codes)
     failed = [rank for rank, code in enumerate(codes) if code]
     if not failed:
@@ -1293,9 +1293,13 @@ def _shared_error(codes: list[int], texts: list[str], what: str, requirement: st
     kind = _SHARED[codes[first] - 1] if codes[first] <= len(_SHARED) else RuntimeError
     same = [rank for rank in failed if codes[rank] == codes[first] and texts[rank] == texts[first]]
     if len(same) == world_size:
-        return kind(texts[first])
-    ranks = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
-    return kind(f"{texts[first]} (on {ranks} of {world_size})")
+        shared = kind(texts[first])
+    else:
+        ranks = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
+        shared = kind(f"{texts[first]} (on {ranks} of {world_size})")
+    if isinstance(shared, OSError) and numbers[first]:
+        shared.errno = numbers[first]  # ENOSPC stays testable on every rank
+    return shared
 
 
 def _torch_distributed() -> tuple[Any, Any]:

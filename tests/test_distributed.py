@@ -474,6 +474,14 @@ def shared_memory_task(rank: int, world: int) -> dict:
         refused = outcome(lambda: emb(large))
         return before[0], refused, outcome(lambda: used(emb, small))[0], emb.exchange
 
+    def refused_errno():
+        emb = build(exchange="shared_memory")
+        try:
+            emb(large)
+        except OSError as error:
+            return error.errno
+        return None
+
     cases = {
         "auto": lambda: auto_sequence(),
         "all_reduce": lambda: (lambda emb: [emb.exchange, used(emb, large), len(emb._segment_names())])(
@@ -488,6 +496,7 @@ def shared_memory_task(rank: int, world: int) -> dict:
         "bad exchange": lambda: outcome(lambda: build(exchange="gloo")),
         "small shm, auto": lambda: with_patch("_create_mapping", small_shm, auto_sequence),
         "small shm, shared_memory": lambda: with_patch("_create_mapping", small_shm, explicit_refused),
+        "small shm, errno": lambda: with_patch("_create_mapping", small_shm, refused_errno),
         "growing in a shm with room for one segment": lambda: with_patch(
             "_create_mapping", room_for_one,
             lambda: (lambda emb: [used(emb, small), outcome(lambda: used(emb, large))[0], emb.last_timings.exchange])(
@@ -851,6 +860,7 @@ def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group)
     (before, refused, after, exchange), _ = seen["small shm, shared_memory"]
     assert (before, after, exchange) == ("no error", "no error", shm)
     assert refused[0] == "OSError" and "No space left on device" in refused[1] and f"(on rank 0 of {world})" in refused[1]
+    assert seen["small shm, errno"] == (28, [])  # rank 0's ENOSPC, on every rank
     # the old segment is unmapped on every rank before a larger one is made
     assert seen["growing in a shm with room for one segment"] == ([shm, "no error", shm], [])
     # a rank that cannot open rank 0's file: the layer gives shared memory up
