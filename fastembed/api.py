@@ -131,18 +131,6 @@ def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend:
         return result if isinstance(rows, _NDARRAY) else result_like(result, rows)
 
 
-def _watch_of(table: Any) -> Any:
-    """A FileWatch over the file whose np.memmap holds `table`'s rows; None for other tables, or a file gone since."""
-    if not isinstance(table.data if type(table) is QuantizedTable else table, np.memmap):
-        return None
-    from .io import FileWatch
-
-    try:
-        return FileWatch.for_table(table)
-    except OSError:  # unlinked after mapping (the map lives on), or no longer readable
-        return None
-
-
 def _host_array(like: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A new host array that :func:`result_like` can hand back as an array of `like`'s library without a copy."""
     aligned = aligned_result(like, shape, dtype)
@@ -157,16 +145,11 @@ class Embedding:
     view of the table, taken at construction: reassigning the caller's
     ``table.shape`` afterwards does not change the layer.
 
-    A table whose rows are an ``np.memmap`` of a file (what the loaders
-    return, or ``np.load(path, mmap_mode="r")``) has its file watched from
-    construction on: :meth:`check_file`.
-
     Args:
         table: as for :func:`lookup`.
 
     Raises:
         TypeError, ValueError: as :func:`lookup` for a bad table.
-        ValueError: a memory-mapped table whose file is already shorter than the table.
 
     Example:
         >>> import numpy as np, fastembed
@@ -182,7 +165,7 @@ class Embedding:
         # A torch table's memory can be freed under the view (resize_): checked before every call.
         self._guards = memory_guards(self._rows, table.scales if type(table) is QuantizedTable else None)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
-        self._watch = _watch_of(table)
+        self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
         self._row_stride = self._view.strides[0] if type(self._view) is _NDARRAY else 0  # an output row's bytes
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:
@@ -309,7 +292,7 @@ class Embedding:
         """
         from .io import map_safetensors
 
-        return cls(map_safetensors(path, name))
+        return cls._opened(map_safetensors(path, name))
 
     @classmethod
     def from_npy(cls, path: str | os.PathLike) -> Embedding:
@@ -328,7 +311,7 @@ class Embedding:
         """
         from .io import map_npy_rows
 
-        return cls(map_npy_rows(path))
+        return cls._opened(map_npy_rows(path))
 
     @classmethod
     def from_pretrained(cls, source: Any, name: str | None = None) -> Embedding:
@@ -368,7 +351,16 @@ class Embedding:
             return cls(source)
         from .io import open_table
 
-        return cls(open_table(source, name))
+        return cls._opened(open_table(source, name))
+
+    @classmethod
+    def _opened(cls, table: Any) -> Embedding:
+        """An Embedding over a table the loaders mapped from a file, watching that file."""
+        from .io import FileWatch
+
+        embedding = cls(table)
+        embedding._watch = FileWatch.for_table(table)
+        return embedding
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike, name: str | None = None) -> Embedding:
@@ -391,7 +383,7 @@ class Embedding:
         """
         from .io import map_gguf
 
-        return cls(map_gguf(path, name))
+        return cls._opened(map_gguf(path, name))
 
     def save(self, path: str | os.PathLike, name: str | None = None) -> None:
         """Write the table to `path`: ``.gguf`` (dense float tables and the GGUF block formats) or ``.safetensors``.
@@ -471,7 +463,7 @@ class Embedding:
         return Embedding(QuantizedTable(data, fmt, dim, scales))
 
     def check_file(self) -> None:
-        """Raise if the file behind a mapped table shrank or was modified in place since the layer was built.
+        """Raise if the file behind a mapped table shrank or was modified in place since it was opened.
 
         A lookup touching a page that a truncation removed would kill the
         process (SIGBUS); this check costs one system call, so it is left to
@@ -480,12 +472,10 @@ class Embedding:
 
         Raises:
             fastembed.io.FileChangedError: the file changed.
-            ValueError: the table's rows are not an np.memmap of a file (or its file
-                could not be opened when the layer was built).
+            ValueError: the table was not opened from a file by fastembed.
         """
         if self._watch is None:
-            raise ValueError("this table's rows are not memory-mapped from a file that could be opened when the layer "
-                             "was built (an np.memmap, as the loaders return): there is no file to check")
+            raise ValueError("this table was not memory-mapped from a file by fastembed: there is no file to check")
         self._watch.check()
 
     def to_device(self, device: int = 0) -> Embedding:

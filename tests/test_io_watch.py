@@ -151,29 +151,3 @@ def test_a_copied_layer_watches_through_its_own_descriptor_and_a_mapped_one_refu
         other.write("still open")
     with pytest.raises(TypeError, match="cannot be pickled.*from_pretrained"):
         pickle.dumps(fastembed.Embedding.from_npy(path))
-
-
-def test_a_layer_over_any_mapped_table_watches_its_file(tmp_path):
-    """Embedding(table) of a table the loaders mapped, or of np.load's map, watches the file as from_pretrained does."""
-    import fastembed
-
-    path = tmp_path / "table.npy"
-    np.save(path, random_table(64, 8, "float32"))
-    for table in (io.open_table(path), np.load(path, mmap_mode="r")):
-        emb = fastembed.Embedding(table)
-        emb.check_file()
-        os.utime(path, ns=(0, 0))  # a rewrite in place moves the times; this moves them as one would
-        with pytest.raises(io.FileChangedError):
-            emb.check_file()
-        np.save(path, random_table(64, 8, "float32"))
-    with pytest.raises(ValueError, match="not memory-mapped from a file"):
-        fastembed.Embedding(random_table(64, 8, "float32")).check_file()
-    unlinked = np.load(path, mmap_mode="r")
-    os.unlink(path)  # the map lives on, its file has no name left to open
-    with pytest.raises(ValueError, match="not memory-mapped from a file that could be opened"):
-        fastembed.Embedding(unlinked).check_file()
-    np.save(path, random_table(64, 8, "float32"))
-    shortened = np.load(path, mmap_mode="r")
-    os.truncate(path, 1024)
-    with pytest.raises(ValueError, match="shorter than the"):
-        fastembed.Embedding(shortened)
