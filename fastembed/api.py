@@ -470,12 +470,19 @@ class Embedding:
         the caller's rhythm (per request, per batch). It narrows the window;
         it cannot close it.
 
+        Only a layer that a loader constructor made (:meth:`from_pretrained`,
+        :meth:`from_safetensors`, :meth:`from_npy`, :meth:`from_gguf`) watches
+        its file, from the moment it mapped it; ``Embedding(table)`` watches none.
+
         Raises:
             fastembed.io.FileChangedError: the file changed.
-            ValueError: the table was not opened from a file by fastembed.
+            ValueError: the layer was not made by a loader constructor.
         """
         if self._watch is None:
-            raise ValueError("this table was not memory-mapped from a file by fastembed: there is no file to check")
+            raise ValueError("this layer watches no file: only the layers Embedding.from_pretrained (and from_safetensors, "
+                             "from_npy, from_gguf) make watch the file they map, from the moment they map it; for a "
+                             "table from fastembed.io.open_table use Embedding.from_pretrained(path) instead, or watch it "
+                             "with fastembed.io.FileWatch.for_table(table)")
         self._watch.check()
 
     def to_device(self, device: int = 0) -> Embedding:
