@@ -29,16 +29,19 @@ def lent(array: np.ndarray) -> bool:
     ctypes object's are.
     """
     base: object = array
-    while isinstance(base, np.ndarray):
+    while isinstance(base, (np.ndarray, memoryview)):
+        if isinstance(base, memoryview):
+            base = base.obj  # a memoryview of a ctypes array (np.ctypeslib.as_array) is the ctypes memory's
+            continue
         if base.base is None:
             return False
         base = base.base
-    return not isinstance(base, (mmap.mmap, memoryview, bytes, bytearray))
+    return not isinstance(base, (mmap.mmap, bytes, bytearray))
 
 
-#: The pipe the write probe passes bytes through: (read end, write end, the pipe's (st_dev, st_ino)), made on
-#: first use; and the lock of its one user at a time.
-_probe_pipe: tuple[int, int, tuple[int, int]] | None = None
+#: The pipe the write probe passes bytes through: (read end, write end, their identity as _pipe_identity gives
+#: it), made on first use; and the lock of its one user at a time.
+_probe_pipe: tuple[int, int, tuple[int, ...]] | None = None
 _probe_lock = threading.Lock()
 
 
@@ -75,13 +78,19 @@ def can_write(view: np.ndarray) -> bool:
 
 
 def _passed_through(read_end: int, write_end: int, cells: list[memoryview]) -> bool:
-    """Whether `cells` went into the pipe and came back into their own memory; the pipe is left empty either way."""
+    """Whether `cells` went into the pipe and came back into their own memory; the pipe is left empty either way.
+
+    Also when interrupted (KeyboardInterrupt between the two calls): bytes left behind would be read into the
+    next probe's memory.
+    """
+    done = False
     try:
         done = os.writev(write_end, cells) == 2 and os.readv(read_end, cells) == 2
     except OSError:
-        done = False
-    if not done:
-        _empty(read_end)
+        pass
+    finally:
+        if not done:
+            _empty(read_end)
     return done
 
 
@@ -91,16 +100,18 @@ def _new_pipe() -> tuple[int, int]:
     return read_end, write_end
 
 
-def _pipe_identity(read_end: int, write_end: int) -> tuple[int, int] | None:
-    """The (st_dev, st_ino) both descriptors share when they are the two ends of one pipe, else None."""
+def _pipe_identity(read_end: int, write_end: int) -> tuple[int, ...] | None:
+    """Each descriptor's (st_dev, st_ino) when both are pipes, else None (closed, or other files now).
+
+    The two ends of one pipe share an inode on Linux, not on macOS or the BSDs: each end's is kept.
+    """
     try:
         ends = os.fstat(read_end), os.fstat(write_end)
     except OSError:  # closed
         return None
-    if not all(stat.S_ISFIFO(end.st_mode) for end in ends) or (ends[0].st_dev, ends[0].st_ino) != (
-            ends[1].st_dev, ends[1].st_ino):
+    if not all(stat.S_ISFIFO(end.st_mode) for end in ends):
         return None
-    return ends[0].st_dev, ends[0].st_ino
+    return ends[0].st_dev, ends[0].st_ino, ends[1].st_dev, ends[1].st_ino
 
 
 def _probe_ends() -> tuple[int, int]:
