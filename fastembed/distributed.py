@@ -933,7 +933,7 @@ class VocabParallelEmbedding:
         raise a ValueError listing each rank's description.
         """
         self._mine[0] = 0 if error is None else _error_code(error)
-        self._mine[1] = digest if error is None else getattr(error, "errno", None) or 0  # an OSError's errno travels
+        self._mine[1] = digest if error is None else _errno_of(error)
         self._collective(lambda: self._dist.all_gather(self._theirs_list, self._mine, group=self._group,
                                                        async_op=True), f"the agreement on {what}")
         rows = self._theirs.tolist()  # one read back: on NCCL each read of the GPU tensor waits for the device
@@ -1040,6 +1040,12 @@ class _Segment:
 _NOT_COPIED = ("a VocabParallelEmbedding cannot be copied or pickled: it is this rank's part of one layer whose calls "
                "the ranks make in step, and a copy would fall out of step with the others; build another layer on "
                "every rank instead")
+
+
+def _errno_of(error: Exception) -> int:
+    """An OSError's errno, to travel with its status (0 when it has none that fits an int64: OSError("a", "b")'s is "a")."""
+    number = getattr(error, "errno", None)
+    return number if type(number) is int and 0 < number < 2**63 else 0
 
 
 def _weak_world(dist: Any) -> Callable[[], Any]:

@@ -322,6 +322,10 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
         with emb._calling:  # as a second thread of this rank finds it
             emb([1])
 
+    class OddIds:  # ids whose conversion raises an OSError whose errno is no number
+        def __array__(self, dtype=None, copy=None):
+            raise OSError("not a number", "the ids' source went away")
+
     def after_a_resize_on_the_last_rank():
         if rank == last:
             torch_table.untyped_storage().resize_(0)
@@ -352,6 +356,7 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
         "timeout under a millisecond": lambda: build(table, timeout=1e-4),
         "timeout over a year": lambda: build(table, timeout=1e14),
         "two threads at once": while_another_thread_calls,
+        "an OSError without a numeric errno on one rank": lambda: emb(OddIds() if rank == last else [1]),
         "storage resized on one rank": after_a_resize_on_the_last_rank,
     }
     outcomes = {}
@@ -708,7 +713,7 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
         "bad timeout on one rank": "ValueError", "name with an array": "ValueError",
         "different layers": "ValueError", "timeout under a millisecond": "ValueError",
         "timeout over a year": "ValueError", "two threads at once": "RuntimeError",
-        "storage resized on one rank": "ValueError",
+        "storage resized on one rank": "ValueError", "an OSError without a numeric errno on one rank": "OSError",
     }
     for case, kind in expected_types.items():
         seen = {(outcome[case][0], outcome[case][1]) for outcome in outcomes}
@@ -739,6 +744,8 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
     assert "called from two threads of one rank at once" in message["two threads at once"]
     assert "storage was resized in place" in message["storage resized on one rank"]
     assert f"(on rank {world - 1} of {world})" in message["storage resized on one rank"]
+    assert f"the ids' source went away (on rank {world - 1} of {world})" in message[
+        "an OSError without a numeric errno on one rank"]
     for rank, result in enumerate(ranks):
         assert result[exchange]["errors"]["after"] == [], f"rank {rank}: the group was not usable after the errors"
 
