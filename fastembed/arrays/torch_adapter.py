@@ -46,9 +46,12 @@ import numpy as np
 from . import numpy_adapter, write_probe
 
 #: torch dtype name -> the torch integer dtype of the same width, for the dtypes numpy has not (ml_dtypes has them).
-#: torch's sub-byte "shell" dtypes, one value per byte, which torch exports through DLPack as int8 or uint8.
-_SHELL_DTYPES = frozenset([f"int{bits}" for bits in range(1, 8)] + [f"uint{bits}" for bits in range(1, 8)])
 _VIA_INTEGER = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+#: torch's sub-byte "shell" dtypes, one value per byte, which torch exports through DLPack as int8 or uint8:
+#: name -> that dtype's name.
+_SHELL_DTYPES = {f"{sign}int{bits}": f"{sign}int8" for sign in ("", "u") for bits in range(1, 8)}
+#: The same, keyed by torch dtype objects; built on first use.
+_shell_torch: dict[Any, tuple[str, str]] | None = None
 #: The same, keyed by torch dtype objects (torch dtype -> (torch integer dtype, name)); built on first use.
 _via_torch: dict[Any, tuple[Any, str]] | None = None
 _NO_CONTEXT = contextlib.nullcontext()
@@ -136,12 +139,12 @@ class TorchAdapter:
             raise TypeError(f"torch tensors of layout {tensor.layout} are not supported; fastembed reads strided "
                             "(dense) tensors: pass tensor.to_dense()")
         _check_storage_holds(tensor)
-        name = str(tensor.dtype).removeprefix("torch.")
-        if name in _SHELL_DTYPES:
-            raise TypeError(f"torch.{name} keeps one value per byte, which DLPack and numpy see as "
-                            f"{'uint8' if name.startswith('u') else 'int8'}, and results would come back so: view "
-                            f"the tensor as that dtype (tensor.view(torch.{'uint8' if name.startswith('u') else 'int8'}))"
-                            " to gather its bytes")
+        shell = _shell_dtypes().get(tensor.dtype)
+        if shell is not None:
+            name, stored = shell
+            raise TypeError(f"torch.{name} keeps one value per byte, which DLPack and numpy see as {stored}, and "
+                            f"results would come back so: view the tensor as that dtype (tensor.view(torch.{stored})) "
+                            "to gather its bytes")
         if device != "cpu":
             if device.startswith("cuda:"):
                 return _cuda_view(tensor, _index(device))
@@ -505,6 +508,17 @@ def _via_integer() -> dict[Any, tuple[Any, str]]:
             if hasattr(torch, name)
         }
     return _via_torch
+
+
+def _shell_dtypes() -> dict[Any, tuple[str, str]]:
+    """torch's shell dtypes this torch has -> (name, the name of the byte dtype DLPack exports them as)."""
+    global _shell_torch
+    if _shell_torch is None:
+        import torch
+
+        _shell_torch = {getattr(torch, name): (name, stored) for name, stored in _SHELL_DTYPES.items()
+                        if hasattr(torch, name)}
+    return _shell_torch
 
 
 def _ml_dtype(name: str) -> Any:
