@@ -166,7 +166,8 @@ class BlockFormat:
                 raise TypeError(f"BlockFormat {self.name!r}: {field_name} must be an integer, got {value!r}")
             if value <= 0:
                 raise ValueError(f"BlockFormat {self.name!r}: {field_name} must be 1 or more, got {value}")
-        if self.ggml_type is not None and (isinstance(self.ggml_type, bool) or not isinstance(self.ggml_type, int)):
+        if self.ggml_type is not None and (isinstance(self.ggml_type, bool)
+                                           or not isinstance(self.ggml_type, (int, np.integer))):
             raise TypeError(f"BlockFormat {self.name!r}: ggml_type must be an integer or None, got {self.ggml_type!r}")
         if not callable(self.dequantize_blocks):
             raise TypeError(f"BlockFormat {self.name!r}: dequantize_blocks must be callable, got {self.dequantize_blocks!r}")
