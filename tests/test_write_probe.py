@@ -73,3 +73,15 @@ def test_read_only_ctypes_memory_is_lent_and_refused():
         assert not write_probe.can_write(view)
     finally:
         libc.mprotect(ctypes.c_void_p(address), page, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_a_pipe_with_one_end_closed_is_replaced_and_its_other_end_closed():
+    """A process closing one of the pipe's numbers (and perhaps reusing it) must not leak the other end."""
+    assert write_probe.can_write(np.ones(4))
+    read_end, _, identity = write_probe._probe_pipe
+    held = len(os.listdir("/proc/self/fd"))
+    os.close(read_end)
+    assert write_probe.can_write(np.ones(4))
+    assert write_probe._probe_pipe[2] != identity  # a new pipe
+    assert len(os.listdir("/proc/self/fd")) == held  # its two ends, and not the old write end besides

@@ -121,12 +121,24 @@ def _probe_ends() -> tuple[int, int]:
         read_end, write_end, identity = _probe_pipe
         if _pipe_identity(read_end, write_end) == identity:
             return read_end, write_end
-        _probe_pipe = None  # never closed here: its numbers may be other files of the process's now
+        _close_still_ours(read_end, write_end, identity)  # one end closed or reused: the other is not leaked
+        _probe_pipe = None
     read_end, write_end = _new_pipe()
     made = _pipe_identity(read_end, write_end)
     assert made is not None  # a pipe just made
     _probe_pipe = (read_end, write_end, made)
     return read_end, write_end
+
+
+def _close_still_ours(read_end: int, write_end: int, identity: tuple[int, ...]) -> None:
+    """Close each end that is still the probe's pipe end; a number that names another file now is left alone."""
+    for end, recorded in ((read_end, identity[:2]), (write_end, identity[2:])):
+        try:
+            status = os.fstat(end)
+        except OSError:  # closed already
+            continue
+        if stat.S_ISFIFO(status.st_mode) and (status.st_dev, status.st_ino) == recorded:
+            os.close(end)
 
 
 def _empty(read_end: int) -> None:
@@ -142,10 +154,7 @@ def _new_probe_pipe_in_child() -> None:
     """After a fork: the child must not share the parent's pipe (their bytes would mix) nor its lock's state."""
     global _probe_pipe, _probe_lock
     if _probe_pipe is not None:
-        read_end, write_end, identity = _probe_pipe
-        if _pipe_identity(read_end, write_end) == identity:  # else the numbers are other files: left alone
-            os.close(read_end)
-            os.close(write_end)
+        _close_still_ours(*_probe_pipe)
     _probe_pipe, _probe_lock = None, threading.Lock()
 
 
