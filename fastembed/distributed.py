@@ -855,9 +855,10 @@ class VocabParallelEmbedding:
 
         Every rank unmaps the old segment first; rank 0 creates the file (its
         pages reserved at once), every rank maps it, and it is unlinked once
-        all have, or on any failure: nothing stays in /dev/shm. With ``exchange="auto"`` a failure makes this and larger
-        calls use the all-reduce (a file that another rank cannot open: every
-        call); with ``"shared_memory"`` it is raised on every rank.
+        all have, or on any failure: nothing stays in /dev/shm. With
+        ``exchange="auto"`` a failure makes this and larger calls use the
+        all-reduce (a file that another rank cannot open: every call); with
+        ``"shared_memory"`` it is raised on every rank.
 
         Raises:
             OSError, ValueError, MemoryError: the segment could not be made or

@@ -470,11 +470,13 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             ):
                 # Different arrays that each own their buffer cannot overlap.
                 return view
+            base = out.base
             if not np.may_share_memory(view, table) and not np.may_share_memory(
                 view, _caller_ids_memory(caller_ids, ids)
-            ) and not write_probe.lent(out):
+            ) and ((type(base) is _NDARRAY and base.base is None) or not write_probe.lent(out)):
                 # Disjoint address ranges cannot overlap (a mapped table, views): the exact test is left for the rest,
-                # and so is memory another library lent, which may be read-only whatever numpy says.
+                # and so is memory another library lent, which may be read-only whatever numpy says (a view of an
+                # array owning its memory, the decode loop's out=buffer[:n], is told apart without the walk).
                 return view
     adapter = adapter_of(out)
     if adapter is None:

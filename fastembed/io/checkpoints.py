@@ -127,8 +127,7 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
     kept = outside_numbered_layers(list(candidates))
     candidates = {name: candidates[name] for name in kept}
     if expected is not None and any(expected):
-        fitting = {name: shape for name, shape in candidates.items()
-                   if all(want is None or want == have for want, have in zip(expected, shape, strict=True))}
+        fitting = {name: shape for name, shape in candidates.items() if _fits(expected, shape)}
         if not fitting:
             raise ValueError(f"{where}: config.json gives the token embedding shape {_shape_text(expected)} but no tensor "
                              f"named like one has it; pass name= one of {_with_shapes(candidates)}")
@@ -139,6 +138,11 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
     if len(top) == 1:
         return top[0]
     raise ValueError(f"{where}: several tensors look like token embeddings, pass name= one of {_with_shapes({n: candidates[n] for n in top})}")
+
+
+def _fits(expected: tuple[int | None, int | None], shape: tuple[int, ...]) -> bool:
+    """Whether a 2-D `shape` is config.json's `expected` (vocab_size, width), where either may be unknown (None)."""
+    return all(want is None or want == have for want, have in zip(expected, shape, strict=True))
 
 
 def _shape_text(expected: tuple[int | None, int | None]) -> str:
@@ -317,8 +321,7 @@ def _confirmed(table: np.memmap | QuantizedTable, expected: tuple[int | None, in
     Candidates chosen by name were narrowed by that shape already; this
     catches the table a file's ``fastembed.tensor`` metadata names.
     """
-    if expected is not None and not all(want is None or want == have
-                                        for want, have in zip(expected, table.shape, strict=True)):
+    if expected is not None and not _fits(expected, table.shape):
         raise ValueError(f"{where}: config.json gives the token embedding shape {_shape_text(expected)}, but the "
                          f"table {name!r} has shape {tuple(table.shape)} (a config.json of another model?)")
     return table
