@@ -129,6 +129,12 @@ _CHECK = 'name = "x"\ncontender = "fastembed-out"\nmetric = "speedup_vs_numpy"\n
      'min = 1\nbatch = 8\ndistribution = "uniform"\n', "versus 'numpy-fancyy' is no contender"),
     ('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "served_by"\nexpect_backend = "numbaa"\n'
      'batch = 8\ndistribution = "uniform"\n', "expect_backend 'numbaa' is no backend"),
+    ('[[check]]\nname = "x"\ncontender = ["a"]\nmetric = "speedup_vs_numpy"\nmin = 1\nbatch = 8\n'
+     'distribution = "uniform"\n', "contender must be a string, got ['a']"),
+    ('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "speedup_vs_contender"\nversus = {a = 1}\n'
+     'min = 1\nbatch = 8\ndistribution = "uniform"\n', "versus must be a string, got {'a': 1}"),
+    ('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "served_by"\nexpect_backend = ["numba"]\n'
+     'batch = 8\ndistribution = "uniform"\n', "expect_backend must be a string, got ['numba']"),
     ("repetitions = true\n[[check]]\nname = 'x'\ncontender = 'fastembed-auto-out'\nmetric = 'speedup_vs_numpy'\n"
      "min = 1\nbatch = 8\ndistribution = 'uniform'\n", "repetitions must be an integer >= 1"),
 ])
@@ -411,6 +417,12 @@ def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
     (["--batch", "64,1024,64"], "--batch: 64 is given twice"),
     (["--dist", "zipf,zipf"], "--dist: zipf is given twice"),
     (["--gate", "--backend", "numba"], "--backend goes without --gate"),
+    (["--gate", "--dist", "zipf"], "--dist has no effect with --gate"),
+    (["--gate", "--batch", "8"], "--batch has no effect with --gate"),
+    (["--processes", "2", "--quick"], "--quick has no effect with --processes"),
+    (["--processes", "2", "--backend", "numpy"], "--backend has no effect with --processes"),
+    (["--ranks", "2", "--dist", "zipf"], "--dist has no effect with --ranks"),
+    (["--format", "q8_0", "--backend", "numpy"], "--backend has no effect with --format"),
 ])
 def test_bench_refuses_bad_arguments_at_once(arguments, message):
     """One line, exit 2, before any table is built (they used to crash late, or grow memory without bound)."""
@@ -444,6 +456,71 @@ def test_bench_refuses_an_unwritable_out_before_measuring(tmp_path):
         locked.mkdir(mode=0o500)
         result = bench("--out", str(locked))
         assert result.returncode == 2 and "cannot write results there" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["results.json", "results.md", "throughput.png"])
+def test_bench_refuses_a_result_file_it_cannot_write_before_measuring(tmp_path, name):
+    """A link to a missing folder by a result's name (or a file the user cannot write) used to end the run with a
+    traceback after every measurement; the check opens the file without creating or truncating it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).symlink_to(tmp_path / "missing" / name)
+    result = bench(*SMALL, "--out", str(out))
+    assert result.returncode == 2 and f"cannot write {out / name}" in result.stderr, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "table:" not in result.stdout
+    assert not (tmp_path / "missing").exists()
+
+
+def test_bench_refuses_a_fifo_by_a_result_name_without_waiting_for_a_reader(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "results.md")
+    result = bench(*SMALL, "--out", str(out))
+    assert result.returncode == 2 and f"cannot write {out / 'results.md'}" in result.stderr, result.stderr
+
+
+def test_bench_leaves_a_writable_result_file_as_it_was_until_it_writes_it(tmp_path):
+    from fastembed.benchmark import cli
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text("kept")
+    assert cli._unwritable(out) is None
+    assert (out / "results.json").read_text() == "kept"
+
+
+def test_the_gpu_plot_is_checked_like_the_other_result_files(tmp_path):
+    """A folder by the GPU plot's name used to pass the check and end a --device cuda run in a traceback."""
+    from fastembed.benchmark import cli
+
+    (tmp_path / "throughput-cuda.png").mkdir()
+    assert f"{tmp_path / 'throughput-cuda.png'} is a directory" in cli._unwritable(tmp_path)
+
+
+def test_an_output_cache_setting_that_is_no_byte_count_is_refused_at_once(tmp_path):
+    """It used to pass, measure the small batches, then end in a traceback at the first large allocating lookup."""
+    result = bench(*SMALL, "--out", str(tmp_path), env=dict(os.environ, FASTEMBED_OUTPUT_CACHE_BYTES="abc"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "FASTEMBED_OUTPUT_CACHE_BYTES='abc' is not a whole number of bytes" in result.stderr
+    assert "Traceback" not in result.stderr and "table:" not in result.stdout
+
+
+def test_a_numba_that_is_installed_but_does_not_load_is_found_before_measuring(tmp_path):
+    """Asked for by name: exit 2 naming the failure; otherwise the run measures without it (no numba contender)."""
+    shadow = tmp_path / "shadow" / "numba"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("this numba is broken")\n')
+    environment = dict(os.environ, PYTHONPATH=str(tmp_path / "shadow"))
+    tiny = ["--vocab-size", "100", "--dim", "16", "--batch", "1", "--dist", "uniform", "--reps", "2"]
+    result = bench(*tiny, "--backend", "numba", "--out", str(tmp_path / "a"), env=environment)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "--backend numba cannot run here: numba failed to load: ImportError: this numba is broken" in result.stderr
+    result = bench(*tiny, "--out", str(tmp_path / "b"), env=dict(environment, FASTEMBED_BACKEND="numba"))
+    assert result.returncode == 2 and "numba failed to load" in result.stderr, result.stdout + result.stderr
+    result = bench(*tiny, "--out", str(tmp_path / "c"), env=environment)
+    assert result.returncode == 0, result.stdout + result.stderr
+    measured = {row["id"] for row in json.loads((tmp_path / "c" / "results.json").read_text())["results"]}
+    assert "fastembed-numpy-out" in measured and not any("numba" in name for name in measured)
 
 
 def test_output_fits_a_narrow_terminal_names_the_table_and_plots_both_distributions(tmp_path):
@@ -678,7 +755,9 @@ def test_format_arguments_are_checked_first(arguments, words, capsys):
 
 
 @pytest.mark.parametrize("options, words", [(["--gate"], "not with --gate"), (["--processes", "1"], "not with --gate"),
-                                            (["--cold"], "not with --gate"), (["--format", "q4_0"], "in its own format")])
+                                            (["--cold"], "not with --gate"), (["--format", "q4_0"], "in its own format"),
+                                            (["--dist", "zipf"], "--backend or --dist"),
+                                            (["--backend", "numpy"], "--backend or --dist")])
 def test_a_quantized_gguf_table_refuses_the_modes_that_measure_dense_tables(tmp_path, options, words, capsys):
     from fastembed import Embedding
     from fastembed.benchmark import cli

@@ -10,8 +10,12 @@ prints a table fitted to the terminal and writes JSON, Markdown and PNG plots
 (a panel per id distribution) into --out. ``--table PATH`` measures the same
 on a real table instead, memory-mapped from a .npy or safetensors file.
 
-Every argument, --out (it must be writable) and, with --gate, the thresholds
-file are checked before any table is built: a bad one exits 2 at once.
+Every argument (an option the chosen mode would not use is refused too),
+--out and each result file already in it (they must be writable), the
+settings FASTEMBED_BACKEND and FASTEMBED_OUTPUT_CACHE_BYTES, each host
+backend's library (a numba that is installed but does not load) and, with
+--gate, the thresholds file are checked before any table is built: a bad
+one exits 2 at once.
 """
 from __future__ import annotations
 
@@ -32,8 +36,10 @@ MAX_BATCH = 2**20
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     """The command line, every value checked before any work: a bad one exits 2 with a one-line error.
 
-    That includes --out (created, and a probe file written and removed in it)
-    and, with --gate, the thresholds file (read and checked).
+    That includes --out (created, a probe file written and removed in it, and
+    each result file already there opened for writing), the host backends
+    (each one's library loaded) and, with --gate, the thresholds file (read
+    and checked).
     """
     import fastembed
 
@@ -114,6 +120,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if arguments.cold and (arguments.gate or arguments.processes or arguments.ranks or arguments.format):
         parser.error("--cold times the main benchmark's calls one by one: not with --gate, --processes, --ranks or "
                      "--format")
+    problem = _ignored_option(arguments)
+    if problem:
+        parser.error(problem)
     if arguments.table is None:
         from fastembed.tables import resolve_dtype
 
@@ -125,7 +134,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
             problem = quantizing_problem(arguments.format, arguments.dim, resolve_dtype(arguments.dtype))
             if problem:
                 parser.error(problem)
-    problem = None if arguments.device == "cuda" else _backend_setting_problem()
+    problem = None if arguments.device == "cuda" else _unusable_backend(arguments.backend) or _setting_problem()
     if problem:
         parser.error(problem)
     if arguments.ranks and importlib.util.find_spec("torch") is None:
@@ -146,6 +155,27 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if problem:
         parser.error(f"--out {arguments.out}: {problem}")
     return arguments
+
+
+#: The options each measuring mode honours beside --out and the table's; the main run honours them all.
+_MODE_OPTIONS = {"--gate": ("--reps",), "--processes": ("--batch", "--reps", "--load"),
+                 "--ranks": ("--batch", "--reps", "--quick"), "--format": ("--batch", "--reps", "--quick")}
+
+
+def _ignored_option(arguments: argparse.Namespace) -> str | None:
+    """An option the chosen mode would ignore (--dist with --processes, say), so that no run reports a choice it
+    did not make; None when every option given is used."""
+    modes = {"--gate": arguments.gate, "--processes": arguments.processes, "--ranks": arguments.ranks,
+             "--format": arguments.format}
+    mode = next((flag for flag, chosen in modes.items() if chosen), None)
+    if mode is None:
+        return None
+    given = {"--backend": arguments.backend, "--dist": arguments.dist, "--batch": arguments.batch,
+             "--quick": arguments.quick}
+    ignored = [flag for flag, value in given.items() if value and flag not in _MODE_OPTIONS[mode]]
+    if ignored:
+        return f"{ignored[0]} has no effect with {mode}, which takes only {', '.join(_MODE_OPTIONS[mode])}: leave {ignored[0]} out"
+    return None
 
 
 def _positive_int(text: str) -> int:
@@ -240,16 +270,39 @@ def quantizing_problem(formats: list[str], dim: int, dtype: Any) -> str | None:
     return None
 
 
-def _backend_setting_problem() -> str | None:
-    """Why FASTEMBED_BACKEND (read when fastembed was imported) cannot serve the host's lookups, or None."""
+def _setting_problem() -> str | None:
+    """Why FASTEMBED_BACKEND (read when fastembed was imported) cannot serve the host's lookups, or
+    FASTEMBED_OUTPUT_CACHE_BYTES is no byte count (the first large allocating lookup would raise); None when both can."""
     import numpy as np
 
     from fastembed import BackendUnavailableError, dispatch
+    from fastembed.backends import output_cache
 
     try:
         dispatch.select(np.empty((1, 1), np.float16))
+        output_cache.limit()
     except (ValueError, BackendUnavailableError) as error:
         return str(error)
+    return None
+
+
+def _unusable_backend(requested: list[str] | None) -> str | None:
+    """Why a host backend given with --backend cannot run, found by loading each one's library now.
+
+    A backend whose package is installed but does not load (a broken numba)
+    counts as available until its first large lookup loads it; loading here
+    makes the contenders, and a FASTEMBED_BACKEND naming it, see the truth
+    before anything is measured. None when every backend asked for runs.
+    """
+    from fastembed.dispatch import BACKENDS, backend_statuses
+
+    for status in backend_statuses():
+        if status.available and status.name != "cuda":
+            BACKENDS[status.name].describe()  # a library that fails to load makes the dispatcher choose again
+    reasons = {status.name: status.reasons for status in backend_statuses() if not status.available}
+    refused = [name for name in requested or () if name in reasons]
+    if refused:
+        return f"--backend {refused[0]} cannot run here: {'; '.join(reasons[refused[0]])}"
     return None
 
 
@@ -260,13 +313,18 @@ def _physical_memory() -> int:
         return 2**62  # unknown: numpy's own MemoryError is the limit
 
 
-#: The files a run writes into --out (the plots are throughput*.png).
+#: The files a run writes into --out (a plot per device: throughput.png for the host, throughput-cuda.png).
 RESULT_FILES = ("results.json", "results.md", "processes.json", "quantized.json", "ranks.json", "gate.json",
-                "throughput.png")
+                "throughput.png", "throughput-cuda.png")
 
 
 def _unwritable(folder: Path) -> str | None:
-    """Why results cannot be written into `folder` (created if missing), or None when they can."""
+    """Why results cannot be written into `folder` (created if missing), or None when they can.
+
+    A result file already there (or a link by its name) must open for
+    writing: it is opened without being created or truncated, so the check
+    changes nothing.
+    """
     if folder.exists() and not folder.is_dir():
         return "is a file, not a folder for the results"
     taken = [name for name in RESULT_FILES if (folder / name).is_dir()]
@@ -279,6 +337,14 @@ def _unwritable(folder: Path) -> str | None:
         probe.unlink()
     except OSError as error:
         return f"cannot write results there: {error.strerror or error}"
+    for name in RESULT_FILES:
+        path = folder / name
+        if not path.is_symlink() and not path.exists():
+            continue
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))  # a FIFO without a reader: ENXIO, no wait
+        except OSError as error:
+            return f"cannot write {path}: {error.strerror or error}"
     return None
 
 
@@ -441,9 +507,10 @@ def main(argv: list[str] | None = None) -> int:
 def _table_problem(arguments: argparse.Namespace, table: Any, described: dict[str, Any]) -> str | None:
     """What the options ask that this --table cannot give (a quantized .gguf table, a width --format cannot use)."""
     if described.get("format"):
-        if arguments.gate or arguments.processes or arguments.ranks or arguments.device == "cuda" or arguments.cold:
+        if (arguments.gate or arguments.processes or arguments.ranks or arguments.device == "cuda" or arguments.cold
+                or arguments.backend or arguments.dist):
             return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured as --format "
-                    "measures: not with --gate, --processes, --ranks, --device cuda or --cold")
+                    "measures: not with --gate, --processes, --ranks, --device cuda, --cold, --backend or --dist")
         if arguments.format:
             return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured in its own "
                     "format: --format makes formats from a dense float16 table")

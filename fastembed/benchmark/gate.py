@@ -123,6 +123,11 @@ def _validate(check: Check, where: str) -> None:
 
     if not isinstance(check.name, str):
         raise ValueError(f"{where}: a check's name must be a string, got {check.name!r}")
+    for key, optional in (("contender", False), ("metric", False), ("distribution", False), ("versus", True),
+                          ("expect_backend", True)):
+        value = getattr(check, key)
+        if not isinstance(value, str) and not (optional and value is None):
+            fail(f"{key} must be a string, got {value!r}")
     if check.metric not in METRICS:
         fail(f"unknown metric {check.metric!r}; known: {', '.join(METRICS)}")
     if (check.metric == "speedup_vs_contender") != (check.versus is not None):
