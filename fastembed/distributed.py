@@ -512,7 +512,8 @@ class VocabParallelEmbedding:
                 the layer's process group was destroyed since it was built
                 (raised on this rank before any collective).
             RuntimeError: another thread of this rank is calling the layer (raised
-                on this rank only, before any collective); on a GPU shard, a rank ran
+                on this rank only, before any collective; a thread that comes in the
+                very instant the other starts waits for its call instead); on a GPU shard, a rank ran
                 out of GPU memory for this call's buffers (raised on every rank, with
                 torch's message).
             OSError, MemoryError: with ``exchange="shared_memory"``, the shared-memory
@@ -525,14 +526,14 @@ class VocabParallelEmbedding:
             self._broken = (f"VocabParallelEmbedding: the process group it was built on no longer exists on rank "
                             f"{self.rank} (destroy_process_group); build a new layer on a new group")
             raise CommunicationError(self._broken)
-        if not self._calling.acquire(blocking=False):
+        if self._calling.locked():
             # Before any collective: the call already running keeps the ranks in step (two at once abort gloo).
             raise RuntimeError("VocabParallelEmbedding was called from two threads of one rank at once; a layer's calls "
                                "are collectives, one at a time in the same order on every rank")
-        try:
+        # Taken by a with statement only, so that a KeyboardInterrupt cannot leave it taken; a thread that finds it
+        # free in the instant another takes it waits for that call.
+        with self._calling:
             return self._call(ids, mode, dtype)
-        finally:
-            self._calling.release()
 
     def _call(self, ids: Any, mode: str, dtype: Any) -> Any:
         """:meth:`__call__`, for the one thread calling."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
+from collections.abc import Callable
 
 import numpy as np
 
@@ -59,3 +61,46 @@ class Producer:
 
     def __dlpack_device__(self):
         return self.array.__dlpack_device__()
+
+
+def _raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+def interrupted_runs(traced: Callable[[types.CodeType], bool], action: Callable[[], object],
+                     handler: Callable[[], object] = _raise_keyboard_interrupt, limit: int = 20000):
+    """Run `action` once per point where a signal handler could run in the code that `traced` accepts, calling
+    `handler` at the n-th such point in run n (by default it raises KeyboardInterrupt, as Ctrl-C does); yield n
+    after each such run, stop after the first run that ends before its n-th point.
+
+    The points are where CPython runs pending handlers: on entering a function (the traced code's, and any
+    Python function it calls) and on the return of each call it makes into C code, an exception there coming out
+    of that call. Only this thread is watched, and not the handler. Each yield is the place to check that nothing
+    broke.
+    """
+    for n in range(1, limit):
+        reached = 0
+
+        def watch(frame, event, arg, n=n):
+            nonlocal reached
+            if event == "call":
+                caller = frame.f_back
+                at_a_point = traced(frame.f_code) or (caller is not None and traced(caller.f_code))
+            else:
+                at_a_point = event == "c_return" and traced(frame.f_code)
+            if at_a_point:
+                reached += 1
+                if reached == n:
+                    handler()
+
+        sys.setprofile(watch)
+        try:
+            action()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        if reached < n:
+            return
+        yield n
+    raise AssertionError(f"the action still reached {limit} points")

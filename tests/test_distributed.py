@@ -929,6 +929,27 @@ def destroyed_group_task(rank: int, world: int, init: str) -> dict:
     return calls
 
 
+def interrupted_call_task(rank: int, world: int) -> dict:
+    from helpers import interrupted_runs
+
+    table = make_table("float16", 6)
+    layer = VocabParallelEmbedding(table, timeout=30)
+    entry = VocabParallelEmbedding.__call__.__code__
+    runs, left_taken = 0, 0
+    for _ in interrupted_runs(lambda code: code is entry, lambda: layer([1, 2])):
+        runs += 1
+        left_taken += layer._calling.locked()
+    return {"runs": runs, "left taken": left_taken, "rows": host_bytes(layer([1, 2])).tolist()}
+
+
+def test_a_keyboard_interrupt_on_entering_a_call_leaves_the_layer_usable(tmp_path):
+    """Ctrl-C just after the call's lock was taken, before the try that gives it back, used to keep it taken: every
+    later call then raised that another thread was calling."""
+    (outcome,) = results(run_ranks(tmp_path, 1, interrupted_call_task))
+    assert outcome["runs"] >= 3 and outcome["left taken"] == 0
+    assert outcome["rows"] == host_bytes(make_table("float16", 6)[[1, 2]]).tolist()
+
+
 def test_a_layer_whose_group_was_destroyed_says_so_on_every_later_call(tmp_path):
     init = f"file://{tmp_path / 'second-rendezvous'}"
     for outcome in results(run_ranks(tmp_path, 2, destroyed_group_task, init)):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fastembed
-from helpers import assert_bit_equal, poisoned, random_table, run_script
+from helpers import assert_bit_equal, interrupted_runs, poisoned, random_quantized, random_table, run_script
 
 numba_backend = pytest.importorskip("fastembed.backends.numba_backend")
 BACKEND = numba_backend.BACKEND
@@ -740,3 +740,28 @@ def test_writeable_and_read_only_tables_share_one_kernel_signature():
     signatures = {numba_backend._signature(numba_backend.kernel_table(t)[0], ids, None) for t in (table, read_only)}
     assert len(signatures) == 1
     assert table.flags.writeable  # the caller's table is left as it was
+
+
+def test_an_interrupt_anywhere_in_a_parallel_lookup_leaves_the_parallel_lock_free():
+    """Ctrl-C just after the lock was taken, before the try that gives it back, used to keep it taken for good: every
+    later lookup then ran serially, and the next compile (which waits for the lock) hung a fork and the exit."""
+    table, quantized = random_table(4096, 1024, "float32"), random_quantized("q8_0", 4096, 1024)
+    ids = np.random.default_rng(0).integers(0, 4096, 1024)  # 4 MiB out: the parallel kernels
+    out, dequantized = poisoned((1024, 1024), np.float32), poisoned((1024, 1024), np.float16)
+    fastembed.lookup(table, ids, out=out, backend="numba")
+    fastembed.lookup(quantized, ids, out=dequantized, dtype=np.float16, backend="numba")
+    fastembed.wait_for_compiles()
+    ours = {numba_backend.NumbaBackend._run_parallel.__code__, numba_backend.NumbaBackend._run_dequantize.__code__}
+
+    def action():
+        fastembed.lookup(table, ids, out=out, backend="numba")
+        fastembed.lookup(quantized, ids, out=dequantized, dtype=np.float16, backend="numba")
+
+    runs = 0
+    for _ in interrupted_runs(lambda code: code in ours, action):
+        runs += 1
+        assert not BACKEND._parallel_lock.locked()
+    assert runs >= 4
+    action()
+    assert_bit_equal(out, table[ids])
+    assert_bit_equal(dequantized, fastembed.lookup(quantized, ids, dtype=np.float16, backend="numpy"))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fastembed.arrays import write_probe
+from helpers import interrupted_runs
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "readv"), reason="the probe needs os.readv")
 
@@ -58,6 +59,21 @@ def test_an_interrupted_probe_leaves_the_pipe_empty(monkeypatch):
     assert (other == 9).all() and (memory == 7).all()
     with pytest.raises(BlockingIOError):
         os.read(write_probe._probe_pipe[0], 1)
+
+
+def test_an_interrupt_anywhere_in_a_probe_leaves_its_lock_free_its_pipe_empty_and_the_memory_as_it_was():
+    """Ctrl-C just after the probe's lock was taken used to keep it taken: every later probe made a pipe of its own."""
+    memory = np.full(16, 7, np.uint8)
+    assert write_probe.can_write(memory)
+    runs = 0
+    for _ in interrupted_runs(lambda code: code.co_filename == write_probe.__file__,
+                              lambda: write_probe.can_write(memory)):
+        runs += 1
+        assert not write_probe._probe_lock.locked()
+        assert (memory == 7).all()
+        with pytest.raises(BlockingIOError):
+            os.read(write_probe._probe_pipe[0], 1)
+    assert runs > 5
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mprotect as Linux has it")

@@ -63,18 +63,16 @@ def can_write(view: np.ndarray) -> bool:
         return True
     memory = view.reshape(-1).view(np.uint8).data  # C-contiguous: a view of its bytes
     cells = [memory[:1], memory[-1:]]
-    if not _probe_lock.acquire(blocking=False):
+    if _probe_lock.locked():
         read_end, write_end = _new_pipe()
         try:
             return _passed_through(read_end, write_end, cells)
         finally:
             os.close(read_end)
             os.close(write_end)
-    try:
+    with _probe_lock:  # not acquire() then try: an exception between the two would keep it taken for good
         read_end, write_end = _probe_ends()
         return _passed_through(read_end, write_end, cells)
-    finally:
-        _probe_lock.release()
 
 
 def _passed_through(read_end: int, write_end: int, cells: list[memoryview]) -> bool:

@@ -373,17 +373,15 @@ class NumbaBackend:
         compiles.done.add(signature)
 
     def _run_parallel(self, kernels: Any, table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
-        if not self._parallel_lock.acquire(blocking=False):
+        if self._parallel_lock.locked():
             return int(kernels.gather_serial(table_words, flat_ids, out_words))
-        try:
+        with self._parallel_lock:  # not acquire() then try: an exception between the two would keep it taken for good
             self.pool_started = True
             n_blocks = max(1, min(len(flat_ids), _pool_size()))
             if out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words):
                 return int(kernels.gather_parallel_stream(table_words, flat_ids, out_words, n_blocks,
                                                           PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW))
             return int(kernels.gather_parallel(table_words, flat_ids, out_words, n_blocks))
-        finally:
-            self._parallel_lock.release()
 
     # -- the dequantizing gather ----------------------------------------------
 
@@ -447,15 +445,11 @@ class NumbaBackend:
         stream = rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and can_stream(rows)
         arguments = (kernels.FORMAT_CODES[fmt.name], data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD,
                      DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD)
-        if rows.nbytes < PARALLEL_MIN_BYTES or not self._runs_parallel() or not self._parallel_lock.acquire(False):
-            status = int(kernels.dequantize_serial(*arguments))
-        else:
-            try:
-                self.pool_started = True
-                status = int(kernels.dequantize_parallel(*arguments, max(1, min(len(flat_ids), _pool_size()))))
-            finally:
-                self._parallel_lock.release()
-        return status
+        if rows.nbytes < PARALLEL_MIN_BYTES or not self._runs_parallel() or self._parallel_lock.locked():
+            return int(kernels.dequantize_serial(*arguments))
+        with self._parallel_lock:  # as in _run_parallel
+            self.pool_started = True
+            return int(kernels.dequantize_parallel(*arguments, max(1, min(len(flat_ids), _pool_size()))))
 
     def _runs_parallel(self) -> bool:
         return not self.forked_after_pool_start and self._parallel_error is None
