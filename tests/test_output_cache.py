@@ -10,7 +10,7 @@ import pytest
 
 import fastembed
 from fastembed.backends import numba_backend, output_cache
-from helpers import assert_bit_equal, random_table, run_script
+from helpers import assert_bit_equal, interrupted_runs, random_table, run_script
 
 SHAPE = (600, 4096)  # 4.7 MiB of float16: above output_cache.MIN_BYTES
 
@@ -38,22 +38,71 @@ def test_a_dropped_output_is_reused():
     assert output_cache.cached_bytes() == 0
 
 
-def test_a_signal_handlers_lookup_inside_the_caches_code_leaves_its_lists_alone():
-    """A handler runs on the thread it interrupts, which holds the (re-entrant) lock, maybe mid-way through a loop."""
-    outputs = [output_cache.new_output(SHAPE, np.float16) for _ in range(2)]
-    del outputs  # both buffers go back to the cache
-    free = list(output_cache._free)
-    assert free
-    with output_cache._lock:
-        output_cache._enter()  # as inside _take, where the signal arrived
-        try:
-            fresh = output_cache._take(free[0].size)  # the handler's lookup
-            output_cache._trim(0)  # the handler's empty_cache()
-            assert all(fresh is not buffer for buffer in free)
-            assert [id(buffer) for buffer in output_cache._free] == [id(buffer) for buffer in free]
-        finally:
-            output_cache._leave()
-    assert output_cache.new_output(SHAPE, np.float16) is not None  # the interrupted call's own _take goes on
+def _in_the_cache(code) -> bool:
+    return code.co_filename == output_cache.__file__
+
+
+def _cache_round() -> None:
+    """Take, drop, take again, empty: every path of the cache's code."""
+    first, second = output_cache.new_output(SHAPE, np.float16), output_cache.new_output(SHAPE, np.float16)
+    del first
+    third = output_cache.new_output(SHAPE, np.float16)
+    del second, third
+    fastembed.empty_cache()
+    fourth = output_cache.new_output(SHAPE, np.float16)
+    del fourth
+
+
+def _assert_the_cache_works() -> None:
+    assert output_cache.cached_bytes() <= output_cache.limit()
+    fastembed.empty_cache()
+    assert output_cache.cached_bytes() == 0 and not output_cache._free
+    first = output_cache.new_output(SHAPE, np.float16)
+    where = address(first)
+    del first
+    second = output_cache.new_output(SHAPE, np.float16)
+    assert address(second) == where  # served from the cache again
+    del second
+    fastembed.empty_cache()
+    assert output_cache.cached_bytes() == 0 and not output_cache._free
+
+
+def test_a_signal_handlers_lookups_inside_the_caches_code_never_share_a_buffer():
+    """A handler runs on the thread it interrupts, which holds the (re-entrant) lock, maybe mid-way through a loop:
+    here, before every instruction of the cache's code in turn, it takes and keeps an output, drops another and
+    empties the cache."""
+    held = []
+
+    def handler():
+        taken = output_cache.new_output(SHAPE, np.float16)
+        held.append(taken)
+        dropped = output_cache.new_output(SHAPE, np.float16)
+        del dropped
+        fastembed.empty_cache()
+
+    def action():
+        outputs = [output_cache.new_output(SHAPE, np.float16) for _ in range(3)]
+        del outputs[0]
+        outputs.append(output_cache.new_output(SHAPE, np.float16))
+        held.extend(outputs)
+
+    for _ in interrupted_runs(_in_the_cache, action, handler):
+        addresses = [address(output) for output in held]
+        assert len(set(addresses)) == len(addresses)  # no two live outputs share a buffer
+        held.clear()
+        _assert_the_cache_works()
+
+
+def test_an_interrupt_anywhere_in_the_caches_code_leaves_it_bounded_and_working(monkeypatch):
+    """Ctrl-C between any two instructions of the cache (a finalizer's included): the cache used to stay marked as
+    busy for good when it struck on entering the code that left it, then kept every returning buffer beyond the
+    limit, served none and freed none on empty_cache()."""
+    monkeypatch.setattr("sys.unraisablehook", lambda unraisable: None)  # a finalizer's interrupt is not raised
+    runs = 0
+    for _ in interrupted_runs(_in_the_cache, _cache_round):
+        runs += 1
+        _assert_the_cache_works()
+    assert runs > 50
 
 
 @pytest.mark.parametrize(
@@ -164,6 +213,32 @@ def test_a_bad_environment_setting_is_named_by_large_lookups_and_info(monkeypatc
     assert fastembed.lookup(random_table(700, 4096), np.arange(600), backend="numba").shape == (600, 4096)
 
 
+@pytest.mark.parametrize("text", ["+4", "1_000", "\u0665", "0x10", "1e3", "5 6"])
+def test_only_decimal_digits_make_a_setting(monkeypatch, text):
+    """int() would read "+4", "1_000" and an Arabic-Indic five as numbers; a setting is plain digits."""
+    monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, text)
+    with pytest.raises(ValueError, match="is not a whole number of bytes"):
+        output_cache._read_limit()
+
+
+def test_a_setting_may_have_spaces_around_it_and_a_long_one_is_shown_shortened(monkeypatch):
+    monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, " 4096 \n")
+    assert output_cache._read_limit() == 4096
+    monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, "9" * 5000)
+    with pytest.raises(ValueError, match="is not a whole number of bytes") as error:
+        output_cache._read_limit()
+    assert len(str(error.value)) < 200
+
+
+def test_a_lease_shows_no_way_to_its_buffer_but_through_itself():
+    """An array made from the buffer itself would keep the memory without the lease: the next lookup could be given it."""
+    result = output_cache.new_output(SHAPE, np.float16)
+    lease = result.base.base
+    assert type(lease).__name__ == "_Lease"
+    assert not any(isinstance(value, np.ndarray) for value in lease.__array_interface__.values())
+    assert not [name for name in dir(lease) if not name.startswith("_")]
+
+
 def test_a_bad_environment_setting_is_named_even_while_numpy_serves_during_a_compile(monkeypatch):
     """A server warming up while the kernels compile must not pass start-up and fail its first large request later."""
     from fastembed.backends import numba_backend
@@ -223,7 +298,7 @@ def test_a_returning_buffer_makes_room_by_freeing_the_oldest():
     del small
     # The small buffers came back last and stay; the large ones made room, oldest first.
     assert output_cache.cached_bytes() <= 20 * 2**20
-    sizes = sorted(buffer.size for buffer in output_cache._free)
+    sizes = sorted(buffer.size for buffer in output_cache._free.values())
     assert sizes == [6 * 2**20] * 3
     again = output_cache.new_output(SHAPE, np.float16)
     assert output_cache.cached_bytes() == 2 * 6 * 2**20
@@ -297,4 +372,4 @@ def test_a_result_freed_by_a_collection_inside_the_cache_is_kept_on_the_way_out(
             gc.enable()
         gc.collect()
         assert output_cache.cached_bytes() <= output_cache.limit()
-        assert output_cache.cached_bytes() == sum(buffer.size for buffer in output_cache._free)
+        assert output_cache.cached_bytes() == sum(buffer.size for buffer in output_cache._free.values())

@@ -46,8 +46,11 @@ ALIGNMENT = 64
 ENVIRONMENT_VARIABLE = "FASTEMBED_OUTPUT_CACHE_BYTES"
 
 _lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
-_free: list[np.ndarray] = []  # free buffers (uint8), each faulted in
-_free_bytes = 0
+# Free buffers (uint8, each faulted in) by id, the oldest returned first. A finalizer or a signal handler may run
+# on a thread in the middle of the cache's code (the lock is re-entrant), and an exception may strike between any
+# two steps; so every change is one dict operation, on a buffer a local name holds (its id stays its own), and no
+# count or flag is kept beside it that such an interruption could leave half-updated.
+_free: dict[int, np.ndarray] = {}
 
 
 def _default_limit() -> int:
@@ -62,13 +65,13 @@ def _read_limit() -> int:
     text = os.environ.get(ENVIRONMENT_VARIABLE)
     if text is None or not text.strip():
         return _default_limit()
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{ENVIRONMENT_VARIABLE}={text!r} is not a whole number of bytes") from None
-    if value < 0:
+    digits = text.strip()
+    if digits[:1] == "-" and digits[1:].isascii() and digits[1:].isdigit():
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={text!r} is negative")
-    return value
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 30:  # int() would take "+5", "1_0" and "٥"
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is not a whole number of bytes (decimal digits)")
+    return int(digits)
 
 
 _limit: int | None = None  # read from the environment on first use
@@ -110,7 +113,7 @@ def set_limit(nbytes: int) -> None:
 
 def cached_bytes() -> int:
     """Bytes of free buffers held now."""
-    return _free_bytes
+    return sum(buffer.size for buffer in list(_free.values()))
 
 
 def empty() -> None:
@@ -145,34 +148,28 @@ def new_output(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 0) -> n
 class _Lease:
     """Exposes a buffer to numpy: arrays made from it keep it (their base) alive."""
 
-    __slots__ = ("__array_interface__", "__weakref__")
+    __slots__ = ("__array_interface__", "__weakref__", "_buffer")
 
     def __reduce__(self) -> Any:
         # A copy or a pickle would carry the buffer's address without keeping the buffer leased.
         raise TypeError("an output cache lease cannot be copied or pickled; copy or pickle the array instead")
 
     def __init__(self, buffer: np.ndarray) -> None:
+        # Kept out of the public interface: an array made from the buffer itself would hold it without the lease.
+        self._buffer = buffer
         self.__array_interface__ = {
             "shape": buffer.shape, "typestr": "|u1", "data": (buffer.ctypes.data, False), "version": 3,
-            "buffer_owner": buffer,  # not read by numpy: keeps the buffer alive as long as the lease
         }
 
 
 def _take(nbytes: int) -> np.ndarray:
     """The smallest free buffer of at least `nbytes` and at most twice that, or a new one faulted in."""
-    global _free_bytes
     with _lock:
-        if not _depth:  # else a signal handler's lookup interrupted this thread inside the cache: a new buffer
-            _enter()
-            try:
-                fitting = [i for i, b in enumerate(_free) if nbytes <= b.size <= 2 * nbytes]
-                if fitting:
-                    best = min(fitting, key=lambda i: _free[i].size)
-                    buffer = _free.pop(best)
-                    _free_bytes -= buffer.size
-                    return buffer
-            finally:
-                _leave()
+        fitting = [buffer for buffer in list(_free.values()) if nbytes <= buffer.size <= 2 * nbytes]
+        if fitting:
+            best = min(fitting, key=lambda buffer: buffer.size)
+            if _free.pop(id(best), None) is not None:  # else a finalizer's trim on this thread took it meanwhile
+                return best
     size = -(-nbytes // GRANULE) * GRANULE
     buffer = _aligned_empty((size,), np.dtype(np.uint8), ALIGNMENT)
     fault_in(buffer)
@@ -180,70 +177,29 @@ def _take(nbytes: int) -> np.ndarray:
 
 
 def _give_back(buffer: np.ndarray) -> None:
-    """Finalizer of a lease: keep its buffer (see :func:`_keep`), or later, when this thread is inside the cache's code."""
+    """Finalizer of a lease: keep its buffer, freeing the buffers that came back before it, oldest first, to stay
+    within the limit (a buffer larger than the limit is freed itself)."""
     with _lock:
-        if _depth:  # a garbage collection in the middle of this thread's _take or _trim ran this finalizer
-            _returned_meanwhile.append(buffer)
+        keep = _limit or 0
+        if buffer.size > keep:
             return
-        _enter()
-        try:
-            _keep(buffer)
-        finally:
-            _leave()
-
-
-def _keep(buffer: np.ndarray) -> None:
-    """Keep `buffer`, freeing the oldest free buffers to stay within the limit (with the lock held)."""
-    global _free_bytes
-    keep = _limit or 0
-    if buffer.size > keep:
-        return
-    while _free_bytes + buffer.size > keep:
-        _free_bytes -= _free.pop(0).size  # returned first, so least recently used
-    _free.append(buffer)
-    _free_bytes += buffer.size
+        _free[id(buffer)] = buffer
+        total = cached_bytes()
+        for older in list(_free.values()):  # oldest first
+            if total <= keep:
+                break
+            if older is not buffer and _free.pop(id(older), None) is not None:
+                total -= older.size
 
 
 def _trim(keep: int) -> None:
     """Free buffers, largest first, until at most `keep` bytes stay (with the lock held)."""
-    global _free_bytes
-    if _depth:
-        return  # a signal handler interrupted this thread inside the cache: the lists stay as they are; _keep trims later
-    while _free and _free_bytes > keep:  # again when buffers came back meanwhile (kept on the way out)
-        _enter()
-        try:
-            while _free and _free_bytes > keep:
-                largest = max(range(len(_free)), key=lambda i: _free[i].size)
-                _free_bytes -= _free.pop(largest).size
-        finally:
-            _leave()
-
-
-# Any allocation can start a garbage collection, which may run a lease's finalizer on this very thread while it
-# is inside _take or _trim (the lock is re-entrant): the finalizer then leaves its buffer here, and the outermost
-# of those calls keeps it on the way out, so no list of buffers changes under a loop reading it. A signal handler's
-# lookup there takes a new buffer, and its empty_cache() frees nothing, for the same reason.
-_depth = 0  # how many of the cache's calls the thread holding the lock is inside
-_returned_meanwhile: list[np.ndarray] = []
-
-
-def _enter() -> None:
-    """This thread (holding the lock) enters the cache's code: finalizers run meanwhile leave their buffers for later."""
-    global _depth
-    _depth += 1
-
-
-def _leave() -> None:
-    """This thread leaves the cache's code: on leaving the outermost call, keep the buffers left meanwhile."""
-    global _depth
-    _depth -= 1
-    while not _depth and _returned_meanwhile:
-        buffer = _returned_meanwhile.pop()
-        _depth += 1
-        try:
-            _keep(buffer)
-        finally:
-            _depth -= 1
+    total = cached_bytes()
+    for buffer in sorted(list(_free.values()), key=lambda buffer: buffer.size, reverse=True):
+        if total <= keep:
+            break
+        if _free.pop(id(buffer), None) is not None:
+            total -= buffer.size
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> np.ndarray:
@@ -256,12 +212,8 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> n
 
 def _after_fork_in_child() -> None:
     """A fork copies the lock as it was: held, if another thread held it then, by a thread the child lacks."""
-    global _lock, _free_bytes, _depth
+    global _lock
     _lock = threading.RLock()
-    _depth = 0
-    _free.extend(_returned_meanwhile)  # left by that thread's finalizers: buffers no result uses any more
-    _returned_meanwhile.clear()
-    _free_bytes = sum(buffer.size for buffer in _free)  # that thread may have been between its two updates
     if _limit is not None:
         _trim(_limit)
 
