@@ -1240,9 +1240,12 @@ def _map_rows(whole: np.memmap, start: int, stop: int) -> np.ndarray:
     shape = (stop - start, *whole.shape[1:])
     if stop == start:
         return np.empty(shape, whole.dtype)
+    from .io._files import map_file, mapped_identity
+
     row_bytes = whole.itemsize * math.prod(whole.shape[1:])
-    return np.memmap(str(whole.filename), dtype=whole.dtype, mode="r", offset=int(whole.offset) + start * row_bytes,
-                     shape=shape)
+    # From the file the loader mapped and read the header of: a file renamed over the path meanwhile is refused.
+    return map_file(str(whole.filename), whole.dtype, int(whole.offset) + start * row_bytes, shape,
+                    identity=mapped_identity(whole))
 
 
 def _kind(rows: Any) -> str:

@@ -1,12 +1,14 @@
 """Checks shared by the loaders: the path is a file, what a wrong file looks like, short name lists."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import weakref
 import zipfile
-from collections.abc import Iterable
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator
+from typing import Any, BinaryIO, Literal, NamedTuple
 
 import numpy as np
 
@@ -57,14 +59,85 @@ def shorten(names: Iterable[str], total: int | None = None, limit: int = NAMES_S
     return text + (f" ... and {total - len(shown)} more" if total > len(shown) else "")
 
 
+class FileIdentity(NamedTuple):
+    """The file a path named when a loader read its header: the bytes it maps must come from that file, unchanged."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, status: os.stat_result) -> FileIdentity:
+        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+
+def _changed(path: str | os.PathLike) -> ValueError:
+    return ValueError(f"{path}: changed while it was being opened (another program replaced or rewrote it: a "
+                      "download finishing?); open it again")
+
+
+@contextlib.contextmanager
+def opened(path: str | os.PathLike, opener: str) -> Iterator[tuple[BinaryIO, FileIdentity]]:
+    """The regular file at `path` open for reading, and its identity: a loader reads all of a header through it.
+
+    Raises:
+        TypeError, FileNotFoundError: as :func:`check_file`.
+        ValueError: as :func:`check_file`; the path named another file, or the file changed, between the check
+            and the opening.
+    """
+    status = _status(path, opener)
+    with open(path, "rb") as handle:
+        identity = FileIdentity.of(os.fstat(handle.fileno()))
+        if identity != FileIdentity.of(status):
+            raise _changed(path)
+        yield handle, identity
+
+
 def map_file(path: str | os.PathLike, dtype: Any, offset: int, shape: tuple[int, ...],
-             order: Literal["C", "F"] = "C") -> np.memmap:
+             order: Literal["C", "F"] = "C", identity: FileIdentity | None = None) -> np.memmap:
     """A read-only np.memmap of `shape` at byte `offset` of the file at `path` (a path whose ``__fspath__`` gives bytes too).
 
     The path is passed on as text, so the map's ``filename`` names the file
-    and :class:`~fastembed.io.FileWatch` can watch it.
+    and :class:`~fastembed.io.FileWatch` can watch it. With `identity` (the
+    file its header was read from, :func:`opened`), the path must name that
+    file, unchanged, before and after the map is made: so the map holds the
+    bytes the header describes.
+
+    Raises:
+        ValueError: the path names another file than `identity`, or the file changed.
     """
-    return np.memmap(os.fsdecode(os.fspath(path)), dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
+    if identity is not None:
+        _check_still(path, identity)
+    array = np.memmap(os.fsdecode(os.fspath(path)), dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
+    if identity is not None:
+        _check_still(path, identity)
+        _MAPPED_FROM[array.base] = identity
+    return array
+
+
+#: The file each map that :func:`map_file` checked comes from, by the map (the mmap at the root of its arrays' bases).
+_MAPPED_FROM: weakref.WeakKeyDictionary[Any, FileIdentity] = weakref.WeakKeyDictionary()
+
+
+def mapped_identity(array: Any) -> FileIdentity | None:
+    """The file `array` (a map :func:`map_file` made with an identity, or a view of one) was mapped from; else None."""
+    root = array
+    while isinstance(root, np.ndarray):
+        root = root.base
+    try:
+        return _MAPPED_FROM.get(root)
+    except TypeError:  # no weak reference to it can be made: not a map
+        return None
+
+
+def _check_still(path: str | os.PathLike, identity: FileIdentity) -> None:
+    try:
+        now = FileIdentity.of(os.stat(path))
+    except OSError:
+        raise _changed(path) from None
+    if now != identity:
+        raise _changed(path)
 
 
 def check_file(path: str | os.PathLike, opener: str) -> int:
@@ -79,9 +152,14 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
 
     Raises:
         TypeError: `path` is not a str or os.PathLike (an int would be taken as a file descriptor).
-        FileNotFoundError: nothing exists at `path`.
-        ValueError: `path` is a directory or not a regular file.
+        FileNotFoundError: nothing exists at `path` (or a symbolic link there leads nowhere).
+        ValueError: `path` is a directory, not a regular file, or a loop of symbolic links.
     """
+    return _status(path, opener).st_size
+
+
+def _status(path: str | os.PathLike, opener: str) -> os.stat_result:
+    """:func:`check_file`'s checks; the file's status."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"{opener}: the path must be a str or os.PathLike, got {type(path).__module__}.{type(path).__qualname__}")
     try:
@@ -93,6 +171,11 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
         raise FileNotFoundError(errno.ENOENT, "no such file", str(path)) from None
     except NotADirectoryError:
         raise FileNotFoundError(errno.ENOENT, "no such file (a parent is not a directory)", str(path)) from None
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise ValueError(f"{path}: a loop of symbolic links (each leads back to another); {opener} opens a regular "
+                         "file") from None
     if stat.S_ISDIR(status.st_mode):
         raise ValueError(
             f"{path}: is a directory; {opener} opens one file. To open a checkpoint directory "
@@ -100,7 +183,7 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
         )
     if not stat.S_ISREG(status.st_mode):
         raise ValueError(f"{path}: not a regular file; {opener} opens a regular file")
-    return status.st_size
+    return status
 
 
 def check_tensor_name(path: str | os.PathLike, name: object) -> None:
@@ -199,7 +282,7 @@ def _zip_names(path: str | os.PathLike) -> list[str]:
     try:
         with zipfile.ZipFile(path) as archive:
             return archive.namelist()
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):  # a version zipfile lacks
         return []
 
 

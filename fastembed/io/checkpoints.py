@@ -12,7 +12,8 @@ import errno
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,11 @@ _NOT_TOKEN_WORDS = ("position", "token_type", "segment", "pos_emb", "patch", "ro
 _NUMBERED_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.\d+\.")
 #: The most candidate tensors a selection looks at (real checkpoints have one to three).
 MAX_CANDIDATES = 64
-#: The largest index or config JSON read (DeepSeek-V3's index is about 9 MB).
+#: The largest index JSON read (DeepSeek-V3's index is about 9 MB).
 MAX_JSON_BYTES = 64 * 2**20
+#: The largest config.json read: real ones are a few KiB (a classifier's label names make some a few hundred), and
+#: parsing JSON takes up to about 25 times its length in memory.
+MAX_CONFIG_BYTES = 4 * 2**20
 #: config.json keys of the token embedding's width, first found wins: ALBERT and ELECTRA
 #: (embedding_size) and OPT-350m (word_embed_proj_dim) embed narrower than hidden_size.
 _DIM_KEYS = ("embedding_size", "word_embed_proj_dim", "hidden_size", "d_model", "n_embd")
@@ -166,10 +170,11 @@ def read_config_shape(directory: str | os.PathLike) -> tuple[int | None, int | N
     path = Path(directory) / "config.json"
     if not path.is_file():
         return None
-    config = _read_json(path, "config.json")
+    config = _read_json(path, "config.json", MAX_CONFIG_BYTES)
     for level in (config, config.get("text_config")):
         if not isinstance(level, dict):
             continue
+        _refuse_repeated(path, "config.json", level, ("vocab_size", "text_config", *_DIM_KEYS))
         vocab = level.get("vocab_size")
         dim = next((level[key] for key in _DIM_KEYS if key in level), None)
         vocab = vocab if type(vocab) is int and vocab > 0 else None
@@ -179,17 +184,45 @@ def read_config_shape(directory: str | os.PathLike) -> tuple[int | None, int | N
     return None
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+class _Fields(dict):
+    """A JSON object's fields (the last value of a name given twice, as json keeps it), and the names given twice."""
+
+    repeated: frozenset[str] = frozenset()
+
+
+def _fields(pairs: list[tuple[str, Any]]) -> _Fields:
+    fields = _Fields(pairs)
+    if len(fields) != len(pairs):
+        fields.repeated = frozenset(key for key, count in Counter(key for key, _ in pairs).items() if count > 1)
+    return fields
+
+
+def _read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    """The JSON object in the file at `path` (`what` names it in errors), at most `limit` bytes long.
+
+    Raises:
+        ValueError: the file is longer, not UTF-8 JSON, or not an object.
+    """
     size = check_file(path, "fastembed.io.open_table")
-    if size > MAX_JSON_BYTES:
-        raise ValueError(f"{path}: {what} is {size} bytes, over the {MAX_JSON_BYTES}-byte limit")
+    if size > limit:
+        raise ValueError(f"{path}: {what} is {size} bytes, over the {limit}-byte limit")
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
+        value = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_fields)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ValueError(f"{path}: {what} is not valid JSON: {error}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path}: {what} must be a JSON object, got {type(value).__name__}")  # noqa: TRY004 - a bad file
     return value
+
+
+def _refuse_repeated(path: Path, what: str, fields: Any, names: Iterable[str] | None = None) -> None:
+    """Raise ValueError when one of `names` (None: any name) is given twice in the JSON object `fields`: which value
+    counts would be a guess."""
+    repeated: frozenset[str] = getattr(fields, "repeated", frozenset())
+    if names is not None:
+        repeated = repeated & set(names)
+    if repeated:
+        raise ValueError(f"{path}: {what} gives {shorten(sorted(repeated))} more than once")
 
 
 def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap | QuantizedTable:
@@ -224,7 +257,7 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
     """
     check_tensor_name(source, name)
     path = Path(os.fsdecode(os.fspath(source)))  # a str, bytes or os.PathLike (whose __fspath__ may give bytes)
-    if not path.exists():
+    if not os.path.lexists(path):  # a link that leads nowhere or loops is named as such by check_file below
         raise FileNotFoundError(errno.ENOENT, "no such file or directory", str(source))
     if path.is_dir():
         # Present as any entry (a dangling link, a directory): opening it raises what is wrong with it.
@@ -385,9 +418,11 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
 def _open_sharded(index_path: Path, name: str | None) -> np.memmap | QuantizedTable:
     directory = index_path.parent
     index = _read_json(index_path, "the index")
+    _refuse_repeated(index_path, "the index", index, ("weight_map",))
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index_path}: the index's weight_map must be an object of tensor name -> shard file name")
+    _refuse_repeated(index_path, "the index's weight_map", weight_map)
     if weight_map and all(shard.endswith(PICKLE_SUFFIXES) for shard in weight_map.values()):
         raise ValueError(f"{index_path}: {_pickle_shards_hint(index_path, weight_map, name)}")
     if name is not None:

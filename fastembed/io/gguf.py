@@ -30,7 +30,7 @@ import numpy as np
 
 from ..formats import FORMATS, BlockFormat, QuantizedTable
 from ..tables import resolve_dtype
-from ._files import check_file, check_tensor_name, describe, map_file, read_head, shorten
+from ._files import FileIdentity, check_tensor_name, describe, map_file, opened, shorten
 
 _OPENER = "fastembed.Embedding.from_gguf"
 #: The tensor ``map_gguf`` opens when no name is given: llama.cpp's token embedding.
@@ -96,12 +96,15 @@ class GGUFTensor(NamedTuple):
         dims: its dimensions, innermost first (``(n_embd, n_vocab)`` for a token table).
         ggml_type: its ggml type code.
         offset: its first byte in the file (the data section's start plus its offset).
+        identity: the file the header was read from (the tensor is mapped from that
+            file only); None for a description not read from a file.
     """
 
     name: str
     dims: tuple[int, ...]
     ggml_type: int
     offset: int
+    identity: FileIdentity | None = None
 
 
 class _Reader:
@@ -296,14 +299,16 @@ def scan_gguf(path: str | os.PathLike, name: str | None = TOKEN_EMBEDDING) -> GG
             dims, dims whose product overflows, an offset not a multiple of the
             alignment; no tensor `name`, listing candidates; `name` given twice.
     """
-    check_file(path, _OPENER)
     check_tensor_name(path, name)
     name = TOKEN_EMBEDDING if name is None else name
-    head = read_head(path, 24)
-    if len(head) < 24 or not head.startswith(_MAGIC):
-        _header_counts(_Reader(path, head, len(head)), head)  # raises: not GGUF, or truncated
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-        return _scan(_Reader(path, buffer, len(buffer)), head, name)
+    with opened(path, _OPENER) as (handle, identity):
+        head = handle.read(24)
+        if len(head) < 24 or not head.startswith(_MAGIC):
+            _header_counts(_Reader(path, head, len(head)), head)  # raises: not GGUF, or truncated
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+            if len(buffer) != identity.size:  # the size was checked on this very file: it changed meanwhile
+                raise ValueError(f"{path}: changed while it was being opened; open it again")
+            return _scan(_Reader(path, buffer, len(buffer)), head, name)._replace(identity=identity)
 
 
 def _scan(reader: _Reader, head: bytes, name: str) -> GGUFTensor:
@@ -387,9 +392,10 @@ def map_gguf(path: str | os.PathLike, name: str | None = None) -> np.memmap | Qu
         QuantizedTable(q8_0, vocab_size=10, dim=64)
     """
     tensor = scan_gguf(path, TOKEN_EMBEDDING if name is None else name)
-    n_vocab, n_embd, row_bytes = _check_table(path, tensor, os.path.getsize(path))
+    assert tensor.identity is not None  # scanned from the file
+    n_vocab, n_embd, row_bytes = _check_table(path, tensor, tensor.identity.size)
     if tensor.ggml_type in DENSE_TYPES:
         dtype = resolve_dtype(DENSE_TYPES[tensor.ggml_type])
-        return map_file(path, dtype, tensor.offset, (n_vocab, n_embd))
-    data = map_file(path, np.uint8, tensor.offset, (n_vocab, row_bytes))
+        return map_file(path, dtype, tensor.offset, (n_vocab, n_embd), identity=tensor.identity)
+    data = map_file(path, np.uint8, tensor.offset, (n_vocab, row_bytes), identity=tensor.identity)
     return QuantizedTable(data, QUANTIZED_TYPES[tensor.ggml_type], n_embd)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from numpy.lib import format as npy_format
 
-from ._files import check_file, describe, map_file, read_head
+from ._files import FileIdentity, describe, map_file, opened
 
 _OPENER = "fastembed.Embedding.from_npy"
 #: numpy's own default limit on a .npy header's length (np.load's max_header_size).
@@ -36,16 +36,21 @@ def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.
             tokenize.TokenError, ...) or a negative dimension; object dtypes; data shorter
             than the header says.
     """
-    file_size = check_file(path, _OPENER)
-    head = read_head(path)
-    if not head.startswith(b"\x93NUMPY"):
-        looks = describe(path, head)
-        raise ValueError(f"{path}: not a .npy file: it {looks}" if looks else
-                         f"{path}: not a .npy file (no \\x93NUMPY magic); {_OPENER} opens .npy files")
-    with open(path, "rb") as handle:
+    return _read_header(path)[:4]
+
+
+def _read_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.dtype, int, FileIdentity]:
+    """:func:`read_npy_header`, and the file the header was read from."""
+    with opened(path, _OPENER) as (handle, identity):
+        head = handle.read(64)
+        if not head.startswith(b"\x93NUMPY"):
+            looks = describe(path, head)
+            raise ValueError(f"{path}: not a .npy file: it {looks}" if looks else
+                             f"{path}: not a .npy file (no \\x93NUMPY magic); {_OPENER} opens .npy files")
+        handle.seek(0)
         try:
             version = npy_format.read_magic(handle)
-            shape, fortran_order, dtype = _read_header(handle, version)
+            shape, fortran_order, dtype = _parse_header(handle, version)
         except Exception as error:  # noqa: BLE001 - any failure of numpy's parser on hostile bytes
             raise ValueError(f"{path}: not a readable .npy file: corrupt header ({type(error).__name__}: {error})") from None
         offset = handle.tell()
@@ -57,13 +62,13 @@ def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.
     if not all(type(size) is int and size >= 0 for size in shape):
         raise ValueError(f"{path}: not a readable .npy file: corrupt header (shape {shape!r})")
     needed = math.prod(shape) * dtype.itemsize
-    if offset + needed > file_size:
+    if offset + needed > identity.size:
         raise ValueError(f"{path}: truncated .npy file: the header says {needed} bytes of {dtype} data {list(shape)}, "
-                         f"the file holds {file_size - offset}")
-    return tuple(shape), bool(fortran_order), dtype, offset
+                         f"the file holds {identity.size - offset}")
+    return tuple(shape), bool(fortran_order), dtype, offset, identity
 
 
-def _read_header(handle: Any, version: tuple[int, int]) -> tuple[Any, bool, np.dtype]:
+def _parse_header(handle: Any, version: tuple[int, int]) -> tuple[Any, bool, np.dtype]:
     """(shape, fortran_order, dtype) of the header after the magic; its length is checked before it is read."""
     frame = _HEADER_FRAMES.get(version)
     if frame is None:
@@ -109,7 +114,7 @@ def map_npy(path: str | os.PathLike) -> np.memmap:
         ValueError: as :func:`read_npy_header`; the array is not 2-D (a sub-array
             dtype such as ``('<f4', (4,))`` adds dimensions) or is empty.
     """
-    shape, fortran_order, dtype, offset = read_npy_header(path)
+    shape, fortran_order, dtype, offset, identity = _read_header(path)
     if dtype.subdtype is not None:
         raise ValueError(f"{path}: dtype {dtype} is a sub-array type (each element holds {dtype.subdtype[0]} of shape "
                          f"{dtype.shape}); an embedding table's dtype is a scalar type")
@@ -117,7 +122,7 @@ def map_npy(path: str | os.PathLike) -> np.memmap:
         raise ValueError(f"{path}: holds shape {shape}; an embedding table is 2-D")
     if 0 in shape:
         raise ValueError(f"{path}: holds an empty array of shape {shape}")
-    return map_file(path, dtype, offset, shape, order="F" if fortran_order else "C")
+    return map_file(path, dtype, offset, shape, order="F" if fortran_order else "C", identity=identity)
 
 
 def map_npy_rows(path: str | os.PathLike) -> np.memmap:

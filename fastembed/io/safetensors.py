@@ -37,13 +37,13 @@ from array import array
 from collections.abc import Callable, Mapping
 from json.decoder import scanstring  # type: ignore[attr-defined]
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
 from ..formats import QuantizedTable, block_format
 from ..tables import resolve_dtype
-from ._files import OPENS, check_file, check_tensor_name, describe, map_file, read_head, shorten
+from ._files import OPENS, FileIdentity, check_tensor_name, describe, map_file, opened, shorten
 
 #: safetensors dtype codes -> numpy dtype names (ml_dtypes for BF16 and F8).
 SAFETENSORS_DTYPES = {
@@ -120,6 +120,8 @@ class SafetensorsHeader(NamedTuple):
         metadata: the ``__metadata__`` entries fastembed writes (:data:`TENSOR_KEY`,
             :data:`FORMAT_KEY`, :data:`DIM_KEY`, see :func:`fastembed.io.save_table`);
             no other entry is kept.
+        identity: the file the header was read from (its tensors are mapped from
+            that file only); None for a header not read from a file.
     """
 
     entries: dict[str, TensorEntry]
@@ -127,6 +129,7 @@ class SafetensorsHeader(NamedTuple):
     tensor_count: int
     sample: list[str]
     metadata: Mapping[str, str] = MappingProxyType({})
+    identity: FileIdentity | None = None
 
 
 def scan_safetensors_header(
@@ -151,8 +154,20 @@ def scan_safetensors_header(
             bad dtype, shape or data_offsets (of any JSON type); overlapping tensors;
             a tensor name given twice among the kept ones.
     """
-    file_size = check_file(path, _OPENER)
-    head = read_head(path)
+    with opened(path, _OPENER) as (handle, identity):
+        raw = _header_bytes(path, handle, identity.size)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: header is not valid JSON (not UTF-8: {error})") from None
+    data_start = 8 + len(raw)
+    del raw
+    return _scan(path, text, data_start, identity.size - data_start, keep, sample)._replace(identity=identity)
+
+
+def _header_bytes(path: Any, handle: BinaryIO, file_size: int) -> bytes:
+    """The header's bytes (after its 8-byte length), read through `handle` once its length is checked."""
+    head = handle.read(64)
     if file_size < 8:
         raise ValueError(_not_safetensors(path, head, f"{file_size} bytes, shorter than the 8-byte header length"))
     header_length = int.from_bytes(head[:8], "little")
@@ -168,16 +183,11 @@ def scan_safetensors_header(
                          "(real checkpoints' headers are under a few MB; see fastembed.io.safetensors.MAX_HEADER_BYTES)")
     if head[8:9] != b"{":
         raise ValueError(_not_safetensors(path, head, "the header must be a JSON object, starting with '{'"))
-    with open(path, "rb") as handle:
-        handle.seek(8)
-        raw = handle.read(header_length)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: header is not valid JSON (not UTF-8: {error})") from None
-    del raw
-    data_start = 8 + header_length
-    return _scan(path, text, data_start, file_size - data_start, keep, sample)
+    handle.seek(8)
+    raw = handle.read(header_length)
+    if len(raw) != header_length:  # the size was checked on this very file: it shrank meanwhile
+        raise ValueError(f"{path}: changed while it was being opened (it shrank); open it again")
+    return raw
 
 
 def _not_safetensors(path: Any, head: bytes, problem: str) -> str:
@@ -381,6 +391,8 @@ def _skip_metadata_slowly(path: Any, text: str, pos: int, collect: dict[str, str
         if collect is not None and key in _FASTEMBED_KEYS:
             if len(value) > MAX_ENTRY_BYTES:
                 raise ValueError(f"{path}: __metadata__ {key} is {len(value)} characters long, over {MAX_ENTRY_BYTES}")
+            if key in collect:  # which one describes the table would be a guess (q4_0 and q4_k rows are one size)
+                raise ValueError(f"{path}: __metadata__ gives {key} more than once")
             collect[key] = value
         if text[pos:pos + 1] == ",":
             pos = _skip_whitespace(text, pos + 1)
@@ -429,11 +441,12 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEn
     return header.entries, header.data_start
 
 
-def map_tensor(path: str | os.PathLike, entry: TensorEntry, data_start: int, name: str) -> np.memmap:
-    """Memory-map one checked 2-D tensor read-only.
+def map_tensor(path: str | os.PathLike, entry: TensorEntry, data_start: int, name: str,
+               identity: FileIdentity | None = None) -> np.memmap:
+    """Memory-map one checked 2-D tensor read-only (from the file `identity` names, when given: see :func:`map_file`).
 
     Raises:
-        ValueError: the tensor is not 2-D or is empty.
+        ValueError: the tensor is not 2-D or is empty; the file changed since its header was read.
         TypeError: BF16/F8 need ml_dtypes and it is missing.
     """
     if len(entry.shape) != 2:
@@ -441,7 +454,7 @@ def map_tensor(path: str | os.PathLike, entry: TensorEntry, data_start: int, nam
     if 0 in entry.shape:
         raise ValueError(f"{path}: tensor {name!r} is empty (shape {list(entry.shape)})")
     dtype = resolve_dtype(SAFETENSORS_DTYPES[entry.dtype])
-    return map_file(path, dtype, data_start + entry.begin, entry.shape)
+    return map_file(path, dtype, data_start + entry.begin, entry.shape, identity=identity)
 
 
 def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> np.memmap | QuantizedTable:
@@ -458,7 +471,7 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
     """
     metadata = header.metadata
     if metadata.get(TENSOR_KEY) != name or FORMAT_KEY not in metadata:
-        return map_tensor(path, header.entries[name], header.data_start, name)
+        return map_tensor(path, header.entries[name], header.data_start, name, header.identity)
     where = f"{path}: tensor {name!r}"
     try:
         fmt = block_format(metadata[FORMAT_KEY])
@@ -477,7 +490,7 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
     if entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] != row_bytes or entry.shape[0] == 0:
         raise ValueError(f"{where}: a {fmt.name} table of dim {dim} is stored as U8 rows of shape "
                          f"(vocab_size, {row_bytes}), not {entry.dtype} {list(entry.shape)}")
-    data = map_file(path, np.uint8, header.data_start + entry.begin, entry.shape)
+    data = map_file(path, np.uint8, header.data_start + entry.begin, entry.shape, identity=header.identity)
     if not fmt.row_scale:
         return QuantizedTable(data, fmt, dim)
     scales_entry = header.entries.get(name + SCALES_SUFFIX)
@@ -485,7 +498,7 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
         found = "missing" if scales_entry is None else f"{scales_entry.dtype} {list(scales_entry.shape)}"
         raise ValueError(f"{where}: a {fmt.name} table keeps its row scales as F32 [{entry.shape[0]}] in "
                          f"{name + SCALES_SUFFIX!r}, found {found}")
-    scales = map_file(path, "<f4", header.data_start + scales_entry.begin, scales_entry.shape)
+    scales = map_file(path, "<f4", header.data_start + scales_entry.begin, scales_entry.shape, identity=header.identity)
     return QuantizedTable(data, fmt, dim, scales)
 
 

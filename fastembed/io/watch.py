@@ -35,6 +35,18 @@ def _filename(array: Any) -> str | None:
     return str(array.filename)
 
 
+def _end_in_file(array: Any) -> int:
+    """Where in its file the last byte `array` reaches ends: a slice of a map lies anywhere in it, while its
+    ``offset`` stays the whole map's."""
+    mapped: Any = array
+    while isinstance(mapped.base, np.ndarray):  # up to the array over the map itself, which starts at its offset
+        mapped = mapped.base
+    if not isinstance(mapped, np.memmap) or array.size == 0:
+        return int(mapped.offset) if isinstance(mapped, np.memmap) else 0
+    reach = sum((length - 1) * stride for length, stride in zip(array.shape, array.strides, strict=True) if stride > 0)
+    return int(mapped.offset) + (array.ctypes.data - mapped.ctypes.data) + reach + array.itemsize
+
+
 class FileChangedError(RuntimeError):
     """The file behind a memory-mapped table shrank or was modified in place since it was opened."""
 
@@ -90,7 +102,7 @@ class FileWatch:
         filename = _filename(maps[0])
         if filename is None:
             return None
-        needed = max(int(array.offset) + int(array.nbytes) for array in maps if _filename(array) == filename)
+        needed = max(_end_in_file(array) for array in maps if _filename(array) == filename)
         return cls(filename, needed)
 
     def check(self) -> None:

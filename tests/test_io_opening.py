@@ -1,0 +1,180 @@
+"""Opening a file that changes meanwhile, lies twice, loops, or is damaged in ways the format readers refuse oddly."""
+from __future__ import annotations
+
+import io as bytes_io
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+import fastembed
+from fastembed import distributed, io
+from fastembed.formats import QuantizedTable
+from fastembed.io import _files
+from helpers import random_quantized, random_table
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+pytest.importorskip("gguf")
+
+TABLE = random_table(100, 64, "float16")
+OTHER = random_table(100, 64, "float32", seed=1)  # same tensor name, other dtype and offsets
+
+
+def _save(path, table) -> None:
+    io.save_table(path, table)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".gguf", ".npy"])
+def test_a_file_renamed_over_the_path_between_the_header_and_the_map_is_refused(tmp_path, monkeypatch, suffix):
+    """The map used to take the new file's bytes under the old header's dtype and offsets: a table of neither file."""
+    path, newer = tmp_path / f"model{suffix}", tmp_path / f"incoming{suffix}"
+    save = np.save if suffix == ".npy" else _save
+    save(path, TABLE)
+    save(newer, OTHER)
+    real_memmap = np.memmap
+
+    def racing_memmap(*args, **kwargs):
+        if newer.exists():
+            os.replace(newer, path)  # the download lands between the header's read and the map
+        return real_memmap(*args, **kwargs)
+
+    monkeypatch.setattr(_files.np, "memmap", racing_memmap)
+    with pytest.raises(ValueError, match="changed while it was being opened"):
+        fastembed.Embedding.from_pretrained(path)
+    monkeypatch.undo()
+    assert fastembed.Embedding.from_pretrained(path).table.dtype == np.float32  # the new file, opened again
+
+
+def test_a_file_replaced_between_the_check_and_the_open_is_refused(tmp_path, monkeypatch):
+    path, newer = tmp_path / "model.safetensors", tmp_path / "incoming.safetensors"
+    _save(path, TABLE)
+    _save(newer, OTHER)
+    real_status = _files._status
+
+    def status_then_replace(*args):
+        status = real_status(*args)
+        if newer.exists():
+            os.replace(newer, path)
+        return status
+
+    monkeypatch.setattr(_files, "_status", status_then_replace)
+    with pytest.raises(ValueError, match="changed while it was being opened"):
+        fastembed.Embedding.from_safetensors(path)
+
+
+def test_a_rank_maps_its_rows_from_the_file_the_header_was_read_from(tmp_path):
+    path = tmp_path / "model.safetensors"
+    _save(path, TABLE)
+    whole = io.open_table(path)
+    assert np.array_equal(distributed._map_rows(whole, 10, 20), TABLE[10:20])
+    _save(tmp_path / "incoming.safetensors", OTHER)
+    os.replace(tmp_path / "incoming.safetensors", path)
+    with pytest.raises(ValueError, match="changed while it was being opened"):
+        distributed._map_rows(whole, 10, 20)
+
+
+def test_a_quantized_tables_rows_and_scales_come_from_one_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    fastembed.Embedding(random_quantized("fp8_e4m3", 50, 64)).save(path)
+    table = io.open_table(path)
+    assert isinstance(table, QuantizedTable)
+    assert _files.mapped_identity(table.data) == _files.mapped_identity(table.scales) is not None
+    assert _files.mapped_identity(np.zeros(3)) is None and _files.mapped_identity(table.data[5:]) is not None
+
+
+@pytest.mark.parametrize("opener", ["from_pretrained directory", "open_table directory", "from_safetensors", "open_table"])
+def test_a_loop_of_symbolic_links_is_a_value_error_naming_it(tmp_path, opener):
+    """os.stat's ELOOP came out raw; open_table said of a file that loops that it did not exist."""
+    (tmp_path / "model.safetensors").symlink_to("model.safetensors")
+    (tmp_path / "t.safetensors").symlink_to("t.safetensors")
+    call, target = {
+        "from_pretrained directory": (fastembed.Embedding.from_pretrained, tmp_path),
+        "open_table directory": (io.open_table, tmp_path),
+        "from_safetensors": (fastembed.Embedding.from_safetensors, tmp_path / "t.safetensors"),
+        "open_table": (io.open_table, tmp_path / "t.safetensors"),
+    }[opener]
+    with pytest.raises(ValueError, match="a loop of symbolic links"):
+        call(target)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npy", ".gguf", ".pt", ".bin"])
+def test_a_zip_archive_of_a_version_zipfile_lacks_is_described_without_its_error(tmp_path, suffix):
+    """zipfile raises NotImplementedError for a central directory asking for a newer version to extract."""
+    buffer = bytes_io.BytesIO()
+    np.savez(buffer, a=np.ones(3))
+    blob = bytearray(buffer.getvalue())
+    blob[blob.find(b"PK\x01\x02") + 6] = 0xFF
+    path = tmp_path / f"t{suffix}"
+    path.write_bytes(bytes(blob))
+    for call in (fastembed.Embedding.from_pretrained, io.open_table):
+        with pytest.raises(ValueError, match="zip archive"):
+            call(path)
+
+
+def _with_metadata_twice(path, key: str, first: str, second: str) -> None:
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8 : 8 + length].rstrip(b" ")
+    entry = f'"{key}":"{first}"'.encode()
+    assert entry in header
+    header = header.replace(entry, entry + f',"{key}":"{second}"'.encode())
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length :])
+
+
+def test_fastembeds_own_metadata_given_twice_is_refused(tmp_path):
+    """q4_0 and q4_k rows have one size: the second "fastembed.format" would have decoded the rows as the other."""
+    path = tmp_path / "t.safetensors"
+    fastembed.Embedding(random_quantized("q4_0", 3, 256)).save(path)
+    _with_metadata_twice(path, "fastembed.format", "q4_0", "q4_k")
+    with pytest.raises(ValueError, match="__metadata__ gives fastembed.format more than once"):
+        fastembed.Embedding.from_pretrained(path)
+
+
+def _checkpoint(folder, config: str | None = None) -> None:
+    folder.mkdir(exist_ok=True)
+    safetensors_numpy.save_file({"model.embed_tokens.weight": TABLE}, str(folder / "model.safetensors"))
+    if config is not None:
+        (folder / "config.json").write_text(config)
+
+
+def test_a_config_giving_a_shape_key_twice_is_refused_and_another_key_twice_is_not(tmp_path):
+    _checkpoint(tmp_path / "a", '{"vocab_size": 100, "hidden_size": 64, "hidden_size": 64}')
+    with pytest.raises(ValueError, match="config.json gives 'hidden_size' more than once"):
+        io.open_table(tmp_path / "a")
+    _checkpoint(tmp_path / "b", '{"vocab_size": 100, "hidden_size": 64, "architectures": [], "architectures": []}')
+    assert io.open_table(tmp_path / "b").shape == (100, 64)
+
+
+def test_an_index_naming_a_tensor_twice_is_refused(tmp_path):
+    _checkpoint(tmp_path)
+    name = "model.embed_tokens.weight"
+    (tmp_path / "model.safetensors.index.json").write_text(
+        f'{{"weight_map": {{"{name}": "model.safetensors", "{name}": "other.safetensors"}}}}')
+    with pytest.raises(ValueError, match="weight_map gives .*model.embed_tokens.weight.* more than once"):
+        io.open_table(tmp_path)
+
+
+def test_a_config_json_is_read_only_up_to_a_few_mib(tmp_path):
+    """Parsing JSON costs about 25 times its length: a 64 MiB config.json of nested lists peaked at 1.6 GiB."""
+    _checkpoint(tmp_path, json.dumps({"vocab_size": 100, "hidden_size": 64, "pad": "x" * (5 * 2**20)}))
+    with pytest.raises(ValueError, match="config.json is .* bytes, over the 4194304-byte limit"):
+        io.open_table(tmp_path)
+
+
+def test_a_watch_on_a_slice_covers_the_slice_where_it_lies_in_the_file(tmp_path):
+    """A slice's offset is the whole map's: the watch used to need only its first bytes."""
+    path = tmp_path / "t.npy"
+    np.save(path, np.ones((1000, 64), np.float32))
+    table = io.open_table(path)
+    size = os.path.getsize(path)
+    assert io.FileWatch.for_table(table[900:]).needed_bytes == size
+    assert io.FileWatch.for_table(table[:10]).needed_bytes == size - 990 * 256
+    assert io.FileWatch.for_table(table[::-1]).needed_bytes == size
+    assert io.FileWatch.for_table(table[:, :3]).needed_bytes == size - 256 + 12
+    view = table[900:]
+    os.truncate(path, size - 4096)
+    with pytest.raises(ValueError, match="shorter than"):
+        io.FileWatch.for_table(view)
