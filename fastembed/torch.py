@@ -69,6 +69,7 @@ from torch.autograd import forward_ad
 
 from . import dispatch
 from .api import lookup
+from .arrays.torch_adapter import stands_for_other_memory
 
 #: The reasons for using torch's embedding already warned about (each is said once per process).
 _REASONS_SAID: set[str] = set()
@@ -115,8 +116,8 @@ class Embedding(torch.nn.Embedding):
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or isinstance(input, torch.fx.Proxy):
             return super().forward(input)  # the graph must hold torch's operation, not a gather done now
         weight = self.weight
-        if _carried_by_torch(weight, input):
-            return super().forward(input)  # AD, transforms, modes, subclasses, other ids: torch's operation handles them
+        if _carried_by_torch(weight, input) or weight.dim() != 2:
+            return super().forward(input)  # AD, transforms, modes, subclasses, other ids, a bad weight: torch serves
         if (weight.requires_grad and torch.is_grad_enabled()) or not (weight.is_cpu and input.is_cpu) or (
             not weight.is_contiguous()
         ) or not _viewable(weight) or self.max_norm is not None:
@@ -142,12 +143,15 @@ _ID_DTYPES = (torch.int64, torch.int32)
 
 def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
     """Whether torch's own operation must serve, silently: ids other than a dense int32/int64 tensor, a tensor
-    subclass, an active torch function or dispatch mode, a forward-mode tangent, or a torch.func wrapper."""
+    subclass, an active torch function or dispatch mode, a ZeroTensor or functionalization wrapper, a forward-mode
+    tangent, or a torch.func wrapper."""
     if type(input) not in _PLAIN or input.dtype not in _ID_DTYPES or type(weight) not in _PLAIN:
         return True
     if input.layout is not torch.strided or input.is_nested:  # sparse or nested ids: torch's embedding takes them
         return True
     if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    if stands_for_other_memory(weight) or stands_for_other_memory(input):
         return True
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     if wrapped(weight) or wrapped(input):

@@ -316,6 +316,44 @@ def test_lookup_refuses_a_tensor_dispatched_in_python_and_reads_other_subclasses
     assert type(result) is torch.Tensor and torch.equal(result, weight[[1, 7]])
 
 
+def _zero_tensor(shape, dtype=torch.float32):
+    return torch._efficientzerotensor(shape, dtype=dtype)
+
+
+def _functional(tensor):
+    return torch._to_functional_tensor(tensor)
+
+
+@pytest.mark.parametrize("make", [_zero_tensor, lambda shape: _functional(torch.randn(shape))],
+                         ids=["zero tensor", "functionalization wrapper"])
+def test_tensors_whose_memory_is_not_their_values_get_torchs_result_and_lookup_refuses_them(make):
+    """A ZeroTensor's storage says it holds bytes it does not; a functionalization wrapper's values live in the
+    tensor it wraps: fastembed read garbage, or zeros, from them."""
+    weight = make((256, 1024))
+    ids = torch.randint(0, 256, (1100,))  # above the small-gather bytes: fastembed's own gather
+    with torch.no_grad():
+        expected = torch.nn.Embedding.from_pretrained(weight)(ids)
+        assert torch.equal(Embedding.from_pretrained(weight)(ids), expected)
+    with pytest.raises(TypeError, match="ZeroTensor|functionalization"):
+        fastembed.lookup(weight, ids)
+
+
+def test_zero_tensor_ids_get_torchs_result_and_lookup_refuses_them():
+    weight = torch.randn(256, 1024)
+    ids = _zero_tensor((1100,), torch.long)
+    with torch.no_grad():
+        assert torch.equal(Embedding.from_pretrained(weight)(ids), weight[torch.zeros(1100, dtype=torch.long)])
+    with pytest.raises(TypeError, match="ZeroTensor"):
+        fastembed.lookup(weight, ids)
+
+
+def test_a_weight_that_is_not_2d_gets_torchs_error():
+    layer = Embedding(256, 4).requires_grad_(False)  # an inference layer: fastembed's path, not training's
+    layer.weight.data = torch.randn(256 * 4)
+    with pytest.raises(RuntimeError, match="2-D"):
+        layer(torch.tensor([1, 2]))
+
+
 def test_under_a_fake_tensor_mode_the_result_is_torchs():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 

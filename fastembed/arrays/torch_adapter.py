@@ -319,7 +319,21 @@ def _traced_or_wrapped(tensor: Any) -> str | None:
     if tensor.is_nested:
         return ("nested torch tensors are not supported: fastembed reads one strided block of memory; gather each "
                 "component (tensor.unbind()) or use torch.nn.functional.embedding")
+    if tensor._is_zerotensor():
+        return ("this torch tensor is a ZeroTensor (all zeros, with no memory of its own for fastembed to read): "
+                "use torch.nn.functional.embedding, or fastembed.torch.Embedding, which hands it to torch")
+    if torch._is_functional_tensor(tensor):
+        return ("this torch tensor is a functionalization wrapper, whose values live in the tensor it wraps: "
+                "use torch.nn.functional.embedding, or fastembed.torch.Embedding, which hands it to torch")
     return None
+
+
+def stands_for_other_memory(tensor: Any) -> bool:
+    """Whether torch serves `tensor`'s values from elsewhere than its own memory: a ZeroTensor, a functionalization
+    wrapper, or a subclass whose operations torch hands to Python (``__torch_dispatch__``)."""
+    import torch
+
+    return tensor._is_zerotensor() or torch._is_functional_tensor(tensor) or _dispatched_in_python(tensor)
 
 
 #: Why a torch.func transform's tensors are refused (they are noticed when their storage is asked for).
