@@ -73,10 +73,11 @@ def interrupted_runs(traced: Callable[[types.CodeType], bool], action: Callable[
     `handler` at the n-th such point in run n (by default it raises KeyboardInterrupt, as Ctrl-C does); yield n
     after each such run, stop after the first run that ends before its n-th point.
 
-    The points are where CPython runs pending handlers: on entering a function (the traced code's, and any
-    Python function it calls) and on the return of each call it makes into C code, an exception there coming out
-    of that call. Only this thread is watched, and not the handler. Each yield is the place to check that nothing
-    broke.
+    The points are most of those where CPython 3.11 runs pending handlers: on entering a function (the traced
+    code's, and any Python function it calls) and on the return of each call it makes into C code, an exception
+    there coming out of that call. Loop back edges, where CPython also runs them, are not among them; a
+    generator's resumption, where it does not, is. Only this thread is watched, and not the handler. Each yield is
+    the place to check that nothing broke.
     """
     for n in range(1, limit):
         reached = 0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fastembed
-from helpers import assert_bit_equal, interrupted_runs, poisoned, random_quantized, random_table, run_script
+from helpers import Producer, assert_bit_equal, interrupted_runs, poisoned, random_quantized, random_table, run_script
 
 numba_backend = pytest.importorskip("fastembed.backends.numba_backend")
 BACKEND = numba_backend.BACKEND
@@ -539,9 +539,9 @@ def test_each_forking_thread_releases_only_its_own_locks():
     other = threading.Thread(target=background_compile._after_fork_in_parent)  # a thread that took nothing
     other.start()
     other.join(30)
-    assert background_compile._guard.locked()
+    assert not _free_for_another_thread(background_compile._guard)
     background_compile._after_fork_in_parent()
-    assert not background_compile._guard.locked()
+    assert _free_for_another_thread(background_compile._guard)
 
 
 def test_a_listener_that_refreshes_on_a_load_failure_does_not_deadlock(monkeypatch, fresh_backend):
@@ -578,6 +578,8 @@ class _InterruptedJoin:
     """A compile thread whose join is interrupted once by `error` (Ctrl-C, or a signal handler's exception, while a
     fork waits for it)."""
 
+    ident = 1  # started
+
     def __init__(self, error: BaseException) -> None:
         self.error: BaseException | None = error
 
@@ -594,12 +596,11 @@ def test_a_ctrl_c_while_a_fork_waits_is_held_back_until_the_fork_is_done(monkeyp
     background_compile = numba_backend.background_compile
     monkeypatch.setattr(background_compile, "_threads", [_InterruptedJoin(KeyboardInterrupt())])
     background_compile._wait_before_fork()  # the wait goes on to its end
-    assert background_compile._guard.locked()
+    assert not _free_for_another_thread(background_compile._guard)
     with pytest.raises(KeyboardInterrupt):
         background_compile._after_fork_in_parent()  # raised again once the locks are released
-    assert not background_compile._guard.locked()
-    assert background_compile._foreground_done.acquire(timeout=1)
-    background_compile._foreground_done.release()
+    assert _free_for_another_thread(background_compile._guard)
+    assert _free_for_another_thread(background_compile._foreground_lock)
 
 
 def test_a_fork_whose_wait_another_error_cut_short_leaves_a_child_that_never_uses_numba(monkeypatch, fresh_backend):
@@ -611,7 +612,7 @@ def test_a_fork_whose_wait_another_error_cut_short_leaves_a_child_that_never_use
         background_compile._wait_before_fork()
     background_compile._after_fork_in_child()  # what Python runs in the child
     try:
-        assert not background_compile._guard.locked() and background_compile.compiles_disabled()
+        assert _free_for_another_thread(background_compile._guard) and background_compile.compiles_disabled()
         started: list[int] = []
         background_compile.start(("never compiled",), lambda: started.append(1))
         assert started == [] and ("never compiled",) not in background_compile._started
@@ -637,7 +638,7 @@ def test_a_signal_handlers_lookup_while_its_thread_waits_before_a_fork_starts_no
         assert background_compile.wait(timeout=1) is False
     finally:
         background_compile._after_fork_in_parent()
-    assert started == [] and not background_compile._guard.locked()
+    assert started == [] and _free_for_another_thread(background_compile._guard)
 
 
 def test_wait_for_compiles_takes_timeouts_longer_than_a_join_can(monkeypatch):
@@ -765,3 +766,85 @@ def test_an_interrupt_anywhere_in_a_parallel_lookup_leaves_the_parallel_lock_fre
     action()
     assert_bit_equal(out, table[ids])
     assert_bit_equal(dequantized, fastembed.lookup(quantized, ids, dtype=np.float16, backend="numpy"))
+
+
+def test_an_interrupt_anywhere_in_a_cold_lookup_leaves_compiles_locks_and_results_whole():
+    """Ctrl-C anywhere in fastembed's code while a lookup starts its background compile (and probes a DLPack `out`):
+    a compile thread made but never started used to stay listed, so waiting for compiles, and every fork, raised
+    "cannot join thread before it is started", and its kernels were never compiled."""
+    package = os.path.dirname(fastembed.__file__)
+    table = random_table(4096, 1024, "float32")
+    ids = np.random.default_rng(0).integers(0, 4096, 1024)  # 4 MiB: the parallel kernels
+    out = np.empty((1024, 1024), np.float32)
+
+    def action():
+        fastembed.dispatch.refresh()  # the kernels are compiled (loaded from numba's cache) again
+        fastembed.lookup(table, ids)
+        fastembed.lookup(table, ids, out=Producer(out))
+        fastembed.wait_for_compiles()
+
+    runs = 0
+    for _ in interrupted_runs(lambda code: code.co_filename.startswith(package), action):
+        runs += 1
+        assert fastembed.wait_for_compiles(timeout=60)
+        assert not BACKEND._parallel_lock.locked()
+        out[:] = 0
+        fastembed.lookup(table, ids, out=out, backend="numba")
+        assert_bit_equal(out, table[ids])
+    assert runs > 100
+    assert {status.name: status.available for status in fastembed.backend_statuses()}["numba"]
+
+
+def test_an_interrupt_anywhere_in_a_foreground_section_leaves_no_section_open():
+    """A fork waits for every thread's foreground section: one left marked open, or its lock left taken (by an
+    interrupt on entering the condition's Python __exit__), would make every later fork wait for ever."""
+    background_compile = numba_backend.background_compile
+
+    def sections():
+        with background_compile.foreground(), background_compile.foreground():
+            pass
+
+    runs = 0
+    for _ in interrupted_runs(lambda code: code.co_filename == background_compile.__file__, sections):
+        runs += 1
+        assert _free_for_another_thread(background_compile._foreground_lock)
+        assert not background_compile._foreground_threads.get(threading.get_ident())
+    assert runs > 4
+
+
+def test_an_interrupt_anywhere_in_the_wait_before_a_fork_leaves_no_lock_taken_after_it():
+    """A Ctrl-C just after the fork hook took a lock, before it noted taking it, kept the lock for good: then
+    waiting for compiles ignored its timeout and every compile start hung."""
+    background_compile = numba_backend.background_compile
+    hook = background_compile._wait_before_fork.__code__
+    runs = 0
+
+    def fork_hooks():
+        try:
+            background_compile._wait_before_fork()
+        finally:
+            background_compile._release_fork_locks()  # as os.fork does, whatever the hook before it raised
+
+    for _ in interrupted_runs(lambda code: code is hook, fork_hooks):
+        runs += 1
+        background_compile._ctrl_c_held.clear()
+        background_compile._waiting_to_fork.clear()
+        assert _free_for_another_thread(background_compile._guard)
+        assert _free_for_another_thread(background_compile._foreground_lock)
+        assert background_compile.wait(timeout=1)
+    assert runs > 4
+
+
+def _free_for_another_thread(lock) -> bool:
+    """Whether another thread can take `lock` within a second (this thread may own a re-entrant one)."""
+    taken = []
+
+    def take():
+        if lock.acquire(timeout=1):
+            taken.append(True)
+            lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    thread.join()
+    return bool(taken)

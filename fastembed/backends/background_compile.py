@@ -39,12 +39,17 @@ import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
-_guard = threading.Lock()
-_started: set[Hashable] = set()
+# Re-entrant, for _is_owned(): a fork hook must release what it took, and an exception (Ctrl-C) just after an
+# acquire() returns would keep a record of it from being made.
+_guard = threading.RLock()
+_started: dict[Hashable, threading.Thread] = {}  # the thread made for each key
 _ready: set[Hashable] = set()
 _threads: list[threading.Thread] = []
-_foreground_done = threading.Condition(threading.Lock())
-_foreground_threads: dict[int, int] = {}  # thread ident -> nesting depth
+_foreground_lock = threading.RLock()  # taken by with statements (the condition's own __exit__ is Python code)
+_foreground_done = threading.Condition(_foreground_lock)
+# Thread ident -> one token per foreground section it is in. A section adds and removes its own token, each in one
+# call, so an exception (Ctrl-C) at any point of foreground() leaves no section marked open that is not.
+_foreground_threads: dict[int, list[object]] = {}
 _held_for_fork: dict[int, list[Any]] = {}  # forking thread -> the locks its _wait_before_fork took
 _ctrl_c_held: set[int] = set()  # forking threads whose wait held back a KeyboardInterrupt
 _one_at_a_time = threading.Lock()  # held by the compile under way
@@ -57,18 +62,17 @@ _no_compiles = False  # in a child forked after such a wait: numba's locks may b
 @contextlib.contextmanager
 def foreground() -> Iterator[None]:
     """Mark a section where this thread may import numba or compile: a fork waits until it ends."""
-    ident = threading.get_ident()
-    with _foreground_done:
-        _foreground_threads[ident] = _foreground_threads.get(ident, 0) + 1
+    ident, token = threading.get_ident(), object()
     try:
+        _foreground_threads.setdefault(ident, []).append(token)
         yield
     finally:
-        with _foreground_done:
-            depth = _foreground_threads.pop(ident) - 1
-            if depth:
-                _foreground_threads[ident] = depth
-            else:
-                _foreground_done.notify_all()
+        try:
+            _foreground_threads[ident].remove(token)  # one call: no signal handler runs before it
+        except (KeyError, ValueError):
+            pass  # an exception came before the token was added
+        with _foreground_lock:
+            _foreground_done.notify_all()  # a fork waits on it (checking every tenth of a second: this may not run)
 
 
 def is_ready(key: Hashable) -> bool:
@@ -86,11 +90,13 @@ def start(key: Hashable, first_call: Callable[[], Any]) -> None:
     if threading.get_ident() in _forking_threads or _no_compiles:
         return  # a signal handler of the thread waiting before a fork holds _guard; or a child that must not compile
     with _guard:
-        if key in _started or _exit_begun():
+        earlier = _started.get(key)
+        # A thread whose start() an exception (Ctrl-C) cut short never ran and never will: this call replaces it.
+        if (earlier is not None and earlier.ident is not None) or _exit_begun():
             return
-        _started.add(key)
         # Not a daemon: a daemon thread killed inside LLVM at interpreter exit can crash it.
         thread = threading.Thread(target=_compile, args=(key, first_call), name="fastembed-compile")
+        _started[key] = thread
         _threads.append(thread)
         thread.start()
 
@@ -116,7 +122,7 @@ def wait(timeout: float | None = None) -> bool:
     with _guard:
         threads = list(_threads)
     for thread in threads:
-        if thread is not threading.current_thread():
+        if thread is not threading.current_thread() and thread.ident is not None:  # else never started
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
     with _guard:
         _threads[:] = [thread for thread in _threads if thread.is_alive()]
@@ -135,21 +141,27 @@ def _wait_before_fork() -> None:
     _forking_threads.add(ident)
     _waiting_to_fork.add(ident)
     held = _held_for_fork.setdefault(ident, [])
+    held.append(_guard)  # recorded first: only the locks this thread owns are released after the fork
     _guard.acquire()  # a thread inside start() holds it while its compile thread starts
-    held.append(_guard)
     interrupted = _uninterrupted(_join_compiles)
     _threads[:] = [thread for thread in _threads if thread.is_alive()]
-    _foreground_done.acquire()
-    held.append(_foreground_done)
-    interrupted |= _uninterrupted(lambda: _foreground_done.wait_for(lambda: not (set(_foreground_threads) - {ident})))
+    held.append(_foreground_lock)
+    _foreground_lock.acquire()
+    interrupted |= _uninterrupted(lambda: _wait_for_foreground_sections(ident))
     if interrupted:
         _ctrl_c_held.add(ident)
     _waiting_to_fork.discard(ident)
 
 
+def _wait_for_foreground_sections(but: int) -> None:
+    """Wait (holding the condition's lock) until no thread other than `but` is in a foreground section."""
+    while any(tokens for ident, tokens in list(_foreground_threads.items()) if ident != but):
+        _foreground_done.wait(0.1)
+
+
 def _join_compiles() -> None:
     for thread in list(_threads):
-        if thread is not threading.current_thread():
+        if thread is not threading.current_thread() and thread.ident is not None:  # else never started
             thread.join()
 
 
@@ -167,7 +179,8 @@ def _uninterrupted(wait: Callable[[], Any]) -> bool:
 def _release_fork_locks() -> None:
     _forking_threads.discard(threading.get_ident())
     for lock in reversed(_held_for_fork.pop(threading.get_ident(), [])):
-        lock.release()
+        if lock._is_owned():  # else an exception ended the acquire before it took the lock
+            lock.release()
 
 
 def _after_fork_in_parent() -> None:
