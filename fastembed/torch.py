@@ -127,6 +127,8 @@ class Embedding(torch.nn.Embedding):
             # A gather fastembed would leave to a library's take on this thread: torch's embedding is that take.
             return F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq,
                                self.sparse)
+        if stands_for_other_memory(weight) or stands_for_other_memory(input):
+            return super().forward(input)  # a ZeroTensor, a functionalization wrapper (checked here: small calls are torch's)
         if input.is_neg():
             input = input.resolve_neg()  # a lazy negation view of ids; fastembed copies the ids anyway
         return lookup(weight, input)
@@ -143,15 +145,12 @@ _ID_DTYPES = (torch.int64, torch.int32)
 
 def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
     """Whether torch's own operation must serve, silently: ids other than a dense int32/int64 tensor, a tensor
-    subclass, an active torch function or dispatch mode, a ZeroTensor or functionalization wrapper, a forward-mode
-    tangent, or a torch.func wrapper."""
+    subclass, an active torch function or dispatch mode, a forward-mode tangent, or a torch.func wrapper."""
     if type(input) not in _PLAIN or input.dtype not in _ID_DTYPES or type(weight) not in _PLAIN:
         return True
     if input.layout is not torch.strided or input.is_nested:  # sparse or nested ids: torch's embedding takes them
         return True
     if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
-        return True
-    if stands_for_other_memory(weight) or stands_for_other_memory(input):
         return True
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     if wrapped(weight) or wrapped(input):

@@ -98,6 +98,7 @@ def test_an_interrupt_anywhere_in_the_caches_code_leaves_it_bounded_and_working(
     busy for good when it struck on entering the code that left it, then kept every returning buffer beyond the
     limit, served none and freed none on empty_cache()."""
     monkeypatch.setattr("sys.unraisablehook", lambda unraisable: None)  # a finalizer's interrupt is not raised
+    fastembed.set_output_cache_limit(12 * 2**20)  # room for two of the round's four buffers: the limit is tested
     runs = 0
     for _ in interrupted_runs(_in_the_cache, _cache_round):
         runs += 1
