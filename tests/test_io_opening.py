@@ -178,3 +178,14 @@ def test_a_watch_on_a_slice_covers_the_slice_where_it_lies_in_the_file(tmp_path)
     os.truncate(path, size - 4096)
     with pytest.raises(ValueError, match="shorter than"):
         io.FileWatch.for_table(view)
+
+
+def test_the_scans_give_the_documented_tuples(tmp_path):
+    """The file a header came from travels beside the tuples, not as a field: they unpack as before."""
+    path = tmp_path / "model.gguf"
+    fastembed.Embedding(random_quantized("q8_0", 10, 64)).save(path)
+    name, dims, ggml_type, offset = io.scan_gguf(path)
+    assert (name, dims) == ("token_embd.weight", (64, 10))
+    _save(tmp_path / "t.safetensors", TABLE)
+    entries, data_start, count, sample, metadata = io.scan_safetensors_header(tmp_path / "t.safetensors")
+    assert count == 1 and len(io.scan_safetensors_header(tmp_path / "t.safetensors")) == 5

@@ -96,15 +96,12 @@ class GGUFTensor(NamedTuple):
         dims: its dimensions, innermost first (``(n_embd, n_vocab)`` for a token table).
         ggml_type: its ggml type code.
         offset: its first byte in the file (the data section's start plus its offset).
-        identity: the file the header was read from (the tensor is mapped from that
-            file only); None for a description not read from a file.
     """
 
     name: str
     dims: tuple[int, ...]
     ggml_type: int
     offset: int
-    identity: FileIdentity | None = None
 
 
 class _Reader:
@@ -299,6 +296,11 @@ def scan_gguf(path: str | os.PathLike, name: str | None = TOKEN_EMBEDDING) -> GG
             dims, dims whose product overflows, an offset not a multiple of the
             alignment; no tensor `name`, listing candidates; `name` given twice.
     """
+    return _scan_file(path, name)[0]
+
+
+def _scan_file(path: str | os.PathLike, name: str | None) -> tuple[GGUFTensor, FileIdentity]:
+    """:func:`scan_gguf`, and the file the header was read from (the tensor is mapped from it only)."""
     check_tensor_name(path, name)
     name = TOKEN_EMBEDDING if name is None else name
     with opened(path, _OPENER) as (handle, identity):
@@ -308,7 +310,7 @@ def scan_gguf(path: str | os.PathLike, name: str | None = TOKEN_EMBEDDING) -> GG
         with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
             if len(buffer) != identity.size:  # the size was checked on this very file: it changed meanwhile
                 raise ValueError(f"{path}: changed while it was being opened; open it again")
-            return _scan(_Reader(path, buffer, len(buffer)), head, name)._replace(identity=identity)
+            return _scan(_Reader(path, buffer, len(buffer)), head, name), identity
 
 
 def _scan(reader: _Reader, head: bytes, name: str) -> GGUFTensor:
@@ -391,11 +393,10 @@ def map_gguf(path: str | os.PathLike, name: str | None = None) -> np.memmap | Qu
         >>> map_gguf(path)
         QuantizedTable(q8_0, vocab_size=10, dim=64)
     """
-    tensor = scan_gguf(path, TOKEN_EMBEDDING if name is None else name)
-    assert tensor.identity is not None  # scanned from the file
-    n_vocab, n_embd, row_bytes = _check_table(path, tensor, tensor.identity.size)
+    tensor, identity = _scan_file(path, TOKEN_EMBEDDING if name is None else name)
+    n_vocab, n_embd, row_bytes = _check_table(path, tensor, identity.size)
     if tensor.ggml_type in DENSE_TYPES:
         dtype = resolve_dtype(DENSE_TYPES[tensor.ggml_type])
-        return map_file(path, dtype, tensor.offset, (n_vocab, n_embd), identity=tensor.identity)
-    data = map_file(path, np.uint8, tensor.offset, (n_vocab, row_bytes), identity=tensor.identity)
+        return map_file(path, dtype, tensor.offset, (n_vocab, n_embd), identity=identity)
+    data = map_file(path, np.uint8, tensor.offset, (n_vocab, row_bytes), identity=identity)
     return QuantizedTable(data, QUANTIZED_TYPES[tensor.ggml_type], n_embd)

@@ -120,8 +120,6 @@ class SafetensorsHeader(NamedTuple):
         metadata: the ``__metadata__`` entries fastembed writes (:data:`TENSOR_KEY`,
             :data:`FORMAT_KEY`, :data:`DIM_KEY`, see :func:`fastembed.io.save_table`);
             no other entry is kept.
-        identity: the file the header was read from (its tensors are mapped from
-            that file only); None for a header not read from a file.
     """
 
     entries: dict[str, TensorEntry]
@@ -129,6 +127,12 @@ class SafetensorsHeader(NamedTuple):
     tensor_count: int
     sample: list[str]
     metadata: Mapping[str, str] = MappingProxyType({})
+
+
+class _ReadHeader(SafetensorsHeader):
+    """A header read from a file, with that file: its tensors are mapped from it only (an attribute, not a field, so
+    that the tuple stays as documented)."""
+
     identity: FileIdentity | None = None
 
 
@@ -162,7 +166,9 @@ def scan_safetensors_header(
         raise ValueError(f"{path}: header is not valid JSON (not UTF-8: {error})") from None
     data_start = 8 + len(raw)
     del raw
-    return _scan(path, text, data_start, identity.size - data_start, keep, sample)._replace(identity=identity)
+    header = _ReadHeader(*_scan(path, text, data_start, identity.size - data_start, keep, sample))
+    header.identity = identity
+    return header
 
 
 def _header_bytes(path: Any, handle: BinaryIO, file_size: int) -> bytes:
@@ -457,6 +463,11 @@ def map_tensor(path: str | os.PathLike, entry: TensorEntry, data_start: int, nam
     return map_file(path, dtype, data_start + entry.begin, entry.shape, identity=identity)
 
 
+def _identity(header: SafetensorsHeader) -> FileIdentity | None:
+    """The file `header` was read from (a header :func:`scan_safetensors_header` read), else None."""
+    return header.identity if isinstance(header, _ReadHeader) else None
+
+
 def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> np.memmap | QuantizedTable:
     """Memory-map the kept tensor `name`: a dense table, or the quantized table fastembed's metadata describes.
 
@@ -471,7 +482,7 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
     """
     metadata = header.metadata
     if metadata.get(TENSOR_KEY) != name or FORMAT_KEY not in metadata:
-        return map_tensor(path, header.entries[name], header.data_start, name, header.identity)
+        return map_tensor(path, header.entries[name], header.data_start, name, _identity(header))
     where = f"{path}: tensor {name!r}"
     try:
         fmt = block_format(metadata[FORMAT_KEY])
@@ -490,7 +501,7 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
     if entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] != row_bytes or entry.shape[0] == 0:
         raise ValueError(f"{where}: a {fmt.name} table of dim {dim} is stored as U8 rows of shape "
                          f"(vocab_size, {row_bytes}), not {entry.dtype} {list(entry.shape)}")
-    data = map_file(path, np.uint8, header.data_start + entry.begin, entry.shape, identity=header.identity)
+    data = map_file(path, np.uint8, header.data_start + entry.begin, entry.shape, identity=_identity(header))
     if not fmt.row_scale:
         return QuantizedTable(data, fmt, dim)
     scales_entry = header.entries.get(name + SCALES_SUFFIX)
@@ -498,7 +509,7 @@ def map_entry(path: str | os.PathLike, header: SafetensorsHeader, name: str) -> 
         found = "missing" if scales_entry is None else f"{scales_entry.dtype} {list(scales_entry.shape)}"
         raise ValueError(f"{where}: a {fmt.name} table keeps its row scales as F32 [{entry.shape[0]}] in "
                          f"{name + SCALES_SUFFIX!r}, found {found}")
-    scales = map_file(path, "<f4", header.data_start + scales_entry.begin, scales_entry.shape, identity=header.identity)
+    scales = map_file(path, "<f4", header.data_start + scales_entry.begin, scales_entry.shape, identity=_identity(header))
     return QuantizedTable(data, fmt, dim, scales)
 
 
