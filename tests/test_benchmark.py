@@ -489,6 +489,27 @@ def test_bench_leaves_a_writable_result_file_as_it_was_until_it_writes_it(tmp_pa
     assert (out / "results.json").read_text() == "kept"
 
 
+def test_a_link_to_a_result_file_not_made_yet_is_fine_where_its_folder_can_be_written(tmp_path):
+    from fastembed.benchmark import cli
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "results.json").symlink_to(tmp_path / "elsewhere" / "results.json")
+    assert cli._unwritable(tmp_path) is None
+    assert not (tmp_path / "elsewhere" / "results.json").exists()
+
+
+def test_only_the_files_a_mode_writes_are_checked(tmp_path):
+    """A stale gate.json nobody can write does not stop a main run, which never writes it."""
+    from fastembed.benchmark import cli
+
+    os.mkfifo(tmp_path / "gate.json")  # opening it to write would fail (no reader), as a read-only file would
+    main = cli.parse_arguments([*SMALL, "--out", str(tmp_path)])
+    assert "gate.json" not in cli._result_files(main) and cli._unwritable(tmp_path, cli._result_files(main)) is None
+    gate = cli.parse_arguments(["--gate", "--out", str(tmp_path / "other")])
+    assert cli._result_files(gate) == ("gate.json",)
+    assert "cannot write" in cli._unwritable(tmp_path, cli._result_files(gate))
+
+
 def test_the_gpu_plot_is_checked_like_the_other_result_files(tmp_path):
     """A folder by the GPU plot's name used to pass the check and end a --device cuda run in a traceback."""
     from fastembed.benchmark import cli

@@ -151,7 +151,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
             arguments.checks, arguments.gate_repetitions = load_checks(arguments.thresholds)
         except ValueError as error:
             parser.error(str(error))
-    problem = _unwritable(arguments.out)
+    problem = _unwritable(arguments.out, _result_files(arguments))
     if problem:
         parser.error(f"--out {arguments.out}: {problem}")
     return arguments
@@ -318,16 +318,26 @@ RESULT_FILES = ("results.json", "results.md", "processes.json", "quantized.json"
                 "throughput.png", "throughput-cuda.png")
 
 
-def _unwritable(folder: Path) -> str | None:
-    """Why results cannot be written into `folder` (created if missing), or None when they can.
+def _result_files(arguments: argparse.Namespace) -> tuple[str, ...]:
+    """The files the run `arguments` ask for writes into --out (a main run's --table may turn out quantized)."""
+    for flag, name in (("gate", "gate.json"), ("processes", "processes.json"), ("ranks", "ranks.json"),
+                       ("format", "quantized.json")):
+        if getattr(arguments, flag):
+            return (name,)
+    return ("results.json", "results.md", "throughput.png", "throughput-cuda.png", "quantized.json")
+
+
+def _unwritable(folder: Path, names: tuple[str, ...] = RESULT_FILES) -> str | None:
+    """Why results cannot be written into `folder` (created if missing) as the files `names`, or None when they can.
 
     A result file already there (or a link by its name) must open for
     writing: it is opened without being created or truncated, so the check
-    changes nothing.
+    changes nothing; a link to a file not made yet must lead into a folder
+    that can be written.
     """
     if folder.exists() and not folder.is_dir():
         return "is a file, not a folder for the results"
-    taken = [name for name in RESULT_FILES if (folder / name).is_dir()]
+    taken = [name for name in names if (folder / name).is_dir()]
     if taken:
         return f"{folder / taken[0]} is a directory, where a result file goes"
     try:
@@ -337,12 +347,16 @@ def _unwritable(folder: Path) -> str | None:
         probe.unlink()
     except OSError as error:
         return f"cannot write results there: {error.strerror or error}"
-    for name in RESULT_FILES:
+    for name in names:
         path = folder / name
         if not path.is_symlink() and not path.exists():
             continue
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))  # a FIFO without a reader: ENXIO, no wait
+        except FileNotFoundError:
+            target = path.parent / os.readlink(path)  # a link to a file not made yet: writing makes it
+            if not (target.parent.is_dir() and os.access(target.parent, os.W_OK)):
+                return f"cannot write {path}: a link to {target}, whose folder is missing or cannot be written"
         except OSError as error:
             return f"cannot write {path}: {error.strerror or error}"
     return None
