@@ -33,14 +33,16 @@ def test_a_file_renamed_over_the_path_between_the_header_and_the_map_is_refused(
     save = np.save if suffix == ".npy" else _save
     save(path, TABLE)
     save(newer, OTHER)
-    real_memmap = np.memmap
+    real_open = _files._open_for_reading
+    opened = []
 
-    def racing_memmap(*args, **kwargs):
-        if newer.exists():
+    def racing_open(name):
+        opened.append(name)
+        if len(opened) == 2:  # the map's opening, after the header's
             os.replace(newer, path)  # the download lands between the header's read and the map
-        return real_memmap(*args, **kwargs)
+        return real_open(name)
 
-    monkeypatch.setattr(_files.np, "memmap", racing_memmap)
+    monkeypatch.setattr(_files, "_open_for_reading", racing_open)
     with pytest.raises(ValueError, match="changed while it was being opened"):
         fastembed.Embedding.from_pretrained(path)
     monkeypatch.undo()
@@ -189,3 +191,21 @@ def test_the_scans_give_the_documented_tuples(tmp_path):
     _save(tmp_path / "t.safetensors", TABLE)
     entries, data_start, count, sample, metadata = io.scan_safetensors_header(tmp_path / "t.safetensors")
     assert count == 1 and len(io.scan_safetensors_header(tmp_path / "t.safetensors")) == 5
+
+
+def test_a_fifo_put_at_the_path_before_the_map_is_refused_without_waiting_for_a_writer(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    _save(path, TABLE)
+    real_open = _files._open_for_reading
+    opened = []
+
+    def racing_open(name):
+        opened.append(name)
+        if len(opened) == 2:
+            os.unlink(path)
+            os.mkfifo(path)  # opening it to read would wait for a writer for ever
+        return real_open(name)
+
+    monkeypatch.setattr(_files, "_open_for_reading", racing_open)
+    with pytest.raises(ValueError, match="changed while it was being opened"):
+        fastembed.Embedding.from_safetensors(path)

@@ -87,7 +87,7 @@ def opened(path: str | os.PathLike, opener: str) -> Iterator[tuple[BinaryIO, Fil
             and the opening.
     """
     status = _status(path, opener)
-    with open(path, "rb") as handle:
+    with _open_for_reading(path) as handle:
         identity = FileIdentity.of(os.fstat(handle.fileno()))
         if identity != FileIdentity.of(status):
             raise _changed(path)
@@ -100,20 +100,31 @@ def map_file(path: str | os.PathLike, dtype: Any, offset: int, shape: tuple[int,
 
     The path is passed on as text, so the map's ``filename`` names the file
     and :class:`~fastembed.io.FileWatch` can watch it. With `identity` (the
-    file its header was read from, :func:`opened`), the path must name that
-    file, unchanged, before and after the map is made: so the map holds the
-    bytes the header describes.
+    file its header was read from, :func:`opened`), the file is opened again
+    and mapped through that descriptor only if it is still that file,
+    unchanged: so the map holds the bytes the header describes.
 
     Raises:
-        ValueError: the path names another file than `identity`, or the file changed.
+        ValueError: the path names another file than `identity` now, or the file changed.
     """
-    if identity is not None:
-        _check_still(path, identity)
-    array = np.memmap(os.fsdecode(os.fspath(path)), dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
-    if identity is not None:
-        _check_still(path, identity)
-        _MAPPED_FROM[array.base] = identity
+    name = os.fsdecode(os.fspath(path))
+    if identity is None:
+        return np.memmap(name, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
+    try:
+        handle = _open_for_reading(name)
+    except OSError:
+        raise _changed(path) from None
+    with handle:
+        if FileIdentity.of(os.fstat(handle.fileno())) != identity:
+            raise _changed(path)
+        array = np.memmap(handle, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
+    _MAPPED_FROM[array.base] = identity
     return array
+
+
+def _open_for_reading(path: str | os.PathLike) -> BinaryIO:
+    """`path` open for reading, without waiting when it has become a FIFO (its identity then tells it apart)."""
+    return open(path, "rb", opener=lambda name, flags: os.open(name, flags | getattr(os, "O_NONBLOCK", 0)))
 
 
 #: The file each map that :func:`map_file` checked comes from, by the map (the mmap at the root of its arrays' bases).
@@ -129,15 +140,6 @@ def mapped_identity(array: Any) -> FileIdentity | None:
         return _MAPPED_FROM.get(root)
     except TypeError:  # no weak reference to it can be made: not a map
         return None
-
-
-def _check_still(path: str | os.PathLike, identity: FileIdentity) -> None:
-    try:
-        now = FileIdentity.of(os.stat(path))
-    except OSError:
-        raise _changed(path) from None
-    if now != identity:
-        raise _changed(path)
 
 
 def check_file(path: str | os.PathLike, opener: str) -> int:
