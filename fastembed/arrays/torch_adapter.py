@@ -47,13 +47,13 @@ from . import numpy_adapter, write_probe
 
 #: torch dtype name -> the torch integer dtype of the same width, for the dtypes numpy has not (ml_dtypes has them).
 _VIA_INTEGER = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+#: The same, keyed by torch dtype objects (torch dtype -> (torch integer dtype, name)); built on first use.
+_via_torch: dict[Any, tuple[Any, str]] | None = None
 #: torch's sub-byte "shell" dtypes, one value per byte, which torch exports through DLPack as int8 or uint8:
 #: name -> that dtype's name.
 _SHELL_DTYPES = {f"{sign}int{bits}": f"{sign}int8" for sign in ("", "u") for bits in range(1, 8)}
-#: The same, keyed by torch dtype objects; built on first use.
+#: The same, keyed by torch dtype objects (torch dtype -> (name, stored name)); built on first use.
 _shell_torch: dict[Any, tuple[str, str]] | None = None
-#: The same, keyed by torch dtype objects (torch dtype -> (torch integer dtype, name)); built on first use.
-_via_torch: dict[Any, tuple[Any, str]] | None = None
 _NO_CONTEXT = contextlib.nullcontext()
 
 CUPY_MISSING = (

@@ -59,7 +59,7 @@ MAX_CANDIDATES = 64
 #: The largest index JSON read (DeepSeek-V3's index is about 9 MB).
 MAX_JSON_BYTES = 64 * 2**20
 #: The largest config.json read: real ones are a few KiB (a classifier's label names make some a few hundred), and
-#: parsing JSON takes up to about 25 times its length in memory.
+#: parsing JSON can take some 30 times its length in memory.
 MAX_CONFIG_BYTES = 4 * 2**20
 #: config.json keys of the token embedding's width, first found wins: ALBERT and ELECTRA
 #: (embedding_size) and OPT-350m (word_embed_proj_dim) embed narrower than hidden_size.
