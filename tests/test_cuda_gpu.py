@@ -19,7 +19,7 @@ import fastembed
 from cupy_double import is_double
 from fastembed import dispatch
 from fastembed.backends import cuda_backend
-from helpers import poisoned, random_table
+from helpers import interrupted_runs, poisoned, random_quantized, random_table
 
 POISON = 0xA5
 
@@ -398,10 +398,13 @@ def test_the_backend_object_implements_the_interface():
     assert dispatch.BACKENDS["cuda"] is backend
 
 
-def test_flags_are_waited_for_before_they_are_read_and_after_they_are_reset(cp, monkeypatch):
-    """On a GPU the reset of a bad-id flag, and deferred lookups on other streams (torch's), run asynchronously.
+def test_flags_shared_by_streams_are_waited_for_and_a_flag_with_an_error_is_dropped(cp, monkeypatch):
+    """On a GPU a flag's fill, and deferred lookups on other streams (torch's), run asynchronously.
 
-    The double runs every launch at once, so only the waits themselves can be checked here.
+    A thread's flag is filled and used on one stream, so nothing waits for
+    it but its read; the deferred flag is used on any stream, so its fill is
+    waited for, and the check waits for every stream. The double runs every
+    launch at once, so only the waits themselves can be checked here.
     """
     if not hasattr(cp, "_reset_double"):
         pytest.skip("real cupy: its Device and Stream are extension types, whose methods cannot be wrapped to count waits")
@@ -412,17 +415,70 @@ def test_flags_are_waited_for_before_they_are_read_and_after_they_are_reset(cp, 
     host = random_table(100, 64)
     table = fastembed.Embedding(host).to_device().table
     fastembed.lookup(table, cp.asarray([1, 2]))
-    assert waits == []  # a good lookup waits only for its flag's read
+    flag = cuda_backend.BACKEND._thread_flags.flags[0]
     with pytest.raises(IndexError, match="position 1"):
         fastembed.lookup(table, cp.asarray([1, 100]))
-    assert waits == ["stream"]  # the reset is done before this thread's next lookup, on whatever stream
+    assert 0 not in cuda_backend.BACKEND._thread_flags.flags  # dropped with its error, not reset
     assert_rows(fastembed.lookup(table, cp.asarray([3])), host[[3]], cp)
-    waits.clear()
+    assert cuda_backend.BACKEND._thread_flags.flags[0] is not flag
+    assert waits == []  # each lookup waits only for its flag's read
     with fastembed.deferred_id_checks():
         fastembed.lookup(table, cp.asarray([7, -1]))
+    assert waits == ["stream"]  # the deferred flag's fill
     with pytest.raises(IndexError, match="flattened position 1"):
         fastembed.raise_deferred_id_errors(0)
-    assert waits == ["device", "device"]  # every stream's lookups counted, then the reset done
+    assert waits == ["stream", "device", "stream"]  # every stream's lookups counted, then the new flag's fill
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "q8_0"])
+def test_a_ctrl_c_in_a_lookup_with_a_bad_id_leaves_no_error_for_the_next_lookup(cp, quantized, monkeypatch):
+    """The thread's flag may hold the bad position when the Ctrl-C comes: the next good lookup must not read it."""
+    monkeypatch.setattr("sys.unraisablehook", lambda unraisable: None)  # an interrupt in a finalizer is not raised
+    host = random_quantized("q8_0", 10, 32) if quantized else random_table(10, 4)
+    table = cuda_backend.to_device(host, 0) if quantized else cp.asarray(host)
+    bad, good = cp.asarray(np.array([1, 2, 3, 4, 5, 6, 12], np.int32)), cp.asarray(np.arange(8, dtype=np.int32))
+    backend = cuda_backend.BACKEND
+    ours = {backend.gather.__code__, backend.dequantize.__code__, backend._launch_checked.__code__,
+            backend._check_ids.__code__}
+
+    def bad_lookup():
+        with pytest.raises(IndexError, match="id 12 at position 6"):
+            fastembed.lookup(table, bad)
+
+    expected = fastembed.lookup(host, np.arange(8))
+    for _ in interrupted_runs(lambda code: code in ours, bad_lookup):
+        assert_rows(fastembed.lookup(table, good), expected, cp)
+
+
+def test_a_deferred_error_recorded_while_the_flag_is_checked_is_reported_by_the_next_check(cp, monkeypatch):
+    """Another thread's deferred lookup that lands between a check's read and its clearing is not lost."""
+    host = random_table(10, 4)
+    table = cp.asarray(host)
+    with fastembed.deferred_id_checks():
+        fastembed.lookup(table, cp.asarray([1, 50]))
+    flag = cuda_backend.BACKEND._deferred_flags[0]
+    other = threading.Thread(target=lambda: _deferred_lookup(table, cp.asarray([0, 0, 0, 77])))
+    real_get = flag.get
+
+    def read_then_another_thread_looks_up(*args, **kwargs):
+        value = real_get(*args, **kwargs)
+        if other.ident is None:
+            other.start()
+        other.join(0.2)  # it may wait for the check to end
+        return value
+
+    monkeypatch.setattr(flag, "get", read_then_another_thread_looks_up, raising=False)
+    with pytest.raises(IndexError, match="flattened position 1"):
+        fastembed.raise_deferred_id_errors(0)
+    other.join()
+    with pytest.raises(IndexError, match="flattened position 3"):
+        fastembed.raise_deferred_id_errors(0)
+    fastembed.raise_deferred_id_errors(0)
+
+
+def _deferred_lookup(table, ids):
+    with fastembed.deferred_id_checks():
+        fastembed.lookup(table, ids)
 
 
 @pytest.mark.parametrize("id_dtype", ["uint16", "int8", "int64"])

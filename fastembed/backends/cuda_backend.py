@@ -20,8 +20,12 @@ id is known (its bad rows are zero): checking first would cost a second
 kernel and a synchronisation on every call.
 
 Flags: immediate checks use one flag per thread and device (two threads
-checking at once never read each other's error); deferred lookups share
-one flag per device until :func:`raise_deferred_id_errors` reads it.
+checking at once never read each other's error), taken out of the thread's
+set while a lookup uses it and dropped, never reset, once it holds an
+error; deferred lookups share one flag per device until
+:func:`raise_deferred_id_errors` reads it and, if it holds an error,
+replaces it. A deferred launch and that check exclude each other, so no
+deferred lookup's error is lost between the check's read and the swap.
 
 Quantized tables (:class:`fastembed.formats.QuantizedTable` over cupy
 arrays) are dequantized while gathering by ``fastembed/kernels/dequant.cu``,
@@ -38,7 +42,7 @@ import contextlib
 import contextvars
 import importlib.util
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +113,7 @@ class CudaBackend:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._deferred_lock = threading.Lock()  # a deferred launch and a check of the deferred flag, one at a time
         self.reset()
 
     def reset(self) -> None:
@@ -117,7 +122,7 @@ class CudaBackend:
         For tests (installing or removing cupy) and after installs; arrays
         handed out before stay valid.
         """
-        with self._lock:
+        with self._lock, self._deferred_lock:
             self._unavailable: list[str] | None = None
             self._modules: dict[int, Any] = {}
             self._kernels: dict[tuple[int, str, str], Any] = {}  # also (device, format, name) of dequant kernels
@@ -165,19 +170,21 @@ class CudaBackend:
             size, vec_type = vector_bytes(row_bytes, table.data.ptr, out.data.ptr)
             vecs_per_row = row_bytes // size
             kernel = self._kernel(device_id, id_type, vec_type)
-            deferred = _deferred.get()
-            flag = self._deferred_flag(device_id) if deferred else self._thread_flag(device_id)
             blocks, threads = launch_geometry(n, vecs_per_row, self._sm_count(device_id))
-            # CuPy does not check kernel argument types: pass the exact C types.
-            kernel(
-                (blocks,),
-                (threads,),
-                (table, flat_ids, out, np.int64(n), np.int64(vocab_size), np.int64(vecs_per_row), flag),
-            )
-            if not deferred:
-                position = int(flag.get()[0])  # synchronises with the stream
-                if position != int(NO_ERROR):
-                    _reset(flag)
+
+            def launch(flag: Any) -> None:
+                # CuPy does not check kernel argument types: pass the exact C types.
+                kernel(
+                    (blocks,),
+                    (threads,),
+                    (table, flat_ids, out, np.int64(n), np.int64(vocab_size), np.int64(vecs_per_row), flag),
+                )
+
+            if _deferred.get():
+                self._launch_deferred(device_id, launch)
+            else:
+                position = self._launch_checked(device_id, launch)
+                if position is not None:
                     raise validate.out_of_range_error(ids, position, vocab_size)
         return out
 
@@ -215,40 +222,93 @@ class CudaBackend:
                 return out
             flat_ids = ids if ids.ndim == 1 and ids.flags.c_contiguous else cupy.ascontiguousarray(ids).reshape(-1)
             vocab_size = int(data.shape[0])
-            flag = self._row_flag(device_id, fmt.name, id_type, ids, flat_ids, vocab_size)
             scales = table.scales if fmt.row_scale else self._no_scales_array(device_id)
             kernel = self._kernel_of(device_id, fmt.name, dequant_kernel_name(fmt.name, output, id_type))
             units_per_row = -(-dim // DEQUANT_FORMATS[fmt.name][1])
             blocks, threads = launch_geometry(n, units_per_row, self._sm_count(device_id))
-            kernel(
-                (blocks,),
-                (threads,),
-                (data, scales, flat_ids, out, np.int64(n), np.int64(vocab_size), np.int64(data.shape[1]),
-                 np.int64(dim), flag),
-            )
-        return out
 
-    def _row_flag(self, device_id: int, format_name: str, id_type: str, ids: Any, flat_ids: Any,
-                  vocab_size: int) -> Any:
-        """The flag the dequantizing kernel records bad rows in, after checking the ids unless checks are deferred."""
-        if _deferred.get():
-            return self._deferred_flag(device_id)
-        self._check_ids(device_id, format_name, id_type, ids, flat_ids, vocab_size)
-        # Checked ids can only turn bad if another writer changes them meanwhile; no one reads this flag.
-        return self._once(self._scratch_flags, device_id, lambda: self._new_flag(device_id))
+            def launch(flag: Any) -> None:
+                kernel(
+                    (blocks,),
+                    (threads,),
+                    (data, scales, flat_ids, out, np.int64(n), np.int64(vocab_size), np.int64(data.shape[1]),
+                     np.int64(dim), flag),
+                )
+
+            if _deferred.get():
+                self._launch_deferred(device_id, launch)
+            else:
+                self._check_ids(device_id, fmt.name, id_type, ids, flat_ids, vocab_size)
+                # Checked ids can only turn bad if another writer changes them meanwhile; no one reads this flag.
+                launch(self._once(self._scratch_flags, device_id, lambda: self._new_flag(device_id)))
+        return out
 
     def _check_ids(self, device_id: int, format_name: str, id_type: str, ids: Any, flat_ids: Any,
                    vocab_size: int) -> None:
         """Raise the IndexError of the first id outside [0, vocab_size) (one small kernel and one synchronisation)."""
-        flag = self._thread_flag(device_id)
         n = int(flat_ids.size)
         blocks = max(1, min(-(-n // CHECK_THREADS), self._sm_count(device_id) * BLOCKS_PER_SM))
         kernel = self._kernel_of(device_id, format_name, check_kernel_name(id_type))
-        kernel((blocks,), (CHECK_THREADS,), (flat_ids, np.int64(n), np.int64(vocab_size), flag))
+        position = self._launch_checked(
+            device_id, lambda flag: kernel((blocks,), (CHECK_THREADS,), (flat_ids, np.int64(n), np.int64(vocab_size), flag))
+        )
+        if position is not None:
+            raise validate.out_of_range_error(ids, position, vocab_size)
+
+    # -- bad-id flags ---------------------------------------------------------------------------------
+
+    def _launch_checked(self, device_id: int, launch: Callable[[Any], None]) -> int | None:
+        """Run ``launch(flag)`` with this thread's flag and return the smallest bad position it recorded, or None.
+
+        The flag is out of the thread's dict while in use and goes back only
+        when it is read clean (a flag with an error is dropped, never reset):
+        a Ctrl-C at any point leaves no flag that a later lookup could read
+        an old error from.
+        """
+        local = self._thread_flags
+        flags = getattr(local, "flags", None)
+        if flags is None:
+            flags = local.flags = {}
+        flag = flags.pop(device_id, None)
+        if flag is None:
+            flag = self._new_flag(device_id)  # filled on this stream, before the launch on it
+        launch(flag)
         position = int(flag.get()[0])  # synchronises with the stream
         if position != int(NO_ERROR):
-            _reset(flag)
-            raise validate.out_of_range_error(ids, position, vocab_size)
+            return position
+        flags[device_id] = flag
+        return None
+
+    def _launch_deferred(self, device_id: int, launch: Callable[[Any], None]) -> None:
+        """Run ``launch(flag)`` with the device's deferred flag, which a check cannot swap meanwhile."""
+        with self._deferred_lock:
+            flag = self._deferred_flags.get(device_id)
+            if flag is None:
+                flag = self._deferred_flags[device_id] = self._new_shared_flag(device_id)
+            launch(flag)
+
+    def _take_deferred_error(self, device_id: int) -> int | None:
+        """The smallest bad position recorded by deferred lookups on `device_id` (replacing the flag), or None.
+
+        Deferred lookups launch under the same lock, so every one is either
+        before the device synchronisation (and counted here) or after the
+        swap (and counted by the next check); a Ctrl-C before the swap
+        leaves the error to the next check.
+        """
+        import cupy
+
+        with self._deferred_lock:
+            flag = self._deferred_flags.get(device_id)
+            if flag is None:
+                return None  # no deferred lookup ran there since the last error
+            with cupy.cuda.Device(device_id) as device:
+                # Lookups may have run on any stream (torch's among them): wait for all of them.
+                device.synchronize()
+                position = int(flag.get()[0])
+                if position == int(NO_ERROR):
+                    return None
+                self._deferred_flags[device_id] = self._new_shared_flag(device_id)
+        return position
 
     def describe(self) -> dict[str, Any]:
         if self.unavailable_reasons():
@@ -321,23 +381,20 @@ class CudaBackend:
         return self._once(self._no_scales, device_id, make)
 
     def _new_flag(self, device_id: int) -> Any:
+        """A "no error" flag, filled on the current stream (a launch on another stream must wait for it)."""
         import cupy
 
         with cupy.cuda.Device(device_id):
             return cupy.full(1, NO_ERROR, dtype=cupy.uint64)
 
-    def _thread_flag(self, device_id: int) -> Any:
-        local = self._thread_flags
-        flags = getattr(local, "flags", None)
-        if flags is None:
-            flags = local.flags = {}
-        flag = flags.get(device_id)
-        if flag is None:
-            flag = flags[device_id] = self._new_flag(device_id)
-        return flag
+    def _new_shared_flag(self, device_id: int) -> Any:
+        """A "no error" flag that launches on any stream may use: its fill is waited for."""
+        import cupy
 
-    def _deferred_flag(self, device_id: int) -> Any:
-        return self._once(self._deferred_flags, device_id, lambda: self._new_flag(device_id))
+        flag = self._new_flag(device_id)
+        with cupy.cuda.Device(device_id):
+            cupy.cuda.get_current_stream().synchronize()
+        return flag
 
     def _sm_count(self, device_id: int) -> int:
         count = self._sm_counts.get(device_id)
@@ -346,31 +403,6 @@ class CudaBackend:
 
             count = self._sm_counts[device_id] = int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
         return count
-
-    def _take_deferred_error(self, device_id: int) -> int | None:
-        """The smallest bad position recorded by deferred lookups on `device_id` (clearing it), or None."""
-        flag = self._deferred_flags.get(device_id)
-        if flag is None:
-            return None  # no deferred lookup ran there since the last reset
-        import cupy
-
-        with cupy.cuda.Device(device_id) as device:
-            # Lookups may have run on any stream (torch's among them): wait for all of them, and for the reset.
-            device.synchronize()
-            position = int(flag.get()[0])
-            if position == int(NO_ERROR):
-                return None
-            flag.fill(NO_ERROR)
-            device.synchronize()
-        return position
-
-
-def _reset(flag: Any) -> None:
-    """Clear a thread's flag after a bad id, and wait for it: this thread's next lookup may run on another stream."""
-    import cupy
-
-    flag.fill(NO_ERROR)
-    cupy.cuda.get_current_stream().synchronize()
 
 
 def _probe() -> list[str]:

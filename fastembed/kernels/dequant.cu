@@ -525,9 +525,8 @@ __global__ void dequant_rows(const unsigned char* __restrict__ data,
         const long long row = (long long)FE_LOAD_READONLY(ids + i);
         typename O::type* destination = out + i * dim;
         if (row < 0 || row >= vocab_size) {
-            if (threadIdx.x == 0) {
-                FE_ATOMIC_MIN(error_position, (unsigned long long)i);
-            }
+            // Every thread that zeroes records it: each reads the id itself, and a writer may change it meanwhile.
+            FE_ATOMIC_MIN(error_position, (unsigned long long)i);
             for (long long j = threadIdx.x; j < dim; j += blockDim.x) {
                 destination[j] = O::convert(0.0f);
             }

@@ -31,9 +31,8 @@ __global__ void gather_rows(const Vec* __restrict__ table,
         const long long row = (long long)FE_LOAD_READONLY(ids + i);
         Vec* destination = out + i * vecs_per_row;
         if (row < 0 || row >= vocab_size) {
-            if (threadIdx.x == 0) {
-                FE_ATOMIC_MIN(error_position, (unsigned long long)i);
-            }
+            // Every thread that zeroes records it: each reads the id itself, and a writer may change it meanwhile.
+            FE_ATOMIC_MIN(error_position, (unsigned long long)i);
             const Vec zero = Vec();  // value-initialised: all bytes zero
             for (long long v = threadIdx.x; v < vecs_per_row; v += blockDim.x) {
                 destination[v] = zero;
