@@ -108,3 +108,30 @@ def test_name_expressions_are_required_for_get_function(double):
     module.get_function("gather_rows<int, uint2>")
     with pytest.raises(KeyError):
         module.get_function("gather_rows<int, uint4>")
+
+
+def test_a_misaligned_vector_access_inside_the_kernel_aborts(tmp_path):
+    """x86 may run a misaligned load that a GPU faults on, or crash silently: the emulation aborts and says why."""
+    from pathlib import Path
+
+    from helpers import run_script
+
+    script = f"""
+import ctypes, sys
+import numpy as np
+sys.path.insert(0, {str(Path(__file__).parent / "cupy_double")!r})
+import cupy
+from fastembed.backends import cuda_backend
+
+library = cupy._library(cuda_backend.KERNEL_SOURCE.read_text(), cuda_backend.COMPILE_OPTIONS)
+memory = np.zeros(4096, np.uint8)
+start = -memory.ctypes.data % 16
+table, out = memory[start + 1 : start + 1025], memory[start + 2048 : start + 3072]  # the table 1 byte past 16
+ids, flag, fault = np.zeros(1, np.int32), np.full(1, np.iinfo(np.uint64).max, np.uint64), ctypes.c_void_p()
+library.fe_emulated_gather(4, 16, 1, 32, None, table.ctypes.data, ids.ctypes.data, out.ctypes.data, 1, 1, 64,
+                           flag.ctypes.data, None, 0, ctypes.byref(fault))
+print("the launch ran")
+"""
+    completed = run_script(tmp_path, script)
+    assert completed.returncode != 0 and "the launch ran" not in completed.stdout
+    assert "misaligned address" in completed.stderr

@@ -16,7 +16,10 @@ GPU would otherwise fuse multiply-adds or flush subnormals. A launch checks what
 would need: grid and block tuples within CUDA's limits, exactly the
 kernel's argument C types (numpy scalars of the right width, device arrays
 for pointers: a Python int is refused), arrays on the current device,
-vector-aligned pointers. It also checks what a real one would get wrong
+vector-aligned pointers, and every load and store inside the kernel
+aligned to its type (g++'s alignment sanitizer, which aborts the process
+naming the address: x86 may run a misaligned access that a GPU faults on,
+or crash without a word). It also checks what a real one would get wrong
 silently or fatally: every read must lie inside the arrays the kernel
 reads (table or data, scales, ids; a read outside them is an illegal
 address), the output must hold the rows
@@ -778,7 +781,8 @@ _OUTPUTS = {"F32": (0, 4), "F16": (1, 2), "BF16": (2, 2)}  # dequant.cu output t
 _DRIVERS = {"gather": ("driver.cpp", "gather.cu"), "dequant": ("dequant_driver.cpp", "dequant.cu")}
 #: Options the dequantizing module must (not) be compiled with: a real GPU would otherwise fuse or flush.
 _DEQUANT_REQUIRED, _DEQUANT_FORBIDDEN = ("--fmad=false",), ("--use_fast_math", "-use_fast_math", "--ftz=true")
-_CXX_FLAGS = ("-O2", "-Wall", "-Werror", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC")
+_CXX_FLAGS = ("-O2", "-Wall", "-Werror", "-ffp-contract=off", "-fno-strict-aliasing", "-shared", "-fPIC",
+              "-fsanitize=alignment", "-fno-sanitize-recover=all")
 _libraries: dict[str, ctypes.CDLL] = {}
 _build_lock = threading.Lock()
 #: Every launch: (kernel name, grid, block, device, stream pointer); tests read which instantiation ran, and where.
