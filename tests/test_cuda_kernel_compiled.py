@@ -77,7 +77,8 @@ def emulated(tmp_path_factory):
     if compiler is None:
         pytest.skip("g++ is not installed: the host emulation of the CUDA kernel needs it")
     library = tmp_path_factory.mktemp("emulation") / "gather_emulated.so"
-    subprocess.run([compiler, "-O1", "-std=c++17", "-Wall", "-Werror", "-shared", "-fPIC", f"-I{EMULATION}",
+    subprocess.run([compiler, "-O1", "-std=c++17", "-Wall", "-Werror", "-shared", "-fPIC", "-fsanitize=alignment",
+                    "-fno-sanitize-recover=all", f"-I{EMULATION}",
                     f"-I{KERNEL.parent}", str(EMULATION / "driver.cpp"), "-o", str(library)], check=True)
     handle = ctypes.CDLL(str(library))
     handle.fe_emulated_gather.restype = ctypes.c_int
