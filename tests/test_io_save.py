@@ -160,6 +160,26 @@ def test_a_replaced_file_keeps_its_permissions(tmp_path):
             path.unlink()
 
 
+def test_the_new_contents_of_a_replaced_file_are_never_open_to_more_users_than_its_old_ones(tmp_path, monkeypatch):
+    """A descriptor opened while the temporary file is readable keeps reading it after its chmod and rename."""
+    from fastembed.io import save
+
+    modes = []
+    real_check = save._check_readable
+
+    def check_after_the_rows_are_written(path, temporary, *args):
+        modes.append(os.stat(temporary).st_mode & 0o777)
+        return real_check(path, temporary, *args)
+
+    monkeypatch.setattr(save, "_check_readable", check_after_the_rows_are_written)
+    for name in ("t.gguf", "t.safetensors"):
+        path = tmp_path / name
+        io.save_table(path, rows())
+        os.chmod(path, 0o600)
+        io.save_table(path, rows(seed=1))
+        assert modes[-1] == 0o600 and os.stat(path).st_mode & 0o777 == 0o600
+
+
 def test_a_symbolic_link_is_replaced_and_its_target_left_as_it_was(tmp_path):
     target = tmp_path / "blob.safetensors"
     io.save_table(target, rows())

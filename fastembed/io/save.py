@@ -246,14 +246,16 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
     # The destination's name begins the temporary file's, cut (at a character) so that a name near the limit fits.
     prefix = os.fsencode(base)[:_TEMPORARY_PREFIX_BYTES].decode("utf-8", "ignore")
     temporary = os.path.join(directory, f".{prefix}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    # Created here with 0o666 less the umask, as for any new file; the writer may replace it with a private one.
+    # A new file gets 0o666 less the umask, as any new file; a replacement is private until it takes the old mode,
+    # since a descriptor opened meanwhile would keep reading it.
+    replaces_a_file = existing is not None and stat.S_ISREG(existing.st_mode)
     try:
-        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if replaces_a_file else 0o666))
     except OSError as error:
         raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
     try:
         # A file replaced keeps its permissions; anything else (a device a link points at, say) does not lend its own.
-        mode = existing.st_mode if existing is not None and stat.S_ISREG(existing.st_mode) else os.stat(temporary).st_mode
+        mode = existing.st_mode if existing is not None and replaces_a_file else os.stat(temporary).st_mode
         write(temporary)
         os.chmod(temporary, mode)
         try:
