@@ -208,11 +208,11 @@ def check_quantized(table: Any) -> None:
             fastembed's (the backends' kernels go by the name).
     """
     fmt, data, scales = table.format, table.data, table.scales
-    known = FORMATS.get(fmt.name)
+    known = FORMATS.get(fmt.name.lower())  # the loaders read a saved format's name case-insensitively
     if fmt is not known and known is not None and (fmt != known or fmt.dequantize_blocks is not known.dequantize_blocks):
         raise ValueError(
-            f"a format named {fmt.name!r} must be fastembed's own {fmt.name} layout ({known}); "
-            "give a format of your own a name of its own"
+            f"a format named {fmt.name!r} must be fastembed's own {known.name} layout ({known}); "
+            "give a format of your own a name of its own (names are compared case-insensitively)"
         )
     given = data
     adapter = adapter_of(data)

@@ -135,6 +135,9 @@ def test_a_format_of_its_own_under_a_builtin_name_is_refused():
     other_reference = BlockFormat("q8_0", 32, 34, 8, lambda blocks: np.zeros((len(blocks), 32), np.float32))
     with pytest.raises(ValueError, match="fastembed's own q8_0 layout"):
         QuantizedTable(np.zeros((3, 34), np.uint8), other_reference, 32)
+    upper_case = BlockFormat("Q8_0", 32, 34, None, lambda blocks: np.zeros((len(blocks), 32), np.float32))
+    with pytest.raises(ValueError, match="'Q8_0' must be fastembed's own q8_0 layout"):  # a saved file would load as q8_0
+        QuantizedTable(np.zeros((3, 34), np.uint8), upper_case, 32)
     table = QuantizedTable(np.zeros((3, 34), np.uint8), FORMATS["q8_0"], 32)
     table.format = fake
     with pytest.raises(ValueError, match="fastembed's own q6_k layout"):
