@@ -273,3 +273,22 @@ def test_quantized_table_cannot_be_subclassed():
     """The API recognises quantized tables by their exact type: a subclass would be refused as an unknown array."""
     with pytest.raises(TypeError, match="QuantizedTable cannot be subclassed"):
         type("Mine", (QuantizedTable,), {"__slots__": ()})
+
+
+def test_float64_values_below_float32s_range_quantize_as_their_float32_zero():
+    rows = np.array([[1e-50, -3e-47, 2e-300, 0.0]])
+    data, scales = quantize_rows(rows, "fp8_e4m3")
+    assert not data.any() and scales.tolist() == [0.0]
+    data, _ = quantize_rows(np.tile(rows, 8), "q8_0")
+    assert not data.any()
+
+
+def test_q8_0_blocks_of_absmax_65500_25_or_more_dequantize_beyond_float16():
+    """docs/quantized.md: such a block's float16 output holds infinities (127 x 516 = 65,532)."""
+    for absmax, finite in ((65500.0, True), (65500.25, False), (65504.0, False)):
+        block = np.linspace(-1, 1, 32, dtype=np.float32)
+        block[-1] = absmax
+        data, _ = quantize_rows(block[None], "q8_0")
+        values = dequantize_rows(data, None, FORMATS["q8_0"], 32)
+        with np.errstate(over="ignore"):
+            assert np.isfinite(values.astype(np.float16)).all() == finite
