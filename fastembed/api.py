@@ -173,7 +173,7 @@ class Embedding:
 
         Raises:
             ValueError: also when the memory of a torch table was resized in
-                place (``resize_``) after the layer was built.
+                place (``resize_`` that moved or grew it) after the layer was built.
         """
         table_view = self._view
         for guard in self._guards:  # as _checked_view(), inline: a decode step is mostly call overhead
@@ -402,7 +402,7 @@ class Embedding:
             TypeError: a table that is not on the host (copy it back first); a `name` that is not a string.
             OSError: as :func:`fastembed.io.save_table` (IsADirectoryError for a directory or a link to one).
 
-        Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_``).
+        Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_`` that moved or grew it).
         """
         from .io import save_table
 
@@ -433,7 +433,7 @@ class Embedding:
                 more (its scale, a float16, would be infinite).
             TypeError: a table that is not a float table on the host, or already quantized.
 
-        Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_``).
+        Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_`` that moved or grew it).
 
         Example:
             >>> import fastembed
@@ -498,7 +498,7 @@ class Embedding:
             BackendUnavailableError: cupy or a device is missing.
             TypeError: `device` is not an int; the table is not on the host; a
                 dtype cupy cannot carry (:func:`fastembed.backends.cuda_backend.to_device`).
-            ValueError: no such device; a torch table's memory resized in place (``resize_``).
+            ValueError: no such device; a torch table's memory resized in place (``resize_`` that moved or grew it).
         """
         from .backends import cuda_backend
         from .dispatch import BackendUnavailableError

@@ -438,6 +438,10 @@ def test_an_embedding_keeps_a_torch_tables_memory_and_notices_a_resize():
         resize(table)
         with pytest.raises(ValueError, match="storage was resized in place"):
             layer(torch.tensor([1]))
+    table = torch.randn(100, 8)
+    layer, rows = fastembed.Embedding(table), table[[99, 3]].clone()
+    table.resize_(0)  # torch keeps the storage as it was: the layer keeps serving its rows, as after .data = other
+    assert torch.equal(layer(torch.tensor([99, 3])), rows)
 
 
 def _resized_layer(quantized: bool):
