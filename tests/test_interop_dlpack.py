@@ -129,6 +129,18 @@ def test_a_producer_that_can_only_export_a_copy_is_refused(producer):
         fastembed.Embedding(producer(table))
 
 
+def test_a_copy_only_producer_is_refused_after_an_old_producer_behind_the_same_wrapper_type():
+    """One wrapper type (as in docs/interop.md) may hold producers of both protocols: each is asked on its own."""
+    if not dlpack_adapter._NUMPY_ASKS_FOR_NO_COPY:
+        pytest.skip("numpy before 2.1 cannot ask a DLPack producer not to copy")
+    table = random_table(50, 8)
+    assert_bit_equal(fastembed.lookup(Producer(LegacyProducer(table)), [3]), table[[3]])
+    out = np.zeros((2, 8), table.dtype)
+    with pytest.raises(TypeError, match="can only be exported as a copy"):
+        fastembed.lookup(table, [1, 2], out=Producer(TypeErrorCopyingProducer(out)))
+    assert not out.any()
+
+
 @pytest.mark.parametrize("device_type, index, name", [(2, 1, "cuda:1"), (10, 0, "rocm:0"), (8, 0, "metal:0"),
                                                       (99, 3, "dlpack device type 99:3")])
 def test_a_producer_off_the_host_is_a_type_error_naming_its_device(device_type, index, name):

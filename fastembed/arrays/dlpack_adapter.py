@@ -33,8 +33,6 @@ from . import numpy_adapter, write_probe
 
 #: Whether np.from_dlpack takes copy= (numpy 2.1 on), to ask a producer for its memory and never a copy.
 _NUMPY_ASKS_FOR_NO_COPY = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
-#: Producer types whose __dlpack__ predates DLPack 1.0 (they refused copy= once), asked without it since.
-_LEGACY_TYPES: set[type] = set()
 #: DLPack device types whose memory the host reads directly: kDLCPU, kDLCUDAHost, kDLROCMHost.
 HOST_DEVICE_TYPES = frozenset((1, 3, 11))
 #: Names of the other DLPack device types, for messages (dlpack.h's DLDeviceType).
@@ -93,16 +91,16 @@ class DlpackAdapter:
                 "cupy.from_dlpack(array) is zero-copy); copy it to the host explicitly"
             )
         try:
-            if not _NUMPY_ASKS_FOR_NO_COPY or type(array) in _LEGACY_TYPES:
+            if not _NUMPY_ASKS_FOR_NO_COPY:
                 return np.from_dlpack(array)
             try:
                 return np.from_dlpack(array, copy=False)  # a producer that could only export a copy raises
             except TypeError as refused:
                 # A producer older than DLPack 1.0 takes no copy= (nor max_version=), and numpy imports it read-only.
+                # Asked again every time: one wrapper type may hold producers of both kinds.
                 legacy = np.from_dlpack(array)
                 if legacy.flags.writeable:  # not such a producer: one that refused copy=False with a TypeError
                     raise refused from None
-                _LEGACY_TYPES.add(type(array))  # its next arrays skip the refused first call
                 return legacy
         except Exception as error:  # noqa: BLE001 - whatever the producer raises, the caller gets one TypeError
             raise TypeError(f"a {_kind(array)} array cannot be seen as a numpy array through DLPack: {error}") from None
