@@ -124,7 +124,9 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     as words (bfloat16 as uint16) name the table's own dtype.
 
     Raises:
-        TypeError: a dtype the table cannot be gathered into, naming the choices.
+        TypeError: a dtype the table cannot be gathered into, naming the
+            choices; a dtype in the other byte order for a table whose
+            library has none (torch, JAX, cupy).
     """
     if type(table) is QuantizedTable:
         if dtype is None:
@@ -140,6 +142,9 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     if dtype is None:
         return source
     target = resolve_dtype(dtype_spec(dtype))
+    if not target.isnative and rows is not None and getattr(adapter_of(rows), "native_byte_order_only", False):
+        raise TypeError(f"a {adapter_of(rows).name} table gathers into its library's arrays, which have no "
+                        f"dtype {target.str} (the machine's byte order is the other one); pass the dtype's name")
     own = None if rows is None else _dtype_name(rows)
     if target == source or (own == target.name and target.isnative):
         return source

@@ -398,3 +398,9 @@ def test_a_quantized_jax_table_keeps_jax_arrays_and_results():
     assert type(result).__module__.startswith("jax")
     expected = fastembed.Embedding(host).quantize("fp8_e4m3")([3, 1])
     np.testing.assert_array_equal(np.asarray(result).view(np.uint32), expected.view(np.uint32))
+
+
+def test_a_dtype_in_the_other_byte_order_is_refused_for_a_jax_table():
+    table = jnp.ones((10, 4), jnp.float32)
+    with pytest.raises(TypeError, match="a jax table gathers into its library's arrays, which have no dtype"):
+        fastembed.lookup(table, [1], dtype=np.dtype(np.float32).newbyteorder())

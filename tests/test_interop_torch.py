@@ -491,6 +491,19 @@ def test_dtype_may_be_a_torch_dtype(dtype):
         fastembed.lookup(table, ids, dtype=torch.int8)
 
 
+def test_a_dtype_in_the_other_byte_order_is_refused_before_any_work_for_a_torch_table(monkeypatch):
+    """torch has no such dtype: the result could not be made, so nothing is gathered first."""
+    from fastembed import casting
+
+    monkeypatch.setattr(casting, "gather_cast", lambda *args: pytest.fail("gathered before refusing"))
+    other_order = np.dtype(np.float32).newbyteorder()
+    for call in (lambda: fastembed.lookup(torch.randn(20, 8), [1], dtype=other_order),
+                 lambda: fastembed.Embedding(torch.randn(20, 8))([1], dtype=other_order),
+                 lambda: fastembed.select_backend(torch.randn(20, 8), [1], dtype=other_order)):
+        with pytest.raises(TypeError, match="have no dtype .f4 .the machine's byte order is the other one"):
+            call()
+
+
 @pytest.mark.parametrize("role", ["table", "ids", "out"])
 def test_a_tensor_reaching_past_its_shrunk_storage_is_a_value_error_before_any_access(role):
     table, ids, out = torch_table("float32"), torch.tensor([VOCAB - 1, 0]), torch.empty((2, DIM))

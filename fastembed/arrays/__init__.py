@@ -53,7 +53,10 @@ class ArrayAdapter(Protocol):
     sentence validation adds when it refuses such an ``out``. An adapter
     whose :meth:`snapshot` is read-only where a writeable view costs more
     (torch) provides ``writable_snapshot(array)``, which validation takes of
-    an ``out``.
+    an ``out``. An adapter whose library has no dtypes in the other byte
+    order (torch, JAX, cupy) sets ``native_byte_order_only = True``:
+    validation refuses ``dtype=`` in that order for its tables before any
+    work, since their results could not hold it.
     """
 
     name: str

@@ -12,6 +12,7 @@ class CupyAdapter:
     name = "cupy"
     owned_by_type = True
     result_alignment = 0
+    native_byte_order_only = True
 
     def stored_dtype(self, dtype: Any) -> Any:
         """CuPy has no ml_dtypes (bfloat16, float8): they live as unsigned words of the same size."""

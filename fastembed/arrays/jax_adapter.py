@@ -41,6 +41,7 @@ class JaxAdapter:
     name = "jax"
     owned_by_type = True
     result_alignment = JAX_HOST_ALIGNMENT
+    native_byte_order_only = True
     #: JAX arrays cannot be written: fastembed refuses one as ``out``.
     immutable = True
 

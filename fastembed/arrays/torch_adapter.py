@@ -66,6 +66,7 @@ class TorchAdapter:
     name = "torch"
     owned_by_type = True
     result_alignment = 0
+    native_byte_order_only = True
 
     def stored_dtype(self, dtype: Any) -> Any:
         return dtype
