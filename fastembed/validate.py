@@ -142,8 +142,9 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     if dtype is None:
         return source
     target = resolve_dtype(dtype_spec(dtype))
-    if not target.isnative and rows is not None and getattr(adapter_of(rows), "native_byte_order_only", False):
-        raise TypeError(f"a {adapter_of(rows).name} table gathers into its library's arrays, which have no "
+    library = None if target.isnative or rows is None else adapter_of(rows)
+    if library is not None and getattr(library, "native_byte_order_only", False):
+        raise TypeError(f"a {library.name} table gathers into its library's arrays, which have no "
                         f"dtype {target.str} (the machine's byte order is the other one); pass the dtype's name")
     own = None if rows is None else _dtype_name(rows)
     if target == source or (own == target.name and target.isnative):
