@@ -404,3 +404,19 @@ def test_a_dtype_in_the_other_byte_order_is_refused_for_a_jax_table():
     table = jnp.ones((10, 4), jnp.float32)
     with pytest.raises(TypeError, match="a jax table gathers into its library's arrays, which have no dtype"):
         fastembed.lookup(table, [1], dtype=np.dtype(np.float32).newbyteorder())
+
+
+def test_a_bfloat16_table_deleted_while_its_host_view_is_taken_is_a_type_error(monkeypatch):
+    """Another thread's delete() may land between JAX's numpy view and the check of its address."""
+    table = jnp.ones((8, 4), jnp.bfloat16)
+    real_asarray = np.asarray
+
+    def view_then_delete(array, *args, **kwargs):
+        view = real_asarray(array, *args, **kwargs)
+        if array is table:
+            table.delete()
+        return view
+
+    monkeypatch.setattr(jax_adapter.np, "asarray", view_then_delete)
+    with pytest.raises(TypeError, match="cannot be seen as a numpy array"):
+        fastembed.lookup(table, [1])

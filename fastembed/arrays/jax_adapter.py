@@ -189,9 +189,10 @@ def _host_view(array: Any) -> np.ndarray:
     """
     try:
         view = np.asarray(array)
+        address = array.unsafe_buffer_pointer() if view.size else None
     except Exception as error:  # noqa: BLE001 - whatever JAX raises, the caller gets the documented TypeError
         raise TypeError(f"the JAX array cannot be seen as a numpy array: {error}") from None
-    if view.size and view.ctypes.data != array.unsafe_buffer_pointer():
+    if view.size and view.ctypes.data != address:
         raise TypeError(f"JAX dtype {array.dtype} cannot be seen as a numpy array without a copy")
     return view
 
