@@ -420,3 +420,19 @@ def test_a_bfloat16_table_deleted_while_its_host_view_is_taken_is_a_type_error(m
     monkeypatch.setattr(jax_adapter.np, "asarray", view_then_delete)
     with pytest.raises(TypeError, match="cannot be seen as a numpy array"):
         fastembed.lookup(table, [1])
+
+
+def test_a_result_goes_to_jaxs_default_host_device_as_a_fresh_array_does():
+    """In a fresh interpreter with four host devices, inside jax.default_device(cpu:2)."""
+    code = (
+        "import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'\n"
+        "import jax, jax.numpy as jnp, numpy as np, fastembed\n"
+        "third = jax.devices('cpu')[2]\n"
+        "table = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), third)\n"
+        "with jax.default_device(third):\n"
+        "    print(fastembed.lookup(table, [1]).devices() == jnp.zeros(1).devices() == {third})\n"
+        "print(fastembed.lookup(table, [1]).devices() == {jax.devices('cpu')[0]})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True"]

@@ -9,7 +9,9 @@ the view is read-only, because JAX arrays are immutable, and the bits are
 never converted.
 
 A result is handed back with ``jax.device_put`` onto the host, uncommitted
-(as a fresh ``jnp`` array is, so JAX moves it to wherever it is used). JAX
+(as a fresh ``jnp`` array is, so JAX moves it to wherever it is used): onto
+JAX's default device where that is a host device (``jax.default_device``),
+else the first host device. JAX
 shares a numpy buffer only if its address is a multiple of
 :data:`JAX_HOST_ALIGNMENT` bytes and copies it otherwise; numpy aligns its
 allocations to 16 bytes only, so the API allocates a JAX table's result at
@@ -90,7 +92,7 @@ class JaxAdapter:
         """
         import jax
 
-        with jax.default_device(jax.devices("cpu")[0]), _keeping_64_bits(result.dtype):
+        with jax.default_device(_host_device()), _keeping_64_bits(result.dtype):
             return jax.device_put(result)  # uncommitted, as a fresh jnp array is
 
     def from_host(self, host: np.ndarray, device: str = "cpu") -> Any:
@@ -100,6 +102,14 @@ class JaxAdapter:
 
     #: Snapshots of JAX arrays are numpy arrays: the numpy adapter's exact test applies.
     may_share_memory = staticmethod(numpy_adapter.ADAPTER.may_share_memory)
+
+
+def _host_device() -> Any:
+    """JAX's default device where it is a host device (``jax.default_device``, as a fresh jnp array), else cpu:0."""
+    import jax
+
+    default = jax.config.jax_default_device
+    return default if getattr(default, "platform", None) == "cpu" else jax.devices("cpu")[0]
 
 
 def _single_device(array: Any) -> Any:
