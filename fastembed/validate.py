@@ -292,7 +292,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         _check_integer_dtype(dtype)
         return _native_ids(ids, table.shape[0])  # a converted copy
     rows = storage(table)
-    table_device, ids_device = device_of(rows), device_of(ids)
+    table_device, ids_device = device_of(rows), _ids_device(ids)
     if ids_device != table_device:
         if ids_device != "cpu" or table_device == "cpu":
             raise _devices_differ(ids_device, table_device)
@@ -328,12 +328,20 @@ def host_ids_snapshot(ids: Any, table: Any, device: str) -> np.ndarray:
         TypeError: as :func:`ids_snapshot`, and for ids on another device than `device`.
         IndexError: as :func:`ids_snapshot`.
     """
-    ids_device = device_of(ids)
+    ids_device = _ids_device(ids)
     if ids_device == "cpu":
         return ids_snapshot(ids, table)
     if ids_device != device:
         raise _devices_differ(ids_device, device)
     return ids_snapshot(host_copy(ids), table)
+
+
+def _ids_device(ids: Any) -> str:
+    """:func:`device_of` the ids, its TypeError (a sharded or deleted JAX array, say) saying they are the ids."""
+    try:
+        return device_of(ids)
+    except TypeError as error:
+        raise TypeError(f"ids: {error}") from None
 
 
 def _devices_differ(ids_device: str, table_device: str) -> TypeError:

@@ -328,12 +328,17 @@ def test_sharded_jax_arrays_are_refused():
         "    print(error)\n"
         "one = jax.device_put(np.ones((8, 4), np.float32), jax.devices('cpu')[1])\n"
         "print(type(fastembed.lookup(one, [1])).__name__)\n"
+        "try:\n"
+        "    fastembed.lookup(np.ones((8, 4), np.float32), jax.device_put(np.arange(2), table.sharding))\n"
+        "except TypeError as error:\n"
+        "    print(error)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    refusal, kind = result.stdout.strip().splitlines()
+    refusal, kind, ids_refusal = result.stdout.strip().splitlines()
     assert "sharded or replicated over 2 devices" in refusal
     assert kind == "ArrayImpl"
+    assert ids_refusal.startswith("ids: the JAX array is sharded or replicated over 2 devices")
 
 
 def test_import_fastembed_does_not_import_jax():
