@@ -467,3 +467,19 @@ def test_a_name_over_the_systems_limit_is_refused_before_the_table_is_written(tm
     with pytest.raises(OSError, match="too long") as caught:
         io.save_table(path, rows())
     assert caught.value.filename == str(path) and not written and os.listdir(tmp_path) == []
+
+
+def test_the_new_file_is_on_disk_before_it_replaces_the_old_one_and_the_rename_after(tmp_path, monkeypatch):
+    """After a crash the path holds the old table or the new one, whole: never a renamed but unwritten file."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda handle: (events.append(("fsync", os.readlink(f"/proc/self/fd/{handle}"))),
+                                                     real_fsync(handle))[1])
+    monkeypatch.setattr(os, "replace", lambda source, target: (events.append(("replace", str(target))),
+                                                               real_replace(source, target))[1])
+    for name in ("t.gguf", "t.safetensors"):
+        events.clear()
+        io.save_table(tmp_path / name, rows())
+        (_, flushed), (_, replaced), (_, folder) = events
+        assert flushed.startswith(str(tmp_path / f".{name}.")) and flushed.endswith(".tmp")
+        assert replaced == str(tmp_path / name) and folder == str(tmp_path)

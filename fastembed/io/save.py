@@ -64,7 +64,9 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
 
     Args:
         path: the file to write; its suffix chooses the format. An existing file is
-            replaced (by a rename: a table mapped from it keeps its old contents).
+            replaced (by a rename: a table mapped from it keeps its old contents); the
+            new file is flushed to disk first, so after a crash `path` holds the old
+            table or the new one, whole.
         table: a 2-D host array (numpy, np.memmap) or a :class:`~fastembed.formats.QuantizedTable`
             on the host.
         name: the tensor's name; None gives ``token_embd.weight`` in GGUF (what
@@ -258,11 +260,27 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
         mode = existing.st_mode if existing is not None and replaces_a_file else os.stat(temporary).st_mode
         write(temporary)
         os.chmod(temporary, mode)
+        _flush_to_disk(temporary)  # else a crash after the rename could leave the path holding a part of the file
         try:
             os.replace(temporary, path)
         except OSError as error:  # named by the destination, not by the temporary file's name
             raise OSError(error.errno, error.strerror, os.fspath(path)) from None
+        _flush_to_disk(directory, folder=True)  # the rename itself
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+
+
+def _flush_to_disk(path: str, folder: bool = False) -> None:
+    """fsync `path` (a file, or a folder for the names it holds); a system that cannot sync folders is let be."""
+    if folder and not hasattr(os, "O_DIRECTORY"):
+        return  # Windows: a folder cannot be opened, and its renames need no sync
+    handle = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if folder else 0))
+    try:
+        os.fsync(handle)
+    except OSError as error:
+        if not folder or error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(handle)
