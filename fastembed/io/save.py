@@ -259,8 +259,8 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
         # A file replaced keeps its permissions; anything else (a device a link points at, say) does not lend its own.
         mode = existing.st_mode if existing is not None and replaces_a_file else os.stat(temporary).st_mode
         write(temporary)
-        os.chmod(temporary, mode)
         _flush_to_disk(temporary)  # else a crash after the rename could leave the path holding a part of the file
+        os.chmod(temporary, mode)  # after the flush, which reads it: the old mode may be write-only
         try:
             os.replace(temporary, path)
         except OSError as error:  # named by the destination, not by the temporary file's name
