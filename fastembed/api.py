@@ -56,7 +56,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
 
     Raises:
         TypeError: ids that are not integers; arrays of the wrong kind, dtype or device.
-        ValueError: a table or ``out`` of the wrong shape or layout; an ``out``
+        ValueError: ids in nested lists of different lengths; a table or
+            ``out`` of the wrong shape or layout; an ``out``
             that is read-only, overlaps the table or the ids, requires grad, or
             is a torch inference tensor outside inference mode;
             an unknown backend name (in `backend` or FASTEMBED_BACKEND); a

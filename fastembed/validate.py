@@ -358,7 +358,10 @@ def _host_ids(ids: Any) -> np.ndarray:
         return adapter.snapshot(ids)  # a host tensor: a numpy view of it
     if isinstance(ids, (bool, np.bool_)):
         raise TypeError("ids must be integers, got a bool")
-    converted = np.asarray(ids)
+    try:
+        converted = np.asarray(ids)
+    except ValueError as error:  # nested lists of different lengths
+        raise ValueError(f"ids must form a rectangular array of integers: {error}") from None
     if converted.dtype.kind in "fO" and not isinstance(ids, np.generic):
         if converted.size == 0:
             return converted.astype(np.intp)  # [] is float64 to numpy; table[[]] treats it as intp

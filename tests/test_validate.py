@@ -180,6 +180,12 @@ def test_a_list_of_int64_and_uint64_numbers_is_gathered_as_integers(table):
         fastembed.lookup(table, [np.int64(1), np.uint64(2**64 - 1)])
 
 
+def test_ragged_nested_lists_of_ids_are_a_value_error_saying_what_ids_must_be(table):
+    for ragged in ([[1, 2], [3]], [[1], [2, [3]]]):
+        with pytest.raises(ValueError, match="ids must form a rectangular array of integers: .*inhomogeneous"):
+            fastembed.lookup(table, ragged)
+
+
 @pytest.mark.parametrize("name", ["finfo", "__name__", "iinfo"])
 def test_a_dtype_name_that_is_no_scalar_type_of_ml_dtypes_is_unknown(table, name):
     with pytest.raises(TypeError, match=f"unknown dtype '{name}'"):
