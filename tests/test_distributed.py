@@ -1076,8 +1076,13 @@ def test_bench_ranks_smoke(tmp_path):
     assert all(rank["layer"].endswith("exchange='shared_memory')") for rank in payload["processes"]["ranks"])
     from fastembed.benchmark import ranks
 
-    threads = os.environ.get("NUMBA_NUM_THREADS", str(ranks.rank_threads(2)))  # each rank its share of the cores
+    given = os.environ.get("NUMBA_NUM_THREADS")  # else each rank its share of the cores, one process all of them
+    threads = {"rank": int(given), "single": int(given)} if given else {"rank": ranks.rank_threads(2),
+                                                                        "single": ranks.usable_cores()}
     assert [rank["numba_threads"] for rank in payload["processes"]["ranks"]] == [threads, threads]
+    first = payload["processes"]["ranks"][0]["samples"]
+    assert all(len(case["single_s"]) == 2 and len(case["total_s"]) == 2 for case in first.values())  # paired
+    assert not any(case["single_s"] for case in payload["processes"]["ranks"][1]["samples"].values())
     assert [rank["rows"] for rank in payload["processes"]["ranks"]] == [[0, 25], [25, 50]]
     assert all(rank["held_bytes"] == 25 * row_bytes for rank in payload["processes"]["ranks"])
     for process in [*payload["processes"]["ranks"], payload["processes"]["single"]]:

@@ -107,7 +107,7 @@ def _torch_tensor(array: np.ndarray) -> Any:
     """A torch tensor sharing `array`'s memory (ml_dtypes' bfloat16 and float8 through integer words)."""
     import torch
 
-    torch.set_num_threads(_cpu_count())
+    torch.set_num_threads(usable_cores())
     with warnings.catch_warnings():
         # A read-only table (memory-mapped with --table) is only ever read through the tensor.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -207,7 +207,8 @@ def _copy_alloc_numba(stream: bool) -> Callable:
     return prepare
 
 
-def _cpu_count() -> int:
+def usable_cores() -> int:
+    """The cores this process may run on."""
     import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

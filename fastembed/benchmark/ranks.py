@@ -7,11 +7,19 @@ a file:// rendezvous) each build
 rank's rows; the ranks share this host, so the layer picks its shared-memory
 exchange (``exchange="auto"``), and the report says which one each call used.
 Each rank runs fastembed's parallel kernels on its share of the cores
-(``NUMBA_NUM_THREADS``, unless set: cores // N); the single process on all. Then one fresh process maps the whole file with
-``Embedding.from_pretrained`` and makes the same lookups. Every process draws
-the same uniform ids from the same seed; per batch it makes one warm-up call
-per mode, waits for background compiles, then times ``reps`` calls per mode,
-the modes interleaved.
+(``numba.set_num_threads``: cores // N, unless ``NUMBA_NUM_THREADS`` is
+set, which then holds for every call); one process's lookups run on all.
+
+Two phases. First the memory: every rank draws the same uniform ids from
+the same seed; per batch it makes one warm-up call per mode, waits for
+background compiles, then ``reps`` calls per mode, and reads its memory.
+Then the times, paired: rank 0 also maps the whole file with
+``Embedding.from_pretrained``, and each repetition, per mode, times one
+call of the ranks and then one lookup of as many fresh ids by rank 0 alone
+on all the cores, while the other ranks wait in a barrier; the ratio is
+the median over repetitions of the ranks' time (the slowest rank's) over
+that lookup's. A fresh process maps the whole file too and makes the same
+lookups, for its memory.
 
 Per batch and mode the report gives:
 
@@ -30,7 +38,8 @@ Per batch and mode the report gives:
   buffer; shared memory: its own rows) and the bytes it sends for them (a
   ring all-reduce sends 2(N-1)/N of its buffer; shared memory writes its
   rows once, where the others read them);
-- one process's median time for the same ids, and the ratio.
+- one process's median time (rank 0's lookups on all the cores) and the
+  paired ratio.
 
 Below the tables, each process's memory. The baseline is taken after torch
 is imported and (on a rank) the process group exists, just before the table
@@ -61,6 +70,8 @@ from typing import Any
 
 import numpy as np
 
+from .contenders import usable_cores
+
 #: Batch sizes of the run: a decode step, mid-size batches, a prefill chunk.
 BATCHES = (1, 64, 1024, 8192)
 MODES = ("full", "scatter")
@@ -73,13 +84,15 @@ TIMEOUT_S = 300.0
 
 def run(table_path: Path, ranks: int, batches: list[int], reps: int, seed: int = 0,
         name: str | None = None) -> dict[str, Any]:
-    """Run the ranks, then the single process, on the table at `table_path` (tensor `name`); every process's samples.
+    """Run the ranks, then the single process, on the table at `table_path` (tensor `name`); every process's report.
 
     Returns:
-        ``{"ranks": [one dict per rank], "single": dict}``; each holds ``samples``
-        (``"batch/mode"`` -> lists of seconds per phase and ``total_s``), the
-        bytes handed to the collective per case, ``rss_bytes`` after the lookups
-        and the bytes of the rows it holds.
+        ``{"ranks": [one dict per rank], "single": dict}``. A rank's holds
+        ``samples`` (``"batch/mode"`` -> lists of seconds per phase and
+        ``total_s``, and on rank 0 ``single_s``, one process's paired
+        lookups), the bytes handed to the collective per case, the exchanges
+        used; every one holds its memory before and after its lookups and
+        the bytes of the rows it holds.
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a process failed (its traceback included).
@@ -100,7 +113,9 @@ def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | N
     """One rank (run by torch.multiprocessing): its samples into ``folder/rank{rank}.json``."""
     # The ranks share this machine's cores: each runs numba's parallel kernels on its share (unless told otherwise),
     # since a kernel whose threads outnumber the cores waits a scheduler time slice for the one descheduled.
-    os.environ.setdefault("NUMBA_NUM_THREADS", str(rank_threads(world)))
+    given = os.environ.get("NUMBA_NUM_THREADS")
+    threads = {"rank": int(given), "single": int(given)} if given else {"rank": rank_threads(world), "single": usable_cores()}
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(threads["single"]))
     import torch.distributed as dist
 
     import fastembed
@@ -110,36 +125,97 @@ def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | N
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
         before = memory(table_path)
+        use_threads = _thread_setter()  # after the baseline: numba's libraries count as the layer's, as they would
+        use_threads(threads["rank"])
         emb = VocabParallelEmbedding(table_path, name=name, timeout=TIMEOUT_S)
-        samples, payloads, exchanges = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps,
-                                                seed, fastembed.wait_for_compiles, lambda: emb.last_timings)
+        _, payloads, exchanges = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps,
+                                          seed, fastembed.wait_for_compiles, lambda: emb.last_timings)
+        after = memory(table_path)
+        rss = _rss_bytes()
+        single = None
+        if rank == 0:
+            whole = fastembed.Embedding.from_pretrained(table_path, name)
+
+            def single(ids: np.ndarray) -> None:
+                use_threads(threads["single"])
+                try:
+                    whole(ids)
+                finally:
+                    use_threads(threads["rank"])
+
+        samples = _measure_paired(lambda ids, mode: emb(ids, mode=mode), single, emb.vocab_size, batches, reps,
+                                  seed + 1, dist.barrier, lambda: emb.last_timings)
         report = {"rank": rank, "layer": repr(emb), "exchange": emb.exchange, "exchanges": exchanges,
-                  "numba_threads": os.environ["NUMBA_NUM_THREADS"],
+                  "numba_threads": threads,
                   "rows": [emb.vocab_start, emb.vocab_end], "held_bytes": int(emb.shard.nbytes),
-                  "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(), "memory_before": before,
-                  "memory_after": memory(table_path), "samples": samples, "payload_bytes": payloads}
+                  "rss_before_bytes": before["rss"], "rss_bytes": rss, "memory_before": before,
+                  "memory_after": after, "samples": samples, "payload_bytes": payloads}
         Path(folder, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
 
 
+def _thread_setter() -> Any:
+    """``numba.set_num_threads`` for this thread (the pool's size caps it); a no-op where numba is not installed."""
+    try:
+        import numba
+    except ImportError:
+        return lambda count: None
+    pool = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    return lambda count: numba.set_num_threads(min(count, pool))
+
+
+def _measure_paired(call: Any, single: Any, vocab_size: int, batches: list[int], reps: int, seed: int, barrier: Any,
+                    timings: Any) -> dict[str, dict[str, list[float]]]:
+    """The ranks' calls, each followed on rank 0 by `single` on fresh ids while the others wait at `barrier`.
+
+    Returns:
+        Per "batch/mode": ``total_s`` and each phase of this rank's calls, and on rank 0 (`single` given)
+        ``single_s``, the times of `single`, repetition by repetition.
+    """
+    rng, own = np.random.default_rng(seed), np.random.default_rng(seed + 1)  # the same ids on every rank; rank 0's own
+    samples: dict[str, dict[str, list[float]]] = {}
+    for batch in batches:
+        if single is not None:
+            single(own.integers(0, vocab_size, batch))  # its first call (the table's first map)
+        barrier()
+        for mode in MODES:
+            samples[f"{batch}/{mode}"] = {name: [] for name in ("total_s", *PHASES, "single_s")}
+        for _ in range(reps):
+            for mode in MODES:
+                case = samples[f"{batch}/{mode}"]
+                ids = rng.integers(0, vocab_size, batch)
+                started = time.perf_counter()
+                call(ids, mode)
+                case["total_s"].append(time.perf_counter() - started)
+                parts = timings()
+                for name in PHASES:
+                    case[name].append(getattr(parts, name))
+                if single is not None:
+                    alone = own.integers(0, vocab_size, batch)  # fresh: the ranks' call has just read its rows
+                    started = time.perf_counter()
+                    single(alone)
+                    case["single_s"].append(time.perf_counter() - started)
+                barrier()
+    return samples
+
+
 def rank_threads(world: int) -> int:
     """Threads for one of `world` ranks on this machine: its share of the cores this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // world)
+    return max(1, usable_cores() // world)
 
 
 def single_worker(_index: int, table_path: str, name: str | None, batches: list[int], reps: int, seed: int,
                   folder: str) -> None:
-    """The single process (run by torch.multiprocessing): the whole table, the same ids, into ``single.json``."""
+    """The single process (run by torch.multiprocessing): the whole table, the same ids, its memory into ``single.json``."""
     import fastembed
 
     before = memory(table_path)
     emb = fastembed.Embedding.from_pretrained(table_path, name)
-    samples, _, _ = _measure(lambda ids, mode: emb(ids), emb.vocab_size, batches, reps, seed,
-                             fastembed.wait_for_compiles, lambda: None)
+    _measure(lambda ids, mode: emb(ids), emb.vocab_size, batches, reps, seed, fastembed.wait_for_compiles,
+             lambda: None)
     report = {"held_bytes": emb.nbytes, "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(),
-              "memory_before": before, "memory_after": memory(table_path), "samples": samples}
+              "memory_before": before, "memory_after": memory(table_path)}
     Path(folder, "single.json").write_text(json.dumps(report))
 
 
@@ -221,25 +297,30 @@ def memory(table_path: str | os.PathLike, reset_peak: bool = True) -> dict[str, 
 
 
 def summarise(measured: dict[str, Any], batches: list[int]) -> list[dict[str, Any]]:
-    """One row per (batch, mode): the exchange, the slowest rank's median time and phases, bytes, one process's median."""
-    ranks, single = measured["ranks"], measured["single"]
+    """One row per (batch, mode): the exchange, the slowest rank's median time and phases, bytes, one process's
+    median, and the median of the paired ratios."""
+    ranks = measured["ranks"]
     world = len(ranks)
     rows = []
     for batch in batches:
         for mode in MODES:
             key = f"{batch}/{mode}"
             row: dict[str, Any] = {"batch": batch, "mode": mode, "ranks": world}
+            slowest = {}
             for name in ("total_s", *PHASES):
-                slowest = [max(values) for values in zip(*(rank["samples"][key][name] for rank in ranks), strict=True)]
-                row[name.replace("_s", "_us")] = statistics.median(slowest) * 1e6
+                slowest[name] = [max(values) for values in zip(*(rank["samples"][key][name] for rank in ranks),
+                                                                 strict=True)]
+                row[name.replace("_s", "_us")] = statistics.median(slowest[name]) * 1e6
+            alone = ranks[0]["samples"][key]["single_s"]
             used = sorted({exchange for rank in ranks for exchange in rank["exchanges"][key]})
             row["exchange"] = "+".join(used)
             payload = max(rank["payload_bytes"][key] for rank in ranks)
             row["payload_bytes"] = payload
             # shared memory: a rank writes its rows once, where the others read them; a ring all-reduce 2(N-1)/N
             row["sent_bytes"] = payload if used == ["shared_memory"] else int(payload * 2 * (world - 1) / world)
-            row["single_us"] = statistics.median(single["samples"][key]["total_s"]) * 1e6
-            row["ranks_over_single"] = row["total_us"] / row["single_us"]
+            row["single_us"] = statistics.median(alone) * 1e6
+            row["ranks_over_single"] = statistics.median(
+                ranks_s / single_s for ranks_s, single_s in zip(slowest["total_s"], alone, strict=True))
             rows.append(row)
     return rows
 
@@ -269,7 +350,8 @@ def print_report(rows: list[dict[str, Any]], measured: dict[str, Any], console: 
          _time(row["communicate_us"]), _time(row["copy_us"]), _bytes(row["payload_bytes"]), _bytes(row["sent_bytes"]))
         for row in rows]))
     for rank in measured["ranks"]:
-        console.print(f"rank {rank['rank']}: {rank['layer']}, NUMBA_NUM_THREADS={rank['numba_threads']}",
+        console.print(f"rank {rank['rank']}: {rank['layer']}, {rank['numba_threads']['rank']} numba threads for its "
+                      f"calls" + (f", {rank['numba_threads']['single']} for one process's" if rank["rank"] == 0 else ""),
                       markup=False)
     for rank in measured["ranks"]:
         console.print(f"rank {rank['rank']}: rows {rank['rows'][0]}..{rank['rows'][1]}, holds "
