@@ -181,7 +181,7 @@ def test_cold_samples_time_one_call_each_right_after_the_settling_read():
     def prepare(table, n):
         return lambda ids: events.append("call")
 
-    contender = Contender("counting", "peer", False, prepare, id="counting")
+    contender = Contender("counting", "limit", False, prepare, id="counting")  # not a lookup: no rows to check
     table = random_table(2000, 64, "float16")
     for cold in (True, False):
         events.clear()
@@ -847,7 +847,7 @@ def test_the_settling_read_is_told_what_a_sample_writes_or_that_the_call_is_cold
 
     received = []
     platform = dataclasses.replace(HOST, settle=received.append)
-    contender = Contender("nothing", "peer", False, lambda table, n: (lambda ids: None), id="nothing")
+    contender = Contender("nothing", "limit", False, lambda table, n: (lambda ids: None), id="nothing")  # no rows
     table = random_table(2000, 64, "float16")
     measure_case(table, [contender], 6, "uniform", 2, warmup=1, platform=platform)
     assert received == [calls_per_sample(6, 128) * 6 * 128] * 3
@@ -889,3 +889,47 @@ def test_format_without_its_packages_is_refused_at_once(capsys, tmp_path, monkey
     assert f"--format needs {' and '.join(missing)}" in capsys.readouterr().err
     monkeypatch.undo()
     assert parse_arguments(["--format", "q8_0", "--out", str(tmp_path)]).format == ["q8_0"]
+
+
+@pytest.mark.parametrize("kind", ["fastembed", "peer"])
+def test_a_lookup_contender_that_returns_other_rows_is_refused_before_it_is_timed(kind):
+    from fastembed.benchmark.contenders import Contender
+    from fastembed.benchmark.measure import measure_case
+    from fastembed.tables import random_table
+
+    table = random_table(2000, 64, "float16")
+    untouched = np.zeros((6, 64), np.float16)
+    wrong = Contender("untouched buffer", kind, False, lambda t, n: (lambda ids: untouched), id="untouched")
+    right = Contender("fancy", kind, True, lambda t, n: (lambda ids: t[ids]), id="fancy")
+    assert measure_case(table, [right], 6, "uniform", 2, warmup=1)[0].samples_s
+    with pytest.raises(RuntimeError, match="untouched buffer gave other rows than table.ids. for 6 ids"):
+        measure_case(table, [right, wrong], 6, "uniform", 2, warmup=1)
+    checked = dataclasses.replace(wrong, expected=lambda t, ids: untouched)  # a reference of its own
+    assert measure_case(table, [checked], 6, "uniform", 2, warmup=1)[0].samples_s
+
+
+def test_the_untimed_call_before_a_loop_reads_no_set_that_a_timed_call_reads_later():
+    """Else the next contender's first timed call would find its rows cached."""
+    from fastembed.benchmark.contenders import Contender
+    from fastembed.benchmark.measure import HOST, measure_case
+    from fastembed.tables import random_table
+
+    events, timing = [], [False]
+
+    def timed(call, id_list):
+        timing[0] = True
+        try:
+            return HOST.seconds_per_call(call, id_list)
+        finally:
+            timing[0] = False
+
+    def prepare(t, n):
+        return lambda ids: events.append((timing[0], ids.tobytes())) or t[ids]
+
+    table = random_table(4000, 64, "float16")
+    contenders = [Contender(name, "peer", False, prepare, id=name) for name in ("a", "b", "c")]
+    measure_case(table, contenders, 6, "uniform", 3, warmup=1, platform=dataclasses.replace(HOST, seconds_per_call=timed))
+    first_sample = next(index for index, (was_timed, _) in enumerate(events) if was_timed)  # the preparing calls before
+    for index, (was_timed, ids) in enumerate(events[first_sample:], first_sample):
+        if not was_timed:
+            assert not any(later_timed and later == ids for later_timed, later in events[index + 1 :])

@@ -42,7 +42,8 @@ class Contender:
     change of the display ``name`` cannot break the gate. When not given it
     is derived from the name (:func:`slug`).
 
-    ``prepare(table, n)`` returns ``call(ids)``. A fastembed contender's call
+    ``prepare(table, n)`` returns ``call(ids)``, which returns its output
+    (a limit's call may return anything). A fastembed contender's call
     carries ``call.served_by``: the backend that serves it, as
     ``fastembed.select_backend(table, ids, out)`` reports it for that table,
     n ids and the prepared ``out`` (the backend named, when one is forced).
@@ -54,6 +55,9 @@ class Contender:
     prepare: Callable[[Any, int], Callable[[Any], Any]]
     id_dtype: str = "int64"  # the dtype of the ids its calls receive
     id: str = ""
+    #: ``expected(table, host_ids)``: what a lookup must return, checked before it is timed (no function:
+    #: ``table[ids]``; a function returning None: nothing this machine can check it against).
+    expected: Callable[[Any, np.ndarray], Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.id:

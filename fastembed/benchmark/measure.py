@@ -226,7 +226,12 @@ def measure_case(
         pool = pools[contender.id_dtype]
         memory_before = platform.memory_in_use()
         call = contender.prepare(table, batch)
-        call(pool[0])
+        output = call(pool[0])
+        if contender.kind != "limit":  # a lookup that gives wrong rows is not timed
+            expected = (contender.expected or _gathered)(table, host_pool[0])
+            if expected is not None and not same_bytes(output, expected):
+                raise RuntimeError(f"{contender.name} gave other rows than {'its reference' if contender.expected else 'table[ids]'} "
+                                   f"for {batch} ids: it is not timed")
         prepared[contender.id] = (call, pool)
         results[contender.id] = Result(
             contender.name, contender.kind, batch, distribution, [], 2 * batch * row_bytes, contender.allocates,
@@ -244,11 +249,43 @@ def measure_case(
                 # A loop of small calls is timed warm: the first call after the
                 # settling read would otherwise add its cold Python layers
                 # (tens of us) to every call's average; cold=True times that call.
-                call(pool[(first + inner) % len(pool)])
+                # Its ids are the previous contender's last set, which no timed call reads next.
+                call(pool[(first - 1) % len(pool)])
             elapsed = platform.seconds_per_call(call, id_list)
             if repetition >= warmup:
                 results[name].samples_s.append(elapsed)
     return list(results.values())
+
+
+def _gathered(table: Any, ids: np.ndarray) -> Any:
+    """``table[ids]``: what a lookup contender must return (`ids` on the host; a device table gathers on its device)."""
+    return table[ids if isinstance(table, np.ndarray) else _to_device_like(table, ids)]
+
+
+def _to_device_like(table: Any, ids: np.ndarray) -> Any:
+    import cupy
+
+    with cupy.cuda.Device(table.device.id):
+        return cupy.asarray(ids)
+
+
+def same_bytes(result: Any, expected: Any) -> bool:
+    """Whether two arrays (numpy, cupy or torch, on any device) have the same shape and bytes."""
+    return tuple(result.shape) == tuple(expected.shape) and np.array_equal(_host_bytes(result), _host_bytes(expected))
+
+
+def _host_bytes(array: Any) -> np.ndarray:
+    """The bytes of `array` (numpy, cupy, or torch, whose bfloat16 and float8 numpy cannot hold), in host memory."""
+    library = type(array).__module__.partition(".")[0]
+    if library == "torch":
+        import torch
+
+        return torch.flatten(array.detach().cpu().contiguous()).view(torch.uint8).numpy()
+    if library == "cupy":
+        import cupy
+
+        array = cupy.asnumpy(array)
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
 def summarise(results: list[Result]) -> list[dict[str, Any]]:

@@ -87,6 +87,16 @@ def _reference(table: QuantizedTable) -> Callable[[Any, int], Callable]:
     return prepare
 
 
+def expected_rows(table: QuantizedTable, dtype: str) -> Callable[[Any, np.ndarray], np.ndarray]:
+    """What a lookup of `table` into `dtype` must return: fastembed's reference rows, rounded to nearest even."""
+    def expected(_dense: Any, ids: np.ndarray) -> np.ndarray:
+        scales = None if table.scales is None else table.scales[ids]
+        rows = dequantize_rows(table.data[ids], scales, table.format, table.dim)
+        return rows.astype(fastembed.tables.resolve_dtype(dtype))
+
+    return expected
+
+
 def moved_bytes(table: Any, dtype: str) -> int:
     """Bytes one row's lookup reads and writes: the stored row (and its scale) plus the output row."""
     dim = table.shape[1]
@@ -106,8 +116,9 @@ def run(dense: np.ndarray, tables: dict[str, tuple[QuantizedTable, str]], batche
                             id="dense-float16")]
     for name, (table, _source) in tables.items():
         contenders += [Contender(f"{name} -> {dtype} out=", "fastembed", False, _into(table, out_by_dtype, dtype),
-                                 id=f"{name}-{dtype}") for dtype in OUTPUT_DTYPES]
-    references = [Contender(f"{name} numpy reference", "peer", True, _reference(table), id=f"{name}-reference")
+                                 id=f"{name}-{dtype}", expected=expected_rows(table, dtype)) for dtype in OUTPUT_DTYPES]
+    references = [Contender(f"{name} numpy reference", "peer", True, _reference(table), id=f"{name}-reference",
+                            expected=expected_rows(table, "float32"))
                   for name, (table, _source) in tables.items()]
     # What the widest output row takes (float32: the fastembed contenders' widest and the references' rows).
     widest_row_bytes = dense.shape[1] * max(np.dtype(fastembed.tables.resolve_dtype(d)).itemsize for d in OUTPUT_DTYPES)
