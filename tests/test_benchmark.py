@@ -658,7 +658,20 @@ def test_processes_mode_reports_spread_tails_and_goals(tmp_path):
         (batch, name) for batch in (64, 700) for name in ("fastembed-out", "fastembed-alloc", "numpy-fancy")}
     for row in payload["results"]:
         assert len(row["median_us"]) == 2 and row["spread"] >= 1.0 and row["worst_p99_over_median"] >= 1.0
+        assert row["samples_per_process"] == payload["reps_per_batch"][str(row["batch"])] == 5
     assert payload["goals"] and all(set(goal) == {"goal", "met"} for goal in payload["goals"])
+
+
+def test_processes_json_says_how_many_samples_each_batch_took(tmp_path):
+    """Outputs above 8 MiB take at least 15 samples whatever --reps says: the file says so, not only --reps."""
+    from fastembed.benchmark import cli
+
+    assert cli.main(["--processes", "1", "--vocab-size", "3000", "--dim", "1024", "--batch", "5000",
+                     "--reps", "5", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "processes.json").read_text())
+    assert payload["reps"] == 5 and payload["reps_per_batch"] == {"5000": 15}
+    assert {row["samples_per_process"] for row in payload["results"]} == {15}
+    assert all(len(times) == 15 for times in payload["samples"][0]["5000"].values())
 
 
 def test_the_colocated_gate_check_runs_in_a_fresh_process_on_one_cpu(tmp_path):

@@ -552,6 +552,8 @@ def processes(arguments: argparse.Namespace, console: Any, table: Any, described
                        f"{arguments.processes} fresh processes{load}: {report.table_title(described)}")
     report.write_json(arguments.out / "processes.json", {
         **report.run_facts(argv), "table": described, "load": arguments.load, "reps": reps,
+        "reps_per_batch": {str(batch): multi.reps_for(batch, table.shape[1] * table.dtype.itemsize, reps)
+                           for batch in batches},
         "results": rows, "goals": [{"goal": goal, "met": met} for goal, met in verdicts], "samples": runs,
     })
     console.print(f"wrote {arguments.out / 'processes.json'}", soft_wrap=True, markup=False)
