@@ -638,6 +638,8 @@ def test_copy_kernels_copy_and_read_exactly():
     expected = np.bitwise_xor.reduce(source[ids].reshape(-1))
     assert copy_kernels.read_scattered(source, ids, copy_kernels.block_count()) == expected
     assert copy_kernels.read_scattered(source, ids[:0], 3) == 0
+    assert copy_kernels.read_scattered_serial(source, ids) == expected
+    assert copy_kernels.read_scattered_serial(source, ids[:0]) == 0
     assert copy_kernels.word_view(np.zeros((2, 3), np.float16)).dtype == np.uint16  # 6-byte rows: 2-byte words
 
 
@@ -946,3 +948,18 @@ def test_the_untimed_call_before_a_loop_reads_no_set_that_a_timed_call_reads_lat
     for index, (was_timed, ids) in enumerate(events[first_sample:], first_sample):
         if not was_timed:
             assert not any(later_timed and later == ids for later_timed, later in events[index + 1 :])
+
+
+def test_the_scattered_read_of_a_few_rows_runs_on_the_calling_thread_as_the_gather_does(monkeypatch):
+    """Waking the pool for one row would make the read ceiling a measure of thread wake-up."""
+    pytest.importorskip("numba")
+    from fastembed.benchmark import contenders, copy_kernels
+    from fastembed.tables import random_table
+
+    used = []
+    monkeypatch.setattr(copy_kernels, "read_scattered_serial", lambda *args: used.append("serial"))
+    monkeypatch.setattr(copy_kernels, "read_scattered", lambda *args: used.append("threads"))
+    table = random_table(4000, 512, "float16")  # 1 KiB rows: 2 MiB from 2,048 ids on
+    for n in (1, 6, 2047, 2048):
+        contenders._read_scattered(table, n)(np.arange(n))
+    assert used == ["serial", "serial", "serial", "threads"]

@@ -170,10 +170,15 @@ def _copy_numba(stream: bool) -> Callable:
 
 
 def _read_scattered(table: np.ndarray, n: int) -> Callable:
-    """Read the rows table[ids] over threads and write nothing (copy_kernels.read_scattered)."""
+    """Read the rows table[ids] and write nothing (copy_kernels.read_scattered): over threads where fastembed's
+    gather uses them, on the calling thread below that, as the gather does (waking the pool would cost more)."""
+    from fastembed.dispatch import BACKENDS
+
     from . import copy_kernels
 
     words, blocks = copy_kernels.word_view(table), copy_kernels.block_count()
+    if n * table.shape[1] * table.dtype.itemsize < BACKENDS["numba"].describe()["parallel_min_bytes"]:
+        return lambda ids: copy_kernels.read_scattered_serial(words, ids)
     return lambda ids: copy_kernels.read_scattered(words, ids, blocks)
 
 

@@ -7,7 +7,9 @@ tell how fast the machine can move the bytes a gather moves:
   block of rows over threads (ordinary and non-temporal stores): the limit
   of writing an output of that size;
 - :func:`read_scattered` reads the rows a gather would read (the same ids)
-  and writes nothing: the limit of reading scattered rows at all.
+  and writes nothing: the limit of reading scattered rows at all
+  (:func:`read_scattered_serial` on one thread, for outputs too small for
+  the gather's threads).
 
 Arrays are 2-D unsigned machine words (see :func:`word_view`): Numba has no
 float16 on the CPU, and words are what a gather moves. Importing this module
@@ -92,24 +94,35 @@ def copy_parallel_stream(src, dst, n_blocks, alias_window):
         store_fence()
 
 
+@njit(**_JIT)
+def _xor_rows(table, ids, start, stop):
+    """The XOR of every word of rows ``table[ids[start:stop]]``: it depends on every word, so no read is dropped."""
+    accumulator = table.dtype.type(0)
+    for i in range(start, stop):
+        row = ids[i]
+        for w in range(table.shape[1]):
+            accumulator ^= table[row, w]
+    return accumulator
+
+
 @njit(parallel=True, **_JIT)
 def read_scattered(table, ids, n_blocks):
     """Read every word of rows ``table[ids]`` over threads, write nothing; returns their XOR.
 
-    Each block XORs its rows' words into its own accumulator, and the result
-    depends on every word read, so the compiler cannot drop a read. Ids are
-    not checked: the caller passes ids within the table.
+    Each block XORs its rows' words into its own accumulator. Ids are not
+    checked: the caller passes ids within the table.
     """
     sums = np.zeros(n_blocks, table.dtype)
     for block in prange(n_blocks):
         start, stop = _block(block, n_blocks, ids.size)
-        accumulator = sums[block]
-        for i in range(start, stop):
-            row = ids[i]
-            for w in range(table.shape[1]):
-                accumulator ^= table[row, w]
-        sums[block] = accumulator
+        sums[block] = _xor_rows(table, ids, start, stop)
     result = sums[0]
     for block in range(1, n_blocks):
         result ^= sums[block]
     return result
+
+
+@njit(**_JIT)
+def read_scattered_serial(table, ids):
+    """:func:`read_scattered` on the calling thread: what reading a few rows costs without waking the pool."""
+    return _xor_rows(table, ids, 0, ids.size)
