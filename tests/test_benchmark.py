@@ -963,3 +963,11 @@ def test_the_scattered_read_of_a_few_rows_runs_on_the_calling_thread_as_the_gath
     for n in (1, 6, 2047, 2048):
         contenders._read_scattered(table, n)(np.arange(n))
     assert used == ["serial", "serial", "serial", "threads"]
+
+
+def test_allocations_that_tracemalloc_cannot_see_are_not_reported_as_measured():
+    torch = pytest.importorskip("torch")
+    from fastembed.benchmark.measure import HOST
+
+    assert HOST.allocated_by_one_call(lambda ids: torch.empty(1 << 20), None) is None
+    assert HOST.allocated_by_one_call(lambda ids: np.empty(1 << 20), None) >= 1 << 20

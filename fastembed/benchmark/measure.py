@@ -135,15 +135,17 @@ def _host_seconds_per_call(call: Callable[[Any], Any], id_list: list[Any]) -> fl
     return (time.perf_counter() - started) / len(id_list)
 
 
-def _host_allocated_by_one_call(call: Callable[[Any], Any], ids: Any) -> int:
+def _host_allocated_by_one_call(call: Callable[[Any], Any], ids: Any) -> int | None:
+    """Bytes one call allocates, as tracemalloc sees them; None for a torch result (torch allocates apart from it)."""
     tracemalloc.start()
     try:
         before, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         result = call(ids)
         _, peak = tracemalloc.get_traced_memory()
+        unseen = type(result).__module__.partition(".")[0] == "torch"
         del result
-        return max(0, peak - before)
+        return None if unseen else max(0, peak - before)
     finally:
         tracemalloc.stop()
 
