@@ -136,6 +136,11 @@ def run(dense: np.ndarray, tables: dict[str, tuple[QuantizedTable, str]], batche
     return rows
 
 
+def _reference_facts(ref: Result, reference_batch: int) -> dict[str, Any]:
+    """How the numpy reference was timed, with its samples: its figure can be checked from the JSON alone."""
+    return {"reference_batch": reference_batch, "reference_samples_us": [s * 1e6 for s in ref.samples_s]}
+
+
 def _rows(results: dict[str, Result], reference: dict[str, Result], dense: np.ndarray,
           tables: dict[str, tuple[QuantizedTable, str]], batch: int, reference_batch: int) -> list[dict[str, Any]]:
     baseline = results["dense-float16"]
@@ -144,7 +149,8 @@ def _rows(results: dict[str, Result], reference: dict[str, Result], dense: np.nd
         ref = reference[f"{name}-reference"]
         ref_rows_per_s = reference_batch / ref.median_s
         for dtype in OUTPUT_DTYPES:
-            rows.append(_row(name, dtype, results[f"{name}-{dtype}"], baseline, ref_rows_per_s, table, batch, source))
+            rows.append({**_row(name, dtype, results[f"{name}-{dtype}"], baseline, ref_rows_per_s, table, batch,
+                                source), **_reference_facts(ref, reference_batch)})
     return rows
 
 
@@ -188,8 +194,10 @@ def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], c
     """The rows as a rich table (narrow enough for 80 columns), then the goals with MET/MISS."""
     from rich.table import Table
 
-    table = Table(title=title, caption="us: median per lookup; GB/s: bytes read and written; vs f16: rows/s over the "
-                                       "dense float16 gather; vs ref: over the numpy reference")
+    table = Table(title=title, caption="us: median per lookup; GB/s: bytes read and written; vs f16: the median over "
+                                       "repetitions of the dense float16 gather's time over this one's (paired); vs "
+                                       "ref: rows/s over the numpy reference's median rows/s (timed apart, on at most "
+                                       f"{REFERENCE_MAX_IDS} ids, {REFERENCE_REPETITIONS} repetitions)")
     for column in ("format", "out", "ids", "by", "us", "Mrows/s", "GB/s", "vs f16", "vs ref", "MiB"):
         table.add_column(column, justify="left" if column in ("format", "out", "by") else "right")
     for row in rows:
