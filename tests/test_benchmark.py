@@ -424,6 +424,10 @@ def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
     (["--processes", "2", "--backend", "numpy"], "--backend has no effect with --processes"),
     (["--ranks", "2", "--dist", "zipf"], "--dist has no effect with --ranks"),
     (["--format", "q8_0", "--backend", "numpy"], "--backend has no effect with --format"),
+    (["--table", "t.npy", "--dim", "8"], "--dim shapes the random table; --table measures the table in the file"),
+    (["--table", "t.npy", "--dtype", "float32"], "--dtype shapes the random table"),
+    (["--quick", "--batch", "8", "--reps", "3"], "--quick chooses fewer repetitions"),
+    (["--ranks", "2", "--quick", "--reps", "3"], "--quick chooses fewer repetitions"),
 ])
 def test_bench_refuses_bad_arguments_at_once(arguments, message):
     """One line, exit 2, before any table is built (they used to crash late, or grow memory without bound)."""

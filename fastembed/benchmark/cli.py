@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 BATCHES = (1, 6, 64, 1024, 8192, 65536)
+#: The random table's shape and dtype when not given: the default 129,280 x 4,096 float16 table.
+_RANDOM_TABLE = {"vocab_size": 129280, "dim": 4096, "dtype": "float16"}
 QUICK_BATCHES = (1, 6, 1024, 8192)
 #: Larger batches than this are refused: every contender holds its own output of that many rows.
 MAX_BATCH = 2**20
@@ -65,13 +67,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                              "use many --reps, such as 200)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="folder for the results: JSON, a Markdown table and PNG plots (default: bench-results)")
-    parser.add_argument("--vocab-size", type=_positive_int, default=129280,
-                        help="rows of the random table (default: 129280)")
-    parser.add_argument("--dim", type=_positive_int, default=4096, help="width of the random table (default: 4096)")
-    parser.add_argument("--dtype", type=_dtype, default="float16", help="float16 (default), bfloat16, float32, ...")
+    parser.add_argument("--vocab-size", type=_positive_int, help="rows of the random table (default: 129280)")
+    parser.add_argument("--dim", type=_positive_int, help="width of the random table (default: 4096)")
+    parser.add_argument("--dtype", type=_dtype, help="float16 (default), bfloat16, float32, ...")
     parser.add_argument("--table", type=Path,
                         help="measure this table instead of a random one: a .npy, safetensors or GGUF file, memory-mapped "
-                             "read-only (--vocab-size, --dim and --dtype are then ignored)")
+                             "read-only (not with --vocab-size, --dim or --dtype)")
     parser.add_argument("--tensor", help="--table: the tensor's name in a safetensors or GGUF file (default: the one "
                                          "named like a token embedding; token_embd.weight in GGUF)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -99,6 +100,16 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--thresholds", type=Path,
                         help="gate thresholds (TOML; default: the thresholds.toml shipped with fastembed.benchmark)")
     arguments = parser.parse_args(argv)
+    shaped = [flag for flag, value in (("--vocab-size", arguments.vocab_size), ("--dim", arguments.dim),
+                                       ("--dtype", arguments.dtype)) if value is not None]
+    if arguments.table is not None and shaped:
+        parser.error(f"{shaped[0]} shapes the random table; --table measures the table in the file as it is")
+    for name, default in _RANDOM_TABLE.items():
+        if getattr(arguments, name) is None:
+            setattr(arguments, name, default)
+    if arguments.quick and arguments.reps and (arguments.batch or arguments.ranks or arguments.format):
+        parser.error("--quick chooses fewer repetitions (and, in the main run, fewer batch sizes); with --reps "
+                     "and those given it has no effect: leave --quick out")
     if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix == ".npy"):
         parser.error("--tensor names a tensor of a safetensors or GGUF file given with --table")
     if arguments.gate and arguments.backend:
