@@ -51,7 +51,9 @@ def test_runner_writes_table_json_and_plot(tmp_path):
     assert payload["machine"]["cpu_count"] >= 1
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
     markdown = (tmp_path / "results.md").read_text().splitlines()
-    assert len(markdown) == 2 + len(rows) and "| cpu | 512 | zipf | fastembed auto out= |" in "\n".join(markdown)
+    assert len(markdown) == 6 + len(rows) and "| cpu | 512 | zipf | fastembed auto out= |" in "\n".join(markdown)
+    assert markdown[0].startswith(payload["date"]) and markdown[0].endswith("`" + payload["command"] + "`")
+    assert markdown[2].endswith("3 repetitions") and markdown[4].endswith("| alloc/call | mem + |")
     read = next(row for row in rows if row["id"] == "read-scattered")
     assert read["kind"] == "limit" and read["gbps"] > 0 and read["contender"] == "scattered read"
     assert all(row["fraction_of_scattered_read"] > 0 for row in rows)

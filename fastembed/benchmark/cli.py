@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {**report.run_facts(argv), "table": described, "repetitions": repetitions,
                "cold": arguments.cold, "results": rows}
     report.write_json(arguments.out / "results.json", payload)
-    report.write_markdown(arguments.out / "results.md", rows)
+    report.write_markdown(arguments.out / "results.md", rows, payload)
     plots = report.write_plots(arguments.out, rows, described)
     plotted = ", ".join(str(p) for p in plots) if plots else "no plot (matplotlib is not installed)"
     console.print(f"wrote {arguments.out / 'results.json'}, results.md and {plotted} "

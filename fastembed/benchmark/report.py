@@ -145,16 +145,22 @@ def _bytes(value: int | None) -> str:
     return f"{scaled:.1f} {unit}"
 
 
-def write_markdown(path: Path, rows: list[dict[str, Any]]) -> None:
-    """The same table as the terminal's, every column, as Markdown (docs/benchmarks.md pastes it)."""
-    lines = ["| device | batch | ids | contender | median | GB/s | of its limit | limit | of read | vs fancy | alloc/call |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+def write_markdown(path: Path, rows: list[dict[str, Any]], facts: dict[str, Any]) -> None:
+    """The same table as the terminal's, every column and the limit's name, as Markdown (docs/benchmarks.md pastes it),
+    under the run's facts: date, command, machine, table, repetitions and whether calls were timed cold."""
+    machine = facts["machine"]
+    lines = [f"{facts['date']}: `{facts['command']}`", "",
+             f"{machine['cpu']}, {machine['cpu_count']} CPUs; {table_title(facts['table'])}; "
+             f"{facts['repetitions']} repetitions{'; cold calls' if facts['cold'] else ''}", "",
+             "| device | batch | ids | contender | median | GB/s | of its limit | limit | of read | vs fancy | alloc/call "
+             "| mem + |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         cell = _cells(row)
         lines.append(
             f"| {row['device']} | {row['batch']} | {row['distribution']} | {row['contender']} | {cell['median']} "
             f"| {cell['gbps']} | {cell['limit']} | {row.get('limit') or '-'} | {cell['read']} | {cell['fancy']} "
-            f"| {cell['alloc']} |"
+            f"| {cell['alloc']} | {cell['memory']} |"
         )
     path.write_text("\n".join(lines) + "\n")
 
