@@ -88,6 +88,9 @@ from .arrays import adapter_of, device_of, memory_guards, result_like, torch_ada
 from .backends.cuda_backend import deferred_id_checks
 from .formats import QuantizedTable
 
+__all__ = ["EXCHANGES", "MODES", "CommunicationError", "LookupTimings", "VocabParallelEmbedding", "padded_vocab_size",
+           "position_range", "row_range", "split_range"]
+
 MODES = ("full", "scatter")
 #: What ``exchange=`` takes: ``"auto"`` is shared memory when every rank runs on this host, else the all-reduce.
 EXCHANGES = ("auto", "shared_memory", "all_reduce")

@@ -31,6 +31,9 @@ from typing import Any
 
 import numpy as np
 
+__all__ = ["BlockFormat", "FORMATS", "OUTPUT_DTYPES", "QuantizedTable", "block_format", "dequantize_rows", "quantize_rows",
+           "row_bytes"]
+
 _F16 = np.dtype("<f2")
 _F32 = np.dtype(np.float32)
 

@@ -71,6 +71,8 @@ from . import dispatch
 from .api import lookup
 from .arrays.torch_adapter import stands_for_other_memory
 
+__all__ = ["Embedding"]
+
 #: The reasons for using torch's embedding already warned about (each is said once per process).
 _REASONS_SAID: set[str] = set()
 #: torch dtype -> whether fastembed views a weight of it without a copy (learned on first use).

@@ -10,12 +10,17 @@ import pytest
 import fastembed
 
 MODULES = ["fastembed", "fastembed.api", "fastembed.dispatch", "fastembed.validate", "fastembed.io",
-           "fastembed.io.checkpoints", "fastembed.tables", "fastembed.arrays", "fastembed.backends.base",
-           "fastembed.backends.cuda_backend"]
+           "fastembed.io.checkpoints", "fastembed.io.gguf", "fastembed.io.npy", "fastembed.io.safetensors",
+           "fastembed.io.save", "fastembed.io.watch", "fastembed.formats", "fastembed.tables", "fastembed.arrays",
+           "fastembed.backends.base", "fastembed.backends.cuda_backend", "fastembed.torch", "fastembed.distributed"]
+#: Modules that import torch: their examples run where it is installed.
+NEED_TORCH = ("fastembed.torch", "fastembed.distributed")
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
+    if name in NEED_TORCH:
+        pytest.importorskip("torch")
     module = importlib.import_module(name)
     failures, attempted = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert failures == 0
@@ -35,3 +40,12 @@ def test_public_names_are_documented(name):
                                       fastembed.Embedding.from_pretrained])
 def test_the_main_entry_points_carry_a_runnable_example(function):
     assert ">>>" in inspect.getdoc(function)
+
+
+@pytest.mark.parametrize("name", ["fastembed.formats", "fastembed.torch", "fastembed.distributed"])
+def test_modules_with_public_names_beside_imported_ones_say_which_are_public(name):
+    if name in NEED_TORCH:
+        pytest.importorskip("torch")
+    module = importlib.import_module(name)
+    assert all(inspect.getdoc(getattr(module, public)) for public in module.__all__)
+    assert "lookup" not in module.__all__ and "adapter_of" not in module.__all__  # imported for its own use

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import validate
-from ..formats import FORMATS, QuantizedTable, dequantize_rows
+from ..formats import FORMATS, QuantizedTable, dequantize_rows, row_bytes
 from .base import DENSE, Capabilities, SmallGather
 
 _BYTE = np.dtype(np.uint8)
@@ -93,11 +93,6 @@ def check_range(ids: np.ndarray, vocab_size: int) -> None:
             raise validate.out_of_range_error(ids, 0, vocab_size)
     elif n and (ids.item(ids.argmin()) < 0 or ids.item(ids.argmax()) >= vocab_size):
         validate.check_ids_in_range(ids, vocab_size)  # raises, naming position and value
-
-
-def row_bytes(table: np.ndarray) -> int:
-    """Bytes per table row."""
-    return int(table.shape[1]) * table.dtype.itemsize
 
 
 def take_new(table: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -27,7 +27,7 @@ import numpy as np
 
 import fastembed
 from fastembed import dispatch
-from fastembed.formats import QuantizedTable, dequantize_rows
+from fastembed.formats import QuantizedTable, dequantize_rows, row_bytes
 from fastembed.tables import random_quantized_table
 
 from .contenders import Contender
@@ -99,11 +99,9 @@ def expected_rows(table: QuantizedTable, dtype: str) -> Callable[[Any, np.ndarra
 
 def moved_bytes(table: Any, dtype: str) -> int:
     """Bytes one row's lookup reads and writes: the stored row (and its scale) plus the output row."""
-    dim = table.shape[1]
-    out_bytes = dim * np.dtype(fastembed.tables.resolve_dtype(dtype)).itemsize
-    if isinstance(table, QuantizedTable):
-        return int(table.data.shape[1]) + (4 if table.scales is not None else 0) + out_bytes
-    return dim * table.dtype.itemsize + out_bytes
+    out_bytes = table.shape[1] * np.dtype(fastembed.tables.resolve_dtype(dtype)).itemsize
+    scale_bytes = 4 if isinstance(table, QuantizedTable) and table.scales is not None else 0
+    return row_bytes(table) + scale_bytes + out_bytes
 
 
 def run(dense: np.ndarray, tables: dict[str, tuple[QuantizedTable, str]], batches: list[int], repetitions: int,
