@@ -23,7 +23,6 @@
 # OUTDIR/torch-cuda.txt), writes everything under OUTDIR
 # (results per width in OUTDIR/w4096 and OUTDIR/w7168 with their PNG plots,
 # the verdicts in OUTDIR/gpu-check.json) and prints a short table last.
-# Estimated to take 3-5 minutes on an H200 (not measured: no GPU has run it yet).
 #
 # Environment: PYTHON (default python), REPS (default 15), and
 # FASTEMBED_GPU_CHECK_DRY_RUN=1: a dry run on the CuPy test double of

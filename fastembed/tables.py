@@ -46,7 +46,7 @@ def random_table(
 
     float16/bfloat16/float32/float64: random sign and mantissa, magnitudes in
     [1/64, 1/32) (finite, never zero); other dtypes: uniformly random bytes
-    (integers uniform over their range). About 4 s per GiB on 2 cores.
+    (integers uniform over their range).
     ``progress(fraction)`` is called as the random bytes are generated.
     """
     dtype = resolve_dtype(dtype)
