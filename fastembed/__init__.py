@@ -97,15 +97,11 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
         >>> fastembed.wait_for_compiles(timeout=60)
         True
     """
-    import numbers
-
+    from . import validate
     from .backends import background_compile
 
     if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-            raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
-        if not timeout >= 0:
-            raise ValueError(f"timeout must be at least 0 seconds, not {timeout}")
+        timeout = validate.checked_seconds(timeout, "timeout must be None or a number of seconds >= 0", 0, float("inf"))
     return background_compile.wait(timeout)
 
 
@@ -143,7 +139,7 @@ def set_output_cache_limit(nbytes: int) -> None:
         nbytes: bytes of free buffers to keep, an integer >= 0.
 
     Raises:
-        ValueError: a negative or non-integer size.
+        TypeError: not an integer. ValueError: a negative size.
 
     Example:
         >>> import fastembed

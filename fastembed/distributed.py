@@ -179,7 +179,8 @@ def padded_vocab_size(vocab_size: int, pad_to_multiple: int = 1) -> int:
     """`vocab_size` rounded up to a multiple of `pad_to_multiple` (Megatron pads to 128 x the ranks).
 
     Raises:
-        ValueError: a `pad_to_multiple` that is not an integer from 1 to 2**62.
+        TypeError: a `pad_to_multiple` that is not an integer.
+        ValueError: a `pad_to_multiple` outside 1 to 2**62.
 
     Example:
         >>> from fastembed.distributed import padded_vocab_size
@@ -203,8 +204,9 @@ def row_range(vocab_size: int, world_size: int, rank: int, pad_to_multiple: int 
         ``(start, stop)`` in the padded vocabulary.
 
     Raises:
-        ValueError: a vocabulary below 1, a `pad_to_multiple` that is not an
-            integer from 1 to 2**62, or `rank` outside ``[0, world_size)``.
+        TypeError: a `pad_to_multiple` that is not an integer.
+        ValueError: a vocabulary below 1, a `pad_to_multiple` outside 1 to
+            2**62, or `rank` outside ``[0, world_size)``.
 
     Example:
         >>> from fastembed.distributed import row_range
@@ -303,7 +305,8 @@ class VocabParallelEmbedding:
             or, for a table, not its own.
         TypeError: a table on a GPU that is not a torch CUDA tensor (a cupy
             array), or on another kind of device; a torch CUDA table without cupy
-            (fastembed's GPU gather).
+            (fastembed's GPU gather); a ``pad_to_multiple`` that is not an
+            integer, a ``timeout`` that is not a number.
         FileNotFoundError, ValueError, TypeError: as the loaders, for a path
             source (raised on every rank when any rank's open failed).
         CommunicationError: a rank died or did not build it within `timeout`.
@@ -1265,20 +1268,14 @@ def _checked_timeout(timeout: Any) -> float | None:
     """`timeout` as seconds: None, or from 1 ms (torch counts whole milliseconds, and reads 0 as no limit) to a year."""
     if timeout is None:
         return None
-    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating))
-            or not MIN_TIMEOUT_S <= timeout <= MAX_TIMEOUT_S):
-        raise ValueError(f"timeout must be None or a number of seconds from {MIN_TIMEOUT_S:g} to {MAX_TIMEOUT_S:g} "
-                         f"(a year), got {timeout!r}")
-    return float(timeout)
+    return validate.checked_seconds(timeout, f"timeout must be None or a number of seconds from {MIN_TIMEOUT_S:g} to "
+                                             f"{MAX_TIMEOUT_S:g} (a year)", MIN_TIMEOUT_S, MAX_TIMEOUT_S)
 
 
 def _checked_pad(pad_to_multiple: Any) -> int:
-    """``pad_to_multiple`` as a Python int from 1 to :data:`MAX_PAD_TO_MULTIPLE`, else ValueError."""
-    if (isinstance(pad_to_multiple, bool) or not isinstance(pad_to_multiple, (int, np.integer))
-            or not 1 <= int(pad_to_multiple) <= MAX_PAD_TO_MULTIPLE):
-        raise ValueError(f"pad_to_multiple must be an integer from 1 to 2**{MAX_PAD_TO_MULTIPLE.bit_length() - 1}, "
-                         f"got {pad_to_multiple!r}")
-    return int(pad_to_multiple)
+    """``pad_to_multiple`` as a Python int from 1 to :data:`MAX_PAD_TO_MULTIPLE`, else TypeError or ValueError."""
+    return validate.checked_integer(pad_to_multiple, "pad_to_multiple must be an integer from 1 to "
+                                                     f"2**{MAX_PAD_TO_MULTIPLE.bit_length() - 1}", 1, MAX_PAD_TO_MULTIPLE)
 
 
 def _digest(*parts: Any) -> int:

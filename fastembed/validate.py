@@ -41,6 +41,7 @@ modified before every check has passed.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
@@ -200,6 +201,32 @@ def quantized_dim(dim: Any) -> int:
     if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
         raise TypeError(f"a quantized table's dim must be an integer (values per row), got {dim!r}")
     return int(dim)
+
+
+def checked_integer(value: Any, must_be: str, low: int, high: float) -> int:
+    """`value` as an int: a Python or numpy integer (not a bool) from `low` to `high`.
+
+    Raises:
+        TypeError: not an integer; ValueError: outside the range. Both say ``f"{must_be}, got {value!r}"``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{must_be}, got {value!r}")
+    if not low <= int(value) <= high:
+        raise ValueError(f"{must_be}, got {value!r}")
+    return int(value)
+
+
+def checked_seconds(value: Any, must_be: str, low: float, high: float) -> float:
+    """`value` as a float: a real number (not a bool) from `low` to `high` (NaN is outside every range).
+
+    Raises:
+        TypeError: not a real number; ValueError: outside the range. Both say ``f"{must_be}, got {value!r}"``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{must_be}, got {value!r}")
+    if not low <= float(value) <= high:
+        raise ValueError(f"{must_be}, got {value!r}")
+    return float(value)
 
 
 def check_quantized(table: Any) -> None:

@@ -971,10 +971,10 @@ def test_the_helpers_split_as_documented():
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
     with pytest.raises(ValueError, match="part 3 of 10 items split into 3 parts"):
         distributed.split_range(10, 3, 3)
-    for pad in (0, True, 2.0, 2**64):
-        with pytest.raises(ValueError, match=r"pad_to_multiple must be an integer from 1 to 2\*\*62"):
+    for pad, error in ((0, ValueError), (True, TypeError), (2.0, TypeError), (2**64, ValueError)):
+        with pytest.raises(error, match=r"pad_to_multiple must be an integer from 1 to 2\*\*62"):
             distributed.row_range(10, 2, 0, pad_to_multiple=pad)
-        with pytest.raises(ValueError, match=r"pad_to_multiple must be an integer from 1 to 2\*\*62"):
+        with pytest.raises(error, match=r"pad_to_multiple must be an integer from 1 to 2\*\*62"):
             distributed.padded_vocab_size(10, pad)
     with pytest.raises(ValueError, match="vocab_size must be 1 or more"):
         distributed.row_range(0, 2, 0)
@@ -985,11 +985,13 @@ def test_timeouts_and_pads_take_numpy_numbers_as_python_ones():
         assert type(distributed._checked_timeout(timeout)) is float and distributed._checked_timeout(timeout) == 5
     for pad in (np.uint64(8), np.int16(8), 8):
         assert type(distributed._checked_pad(pad)) is int and distributed._checked_pad(pad) == 8
-    for bad_timeout in (np.bool_(True), True, np.float64("nan"), np.int64(0), "5"):
-        with pytest.raises(ValueError, match="timeout must be None or a number of seconds"):
+    for bad_timeout, error in ((np.bool_(True), TypeError), (True, TypeError), (np.float64("nan"), ValueError),
+                               (np.int64(0), ValueError), ("5", TypeError)):
+        with pytest.raises(error, match="timeout must be None or a number of seconds"):
             distributed._checked_timeout(bad_timeout)
-    for bad_pad in (np.uint64(0), 2**62 + 1, np.float32(8), True):
-        with pytest.raises(ValueError, match="pad_to_multiple must be an integer from 1 to 2"):
+    for bad_pad, error in ((np.uint64(0), ValueError), (2**62 + 1, ValueError), (np.float32(8), TypeError),
+                           (True, TypeError)):
+        with pytest.raises(error, match="pad_to_multiple must be an integer from 1 to 2"):
             distributed._checked_pad(bad_pad)
 
 

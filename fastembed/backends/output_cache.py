@@ -101,13 +101,14 @@ def set_limit(nbytes: int) -> None:
     """Keep at most `nbytes` of free buffers (0 turns the cache off); frees the excess now.
 
     Raises:
-        ValueError: a negative or non-integer size.
+        TypeError: not an integer; ValueError: a negative size.
     """
     global _limit
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-        raise ValueError(f"the output cache limit is a number of bytes >= 0, got {nbytes!r}")
+    from ..validate import checked_integer
+
+    limit = checked_integer(nbytes, "the output cache limit is a number of bytes >= 0", 0, float("inf"))
     with _lock:
-        _limit = int(nbytes)
+        _limit = limit
         _trim(_limit)
 
 
