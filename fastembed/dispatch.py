@@ -10,6 +10,7 @@ refused with its reasons; it never falls back silently.
 """
 from __future__ import annotations
 
+import collections
 import os
 import sys
 from collections.abc import Callable
@@ -22,7 +23,11 @@ from .backends.base import Backend
 from .formats import QuantizedTable
 
 #: Priority order for ``auto``.
-BACKENDS: dict[str, Backend] = {b.name: b for b in (cuda_backend.BACKEND, numba_backend.BACKEND, numpy_backend.BACKEND)}
+# An OrderedDict: registering reorders it by single moves (move_to_end), never emptying it, and the functions
+# here read it through a snapshot (tuple() of it, taken in one step), so a registration on another thread
+# never fails a lookup.
+BACKENDS: collections.OrderedDict[str, Backend] = collections.OrderedDict(
+    (b.name, b) for b in (cuda_backend.BACKEND, numba_backend.BACKEND, numpy_backend.BACKEND))
 ENVIRONMENT_VARIABLE = "FASTEMBED_BACKEND"
 AUTO = "auto"
 
@@ -77,11 +82,10 @@ def register_backend(backend: Backend, before: str | None = None) -> None:
         raise ValueError(f"a backend named {backend.name!r} is already registered")
     if before is not None and before not in BACKENDS:
         raise ValueError(f"unknown backend {before!r}; known: {', '.join(BACKENDS)}")
-    ordered = list(BACKENDS.items())
-    position = len(ordered) if before is None else [name for name, _ in ordered].index(before)
-    ordered.insert(position, (backend.name, backend))
-    BACKENDS.clear()
-    BACKENDS.update(ordered)
+    names = tuple(BACKENDS)
+    BACKENDS[backend.name] = backend
+    for name in names[names.index(before):] if before is not None else ():
+        BACKENDS.move_to_end(name)
     refresh()
 
 
@@ -106,7 +110,7 @@ def backend_statuses() -> list[BackendStatus]:
         BackendStatus(name='numpy', available=True, reasons=[])
     """
     statuses = []
-    for name, backend in BACKENDS.items():
+    for name, backend in tuple(BACKENDS.items()):
         reasons = backend.unavailable_reasons()
         statuses.append(BackendStatus(name, not reasons, list(reasons)))
     return statuses
@@ -166,7 +170,7 @@ def available_backends() -> tuple[Backend, ...]:
     if _available is not None:
         return _available
     seen = generation
-    available = tuple(backend for backend in BACKENDS.values() if not backend.unavailable_reasons())
+    available = tuple(backend for backend in tuple(BACKENDS.values()) if not backend.unavailable_reasons())
     if generation == seen:  # else the choices were forgotten meanwhile: this answer may be stale
         _available = available
     return available
@@ -181,7 +185,7 @@ def refresh() -> None:
     Resets every backend's own state too (:meth:`Backend.reset`).
     """
     _forget_choices()
-    for backend in BACKENDS.values():
+    for backend in tuple(BACKENDS.values()):
         backend.reset()
     read_environment()  # last: its new generation retires any answer remembered while the backends reset
 
@@ -260,7 +264,9 @@ def select(table: Any, backend: str = AUTO) -> Backend:
 def _choose(table: Any, backend: str, environment: str) -> Backend:
     choice = requested_choice(backend, environment)
     if choice != AUTO:
-        named = BACKENDS[choice]
+        named = BACKENDS.get(choice)
+        if named is None:  # unregistered since requested_choice() checked the name
+            raise ValueError(f"unknown backend {choice!r}; known backends: {', '.join([AUTO, *BACKENDS])}")
         reasons = reasons_against(named, table)
         if reasons:
             raise BackendUnavailableError(f"backend {choice!r} cannot serve this lookup: {'; '.join(reasons)}")
@@ -270,7 +276,7 @@ def _choose(table: Any, backend: str, environment: str) -> Backend:
             return candidate
     raise BackendUnavailableError(
         "no backend can serve this lookup: "
-        + "; ".join(f"{name}: {', '.join(reasons_against(b, table))}" for name, b in BACKENDS.items())
+        + "; ".join(f"{name}: {', '.join(reasons_against(b, table))}" for name, b in tuple(BACKENDS.items()))
     )
 
 
@@ -278,7 +284,7 @@ def explain(table: Any, backend: str = AUTO) -> Selection:
     """Which backend `select` picks for `table` (a snapshot), with the reasons every other one was skipped."""
     chosen = select(table, backend).name
     skipped = {}
-    for name, candidate in BACKENDS.items():
+    for name, candidate in tuple(BACKENDS.items()):
         if name != chosen:
             skipped[name] = reasons_against(candidate, table) or [f"{chosen} has priority"]
     return Selection(chosen, skipped)

@@ -1,6 +1,8 @@
 """The typed backend interface: a backend is one object that declares what it serves; adding one is one registration."""
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -132,3 +134,36 @@ def test_a_host_backends_small_gather_is_its_gather_below_its_size(name):
         assert_bit_equal(gather_new(table, snapshot), table[ids])
     with pytest.raises(IndexError, match="id -1 at position 0"):
         gather_new(table, np.array([-1, 4]))
+
+
+def test_lookups_on_other_threads_never_fail_while_backends_are_registered_and_removed():
+    """A registration reorders the registry by single moves, and the dispatcher reads it through snapshots."""
+    from fastembed.backends import numpy_backend
+
+    class Extra(numpy_backend.NumpyBackend):
+        name = "extra"
+
+    table, failures, stop = np.ones((64, 8), np.float32), [], threading.Event()
+
+    def look_up():
+        while not stop.is_set():
+            for backend in ("numpy", "auto"):
+                try:
+                    fastembed.lookup(table, [1, 2], backend=backend)
+                except Exception as error:  # noqa: BLE001 - every failure is collected and shown
+                    failures.append(f"{backend}: {type(error).__name__}: {error}")
+
+    workers = [threading.Thread(target=look_up) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            dispatch.register_backend(Extra(), before="numpy")
+            assert list(dispatch.BACKENDS)[-2:] == ["extra", "numpy"]
+            dispatch.unregister_backend("extra")
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+    assert not failures, failures[:3]
