@@ -451,3 +451,41 @@ def test_a_backend_setting_fastembed_cannot_use_leaves_the_calls_torch_serves_al
     finally:
         monkeypatch.delenv("FASTEMBED_BACKEND")
         dispatch.read_environment()
+
+
+def test_a_weight_swapped_by_another_thread_during_forward_frees_nothing_the_gather_reads(tmp_path):
+    """``weight.data = other`` frees the old storage once nothing holds it: the lookup's view must hold it."""
+    from helpers import run_script
+
+    script = '''
+import threading, time
+import numpy as np, torch, fastembed, fastembed.torch
+V, D = 2048, 512
+ids = torch.from_numpy(np.random.default_rng(0).integers(0, V, 8192))
+layer = fastembed.torch.Embedding(V, D).requires_grad_(False)
+def table(k):  # row r holds r + 10000 k
+    return (torch.arange(V, dtype=torch.float32)[:, None] + k * 10000).repeat(1, D)
+layer.weight.data = table(0)
+layer(ids)
+fastembed.wait_for_compiles(60)
+stop, wrong, calls = threading.Event(), [0], [0]
+def forward_in_a_loop():
+    while not stop.is_set():
+        rows = layer(ids)
+        calls[0] += 1
+        wrong[0] += not bool((((rows - ids[:, None].float()) % 10000) == 0).all())
+thread = threading.Thread(target=forward_in_a_loop)
+thread.start()
+deadline, k = time.monotonic() + 2, 0
+while time.monotonic() < deadline:
+    k += 1
+    layer.weight.data = table(k % 50)
+    time.sleep(0.0005)
+stop.set()
+thread.join()
+print(calls[0], wrong[0])
+'''
+    completed = run_script(tmp_path, script)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    calls, wrong = map(int, completed.stdout.split())
+    assert calls > 10 and wrong == 0

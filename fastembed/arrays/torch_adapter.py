@@ -431,6 +431,8 @@ def _cuda_view(tensor: Any, index: int) -> Any:
         tensor = tensor.view(via[0])
     elif _cuda_dtype(tensor.dtype) is None:
         raise TypeError(f"torch dtype {tensor.dtype} cannot be seen as a cupy array: cupy has no such dtype")
+    else:
+        tensor = tensor.detach()  # an alias holding the memory, as in _numpy_view
     with _on_torch_stream(index):  # the DLPack exchange then needs no cross-stream event
         import cupy
 
@@ -481,8 +483,12 @@ def _numpy_view(tensor: Any, writable: bool) -> np.ndarray:
 
     The tensor method's checks (requires grad, conjugate bit, streams) cost
     microseconds that a decode step notices; the snapshot has made them already.
+    The export is of an alias (``detach()``), which holds the memory itself:
+    a ``.data =`` on the caller's tensor meanwhile (another thread's) frees
+    nothing this view reads or writes.
     """
     global _to_dlpack
+    tensor = tensor.detach()
     if writable:
         return np.from_dlpack(tensor)
     if _to_dlpack is None:
