@@ -583,13 +583,13 @@ class _InterruptedJoin:
     def __init__(self, error: BaseException) -> None:
         self.error: BaseException | None = error
 
-    def join(self):
+    def join(self, timeout=None):
         if self.error is not None:
             error, self.error = self.error, None
             raise error
 
     def is_alive(self):
-        return False
+        return self.error is not None  # running until the interrupted join
 
 
 def test_a_ctrl_c_while_a_fork_waits_is_held_back_until_the_fork_is_done(monkeypatch):
@@ -626,6 +626,49 @@ def test_a_fork_whose_wait_another_error_cut_short_leaves_a_child_that_never_use
         monkeypatch.setattr(background_compile, "_no_compiles", False)
         fastembed.dispatch.refresh()
     assert not BACKEND.unavailable_reasons()
+
+
+def test_a_fork_waits_no_longer_than_its_bound_for_a_compile_that_cannot_finish(monkeypatch, fresh_backend):
+    """A compile stuck for good (an import lock another thread's interrupted import left held): the fork goes on,
+    and the child never compiles."""
+    background_compile = numba_backend.background_compile
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, args=(60,))
+    stuck.start()
+    monkeypatch.setattr(background_compile, "_threads", [stuck])
+    monkeypatch.setattr(background_compile, "FORK_WAIT_S", 0.3)
+    monkeypatch.setattr(background_compile, "_no_compiles", False)
+    started = time.monotonic()
+    background_compile._wait_before_fork()
+    try:
+        assert time.monotonic() - started < 10
+        background_compile._after_fork_in_child()  # what Python runs in the child
+        assert background_compile.compiles_disabled() and _free_for_another_thread(background_compile._guard)
+    finally:
+        release.set()
+        stuck.join()
+        monkeypatch.setattr(background_compile, "_no_compiles", False)
+
+
+def test_a_ctrl_c_that_cuts_a_compile_threads_start_short_reaches_the_caller_as_itself(monkeypatch):
+    """threading's locks are not safe against a Ctrl-C: start() may end in "release unlocked lock" instead."""
+    background_compile = numba_backend.background_compile
+    real_start = threading.Thread.start
+
+    def start_cut_short(thread):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("release unlocked lock")  # noqa: B904 - chained implicitly, as threading does
+
+    monkeypatch.setattr(threading.Thread, "start", start_cut_short)
+    ran: list[int] = []
+    key = ("cut short", time.monotonic())
+    with pytest.raises(KeyboardInterrupt):
+        background_compile.start(key, lambda: ran.append(1))
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    background_compile.start(key, lambda: ran.append(1))  # the thread that never started is replaced
+    assert fastembed.wait_for_compiles(30) and ran == [1]
 
 
 def test_a_signal_handlers_lookup_while_its_thread_waits_before_a_fork_starts_no_compile(monkeypatch):

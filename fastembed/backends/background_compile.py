@@ -14,8 +14,11 @@ would inherit it held by a thread that does not exist in the child, and the
 child's first lookup would hang. So a fork first waits for every compile
 started here to finish, and for every :func:`foreground` section (the
 kernel import, a first call that compiles on the caller's thread) that
-another thread is in. A compile lasts seconds at most, so a fork is delayed
-by that at most; a fork from inside such a section does not wait for itself.
+another thread is in. A compile lasts seconds, so a fork is delayed by
+that; a fork from inside such a section does not wait for itself. One that
+is still running after :data:`FORK_WAIT_S` (it cannot finish: an import
+lock that an interrupted import elsewhere left held, say) is waited for no
+longer: the process forks, and the child never compiles.
 A Ctrl-C meanwhile does not cut the wait short: it is raised again in the
 parent once the fork is done. Should another exception from a signal
 handler end the wait (Python forks anyway), the child never compiles: its
@@ -57,6 +60,8 @@ _exiting = False
 _forking_threads: set[int] = set()  # the threads inside _wait_before_fork, up to their fork
 _waiting_to_fork: set[int] = set()  # threads whose wait before a fork has not reached its end (yet, or ever)
 _no_compiles = False  # in a child forked after such a wait: numba's locks may be held by a thread it lacks
+#: Seconds a fork waits for running compiles and foreground sections, at most.
+FORK_WAIT_S = 60.0
 
 
 @contextlib.contextmanager
@@ -92,13 +97,20 @@ def start(key: Hashable, first_call: Callable[[], Any]) -> None:
     with _guard:
         earlier = _started.get(key)
         # A thread whose start() an exception (Ctrl-C) cut short never ran and never will: this call replaces it.
-        if (earlier is not None and earlier.ident is not None) or _exit_begun():
+        if (earlier is not None and (earlier.is_alive() or key in _ready)) or _exit_begun():
             return
         # Not a daemon: a daemon thread killed inside LLVM at interpreter exit can crash it.
         thread = threading.Thread(target=_compile, args=(key, first_call), name="fastembed-compile")
         _started[key] = thread
         _threads.append(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as error:
+            # threading's own locks are not safe against a Ctrl-C: one that cuts start() short can surface as
+            # "release unlocked lock"; the caller gets the Ctrl-C.
+            if isinstance(error.__context__, KeyboardInterrupt):
+                raise error.__context__ from None
+            raise
 
 
 def _compile(key: Hashable, first_call: Callable[[], Any]) -> None:
@@ -122,8 +134,7 @@ def wait(timeout: float | None = None) -> bool:
     with _guard:
         threads = list(_threads)
     for thread in threads:
-        if thread is not threading.current_thread() and thread.ident is not None:  # else never started
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        _join(thread, deadline)
     with _guard:
         _threads[:] = [thread for thread in _threads if thread.is_alive()]
         return not any(thread is not threading.current_thread() for thread in _threads)
@@ -143,26 +154,47 @@ def _wait_before_fork() -> None:
     held = _held_for_fork.setdefault(ident, [])
     held.append(_guard)  # recorded first: only the locks this thread owns are released after the fork
     _guard.acquire()  # a thread inside start() holds it while its compile thread starts
-    interrupted = _uninterrupted(_join_compiles)
+    deadline = time.monotonic() + FORK_WAIT_S
+    interrupted = _uninterrupted(lambda: _join_compiles(deadline))
     _threads[:] = [thread for thread in _threads if thread.is_alive()]
     held.append(_foreground_lock)
     _foreground_lock.acquire()
-    interrupted |= _uninterrupted(lambda: _wait_for_foreground_sections(ident))
+    interrupted |= _uninterrupted(lambda: _wait_for_foreground_sections(ident, deadline))
     if interrupted:
         _ctrl_c_held.add(ident)
-    _waiting_to_fork.discard(ident)
+    if not _threads_still_running(ident):
+        _waiting_to_fork.discard(ident)  # else the child is told not to compile
 
 
-def _wait_for_foreground_sections(but: int) -> None:
-    """Wait (holding the condition's lock) until no thread other than `but` is in a foreground section."""
-    while any(tokens for ident, tokens in list(_foreground_threads.items()) if ident != but):
+def _wait_for_foreground_sections(but: int, deadline: float) -> None:
+    """Wait (holding the condition's lock) until no thread other than `but` is in a foreground section, or `deadline`."""
+    while _in_foreground_sections(but) and time.monotonic() < deadline:
         _foreground_done.wait(0.1)
 
 
-def _join_compiles() -> None:
+def _in_foreground_sections(but: int) -> bool:
+    return any(tokens for ident, tokens in list(_foreground_threads.items()) if ident != but)
+
+
+def _threads_still_running(but: int) -> bool:
+    """Whether a compile, or a foreground section of a thread other than `but`, is still under way."""
+    return any(thread.is_alive() and thread is not threading.current_thread() for thread in _threads) or (
+        _in_foreground_sections(but))
+
+
+def _join_compiles(deadline: float) -> None:
     for thread in list(_threads):
-        if thread is not threading.current_thread() and thread.ident is not None:  # else never started
-            thread.join()
+        _join(thread, deadline)
+
+
+def _join(thread: threading.Thread, deadline: float | None) -> None:
+    """Wait for `thread` to end, until `deadline` (time.monotonic(); None: no limit); not for this thread.
+
+    Threads are listed under ``_guard``, which start() holds until its thread runs: one that is not alive has
+    ended, or never started (an exception cut its start() short; joining it would raise).
+    """
+    if thread is not threading.current_thread() and thread.is_alive():
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def _uninterrupted(wait: Callable[[], Any]) -> bool:
