@@ -1075,19 +1075,21 @@ def test_bench_ranks_smoke(tmp_path):
     for row in rows.values():
         assert row["exchange"] == "shared_memory"
         assert row["total_us"] > 0 and row["single_us"] > 0 and row["copy_us"] > 0 and row["communicate_us"] == 0
-    assert all(rank["layer"].endswith("exchange='shared_memory')") for rank in payload["processes"]["ranks"])
+    first = payload["processes"][0]
+    assert all(rank["layer"].endswith("exchange='shared_memory')") for rank in first["ranks"])
     from fastembed.benchmark import ranks
 
-    given = os.environ.get("NUMBA_NUM_THREADS")  # else each rank its share of the cores, one process all of them
-    threads = {"rank": int(given), "single": int(given)} if given else {"rank": ranks.rank_threads(2),
-                                                                        "single": ranks.usable_cores()}
-    assert [rank["numba_threads"] for rank in payload["processes"]["ranks"]] == [threads, threads]
-    first = payload["processes"]["ranks"][0]["samples"]
-    assert all(len(case["single_s"]) == 2 and len(case["total_s"]) == 2 for case in first.values())  # paired
-    assert not any(case["single_s"] for case in payload["processes"]["ranks"][1]["samples"].values())
-    assert [rank["rows"] for rank in payload["processes"]["ranks"]] == [[0, 25], [25, 50]]
-    assert all(rank["held_bytes"] == 25 * row_bytes for rank in payload["processes"]["ranks"])
-    for process in [*payload["processes"]["ranks"], payload["processes"]["single"]]:
+    threads = os.environ.get("NUMBA_NUM_THREADS", str(ranks.rank_threads(2)))  # each rank its share of the cores
+    assert payload["rounds"] == len(payload["processes"]) == ranks.ROUNDS  # rounds of fresh processes
+    for round_ in payload["processes"]:
+        assert [rank["numba_threads"] for rank in round_["ranks"]] == [threads, threads]
+        assert all(len(case["total_s"]) == 2 for case in round_["single"]["samples"].values())
+    for row in rows.values():
+        low, high = row["ranks_over_single_range"]
+        assert low <= row["ranks_over_single"] <= high
+    assert [rank["rows"] for rank in first["ranks"]] == [[0, 25], [25, 50]]
+    assert all(rank["held_bytes"] == 25 * row_bytes for rank in first["ranks"])
+    for process in [*first["ranks"], first["single"]]:
         before, after = process["memory_before"], process["memory_after"]
         assert after["rss"] > 0 and after["peak"] >= after["rss"] and before["rss"] == process["rss_before_bytes"]
         assert 0 <= after["table_file"] <= 2 * mmap.ALLOCATIONGRANULARITY + 4096  # the tiny table's pages at most

@@ -7,19 +7,18 @@ a file:// rendezvous) each build
 rank's rows; the ranks share this host, so the layer picks its shared-memory
 exchange (``exchange="auto"``), and the report says which one each call used.
 Each rank runs fastembed's parallel kernels on its share of the cores
-(``numba.set_num_threads``: cores // N, unless ``NUMBA_NUM_THREADS`` is
-set, which then holds for every call); one process's lookups run on all.
+(``NUMBA_NUM_THREADS``, unless set: cores // N); the single process on all. Then one fresh process maps the whole file with
+``Embedding.from_pretrained`` and makes the same lookups. Every process draws
+the same uniform ids from the same seed; per batch it makes one call per
+mode, waits for background compiles, makes :data:`WARMUP_ROUNDS` more
+rounds untimed, then times ``reps`` calls per mode, the modes interleaved.
 
-Two phases. First the memory: every rank draws the same uniform ids from
-the same seed; per batch it makes one warm-up call per mode, waits for
-background compiles, then ``reps`` calls per mode, and reads its memory.
-Then the times, paired: rank 0 also maps the whole file with
-``Embedding.from_pretrained``, and each repetition, per mode, times one
-call of the ranks and then one lookup of as many fresh ids by rank 0 alone
-on all the cores, while the other ranks wait in a barrier; the ratio is
-the median over repetitions of the ranks' time (the slowest rank's) over
-that lookup's. A fresh process maps the whole file too and makes the same
-lookups, for its memory.
+The ranks and the single process cannot share a process, and calls of one
+interleaved with calls of the other slow both (each evicts the other's
+caches and wakes the other's threads), so the comparison is interleaved by
+rounds: :data:`ROUNDS` times the ranks, then the single process, all fresh
+processes; the ratio is the median over rounds of each round's ranks'
+median over its single process's, and the report gives its range.
 
 Per batch and mode the report gives:
 
@@ -38,10 +37,11 @@ Per batch and mode the report gives:
   buffer; shared memory: its own rows) and the bytes it sends for them (a
   ring all-reduce sends 2(N-1)/N of its buffer; shared memory writes its
   rows once, where the others read them);
-- one process's median time (rank 0's lookups on all the cores) and the
-  paired ratio.
+- one process's median time for the same ids (the median over rounds),
+  and the ratio (the median over rounds of the paired ratios, with their
+  lowest and highest).
 
-Below the tables, each process's memory. The baseline is taken after torch
+Below the tables, each process's memory. Memory is the first round's. The baseline is taken after torch
 is imported and (on a rank) the process group exists, just before the table
 is opened: what the layer and its lookups add, not what torch and gloo cost.
 The growth to after the lookups is shown beside the bytes of the rows the
@@ -78,34 +78,40 @@ MODES = ("full", "scatter")
 PHASES = ("prepare_s", "gather_s", "agree_s", "communicate_s", "copy_s")
 #: Timed calls per mode and batch in each process.
 REPS = 20
+#: Untimed rounds of calls per batch after the first ones and the compile wait.
+WARMUP_ROUNDS = 3
+#: Rounds of (the ranks, then one process), each in fresh processes.
+ROUNDS = 3
 #: Seconds a rank waits for one collective: a rank that dies fails the run instead of hanging it.
 TIMEOUT_S = 300.0
 
 
 def run(table_path: Path, ranks: int, batches: list[int], reps: int, seed: int = 0,
-        name: str | None = None) -> dict[str, Any]:
-    """Run the ranks, then the single process, on the table at `table_path` (tensor `name`); every process's report.
+        name: str | None = None, rounds: int = ROUNDS) -> list[dict[str, Any]]:
+    """`rounds` times: the ranks, then the single process, on the table at `table_path` (tensor `name`).
 
     Returns:
-        ``{"ranks": [one dict per rank], "single": dict}``. A rank's holds
-        ``samples`` (``"batch/mode"`` -> lists of seconds per phase and
-        ``total_s``, and on rank 0 ``single_s``, one process's paired
-        lookups), the bytes handed to the collective per case, the exchanges
-        used; every one holds its memory before and after its lookups and
-        the bytes of the rows it holds.
+        One ``{"ranks": [one dict per rank], "single": dict}`` per round; each
+        holds ``samples`` (``"batch/mode"`` -> lists of seconds per phase and
+        ``total_s``), the bytes handed to the collective per case, its memory
+        before and after its lookups and the bytes of the rows it holds.
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a process failed (its traceback included).
     """
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="fastembed-ranks-") as folder:
-        init = f"file://{Path(folder) / 'rendezvous'}"
-        mp.spawn(rank_worker, args=(ranks, init, str(table_path), name, batches, reps, seed, folder), nprocs=ranks)
-        mp.spawn(single_worker, args=(str(table_path), name, batches, reps, seed, folder), nprocs=1)
-        per_rank = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(ranks)]
-        single = json.loads(Path(folder, "single.json").read_text())
-    return {"ranks": per_rank, "single": single}
+    measured = []
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="fastembed-ranks-") as folder:
+            init = f"file://{Path(folder) / 'rendezvous'}"
+            mp.spawn(rank_worker, args=(ranks, init, str(table_path), name, batches, reps, seed, folder),
+                     nprocs=ranks)
+            mp.spawn(single_worker, args=(str(table_path), name, batches, reps, seed, folder), nprocs=1)
+            per_rank = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(ranks)]
+            single = json.loads(Path(folder, "single.json").read_text())
+        measured.append({"ranks": per_rank, "single": single})
+    return measured
 
 
 def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | None, batches: list[int], reps: int,
@@ -113,9 +119,7 @@ def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | N
     """One rank (run by torch.multiprocessing): its samples into ``folder/rank{rank}.json``."""
     # The ranks share this machine's cores: each runs numba's parallel kernels on its share (unless told otherwise),
     # since a kernel whose threads outnumber the cores waits a scheduler time slice for the one descheduled.
-    given = os.environ.get("NUMBA_NUM_THREADS")
-    threads = {"rank": int(given), "single": int(given)} if given else {"rank": rank_threads(world), "single": usable_cores()}
-    os.environ.setdefault("NUMBA_NUM_THREADS", str(threads["single"]))
+    os.environ.setdefault("NUMBA_NUM_THREADS", str(rank_threads(world)))
     import torch.distributed as dist
 
     import fastembed
@@ -125,79 +129,17 @@ def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | N
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     try:
         before = memory(table_path)
-        use_threads = _thread_setter()  # after the baseline: numba's libraries count as the layer's, as they would
-        use_threads(threads["rank"])
         emb = VocabParallelEmbedding(table_path, name=name, timeout=TIMEOUT_S)
-        _, payloads, exchanges = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps,
-                                          seed, fastembed.wait_for_compiles, lambda: emb.last_timings)
-        after = memory(table_path)
-        rss = _rss_bytes()
-        single = None
-        if rank == 0:
-            whole = fastembed.Embedding.from_pretrained(table_path, name)
-
-            def single(ids: np.ndarray) -> None:
-                use_threads(threads["single"])
-                try:
-                    whole(ids)
-                finally:
-                    use_threads(threads["rank"])
-
-        samples = _measure_paired(lambda ids, mode: emb(ids, mode=mode), single, emb.vocab_size, batches, reps,
-                                  seed + 1, dist.barrier, lambda: emb.last_timings)
+        samples, payloads, exchanges = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps,
+                                                seed, fastembed.wait_for_compiles, lambda: emb.last_timings)
         report = {"rank": rank, "layer": repr(emb), "exchange": emb.exchange, "exchanges": exchanges,
-                  "numba_threads": threads,
+                  "numba_threads": os.environ["NUMBA_NUM_THREADS"],
                   "rows": [emb.vocab_start, emb.vocab_end], "held_bytes": int(emb.shard.nbytes),
-                  "rss_before_bytes": before["rss"], "rss_bytes": rss, "memory_before": before,
-                  "memory_after": after, "samples": samples, "payload_bytes": payloads}
+                  "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(), "memory_before": before,
+                  "memory_after": memory(table_path), "samples": samples, "payload_bytes": payloads}
         Path(folder, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
-
-
-def _thread_setter() -> Any:
-    """``numba.set_num_threads`` for this thread (the pool's size caps it); a no-op where numba is not installed."""
-    try:
-        import numba
-    except ImportError:
-        return lambda count: None
-    pool = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-    return lambda count: numba.set_num_threads(min(count, pool))
-
-
-def _measure_paired(call: Any, single: Any, vocab_size: int, batches: list[int], reps: int, seed: int, barrier: Any,
-                    timings: Any) -> dict[str, dict[str, list[float]]]:
-    """The ranks' calls, each followed on rank 0 by `single` on fresh ids while the others wait at `barrier`.
-
-    Returns:
-        Per "batch/mode": ``total_s`` and each phase of this rank's calls, and on rank 0 (`single` given)
-        ``single_s``, the times of `single`, repetition by repetition.
-    """
-    rng, own = np.random.default_rng(seed), np.random.default_rng(seed + 1)  # the same ids on every rank; rank 0's own
-    samples: dict[str, dict[str, list[float]]] = {}
-    for batch in batches:
-        if single is not None:
-            single(own.integers(0, vocab_size, batch))  # its first call (the table's first map)
-        barrier()
-        for mode in MODES:
-            samples[f"{batch}/{mode}"] = {name: [] for name in ("total_s", *PHASES, "single_s")}
-        for _ in range(reps):
-            for mode in MODES:
-                case = samples[f"{batch}/{mode}"]
-                ids = rng.integers(0, vocab_size, batch)
-                started = time.perf_counter()
-                call(ids, mode)
-                case["total_s"].append(time.perf_counter() - started)
-                parts = timings()
-                for name in PHASES:
-                    case[name].append(getattr(parts, name))
-                if single is not None:
-                    alone = own.integers(0, vocab_size, batch)  # fresh: the ranks' call has just read its rows
-                    started = time.perf_counter()
-                    single(alone)
-                    case["single_s"].append(time.perf_counter() - started)
-                barrier()
-    return samples
 
 
 def rank_threads(world: int) -> int:
@@ -207,15 +149,15 @@ def rank_threads(world: int) -> int:
 
 def single_worker(_index: int, table_path: str, name: str | None, batches: list[int], reps: int, seed: int,
                   folder: str) -> None:
-    """The single process (run by torch.multiprocessing): the whole table, the same ids, its memory into ``single.json``."""
+    """The single process (run by torch.multiprocessing): the whole table, the same ids, into ``single.json``."""
     import fastembed
 
     before = memory(table_path)
     emb = fastembed.Embedding.from_pretrained(table_path, name)
-    _measure(lambda ids, mode: emb(ids), emb.vocab_size, batches, reps, seed, fastembed.wait_for_compiles,
-             lambda: None)
+    samples, _, _ = _measure(lambda ids, mode: emb(ids), emb.vocab_size, batches, reps, seed,
+                             fastembed.wait_for_compiles, lambda: None)
     report = {"held_bytes": emb.nbytes, "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(),
-              "memory_before": before, "memory_after": memory(table_path)}
+              "memory_before": before, "memory_after": memory(table_path), "samples": samples}
     Path(folder, "single.json").write_text(json.dumps(report))
 
 
@@ -234,6 +176,9 @@ def _measure(call: Any, vocab_size: int, batches: list[int], reps: int, seed: in
         for mode in MODES:
             call(rng.integers(0, vocab_size, batch), mode)
         wait()
+        for _ in range(WARMUP_ROUNDS):
+            for mode in MODES:
+                call(rng.integers(0, vocab_size, batch), mode)
         for mode in MODES:
             samples[f"{batch}/{mode}"] = {name: [] for name in ("total_s", *PHASES)}
         for _ in range(reps):
@@ -296,33 +241,38 @@ def memory(table_path: str | os.PathLike, reset_peak: bool = True) -> dict[str, 
     return found
 
 
-def summarise(measured: dict[str, Any], batches: list[int]) -> list[dict[str, Any]]:
-    """One row per (batch, mode): the exchange, the slowest rank's median time and phases, bytes, one process's
-    median, and the median of the paired ratios."""
-    ranks = measured["ranks"]
-    world = len(ranks)
+def summarise(measured: list[dict[str, Any]], batches: list[int]) -> list[dict[str, Any]]:
+    """One row per (batch, mode): the exchange, the slowest rank's time and phases, bytes, one process's time, and
+    the ratio; each time the median over rounds of a round's median, the ratio the median over rounds of theirs."""
+    world = len(measured[0]["ranks"])
     rows = []
     for batch in batches:
         for mode in MODES:
             key = f"{batch}/{mode}"
-            row: dict[str, Any] = {"batch": batch, "mode": mode, "ranks": world}
-            slowest = {}
+            row: dict[str, Any] = {"batch": batch, "mode": mode, "ranks": world, "rounds": len(measured)}
             for name in ("total_s", *PHASES):
-                slowest[name] = [max(values) for values in zip(*(rank["samples"][key][name] for rank in ranks),
-                                                                 strict=True)]
-                row[name.replace("_s", "_us")] = statistics.median(slowest[name]) * 1e6
-            alone = ranks[0]["samples"][key]["single_s"]
-            used = sorted({exchange for rank in ranks for exchange in rank["exchanges"][key]})
+                row[name.replace("_s", "_us")] = statistics.median(
+                    _slowest_median(round_["ranks"], key, name) for round_ in measured) * 1e6
+            ratios = [_slowest_median(round_["ranks"], key, "total_s")
+                      / statistics.median(round_["single"]["samples"][key]["total_s"]) for round_ in measured]
+            used = sorted({exchange for round_ in measured for rank in round_["ranks"]
+                           for exchange in rank["exchanges"][key]})
             row["exchange"] = "+".join(used)
-            payload = max(rank["payload_bytes"][key] for rank in ranks)
+            payload = max(rank["payload_bytes"][key] for round_ in measured for rank in round_["ranks"])
             row["payload_bytes"] = payload
             # shared memory: a rank writes its rows once, where the others read them; a ring all-reduce 2(N-1)/N
             row["sent_bytes"] = payload if used == ["shared_memory"] else int(payload * 2 * (world - 1) / world)
-            row["single_us"] = statistics.median(alone) * 1e6
-            row["ranks_over_single"] = statistics.median(
-                ranks_s / single_s for ranks_s, single_s in zip(slowest["total_s"], alone, strict=True))
+            row["single_us"] = statistics.median(
+                statistics.median(round_["single"]["samples"][key]["total_s"]) for round_ in measured) * 1e6
+            row["ranks_over_single"] = statistics.median(ratios)
+            row["ranks_over_single_range"] = [min(ratios), max(ratios)]
             rows.append(row)
     return rows
+
+
+def _slowest_median(ranks: list[dict[str, Any]], key: str, name: str) -> float:
+    """The median, over one round's repetitions, of the slowest rank's seconds for phase `name`."""
+    return statistics.median(max(values) for values in zip(*(rank["samples"][key][name] for rank in ranks), strict=True))
 
 
 @contextmanager
@@ -337,26 +287,29 @@ def table_file(table: Any, given: Path | None) -> Iterator[Path]:
         yield path
 
 
-def print_report(rows: list[dict[str, Any]], measured: dict[str, Any], console: Any, title: str) -> None:
+def print_report(rows: list[dict[str, Any]], measured: list[dict[str, Any]], console: Any, title: str) -> None:
     """Two tables (the times against one process; the parts and bytes) and each process's memory, with rich."""
-    world = len(measured["ranks"])
-    console.print(_table(title, ("ids", "mode", "exchange", "1 process", f"{world} ranks", f"{world} ranks / 1"), [
+    world = len(measured[0]["ranks"])
+    console.print(_table(title, ("ids", "mode", "exchange", "1 process", f"{world} ranks", f"{world} ranks / 1",
+                                 "lowest-highest"), [
         (row["batch"], row["mode"], row["exchange"], _time(row["single_us"]), _time(row["total_us"]),
-         f"{row['ranks_over_single']:.2f}") for row in rows]))
+         f"{row['ranks_over_single']:.2f}", "{:.2f}-{:.2f}".format(*row["ranks_over_single_range"])) for row in rows]))
     console.print(_table(f"the {world} ranks' time per lookup in parts (the slowest rank's), and bytes per rank",
                          ("ids", "mode", "prepare", "gather", "agree", "commu-\nnicate", "copy\nout", "payload",
                           "sent"), [
         (row["batch"], row["mode"], _time(row["prepare_us"]), _time(row["gather_us"]), _time(row["agree_us"]),
          _time(row["communicate_us"]), _time(row["copy_us"]), _bytes(row["payload_bytes"]), _bytes(row["sent_bytes"]))
         for row in rows]))
-    for rank in measured["ranks"]:
-        console.print(f"rank {rank['rank']}: {rank['layer']}, {rank['numba_threads']['rank']} numba threads for its "
-                      f"calls" + (f", {rank['numba_threads']['single']} for one process's" if rank["rank"] == 0 else ""),
+    first = measured[0]
+    for rank in first["ranks"]:
+        console.print(f"rank {rank['rank']}: {rank['layer']}, NUMBA_NUM_THREADS={rank['numba_threads']}",
                       markup=False)
-    for rank in measured["ranks"]:
+    console.print(f"times: the median over {len(measured)} rounds (the ranks, then 1 process, fresh processes each); "
+                  "memory: the first round's", markup=False)
+    for rank in first["ranks"]:
         console.print(f"rank {rank['rank']}: rows {rank['rows'][0]}..{rank['rows'][1]}, holds "
                       f"{_bytes(rank['held_bytes'])}; {_rss(rank)}", markup=False)
-    single = measured["single"]
+    single = first["single"]
     console.print(f"1 process: holds {_bytes(single['held_bytes'])}; {_rss(single)}", markup=False)
     console.print("(growth from after torch and the process group, before the table, to after the lookups; RSS "
                   "counts a mapped row once a lookup has touched its page; peak: the highest RSS in between)",
@@ -415,17 +368,19 @@ def main(arguments: Any, console: Any, table: Any, described: dict[str, Any], ar
 
     batches = arguments.batch or list(BATCHES)
     reps = arguments.reps or (5 if arguments.quick else REPS)
-    console.print(f"[dim]{arguments.ranks} ranks, then 1 process: {len(batches)} batches x {len(MODES)} modes x "
-                  f"{reps} calls ...[/dim]")
+    rounds = 1 if arguments.quick else ROUNDS
+    console.print(f"[dim]{rounds} x ({arguments.ranks} ranks, then 1 process): {len(batches)} batches x {len(MODES)} "
+                  f"modes x {reps} calls ...[/dim]")
     with table_file(table, arguments.table) as path:
-        measured = run(path, arguments.ranks, batches, reps, name=arguments.tensor)
+        measured = run(path, arguments.ranks, batches, reps, name=arguments.tensor, rounds=rounds)
     rows = summarise(measured, batches)
-    exchange = measured["ranks"][0]["exchange"]
+    exchange = measured[0]["ranks"][0]["exchange"]
     print_report(rows, measured, console, f"{arguments.ranks} ranks (gloo, {exchange} exchange, this machine) against "
                                           f"1 process: {report.table_title(described)}")
     report.write_json(arguments.out / "ranks.json", {
         **report.run_facts(argv), "table": described, "ranks": arguments.ranks, "reps": reps,
-        "cpus": os.cpu_count(), "exchange": exchange, "results": rows, "processes": measured,
+        "cpus": os.cpu_count(), "exchange": exchange, "rounds": len(measured), "results": rows,
+        "processes": measured,
     })
     console.print(f"wrote {arguments.out / 'ranks.json'}", soft_wrap=True, markup=False)
     return 0
