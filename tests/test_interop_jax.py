@@ -316,8 +316,7 @@ def test_jax_objects_that_are_not_arrays_are_not_arrays():
 
 def test_sharded_jax_arrays_are_refused():
     """In a fresh interpreter with two host devices: an array over both has no one buffer to view."""
-    code = (
-        "import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=2'\n"
+    refusal, kind, ids_refusal = _printed_with_host_devices(2, (
         "import jax, numpy as np, fastembed\n"
         "from jax.sharding import Mesh, NamedSharding, PartitionSpec\n"
         "mesh = Mesh(np.array(jax.devices('cpu')), ('x',))\n"
@@ -332,10 +331,7 @@ def test_sharded_jax_arrays_are_refused():
         "    fastembed.lookup(np.ones((8, 4), np.float32), jax.device_put(np.arange(2), table.sharding))\n"
         "except TypeError as error:\n"
         "    print(error)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    refusal, kind, ids_refusal = result.stdout.strip().splitlines()
+    ))
     assert "sharded or replicated over 2 devices" in refusal
     assert kind == "ArrayImpl"
     assert ids_refusal.startswith("ids: the JAX array is sharded or replicated over 2 devices")
@@ -429,15 +425,19 @@ def test_a_bfloat16_table_deleted_while_its_host_view_is_taken_is_a_type_error(m
 
 def test_a_result_goes_to_jaxs_default_host_device_as_a_fresh_array_does():
     """In a fresh interpreter with four host devices, inside jax.default_device(cpu:2)."""
-    code = (
-        "import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'\n"
+    assert _printed_with_host_devices(4, (
         "import jax, jax.numpy as jnp, numpy as np, fastembed\n"
         "third = jax.devices('cpu')[2]\n"
         "table = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), third)\n"
         "with jax.default_device(third):\n"
         "    print(fastembed.lookup(table, [1]).devices() == jnp.zeros(1).devices() == {third})\n"
         "print(fastembed.lookup(table, [1]).devices() == {jax.devices('cpu')[0]})\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    )) == ["True", "True"]
+
+
+def _printed_with_host_devices(count: int, code: str) -> list[str]:
+    """The lines `code` prints in a fresh interpreter whose JAX has `count` host devices."""
+    flags = f"import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count={count}'\n"
+    result = subprocess.run([sys.executable, "-c", flags + code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["True", "True"]
+    return result.stdout.strip().splitlines()
