@@ -139,7 +139,8 @@ def set_output_cache_limit(nbytes: int) -> None:
         nbytes: bytes of free buffers to keep, an integer >= 0.
 
     Raises:
-        TypeError: not an integer. ValueError: a negative size.
+        TypeError: not an integer.
+        ValueError: a negative size.
 
     Example:
         >>> import fastembed

@@ -41,6 +41,7 @@ modified before every check has passed.
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -207,7 +208,8 @@ def checked_integer(value: Any, must_be: str, low: int, high: float) -> int:
     """`value` as an int: a Python or numpy integer (not a bool) from `low` to `high`.
 
     Raises:
-        TypeError: not an integer; ValueError: outside the range. Both say ``f"{must_be}, got {value!r}"``.
+        TypeError: not an integer, saying ``f"{must_be}, got {value!r}"``.
+        ValueError: outside the range, saying the same.
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{must_be}, got {value!r}")
@@ -220,13 +222,18 @@ def checked_seconds(value: Any, must_be: str, low: float, high: float) -> float:
     """`value` as a float: a real number (not a bool) from `low` to `high` (NaN is outside every range).
 
     Raises:
-        TypeError: not a real number; ValueError: outside the range. Both say ``f"{must_be}, got {value!r}"``.
+        TypeError: not a real number, saying ``f"{must_be}, got {value!r}"``.
+        ValueError: outside the range, saying the same.
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{must_be}, got {value!r}")
-    if not low <= float(value) <= high:
+    number: Any = value  # compared as it is: float() of a huge int overflows
+    if not low <= number <= high:
         raise ValueError(f"{must_be}, got {value!r}")
-    return float(value)
+    try:
+        return float(number)
+    except OverflowError:  # an int beyond every float, within a range without an upper end
+        return math.inf
 
 
 def check_quantized(table: Any) -> None:

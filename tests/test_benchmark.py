@@ -429,7 +429,7 @@ def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
     (["--table", "t.npy", "--dim", "8"], "--dim shapes the random table; --table measures the table in the file"),
     (["--table", "t.npy", "--dtype", "float32"], "--dtype shapes the random table"),
     (["--quick", "--batch", "8", "--reps", "3"], "--quick chooses fewer repetitions"),
-    (["--ranks", "2", "--quick", "--reps", "3"], "--quick chooses fewer repetitions"),
+    (["--format", "q8_0", "--quick", "--reps", "3"], "--quick chooses fewer repetitions"),
 ])
 def test_bench_refuses_bad_arguments_at_once(arguments, message):
     """One line, exit 2, before any table is built (they used to crash late, or grow memory without bound)."""
@@ -981,3 +981,17 @@ def test_allocations_that_tracemalloc_cannot_see_are_not_reported_as_measured():
 
     assert HOST.allocated_by_one_call(lambda ids: torch.empty(1 << 20), None) is None
     assert HOST.allocated_by_one_call(lambda ids: np.empty(1 << 20), None) >= 1 << 20
+
+
+def test_the_checked_output_is_dropped_before_a_calls_allocations_are_measured():
+    """Held, the first output could not go back to the output cache, and every call would seem to allocate one."""
+    pytest.importorskip("numba")
+    from fastembed.benchmark import contenders
+    from fastembed.benchmark.contenders import Contender
+    from fastembed.benchmark.measure import measure_case
+    from fastembed.tables import random_table
+
+    table = random_table(4000, 1024, "float16")  # 2 KiB rows: 4,096 ids make an 8 MiB output
+    alloc = Contender("fastembed auto alloc", "fastembed", True, contenders._fastembed_alloc, id="alloc")
+    result = measure_case(table, [alloc], 4096, "uniform", 1, warmup=0)[0]
+    assert result.allocated_per_call < 2**20

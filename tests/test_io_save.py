@@ -483,3 +483,18 @@ def test_the_new_file_is_on_disk_before_it_replaces_the_old_one_and_the_rename_a
         (_, flushed), (_, replaced), (_, folder) = events
         assert flushed.startswith(str(tmp_path / f".{name}.")) and flushed.endswith(".tmp")
         assert replaced == str(tmp_path / name) and folder == str(tmp_path)
+
+
+def test_a_folder_that_cannot_be_synced_does_not_fail_a_save_already_in_place(tmp_path, monkeypatch):
+    """Its sync only makes the rename durable sooner: the new table is at the path by then."""
+    real_open = os.open
+
+    def folder_refused(path, flags, *args):
+        if flags & getattr(os, "O_DIRECTORY", 0):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", folder_refused)
+    io.save_table(tmp_path / "t.safetensors", rows(seed=3))
+    monkeypatch.undo()
+    same_bytes(io.open_table(tmp_path / "t.safetensors"), rows(seed=3))

@@ -225,3 +225,9 @@ def test_ids_converted_by_their_own_array_method_are_converted_once_with_out(tab
     fastembed.lookup(table, LazyIds(), out=out)
     assert LazyIds.calls == 1
     assert_bit_equal(out, table[[1, 2]])
+
+
+def test_an_integer_beyond_every_float_is_a_number_of_seconds_too():
+    assert fastembed.wait_for_compiles(10**400) is True  # no limit, as float("inf")
+    with pytest.raises(ValueError, match="timeout must be None or a number of seconds >= 0"):
+        fastembed.wait_for_compiles(-(10**400))

@@ -130,7 +130,9 @@ class TorchAdapter:
                 "torch dispatches to Python (DTensor, FakeTensor, wrapper subclasses): its memory need not hold its "
                 "values, and fastembed reads memory as it lies; gather from the local or plain tensor it wraps")
         device = self.device(array)
-        tensor = array.detach() if array.requires_grad else array  # no copy: lookup does not record autograd
+        # An alias (no copy; lookup does not record autograd) that holds the memory itself: a `.data =` on the
+        # caller's tensor meanwhile (another thread's) frees nothing the checks below and the view see.
+        tensor = array.detach()
         if tensor.is_neg() or tensor.is_conj():
             # Memory read as it lies would give the values without the lazy sign or conjugation.
             raise TypeError(f"this torch tensor is a lazy {'negation' if tensor.is_neg() else 'conjugate'} view of "
@@ -431,8 +433,6 @@ def _cuda_view(tensor: Any, index: int) -> Any:
         tensor = tensor.view(via[0])
     elif _cuda_dtype(tensor.dtype) is None:
         raise TypeError(f"torch dtype {tensor.dtype} cannot be seen as a cupy array: cupy has no such dtype")
-    else:
-        tensor = tensor.detach()  # an alias holding the memory, as in _numpy_view
     with _on_torch_stream(index):  # the DLPack exchange then needs no cross-stream event
         import cupy
 
@@ -483,12 +483,10 @@ def _numpy_view(tensor: Any, writable: bool) -> np.ndarray:
 
     The tensor method's checks (requires grad, conjugate bit, streams) cost
     microseconds that a decode step notices; the snapshot has made them already.
-    The export is of an alias (``detach()``), which holds the memory itself:
-    a ``.data =`` on the caller's tensor meanwhile (another thread's) frees
-    nothing this view reads or writes.
+    `tensor` is the alias :meth:`TorchAdapter._view` made (``detach()``),
+    which holds the memory this view reads or writes.
     """
     global _to_dlpack
-    tensor = tensor.detach()
     if writable:
         return np.from_dlpack(tensor)
     if _to_dlpack is None:

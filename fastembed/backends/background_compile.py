@@ -15,10 +15,11 @@ child's first lookup would hang. So a fork first waits for every compile
 started here to finish, and for every :func:`foreground` section (the
 kernel import, a first call that compiles on the caller's thread) that
 another thread is in. A compile lasts seconds, so a fork is delayed by
-that; a fork from inside such a section does not wait for itself. One that
-is still running after :data:`FORK_WAIT_S` (it cannot finish: an import
-lock that an interrupted import elsewhere left held, say) is waited for no
-longer: the process forks, and the child never compiles.
+that; a fork from inside such a section does not wait for itself. A
+compile (or a section) that makes the fork wait :data:`FORK_WAIT_S` by
+itself (it cannot finish: an import lock that an interrupted import
+elsewhere left held, say) is waited for no longer: the process forks, and
+the child never compiles.
 A Ctrl-C meanwhile does not cut the wait short: it is raised again in the
 parent once the fork is done. Should another exception from a signal
 handler end the wait (Python forks anyway), the child never compiles: its
@@ -60,7 +61,7 @@ _exiting = False
 _forking_threads: set[int] = set()  # the threads inside _wait_before_fork, up to their fork
 _waiting_to_fork: set[int] = set()  # threads whose wait before a fork has not reached its end (yet, or ever)
 _no_compiles = False  # in a child forked after such a wait: numba's locks may be held by a thread it lacks
-#: Seconds a fork waits for running compiles and foreground sections, at most.
+#: Seconds a fork waits for one compile (compiles run one after another), and for the foreground sections, at most.
 FORK_WAIT_S = 60.0
 
 
@@ -154,11 +155,11 @@ def _wait_before_fork() -> None:
     held = _held_for_fork.setdefault(ident, [])
     held.append(_guard)  # recorded first: only the locks this thread owns are released after the fork
     _guard.acquire()  # a thread inside start() holds it while its compile thread starts
-    deadline = time.monotonic() + FORK_WAIT_S
-    interrupted = _uninterrupted(lambda: _join_compiles(deadline))
+    interrupted = _uninterrupted(_join_compiles)
     _threads[:] = [thread for thread in _threads if thread.is_alive()]
     held.append(_foreground_lock)
     _foreground_lock.acquire()
+    deadline = time.monotonic() + FORK_WAIT_S
     interrupted |= _uninterrupted(lambda: _wait_for_foreground_sections(ident, deadline))
     if interrupted:
         _ctrl_c_held.add(ident)
@@ -182,9 +183,10 @@ def _threads_still_running(but: int) -> bool:
         _in_foreground_sections(but))
 
 
-def _join_compiles(deadline: float) -> None:
+def _join_compiles() -> None:
+    """Join each compile thread for FORK_WAIT_S at most, from when the wait for it begins (they run one at a time)."""
     for thread in list(_threads):
-        _join(thread, deadline)
+        _join(thread, time.monotonic() + FORK_WAIT_S)
 
 
 def _join(thread: threading.Thread, deadline: float | None) -> None:

@@ -101,7 +101,8 @@ def set_limit(nbytes: int) -> None:
     """Keep at most `nbytes` of free buffers (0 turns the cache off); frees the excess now.
 
     Raises:
-        TypeError: not an integer; ValueError: a negative size.
+        TypeError: not an integer.
+        ValueError: a negative size.
     """
     global _limit
     from ..validate import checked_integer

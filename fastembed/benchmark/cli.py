@@ -50,7 +50,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     backends = [status.name for status in fastembed.backend_statuses() if status.name != "cuda"]
     parser = argparse.ArgumentParser(prog="fastembed-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer batches and repetitions (the main run; --format and --ranks: fewer repetitions)")
+                        help="fewer batches and repetitions (the main run; --format: fewer repetitions; --ranks: fewer "
+                             "repetitions and one round)")
     parser.add_argument("--backend", type=_choices(backends),
                         help=f"comma-separated fastembed backends to measure one by one: {', '.join(backends)} "
                              "(default: all available)")
@@ -107,7 +108,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     for name, default in _RANDOM_TABLE.items():
         if getattr(arguments, name) is None:
             setattr(arguments, name, default)
-    if arguments.quick and arguments.reps and (arguments.batch or arguments.ranks or arguments.format):
+    if arguments.quick and arguments.reps and (arguments.batch or arguments.format):
         parser.error("--quick chooses fewer repetitions (and, in the main run, fewer batch sizes); with --reps "
                      "and those given it has no effect: leave --quick out")
     if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix == ".npy"):
@@ -318,10 +319,9 @@ def _unusable_backend(requested: list[str] | None) -> str | None:
 
 
 def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return 2**62  # unknown: numpy's own MemoryError is the limit
+    from .report import physical_memory
+
+    return physical_memory() or 2**62  # unknown: numpy's own MemoryError is the limit
 
 
 #: The files a run writes into --out (a plot per device: throughput.png for the host, throughput-cuda.png).

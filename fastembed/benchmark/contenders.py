@@ -171,13 +171,15 @@ def _copy_numba(stream: bool) -> Callable:
 
 def _read_scattered(table: np.ndarray, n: int) -> Callable:
     """Read the rows table[ids] and write nothing (copy_kernels.read_scattered): over threads where fastembed's
-    gather uses them, on the calling thread below that, as the gather does (waking the pool would cost more)."""
-    from fastembed.dispatch import BACKENDS
+    gather uses them, on the calling thread below the size at which fastembed's allocating lookup gathers there
+    too (its small gather), as waking the pool would cost more."""
+    from fastembed import dispatch
 
     from . import copy_kernels
 
     words, blocks = copy_kernels.word_view(table), copy_kernels.block_count()
-    if n * table.shape[1] * table.dtype.itemsize < BACKENDS["numba"].describe()["parallel_min_bytes"]:
+    _, below_bytes, _ = dispatch.small_gather_for_ndarray(np.asarray(table))
+    if n * table.shape[1] * table.dtype.itemsize < below_bytes:
         return lambda ids: copy_kernels.read_scattered_serial(words, ids)
     return lambda ids: copy_kernels.read_scattered(words, ids, blocks)
 

@@ -234,6 +234,7 @@ def measure_case(
             if expected is not None and not same_bytes(output, expected):
                 raise RuntimeError(f"{contender.name} gave other rows than {'its reference' if contender.expected else 'table[ids]'} "
                                    f"for {batch} ids: it is not timed")
+        del output  # dropped before its allocations and memory are measured: a held output is not recycled
         prepared[contender.id] = (call, pool)
         results[contender.id] = Result(
             contender.name, contender.kind, batch, distribution, [], 2 * batch * row_bytes, contender.allocates,

@@ -115,8 +115,9 @@ def run(dense: np.ndarray, tables: dict[str, tuple[QuantizedTable, str]], batche
     for name, (table, _source) in tables.items():
         contenders += [Contender(f"{name} -> {dtype} out=", "fastembed", False, _into(table, out_by_dtype, dtype),
                                  id=f"{name}-{dtype}", expected=expected_rows(table, dtype)) for dtype in OUTPUT_DTYPES]
+    # The reference is what the others are checked against: nothing to check it against.
     references = [Contender(f"{name} numpy reference", "peer", True, _reference(table), id=f"{name}-reference",
-                            expected=expected_rows(table, "float32"))
+                            expected=lambda _dense, ids: None)
                   for name, (table, _source) in tables.items()]
     # What the widest output row takes (float32: the fastembed contenders' widest and the references' rows).
     widest_row_bytes = dense.shape[1] * max(np.dtype(fastembed.tables.resolve_dtype(d)).itemsize for d in OUTPUT_DTYPES)

@@ -38,8 +38,8 @@ Per batch and mode the report gives:
   ring all-reduce sends 2(N-1)/N of its buffer; shared memory writes its
   rows once, where the others read them);
 - one process's median time for the same ids (the median over rounds),
-  and the ratio (the median over rounds of the paired ratios, with their
-  lowest and highest).
+  and the ratio (the median over rounds of each round's ratio of medians,
+  with their lowest and highest).
 
 Below the tables, each process's memory. Memory is the first round's. The baseline is taken after torch
 is imported and (on a rank) the process group exists, just before the table

@@ -39,6 +39,14 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
+def physical_memory() -> int:
+    """Bytes of memory of this machine (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
 def run_facts(argv: list[str] | None) -> dict[str, Any]:
     """When and how a run was made, and on what: the head of every JSON file a run writes.
 

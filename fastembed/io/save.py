@@ -260,27 +260,34 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
         mode = existing.st_mode if existing is not None and replaces_a_file else os.stat(temporary).st_mode
         write(temporary)
         _flush_to_disk(temporary)  # else a crash after the rename could leave the path holding a part of the file
-        os.chmod(temporary, mode)  # after the flush, which reads it: the old mode may be write-only
+        os.chmod(temporary, mode)  # after the flush, which opens it for writing: the old mode may be read-only
         try:
             os.replace(temporary, path)
         except OSError as error:  # named by the destination, not by the temporary file's name
             raise OSError(error.errno, error.strerror, os.fspath(path)) from None
-        _flush_to_disk(directory, folder=True)  # the rename itself
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+    _flush_to_disk(directory, folder=True)  # the rename itself
 
 
 def _flush_to_disk(path: str, folder: bool = False) -> None:
-    """fsync `path` (a file, or a folder for the names it holds); a system that cannot sync folders is let be."""
-    if folder and not hasattr(os, "O_DIRECTORY"):
-        return  # Windows: a folder cannot be opened, and its renames need no sync
-    handle = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if folder else 0))
-    try:
-        os.fsync(handle)
-    except OSError as error:
-        if not folder or error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(handle)
+    """fsync `path`: a file (through a writable descriptor, as Windows needs), or, at best, a folder.
+
+    A folder's sync only makes a rename durable sooner: the table is in place by then, so its failure (a
+    folder that cannot be opened or synced, Windows) is let be.
+    """
+    if not folder:
+        handle = os.open(path, os.O_RDWR)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+        return
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no O_DIRECTORY (Windows)
+        handle = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
