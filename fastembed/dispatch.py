@@ -23,9 +23,10 @@ from .backends.base import Backend
 from .formats import QuantizedTable
 
 #: Priority order for ``auto``.
-# An OrderedDict: registering reorders it by single moves (move_to_end), never emptying it, and the functions
-# here read it through a snapshot (tuple() of it, taken in one step), so a registration on another thread
-# never fails a lookup.
+# An OrderedDict: registering reorders it by single moves (move_to_end), never emptying it, and the functions here
+# read it through a snapshot (tuple() of it, taken in one step), so a registration on another thread never fails a
+# lookup; where at most one backend sits on one side of the new one's place (fastembed's own three, whatever the
+# place), no snapshot shows those already registered in another order.
 BACKENDS: collections.OrderedDict[str, Backend] = collections.OrderedDict(
     (b.name, b) for b in (cuda_backend.BACKEND, numba_backend.BACKEND, numpy_backend.BACKEND))
 ENVIRONMENT_VARIABLE = "FASTEMBED_BACKEND"
@@ -84,8 +85,14 @@ def register_backend(backend: Backend, before: str | None = None) -> None:
         raise ValueError(f"unknown backend {before!r}; known: {', '.join(BACKENDS)}")
     names = tuple(BACKENDS)
     BACKENDS[backend.name] = backend
-    for name in names[names.index(before):] if before is not None else ():
-        BACKENDS.move_to_end(name)
+    if before is not None:
+        above, below = names[: names.index(before)], names[names.index(before) :]
+        if len(above) <= 1 < len(below):  # the new one to the front, then the one above it back in front of it
+            for name in (backend.name, *above):
+                BACKENDS.move_to_end(name, last=False)
+        else:  # those from `before` on moved behind it, in their order
+            for name in below:
+                BACKENDS.move_to_end(name)
     refresh()
 
 

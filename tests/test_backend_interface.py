@@ -159,11 +159,39 @@ def test_lookups_on_other_threads_never_fail_while_backends_are_registered_and_r
     try:
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
-            dispatch.register_backend(Extra(), before="numpy")
-            assert list(dispatch.BACKENDS)[-2:] == ["extra", "numpy"]
+            dispatch.register_backend(Extra(), before="numba")
+            assert list(dispatch.BACKENDS) == ["cuda", "extra", "numba", "numpy"]
             dispatch.unregister_backend("extra")
     finally:
         stop.set()
         for worker in workers:
             worker.join()
     assert not failures, failures[:3]
+
+
+def test_registering_a_backend_never_changes_the_order_of_those_already_registered(monkeypatch):
+    """Every order a concurrent reader could see keeps cuda, numba and numpy in their order."""
+    from fastembed.backends import numpy_backend
+
+    class Extra(numpy_backend.NumpyBackend):
+        name = "extra"
+
+    seen = []
+
+    class Watched(type(dispatch.BACKENDS)):
+        def move_to_end(self, key, last=True):
+            super().move_to_end(key, last)
+            seen.append([name for name in self if name != "extra"])
+
+    watched = Watched(dispatch.BACKENDS)
+    monkeypatch.setattr(dispatch, "BACKENDS", watched)
+    try:
+        for before in ("cuda", "numba", "numpy"):
+            dispatch.register_backend(Extra(), before=before)
+            names = list(watched)
+            assert names.index("extra") == names.index(before) - 1
+            dispatch.unregister_backend("extra")
+    finally:
+        monkeypatch.undo()
+        dispatch.refresh()
+    assert seen and all(order == ["cuda", "numba", "numpy"] for order in seen)
