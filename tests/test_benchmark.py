@@ -231,6 +231,7 @@ def test_gate_fails_when_auto_does_not_pick_numba(tmp_path):
     verdict = written["verdicts"][0]
     assert verdict["measured"] == "numpy" and not verdict["passed"]
     assert written["command"].startswith("fastembed-bench --gate --thresholds") and written["date"]
+    assert written["repetitions"] == 1 and written["colocated_calls_per_contender"] > 0
 
 
 #: How long a slowed contender sleeps after each real lookup: hundreds of times a lookup of the

@@ -612,7 +612,8 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
     in_process = [check for check in checks if check.metric != COLOCATED]
     cases = list(dict.fromkeys((check.batch, check.distribution) for check in in_process))
     ids = contender_ids(checks) | {"numpy-fancy"}
-    rows = run(arguments, console, table, cases, arguments.reps or arguments.gate_repetitions, ids) if cases else []
+    repetitions = arguments.reps or arguments.gate_repetitions
+    rows = run(arguments, console, table, cases, repetitions, ids) if cases else []
     if len(in_process) < len(checks) and not processes.can_move_threads():
         console.print("[yellow]co-located checks need per-thread CPU affinity (Linux): not measured here[/yellow]")
     elif len(in_process) < len(checks):
@@ -633,6 +634,8 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
     console.print(result_table)
     report.write_json(arguments.out / "gate.json", {
         **report.run_facts(argv), "table": described, "thresholds": str(source),
+        # The co-located checks time single calls in their own process, whatever --reps says.
+        "repetitions": repetitions, "colocated_calls_per_contender": processes.REPS,
         "verdicts": [{"check": v.check.__dict__, "measured": v.measured, "passed": v.passed} for v in verdicts],
         "results": rows,
     })
