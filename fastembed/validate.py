@@ -199,12 +199,10 @@ def is_real_number_dtype(dtype: np.dtype) -> bool:
 
 def quantized_dim(dim: Any) -> int:
     """`dim` as an int: a Python or numpy integer (not a bool); TypeError naming it otherwise."""
-    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)):
-        raise TypeError(f"a quantized table's dim must be an integer (values per row), got {dim!r}")
-    return int(dim)
+    return checked_integer(dim, "a quantized table's dim must be an integer (values per row)", -math.inf, math.inf)
 
 
-def checked_integer(value: Any, must_be: str, low: int, high: float) -> int:
+def checked_integer(value: Any, must_be: str, low: float, high: float) -> int:
     """`value` as an int: a Python or numpy integer (not a bool) from `low` to `high`.
 
     Raises:

@@ -230,10 +230,12 @@ def measure_case(
         call = contender.prepare(table, batch)
         output = call(pool[0])
         if contender.kind != "limit":  # a lookup that gives wrong rows is not timed
-            expected = (contender.expected or _gathered)(table, host_pool[0])
+            # pool[0]: the ids where the platform put them, so a device table gathers on its device.
+            expected = contender.expected(table, host_pool[0]) if contender.expected else table[pool[0]]
             if expected is not None and not same_bytes(output, expected):
                 raise RuntimeError(f"{contender.name} gave other rows than {'its reference' if contender.expected else 'table[ids]'} "
                                    f"for {batch} ids: it is not timed")
+            del expected
         del output  # dropped before its allocations and memory are measured: a held output is not recycled
         prepared[contender.id] = (call, pool)
         results[contender.id] = Result(
@@ -258,18 +260,6 @@ def measure_case(
             if repetition >= warmup:
                 results[name].samples_s.append(elapsed)
     return list(results.values())
-
-
-def _gathered(table: Any, ids: np.ndarray) -> Any:
-    """``table[ids]``: what a lookup contender must return (`ids` on the host; a device table gathers on its device)."""
-    return table[ids if isinstance(table, np.ndarray) else _to_device_like(table, ids)]
-
-
-def _to_device_like(table: Any, ids: np.ndarray) -> Any:
-    import cupy
-
-    with cupy.cuda.Device(table.device.id):
-        return cupy.asarray(ids)
 
 
 def same_bytes(result: Any, expected: Any) -> bool:
