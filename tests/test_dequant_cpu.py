@@ -389,17 +389,17 @@ def test_streamed_stores_stay_non_temporal_after_a_conversion(output):
     from numba import njit, types
     from numba.extending import intrinsic
 
-    from fastembed.kernels import dequant_cpu
+    from fastembed.kernels import dequant_ir
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("non-temporal stores are an x86 path")
-    put = dequant_cpu._PUTS[{"float16": dequant_cpu._TO_STREAMED_HALVES, "bfloat16": dequant_cpu._TO_STREAMED_BFLOAT16,
-                             "float32": dequant_cpu._TO_STREAMED_FLOATS}[output]]
+    put = dequant_ir._PUTS[{"float16": dequant_ir._TO_STREAMED_HALVES, "bfloat16": dequant_ir._TO_STREAMED_BFLOAT16,
+                            "float32": dequant_ir._TO_STREAMED_FLOATS}[output]]
 
     @intrinsic
     def streamed(typingctx, destination, source):
         def codegen(context, builder, signature, args):
-            values = dequant_cpu._load(builder, args[1], dequant_cpu._vector(dequant_cpu._F32, 32))
+            values = dequant_ir._load(builder, args[1], dequant_ir._vector(dequant_ir._F32, 32))
             put(builder, args[0], 0, values)  # what a block does with its values
             return context.get_dummy_value()
 
@@ -418,7 +418,7 @@ def test_streamed_stores_stay_non_temporal_after_a_conversion(output):
     assembly = next(iter(convert.inspect_asm().values())).lower().splitlines()
     stores = sum(bool(re.search(r"\bv?movnt(dq|ps)\b", line)) for line in assembly)
     assert stores == 32 * dtype.itemsize // 16  # every byte, 16 at a time
-    if output == "float16" and dequant_cpu.HARDWARE_FLOAT16:
+    if output == "float16" and dequant_ir.HARDWARE_FLOAT16:
         conversions = [line for line in assembly if "cvtps2ph" in line]
         assert conversions and not any(line.rstrip().endswith(")") for line in conversions)  # none into memory
 

@@ -1,0 +1,450 @@
+"""Building blocks of the dequantizing kernels (:mod:`.dequant_cpu`): their argument codes, the CPU features
+they compile for, and LLVM IR for loads and stores at addresses, vectors, and float16 and bfloat16 roundings.
+
+Everything here is addressed by plain integers. The float arithmetic the
+kernels build from these pieces is plain fmul/fadd/fsub (no fast-math
+flags, so never fused); the roundings are the ones numpy and ml_dtypes
+make, ties to even, lane by lane.
+"""
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+_JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
+
+#: Format codes, by name (fastembed.formats.FORMATS).
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "fp8_e4m3": 8}
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, FP8_E4M3 = range(9)
+#: ``mode`` of a uint16 output: float16 (the fastest exact conversion here), bfloat16, float16 by bit operations.
+FLOAT16, BFLOAT16, FLOAT16_BITS = 0, 1, 2
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _target_features() -> set[str]:
+    """The CPU features numba's JIT compiles for (cached kernels included), as LLVM names them: ``+f16c``..."""
+    from numba.core import codegen, config
+
+    features = getattr(config, "CPU_FEATURES", None)
+    if features is None:
+        features = codegen.get_host_cpu_features()
+    return set(str(features).split(",")) if _X86 else set()
+
+
+_FEATURES = _target_features()
+#: float16 conversions use the CPU's instructions (else the bit operations of :func:`float16_bits`).
+HARDWARE_FLOAT16 = "+f16c" in _FEATURES and "+avx" in _FEATURES
+#: How float16 outputs are rounded, in words (for describe()).
+FLOAT16_CONVERSION = "F16C instructions" if HARDWARE_FLOAT16 else "integer bit operations"
+#: fp8_e4m3 rows going to 16-bit outputs are looked up in a table of their row's 128 magnitudes, by AVX-512BW
+#: word permutes (else decoded value by value).
+FP8_TABLE_LOOKUP = "+avx512bw" in _FEATURES and "+avx512f" in _FEATURES
+#: q4_0, q4_1 and q4_k values going to 16-bit outputs are looked up in a table of the 16 values of their block or
+#: sub-block, by AVX2 byte shuffles (else decoded value by value).
+NIBBLE_TABLE_LOOKUP = "+avx2" in _FEATURES
+#: ... 32 values at a time by one AVX-512BW word permute, instead of two byte shuffles and an interleave.
+NIBBLE_WORD_PERMUTE = NIBBLE_TABLE_LOOKUP and FP8_TABLE_LOOKUP
+#: ... q4_k's float16 outputs too, except with AVX-512F but no word permute: there the decode (16 float32 lanes
+#: per instruction, rounded by F16C straight into the output) is the faster.
+Q4_K_FLOAT16_BY_TABLE = NIBBLE_TABLE_LOOKUP and ("+avx512f" not in _FEATURES or NIBBLE_WORD_PERMUTE)
+#: How values become 16-bit outputs, in words (for describe()).
+TO_16_BITS = "; ".join([
+    "fp8_e4m3: " + ("a table of each row's 128 values, AVX-512BW word permutes" if FP8_TABLE_LOOKUP else "decoded"),
+    ("q4_0, q4_1, q4_k: a table of each block's 16 values, "
+     + ("AVX-512BW word permutes" if NIBBLE_WORD_PERMUTE else "AVX2 byte shuffles")
+     + ("" if Q4_K_FLOAT16_BY_TABLE else " (q4_k into float16: decoded)")) if NIBBLE_TABLE_LOOKUP else "q4_0, q4_1, q4_k: decoded",
+    "others: decoded"])
+
+_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+_ADDRESS = types.intp
+
+# -- scalars: loads and stores at an address, bit casts ------------------------------------------------
+
+
+def _pointer(builder, address, element):
+    return builder.inttoptr(address, element.as_pointer())
+
+
+@intrinsic
+def _byte(typingctx, address):
+    """The byte at `address`, as uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.load(_pointer(builder, args[0], _I8)), _I32)
+
+    return types.uint32(_ADDRESS), codegen
+
+
+@intrinsic
+def _u16_at(typingctx, address):
+    """The uint16 at `address` (2-byte aligned), as uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.zext(builder.load(_pointer(builder, args[0], _I16), align=2), _I32)
+
+    return types.uint32(_ADDRESS), codegen
+
+
+@intrinsic
+def _word(typingctx, address):
+    """The little-endian uint32 at `address` (any alignment)."""
+    def codegen(context, builder, signature, args):
+        return builder.load(_pointer(builder, args[0], _I32), align=1)
+
+    return types.uint32(_ADDRESS), codegen
+
+
+@intrinsic
+def _load_f32(typingctx, address):
+    def codegen(context, builder, signature, args):
+        return builder.load(_pointer(builder, args[0], _F32), align=4)
+
+    return types.float32(_ADDRESS), codegen
+
+
+@intrinsic
+def _load_f32_anywhere(typingctx, address):
+    """The float32 at `address`, at any alignment."""
+    def codegen(context, builder, signature, args):
+        return builder.load(_pointer(builder, args[0], _F32), align=1)
+
+    return types.float32(_ADDRESS), codegen
+
+
+@intrinsic
+def _store_f32(typingctx, address, value):
+    def codegen(context, builder, signature, args):
+        builder.store(args[1], _pointer(builder, args[0], _F32), align=4)
+        return context.get_dummy_value()
+
+    return types.void(_ADDRESS, types.float32), codegen
+
+
+@intrinsic
+def _store_u16(typingctx, address, value):
+    def codegen(context, builder, signature, args):
+        builder.store(args[1], _pointer(builder, args[0], _I16), align=2)
+        return context.get_dummy_value()
+
+    return types.void(_ADDRESS, types.uint16), codegen
+
+
+@intrinsic
+def _stack_floats(typingctx, count):
+    """The address of `count` (a literal) float32 on the calling function's stack, 32-byte aligned, for its whole call."""
+    if not isinstance(count, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, signature, args):
+        buffer = cgutils.alloca_once(builder, ir.ArrayType(_F32, count.literal_value))
+        buffer.align = 32
+        return builder.ptrtoint(buffer, context.get_value_type(_ADDRESS))
+
+    return _ADDRESS(count), codegen
+
+
+@intrinsic
+def f32_bits(typingctx, value):
+    """The bits of a float32 as a uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _I32)
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """The float32 whose bits are a uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _F32)
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _float16_bits_hardware(typingctx, value):
+    # fptrunc rounds to nearest even: one conversion instruction where the target has one (F16C)
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _I16)
+
+    return types.uint16(types.float32), codegen
+
+
+def _half_bits_codegen(context, builder, signature, args):
+    # exact, NaN payloads kept: subnormals (exponent 0) are mantissa * 2**-24; infinity and NaN keep their mantissa
+    h = builder.zext(builder.load(_pointer(builder, args[0], _I16), align=1), _I32)
+    sign = builder.shl(builder.and_(h, _I32(0x8000)), _I32(16))
+    magnitude = builder.and_(h, _I32(0x7FFF))
+    shifted = builder.shl(magnitude, _I32(13))
+    normal = builder.add(shifted, _I32(112 << 23))
+    special = builder.or_(shifted, _I32(0x7F800000))
+    small = builder.bitcast(builder.fmul(builder.uitofp(magnitude, _F32), _F32(2.0**-24)), _I32)
+    bits = builder.select(builder.icmp_unsigned(">=", magnitude, _I32(0x400)), normal, small)
+    bits = builder.select(builder.icmp_unsigned(">=", magnitude, _I32(0x7C00)), special, bits)
+    return builder.bitcast(builder.or_(bits, sign), _F32)
+
+
+@intrinsic
+def half_at(typingctx, address):
+    """The little-endian float16 at `address` as float32, exactly, by integer bit operations."""
+    return types.float32(_ADDRESS), _half_bits_codegen
+
+
+# -- scalar conversions (the last values of a row whose length is not a multiple of eight) -------------
+
+
+@njit(**_JIT)
+def float16_bits(value):
+    """float32 to the bits of the nearest float16, ties to even, exactly as numpy's ``astype(np.float16)``.
+
+    Integer bit operations: values from 65,520 up overflow to infinity, NaN
+    keeps the top of its payload (never becoming infinity), and subnormal
+    results are rounded by a float32 addition whose last place is float16's
+    smallest subnormal. :func:`_float16_bits_lanes` is the same, in vectors.
+    """
+    u = np.uint32(f32_bits(value))
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    if a >= np.uint32(0x47800000):  # 65,536 and above, infinity, NaN
+        h = np.uint32(0x7C00)
+        if a > np.uint32(0x7F800000):
+            payload = (a >> np.uint32(13)) & np.uint32(0x3FF)
+            h = np.uint32(0x7C00) | (payload if payload else np.uint32(1))
+    elif a >= np.uint32(0x38800000):  # a normal float16: rebias the exponent, round the dropped 13 bits
+        h = (a - np.uint32(0x38000000) + np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+    else:
+        h = f32_bits(f32_from_bits(a) + np.float32(0.5)) - np.uint32(0x3F000000)
+    return np.uint16(sign | h)
+
+
+@njit(**_JIT)
+def bfloat16_bits(value):
+    """float32 to the bits of the nearest bfloat16, ties to even, as ml_dtypes does (NaN: the quiet NaN of its sign)."""
+    u = np.uint32(f32_bits(value))
+    if value != value:
+        return np.uint16(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+_float16_fast = _float16_bits_hardware if HARDWARE_FLOAT16 else float16_bits
+
+
+@njit(**_JIT)
+def fp8_e4m3_value(byte):
+    """A float8_e4m3fn byte as float32, exactly as ml_dtypes converts it (0x7F and 0xFF: the quiet NaN of their sign)."""
+    b = np.uint32(byte)
+    sign = (b & np.uint32(0x80)) << np.uint32(24)
+    magnitude = b & np.uint32(0x7F)
+    small = np.uint32(f32_bits(np.float32(np.int32(magnitude)) * np.float32(2.0**-9)))  # exponent 0: magnitude * 2**-9
+    bits = (magnitude << np.uint32(20)) + np.uint32(120 << 23) if magnitude >= np.uint32(8) else small
+    if magnitude == np.uint32(0x7F):
+        bits = np.uint32(0x7FC00000)
+    return f32_from_bits(bits | sign)
+
+
+# -- vectors: constants, loads, stores, nibbles ------------------------------------------------------
+
+
+def _vector(element, n):
+    return ir.VectorType(element, n)
+
+
+def _constant(element, n, value):
+    """A vector of `n` times `value`, or of the values of a list."""
+    values = value if isinstance(value, list) else [value] * n
+    return ir.Constant(_vector(element, n), [element(v) for v in values])
+
+
+def _splat(builder, scalar, n):
+    vector = builder.insert_element(ir.Constant(_vector(scalar.type, 1), None), scalar, _I32(0))
+    return builder.shuffle_vector(vector, vector, _constant(_I32, n, 0))
+
+
+def _load(builder, address, vector_type):
+    return builder.load(builder.inttoptr(address, vector_type.as_pointer()), align=1)
+
+
+def _store(builder, address, value):
+    builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=4)
+
+
+def _put_vector(builder, address, value, nontemporal, align):
+    """Store `value` at `address`: with cached stores (`align` bytes aligned there) or, if `nontemporal`,
+    streamed past the cache (16-byte aligned there).
+
+    On x86 the streamed value goes out 16 bytes at a time, each piece through an empty inline-assembly
+    statement: without it LLVM combines a conversion (float16, or bfloat16's truncation) with the store and
+    emits ordinary stores, dropping the hint, so that every output line is read into the cache before it is
+    written.
+    """
+    if not nontemporal:
+        builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=align)
+        return
+    if _X86:
+        bits = {ir.HalfType: 16, ir.FloatType: 32}.get(type(value.type.element)) or value.type.element.width
+        assert value.type.count * bits % 128 == 0, "streamed vectors are whole 16-byte pieces"
+        words = builder.bitcast(value, _vector(_I32, value.type.count * bits // 32))
+        piece_type = _vector(_I32, 4)
+        barrier = ir.FunctionType(piece_type, [piece_type])
+        pieces = [(4 * k, builder.asm(barrier, "", "=x,0", [builder.shuffle_vector(
+            words, words, _constant(_I32, 4, list(range(4 * k, 4 * k + 4))))], False))
+                  for k in range(words.type.count // 4)]
+    else:
+        pieces = [(0, value)]
+    for word, piece in pieces:
+        piece_at = builder.add(address, address.type(4 * word))
+        store = builder.store(piece, builder.inttoptr(piece_at, piece.type.as_pointer()), align=16)
+        store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+
+
+def _nibbles(builder, packed):
+    """16 bytes to their 16 low nibbles then their 16 high nibbles (<32 x i8>)."""
+    low = builder.and_(packed, _constant(_I8, 16, 0xF))
+    high = builder.lshr(packed, _constant(_I8, 16, 4))
+    return builder.shuffle_vector(low, high, _constant(_I32, 32, list(range(32))))
+
+
+def _fifth_bit_lanes(builder, qh):
+    """A uint32 to its 32 bits, bit j in lane j, shifted to 0x10 (<32 x i32>)."""
+    bits = builder.lshr(_splat(builder, qh, 32), _constant(_I32, 32, list(range(32))))
+    return builder.shl(builder.and_(bits, _constant(_I32, 32, 1)), _constant(_I32, 32, 4))
+
+
+# -- float32 vectors to float16 or bfloat16 -----------------------------------------------------------
+# The same roundings as float16_bits and bfloat16_bits (and the F16C conversion), lane by lane.
+
+
+def _float16_hardware_lanes(builder, value):
+    n = value.type.count
+    return builder.bitcast(builder.fptrunc(value, _vector(ir.HalfType(), n)), _vector(_I16, n))
+
+
+def _float16_bits_lanes(builder, value):
+    n = value.type.count
+
+    def c(v):
+        return _constant(_I32, n, v)
+
+    u = builder.bitcast(value, _vector(_I32, n))
+    sign = builder.and_(builder.lshr(u, c(16)), c(0x8000))
+    a = builder.and_(u, c(0x7FFFFFFF))
+    odd = builder.and_(builder.lshr(a, c(13)), c(1))
+    normal = builder.lshr(builder.add(builder.add(builder.sub(a, c(0x38000000)), c(0xFFF)), odd), c(13))
+    magnitude = builder.bitcast(a, _vector(_F32, n))
+    small = builder.sub(builder.bitcast(builder.fadd(magnitude, _constant(_F32, n, 0.5)), _vector(_I32, n)),
+                        c(0x3F000000))
+    payload = builder.and_(builder.lshr(a, c(13)), c(0x3FF))
+    nan = builder.or_(c(0x7C00), builder.select(builder.icmp_unsigned("==", payload, c(0)), c(1), payload))
+    h = builder.select(builder.icmp_unsigned(">=", a, c(0x38800000)), normal, small)
+    h = builder.select(builder.icmp_unsigned(">=", a, c(0x47800000)), c(0x7C00), h)
+    h = builder.select(builder.icmp_unsigned(">", a, c(0x7F800000)), nan, h)
+    return builder.trunc(builder.or_(sign, h), _vector(_I16, n))
+
+
+def _bfloat16_lanes(builder, value):
+    n = value.type.count
+
+    def c(v):
+        return _constant(_I32, n, v)
+
+    u = builder.bitcast(value, _vector(_I32, n))
+    high = builder.lshr(u, c(16))
+    rounded = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), builder.and_(high, c(1))), c(16))
+    nan = builder.or_(builder.and_(high, c(0x8000)), c(0x7FC0))
+    bits = builder.select(builder.fcmp_unordered("uno", value, value), nan, rounded)
+    return builder.trunc(bits, _vector(_I16, n))
+
+
+def _eight_halves(lanes, nontemporal):
+    """An intrinsic ``(destination, source)``: 8 float32 at `source` converted by `lanes`, stored at `destination`.
+
+    Non-temporal stores need a 16-byte aligned destination.
+    """
+    def codegen(context, builder, signature, args):
+        destination, source = args
+        _put_vector(builder, destination, lanes(builder, _load(builder, source, _vector(_F32, 8))), nontemporal, 2)
+        return context.get_dummy_value()
+
+    def typer(typingctx, destination, source):
+        return types.void(_ADDRESS, _ADDRESS), codegen
+
+    return intrinsic(typer)
+
+
+# The F16C conversion only where numba compiles for it: elsewhere LLVM would call a runtime routine.
+_FLOAT16_LANES: Any = _float16_hardware_lanes if HARDWARE_FLOAT16 else _float16_bits_lanes
+_store_float16 = _eight_halves(_FLOAT16_LANES, False)
+_stream_float16 = _eight_halves(_FLOAT16_LANES, True)
+_store_bfloat16 = _eight_halves(_bfloat16_lanes, False)
+_stream_bfloat16 = _eight_halves(_bfloat16_lanes, True)
+_store_float16_bits = _eight_halves(_float16_bits_lanes, False)
+_stream_float16_bits = _eight_halves(_float16_bits_lanes, True)
+
+
+
+# -- where a block puts its values -------------------------------------------------------------------
+
+
+def _put(lanes, nontemporal):
+    """Put values `first`... of a chunk (a vector) at `destination`: float32, or the 16-bit words `lanes` rounds
+    them to (a function of the builder and the vector); stored non-temporally (16-byte aligned there) if
+    `nontemporal`."""
+    def put(builder, destination, first, value):
+        data = value if lanes is None else lanes(builder, value)
+        width = 4 if lanes is None else 2
+        _put_vector(builder, builder.add(destination, destination.type(width * first)), data, nontemporal, width)
+
+    return put
+
+
+#: Where a block puts its values (a literal argument of the block intrinsics and the chunk functions).
+_TO_FLOATS, _TO_STREAMED_FLOATS, _TO_HALVES, _TO_STREAMED_HALVES, _TO_BFLOAT16, _TO_STREAMED_BFLOAT16 = range(6)
+_PUTS = {_TO_FLOATS: _put(None, False), _TO_STREAMED_FLOATS: _put(None, True),
+         _TO_HALVES: _put(_FLOAT16_LANES, False),
+         _TO_STREAMED_HALVES: _put(_FLOAT16_LANES, True),
+         _TO_BFLOAT16: _put(_bfloat16_lanes, False),
+         _TO_STREAMED_BFLOAT16: _put(_bfloat16_lanes, True)}
+
+
+def _block(put, body, *scalars):
+    """Signature and codegen of a block intrinsic ``(put, destination, source, *scalars)``.
+
+    ``source`` is the address of the block's bytes the body reads first (its
+    quants, or the whole block where the body also reads the scales);
+    ``scalars`` are the addresses and words it needs besides.
+
+    ``put`` is a literal: ``_TO_FLOATS`` and ``_TO_STREAMED_FLOATS`` store
+    the values as float32 (into the output, or into the buffer that
+    :func:`_emit` converts), ``_TO_HALVES`` and ``_TO_STREAMED_HALVES`` round
+    them to float16 and store them into the output, ``_TO_BFLOAT16`` and
+    ``_TO_STREAMED_BFLOAT16`` to bfloat16; streamed: 16-byte aligned there.
+    """
+    if not isinstance(put, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, signature, args):
+        body(builder, args[1:], _PUTS[put.literal_value])
+        return context.get_dummy_value()
+
+    return types.void(put, _ADDRESS, _ADDRESS, *scalars), codegen
+
+
+def _splat_half(builder, address, n):
+    """The float16 at `address` as `n` float32 lanes: a block's scale.
+
+    A broadcast load writes a whole register; the scalar conversion would
+    merge into one the previous block's result may hold, chaining every
+    block to the one before it. The widening is exact; it quiets a
+    signalling NaN, which every use then multiplies, as the reference does.
+    """
+    if not HARDWARE_FLOAT16:
+        return _splat(builder, _half_bits_codegen(None, builder, None, [address]), n)
+    half = builder.load(builder.inttoptr(address, ir.HalfType().as_pointer()), align=1)
+    return builder.fpext(_splat(builder, half, n), _vector(_F32, n))
+
+
