@@ -516,7 +516,10 @@ class VocabParallelEmbedding:
                 a cast of a dense GPU table); raised on every rank.
             CommunicationError: a rank died or did not call within `timeout`, or
                 the layer's process group was destroyed since it was built
-                (raised on this rank before any collective).
+                (raised on this rank before any collective); or an earlier
+                call of this rank was interrupted (KeyboardInterrupt), after
+                which the ranks may be out of step (every later call raises
+                it at once; the other ranks raise it within `timeout`).
             RuntimeError: another thread of this rank is calling the layer (raised
                 on this rank only, before any collective; a thread that comes in the
                 very instant the other starts waits for its call instead); on a GPU shard, a rank ran
@@ -539,7 +542,19 @@ class VocabParallelEmbedding:
         # Taken by a with statement only, so that a KeyboardInterrupt cannot leave it taken; a thread that finds it
         # free in the instant another takes it waits for that call.
         with self._calling:
-            return self._call(ids, mode, dtype)
+            try:
+                return self._call(ids, mode, dtype)
+            except Exception:
+                raise  # raised alike on every rank by an agreement, or after the last collective of the call
+            except BaseException as interrupt:
+                # A KeyboardInterrupt between two collectives: the other ranks may be waiting in one this rank never
+                # starts, or past one this rank has not finished with, so that every later call would pair with
+                # another call's collectives. (A group of one rank has no other rank to be out of step with.)
+                if self._broken is None and self.world_size > 1:
+                    self._broken = (f"VocabParallelEmbedding: a call was interrupted on rank {self.rank} of "
+                                    f"{self.world_size} ({type(interrupt).__name__}); the ranks may no longer be in "
+                                    "step: destroy the group and end the process")
+                raise
 
     def _call(self, ids: Any, mode: str, dtype: Any) -> Any:
         """:meth:`__call__`, for the one thread calling."""

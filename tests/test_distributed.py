@@ -950,6 +950,45 @@ def test_a_keyboard_interrupt_on_entering_a_call_leaves_the_layer_usable(tmp_pat
     assert outcome["rows"] == host_bytes(make_table("float16", 6)[[1, 2]]).tolist()
 
 
+def interrupted_step_task(rank: int, world: int, step: str, exchange: str) -> list:
+    """Four calls; rank 0's first is interrupted as it enters `step` (a Ctrl-C between collectives)."""
+    table = make_table("float16", 6)
+    layer = VocabParallelEmbedding(table, timeout=KILL_TIMEOUT_S, exchange=exchange)
+    if rank == 0:
+        real = getattr(layer, step)
+
+        def interrupted(call):
+            setattr(layer, step, real)
+            raise KeyboardInterrupt
+
+        setattr(layer, step, interrupted)
+    outcomes = []
+    for index in range(4):
+        ids = np.random.default_rng(index).integers(0, VOCAB, 30)
+        try:
+            rows = layer(ids)
+            outcomes.append(("rows", bool((host_bytes(rows) == host_bytes(table[ids])).all())))
+        except BaseException as error:  # noqa: BLE001 - the outcome is the test's subject
+            outcomes.append((type(error).__name__, str(error)))
+    return outcomes
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("step", ["_gather", "_communicate"], ids=["before the agreement", "after the agreement"])
+def test_a_call_interrupted_on_one_rank_makes_every_rank_fail_clearly_never_return_other_rows(tmp_path, step,
+                                                                                             exchange):
+    """An interrupt between collectives used to leave the ranks a collective apart: with shared memory, after the
+    agreement, every later call returned other calls' rows without an error; before it, every later call raised
+    that the ranks disagree on the ids (they did not)."""
+    first, second = results(run_ranks(tmp_path, 2, interrupted_step_task, step, exchange))
+    assert ("rows", False) not in first + second
+    assert first[0] == ("KeyboardInterrupt", "")
+    for kind, message in first[1:]:
+        assert kind == "CommunicationError" and "was interrupted on rank 0 of 2 (KeyboardInterrupt)" in message
+    assert second[0][0] in ("rows", "CommunicationError")
+    assert all(kind == "CommunicationError" for kind, _ in second[1:]), second
+
+
 def test_a_layer_whose_group_was_destroyed_says_so_on_every_later_call(tmp_path):
     init = f"file://{tmp_path / 'second-rendezvous'}"
     for outcome in results(run_ranks(tmp_path, 2, destroyed_group_task, init)):
