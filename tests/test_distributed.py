@@ -433,8 +433,8 @@ def shared_memory_task(rank: int, world: int) -> dict:
         failures.extend(same_bits(f"{emb.exchange} {len(ids)} {mode}", emb(ids, mode=mode), expected, np.ndarray))
         return emb.last_timings.exchange
 
-    real_identity, real_create, real_open = (distributed._host_identity, distributed._create_mapping,
-                                             distributed._open_mapping)
+    real_identity, real_create, real_open = (distributed.segments._host_identity, distributed.segments._create_mapping,
+                                             distributed.segments._open_mapping)
 
     def elsewhere():
         return (12345, True) if rank == last else real_identity()
@@ -463,15 +463,15 @@ def shared_memory_task(rank: int, world: int) -> dict:
                 len(emb._segment_names())]
 
     def with_patch(name, replacement, call):
-        original = getattr(distributed, name)
-        setattr(distributed, name, replacement)
+        original = getattr(distributed.segments, name)
+        setattr(distributed.segments, name, replacement)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 value = call()
             return value, [str(warning.message) for warning in caught]
         finally:
-            setattr(distributed, name, original)
+            setattr(distributed.segments, name, original)
 
     def explicit_refused():
         emb = build(exchange="shared_memory")
@@ -511,7 +511,7 @@ def shared_memory_task(rank: int, world: int) -> dict:
     }
     outcomes = {case: call() for case, call in cases.items()}
     names = [name for emb in layers for name in emb._segment_names()]
-    left = [name for name in names if os.path.exists(os.path.join(distributed.SHM_FOLDER, name))]
+    left = [name for name in names if os.path.exists(os.path.join(distributed.segments.SHM_FOLDER, name))]
     return {"outcomes": outcomes, "failures": failures, "names": names, "left": left, "repr": repr(layers[0])}
 
 
@@ -571,10 +571,10 @@ def kill_task(rank: int, world: int, victim: int, stage: str, exchange: str) -> 
         ids = np.random.default_rng(SEED).integers(0, 4099, LARGE_IDS)  # the next call grows the segment
     if rank == victim:
         if stage == "after making the segment":
-            make = distributed._create_mapping
-            distributed._create_mapping = lambda path, size: (make(path, size), os._exit(17))
+            make = distributed.segments._create_mapping
+            distributed.segments._create_mapping = lambda path, size: (make(path, size), os._exit(17))
         elif stage == "before mapping the segment":
-            distributed._open_mapping = lambda path, size: os._exit(17)
+            distributed.segments._open_mapping = lambda path, size: os._exit(17)
         elif stage == "before the agreement":
             emb._gather = lambda call: os._exit(17)
         elif stage == "before the data collective":
@@ -832,8 +832,8 @@ def kill_a_rank(tmp_path: Path, victim: int, stage: str, exchange: str) -> None:
         if stage == "stops calling":
             assert result["seconds"] >= KILL_TIMEOUT_S * 0.9, result  # the timeout was what ended the wait
         assert len(result["segments"]) == (0 if exchange == "all_reduce" else 2 if stage in GROWING_STAGES else 1)
-        left = [name for name in result["segments"] if os.path.exists(os.path.join(distributed.SHM_FOLDER, name))]
-        assert left == [], f"segments left in {distributed.SHM_FOLDER}: {left}"
+        left = [name for name in result["segments"] if os.path.exists(os.path.join(distributed.segments.SHM_FOLDER, name))]
+        assert left == [], f"segments left in {distributed.segments.SHM_FOLDER}: {left}"
 
 
 def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group):
@@ -879,8 +879,8 @@ def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group)
     for rank, report in enumerate(reports):
         assert report["left"] == [], f"rank {rank}: segments still in /dev/shm while it ran: {report['left']}"
         assert len(report["names"]) == len(set(report["names"])) >= 6
-        assert all(name.startswith(distributed.SEGMENT_PREFIX) for name in report["names"])
-        left = [name for name in report["names"] if os.path.exists(os.path.join(distributed.SHM_FOLDER, name))]
+        assert all(name.startswith(distributed.segments.SEGMENT_PREFIX) for name in report["names"])
+        left = [name for name in report["names"] if os.path.exists(os.path.join(distributed.segments.SHM_FOLDER, name))]
         assert left == [], f"segments in /dev/shm after the ranks left: {left}"
     assert reports[0]["names"] == reports[-1]["names"]  # every rank named the same segments
 
@@ -1021,17 +1021,17 @@ def test_the_helpers_split_as_documented():
 
 def test_timeouts_and_pads_take_numpy_numbers_as_python_ones():
     for timeout in (np.float32(5), np.int64(5), 5, 5.0):
-        assert type(distributed._checked_timeout(timeout)) is float and distributed._checked_timeout(timeout) == 5
+        assert type(distributed.layer._checked_timeout(timeout)) is float and distributed.layer._checked_timeout(timeout) == 5
     for pad in (np.uint64(8), np.int16(8), 8):
-        assert type(distributed._checked_pad(pad)) is int and distributed._checked_pad(pad) == 8
+        assert type(distributed.layout._checked_pad(pad)) is int and distributed.layout._checked_pad(pad) == 8
     for bad_timeout, error in ((np.bool_(True), TypeError), (True, TypeError), (np.float64("nan"), ValueError),
                                (np.int64(0), ValueError), ("5", TypeError)):
         with pytest.raises(error, match="timeout must be None or a number of seconds"):
-            distributed._checked_timeout(bad_timeout)
+            distributed.layer._checked_timeout(bad_timeout)
     for bad_pad, error in ((np.uint64(0), ValueError), (2**62 + 1, ValueError), (np.float32(8), TypeError),
                            (True, TypeError)):
         with pytest.raises(error, match="pad_to_multiple must be an integer from 1 to 2"):
-            distributed._checked_pad(bad_pad)
+            distributed.layout._checked_pad(bad_pad)
 
 
 def test_docstring_examples_run():
@@ -1059,9 +1059,9 @@ def test_import_does_not_import_torch():
 def test_gpu_tables_other_than_torch_cuda_tensors_are_refused_clearly(cupy_or_double):
     with pytest.raises(TypeError, match=r"and torch CUDA tensors .*; a cupy array on cuda:0 is not served: "
                                         r"torch.from_dlpack\(table\)"):
-        distributed._placement(cupy_or_double.zeros((4, 2), cupy_or_double.float32), None)
+        distributed.shards._placement(cupy_or_double.zeros((4, 2), cupy_or_double.float32), None)
     with pytest.raises(TypeError, match="a torch array on meta:0 is not served$"):
-        distributed._placement(torch.empty((4, 2), device="meta"), None)
+        distributed.shards._placement(torch.empty((4, 2), device="meta"), None)
 
 
 def test_torchrun_launches_two_ranks(tmp_path):
@@ -1411,14 +1411,14 @@ def test_an_allocation_that_fails_on_one_rank_is_raised_on_every_rank_without_a_
 
 def test_the_group_backend_decides_which_tables_it_serves():
     capability = dist.Backend.backend_capability
-    carriers = {backend: {kind: distributed._carrier(backend, kind, capability) for kind in ("cpu", "cuda")}
+    carriers = {backend: {kind: distributed.shards._carrier(backend, kind, capability) for kind in ("cpu", "cuda")}
                 for backend in ("gloo", "nccl", "cpu:gloo,cuda:nccl")}
     assert carriers == {"gloo": {"cpu": "gloo", "cuda": "gloo"}, "nccl": {"cpu": None, "cuda": "nccl"},
                         "cpu:gloo,cuda:nccl": {"cpu": "gloo", "cuda": "nccl"}}
-    distributed._check_transport("nccl", carriers["nccl"], "cuda:0")  # a GPU table over NCCL alone: accepted
-    distributed._check_transport("cpu:gloo,cuda:nccl", carriers["cpu:gloo,cuda:nccl"], "cpu")
+    distributed.shards._check_transport("nccl", carriers["nccl"], "cuda:0")  # a GPU table over NCCL alone: accepted
+    distributed.shards._check_transport("cpu:gloo,cuda:nccl", carriers["cpu:gloo,cuda:nccl"], "cpu")
     with pytest.raises(ValueError, match="a host table's rows as CPU tensors, which a 'nccl' group cannot carry"):
-        distributed._check_transport("nccl", carriers["nccl"], "cpu")
+        distributed.shards._check_transport("nccl", carriers["nccl"], "cpu")
 
 
 def test_a_host_table_on_a_group_of_nccl_alone_is_refused_before_any_collective(monkeypatch):
@@ -1436,12 +1436,12 @@ def test_a_host_table_on_a_group_of_nccl_alone_is_refused_before_any_collective(
 
 def test_device_must_be_the_host_or_a_visible_gpu():
     table = np.ones((4, 2), np.float32)
-    assert distributed._placement(table, None) == distributed._placement(table, "cpu") == "cpu"
-    assert distributed._placement("model.safetensors", None) == "cpu"
+    assert distributed.shards._placement(table, None) == distributed.shards._placement(table, "cpu") == "cpu"
+    assert distributed.shards._placement("model.safetensors", None) == "cpu"
     for device, message in (("gpu", "device must be None, 'cpu', 'cuda' or 'cuda:N'"),
                             (f"cuda:{torch.cuda.device_count()}", "torch sees")):
         with pytest.raises(ValueError, match=message):
-            distributed._placement("model.safetensors", device)
+            distributed.shards._placement("model.safetensors", device)
 
 
 def nccl_task(rank: int, world: int, checkpoint: str) -> dict:

@@ -70,11 +70,11 @@ def test_a_rank_maps_its_rows_from_the_file_the_header_was_read_from(tmp_path):
     path = tmp_path / "model.safetensors"
     _save(path, TABLE)
     whole = io.open_table(path)
-    assert np.array_equal(distributed._map_rows(whole, 10, 20), TABLE[10:20])
+    assert np.array_equal(distributed.shards._map_rows(whole, 10, 20), TABLE[10:20])
     _save(tmp_path / "incoming.safetensors", OTHER)
     os.replace(tmp_path / "incoming.safetensors", path)
     with pytest.raises(ValueError, match="changed while it was being opened"):
-        distributed._map_rows(whole, 10, 20)
+        distributed.shards._map_rows(whole, 10, 20)
 
 
 def test_a_quantized_tables_rows_and_scales_come_from_one_file(tmp_path):

@@ -1,67 +1,5 @@
-"""Vocabulary-parallel embedding lookup on torch.distributed: each rank holds a contiguous slice of the rows.
+"""The vocabulary-parallel layer: :class:`VocabParallelEmbedding` and the steps of its calls (see the package)."""
 
-Every rank of a process group builds ``VocabParallelEmbedding(source)``
-together (it is a collective, like the calls). Each rank keeps only its own
-rows: from a checkpoint path it memory-maps just its rows' bytes of the
-file, so its memory grows by its shard, not by the table. Quantized tables
-(:class:`~fastembed.formats.QuantizedTable`, a GGUF block type, a quantized
-safetensors file fastembed saved) are split the same way, by rows of bytes
-(and row scales), and dequantized by the local gather into ``dtype=``.
-
-A torch CUDA tensor, or a checkpoint path with ``device="cuda:N"``, gives
-each rank a *GPU shard*: its rows on its GPU, gathered there by fastembed's
-cuda backend, combined by the all-reduce (NCCL's reduce-scatter for
-``"scatter"`` on a group whose GPU backend is NCCL), returned as torch CUDA
-tensors on the shard's device. The ids are still checked and fingerprinted
-on the host (ids on the GPU are copied there first).
-
-``emb(ids)``, called by every rank with the same ids, returns every rank the
-full rows ``table[ids]``; ``emb(ids, mode="scatter")`` returns each rank its
-contiguous slice of the positions, for sequence-parallel callers.
-
-A call runs five steps on every rank (:class:`LookupTimings` times each):
-
-1. *prepare*: the ids are checked as :func:`fastembed.lookup` checks them
-   (against the real vocabulary), copied once as int64 and fingerprinted
-   (shape, mode, a 64-bit hash of the values);
-2. *gather*: the rank's own positions are gathered from its shard by
-   fastembed (ids shifted by the shard's first row), into the exchange's
-   buffer (below);
-3. *agree*: one small all-gather of each rank's status and fingerprint. A
-   rank's bad ids, or ids that differ between ranks, raise the same error on
-   every rank here, before any data collective; the group stays usable;
-4. *communicate*, by one of two exchanges (``exchange=``, chosen when the
-   layer is built):
-
-   - ``"shared_memory"``, when every rank runs on one host with a host
-     table (the default there): step 2 wrote each rank's rows into a buffer of a shared-memory
-     segment all ranks map, and the agreement doubles as the barrier after
-     those writes, so nothing is sent (unless the segment is too small for
-     the batch: the ranks then grow it together and write their rows into
-     it after the agreement, followed by a second barrier);
-   - ``"all_reduce"``, otherwise: step 2 wrote zeros at every position the
-     rank does not own, and an integer SUM all-reduce of the rows seen as
-     integers combines them in place. Each sum is ``x + 0 + ... + 0``: the
-     owner's bits.
-
-   Both are exact for every dtype, -0.0 and NaN payloads included: no float
-   arithmetic touches a row;
-5. *copy out*: with shared memory, the rows this rank returns are gathered
-   out of the segment's buffer into a new array; with the all-reduce,
-   ``"full"`` returns the reduced buffer itself and ``"scatter"`` copies
-   this rank's positions out of it.
-
-Every collective is waited for at most ``timeout`` seconds: a rank that dies
-or stops calling makes the others raise :class:`CommunicationError`. The
-agreements carry CPU tensors where the group has a CPU backend (gloo), and
-tensors on the shard's GPU on a group of NCCL alone; a GPU shard's rows
-always travel as CUDA tensors of its device.
-
-How rows and positions are split: :func:`row_range` and :func:`position_range`.
-Importing this module does not import torch; building a
-:class:`VocabParallelEmbedding` does (ImportError naming the extra without it).
-docs/distributed.md has the usage, the failure behaviour and a cost model.
-"""
 from __future__ import annotations
 
 import datetime
@@ -69,10 +7,7 @@ import hashlib
 import math
 import mmap
 import os
-import re
 import secrets
-import socket
-import sys
 import threading
 import time
 import warnings
@@ -82,52 +17,37 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import validate
-from .api import Embedding, lookup
-from .arrays import adapter_of, device_of, memory_guards, result_like, torch_adapter
-from .backends.cuda_backend import deferred_id_checks
-from .formats import QuantizedTable
-
-__all__ = ["EXCHANGES", "MODES", "CommunicationError", "LookupTimings", "VocabParallelEmbedding", "padded_vocab_size",
-           "position_range", "row_range", "split_range"]
+from .. import validate
+from ..api import Embedding, lookup
+from ..arrays import result_like, torch_adapter
+from ..backends.cuda_backend import deferred_id_checks
+from ..formats import QuantizedTable
+from . import segments
+from .agreement import CommunicationError, _digest, _errno_of, _error_code, _shared_error
+from .layout import _checked_pad, padded_vocab_size, position_range, row_range
+from .segments import SEGMENT_GRANULE, SEGMENT_PREFIX, SHM_FOLDER, _Segment, _unlink_quietly
+from .shards import _carrier, _check_transport, _kind, _open_shard, _placement
 
 MODES = ("full", "scatter")
+
+
 #: What ``exchange=`` takes: ``"auto"`` is shared memory when every rank runs on this host, else the all-reduce.
 EXCHANGES = ("auto", "shared_memory", "all_reduce")
-#: Where the shared-memory exchange creates its segments (a tmpfs on Linux), and how their names begin.
-SHM_FOLDER = "/dev/shm"
-SEGMENT_PREFIX = "fastembed-"
-#: A segment's buffers are sized in multiples of this (a huge page), so that nearby batch sizes share one.
-SEGMENT_GRANULE = 2 * 2**20
+
+
 #: The range of ``timeout=`` in seconds: torch waits whole milliseconds (0 means no limit), and a year is plenty.
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 365 * 24 * 3600.0
-#: The largest ``pad_to_multiple=``: a padded vocabulary then still counts its rows in 64 bits.
-MAX_PAD_TO_MULTIPLE = 2**62
-#: What ``source`` is a checkpoint path as (as for Embedding.from_pretrained); anything else is a table.
-_PATH_TYPES = (str, bytes, os.PathLike)
+
+
 #: Bytes of an error message or description one rank shares with the others (longer ones are cut).
 MESSAGE_BYTES = 2048
+
+
 TORCH_NEEDED = "fastembed.distributed needs torch 2.13 or later (the release it is tested with): pip install 'fastembed-gather[distributed]'"
+
+
 #: Integer views for the SUM collectives, widest first. No int16: neither gloo nor NCCL sums it.
 _WORDS = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8))
-#: Exception types a rank's local step shares with the others by their index (+1); any other becomes a RuntimeError.
-_SHARED = (IndexError, ValueError, TypeError, FileNotFoundError, PermissionError, OSError, MemoryError, ImportError)
-_NOT_SERVED = ("VocabParallelEmbedding serves host tables (numpy, np.memmap, torch CPU tensors) and torch CUDA "
-               "tensors (or QuantizedTables of them); a {kind} on {device} is not served{hint}")
-#: How a cupy table is served: as the torch tensor over its memory.
-_CUPY_HINT = ": torch.from_dlpack(table) is a torch CUDA tensor over the same memory (no copy)"
-#: ``device=`` for a checkpoint: the host, torch's current GPU, or GPU N.
-_DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
-
-
-class CommunicationError(RuntimeError):
-    """A collective of :class:`VocabParallelEmbedding` failed or timed out.
-
-    Another rank died, hung, or stopped calling. The process group is unusable
-    afterwards (a collective may still be pending in it): destroy it and end
-    the process; a launcher (torchrun) then stops or restarts the job. Every
-    later call of the same layer raises this error again at once.
-    """
 
 
 class LookupTimings(NamedTuple):
@@ -152,96 +72,6 @@ class LookupTimings(NamedTuple):
     payload_bytes: int
     copy_s: float
     exchange: str
-
-
-def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
-    """Part `index` of `total` items split into `parts` contiguous parts: the first ``total % parts`` get one more.
-
-    Returns:
-        ``(start, stop)``, a half-open range.
-
-    Raises:
-        ValueError: a negative total, fewer than one part, or an index outside ``[0, parts)``.
-
-    Example:
-        >>> from fastembed.distributed import split_range
-        >>> [split_range(10, 4, index) for index in range(4)]
-        [(0, 3), (3, 6), (6, 8), (8, 10)]
-    """
-    if total < 0 or parts < 1 or not 0 <= index < parts:
-        raise ValueError(f"cannot take part {index} of {total} items split into {parts} parts")
-    base, extra = divmod(total, parts)
-    start = index * base + min(index, extra)
-    return start, start + base + (1 if index < extra else 0)
-
-
-def padded_vocab_size(vocab_size: int, pad_to_multiple: int = 1) -> int:
-    """`vocab_size` rounded up to a multiple of `pad_to_multiple` (Megatron pads to 128 x the ranks).
-
-    Raises:
-        TypeError: a `pad_to_multiple` that is not an integer.
-        ValueError: a `pad_to_multiple` outside 1 to 2**62.
-
-    Example:
-        >>> from fastembed.distributed import padded_vocab_size
-        >>> padded_vocab_size(129280, 128 * 8)
-        130048
-    """
-    pad_to_multiple = _checked_pad(pad_to_multiple)
-    return -(-vocab_size // pad_to_multiple) * pad_to_multiple
-
-
-def row_range(vocab_size: int, world_size: int, rank: int, pad_to_multiple: int = 1) -> tuple[int, int]:
-    """The rows rank `rank` owns: its contiguous part of the padded vocabulary.
-
-    The vocabulary is padded to a multiple of `pad_to_multiple`, then split by
-    :func:`split_range` (the first ``padded % world_size`` ranks get one row
-    more; none do when `pad_to_multiple` is a multiple of `world_size`, as in
-    Megatron). Padded rows do not exist: a rank stores rows ``[start,
-    min(stop, vocab_size))``, and ids from `vocab_size` up are out of range.
-
-    Returns:
-        ``(start, stop)`` in the padded vocabulary.
-
-    Raises:
-        TypeError: a `pad_to_multiple` that is not an integer.
-        ValueError: a vocabulary below 1, a `pad_to_multiple` outside 1 to
-            2**62, or `rank` outside ``[0, world_size)``.
-
-    Example:
-        >>> from fastembed.distributed import row_range
-        >>> [row_range(10, 3, rank) for rank in range(3)]
-        [(0, 4), (4, 7), (7, 10)]
-        >>> [row_range(10, 4, rank, pad_to_multiple=8) for rank in range(4)]  # rank 2 stores 8, 9; rank 3 none
-        [(0, 4), (4, 8), (8, 12), (12, 16)]
-    """
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be 1 or more, got {vocab_size}")
-    return split_range(padded_vocab_size(vocab_size, pad_to_multiple), world_size, rank)
-
-
-def position_range(count: int, world_size: int, rank: int) -> tuple[int, int]:
-    """The positions ``mode="scatter"`` returns to rank `rank`, of `count` along the ids' first dimension.
-
-    The same rule as rows (:func:`split_range`): the first ``count % world_size``
-    ranks get one position more; ranks past `count` get none.
-
-    Example:
-        >>> from fastembed.distributed import position_range
-        >>> [position_range(5, 3, rank) for rank in range(3)]
-        [(0, 2), (2, 4), (4, 5)]
-    """
-    return split_range(count, world_size, rank)
-
-
-class _Shard(NamedTuple):
-    """One rank's rows: the view (or QuantizedTable of views) gathered from, the caller's kind, the watch."""
-
-    rows: Any  # np.ndarray or torch CUDA tensor, or a QuantizedTable of this rank's rows (and row scales)
-    like: Any  # None for numpy tables; else the rows in the caller's library, so results follow the table's kind
-    watch: Any  # a FileWatch over the mapped rows for a path source, else None
-    vocab_size: int
-    guards: tuple[Any, ...] = ()  # memory guards of a torch table's rows and scales (fastembed.arrays.memory_guards)
 
 
 class VocabParallelEmbedding:
@@ -847,7 +677,7 @@ class VocabParallelEmbedding:
             ValueError: ``"shared_memory"`` on ranks of different hosts, or where
                 a rank has no usable /dev/shm (on every rank: all see the same facts).
         """
-        host, usable = _host_identity()
+        host, usable = segments._host_identity()
         secret = int.from_bytes(secrets.token_bytes(8), "little", signed=True)
         hosts, usables, secrets_ = zip(*self._all_gather_ints([host, int(usable), secret]), strict=True)
         self._key = int(secrets_[0]).to_bytes(8, "little", signed=True)  # rank 0's: names no one can guess
@@ -903,14 +733,14 @@ class VocabParallelEmbedding:
         try:
             if self.rank == 0:
                 try:
-                    mapping = _create_mapping(path, 2 * buffer_bytes)
+                    mapping = segments._create_mapping(path, 2 * buffer_bytes)
                 except Exception as caught:
                     error = caught
             self._agree(error, 0, lambda: "", "making the shared-memory segment", "")
             stage = "mapping"
             if self.rank != 0:
                 try:
-                    mapping = _open_mapping(path, 2 * buffer_bytes)
+                    mapping = segments._open_mapping(path, 2 * buffer_bytes)
                 except Exception as caught:
                     error = caught
             self._agree(error, 0, lambda: "", "mapping the shared-memory segment", "")
@@ -1041,34 +871,11 @@ class _Call:
         self.late_gather_s = self.exchange_s = self.copy_s = 0.0
 
 
-class _Segment:
-    """A mapped shared-memory file of two buffers of `buffer_bytes`; its name is already unlinked."""
-
-    def __init__(self, mapping: mmap.mmap, buffer_bytes: int) -> None:
-        self._mapping = mapping
-        self.buffer_bytes = buffer_bytes
-        whole = np.frombuffer(mapping, np.uint8)
-        self.buffers: tuple[np.ndarray, ...] = (whole[:buffer_bytes], whole[buffer_bytes: 2 * buffer_bytes])
-
-    def close(self) -> None:
-        self.buffers = ()
-        try:
-            self._mapping.close()
-        except BufferError:  # a view of it is still alive somewhere: the map goes with the last one
-            pass
-
-
 #: Why a layer is never copied: its calls are collectives, in step with the other ranks' (which buffer of the
 #: shared-memory segment a call writes, say), and a copy would fall out of step.
 _NOT_COPIED = ("a VocabParallelEmbedding cannot be copied or pickled: it is this rank's part of one layer whose calls "
                "the ranks make in step, and a copy would fall out of step with the others; build another layer on "
                "every rank instead")
-
-
-def _errno_of(error: Exception) -> int:
-    """An OSError's errno, to travel with its status (0 when it has none that fits an int64: OSError("a", "b")'s is "a")."""
-    number = getattr(error, "errno", None)
-    return number if type(number) is int and 0 < number < 2**63 else 0
 
 
 def _weak_world(dist: Any) -> Callable[[], Any]:
@@ -1077,255 +884,12 @@ def _weak_world(dist: Any) -> Callable[[], Any]:
     return (lambda: None) if world is None else weakref.ref(world)
 
 
-def _host_identity() -> tuple[int, bool]:
-    """A hash of what ranks sharing memory have in common (host, boot, user, /dev/shm), and whether it is usable."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot_file:
-            boot = boot_file.read().strip()
-        folder = os.stat(SHM_FOLDER)
-    except OSError:
-        return _digest(socket.gethostname().encode(), secrets.token_bytes(8)), False
-    getuid = getattr(os, "getuid", None)
-    user = getuid() if getuid is not None else -1
-    host = _digest(socket.gethostname().encode(), b"\0", boot.encode(),
-                   f"\0{user}\0{folder.st_dev}:{folder.st_ino}".encode())
-    usable = (sys.platform.startswith("linux") and hasattr(os, "posix_fallocate")
-              and os.access(SHM_FOLDER, os.W_OK | os.X_OK))
-    return host, usable
-
-
-def _create_mapping(path: str, size: int) -> mmap.mmap:
-    """A new file of `size` bytes at `path`, its pages reserved, mapped read-write; the file is removed on failure."""
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        # Reserving the pages now makes a full /dev/shm an OSError here rather than a SIGBUS at the first write.
-        os.posix_fallocate(descriptor, 0, size)
-        return mmap.mmap(descriptor, size)
-    except BaseException:
-        _unlink_quietly(path)
-        raise
-    finally:
-        os.close(descriptor)
-
-
-def _open_mapping(path: str, size: int) -> mmap.mmap:
-    """Map the file rank 0 made at `path`, after checking that it is this user's and `size` bytes long."""
-    descriptor = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        status = os.fstat(descriptor)
-        if status.st_uid != os.getuid() or status.st_size != size:
-            raise ValueError(f"{path} is not the segment rank 0 made (owner {status.st_uid}, {status.st_size} bytes)")
-        return mmap.mmap(descriptor, size)
-    finally:
-        os.close(descriptor)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _placement(source: Any, device: Any) -> str:
-    """Where this rank's shard lives: `device` for a checkpoint path (None: the host), an array's own device.
-
-    Raises:
-        ValueError: a `device` that is not ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` of
-            a visible GPU; for an array, a `device` other than its own.
-        TypeError: an array on a GPU that is not a torch CUDA tensor (a cupy array),
-            or on another kind of device.
-    """
-    if isinstance(source, _PATH_TYPES):
-        return _checked_device(device)
-    rows = validate.storage(source)
-    placement = device_of(rows)
-    library = getattr(adapter_of(rows), "name", type(rows).__module__)
-    if placement != "cpu" and not (placement.startswith("cuda:") and library == "torch"):
-        raise TypeError(_NOT_SERVED.format(kind=f"{library} array", device=placement,
-                                           hint=_CUPY_HINT if library == "cupy" else ""))
-    if device is not None and _checked_device(device) != placement:
-        raise ValueError(f"device={device!r} places a checkpoint's rows; an array's shard is a view of it, on "
-                         f"{placement}: move the table there first")
-    return placement
-
-
-def _checked_device(device: Any) -> str:
-    """``device=`` as ``"cpu"`` or ``"cuda:N"`` (``"cuda"``: torch's current GPU); None is the host."""
-    name = "cpu" if device is None else str(device)
-    if not _DEVICE_PATTERN.fullmatch(name):
-        raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if name == "cpu":
-        return name
-    import torch
-
-    count = torch.cuda.device_count()
-    index = int(name[5:]) if name != "cuda" else torch.cuda.current_device() if count else 0
-    if not index < count:
-        raise ValueError(f"device={device!r}: torch sees {count} CUDA device(s)")
-    return f"cuda:{index}"
-
-
-def _carrier(backend: str, device_type: str, capability: dict[str, list[str]]) -> str | None:
-    """The backend of a group that carries tensors of `device_type` (``"cpu"``, ``"cuda"``), or None.
-
-    `backend` is what ``torch.distributed.get_backend`` says: one backend
-    (``"gloo"``, ``"nccl"``), whose device types torch lists in `capability`
-    (``torch.distributed.Backend.backend_capability``), or one per device type
-    (``"cpu:gloo,cuda:nccl"``).
-
-    Example:
-        >>> from fastembed.distributed import _carrier
-        >>> capability = {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]}
-        >>> [_carrier("nccl", kind, capability) for kind in ("cpu", "cuda")]
-        [None, 'nccl']
-        >>> [_carrier("cpu:gloo,cuda:nccl", kind, capability) for kind in ("cpu", "cuda")]
-        ['gloo', 'nccl']
-    """
-    if ":" in backend:
-        return dict(part.split(":", 1) for part in backend.split(",")).get(device_type)
-    return backend if device_type in capability.get(backend, ()) else None
-
-
-def _check_transport(backend: str, carriers: dict[str, str | None], placement: str) -> None:
-    """Raise ValueError when the group (its `carriers` per device type) cannot carry the rows of a shard on `placement`."""
-    kind = placement.partition(":")[0]
-    if carriers[kind] is None:
-        what = "a host table's rows as CPU tensors" if kind == "cpu" else "a GPU table's rows as CUDA tensors"
-        raise ValueError(f"VocabParallelEmbedding communicates {what}, which a {backend!r} group cannot carry: use a "
-                         "gloo group, or init_process_group(backend='cpu:gloo,cuda:nccl')")
-
-
-def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: int, placement: str) -> _Shard:
-    """This rank's rows of `source`: a map of only their bytes for a path (copied to `placement` if a GPU), a view for an array."""
-    if isinstance(source, _PATH_TYPES):
-        shard = _map_shard(os.fsdecode(source), name, pad, rank, world_size)
-        return shard if placement == "cpu" else _copied_to(shard, placement)
-    if name is not None:
-        raise ValueError("name= picks a tensor of a checkpoint; it does not apply to an array source")
-    view = validate.table_snapshot(source)
-    vocab_size = int(view.shape[0])
-    start, stop = _stored_range(vocab_size, pad, rank, world_size)
-    rows = validate.storage(source)  # what results follow: the table, or a quantized table's data
-    like = None
-    if not isinstance(rows, np.ndarray):
-        like = rows.detach()[start:stop] if hasattr(rows, "detach") else rows  # torch: a view of the rows
-    guards = memory_guards(rows, source.scales if isinstance(source, QuantizedTable) else None)
-    if placement != "cpu":  # torch CUDA tensors: gathered as they are, so that results are torch tensors on their GPU
-        if isinstance(source, QuantizedTable):
-            scales = None if source.scales is None else source.scales.detach()[start:stop]
-            return _Shard(QuantizedTable(like, source.format, source.dim, scales), like, None, vocab_size, guards)
-        return _Shard(like, like, None, vocab_size, guards)
-    if isinstance(view, QuantizedTable):
-        scales = None if view.scales is None else view.scales[start:stop]
-        return _Shard(QuantizedTable(view.data[start:stop], view.format, view.dim, scales), like, None, vocab_size,
-                      guards)
-    return _Shard(view[start:stop], like, None, vocab_size, guards)
-
-
-def _map_shard(path: str | os.PathLike, name: str | None, pad: int, rank: int, world_size: int) -> _Shard:
-    """Map only this rank's rows of the checkpoint's table; the loaders' map of the whole tensor is dropped unread."""
-    from .io import FileWatch, open_table
-
-    whole = open_table(path, name)
-    arrays: list[Any] = [whole.data, whole.scales] if isinstance(whole, QuantizedTable) else [whole]
-    if not all(array is None or isinstance(array, np.memmap) for array in arrays):
-        raise TypeError(f"{path}: VocabParallelEmbedding maps plain tables; this one opens as {type(whole).__name__}")
-    validate.table_snapshot(whole)  # 2-D and C-contiguous, as Embedding requires
-    vocab_size = int(whole.shape[0])
-    start, stop = _stored_range(vocab_size, pad, rank, world_size)
-    maps = [None if array is None else _map_rows(array, start, stop) for array in arrays]
-    needed = max(int(array.offset) + int(array.itemsize) * stop * math.prod(array.shape[1:])
-                 for array in arrays if array is not None)
-    watch = FileWatch(str(arrays[0].filename), needed)
-    rows: Any = QuantizedTable(maps[0], whole.format, whole.dim, maps[1]) if isinstance(whole, QuantizedTable) else maps[0]
-    del whole, arrays  # the loaders' maps of the whole tensor, never read
-    return _Shard(rows, None, watch, vocab_size)
-
-
-def _copied_to(shard: _Shard, placement: str) -> _Shard:
-    """A mapped shard's rows (and row scales) copied to the GPU `placement` as torch tensors; the maps are dropped."""
-    def copy(rows: Any) -> Any:
-        return None if rows is None else torch_adapter.ADAPTER.from_host(rows, placement)
-
-    rows = shard.rows
-    if isinstance(rows, QuantizedTable):
-        data = copy(rows.data)
-        return _Shard(QuantizedTable(data, rows.format, rows.dim, copy(rows.scales)), data, None, shard.vocab_size)
-    data = copy(rows)
-    return _Shard(data, data, None, shard.vocab_size)
-
-
-def _map_rows(whole: np.memmap, start: int, stop: int) -> np.ndarray:
-    """Rows ``[start, stop)`` of a mapped array (a table's rows, or its row scales), mapping only their bytes."""
-    shape = (stop - start, *whole.shape[1:])
-    if stop == start:
-        return np.empty(shape, whole.dtype)
-    from .io._files import map_file, mapped_identity
-
-    row_bytes = whole.itemsize * math.prod(whole.shape[1:])
-    # From the file the loader mapped and read the header of: a file renamed over the path meanwhile is refused.
-    return map_file(str(whole.filename), whole.dtype, int(whole.offset) + start * row_bytes, shape,
-                    identity=mapped_identity(whole))
-
-
-def _kind(rows: Any) -> str:
-    """A table's rows in words for the agreement: its dtype (a torch dtype by its name), or its format."""
-    return str(rows.format.name) if isinstance(rows, QuantizedTable) else str(rows.dtype).removeprefix("torch.")
-
-
-def _stored_range(vocab_size: int, pad: int, rank: int, world_size: int) -> tuple[int, int]:
-    start, stop = row_range(vocab_size, world_size, rank, pad)
-    return min(start, vocab_size), min(stop, vocab_size)
-
-
 def _checked_timeout(timeout: Any) -> float | None:
     """`timeout` as seconds: None, or from 1 ms (torch counts whole milliseconds, and reads 0 as no limit) to a year."""
     if timeout is None:
         return None
     return validate.checked_seconds(timeout, f"timeout must be None or a number of seconds from {MIN_TIMEOUT_S:g} to "
                                              f"{MAX_TIMEOUT_S:g} (a year)", MIN_TIMEOUT_S, MAX_TIMEOUT_S)
-
-
-def _checked_pad(pad_to_multiple: Any) -> int:
-    """``pad_to_multiple`` as a Python int from 1 to :data:`MAX_PAD_TO_MULTIPLE`, else TypeError or ValueError."""
-    return validate.checked_integer(pad_to_multiple, "pad_to_multiple must be an integer from 1 to "
-                                                     f"2**{MAX_PAD_TO_MULTIPLE.bit_length() - 1}", 1, MAX_PAD_TO_MULTIPLE)
-
-
-def _digest(*parts: Any) -> int:
-    """A 64-bit hash of the parts' bytes, as a signed int64 (a tensor element)."""
-    hasher = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        hasher.update(part)
-    return int.from_bytes(hasher.digest(), "little", signed=True)
-
-
-def _error_code(error: BaseException) -> int:
-    for index, kind in enumerate(_SHARED):
-        if isinstance(error, kind):
-            return index + 1
-    return len(_SHARED) + 1
-
-
-def _shared_error(codes: list[int], texts: list[str], what: str, requirement: str, numbers: list[int]) -> Exception:
-    """The one error every rank raises, from every rank's status code, text and (for an OSError) errno."""
-    world_size = len(codes)
-    failed = [rank for rank, code in enumerate(codes) if code]
-    if not failed:
-        listed = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(texts))
-        return ValueError(f"VocabParallelEmbedding: the ranks disagree on {what}: {requirement} ({listed})")
-    first = failed[0]
-    kind = _SHARED[codes[first] - 1] if codes[first] <= len(_SHARED) else RuntimeError
-    same = [rank for rank in failed if codes[rank] == codes[first] and texts[rank] == texts[first]]
-    if len(same) == world_size:
-        shared = kind(texts[first])
-    else:
-        ranks = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
-        shared = kind(f"{texts[first]} (on {ranks} of {world_size})")
-    if isinstance(shared, OSError) and numbers[first]:
-        shared.errno = numbers[first]  # ENOSPC stays testable on every rank
-    return shared
 
 
 def _torch_distributed() -> tuple[Any, Any]:
