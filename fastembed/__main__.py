@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(facts, indent=2) if arguments.json else format_report(facts), flush=True)
     except BrokenPipeError:  # piped into head: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError as error:  # a full disk, say
+        print(f"python -m fastembed: cannot write to the standard output: {error.strerror or error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -130,7 +130,7 @@ def format_report(facts: dict[str, Any]) -> str:
         f"python {facts['python']} on {facts['platform']}",
         f"cpu: {facts['cpu']}, {facts['cpu_count']} logical cores",
         "packages: " + ", ".join(f"{name} {version or 'not installed'}" for name, version in facts["packages"].items()),
-        f"FASTEMBED_BACKEND: {environment['value'] or '(unset: auto)'}",
+        f"FASTEMBED_BACKEND: {repr(environment['value']) if environment['value'] else '(unset: auto)'}",
     ]
     if not environment["valid"]:
         lines.append(

@@ -139,7 +139,7 @@ _CHECK = 'name = "x"\ncontender = "fastembed-out"\nmetric = "speedup_vs_numpy"\n
     ('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "served_by"\nexpect_backend = ["numba"]\n'
      'batch = 8\ndistribution = "uniform"\n', "expect_backend must be a string, got ['numba']"),
     ("repetitions = true\n[[check]]\nname = 'x'\ncontender = 'fastembed-auto-out'\nmetric = 'speedup_vs_numpy'\n"
-     "min = 1\nbatch = 8\ndistribution = 'uniform'\n", "repetitions must be an integer >= 1"),
+     "min = 1\nbatch = 8\ndistribution = 'uniform'\n", "repetitions must be an integer from 1 to 100000"),
 ])
 def test_gate_thresholds_are_checked_whole(tmp_path, content, message):
     path = tmp_path / "thresholds.toml"
@@ -996,3 +996,67 @@ def test_the_checked_output_is_dropped_before_a_calls_allocations_are_measured()
     alloc = Contender("fastembed auto alloc", "fastembed", True, contenders._fastembed_alloc, id="alloc")
     result = measure_case(table, [alloc], 4096, "uniform", 1, warmup=0)[0]
     assert result.allocated_per_call < 2**20
+
+
+# -- the command line under hostile settings and outputs ------------------------------------------------------
+
+
+TINY_RUN = ("--vocab-size", "3000", "--dim", "64", "--reps", "3", "--batch", "1", "--dist", "uniform")
+
+
+@pytest.mark.parametrize("setting", [{"NUMBA_NUM_THREADS": "0"}, {"NUMBA_THREADING_LAYER": "tbb"}],
+                         ids=["no threads", "a layer that cannot load"])
+def test_a_bad_numba_setting_still_runs_and_writes_the_results(tmp_path, setting):
+    """Both used to end, after every measurement, in a traceback from the machine's facts or the numba limits."""
+    if "NUMBA_THREADING_LAYER" in setting and importlib.util.find_spec("tbb") is not None:
+        pytest.skip("tbb is installed here: that layer loads")
+    result = bench(*TINY_RUN, "--out", str(tmp_path), env={**os.environ, **setting})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize("arguments, words", [
+    (["--reps", "100001"], "at most 100000 repetitions"),
+    (["--vocab-size", "16", "--dim", "65536", "--dtype", "float64", "--batch", "1048576"],
+     "more than this machine's memory: ask for fewer --batch rows"),
+    (["--out", "/tmp/" + "x" * 300 + "/results"], "cannot write results there"),
+])
+def test_a_run_that_cannot_work_is_refused_before_it_starts(tmp_path, arguments, words):
+    result = bench(*(["--out", str(tmp_path)] if "--out" not in arguments else []), *arguments)
+    assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "repetitions"])
+def test_a_thresholds_file_that_is_no_file_or_asks_too_much_is_refused(tmp_path, kind):
+    """A FIFO used to hang the run, /dev/zero to read until memory ran out, a huge repetition count to fill memory."""
+    path = tmp_path / "thresholds.toml"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path = Path(os.devnull)
+    else:
+        path.write_text('repetitions = 9223372036854775807\n[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\n'
+                        'metric = "speedup_vs_numpy"\nbatch = 8\ndistribution = "uniform"\nmin = 0\n')
+    result = bench("--vocab-size", "3000", "--dim", "64", "--gate", "--thresholds", str(path), "--out",
+                   str(tmp_path / "out"))
+    words = "repetitions must be an integer from 1 to 100000" if kind == "repetitions" else "not a regular file"
+    assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_full_standard_output_is_one_clear_line_and_a_closed_one_still_gets_the_results_written(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "fastembed.benchmark.cli", *TINY_RUN, "--out", str(tmp_path / "a")],
+                                cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=600)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "fastembed-bench: cannot write to the standard output: No space left on device")
+    reader = subprocess.Popen([sys.executable, "-m", "fastembed.benchmark.cli", *TINY_RUN, "--out", str(tmp_path / "b")],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert reader.stdout is not None
+    reader.stdout.readline()
+    reader.stdout.close()  # the reader leaves, as `| head -1` does
+    reader.wait(timeout=600)
+    assert reader.returncode == 0 and (tmp_path / "b" / "results.json").exists()

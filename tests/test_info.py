@@ -214,3 +214,22 @@ def test_info_flags_a_fastembed_backend_that_cannot_run(monkeypatch):
     text = info.format_report(info.report())
     assert "ERROR: FASTEMBED_BACKEND='cuda' names a backend that cannot run here" in text
     assert cuda.reasons[0] in text
+
+
+def test_a_backend_setting_is_shown_quoted_on_its_own_line():
+    """Printed raw, a value with a newline forged a line of the report (and one with surrogates could not print)."""
+    lines = run_info(FASTEMBED_BACKEND="numpy\nFASTEMBED_BACKEND: numba").splitlines()
+    assert "FASTEMBED_BACKEND: 'numpy\\nFASTEMBED_BACKEND: numba'" in lines
+    assert "FASTEMBED_BACKEND: numba" not in lines
+
+
+def test_a_full_standard_output_is_one_clear_line():
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "fastembed", "info"], stdout=full, stderr=subprocess.PIPE,
+                                text=True)
+    assert result.returncode == 1
+    assert result.stderr.strip() == "python -m fastembed: cannot write to the standard output: No space left on device"

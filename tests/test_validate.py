@@ -128,6 +128,25 @@ def test_out_overlapping_table_or_ids(backend):
             fastembed.lookup(table, [0, 1], out=out, backend=backend)
 
 
+def test_out_mapping_the_tables_own_file_is_refused_and_the_file_untouched(backend, tmp_path):
+    """A second np.memmap of the table's file has other addresses than the table: the address test let it through,
+    and the gather read rows it had just overwritten."""
+    path = tmp_path / "rows.bin"
+    random_table(10, 4, "float32").tofile(path)
+    before = path.read_bytes()
+    table = np.memmap(path, np.float32, "r+", shape=(10, 4))
+    overlapping = [np.memmap(path, np.float32, "r+", offset=16, shape=(3, 4)),  # file rows 1-3
+                   np.memmap(path, np.float32, "r+", shape=(10, 4))[7:10]]  # a view of another mapping: rows 7-9
+    for out in overlapping:
+        with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+            fastembed.lookup(table, [0, 1, 2], out=out, backend=backend)
+    assert path.read_bytes() == before
+    apart = np.memmap(path, np.float32, "r+", offset=5 * 16, shape=(3, 4))  # rows 5-7, past the table's rows 0-4
+    first_rows = np.memmap(path, np.float32, "r", shape=(5, 4))
+    expected = np.array(first_rows[[0, 1, 2]])
+    assert_bit_equal(fastembed.lookup(first_rows, [0, 1, 2], out=apart, backend=backend), expected)
+
+
 def test_out_beside_a_mapped_table_or_viewed_ids_passes_the_overlap_checks(backend, tmp_path):
     """Arrays that own no buffer (a memory-mapped table, ids and out that are views) but lie apart are accepted."""
     np.save(tmp_path / "table.npy", random_table(100, 8))

@@ -1,6 +1,8 @@
 """numpy arrays (np.memmap and other subclasses included): host memory."""
 from __future__ import annotations
 
+import mmap
+import os
 from typing import Any
 
 import numpy as np
@@ -33,6 +35,20 @@ class NumpyAdapter:
         """Whether two snapshots share memory (exact: ``np.shares_memory``)."""
         return isinstance(second, np.ndarray) and bool(np.shares_memory(first, second))
 
+    def same_file_bytes(self, first: Any, second: Any) -> bool:
+        """Whether two np.memmap arrays (or views of them) map overlapping bytes of one file.
+
+        Two mappings of a file have different addresses, which
+        :meth:`may_share_memory` compares; a write through one is read
+        through the other all the same. False where either is not an
+        np.memmap, or its file cannot be looked at any more.
+        """
+        span_a, span_b = _file_span(first), _file_span(second)
+        if span_a is None or span_b is None:
+            return False
+        (file_a, start_a, stop_a), (file_b, start_b, stop_b) = span_a, span_b
+        return file_a == file_b and start_a < stop_b and start_b < stop_a
+
     def wrap(self, result: np.ndarray) -> np.ndarray:
         return result
 
@@ -47,3 +63,24 @@ class NumpyAdapter:
 
 ADAPTER = NumpyAdapter()
 
+
+def _file_span(array: Any) -> tuple[tuple[int, int], int, int] | None:
+    """((device, inode) of the file, first byte, end) that an np.memmap (or a view of one) maps, or None.
+
+    np.memmap maps its file from ``offset`` rounded down to the allocation
+    granularity, and a view keeps its parent's ``offset`` and mapping: the
+    file position of the array's first byte is that start plus the
+    array's distance from the mapping's first byte.
+    """
+    mapping = getattr(array, "_mmap", None)
+    filename = getattr(array, "filename", None)
+    if not isinstance(array, np.memmap) or not isinstance(mapping, mmap.mmap) or not filename or array.size == 0:
+        return None
+    try:
+        base = np.frombuffer(mapping, np.uint8).ctypes.data
+        facts = os.stat(filename)
+    except (ValueError, OSError):  # a closed mapping, a file renamed or removed since
+        return None
+    first = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY + array.ctypes.data - base
+    extent = max(0, *(stride * (size - 1) for stride, size in zip(array.strides, array.shape, strict=True)))
+    return (facts.st_dev, facts.st_ino), first, first + extent + array.itemsize

@@ -33,6 +33,10 @@ _RANDOM_TABLE = {"vocab_size": 129280, "dim": 4096, "dtype": "float16"}
 QUICK_BATCHES = (1, 6, 1024, 8192)
 #: Larger batches than this are refused: every contender holds its own output of that many rows.
 MAX_BATCH = 2**20
+#: Outputs of the largest batch that a run holds at once, an estimate for the memory check: one per contender
+#: that writes into its own (fastembed's per backend and auto, numpy's take, torch's, the copies), the copies'
+#: sources, and the new ones of allocating calls.
+OUTPUTS_HELD = 12
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -59,7 +63,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated batch sizes, 1 to {MAX_BATCH} (default: {','.join(map(str, BATCHES))})")
     parser.add_argument("--dist", type=_choices(DISTRIBUTIONS),
                         help=f"comma-separated id distributions: {', '.join(DISTRIBUTIONS)} (default: both)")
-    parser.add_argument("--reps", type=_positive_int,
+    parser.add_argument("--reps", type=_repetitions,
                         help="timed repetitions per case (default 15, quick 5; --gate: the thresholds file's, "
                              "--processes: 100 per process, --ranks: 20, quick 5)")
     parser.add_argument("--cold", action="store_true",
@@ -142,6 +146,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         if table_bytes > _physical_memory():
             parser.error(f"a {arguments.vocab_size} x {arguments.dim} {arguments.dtype} table takes "
                          f"{table_bytes / 2**30:.1f} GiB, more than this machine's memory")
+        row_bytes = arguments.dim * resolve_dtype(arguments.dtype).itemsize
+        outputs = OUTPUTS_HELD * max(arguments.batch or BATCHES) * row_bytes
+        if table_bytes + outputs > _physical_memory():
+            parser.error(f"the outputs of {max(arguments.batch or BATCHES)} rows of {row_bytes} bytes that the "
+                         f"contenders hold take {outputs / 2**30:.1f} GiB beside the table's "
+                         f"{table_bytes / 2**30:.1f} GiB, more than this machine's memory: ask for fewer --batch rows")
         if arguments.format:
             problem = quantizing_problem(arguments.format, arguments.dim, resolve_dtype(arguments.dtype))
             if problem:
@@ -197,6 +207,15 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _repetitions(text: str) -> int:
+    from .measure import MAX_REPS
+
+    value = _positive_int(text)
+    if value > MAX_REPS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_REPS} repetitions, got {value}")
     return value
 
 
@@ -346,9 +365,12 @@ def _unwritable(folder: Path, names: tuple[str, ...] = RESULT_FILES) -> str | No
     changes nothing; a link to a file not made yet must lead into a folder
     that can be written.
     """
-    if folder.exists() and not folder.is_dir():
-        return "is a file, not a folder for the results"
-    taken = [name for name in names if (folder / name).is_dir()]
+    try:
+        if folder.exists() and not folder.is_dir():
+            return "is a file, not a folder for the results"
+        taken = [name for name in names if (folder / name).is_dir()]
+    except OSError as error:  # a name too long, say
+        return f"cannot write results there: {error.strerror or error}"
     if taken:
         return f"{folder / taken[0]} is a directory, where a result file goes"
     try:
@@ -476,14 +498,53 @@ def gpu_usable() -> bool:
     return not cuda_backend.BACKEND.unavailable_reasons()
 
 
+class OutputError(Exception):
+    """Writing to the standard output failed (a full disk, say): the run stops with one line on stderr."""
+
+
+class _GuardedOutput:
+    """The standard output as the console writes it: a reader that left (a closed pipe) silences it and the run
+    goes on to write its result files; any other write error stops the run as an :class:`OutputError`."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._guarded(lambda: self._stream.write(text), len(text))
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush, None)
+
+    def _guarded(self, action: Any, silenced: Any) -> Any:
+        try:
+            return action()
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+            return silenced
+        except OSError as error:
+            raise OutputError(f"cannot write to the standard output: {error.strerror or error}") from error
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: the stream's own
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except OutputError as error:
+        print(f"fastembed-bench: {error}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     arguments = parse_arguments(argv)
     try:
         from rich.console import Console
     except ImportError:
         print("fastembed-bench needs the bench extra: pip install 'fastembed-gather[bench]'", file=sys.stderr)
         return 2
-    console = Console()  # rich sizes it to the terminal (80 columns when not a terminal and COLUMNS is unset)
+    # rich sizes it to the terminal (80 columns when not a terminal and COLUMNS is unset)
+    console = Console(file=_GuardedOutput(sys.stdout))  # type: ignore[arg-type] # a stream by duck typing
     if arguments.device == "cuda" and not gpu_usable() and not arguments.gate:
         from fastembed.backends import cuda_backend
 

@@ -233,7 +233,20 @@ def host_contenders(backends: list[str] | None = None) -> list[Contender]:
     """
     available = [status.name for status in fastembed.backend_statuses() if status.available]
     stream = platform.machine().lower() in ("x86_64", "amd64")  # non-temporal stores: x86-64 only
-    return _host_contenders(available, backends, torch_installed(), stream)
+    contenders = _host_contenders(available, backends, torch_installed(), stream)
+    if "numba" in available:
+        from . import copy_kernels
+
+        problem = copy_kernels.parallel_unavailable()
+        if problem is not None:
+            warnings.warn(f"numba's parallel kernels cannot run here ({problem}): the limits that use them are not "
+                          "measured", RuntimeWarning, stacklevel=2)
+            contenders = [contender for contender in contenders if contender.id not in _NUMBA_LIMITS]
+    return contenders
+
+
+#: The limits measured by numba's parallel kernels (fastembed.benchmark.copy_kernels).
+_NUMBA_LIMITS = ("copy-numba", "copy-numba-stream", SCATTERED_READ, "copy-alloc-numba")
 
 
 def known_host_contender_ids() -> set[str]:

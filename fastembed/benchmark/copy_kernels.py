@@ -47,6 +47,16 @@ def block_count() -> int:
     return max(1, numba.get_num_threads())
 
 
+def parallel_unavailable() -> str | None:
+    """Why numba's parallel kernels cannot run in this process (no threading layer loads, a bad
+    NUMBA_NUM_THREADS), or None: then the limits that use them are not measured."""
+    try:
+        block_count()
+    except Exception as error:  # noqa: BLE001 - numba raises ValueError, and may raise others, for a bad setting
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def word_view(array: np.ndarray) -> np.ndarray:
     """`array` (2-D, rows contiguous) as its rows' widest unsigned words: 8, 4, 2 or 1 bytes."""
     array = np.asarray(array)  # np.memmap: a plain view of the same bytes

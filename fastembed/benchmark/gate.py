@@ -8,13 +8,15 @@ id (see contenders.Contender), never by display name.
 from __future__ import annotations
 
 import math
+import os
+import stat
 import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .measure import paired_ratio_of_samples
+from .measure import MAX_REPS, paired_ratio_of_samples
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,6 +31,8 @@ RATIO_METRICS = ("fraction_of_limit", "speedup_vs_numpy", "speedup_vs_contender"
 METRICS = (*RATIO_METRICS, "served_by")
 #: The thresholds shipped with the package.
 PACKAGED_THRESHOLDS = "thresholds.toml"
+#: A thresholds file larger than this is refused before it is read.
+MAX_THRESHOLDS_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,15 @@ def thresholds_text(path: Path | None = None) -> tuple[str, str]:
         except OSError as error:
             raise ValueError(f"{where} cannot be read ({error}): the package is incomplete; reinstall it") from error
     try:
-        return str(path), Path(path).read_text(encoding="utf-8")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+        with open(descriptor, "rb") as file:
+            facts = os.fstat(file.fileno())
+            if not stat.S_ISREG(facts.st_mode):
+                raise ValueError(f"--thresholds {path}: not a regular file")
+            if facts.st_size > MAX_THRESHOLDS_BYTES:
+                raise ValueError(f"--thresholds {path}: {facts.st_size} bytes, more than a thresholds file takes "
+                                 f"({MAX_THRESHOLDS_BYTES} at most)")
+            return str(path), file.read(MAX_THRESHOLDS_BYTES + 1).decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"--thresholds {path}: cannot read it: {error}") from error
 
@@ -107,8 +119,8 @@ def load_checks(path: Path | None = None) -> tuple[list[Check], int]:
         _validate(check, where)
         checks.append(check)
     repetitions = document.get("repetitions", 11)
-    if isinstance(repetitions, bool) or not isinstance(repetitions, int) or repetitions < 1:
-        raise ValueError(f"{where}: repetitions must be an integer >= 1, got {repetitions!r}")
+    if isinstance(repetitions, bool) or not isinstance(repetitions, int) or not 1 <= repetitions <= MAX_REPS:
+        raise ValueError(f"{where}: repetitions must be an integer from 1 to {MAX_REPS}, got {repetitions!r}")
     return checks, repetitions
 
 

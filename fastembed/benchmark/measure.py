@@ -42,6 +42,9 @@ import numpy as np
 from .contenders import SCATTERED_READ, Contender, slug
 from .ids import id_sets
 
+#: Timed repetitions of a case at most (--reps, a thresholds file's repetitions): a median of more says nothing new,
+#: and each repetition keeps its own set of ids.
+MAX_REPS = 100_000
 #: The "what users write" baseline per platform (contender ids), and the key its speedup is reported under.
 BASELINES = {"speedup_vs_numpy": "numpy-fancy", "speedup_vs_cupy": slug("cupy table[ids]")}
 #: The allocating limit's display name (np.empty / cupy.empty + the copy).

@@ -23,15 +23,17 @@ def machine_facts() -> dict[str, Any]:
     for name in ("numba", "torch", "cupy"):
         try:
             versions[name] = __import__(name).__version__
-        except ImportError:
+        except Exception:  # noqa: BLE001 - not installed, or failing to load (a bad NUMBA_NUM_THREADS, say)
             pass
-    threads = None
+    threads: Any = None
     try:
         import numba
 
         threads = numba.get_num_threads()
     except ImportError:
         pass
+    except Exception as error:  # noqa: BLE001 - a bad setting or no threading layer: said, as info says it
+        threads = f"unavailable: {type(error).__name__}: {error}"
     return {
         "fastembed": fastembed.__version__, "python": platform.python_version(), "platform": platform.platform(),
         "cpu": facts["cpu"], "cpu_count": os.cpu_count(), "numba_threads": threads, "versions": versions,
