@@ -58,7 +58,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         TypeError: ids that are not integers; arrays of the wrong kind, dtype or device.
         ValueError: ids in nested lists of different lengths; a table or
             ``out`` of the wrong shape or layout; an ``out``
-            that is read-only, overlaps the table or the ids, requires grad, or
+            that is read-only, overlaps the table or the ids (an np.memmap of
+            the table's own file bytes too), requires grad, or
             is a torch inference tensor outside inference mode;
             an unknown backend name (in `backend` or FASTEMBED_BACKEND); a
             FASTEMBED_OUTPUT_CACHE_BYTES that is not a byte count (read at the
