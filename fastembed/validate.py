@@ -497,7 +497,9 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
         ValueError: wrong shape, not C-contiguous, read-only (also read-only
             memory under a torch tensor, which torch does not flag: the adapter's
             ``writable`` probes it), a tensor torch forbids writing in place there
-            (the adapter's ``write_refusal``), or overlapping the table or the ids.
+            (the adapter's ``write_refusal``), or overlapping the table or the ids
+            (also through another mapping of the table's file: the adapter's
+            ``same_file_bytes``).
     """
     if type(out) is _NDARRAY and type(table) is _NDARRAY:
         view = out.view()
@@ -522,10 +524,12 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             base = out.base
             if not np.may_share_memory(view, table) and not np.may_share_memory(
                 view, _caller_ids_memory(caller_ids, ids)
-            ) and ((type(base) is _NDARRAY and base.base is None) or not write_probe.lent(out)):
+            ) and ((type(base) is _NDARRAY and base.base is None)
+                   or (not write_probe.lent(out) and numpy_adapter.memmap_of(out) is None)):
                 # Disjoint address ranges cannot overlap (a mapped table, views): the exact test is left for the rest,
-                # and so is memory another library lent, which may be read-only whatever numpy says (a view of an
-                # array owning its memory, the decode loop's out=buffer[:n], is told apart without the walk).
+                # and so is memory another library lent, which may be read-only whatever numpy says, and a view of a
+                # mapped file, which another mapping of the table's file may alias (a view of an array owning its
+                # memory, the decode loop's out=buffer[:n], is told apart without the walk).
                 return view
     adapter = adapter_of(out)
     if adapter is None:

@@ -1,11 +1,29 @@
 """Shared fixtures: the CPU backends, the full-size table, cupy or its test double (helpers: tests/helpers.py)."""
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-import fastembed
-from helpers import CPU_BACKENDS
+
+def _kernels_cache_dir() -> str:
+    """A numba cache folder of its own for these kernel sources: numba stamps a cached kernel with the file that
+    defines it only, so an edit of a module it calls (dequant_blocks.py, cpu_intrinsics.py) would leave the old
+    machine code in use."""
+    kernels = Path(__file__).resolve().parent.parent / "fastembed" / "kernels"
+    digest = hashlib.sha256()
+    for source in sorted(kernels.glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return str(kernels.parent.parent / ".pytest_cache" / f"numba-{digest.hexdigest()[:16]}")
+
+
+os.environ.setdefault("NUMBA_CACHE_DIR", _kernels_cache_dir())  # before numba is imported; the user's setting wins
+
+import fastembed  # noqa: E402
+from helpers import CPU_BACKENDS  # noqa: E402
 
 
 @pytest.fixture(params=CPU_BACKENDS)

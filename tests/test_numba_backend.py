@@ -891,3 +891,22 @@ def _free_for_another_thread(lock) -> bool:
     thread.start()
     thread.join()
     return bool(taken)
+
+
+def test_a_failed_kernel_import_leaves_none_of_the_modules_it_brought_in(tmp_path):
+    """The dequantizing kernels' pieces are sibling modules of the one imported: they go too, with numba, so that the
+    next import does not mix them with a fresh numba."""
+    code = (
+        "import sys\n"
+        "from fastembed.backends import numba_backend\n"
+        "def fail():\n"
+        "    raise RuntimeError('interrupted')\n"
+        "try:\n"
+        "    numba_backend._import_or_undo('fastembed.kernels.dequant_cpu', fail)\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('fastembed.kernels.', 'numba', 'llvmlite'))))\n"
+    )
+    result = run_script(tmp_path, code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -136,13 +136,22 @@ def test_out_mapping_the_tables_own_file_is_refused_and_the_file_untouched(backe
     before = path.read_bytes()
     table = np.memmap(path, np.float32, "r+", shape=(10, 4))
     overlapping = [np.memmap(path, np.float32, "r+", offset=16, shape=(3, 4)),  # file rows 1-3
-                   np.memmap(path, np.float32, "r+", shape=(10, 4))[7:10]]  # a view of another mapping: rows 7-9
+                   np.memmap(path, np.float32, "r+", shape=(10, 4))[7:10],  # a view of another mapping: rows 7-9
+                   np.memmap(path, np.float32, "r+", offset=6 * 16 + 12, shape=(3, 4)),  # starts inside row 6
+                   np.memmap(path, np.float32, "r+", offset=16, shape=(3, 4)).view(np.ndarray)]  # a plain view
     for out in overlapping:
         with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
             fastembed.lookup(table, [0, 1, 2], out=out, backend=backend)
     assert path.read_bytes() == before
+    first_rows = np.memmap(path, np.float32, "r", shape=(5, 4))  # bytes 0-80
+    with pytest.raises(ValueError, match="out maps bytes of the table's own file"):  # from the table's last row on
+        fastembed.lookup(first_rows, [0, 1, 2], out=np.memmap(path, np.float32, "r+", offset=4 * 16 + 4, shape=(3, 4)),
+                         backend=backend)
+    assert path.read_bytes() == before
+    private = np.memmap(path, np.float32, "c", offset=16, shape=(3, 4))  # copy-on-write: never writes the file
+    assert_bit_equal(fastembed.lookup(table, [0, 1, 2], out=private, backend=backend), np.array(table[[0, 1, 2]]))
+    assert path.read_bytes() == before
     apart = np.memmap(path, np.float32, "r+", offset=5 * 16, shape=(3, 4))  # rows 5-7, past the table's rows 0-4
-    first_rows = np.memmap(path, np.float32, "r", shape=(5, 4))
     expected = np.array(first_rows[[0, 1, 2]])
     assert_bit_equal(fastembed.lookup(first_rows, [0, 1, 2], out=apart, backend=backend), expected)
 

@@ -56,7 +56,10 @@ class ArrayAdapter(Protocol):
     an ``out``. An adapter whose library has no dtypes in the other byte
     order (torch, JAX, cupy) sets ``native_byte_order_only = True``:
     validation refuses ``dtype=`` in that order for its tables before any
-    work, since their results could not hold it.
+    work, since their results could not hold it. An adapter whose arrays may
+    map a file (numpy: np.memmap) provides ``same_file_bytes(out, table)``:
+    whether two arrays write and read the same bytes of one file through
+    different mappings, which their addresses cannot show.
     """
 
     name: str

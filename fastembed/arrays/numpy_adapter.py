@@ -36,12 +36,14 @@ class NumpyAdapter:
         return isinstance(second, np.ndarray) and bool(np.shares_memory(first, second))
 
     def same_file_bytes(self, first: Any, second: Any) -> bool:
-        """Whether two np.memmap arrays (or views of them) map overlapping bytes of one file.
+        """Whether a write through `first` reaches bytes of a file that `second` maps too.
 
-        Two mappings of a file have different addresses, which
-        :meth:`may_share_memory` compares; a write through one is read
-        through the other all the same. False where either is not an
-        np.memmap, or its file cannot be looked at any more.
+        Both are np.memmap arrays or views of them. Two mappings of a file have
+        different addresses, which :meth:`may_share_memory` compares; a write
+        through one is read through the other all the same. False where either
+        maps no file, `first` is a copy-on-write mapping, or a file cannot be
+        looked at any more (renamed or removed since it was mapped: the name
+        then leads elsewhere).
         """
         span_a, span_b = _file_span(first), _file_span(second)
         if span_a is None or span_b is None:
@@ -65,22 +67,36 @@ ADAPTER = NumpyAdapter()
 
 
 def _file_span(array: Any) -> tuple[tuple[int, int], int, int] | None:
-    """((device, inode) of the file, first byte, end) that an np.memmap (or a view of one) maps, or None.
+    """((device, inode) of the file, first byte, end) that `array` writes through to, or None.
 
-    np.memmap maps its file from ``offset`` rounded down to the allocation
-    granularity, and a view keeps its parent's ``offset`` and mapping: the
-    file position of the array's first byte is that start plus the
-    array's distance from the mapping's first byte.
+    `array` is an np.memmap or a view of one (a plain ndarray whose base
+    chain leads to it). np.memmap maps its file from ``offset`` rounded down
+    to the allocation granularity, and a memmap view keeps its parent's
+    ``offset`` and mapping: the file position of an address is that start
+    plus the address's distance from the mapping's first byte. A
+    copy-on-write mapping (mode ``"c"``) never writes through to its file.
     """
-    mapping = getattr(array, "_mmap", None)
-    filename = getattr(array, "filename", None)
-    if not isinstance(array, np.memmap) or not isinstance(mapping, mmap.mmap) or not filename or array.size == 0:
+    memmap = memmap_of(array)
+    if memmap is None or memmap.mode == "c" or array.size == 0:
         return None
     try:
-        base = np.frombuffer(mapping, np.uint8).ctypes.data
-        facts = os.stat(filename)
-    except (ValueError, OSError):  # a closed mapping, a file renamed or removed since
+        base = np.frombuffer(getattr(memmap, "_mmap"), np.uint8).ctypes.data  # noqa: B009 - numpy's own attribute
+        facts = os.stat(str(memmap.filename))
+    except (ValueError, OSError, TypeError):  # a closed mapping, a file renamed or removed since
         return None
-    first = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY + array.ctypes.data - base
-    extent = max(0, *(stride * (size - 1) for stride, size in zip(array.strides, array.shape, strict=True)))
-    return (facts.st_dev, facts.st_ino), first, first + extent + array.itemsize
+    first = memmap.offset - memmap.offset % mmap.ALLOCATIONGRANULARITY + array.ctypes.data - base
+    reach = [stride * (size - 1) for stride, size in zip(array.strides, array.shape, strict=True)]
+    low, high = sum(step for step in reach if step < 0), sum(step for step in reach if step > 0)
+    return (facts.st_dev, facts.st_ino), first + low, first + high + array.itemsize
+
+
+def memmap_of(array: Any) -> np.memmap | None:
+    """The np.memmap whose mapping `array`'s memory lies in: itself, or the first one down its base chain."""
+    for _ in range(64):  # base chains are short; a cycle cannot be made, but nothing is trusted blindly
+        if isinstance(array, np.memmap):
+            mapping = getattr(array, "_mmap", None)
+            return array if isinstance(mapping, mmap.mmap) and getattr(array, "filename", None) else None
+        if not isinstance(array, np.ndarray):
+            return None
+        array = array.base
+    return None

@@ -564,7 +564,8 @@ _FORKED_MID_COMPILE = ("this process was forked while numba loaded or compiled o
 
 
 def _import_or_undo(name: str, then: Any = None) -> Any:
-    """Import module `name` (then call `then()`); if either fails or is interrupted, drop the modules of `name`, numba and llvmlite it added.
+    """Import module `name` (then call `then()`); if either fails or is interrupted, drop the modules of `name`, the
+    kernel modules, numba and llvmlite it added.
 
     A half-initialised numba left in ``sys.modules`` would break every later
     import; without it, the next call imports afresh. Other modules added
@@ -578,9 +579,14 @@ def _import_or_undo(name: str, then: Any = None) -> Any:
         return module
     except BaseException:
         for added in set(sys.modules) - loaded_before:
-            if added.partition(".")[0] in ("numba", "llvmlite") or added == name or added.startswith(name + "."):
+            # numba, and every kernel module it brought in (the kernels' pieces are their siblings)
+            if (added.partition(".")[0] in ("numba", "llvmlite") or added == name or added.startswith(name + ".")
+                    or added.startswith(_KERNELS_PACKAGE)):
                 sys.modules.pop(added, None)
         raise
+
+
+_KERNELS_PACKAGE = "fastembed.kernels."
 
 
 def _numba_pool_started() -> bool:

@@ -37,6 +37,10 @@ MAX_BATCH = 2**20
 #: that writes into its own (fastembed's per backend and auto, numpy's take, torch's, the copies), the copies'
 #: sources, and the new ones of allocating calls.
 OUTPUTS_HELD = 12
+#: Bytes an id takes in the id sets of a case: int64 ids, their copy per contender dtype (int64, int32).
+ID_BYTES = 20
+#: Id sets a case draws beyond one per repetition (the warm-up, and at least eight per sample's calls).
+ID_SETS_BEYOND_REPETITIONS = 10
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -146,12 +150,6 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         if table_bytes > _physical_memory():
             parser.error(f"a {arguments.vocab_size} x {arguments.dim} {arguments.dtype} table takes "
                          f"{table_bytes / 2**30:.1f} GiB, more than this machine's memory")
-        row_bytes = arguments.dim * resolve_dtype(arguments.dtype).itemsize
-        outputs = OUTPUTS_HELD * max(arguments.batch or BATCHES) * row_bytes
-        if table_bytes + outputs > _physical_memory():
-            parser.error(f"the outputs of {max(arguments.batch or BATCHES)} rows of {row_bytes} bytes that the "
-                         f"contenders hold take {outputs / 2**30:.1f} GiB beside the table's "
-                         f"{table_bytes / 2**30:.1f} GiB, more than this machine's memory: ask for fewer --batch rows")
         if arguments.format:
             problem = quantizing_problem(arguments.format, arguments.dim, resolve_dtype(arguments.dtype))
             if problem:
@@ -173,10 +171,42 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
             arguments.checks, arguments.gate_repetitions = load_checks(arguments.thresholds)
         except ValueError as error:
             parser.error(str(error))
+    if arguments.table is None:
+        from fastembed.tables import resolve_dtype
+
+        itemsize = resolve_dtype(arguments.dtype).itemsize
+        problem = memory_problem(arguments, arguments.dim * itemsize, arguments.vocab_size * arguments.dim * itemsize)
+        if problem:
+            parser.error(problem)
     problem = _unwritable(arguments.out, _result_files(arguments))
     if problem:
         parser.error(f"--out {arguments.out}: {problem}")
     return arguments
+
+
+def memory_problem(arguments: argparse.Namespace, row_bytes: int, table_bytes: int) -> str | None:
+    """Why the main run or the gate would not fit in this machine's memory (None: it would, or another mode runs).
+
+    Counted: the table (`table_bytes`: 0 for a mapped one, whose pages the
+    system can drop), the outputs of the largest batch that the contenders
+    hold (:data:`OUTPUTS_HELD`), and the id sets of its repetitions.
+    """
+    if arguments.processes or arguments.ranks or arguments.format:
+        return None  # those modes hold a few outputs at a time
+    if arguments.gate:
+        batches = [check.batch for check in arguments.checks or []] or [1]
+        repetitions = arguments.gate_repetitions or 1
+    else:
+        batches = arguments.batch or list(QUICK_BATCHES if arguments.quick else BATCHES)
+        repetitions = arguments.reps or (5 if arguments.quick else 15)
+    largest = max(batches)
+    outputs = OUTPUTS_HELD * largest * row_bytes
+    ids = (repetitions + ID_SETS_BEYOND_REPETITIONS) * largest * ID_BYTES
+    if table_bytes + outputs + ids <= _physical_memory():
+        return None
+    return (f"{largest} rows of {row_bytes} bytes: the contenders' outputs ({outputs / 2**30:.1f} GiB) and the id sets "
+            f"of {repetitions} repetitions ({ids / 2**30:.1f} GiB) beside the table ({table_bytes / 2**30:.1f} GiB) "
+            "take more than this machine's memory: ask for fewer --batch rows or --reps")
 
 
 #: The options each measuring mode honours beside --out and the table's; the main run honours them all.
@@ -558,6 +588,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     described = describe_table(arguments, table)
     problem = _table_problem(arguments, table, described)
+    if problem is None and arguments.table is not None and not described.get("format"):
+        problem = memory_problem(arguments, table.shape[1] * table.dtype.itemsize, 0)
     if problem:
         print(f"fastembed-bench: {problem}", file=sys.stderr)
         return 2

@@ -49,7 +49,7 @@ def block_count() -> int:
 
 def parallel_unavailable() -> str | None:
     """Why numba's parallel kernels cannot run in this process (no threading layer loads, a bad
-    NUMBA_NUM_THREADS), or None: then the limits that use them are not measured."""
+    NUMBA_NUM_THREADS), or None when they can. Where they cannot, the limits that use them are not measured."""
     try:
         block_count()
     except Exception as error:  # noqa: BLE001 - numba raises ValueError, and may raise others, for a bad setting

@@ -78,7 +78,7 @@ def thresholds_text(path: Path | None = None) -> tuple[str, str]:
         except OSError as error:
             raise ValueError(f"{where} cannot be read ({error}): the package is incomplete; reinstall it") from error
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens at once instead of waiting for a writer
         with open(descriptor, "rb") as file:
             facts = os.fstat(file.fileno())
             if not stat.S_ISREG(facts.st_mode):

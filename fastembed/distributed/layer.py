@@ -29,23 +29,13 @@ from .segments import SEGMENT_GRANULE, SEGMENT_PREFIX, SHM_FOLDER, _Segment, _un
 from .shards import _carrier, _check_transport, _kind, _open_shard, _placement
 
 MODES = ("full", "scatter")
-
-
 #: What ``exchange=`` takes: ``"auto"`` is shared memory when every rank runs on this host, else the all-reduce.
 EXCHANGES = ("auto", "shared_memory", "all_reduce")
-
-
 #: The range of ``timeout=`` in seconds: torch waits whole milliseconds (0 means no limit), and a year is plenty.
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 365 * 24 * 3600.0
-
-
 #: Bytes of an error message or description one rank shares with the others (longer ones are cut).
 MESSAGE_BYTES = 2048
-
-
 TORCH_NEEDED = "fastembed.distributed needs torch 2.13 or later (the release it is tested with): pip install 'fastembed-gather[distributed]'"
-
-
 #: Integer views for the SUM collectives, widest first. No int16: neither gloo nor NCCL sums it.
 _WORDS = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8))
 
@@ -346,8 +336,9 @@ class VocabParallelEmbedding:
                 a cast of a dense GPU table); raised on every rank.
             CommunicationError: a rank died or did not call within `timeout`, or
                 the layer's process group was destroyed since it was built
-                (raised on this rank before any collective); or an earlier
-                call of this rank was interrupted (KeyboardInterrupt), after
+                (raised on this rank before any collective); or, in a group
+                of more than one rank, an earlier call of this rank was
+                interrupted (KeyboardInterrupt) once it had started, after
                 which the ranks may be out of step (every later call raises
                 it at once; the other ranks raise it within `timeout`).
             RuntimeError: another thread of this rank is calling the layer (raised
@@ -377,14 +368,22 @@ class VocabParallelEmbedding:
             except Exception:
                 raise  # raised alike on every rank by an agreement, or after the last collective of the call
             except BaseException as interrupt:
-                # A KeyboardInterrupt between two collectives: the other ranks may be waiting in one this rank never
-                # starts, or past one this rank has not finished with, so that every later call would pair with
-                # another call's collectives. (A group of one rank has no other rank to be out of step with.)
-                if self._broken is None and self.world_size > 1:
-                    self._broken = (f"VocabParallelEmbedding: a call was interrupted on rank {self.rank} of "
-                                    f"{self.world_size} ({type(interrupt).__name__}); the ranks may no longer be in "
-                                    "step: destroy the group and end the process")
+                self._mark_interrupted(interrupt, "a call")
                 raise
+
+    def _mark_interrupted(self, interrupt: BaseException, where: str) -> None:
+        """Leave the layer unusable after a KeyboardInterrupt (or another BaseException) `where`.
+
+        Between two collectives or in one, the other ranks may be waiting in
+        a collective this rank never starts, or be past one it has not
+        finished with, so that every later call would pair with another
+        call's collectives. A group of one rank has no other rank to be out
+        of step with.
+        """
+        if self._broken is None and self.world_size > 1:
+            self._broken = (f"VocabParallelEmbedding: {where} was interrupted on rank {self.rank} of {self.world_size} "
+                            f"({type(interrupt).__name__}); the ranks may no longer be in step: destroy the group and "
+                            "end the process")
 
     def _call(self, ids: Any, mode: str, dtype: Any) -> Any:
         """:meth:`__call__`, for the one thread calling."""
@@ -847,8 +846,8 @@ class VocabParallelEmbedding:
                 f"hung or stopped calling ({limit}). This process group is unusable now: destroy it and end the "
                 f"process. torch.distributed said: {str(error).strip()}")
             raise CommunicationError(self._broken) from error
-        except BaseException:
-            self._broken = f"VocabParallelEmbedding: {what} was interrupted on rank {self.rank}; the group's state is unknown"
+        except BaseException as interrupt:
+            self._mark_interrupted(interrupt, what)
             raise
 
 

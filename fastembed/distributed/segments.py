@@ -14,11 +14,7 @@ from .agreement import _digest
 
 #: Where the shared-memory exchange creates its segments (a tmpfs on Linux), and how their names begin.
 SHM_FOLDER = "/dev/shm"
-
-
 SEGMENT_PREFIX = "fastembed-"
-
-
 #: A segment's buffers are sized in multiples of this (a huge page), so that nearby batch sizes share one.
 SEGMENT_GRANULE = 2 * 2**20
 

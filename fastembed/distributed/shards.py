@@ -16,16 +16,10 @@ from .layout import _stored_range
 
 #: What ``source`` is a checkpoint path as (as for Embedding.from_pretrained); anything else is a table.
 _PATH_TYPES = (str, bytes, os.PathLike)
-
-
 _NOT_SERVED = ("VocabParallelEmbedding serves host tables (numpy, np.memmap, torch CPU tensors) and torch CUDA "
                "tensors (or QuantizedTables of them); a {kind} on {device} is not served{hint}")
-
-
 #: How a cupy table is served: as the torch tensor over its memory.
 _CUPY_HINT = ": torch.from_dlpack(table) is a torch CUDA tensor over the same memory (no copy)"
-
-
 #: ``device=`` for a checkpoint: the host, torch's current GPU, or GPU N.
 _DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
 

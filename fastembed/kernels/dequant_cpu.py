@@ -55,7 +55,11 @@ Where the pieces live: :mod:`.dequant_ir` (the codes, the CPU features,
 loads, stores, vectors and roundings as LLVM IR), :mod:`.dequant_blocks`
 (each block format's values), :mod:`.dequant_lookups` (16-bit outputs by
 table lookup); this module puts them together into chunks, rows and the
-two kernels.
+two kernels. numba's on-disk cache stamps a compiled kernel with this
+file only: after an edit of one of the pieces, clear the cache (the
+``.nbi`` and ``.nbc`` files in ``__pycache__``, or ``NUMBA_CACHE_DIR``),
+or the old machine code keeps serving (the test suite keys its own cache
+by the sources of every kernel module).
 """
 from __future__ import annotations
 
@@ -142,7 +146,7 @@ CHUNK = 256
 
 # -- one chunk of one row ----------------------------------------------------------------------------
 # Each dequantizes the blocks (or `count` values) whose bytes start at address `source` and puts them at
-# `destination` as `put` says (see _block): as float32 into the output row or the buffer there, or rounded
+# `destination` as `put` says (see dequant_ir._block): as float32 into the output row or the buffer there, or rounded
 # to float16 into the output row there. `put` must be a literal (numba compiles a version per value).
 
 
@@ -222,7 +226,7 @@ def _dequantize_chunk(fmt, source, count, scale, destination, put):
     elif fmt == Q4_0:
         _q4_0(source, count // 32, destination, put)
     elif fmt == Q4_K:
-        _q4_k_block(put, destination, source)  # one block of 256 values (see _q4_k_body)
+        _q4_k_block(put, destination, source)  # one block of 256 values (see dequant_blocks._q4_k_body)
     elif fmt == Q6_K:
         _q6_k_block(put, destination, source)
     elif fmt == FP8_E4M3:

@@ -420,7 +420,7 @@ def _block(put, body, *scalars):
 
     ``put`` is a literal: ``_TO_FLOATS`` and ``_TO_STREAMED_FLOATS`` store
     the values as float32 (into the output, or into the buffer that
-    :func:`_emit` converts), ``_TO_HALVES`` and ``_TO_STREAMED_HALVES`` round
+    :func:`.dequant_cpu._emit` converts), ``_TO_HALVES`` and ``_TO_STREAMED_HALVES`` round
     them to float16 and store them into the output, ``_TO_BFLOAT16`` and
     ``_TO_STREAMED_BFLOAT16`` to bfloat16; streamed: 16-byte aligned there.
     """

@@ -195,7 +195,7 @@ def _q4_1_lookups(builder, block, lanes):
 
 
 def _q4_k_lookups(builder, block, lanes):
-    # see _q4_k_body: sub-blocks 2g and 2g + 1 take the low and high nibbles of 32 bytes; their tables are made
+    # see dequant_blocks._q4_k_body: sub-blocks 2g and 2g + 1 take the low and high nibbles of 32 bytes; their tables are made
     # together, entries 0-15 and 16-31 of one vector
     scales, mins = _k_scales(builder, block)
     lookups = []
