@@ -323,15 +323,17 @@ def test_bench_refuses_an_empty_random_table(option):
     assert result.returncode == 2 and f"{option}: must be 1 or more" in result.stderr
 
 
-@pytest.mark.parametrize("file_format", ["npy", "safetensors"])
+@pytest.mark.parametrize("file_format", ["npy", "NPY", "safetensors"])
 def test_bench_measures_a_table_memory_mapped_from_a_file(tmp_path, file_format):
-    """--table: the user's own table, memory-mapped; every contender runs on it and the JSON says which table."""
+    """--table: the user's own table, memory-mapped; every contender runs on it and the JSON says which table (a
+    file's ending in capitals too: it used to send a .NPY file to the safetensors loader)."""
     from fastembed.tables import random_table
 
     table = random_table(3000, 264, "float16", seed=3)
     path = tmp_path / f"model.{file_format}"
-    if file_format == "npy":
-        np.save(path, table)
+    if file_format.lower() == "npy":
+        with open(path, "wb") as file:  # np.save would add ".npy" to a name ending ".NPY"
+            np.save(file, table)
     else:
         safetensors_numpy = pytest.importorskip("safetensors.numpy")
         safetensors_numpy.save_file({"model.embed_tokens.weight": table, "lm_head.bias": np.ones(3000, np.float16)},

@@ -119,7 +119,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if arguments.quick and arguments.reps and (arguments.batch or arguments.format):
         parser.error("--quick chooses fewer repetitions (and, in the main run, fewer batch sizes); with --reps "
                      "and those given it has no effect: leave --quick out")
-    if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix == ".npy"):
+    if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix.lower() == ".npy"):
         parser.error("--tensor names a tensor of a safetensors or GGUF file given with --table")
     if arguments.gate and arguments.backend:
         parser.error("--gate measures what its checks name (every backend it compares); --backend goes without --gate")
@@ -457,9 +457,9 @@ def load_table(path: Path, tensor: str | None, console: Any) -> Any:
     from fastembed.formats import QuantizedTable
 
     try:
-        if path.suffix == ".npy":
+        if path.suffix.lower() == ".npy":
             embedding = Embedding.from_npy(path)
-        elif path.suffix == ".gguf":
+        elif path.suffix.lower() == ".gguf":
             embedding = Embedding.from_gguf(path, tensor)
         else:
             embedding = Embedding.from_safetensors(path, tensor)
