@@ -1073,14 +1073,17 @@ def test_the_memory_check_counts_the_batches_and_repetitions_the_mode_runs(monke
     from fastembed.benchmark import cli
 
     monkeypatch.setattr(cli, "_physical_memory", lambda: 4 * 2**30)
-    run = argparse.Namespace(processes=None, ranks=None, format=None, gate=False, batch=None, quick=True, reps=None,
-                             checks=None, gate_repetitions=None)
+    run = argparse.Namespace(processes=None, ranks=None, format=None, device="cpu", gate=False, batch=None, quick=True,
+                             reps=None, checks=None, gate_repetitions=None)
     assert cli.memory_problem(run, 8192, 2**30) is None  # 12 outputs of 8,192 rows of 8 KiB beside 1 GiB
     run.quick = False
     assert "more than this machine's memory" in cli.memory_problem(run, 8192, 2**30)  # 12 x 512 MiB
-    run.processes = 20
+    run.device = "cuda"
+    assert cli.memory_problem(run, 8192, 2**30) is None  # a GPU run's outputs are on the device
+    run.device, run.processes = "cpu", 20
     assert cli.memory_problem(run, 8192, 2**30) is None  # that mode holds a few outputs at a time
-    gate_run = argparse.Namespace(processes=None, ranks=None, format=None, gate=True, batch=None, quick=False,
+    gate_run = argparse.Namespace(processes=None, ranks=None, format=None, device="cpu", gate=True, batch=None,
+                                  quick=False,
                                   reps=None, checks=[gate.Check("x", "fastembed-auto-out", "speedup_vs_numpy", 4096,
                                                                 "uniform", 0.0)], gate_repetitions=100_000)
     assert "id sets of 100000 repetitions" in cli.memory_problem(gate_run, 128, 0)  # 100,010 x 4,096 x 20 bytes

@@ -185,14 +185,15 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def memory_problem(arguments: argparse.Namespace, row_bytes: int, table_bytes: int) -> str | None:
-    """Why the main run or the gate would not fit in this machine's memory (None: it would, or another mode runs).
+    """Why the host's main run or the gate would not fit in this machine's memory (None: it would, or another mode
+    or the GPU runs).
 
     Counted: the table (`table_bytes`: 0 for a mapped one, whose pages the
     system can drop), the outputs of the largest batch that the contenders
     hold (:data:`OUTPUTS_HELD`), and the id sets of its repetitions.
     """
-    if arguments.processes or arguments.ranks or arguments.format:
-        return None  # those modes hold a few outputs at a time
+    if arguments.processes or arguments.ranks or arguments.format or arguments.device == "cuda":
+        return None  # those modes hold a few outputs at a time; a GPU run holds its outputs on the device
     if arguments.gate:
         batches = [check.batch for check in arguments.checks or []] or [1]
         repetitions = arguments.gate_repetitions or 1

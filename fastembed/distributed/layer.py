@@ -550,17 +550,9 @@ class VocabParallelEmbedding:
             segment = self._segment
             assert segment is not None
             grown = time.perf_counter()
-            error = None
-            try:
-                self._write_rows(call, segment.buffers[turn])
-            except Exception as caught:
-                error = caught
-            written = time.perf_counter()
             # The agreement came before these writes, so a second, status-carrying barrier follows them.
-            try:
-                self._agree(error, 0, lambda: "", "writing the rows into shared memory", "")
-            finally:
-                error = None  # see _call
+            written = self._agreed_step(lambda: self._write_rows(call, segment.buffers[turn]),
+                                        "writing the rows into shared memory")
             call.late_gather_s = written - grown
             call.exchange_s = time.perf_counter() - written + grown - started
         started = time.perf_counter()
@@ -642,16 +634,7 @@ class VocabParallelEmbedding:
     def _late_all_reduce(self, call: _Call) -> Any:
         """The all-reduce for a call that shared memory could not hold: gathered after the agreement."""
         started = time.perf_counter()
-        error = None
-        try:
-            self._gather_masked(call)
-        except Exception as caught:
-            error = caught
-        gathered = time.perf_counter()
-        try:
-            self._agree(error, 0, lambda: "", "gathering the rows", "")
-        finally:
-            error = None  # see _call
+        gathered = self._agreed_step(lambda: self._gather_masked(call), "gathering the rows")
         call.late_gather_s = gathered - started
         call.exchange_s += time.perf_counter() - gathered
         return self._all_reduce(call)
@@ -794,6 +777,24 @@ class VocabParallelEmbedding:
             return
         texts = self._gather_texts(str(error) if error is not None else describe())
         raise _shared_error(codes, texts, what, requirement, digests) from error
+
+    def _agreed_step(self, step: Callable[[], None], what: str) -> float:
+        """Run this rank's `step`, then agree on its outcome (a barrier carrying every rank's status); when it ended.
+
+        Raises:
+            As :meth:`_agree`: a rank's error from `step`, on every rank.
+        """
+        error: Exception | None = None
+        try:
+            step()
+        except Exception as caught:
+            error = caught
+        ended = time.perf_counter()
+        try:
+            self._agree(error, 0, lambda: "", what, "")
+        finally:
+            error = None  # see _call
+        return ended
 
     def _gather_texts(self, text: str) -> list[str]:
         """Every rank's `text` (cut to MESSAGE_BYTES), on every rank: only on the error path."""
