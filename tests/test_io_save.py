@@ -397,17 +397,20 @@ def test_a_long_fastembed_metadata_value_is_refused(tmp_path):
         io.map_safetensors(path)
 
 
-def test_a_format_of_the_callers_own_is_not_written_to_gguf_under_a_ggml_type(tmp_path):
-    """GGUF names a layout by its type code: a format of the caller's own claiming one would reload as another."""
+@pytest.mark.parametrize("ggml_type", [8, None])
+@pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])
+def test_a_format_of_the_callers_own_is_refused_before_anything_is_written(tmp_path, suffix, ggml_type):
+    """The loaders know fastembed's formats only: a format of the caller's own (one claiming q8_0's type code
+    too) would reload as another, or not at all."""
     from fastembed.formats import BlockFormat, QuantizedTable
 
-    mine = BlockFormat("mine", 32, 40, 8, lambda blocks: blocks[:, :32].astype(np.float32))  # claims q8_0's type code
+    mine = BlockFormat("mine", 32, 40, ggml_type, lambda blocks: blocks[:, :32].astype(np.float32))
     table = QuantizedTable(np.arange(800, dtype=np.uint8).reshape(10, 80) % 200, mine, 64)
-    target = tmp_path / "t.gguf"
+    target = tmp_path / f"t{suffix}"
     target.write_bytes(b"kept")
-    with pytest.raises(ValueError, match="not the caller's format 'mine'; save it as .safetensors"):
+    with pytest.raises(ValueError, match="hold fastembed's block formats .*, not the caller's format 'mine'"):
         fastembed.Embedding(table).save(target)
-    assert target.read_bytes() == b"kept" and [p.name for p in tmp_path.iterdir()] == ["t.gguf"]
+    assert target.read_bytes() == b"kept" and [p.name for p in tmp_path.iterdir()] == [target.name]
 
 
 def test_a_copy_of_a_builtin_format_is_still_written_to_gguf(tmp_path):
@@ -498,3 +501,33 @@ def test_a_folder_that_cannot_be_synced_does_not_fail_a_save_already_in_place(tm
     io.save_table(tmp_path / "t.safetensors", rows(seed=3))
     monkeypatch.undo()
     same_bytes(io.open_table(tmp_path / "t.safetensors"), rows(seed=3))
+
+
+def test_a_folder_is_found_as_the_system_finds_it_a_link_then_dot_dot(tmp_path, monkeypatch):
+    """``link/../t.gguf`` is the link target's parent's file, not the file beside the link: the new file is
+    written and flushed in the folder the rename lands in (on another file system, a rename from the folder
+    beside the link would fail)."""
+    beside_link, target_side = tmp_path / "here", tmp_path / "there"
+    (target_side / "inner").mkdir(parents=True)
+    beside_link.mkdir()
+    (beside_link / "link").symlink_to(target_side / "inner")
+    flushed, flush = [], io.save._flush_to_disk
+    monkeypatch.setattr(io.save, "_flush_to_disk", lambda path, folder=False: flushed.append(path) or flush(path, folder))
+    table = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float16)
+    io.save_table(str(beside_link / "link" / ".." / "t.gguf"), table)
+    assert [os.path.dirname(flushed[0]), flushed[1]] == [os.path.realpath(target_side)] * 2
+    assert sorted(p.name for p in target_side.iterdir()) == ["inner", "t.gguf"]
+    assert sorted(p.name for p in beside_link.iterdir()) == ["link"]
+    same_bytes(io.map_gguf(target_side / "t.gguf"), table)
+
+
+@pytest.mark.parametrize("spelling", ["missing/../t.gguf", "file.gguf/", "file.gguf/t.gguf", "new.gguf/"])
+def test_a_path_the_system_cannot_resolve_is_refused_before_the_table_is_written(tmp_path, monkeypatch, spelling):
+    (tmp_path / "file.gguf").write_bytes(b"kept")
+    monkeypatch.chdir(tmp_path)
+    written = []
+    monkeypatch.setattr(io.save, "_row_chunks", lambda rows: written.append(rows) or iter(()))
+    with pytest.raises(OSError) as raised:
+        io.save_table(spelling, np.ones((4, 8), np.float16))
+    assert spelling in str(raised.value) and not written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.gguf"] and (tmp_path / "file.gguf").read_bytes() == b"kept"

@@ -14,7 +14,7 @@
   ``fastembed.dim``), so :func:`~fastembed.io.map_safetensors` finds it without
   a name and maps it back as a QuantizedTable.
 
-Both writers stream the rows a few MiB at a time, converted to little-endian
+Both writers stream the rows 64 MiB at a time, converted to little-endian
 row-major order chunk by chunk, so a memory-mapped, big-endian or
 column-major table is never copied whole.
 
@@ -42,9 +42,9 @@ import numpy as np
 
 from .. import validate
 from ..arrays import adapter_of
-from ..formats import QuantizedTable
+from ..formats import FORMATS, QuantizedTable
 from ._files import check_tensor_name
-from .gguf import DEFAULT_ALIGNMENT, QUANTIZED_TYPES, TOKEN_EMBEDDING
+from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
 from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
 
 #: The tensor name a table is saved under in a safetensors file when none is given.
@@ -76,11 +76,14 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
         ValueError: another suffix; an empty or non-2-D table; a dtype or format the
             chosen file cannot hold (GGUF: float32/float16/bfloat16 and the formats with
             a GGUF type; fp8_e4m3 goes to .safetensors; safetensors: the dtypes
-            :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back);
-            a file the loaders would refuse (a name over their limit of 4,096 bytes, say);
+            :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back;
+            a quantized table of a format of the caller's own);
+            a file the loaders would refuse (a tensor name longer than they read: 4,096 bytes in GGUF,
+            a safetensors entry of over 4,096 characters);
             a `name` that is not valid Unicode text (a lone surrogate): nothing is written then.
         TypeError: a table that is not on the host; a `name` that is not a string.
-        IsADirectoryError: `path` is a directory, or a symbolic link to one; nothing is written.
+        IsADirectoryError: `path` is a directory, a symbolic link to one, or ends in a separator; nothing is
+            written.
         OSError: `path`'s name is too long, or the file cannot be created beside `path`, written or
             renamed over it (naming `path`, except for errors while writing, such as a full disk).
 
@@ -132,6 +135,11 @@ def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
                                 f"{type(array).__module__}.{type(array).__qualname__} (copy them to the host first)")
         if table.shape[0] == 0:
             raise ValueError(f"{path}: the table is empty (shape {table.shape})")
+        own = FORMATS.get(table.format.name)  # a copy of one of fastembed's (pickled, say) reloads as it
+        if own is None or own != table.format or own.dequantize_blocks is not table.format.dequantize_blocks:
+            raise ValueError(f"{path}: GGUF and safetensors files hold fastembed's block formats "
+                             f"({', '.join(FORMATS)}), not the caller's format {table.format.name!r}: "
+                             "the loaders would not know how to dequantize it")
         return table
     adapter = None if isinstance(table, np.ndarray) else adapter_of(table)
     if adapter is not None and adapter.device(table) == "cpu":
@@ -150,13 +158,8 @@ def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> Non
     """A GGUF v3 file: one metadata entry (general.alignment), one tensor, its rows."""
     if isinstance(table, QuantizedTable):
         ggml_type, rows, dim = table.format.ggml_type, table.data, table.dim
-        if ggml_type is None:
+        if ggml_type is None:  # fastembed's own formats only reach here (see _host_table)
             raise ValueError(f"{path}: GGUF has no type for {table.format.name} tables; save it as .safetensors")
-        read_back = QUANTIZED_TYPES.get(ggml_type)  # what the loader makes of the type code (a copy matches too)
-        if read_back != table.format or read_back.dequantize_blocks is not table.format.dequantize_blocks:
-            names = ", ".join(fmt.name for fmt in QUANTIZED_TYPES.values())
-            raise ValueError(f"{path}: GGUF holds fastembed's GGUF block formats ({names}), "
-                             f"not the caller's format {table.format.name!r}; save it as .safetensors")
     else:
         ggml_type, rows, dim = _GGUF_DENSE.get(table.dtype.name), table, table.shape[1]
         if ggml_type is None:
@@ -190,7 +193,7 @@ def _gguf_header(name: str, dim: int, vocab_size: int, ggml_type: int) -> bytes:
 
 
 def _row_chunks(rows: np.ndarray) -> Iterator[memoryview]:
-    """The bytes of `rows` (2-D) in row-major order and little-endian, a few MiB at a time."""
+    """The bytes of `rows` (2-D) in row-major order and little-endian, :data:`_CHUNK_BYTES` at a time."""
     little = rows.dtype.newbyteorder("<") if rows.dtype.byteorder == ">" else rows.dtype
     step = max(1, _CHUNK_BYTES // max(1, rows.shape[1] * rows.dtype.itemsize))
     for start in range(0, rows.shape[0], step):
@@ -236,15 +239,24 @@ def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str)
 
 def _replace(path: Any, write: Callable[[str], None]) -> None:
     """Write a new file beside `path` with `write` (given its name), then rename it over `path`."""
-    directory, base = os.path.split(os.path.abspath(path))
+    parent, base = os.path.split(path)
+    if not base:
+        raise IsADirectoryError(errno.EISDIR, "a path ending in a separator names a directory, not a file to write",
+                                os.fspath(path))
     try:
         existing: os.stat_result | None = os.stat(path)  # follows a link: a link to a directory is refused as one
     except OSError as error:
-        if error.errno == errno.ENAMETOOLONG:  # refused before the table is written, not at the rename after it
+        if error.errno != errno.ENOENT:  # refused before the table is written, not at the rename after it
             raise OSError(error.errno, error.strerror, os.fspath(path)) from None
         existing = None
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", os.fspath(path))
+    # The folder as the system resolves it (a link, then "..", in that order), not as the text of the path reads.
+    try:
+        directory = os.path.realpath(parent or os.curdir, strict=True)
+    except OSError as error:
+        raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
+    destination = os.path.join(directory, base)
     # The destination's name begins the temporary file's, cut (at a character) so that a name near the limit fits.
     prefix = os.fsencode(base)[:_TEMPORARY_PREFIX_BYTES].decode("utf-8", "ignore")
     temporary = os.path.join(directory, f".{prefix}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -262,7 +274,7 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
         _flush_to_disk(temporary)  # else a crash after the rename could leave the path holding a part of the file
         os.chmod(temporary, mode)  # after the flush, which opens it for writing: the old mode may be read-only
         try:
-            os.replace(temporary, path)
+            os.replace(temporary, destination)
         except OSError as error:  # named by the destination, not by the temporary file's name
             raise OSError(error.errno, error.strerror, os.fspath(path)) from None
     except BaseException:
