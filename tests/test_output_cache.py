@@ -106,6 +106,65 @@ def test_an_interrupt_anywhere_in_the_caches_code_leaves_it_bounded_and_working(
     assert runs > 50
 
 
+def test_an_interrupt_while_a_buffer_comes_back_never_keeps_more_than_the_limit_and_is_delivered_again(monkeypatch):
+    """A Ctrl-C in a lease's finalizer, at any point of it: the cache stays within its limit (the buffer is kept
+    only once there is room) and the KeyboardInterrupt, which Python would only print, is raised again (but on
+    entering the finalizer, before any of its code runs)."""
+    delivered, printed = [], []
+    monkeypatch.setattr("_thread.interrupt_main", lambda: delivered.append(True))
+    monkeypatch.setattr("sys.unraisablehook", lambda unraisable: printed.append(unraisable.exc_type))
+    fastembed.set_output_cache_limit(12 * 2**20)  # room for two buffers
+    armed = []
+
+    def three_drops_of_two_kept() -> None:
+        first, second, third = (output_cache.new_output(SHAPE, np.float16) for _ in range(3))
+        del first, second
+        assert output_cache.cached_bytes() == output_cache.limit()
+        armed.append(True)
+        del third  # its finalizer is the one interrupted
+        armed.clear()
+
+    runs = 0  # those delivered again
+    for _ in interrupted_runs(lambda code: bool(armed) and code is output_cache._give_back.__code__,
+                              three_drops_of_two_kept):
+        armed.clear()
+        assert output_cache.cached_bytes() <= output_cache.limit()
+        assert delivered + printed in ([True], [KeyboardInterrupt])
+        runs += bool(delivered)
+        delivered.clear(), printed.clear()
+        fastembed.empty_cache()
+    assert runs > 3
+
+
+class _Keeper:
+    """In a reference cycle, brings back to life, from its ``__del__``, the object it holds."""
+
+    brought_back: list[object] = []
+
+    def __del__(self):
+        _Keeper.brought_back.append(self.held)
+
+
+def test_a_lease_brought_back_to_life_after_its_finalizer_ran_keeps_its_buffer():
+    """The collector runs a lease's finalizer before any ``__del__`` of its cycle, which may keep the lease after all:
+    its buffer must not be handed out while that lease still exposes it."""
+    import gc
+
+    out = output_cache.new_output(SHAPE, np.float16)
+    out[...] = 1.5
+    keeper = _Keeper()
+    keeper.held, keeper.cycle = out.base.base, keeper
+    del out, keeper
+    gc.collect()
+    lease = _Keeper.brought_back.pop()
+    alive = np.asarray(lease)[: np.prod(SHAPE) * 2].view(np.float16)
+    other = output_cache.new_output(SHAPE, np.float16)
+    other[...] = 0
+    assert not np.shares_memory(alive, other) and (alive == 1.5).all()
+    del lease, alive
+    assert output_cache.new_output(SHAPE, np.float16).shape == SHAPE
+
+
 @pytest.mark.parametrize(
     "keep",
     [
@@ -220,9 +279,21 @@ def test_a_setting_may_have_spaces_around_it_and_a_long_one_is_shown_shortened(m
     monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, " 4096 \n")
     assert output_cache._read_limit() == 4096
     monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, "9" * 5000)
-    with pytest.raises(ValueError, match="is not a whole number of bytes") as error:
+    with pytest.raises(ValueError, match="has over 30 digits") as error:
         output_cache._read_limit()
     assert len(str(error.value)) < 200
+
+
+@pytest.mark.parametrize(("text", "limit"), [("0" * 5000, 0), ("0" * 40 + "12", 12)])
+def test_leading_zeros_do_not_count_as_digits(monkeypatch, text, limit):
+    monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, text)
+    assert output_cache._read_limit() == limit
+
+
+def test_minus_zero_is_not_called_negative(monkeypatch):
+    monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, "-0")
+    with pytest.raises(ValueError, match="is not a whole number of bytes"):
+        output_cache._read_limit()
 
 
 def test_a_lease_shows_no_way_to_its_buffer_but_through_itself():
@@ -293,7 +364,7 @@ def test_a_returning_buffer_makes_room_by_freeing_the_oldest():
     del small
     # The small buffers came back last and stay; the large ones made room, oldest first.
     assert output_cache.cached_bytes() <= 20 * 2**20
-    sizes = sorted(buffer.size for buffer in output_cache._free.values())
+    sizes = sorted(buffer.size for buffer, _ in output_cache._free.values())
     assert sizes == [6 * 2**20] * 3
     again = output_cache.new_output(SHAPE, np.float16)
     assert output_cache.cached_bytes() == 2 * 6 * 2**20
@@ -367,7 +438,7 @@ def test_a_result_freed_by_a_collection_inside_the_cache_is_kept_on_the_way_out(
             gc.enable()
         gc.collect()
         assert output_cache.cached_bytes() <= output_cache.limit()
-        assert output_cache.cached_bytes() == sum(buffer.size for buffer in output_cache._free.values())
+        assert output_cache.cached_bytes() == sum(buffer.size for buffer, _ in output_cache._free.values())
 
 
 @pytest.mark.parametrize(("limit", "error"), [("1G", TypeError), (1.5, TypeError), (True, TypeError), (-1, ValueError)])

@@ -10,8 +10,10 @@ freed, so every call pays for the page faults again. An output of at least
   view, slice, reshaped array, memoryview or tensor made from the result
   keeps that lease alive through numpy's base chain;
 - when the last of them goes, the lease's finalizer returns the buffer to
-  the cache, so a buffer is never handed out while anything can still
-  reach it;
+  the cache; it is handed out again only once a view of it that the lease
+  alone holds is gone too, so a buffer is never handed out while anything
+  can still reach it (not even a lease that a ``__del__`` method brings
+  back to life during a garbage collection, after its finalizer ran);
 - at most :func:`limit` bytes of free buffers are kept (the setting
   ``FASTEMBED_OUTPUT_CACHE_BYTES``, read at the first large lookup or by
   ``python -m fastembed info``, or :func:`set_limit`; 0 turns the cache
@@ -30,6 +32,7 @@ few smaller ones.
 """
 from __future__ import annotations
 
+import _thread
 import os
 import threading
 import weakref
@@ -46,11 +49,12 @@ ALIGNMENT = 64
 ENVIRONMENT_VARIABLE = "FASTEMBED_OUTPUT_CACHE_BYTES"
 
 _lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
-# Free buffers (uint8, each faulted in) by id, the oldest returned first. A finalizer or a signal handler may run
-# on a thread in the middle of the cache's code (the lock is re-entrant), and an exception may strike between any
-# two steps; so every change is one dict operation, on a buffer a local name holds (its id stays its own), and no
-# count or flag is kept beside it that such an interruption could leave half-updated.
-_free: dict[int, np.ndarray] = {}
+# Free buffers (uint8, each faulted in) by id, the oldest returned first, each with a weak reference to the view
+# its last lease held. A finalizer or a signal handler may run on a thread in the middle of the cache's code (the
+# lock is re-entrant), and an exception may strike between any two steps; so every change is one dict operation,
+# on a buffer a local name holds (its id stays its own), and no count or flag is kept beside it that such an
+# interruption could leave half-updated.
+_free: dict[int, tuple[np.ndarray, weakref.ref]] = {}
 
 
 def _default_limit() -> int:
@@ -66,12 +70,14 @@ def _read_limit() -> int:
     if text is None or not text.strip():
         return _default_limit()
     digits = text.strip()
-    if digits[:1] == "-" and digits[1:].isascii() and digits[1:].isdigit():
-        raise ValueError(f"{ENVIRONMENT_VARIABLE}={text!r} is negative")
-    if not (digits.isascii() and digits.isdigit()) or len(digits) > 30:  # int() would take "+5", "1_0" and "٥"
-        shown = text if len(text) <= 40 else text[:40] + "..."
+    shown = text if len(text) <= 40 else text[:40] + "..."
+    if digits[:1] == "-" and digits[1:].isascii() and digits[1:].isdigit() and digits[1:].strip("0"):
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is negative")
+    if not (digits.isascii() and digits.isdigit()):  # int() would take "+5", "1_0" and "٥"
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is not a whole number of bytes (decimal digits)")
-    return int(digits)
+    if len(digits.lstrip("0")) > 30:  # int() of a long text takes time that grows with its square
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} has over 30 digits")
+    return int(digits.lstrip("0") or "0")
 
 
 _limit: int | None = None  # read from the environment on first use
@@ -115,7 +121,7 @@ def set_limit(nbytes: int) -> None:
 
 def cached_bytes() -> int:
     """Bytes of free buffers held now."""
-    return sum(buffer.size for buffer in list(_free.values()))
+    return sum(buffer.size for buffer, _ in list(_free.values()))
 
 
 def empty() -> None:
@@ -143,14 +149,14 @@ def new_output(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 0) -> n
     buffer = _take(nbytes)
     lease = _Lease(buffer)
     # Not at exit: weakref runs pending finalizers then, and would free buffers that live results still use.
-    weakref.finalize(lease, _give_back, buffer).atexit = False
+    weakref.finalize(lease, _give_back, buffer, weakref.ref(lease._view)).atexit = False
     return np.asarray(lease)[:nbytes].view(dtype).reshape(shape)
 
 
 class _Lease:
     """Exposes a buffer to numpy: arrays made from it keep it (their base) alive."""
 
-    __slots__ = ("__array_interface__", "__weakref__", "_buffer")
+    __slots__ = ("__array_interface__", "__weakref__", "_view")
 
     def __reduce__(self) -> Any:
         # A copy or a pickle would carry the buffer's address without keeping the buffer leased.
@@ -158,7 +164,10 @@ class _Lease:
 
     def __init__(self, buffer: np.ndarray) -> None:
         # Kept out of the public interface: an array made from the buffer itself would hold it without the lease.
-        self._buffer = buffer
+        # A view that only the lease holds: its weak reference dies when the lease is freed, and not when a garbage
+        # collection runs the lease's finalizer (a numpy array is not in the collector's cycles, so its weak
+        # references are never cleared by it).
+        self._view = buffer[:]
         self.__array_interface__ = {
             "shape": buffer.shape, "typestr": "|u1", "data": (buffer.ctypes.data, False), "version": 3,
         }
@@ -167,10 +176,11 @@ class _Lease:
 def _take(nbytes: int) -> np.ndarray:
     """The smallest free buffer of at least `nbytes` and at most twice that, or a new one faulted in."""
     with _lock:
-        fitting = [buffer for buffer in list(_free.values()) if nbytes <= buffer.size <= 2 * nbytes]
-        if fitting:
-            best = min(fitting, key=lambda buffer: buffer.size)
-            if _free.pop(id(best), None) is not None:  # else a finalizer's trim on this thread took it meanwhile
+        fitting = [entry for entry in list(_free.values()) if nbytes <= entry[0].size <= 2 * nbytes]
+        for best, view in sorted(fitting, key=lambda entry: entry[0].size):
+            # Else a finalizer's trim on this thread took it meanwhile; a view still alive means its lease lives on
+            # (brought back to life after its finalizer ran), and the buffer is left to it.
+            if _free.pop(id(best), None) is not None and view() is None:
                 return best
     size = -(-nbytes // GRANULE) * GRANULE
     buffer = _aligned_empty((size,), np.dtype(np.uint8), ALIGNMENT)
@@ -178,26 +188,34 @@ def _take(nbytes: int) -> np.ndarray:
     return buffer
 
 
-def _give_back(buffer: np.ndarray) -> None:
+def _give_back(buffer: np.ndarray, view: weakref.ref) -> None:
     """Finalizer of a lease: keep its buffer, freeing the buffers that came back before it, oldest first, to stay
-    within the limit (a buffer larger than the limit is freed itself)."""
-    with _lock:
-        keep = _limit or 0
-        if buffer.size > keep:
-            return
-        _free[id(buffer)] = buffer
-        total = cached_bytes()
-        for older in list(_free.values()):  # oldest first
+    within the limit (a buffer larger than the limit is freed itself).
+
+    Room is made before the buffer is kept, so an interruption leaves the cache within its limit; a Ctrl-C
+    caught here is delivered again, since Python only prints an exception that leaves a finalizer.
+    """
+    try:
+        with _lock:
+            keep = _limit or 0
+            if buffer.size > keep:
+                return
+            total = cached_bytes() + buffer.size
+            for older, _ in list(_free.values()):  # oldest first
+                if total <= keep:
+                    break
+                if _free.pop(id(older), None) is not None:
+                    total -= older.size
             if total <= keep:
-                break
-            if older is not buffer and _free.pop(id(older), None) is not None:
-                total -= older.size
+                _free[id(buffer)] = (buffer, view)
+    except KeyboardInterrupt:
+        _thread.interrupt_main()
 
 
 def _trim(keep: int) -> None:
     """Free buffers, largest first, until at most `keep` bytes stay (with the lock held)."""
     total = cached_bytes()
-    for buffer in sorted(list(_free.values()), key=lambda buffer: buffer.size, reverse=True):
+    for buffer, _ in sorted(list(_free.values()), key=lambda entry: entry[0].size, reverse=True):
         if total <= keep:
             break
         if _free.pop(id(buffer), None) is not None:
