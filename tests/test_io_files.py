@@ -85,6 +85,14 @@ def _random(path) -> None:
     path.write_bytes(np.random.default_rng(0).integers(1, 256, 4096, dtype=np.uint8).tobytes())
 
 
+def _high_bytes(path) -> None:
+    path.write_bytes(b"\xff" * 64)  # no UTF-8 text: every byte is at least 0x80
+
+
+def _text_in_many_scripts(path) -> None:
+    path.write_text("\ufeffversion \u00e9t\u00e9 \u65e5\u672c\u8a9e \u0440\u0443\u0441 " * 8, encoding="utf-8")  # cut mid-character at 64 bytes
+
+
 def _junk_bin(path) -> None:
     path.write_bytes(b"\x01\x02\x03\x04" * 64)
 
@@ -130,6 +138,8 @@ def test_other_formats_are_named(tmp_path, writer, file_name, words, loader):
         (_random, "model.safetensors", r"not a safetensors file: its first 8 bytes \(([0-9a-f]{2} ){7}[0-9a-f]{2}\) "
                                       r"are not a header length.*beyond the file's 4096 bytes.*from_npy"),
         (_random, "weights.dat", r"its first 8 bytes .* are not a header length"),
+        (_high_bytes, "model.safetensors", r"its first 8 bytes \(ff ff ff ff ff ff ff ff\) are not a header length"),
+        (_text_in_many_scripts, "notes.txt", "text file"),
     ],
 )
 @pytest.mark.parametrize("opener", ["open_table", "from_pretrained", "from_safetensors"])

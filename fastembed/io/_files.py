@@ -252,9 +252,21 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
             return ("is a sharded checkpoint's index (model.safetensors.index.json), not a tensor file; "
                     "pass it, or its directory, to fastembed.io.open_table")
         return "is a JSON text file, not a tensor file"
-    if head and all(byte in b"\t\n\r" or 32 <= byte < 127 or byte >= 0x80 for byte in head[:64]) and b"\0" not in head:
+    if _is_text(head):
         return "is a text file, not a tensor file"
     return _described_by_name(where)
+
+
+def _is_text(head: bytes) -> bool:
+    """Whether the first bytes of a file read as UTF-8 text (the last character may be cut) of printable characters."""
+    sample = head[:64]
+    try:
+        text = sample.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if error.start < len(sample) - 3 or error.reason != "unexpected end of data":
+            return False
+        text = sample[:error.start].decode("utf-8")
+    return bool(text) and b"\0" not in head and all(c.isprintable() or c.isspace() or c == "\ufeff" for c in text)
 
 
 def _described_by_name(path: str) -> str | None:
