@@ -1089,3 +1089,21 @@ def test_the_memory_check_counts_the_batches_and_repetitions_the_mode_runs(monke
     assert "id sets of 100000 repetitions" in cli.memory_problem(gate_run, 128, 0)  # 100,010 x 4,096 x 20 bytes
     gate_run.gate_repetitions = 11
     assert cli.memory_problem(gate_run, 128, 0) is None
+
+
+@pytest.mark.parametrize(("arguments", "warned"), [
+    (["--vocab-size", "2000", "--dim", "64"], True),
+    (["--thresholds", "OWN"], False),
+])
+def test_the_gate_says_when_its_packaged_thresholds_meet_another_table(tmp_path, monkeypatch, capsys, arguments, warned):
+    """Its ratios are set for the default table: a small table fails them by no fault of the kernels."""
+    from fastembed.benchmark import cli, processes
+
+    own = tmp_path / "own.toml"
+    own.write_text('repetitions = 1\n[[check]]\nname = "auto picks numba"\ncontender = "fastembed-auto-out"\n'
+                   'metric = "served_by"\nexpect_backend = "numba"\nbatch = 64\ndistribution = "uniform"\n')
+    monkeypatch.setattr(cli, "run", lambda *args: [])  # the verdicts do not matter here, only what is said first
+    monkeypatch.setattr(processes, "can_move_threads", lambda: False)
+    cli.main(["--gate", *[str(own) if a == "OWN" else a for a in arguments], "--out", str(tmp_path / "out")])
+    said = " ".join(capsys.readouterr().out.split())
+    assert ("the packaged thresholds are set for the default table" in said) == warned

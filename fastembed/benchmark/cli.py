@@ -69,7 +69,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated id distributions: {', '.join(DISTRIBUTIONS)} (default: both)")
     parser.add_argument("--reps", type=_repetitions,
                         help="timed repetitions per case (default 15, quick 5; --gate: the thresholds file's, "
-                             "--processes: 100 per process, --ranks: 20, quick 5)")
+                             "--processes: 100 per process, fewer for outputs over 8 MiB, --ranks: 20, quick 5)")
     parser.add_argument("--cold", action="store_true",
                         help="time every call alone, right after the caches are evicted, as a decode step meets the "
                              "lookup after a forward pass (default: small batches are timed as warm loops of calls; "
@@ -88,7 +88,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="auto: the host, plus the GPU where one is usable (default); cpu or cuda: only that")
     parser.add_argument("--gate", action="store_true",
                         help="run the CI performance gate on the host (its cases come from --thresholds, not --batch "
-                             "or --dist); exit 1 on any FAIL")
+                             "or --dist; the packaged ones are set for the default table); exit 1 on any FAIL")
     parser.add_argument("--processes", type=_positive_int,
                         help="time the lookups in this many fresh interpreters, one after another, and report the "
                              "spread between them and each one's 99th percentile (batches: --batch, default "
@@ -703,6 +703,12 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
     from .gate import COLOCATED, colocated_rows, contender_ids, judge
 
     checks = arguments.checks
+    default_table = arguments.table is None and all(getattr(arguments, name) == value
+                                                    for name, value in _RANDOM_TABLE.items())
+    if arguments.thresholds is None and not default_table:
+        console.print("[yellow]the packaged thresholds are set for the default table (129,280 x 4,096 float16): "
+                      "on another table its checks may fail by no fault of fastembed's; give --thresholds of "
+                      "your own[/yellow]")
     in_process = [check for check in checks if check.metric != COLOCATED]
     cases = list(dict.fromkeys((check.batch, check.distribution) for check in in_process))
     ids = contender_ids(checks) | {"numpy-fancy"}
