@@ -173,9 +173,25 @@ class Embedding:
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:
         """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors).
 
+        Args:
+            ids: integer ids of any shape, as :func:`lookup` takes them.
+            out: as :func:`lookup`'s ``out`` (here it may also be passed by position).
+            backend: as :func:`lookup`'s.
+            dtype: as :func:`lookup`'s.
+
+        Returns:
+            The rows, shaped ``ids.shape + (dim,)``, as :func:`lookup` returns them.
+
         Raises:
             ValueError: also when the memory of a torch table was resized in
                 place (``resize_`` that moved or grew it) after the layer was built.
+
+        Example:
+            >>> import numpy as np, fastembed
+            >>> emb = fastembed.Embedding(np.arange(12, dtype=np.float32).reshape(4, 3))
+            >>> emb([[3, 0]])
+            array([[[ 9., 10., 11.],
+                    [ 0.,  1.,  2.]]], dtype=float32)
         """
         table_view = self._view
         for guard in self._guards:  # as _checked_view(), inline: a decode step is mostly call overhead
@@ -287,10 +303,21 @@ class Embedding:
                 conventions of the common model families (see docs/loading.md)
                 or raises listing the candidates.
 
+        Returns:
+            An Embedding over the mapped tensor (a quantized table where the file
+            was written by :meth:`save`); :meth:`check_file` watches the file.
+
         Raises:
             FileNotFoundError: no file at `path`.
             ValueError: a directory, another file format, or a corrupt or hostile header.
             TypeError: BF16/F8 tensors need ml_dtypes and it is missing.
+
+        Example:
+            >>> import numpy as np, os, tempfile, fastembed
+            >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+            >>> fastembed.Embedding(np.ones((5, 8), np.float16)).save(path, name="model.embed_tokens.weight")
+            >>> fastembed.Embedding.from_safetensors(path).table.shape
+            (5, 8)
         """
         from .io import map_safetensors
 
@@ -310,6 +337,13 @@ class Embedding:
             FileNotFoundError: no file at `path`.
             ValueError: a directory, another file format, a corrupt header, not 2-D,
                 or in Fortran (column-major) order, whose rows are not contiguous.
+
+        Example:
+            >>> import numpy as np, os, tempfile, fastembed
+            >>> path = os.path.join(tempfile.mkdtemp(), "table.npy")
+            >>> np.save(path, np.arange(6, dtype=np.float32).reshape(3, 2))
+            >>> fastembed.Embedding.from_npy(path)([2])
+            array([[4., 5.]], dtype=float32)
         """
         from .io import map_npy_rows
 
@@ -382,6 +416,14 @@ class Embedding:
             FileNotFoundError: no file at `path`.
             ValueError: not a GGUF file, a corrupt or hostile header, a missing
                 tensor, or a tensor type fastembed does not gather (named).
+
+        Example:
+            >>> import os, tempfile, fastembed
+            >>> path = os.path.join(tempfile.mkdtemp(), "model.gguf")
+            >>> fastembed.Embedding.random(100, 64).quantize("q8_0").save(path)
+            >>> emb = fastembed.Embedding.from_gguf(path)
+            >>> emb.format, emb([1, 2], dtype="float16").shape
+            ('q8_0', (2, 64))
         """
         from .io import map_gguf
 
@@ -405,6 +447,14 @@ class Embedding:
             OSError: as :func:`fastembed.io.save_table` (IsADirectoryError for a directory or a link to one).
 
         Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_`` that moved or grew it).
+
+        Example:
+            >>> import os, tempfile, fastembed
+            >>> emb = fastembed.Embedding.random(100, 64)
+            >>> path = os.path.join(tempfile.mkdtemp(), "table.gguf")
+            >>> emb.save(path)
+            >>> bool((fastembed.Embedding.from_gguf(path)([7]) == emb([7])).all())
+            True
         """
         from .io import save_table
 
@@ -479,6 +529,13 @@ class Embedding:
         Raises:
             fastembed.io.FileChangedError: the file changed.
             ValueError: the layer was not made by a loader constructor.
+
+        Example:
+            >>> import numpy as np, os, tempfile, fastembed
+            >>> path = os.path.join(tempfile.mkdtemp(), "table.npy")
+            >>> np.save(path, np.ones((4, 8), np.float16))
+            >>> emb = fastembed.Embedding.from_npy(path)
+            >>> emb.check_file()  # silent while the file is as it was mapped
         """
         if self._watch is None:
             raise ValueError("this layer watches no file: only the layers Embedding.from_pretrained (and from_safetensors, "
@@ -501,6 +558,12 @@ class Embedding:
             TypeError: `device` is not an int; the table is not on the host; a
                 dtype cupy cannot carry (:func:`fastembed.backends.cuda_backend.to_device`).
             ValueError: no such device; a torch table's memory resized in place (``resize_`` that moved or grew it).
+
+        Example:
+            >>> import fastembed
+            >>> gpu = fastembed.Embedding.random(1000, 64).to_device(0)  # doctest: +SKIP
+            >>> gpu.device, gpu([1, 2]).shape  # doctest: +SKIP
+            ('cuda:0', (2, 64))
         """
         from .backends import cuda_backend
         from .dispatch import BackendUnavailableError

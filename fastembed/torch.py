@@ -90,6 +90,12 @@ class Embedding(torch.nn.Embedding):
 
     Shape:
         input ``(*)`` integer ids; output ``(*, embedding_dim)``, the weight's dtype.
+
+    Example:
+        >>> import torch, fastembed.torch
+        >>> layer = fastembed.torch.Embedding(1000, 64, dtype=torch.float16).requires_grad_(False)  # inference
+        >>> layer(torch.tensor([[1, 2, 3]])).shape
+        torch.Size([1, 3, 64])
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -104,8 +110,20 @@ class Embedding(torch.nn.Embedding):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``weight[input]``, as torch.nn.Embedding gives it: gathered by fastembed, or by torch where the module docstring says.
 
+        Args:
+            input: integer ids (a tensor of any shape).
+
+        Returns:
+            The rows of ``weight``, shaped ``input.shape + (embedding_dim,)``.
+
         Raises:
             IndexError: fastembed's error for an id out of range where fastembed serves; torch's where torch does.
+
+        Example:
+            >>> import torch, fastembed.torch
+            >>> layer = fastembed.torch.Embedding(10, 4).requires_grad_(False)
+            >>> torch.equal(layer(torch.tensor([7])), layer.weight[7:8])
+            True
         """
         if torch.jit.is_scripting():  # TorchScript compiles this branch alone
             return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,

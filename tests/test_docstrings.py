@@ -36,10 +36,31 @@ def test_public_names_are_documented(name):
     assert inspect.getdoc(value), f"fastembed.{name} has no docstring"
 
 
-@pytest.mark.parametrize("function", [fastembed.lookup, fastembed.Embedding, fastembed.select_backend,
-                                      fastembed.Embedding.from_pretrained])
-def test_the_main_entry_points_carry_a_runnable_example(function):
+def _public_functions() -> list:
+    """Every public function of fastembed, and every public method of its classes (the layer's call included).
+
+    Not fastembed.distributed's: its examples need ranks, so they are shown as text, run by its own tests."""
+    found = []
+    for name in fastembed.__all__:
+        value = getattr(fastembed, name)
+        if inspect.isfunction(value):
+            found.append(value)
+        elif inspect.isclass(value) and not issubclass(value, BaseException):
+            for method, member in vars(value).items():
+                public = not method.startswith("_") or method == "__call__"
+                if public and (inspect.isfunction(member) or isinstance(member, (classmethod, staticmethod))):
+                    found.append(getattr(value, method))
+    return found
+
+
+@pytest.mark.parametrize("function", [fastembed.Embedding, *_public_functions()], ids=lambda f: f.__qualname__)
+def test_the_public_functions_carry_a_runnable_example(function):
     assert ">>>" in inspect.getdoc(function)
+
+
+def test_the_torch_layer_carries_runnable_examples():
+    torch_layer = pytest.importorskip("fastembed.torch").Embedding
+    assert ">>>" in inspect.getdoc(torch_layer) and ">>>" in inspect.getdoc(torch_layer.forward)
 
 
 @pytest.mark.parametrize("name", ["fastembed.formats", "fastembed.torch", "fastembed.distributed"])

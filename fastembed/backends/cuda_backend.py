@@ -541,6 +541,10 @@ def raise_deferred_id_errors(device_id: int = 0) -> None:
         TypeError: `device_id` is not an integer (a device object or "cuda:0" would
             name no device's flag, and hide a pending error).
         ValueError: no such device.
+
+    Example:
+        >>> import fastembed
+        >>> fastembed.raise_deferred_id_errors(0)  # silent: no deferred lookup saw a bad id
     """
     device_id = device_index(device_id)
     if BACKEND.unavailable_reasons():
