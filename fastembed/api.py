@@ -134,8 +134,9 @@ def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend:
 
 
 def _host_array(like: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A new host array that :func:`result_like` can hand back as an array of `like`'s library without a copy."""
-    aligned = aligned_result(like, shape, dtype)
+    """A new host array, not from the output cache, that :func:`result_like` can hand back as an array of `like`'s
+    library without a copy."""
+    aligned = aligned_result(like, shape, dtype, reused=False)
     return np.empty(shape, dtype) if aligned is None else aligned
 
 

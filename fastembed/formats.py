@@ -245,7 +245,9 @@ def quantize_rows(rows: np.ndarray, fmt: str | BlockFormat) -> tuple[np.ndarray,
     ``fp8_e4m3`` (per row, ``scale = absmax / 448`` as float32, at least
     float32's smallest normal 2**-126 for a row that is not all zeros, and
     ``x / scale`` rounded to the nearest float8_e4m3fn). The result does not
-    depend on ``np.seterr``.
+    depend on ``np.seterr``. All the rows are converted at once, through
+    float32 temporaries several times their size: a whole table is quantized
+    a few MiB of rows at a time by :meth:`fastembed.Embedding.quantize`.
 
     Raises:
         TypeError: rows of complex numbers or of a dtype that is not a number.

@@ -57,9 +57,9 @@ def address(array) -> int:
 
 def aligned_empty(shape: tuple[int, ...], dtype, alignment: int = jax_adapter.JAX_HOST_ALIGNMENT) -> np.ndarray:
     """A numpy array whose data starts at a multiple of `alignment` bytes."""
-    from fastembed.backends.output_cache import _aligned_empty
+    from fastembed.backends.output_cache import aligned_empty
 
-    return _aligned_empty(shape, np.dtype(dtype), alignment)
+    return aligned_empty(shape, np.dtype(dtype), alignment)
 
 
 @pytest.mark.parametrize("dtype", TABLE_DTYPES)
@@ -399,6 +399,29 @@ def test_a_quantized_jax_table_keeps_jax_arrays_and_results():
     assert type(result).__module__.startswith("jax")
     expected = fastembed.Embedding(host).quantize("fp8_e4m3")([3, 1])
     np.testing.assert_array_equal(np.asarray(result).view(np.uint32), expected.view(np.uint32))
+
+
+def test_a_quantized_jax_table_is_a_table_of_its_own_not_a_cached_output():
+    """A new table is kept for long: from the output cache it could take a buffer twice its size, and would go
+    back to the cache, not to the system, when dropped."""
+    import gc
+
+    from fastembed.backends import output_cache
+
+    host = np.random.default_rng(6).standard_normal((2048, 4096)).astype(np.float32)  # q8_0: 8.5 MiB of rows
+    output_cache.empty()
+    kept = fastembed.lookup(jnp.asarray(host), np.arange(4096) % 2048)  # 64 MiB, dropped below: a cached buffer
+    del kept
+    gc.collect()
+    cached = output_cache.cached_bytes()
+    quantized = fastembed.Embedding(jnp.asarray(host)).quantize("q8_0")
+    data = np.asarray(quantized.table.data)
+    assert data.ctypes.data % jax_adapter.JAX_HOST_ALIGNMENT == 0
+    assert output_cache.cached_bytes() == cached  # no buffer taken from the cache
+    del quantized, data
+    gc.collect()
+    assert output_cache.cached_bytes() == cached  # and none given to it
+    output_cache.empty()
 
 
 def test_a_dtype_in_the_other_byte_order_is_refused_for_a_jax_table():

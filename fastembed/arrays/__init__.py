@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Protocol
 
+import numpy as np
+
 from . import cupy_adapter, dlpack_adapter, jax_adapter, numpy_adapter, torch_adapter
 
 
@@ -230,11 +232,14 @@ def call_context(table: Any) -> Any:
     return _NO_CONTEXT if stream_context is None else stream_context(table)
 
 
-def aligned_result(table: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+def aligned_result(table: Any, shape: tuple[int, ...], dtype: Any, reused: bool = True) -> Any:
     """A new host array for the result of a lookup on the caller's `table`, or None to let the backend allocate.
 
     Not None only where the table's library shares a host result's memory
     at a stricter alignment than numpy gives (:attr:`ArrayAdapter.result_alignment`).
+    A large one comes from the output cache's buffers where `reused` (a
+    lookup's output), else from numpy (an array kept for long, such as a
+    new table, which must not hold a cached buffer, nor leave one behind).
     """
     adapter = adapter_of(table)
     alignment = 0 if adapter is None else adapter.result_alignment
@@ -242,6 +247,8 @@ def aligned_result(table: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         return None
     from ..backends import output_cache  # large results come from its cache of mapped, aligned buffers
 
+    if not reused:
+        return output_cache.aligned_empty(tuple(shape), np.dtype(dtype), alignment)
     return output_cache.new_output(shape, dtype, alignment)
 
 

@@ -142,7 +142,7 @@ def new_output(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 0) -> n
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < MIN_BYTES or limit() == 0:
-        out = _aligned_empty(shape, dtype, alignment) if alignment else np.empty(shape, dtype)
+        out = aligned_empty(shape, dtype, alignment) if alignment else np.empty(shape, dtype)
         if nbytes >= MIN_BYTES:
             fault_in(out)
         return out
@@ -183,7 +183,7 @@ def _take(nbytes: int) -> np.ndarray:
             if _free.pop(id(best), None) is not None and view() is None:
                 return best
     size = -(-nbytes // GRANULE) * GRANULE
-    buffer = _aligned_empty((size,), np.dtype(np.uint8), ALIGNMENT)
+    buffer = aligned_empty((size,), np.dtype(np.uint8), ALIGNMENT)
     fault_in(buffer)
     return buffer
 
@@ -222,7 +222,7 @@ def _trim(keep: int) -> None:
             total -= buffer.size
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> np.ndarray:
     """An uninitialised C-contiguous array whose data address is a multiple of `alignment` bytes."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)

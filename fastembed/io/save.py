@@ -14,7 +14,7 @@
   ``fastembed.dim``), so :func:`~fastembed.io.map_safetensors` finds it without
   a name and maps it back as a QuantizedTable.
 
-Both writers stream the rows 64 MiB at a time, converted to little-endian
+Both writers stream the rows 4 MiB at a time, converted to little-endian
 row-major order chunk by chunk, so a memory-mapped, big-endian or
 column-major table is never copied whole.
 
@@ -34,7 +34,7 @@ import os
 import secrets
 import stat
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ _GGUF_DENSE = {"float32": 0, "float16": 1, "bfloat16": 30}
 #: The safetensors dtype code of each dense dtype (numpy names) a safetensors file holds and the loaders map back.
 _SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 #: Bytes written at a time (a memory-mapped table is streamed, never copied whole).
-_CHUNK_BYTES = 64 * 2**20
+_CHUNK_BYTES = 4 * 2**20
 #: Bytes of the destination's name that begin the temporary file's (file names are at most 255 bytes).
 _TEMPORARY_PREFIX_BYTES = 128
 
@@ -171,8 +171,7 @@ def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> Non
     def write(temporary: str) -> None:
         with open(temporary, "wb") as handle:
             handle.write(head)
-            for chunk in _row_chunks(rows):
-                handle.write(chunk)
+            _write_rows(handle, rows)
             handle.write(b"\0" * (-data_bytes % DEFAULT_ALIGNMENT))
         _check_readable(path, temporary, name, ".gguf")
 
@@ -192,13 +191,18 @@ def _gguf_header(name: str, dim: int, vocab_size: int, ggml_type: int) -> bytes:
     return head + b"\0" * (-len(head) % DEFAULT_ALIGNMENT)
 
 
-def _row_chunks(rows: np.ndarray) -> Iterator[memoryview]:
-    """The bytes of `rows` (2-D) in row-major order and little-endian, :data:`_CHUNK_BYTES` at a time."""
-    little = rows.dtype.newbyteorder("<") if rows.dtype.byteorder == ">" else rows.dtype
+def _write_rows(handle: Any, rows: np.ndarray) -> None:
+    """Write the bytes of `rows` (2-D) in row-major order and little-endian, :data:`_CHUNK_BYTES` at a time.
+
+    Rows already in that order are written from their own memory; others are converted one chunk at a time,
+    each dropped before the next is made.
+    """
+    little = rows.dtype.newbyteorder("<")  # the same dtype where it already is little-endian (or has no order)
     step = max(1, _CHUNK_BYTES // max(1, rows.shape[1] * rows.dtype.itemsize))
     for start in range(0, rows.shape[0], step):
         chunk = np.ascontiguousarray(rows[start:start + step], dtype=little)
-        yield chunk.reshape(-1).view(np.uint8).data
+        handle.write(chunk.reshape(-1).view(np.uint8).data)
+        del chunk
 
 
 def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
@@ -230,8 +234,7 @@ def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str)
         with open(temporary, "wb") as handle:
             handle.write(struct.pack("<Q", len(text)) + text)
             for _, _, rows in tensors.values():
-                for chunk in _row_chunks(rows):
-                    handle.write(chunk)
+                _write_rows(handle, rows)
         _check_readable(path, temporary, name, ".safetensors")
 
     _replace(path, write)
