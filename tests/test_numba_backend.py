@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import textwrap
 import threading
 import time
 import types
@@ -484,12 +485,62 @@ def test_the_wait_policy_reaches_numbas_openmp_when_another_library_loaded_its_o
     monkeypatch.delenv("OMP_WAIT_POLICY")
     mapped = iter([{"/torch/lib/libgomp-a34b3233.so.1"}, {"/torch/lib/libgomp-a34b3233.so.1", "/usr/lib/libgomp.so.1"}])
     monkeypatch.setattr(numba_backend, "_openmp_paths", lambda: next(mapped))
+    monkeypatch.setattr(numba_backend, "_global_openmp_runtime", lambda: None)  # torch's kept to itself
     seen = []
     monkeypatch.setattr(numba, "get_num_threads", lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")))
     backend = numba_backend.NumbaBackend()
     backend._load_threading_layer()
     assert seen == ["passive"] and "OMP_WAIT_POLICY" not in os.environ
     assert backend.wait_policy.startswith("passive (set by fastembed")
+
+
+def test_a_runtime_another_library_put_in_the_global_scope_is_numbas_and_keeps_its_policy(monkeypatch):
+    """torch loads its libgomp into the global scope: numba's layer binds to it, whose policy was read long ago;
+    fastembed sets nothing then, and says so."""
+    import numba
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    torch_runtime = "/torch/lib/libgomp.so.1"
+    mapped = iter([{torch_runtime}, {torch_runtime, "/usr/lib/libgomp.so.1"}])
+    monkeypatch.setattr(numba_backend, "_openmp_paths", lambda: next(mapped))
+    monkeypatch.setattr(numba_backend, "_global_openmp_runtime", lambda: torch_runtime)
+    monkeypatch.setattr(numba_backend, "_threading_layer", lambda: "omp")
+    seen = []
+    monkeypatch.setattr(numba, "get_num_threads", lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")))
+    backend = numba_backend.NumbaBackend()
+    backend._load_threading_layer()
+    assert seen == [None]
+    assert backend.wait_policy.startswith(f"as {torch_runtime} read it when another library loaded it first")
+    assert "OMP_WAIT_POLICY=passive" in backend.wait_policy
+
+
+def test_the_runtime_in_the_global_scope_is_found_where_torch_put_it(tmp_path):
+    torch = pytest.importorskip("torch")
+    bundled = [name for name in os.listdir(os.path.join(os.path.dirname(torch.__file__), "lib")) if "libgomp" in name]
+    if not sys.platform.startswith("linux") or not bundled:
+        pytest.skip("this torch build brings no GNU OpenMP runtime of its own")
+    result = run_script(tmp_path, "import torch\nfrom fastembed.backends import numba_backend\n"
+                                  "print(numba_backend._global_openmp_runtime())\n")  # a fresh process: torch first
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.path.basename(result.stdout.strip()) in bundled
+
+
+def test_info_says_whose_openmp_runtime_numba_uses_when_torch_came_first(tmp_path):
+    pytest.importorskip("torch")
+    result = run_script(tmp_path, textwrap.dedent("""
+        import torch, numpy as np, fastembed
+        from fastembed.backends import numba_backend
+        table = fastembed.Embedding.random(3000, 1024).table
+        fastembed.lookup(table, np.arange(2048) % 3000); fastembed.wait_for_compiles()
+        fastembed.lookup(table, np.arange(2048) % 3000)
+        print(numba_backend.BACKEND.describe()["omp_wait_policy"])
+    """))
+    assert result.returncode == 0, result.stderr[-3000:]
+    policy = result.stdout.strip().splitlines()[-1]
+    if policy.startswith("not applicable"):
+        pytest.skip(f"numba's threading layer is not omp here: {policy}")
+    assert "when another library loaded it first" in policy, policy
 
 
 def test_a_wait_policy_set_by_another_thread_while_numba_loads_is_kept(monkeypatch):

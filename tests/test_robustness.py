@@ -222,6 +222,30 @@ def test_a_child_forked_after_the_application_started_numbas_pool_gathers_serial
     assert_child_ok(run_child(FORK_AFTER_THE_APPLICATION_STARTED_NUMBAS_POOL, timeout=120))
 
 
+FORK_AFTER_TORCH_STARTED_ITS_OPENMP_THREADS = """
+import os, torch, numpy as np, fastembed   # torch first: its GNU OpenMP, loaded into the global scope, is numba's too
+from fastembed.backends import numba_backend
+float((torch.ones(500, 500) @ torch.ones(500, 500)).sum())   # torch's OpenMP threads start here
+table = fastembed.Embedding.random(3000, 1024).table
+ids = np.random.default_rng(0).integers(0, 3000, 2048)   # 4 MiB of output: the parallel kernel's size
+pid = os.fork()
+if pid == 0:
+    fastembed.lookup(table, ids); fastembed.wait_for_compiles()
+    ok = np.array_equal(fastembed.lookup(table, ids), table[ids]) and numba_backend.BACKEND.forked_after_pool_start
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("ok" if os.waitstatus_to_exitcode(status) == 0 else f"child failed: {os.waitstatus_to_exitcode(status)}")
+"""
+
+
+@needs_numba
+def test_a_child_forked_after_torch_started_its_openmp_threads_gathers_serially_and_never_hangs():
+    """numba's omp layer binds to the runtime torch put in the global scope; a parallel region on it in a child
+    waits for threads the fork did not copy."""
+    pytest.importorskip("torch")
+    assert_child_ok(run_child(FORK_AFTER_TORCH_STARTED_ITS_OPENMP_THREADS, timeout=60))
+
+
 FORK_WHILE_THE_OUTPUT_CACHE_IS_LOCKED = """
 import os, threading, numpy as np, fastembed
 from fastembed.backends import output_cache

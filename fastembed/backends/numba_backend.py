@@ -28,9 +28,10 @@ Safety, whatever threading layer numba picked:
   already keeps every core busy. This also keeps numba's ``workqueue``
   layer, which aborts the process on concurrent entry, safe;
 - in a process forked after the parent started numba's thread pool (for
-  fastembed or for the application's own parallel numba code), the serial
-  kernel only: GNU OpenMP kills such children and a forked workqueue pool
-  can hang;
+  fastembed or for the application's own parallel numba code), or from a
+  parent whose global symbol scope holds another library's GNU OpenMP
+  runtime (torch's, which numba's layer then uses), the serial kernel only:
+  GNU OpenMP kills such children and a forked workqueue pool can hang;
 - a fork waits until no thread is importing numba or compiling a kernel
   for this backend (:mod:`.background_compile`): a child would otherwise
   inherit the import or compile lock held by a thread it does not have;
@@ -149,6 +150,7 @@ class NumbaBackend:
 
         self.pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
         self.forked_after_pool_start = False
+        self._openmp_in_global_scope = False  # at the last fork, asked in the parent (see before_fork)
         self.wait_policy = "not loaded yet"  # the OpenMP wait policy in force, as numba's runtime loaded
         self._threading_layer_loaded = False  # a fact of the process: a reset keeps it
         self.reset()
@@ -265,7 +267,8 @@ class NumbaBackend:
         first_load = not self._threading_layer_loaded  # after a reset, the runtime has read its policy already
         given = os.environ.get("OMP_WAIT_POLICY")
         user_policy = _user_wait_setting()
-        set_passive = first_load and user_policy is None
+        foreign = _global_openmp_runtime()  # loaded before, its policy read: numba's layer binds to it
+        set_passive = first_load and user_policy is None and foreign is None
         runtimes_before = _openmp_paths()
         if set_passive:
             os.environ["OMP_WAIT_POLICY"] = "passive"
@@ -281,7 +284,7 @@ class NumbaBackend:
                 else:
                     os.environ["OMP_WAIT_POLICY"] = given
         if first_load:
-            self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _openmp_paths())
+            self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _openmp_paths(), foreign)
             self._threading_layer_loaded = True
 
     # -- the gather ----------------------------------------------------------
@@ -491,8 +494,14 @@ class NumbaBackend:
                     self._parallel_error = _one_line(error)
         compiles.done.add(signature)
 
+    def before_fork(self) -> None:
+        # Asked in the parent: the child must not call the dynamic loader, whose lock another thread may have held.
+        self._openmp_in_global_scope = _global_openmp_runtime() is not None
+
     def after_fork_in_child(self) -> None:
-        self.forked_after_pool_start = self.pool_started or _numba_pool_started()
+        # A runtime another library loaded into the global scope (torch's libgomp) is the one numba's layer uses,
+        # and that library may have started its threads: GNU OpenMP would hang or kill the child as for numba's own.
+        self.forked_after_pool_start = self.pool_started or _numba_pool_started() or self._openmp_in_global_scope
         if background_compile.compiles_disabled():
             self._unavailable = None  # found again: this process may never use numba
             base.availability_changed()
@@ -624,10 +633,44 @@ def _user_wait_setting() -> str | None:
     return None
 
 
-def _wait_policy_fact(user_policy: str | None, runtimes_before: set[str], runtimes_after: set[str]) -> str:
-    """What OMP_WAIT_POLICY numba's OpenMP workers follow, for ``describe()``."""
+def _global_openmp_runtime() -> str | None:
+    """The file of the GNU OpenMP runtime in the process's global symbol scope, or None (none, or not Linux).
+
+    A library loaded into that scope (torch loads its own ``libgomp.so.1``
+    so) provides ``GOMP_parallel`` to every library loaded after it,
+    numba's omp layer included, whatever runtime that layer itself brings.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    class _DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    try:
+        scope = ctypes.CDLL(None)
+        entry = ctypes.cast(scope.GOMP_parallel, ctypes.c_void_p)
+        info = _DlInfo()
+        if not scope.dladdr(entry, ctypes.byref(info)) or not info.dli_fname:
+            return None
+    except (AttributeError, OSError):  # no such symbol in the global scope, or no dladdr
+        return None
+    return os.fsdecode(info.dli_fname)
+
+
+def _wait_policy_fact(user_policy: str | None, runtimes_before: set[str], runtimes_after: set[str],
+                      foreign: str | None = None) -> str:
+    """What OMP_WAIT_POLICY numba's OpenMP workers follow, for ``describe()``.
+
+    `foreign` is the runtime another library had loaded into the global scope before numba's layer loaded.
+    """
     if user_policy is not None:
         return user_policy
+    if foreign is not None and _threading_layer() == "omp":
+        return (f"as {foreign} read it when another library loaded it first (GNU OpenMP's default: workers spin "
+                "for milliseconds after each parallel region, which can stall lookups; set OMP_WAIT_POLICY=passive "
+                "before starting Python to avoid it)")
     if runtimes_after - runtimes_before:
         return ("passive (set by fastembed while numba's OpenMP runtime loaded; a library using that runtime "
                 "afterwards shares it)")
@@ -762,4 +805,4 @@ def _threading_layer() -> str:
 
 BACKEND = NumbaBackend()
 if hasattr(os, "register_at_fork"):  # POSIX; a flag set at fork, not a getpid() per call
-    os.register_at_fork(after_in_child=BACKEND.after_fork_in_child)
+    os.register_at_fork(before=BACKEND.before_fork, after_in_child=BACKEND.after_fork_in_child)
