@@ -233,3 +233,16 @@ def test_a_full_standard_output_is_one_clear_line():
                                 text=True)
     assert result.returncode == 1
     assert result.stderr.strip() == "python -m fastembed: cannot write to the standard output: No space left on device"
+
+
+def test_a_threading_layer_that_cannot_load_is_not_reported_as_yet_to_start():
+    import importlib.util
+
+    if importlib.util.find_spec("numba") is None or importlib.util.find_spec("tbb") is not None:
+        pytest.skip("needs numba without the tbb package, whose layer then cannot load")
+    facts = json.loads(subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], check=True,
+                                      capture_output=True, text=True,
+                                      env=dict(os.environ, NUMBA_THREADING_LAYER="tbb")).stdout)
+    numba = next(backend for backend in facts["backends"] if backend["name"] == "numba")
+    assert numba["threading_layer"] == "none could load"
+    assert numba["parallel_kernels"].startswith("unavailable, serving serially")

@@ -531,7 +531,7 @@ class NumbaBackend:
         facts: dict[str, Any] = {
             "numba": numba.__version__,
             "threads": threads,
-            "threading_layer": _threading_layer(),
+            "threading_layer": _threading_layer() if self._parallel_error is None else "none could load",
             "parallel_min_bytes": PARALLEL_MIN_BYTES,
             "omp_wait_policy": self.wait_policy,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
