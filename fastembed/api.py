@@ -136,7 +136,7 @@ def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend:
 def _host_array(like: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A new host array, not from the output cache, that :func:`result_like` can hand back as an array of `like`'s
     library without a copy."""
-    aligned = aligned_result(like, shape, dtype, reused=False)
+    aligned = aligned_result(like, shape, dtype, from_cache=False)
     return np.empty(shape, dtype) if aligned is None else aligned
 
 
@@ -305,8 +305,8 @@ class Embedding:
                 or raises listing the candidates.
 
         Returns:
-            An Embedding over the mapped tensor (a quantized table where the file
-            was written by :meth:`save`); :meth:`check_file` watches the file.
+            An Embedding over the mapped tensor (a quantized table where :meth:`save`
+            wrote one); :meth:`check_file` watches the file.
 
         Raises:
             FileNotFoundError: no file at `path`.
@@ -314,11 +314,13 @@ class Embedding:
             TypeError: BF16/F8 tensors need ml_dtypes and it is missing.
 
         Example:
-            >>> import numpy as np, os, tempfile, fastembed
-            >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+            >>> import numpy as np, os, shutil, tempfile, fastembed
+            >>> folder = tempfile.mkdtemp()
+            >>> path = os.path.join(folder, "model.safetensors")
             >>> fastembed.Embedding(np.ones((5, 8), np.float16)).save(path, name="model.embed_tokens.weight")
             >>> fastembed.Embedding.from_safetensors(path).table.shape
             (5, 8)
+            >>> shutil.rmtree(folder)
         """
         from .io import map_safetensors
 
@@ -340,11 +342,13 @@ class Embedding:
                 or in Fortran (column-major) order, whose rows are not contiguous.
 
         Example:
-            >>> import numpy as np, os, tempfile, fastembed
-            >>> path = os.path.join(tempfile.mkdtemp(), "table.npy")
+            >>> import numpy as np, os, shutil, tempfile, fastembed
+            >>> folder = tempfile.mkdtemp()
+            >>> path = os.path.join(folder, "table.npy")
             >>> np.save(path, np.arange(6, dtype=np.float32).reshape(3, 2))
             >>> fastembed.Embedding.from_npy(path)([2])
             array([[4., 5.]], dtype=float32)
+            >>> shutil.rmtree(folder)
         """
         from .io import map_npy_rows
 
@@ -419,12 +423,14 @@ class Embedding:
                 tensor, or a tensor type fastembed does not gather (named).
 
         Example:
-            >>> import os, tempfile, fastembed
-            >>> path = os.path.join(tempfile.mkdtemp(), "model.gguf")
+            >>> import os, shutil, tempfile, fastembed
+            >>> folder = tempfile.mkdtemp()
+            >>> path = os.path.join(folder, "model.gguf")
             >>> fastembed.Embedding.random(100, 64).quantize("q8_0").save(path)
             >>> emb = fastembed.Embedding.from_gguf(path)
             >>> emb.format, emb([1, 2], dtype="float16").shape
             ('q8_0', (2, 64))
+            >>> shutil.rmtree(folder)
         """
         from .io import map_gguf
 
@@ -442,20 +448,18 @@ class Embedding:
             name: the tensor's name; None: ``token_embd.weight`` in GGUF, ``weight`` in safetensors.
 
         Raises:
-            ValueError: a suffix other than ``.gguf``/``.safetensors``, or a dtype or format the file
-                type cannot hold (GGUF: float32, float16, bfloat16 and the GGUF block formats).
-            TypeError: a table that is not on the host (copy it back first); a `name` that is not a string.
-            OSError: as :func:`fastembed.io.save_table` (IsADirectoryError for a directory or a link to one).
-
-        Like a lookup, it raises ValueError once a torch table's memory was resized in place (``resize_`` that moved or grew it).
+            ValueError, TypeError, OSError: as :func:`fastembed.io.save_table`; also a ValueError, as for a
+                lookup, once a torch table's memory was resized in place (``resize_`` that moved or grew it).
 
         Example:
-            >>> import os, tempfile, fastembed
+            >>> import os, shutil, tempfile, fastembed
             >>> emb = fastembed.Embedding.random(100, 64)
-            >>> path = os.path.join(tempfile.mkdtemp(), "table.gguf")
+            >>> folder = tempfile.mkdtemp()
+            >>> path = os.path.join(folder, "table.gguf")
             >>> emb.save(path)
             >>> bool((fastembed.Embedding.from_gguf(path)([7]) == emb([7])).all())
             True
+            >>> shutil.rmtree(folder)
         """
         from .io import save_table
 
@@ -532,11 +536,13 @@ class Embedding:
             ValueError: the layer was not made by a loader constructor.
 
         Example:
-            >>> import numpy as np, os, tempfile, fastembed
-            >>> path = os.path.join(tempfile.mkdtemp(), "table.npy")
+            >>> import numpy as np, os, shutil, tempfile, fastembed
+            >>> folder = tempfile.mkdtemp()
+            >>> path = os.path.join(folder, "table.npy")
             >>> np.save(path, np.ones((4, 8), np.float16))
             >>> emb = fastembed.Embedding.from_npy(path)
             >>> emb.check_file()  # silent while the file is as it was mapped
+            >>> shutil.rmtree(folder)
         """
         if self._watch is None:
             raise ValueError("this layer watches no file: only the layers Embedding.from_pretrained (and from_safetensors, "

@@ -1091,9 +1091,20 @@ def test_the_memory_check_counts_the_batches_and_repetitions_the_mode_runs(monke
     assert cli.memory_problem(gate_run, 128, 0) is None
 
 
+@pytest.mark.parametrize(("arguments", "default"), [
+    ([], True), (["--dtype", "half"], True), (["--dtype", "<f2"], True), (["--dim", "64"], False),
+    (["--dtype", "float32"], False), (["--table", "t.npy"], False),
+])
+def test_the_default_table_is_recognised_in_any_spelling_of_its_dtype(arguments, default):
+    from fastembed.benchmark import cli
+
+    parsed = cli.parse_arguments(["--gate", *arguments])
+    assert cli.measures_the_default_table(parsed) == default
+
+
 @pytest.mark.parametrize(("arguments", "warned"), [
     (["--vocab-size", "2000", "--dim", "64"], True),
-    (["--thresholds", "OWN"], False),
+    (["--vocab-size", "2000", "--dim", "64", "--thresholds", "OWN"], False),
 ])
 def test_the_gate_says_when_its_packaged_thresholds_meet_another_table(tmp_path, monkeypatch, capsys, arguments, warned):
     """Its ratios are set for the default table: a small table fails them by no fault of the kernels."""

@@ -37,9 +37,8 @@ def test_public_names_are_documented(name):
 
 
 def _public_functions() -> list:
-    """Every public function of fastembed, and every public method of its classes (the layer's call included).
-
-    Not fastembed.distributed's: its examples need ranks, so they are shown as text, run by its own tests."""
+    """Every public function of the ``fastembed`` namespace, and every public method of its classes (the layer's
+    call included); the submodules' own functions are not held to it here."""
     found = []
     for name in fastembed.__all__:
         value = getattr(fastembed, name)

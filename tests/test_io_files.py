@@ -85,6 +85,10 @@ def _random(path) -> None:
     path.write_bytes(np.random.default_rng(0).integers(1, 256, 4096, dtype=np.uint8).tobytes())
 
 
+def _control_bytes(path) -> None:
+    path.write_bytes(b"\x1c\x1d\x1e\x1f" * 16)  # valid UTF-8, but separators no text file holds
+
+
 def _high_bytes(path) -> None:
     path.write_bytes(b"\xff" * 64)  # no UTF-8 text: every byte is at least 0x80
 
@@ -139,6 +143,7 @@ def test_other_formats_are_named(tmp_path, writer, file_name, words, loader):
                                       r"are not a header length.*beyond the file's 4096 bytes.*from_npy"),
         (_random, "weights.dat", r"its first 8 bytes .* are not a header length"),
         (_high_bytes, "model.safetensors", r"its first 8 bytes \(ff ff ff ff ff ff ff ff\) are not a header length"),
+        (_control_bytes, "model.safetensors", r"its first 8 bytes \((1c 1d 1e 1f ?){2}\) are not a header length"),
         (_text_in_many_scripts, "notes.txt", "text file"),
     ],
 )

@@ -293,6 +293,8 @@ def test_a_name_that_is_not_unicode_text_is_refused_and_nothing_is_written(tmp_p
 def test_big_endian_and_column_major_tables_are_converted_chunk_by_chunk(tmp_path, suffix):
     import tracemalloc
 
+    from fastembed.io import save
+
     values = np.random.default_rng(4).standard_normal((4096, 1024)).astype(np.float32)  # 16 MiB
     for kind, table in (("big", values.astype(">f4")), ("fortran", np.asfortranarray(values))):
         tracemalloc.start()
@@ -301,7 +303,7 @@ def test_big_endian_and_column_major_tables_are_converted_chunk_by_chunk(tmp_pat
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-        assert peak < 6 * 2**20, (kind, peak)  # one chunk of a few MiB at a time, not the 16 MiB table
+        assert table.nbytes > 2 * save._CHUNK_BYTES and peak < 1.5 * save._CHUNK_BYTES, (kind, peak)  # a chunk at a time
         same_bytes(io.open_table(tmp_path / f"{kind}{suffix}"), values)
 
 
@@ -528,3 +530,23 @@ def test_a_path_the_system_cannot_resolve_is_refused_before_the_table_is_written
         io.save_table(spelling, np.ones((4, 8), np.float16))
     assert spelling in str(raised.value) and not written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.gguf"] and (tmp_path / "file.gguf").read_bytes() == b"kept"
+
+
+def test_a_looping_link_at_the_destination_is_replaced_like_any_link(tmp_path):
+    (tmp_path / "t.gguf").symlink_to(tmp_path / "t.gguf")
+    io.save_table(tmp_path / "t.gguf", np.ones((4, 8), np.float16))
+    assert not (tmp_path / "t.gguf").is_symlink() and io.map_gguf(tmp_path / "t.gguf").shape == (4, 8)
+
+
+def test_a_folder_whose_final_path_cannot_be_told_is_still_written_to(tmp_path, monkeypatch):
+    """Windows cannot tell the final path of some volumes (RAM disks): an existing folder is written to as named."""
+    real = os.path.realpath
+
+    def strict_fails(path, *, strict=False):
+        if strict:
+            raise OSError(1, "Incorrect function")
+        return real(path)
+
+    monkeypatch.setattr(os.path, "realpath", strict_fails)
+    io.save_table(tmp_path / "t.gguf", np.ones((4, 8), np.float16))
+    assert io.map_gguf(tmp_path / "t.gguf").shape == (4, 8)

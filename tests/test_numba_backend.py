@@ -528,14 +528,18 @@ def test_the_runtime_in_the_global_scope_is_found_where_torch_put_it(tmp_path):
 
 def test_info_says_whose_openmp_runtime_numba_uses_when_torch_came_first(tmp_path):
     pytest.importorskip("torch")
-    result = run_script(tmp_path, textwrap.dedent("""
+    import subprocess
+
+    script = textwrap.dedent("""
         import torch, numpy as np, fastembed
         from fastembed.backends import numba_backend
         table = fastembed.Embedding.random(3000, 1024).table
         fastembed.lookup(table, np.arange(2048) % 3000); fastembed.wait_for_compiles()
         fastembed.lookup(table, np.arange(2048) % 3000)
         print(numba_backend.BACKEND.describe()["omp_wait_policy"])
-    """))
+    """)
+    environment = {name: value for name, value in os.environ.items() if name not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     policy = result.stdout.strip().splitlines()[-1]
     if policy.startswith("not applicable"):

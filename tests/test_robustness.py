@@ -246,6 +246,26 @@ def test_a_child_forked_after_torch_started_its_openmp_threads_gathers_serially_
     assert_child_ok(run_child(FORK_AFTER_TORCH_STARTED_ITS_OPENMP_THREADS, timeout=60))
 
 
+FORK_BEFORE_ANY_POOL_WITHOUT_TORCH = """
+import os, numpy as np, fastembed
+from fastembed.backends import numba_backend
+table = fastembed.Embedding.random(3000, 64).table
+fastembed.lookup(table, [1, 2])   # a small lookup: numpy's take, no thread pool anywhere
+pid = os.fork()
+if pid == 0:
+    os._exit(3 if numba_backend.BACKEND.forked_after_pool_start else 0)
+_, status = os.waitpid(pid, 0)
+print("ok" if os.waitstatus_to_exitcode(status) == 0 else "the child was made serial")
+"""
+
+
+@needs_numba
+def test_a_child_forked_before_any_openmp_pool_keeps_the_parallel_kernel():
+    """Only a pool that may have started (numba's, or one on a runtime another library put in the global scope)
+    makes a child serial."""
+    assert_child_ok(run_child(FORK_BEFORE_ANY_POOL_WITHOUT_TORCH, timeout=60))
+
+
 FORK_WHILE_THE_OUTPUT_CACHE_IS_LOCKED = """
 import os, threading, numpy as np, fastembed
 from fastembed.backends import output_cache

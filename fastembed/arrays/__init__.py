@@ -232,12 +232,12 @@ def call_context(table: Any) -> Any:
     return _NO_CONTEXT if stream_context is None else stream_context(table)
 
 
-def aligned_result(table: Any, shape: tuple[int, ...], dtype: Any, reused: bool = True) -> Any:
-    """A new host array for the result of a lookup on the caller's `table`, or None to let the backend allocate.
+def aligned_result(table: Any, shape: tuple[int, ...], dtype: Any, from_cache: bool = True) -> Any:
+    """A new host array to hand back as an array of the caller's `table`'s library, or None to let numpy allocate.
 
     Not None only where the table's library shares a host result's memory
     at a stricter alignment than numpy gives (:attr:`ArrayAdapter.result_alignment`).
-    A large one comes from the output cache's buffers where `reused` (a
+    A large one comes from the output cache's buffers if `from_cache` (a
     lookup's output), else from numpy (an array kept for long, such as a
     new table, which must not hold a cached buffer, nor leave one behind).
     """
@@ -247,7 +247,7 @@ def aligned_result(table: Any, shape: tuple[int, ...], dtype: Any, reused: bool 
         return None
     from ..backends import output_cache  # large results come from its cache of mapped, aligned buffers
 
-    if not reused:
+    if not from_cache:
         return output_cache.aligned_empty(tuple(shape), np.dtype(dtype), alignment)
     return output_cache.new_output(shape, dtype, alignment)
 

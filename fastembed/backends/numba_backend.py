@@ -56,6 +56,7 @@ table.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import importlib.util
 import itertools
@@ -151,6 +152,7 @@ class NumbaBackend:
         self.pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
         self.forked_after_pool_start = False
         self._openmp_in_global_scope = False  # at the last fork, asked in the parent (see before_fork)
+        self._layer_on_foreign_openmp = False  # numba's omp layer runs on a runtime another library loaded first
         self.wait_policy = "not loaded yet"  # the OpenMP wait policy in force, as numba's runtime loaded
         self._threading_layer_loaded = False  # a fact of the process: a reset keeps it
         self.reset()
@@ -257,7 +259,9 @@ class NumbaBackend:
         once, when its library loads; the variable is set to ``passive`` for
         that moment only (other threads can see it in ``os.environ`` then),
         and only if the user has set neither it nor GNU OpenMP's
-        GOMP_SPINCOUNT, which overrides it. A library that uses the same
+        GOMP_SPINCOUNT, which overrides it, and only if no OpenMP runtime is in
+        the process's global symbol scope yet: numba's layer would bind to that
+        one, whose policy was read when it loaded. A library that uses the same
         runtime afterwards (one that loads the same ``libgomp.so.1``, as
         torch's CPU build was seen to) shares its policy; a runtime that
         another library loaded before has read it already and is not affected.
@@ -285,6 +289,7 @@ class NumbaBackend:
                     os.environ["OMP_WAIT_POLICY"] = given
         if first_load:
             self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _openmp_paths(), foreign)
+            self._layer_on_foreign_openmp = foreign is not None and _threading_layer() == "omp"
             self._threading_layer_loaded = True
 
     # -- the gather ----------------------------------------------------------
@@ -496,7 +501,11 @@ class NumbaBackend:
 
     def before_fork(self) -> None:
         # Asked in the parent: the child must not call the dynamic loader, whose lock another thread may have held.
-        self._openmp_in_global_scope = _global_openmp_runtime() is not None
+        if self._threading_layer_loaded:
+            self._openmp_in_global_scope = self._layer_on_foreign_openmp
+        else:  # the child's layer would bind to such a runtime, unless the user chose another layer
+            chosen = os.environ.get("NUMBA_THREADING_LAYER", "default").strip().lower()
+            self._openmp_in_global_scope = chosen not in ("workqueue", "tbb") and _global_openmp_runtime() is not None
 
     def after_fork_in_child(self) -> None:
         # A runtime another library loaded into the global scope (torch's libgomp) is the one numba's layer uses,
@@ -633,21 +642,24 @@ def _user_wait_setting() -> str | None:
     return None
 
 
+class _DlInfo(ctypes.Structure):
+    """glibc's ``Dl_info``, which ``dladdr`` fills in."""
+
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
 def _global_openmp_runtime() -> str | None:
-    """The file of the GNU OpenMP runtime in the process's global symbol scope, or None (none, or not Linux).
+    """The file of the OpenMP runtime that gives ``GOMP_parallel`` to the process's global symbol scope, or None.
 
     A library loaded into that scope (torch loads its own ``libgomp.so.1``
-    so) provides ``GOMP_parallel`` to every library loaded after it,
-    numba's omp layer included, whatever runtime that layer itself brings.
+    so) provides it to every library loaded after it, numba's omp layer
+    included, whatever runtime that layer itself brings. None also where
+    this cannot be told: not Linux, or no ``dladdr`` in the global scope
+    (glibc before 2.34 keeps it in libdl).
     """
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
-
-    class _DlInfo(ctypes.Structure):
-        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
-
     try:
         scope = ctypes.CDLL(None)
         entry = ctypes.cast(scope.GOMP_parallel, ctypes.c_void_p)
@@ -668,8 +680,8 @@ def _wait_policy_fact(user_policy: str | None, runtimes_before: set[str], runtim
     if user_policy is not None:
         return user_policy
     if foreign is not None and _threading_layer() == "omp":
-        return (f"as {foreign} read it when another library loaded it first (GNU OpenMP's default: workers spin "
-                "for milliseconds after each parallel region, which can stall lookups; set OMP_WAIT_POLICY=passive "
+        return (f"as {foreign} read it when another library loaded it first (by default OpenMP workers spin for "
+                "milliseconds after each parallel region, which can stall lookups; set OMP_WAIT_POLICY=passive "
                 "before starting Python to avoid it)")
     if runtimes_after - runtimes_before:
         return ("passive (set by fastembed while numba's OpenMP runtime loaded; a library using that runtime "

@@ -283,6 +283,15 @@ def _format_names() -> list[str]:
     return list(FORMATS)
 
 
+def measures_the_default_table(arguments: argparse.Namespace) -> bool:
+    """Whether the run measures the default random table (its dtype in any spelling numpy reads)."""
+    from fastembed.tables import resolve_dtype
+
+    return (arguments.table is None and arguments.vocab_size == _RANDOM_TABLE["vocab_size"]
+            and arguments.dim == _RANDOM_TABLE["dim"]
+            and resolve_dtype(arguments.dtype) == resolve_dtype(_RANDOM_TABLE["dtype"]))
+
+
 def _dtype(text: str) -> str:
     from fastembed.tables import resolve_dtype
 
@@ -703,12 +712,11 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
     from .gate import COLOCATED, colocated_rows, contender_ids, judge
 
     checks = arguments.checks
-    default_table = arguments.table is None and all(getattr(arguments, name) == value
-                                                    for name, value in _RANDOM_TABLE.items())
-    if arguments.thresholds is None and not default_table:
-        console.print("[yellow]the packaged thresholds are set for the default table (129,280 x 4,096 float16): "
-                      "on another table its checks may fail by no fault of fastembed's; give --thresholds of "
-                      "your own[/yellow]")
+    if arguments.thresholds is None and not measures_the_default_table(arguments):
+        shape = _RANDOM_TABLE
+        console.print(f"[yellow]the packaged thresholds are set for the default table ({shape['vocab_size']:,} x "
+                      f"{shape['dim']:,} {shape['dtype']}): on another table its checks may fail by no fault of "
+                      "fastembed's; give --thresholds of your own[/yellow]")
     in_process = [check for check in checks if check.metric != COLOCATED]
     cases = list(dict.fromkeys((check.batch, check.distribution) for check in in_process))
     ids = contender_ids(checks) | {"numpy-fancy"}

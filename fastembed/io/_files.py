@@ -1,6 +1,7 @@
 """Checks shared by the loaders: the path is a file, what a wrong file looks like, short name lists."""
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import os
@@ -259,14 +260,11 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
 
 def _is_text(head: bytes) -> bool:
     """Whether the first bytes of a file read as UTF-8 text (the last character may be cut) of printable characters."""
-    sample = head[:64]
     try:
-        text = sample.decode("utf-8")
-    except UnicodeDecodeError as error:
-        if error.start < len(sample) - 3 or error.reason != "unexpected end of data":
-            return False
-        text = sample[:error.start].decode("utf-8")
-    return bool(text) and b"\0" not in head and all(c.isprintable() or c.isspace() or c == "\ufeff" for c in text)
+        text = codecs.getincrementaldecoder("utf-8")().decode(head[:64])  # keeps a character cut at the end for later
+    except UnicodeDecodeError:
+        return False
+    return bool(text) and b"\0" not in head and all(c.isprintable() or c in "\t\n\r\ufeff" for c in text)
 
 
 def _described_by_name(path: str) -> str | None:

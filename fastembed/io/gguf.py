@@ -384,14 +384,16 @@ def map_gguf(path: str | os.PathLike, name: str | None = None) -> np.memmap | Qu
         TypeError: a BF16 tensor needs ml_dtypes and it is missing.
 
     Example:
-        >>> import numpy as np, os, tempfile
+        >>> import numpy as np, os, shutil, tempfile
         >>> from fastembed.formats import QuantizedTable, FORMATS, quantize_rows
         >>> from fastembed.io import map_gguf, save_table
-        >>> path = os.path.join(tempfile.mkdtemp(), "model.gguf")
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "model.gguf")
         >>> rows, _ = quantize_rows(np.ones((10, 64), np.float32), FORMATS["q8_0"])
         >>> save_table(path, QuantizedTable(rows, "q8_0", 64))
         >>> map_gguf(path)
         QuantizedTable(q8_0, vocab_size=10, dim=64)
+        >>> shutil.rmtree(folder)
     """
     tensor, identity = _scan_file(path, TOKEN_EMBEDDING if name is None else name)
     n_vocab, n_embd, row_bytes = _check_table(path, tensor, identity.size)

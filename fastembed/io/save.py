@@ -84,16 +84,19 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
         TypeError: a table that is not on the host; a `name` that is not a string.
         IsADirectoryError: `path` is a directory, a symbolic link to one, or ends in a separator; nothing is
             written.
-        OSError: `path`'s name is too long, or the file cannot be created beside `path`, written or
-            renamed over it (naming `path`, except for errors while writing, such as a full disk).
+        OSError: `path`'s name is too long, its folder cannot be reached (missing, a file used as a folder,
+            a link loop: refused before anything is written), or the file cannot be created beside `path`,
+            written or renamed over it (naming `path`, except for errors while writing, such as a full disk).
 
     Example:
-        >>> import numpy as np, tempfile, os
+        >>> import numpy as np, shutil, tempfile, os
         >>> from fastembed.io import map_gguf, save_table
-        >>> path = os.path.join(tempfile.mkdtemp(), "table.gguf")
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "table.gguf")
         >>> save_table(path, np.ones((4, 8), np.float16))
         >>> map_gguf(path).shape
         (4, 8)
+        >>> shutil.rmtree(folder)
     """
     path = os.fsdecode(path)  # bytes and PathLike objects returning bytes, as the loaders take them
     check_tensor_name(path, name)
@@ -249,16 +252,21 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
     try:
         existing: os.stat_result | None = os.stat(path)  # follows a link: a link to a directory is refused as one
     except OSError as error:
-        if error.errno != errno.ENOENT:  # refused before the table is written, not at the rename after it
+        # A dangling or looping link at the destination is replaced like any link; other errors are refused
+        # before the table is written, not at the rename after it.
+        if error.errno not in (errno.ENOENT, errno.ELOOP) or (error.errno == errno.ELOOP and not os.path.islink(path)):
             raise OSError(error.errno, error.strerror, os.fspath(path)) from None
         existing = None
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", os.fspath(path))
-    # The folder as the system resolves it (a link, then "..", in that order), not as the text of the path reads.
+    # The folder as the system resolves it (on POSIX a link, then "..", in that order), not as the text reads.
     try:
         directory = os.path.realpath(parent or os.curdir, strict=True)
     except OSError as error:
-        raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
+        if not os.path.isdir(parent or os.curdir):
+            raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
+        directory = os.path.realpath(parent or os.curdir)  # a volume whose final path Windows cannot tell
+
     destination = os.path.join(directory, base)
     # The destination's name begins the temporary file's, cut (at a character) so that a name near the limit fits.
     prefix = os.fsencode(base)[:_TEMPORARY_PREFIX_BYTES].decode("utf-8", "ignore")
