@@ -176,7 +176,13 @@ class BlockFormat:
             raise TypeError(f"BlockFormat {self.name!r}: dequantize_blocks must be callable, got {self.dequantize_blocks!r}")
 
     def row_bytes(self, dim: int) -> int:
-        """Bytes of one row of `dim` values; raises ValueError when `dim` is not a whole number of blocks."""
+        """Bytes of one row of `dim` values; raises ValueError when `dim` is not a whole number of blocks.
+
+        Example:
+            >>> from fastembed.formats import FORMATS
+            >>> FORMATS["q8_0"].row_bytes(64), FORMATS["q4_k"].row_bytes(4096)
+            (68, 2304)
+        """
         if dim <= 0 or dim % self.block_values:
             raise ValueError(f"a {self.name} row holds a multiple of {self.block_values} values, not {dim}")
         return dim // self.block_values * self.block_bytes
@@ -203,7 +209,13 @@ OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def block_format(name: str | BlockFormat) -> BlockFormat:
-    """The format called `name` (case-insensitive), or `name` itself when it is a format; ValueError listing the known ones otherwise."""
+    """The format called `name` (case-insensitive), or `name` itself when it is a format; ValueError listing the known ones otherwise.
+
+    Example:
+        >>> from fastembed.formats import block_format
+        >>> block_format("Q8_0").name, block_format("q4_k").block_values
+        ('q8_0', 256)
+    """
     if isinstance(name, BlockFormat):
         return name
     fmt = FORMATS.get(str(name).lower())
@@ -220,6 +232,15 @@ def dequantize_rows(data: np.ndarray, scales: np.ndarray | None, fmt: BlockForma
         scales: ``(n,)`` float32 row scales for a ``row_scale`` format, else None.
         fmt: the rows' format.
         dim: values per row.
+
+    Example:
+        >>> import numpy as np
+        >>> from fastembed.formats import FORMATS, dequantize_rows, quantize_rows
+        >>> rows = np.linspace(-1, 1, 128, dtype=np.float32).reshape(2, 64)
+        >>> data, scales = quantize_rows(rows, FORMATS["q8_0"])
+        >>> values = dequantize_rows(data, scales, FORMATS["q8_0"], 64)
+        >>> values.dtype, bool(abs(values - rows).max() < 0.01)
+        (dtype('float32'), True)
     """
     n = data.shape[0]
     values = fmt.dequantize_blocks(np.ascontiguousarray(data).reshape(-1, fmt.block_bytes)).reshape(n, dim)
@@ -255,6 +276,13 @@ def quantize_rows(rows: np.ndarray, fmt: str | BlockFormat) -> tuple[np.ndarray,
             here, non-finite values, values beyond float32's range, or (q8_0)
             a block whose scale rounds to infinity in float16 (a largest
             magnitude that rounds to 65520 x 127 = 8,321,040 or more in float32).
+
+    Example:
+        >>> import numpy as np
+        >>> from fastembed.formats import FORMATS, quantize_rows
+        >>> data, scales = quantize_rows(np.ones((3, 64), np.float32), FORMATS["q8_0"])
+        >>> data.shape, data.dtype, scales is None
+        ((3, 68), dtype('uint8'), True)
     """
     fmt = block_format(fmt)
     if FORMATS.get(fmt.name) is not fmt:
@@ -366,7 +394,14 @@ class QuantizedTable:
 
 
 def row_bytes(table: Any) -> int:
-    """Bytes one row of `table` occupies in memory (the rows' bytes only, scales aside)."""
+    """Bytes one row of `table` occupies in memory (the rows' bytes only, scales aside).
+
+    Example:
+        >>> import numpy as np
+        >>> from fastembed.formats import row_bytes
+        >>> row_bytes(np.ones((4, 8), np.float16))
+        16
+    """
     if isinstance(table, QuantizedTable):
         return int(table.data.shape[1])
     return int(table.shape[1]) * int(table.dtype.itemsize)

@@ -37,11 +37,21 @@ def test_public_names_are_documented(name):
 
 
 def _public_functions() -> list:
-    """Every public function of the ``fastembed`` namespace, and every public method of its classes (the layer's
-    call included); the submodules' own functions are not held to it here."""
+    """Every public function of the ``fastembed``, ``fastembed.io`` and ``fastembed.formats`` namespaces, and every
+    public method of their classes (the layer's call included)."""
+    import fastembed.formats
+    import fastembed.io
+
     found = []
-    for name in fastembed.__all__:
-        value = getattr(fastembed, name)
+    for namespace in (fastembed, fastembed.io, fastembed.formats):
+        found += _public_functions_of(namespace)
+    return found
+
+
+def _public_functions_of(namespace) -> list:
+    found = []
+    for name in namespace.__all__:
+        value = getattr(namespace, name)
         if inspect.isfunction(value):
             found.append(value)
         elif inspect.isclass(value) and not issubclass(value, BaseException):

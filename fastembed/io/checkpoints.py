@@ -69,7 +69,15 @@ SINGLE_NAME = "model.safetensors"
 
 
 def embedding_rank(name: str) -> int | None:
-    """How strongly a tensor's name marks it as the token embedding: 0 is best, None is not at all."""
+    """How strongly a tensor's name marks it as the token embedding: 0 is best, None is not at all.
+
+    Example:
+        >>> from fastembed.io import embedding_rank
+        >>> embedding_rank("model.embed_tokens.weight")
+        1
+        >>> embedding_rank("model.norm.weight") is None
+        True
+    """
     for rank, (ending, _) in enumerate(TOKEN_EMBEDDING_ENDINGS):
         if name == ending or name.endswith("." + ending):
             return rank
@@ -120,6 +128,11 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
     Raises:
         ValueError: no tensor is named like a token embedding; none has the shape the
             config gives; or several rank equally (each message lists the candidates).
+
+    Example:
+        >>> from fastembed.io import token_embedding_name
+        >>> token_embedding_name({"model.embed_tokens.weight": (10, 8), "model.norm.weight": (8,)})
+        'model.embed_tokens.weight'
     """
     candidates = {name: tuple(shape) for name, shape in shapes.items() if len(shape) == 2 and is_embedding_candidate(name)}
     if not candidates:
@@ -166,6 +179,16 @@ def read_config_shape(directory: str | os.PathLike) -> tuple[int | None, int | N
 
     Raises:
         ValueError: config.json exists but is not a readable JSON object.
+
+    Example:
+        >>> import json, os, shutil, tempfile
+        >>> from fastembed.io import read_config_shape
+        >>> folder = tempfile.mkdtemp()
+        >>> with open(os.path.join(folder, "config.json"), "w") as config:
+        ...     _ = config.write(json.dumps({"vocab_size": 10, "hidden_size": 8}))
+        >>> read_config_shape(folder)
+        (10, 8)
+        >>> shutil.rmtree(folder)
     """
     path = Path(directory) / "config.json"
     if not path.is_file():
@@ -254,6 +277,17 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
             index or config; a shard named outside the directory, or that is a directory; no such tensor; no, or several equal,
             token-embedding candidates (listed); any error of the file loaders.
         TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
+
+    Example:
+        >>> import numpy as np, os, shutil, tempfile
+        >>> from fastembed.io import save_table
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "model.safetensors")
+        >>> save_table(path, np.ones((4, 8), np.float16))
+        >>> from fastembed.io import open_table
+        >>> open_table(folder).shape  # the checkpoint directory
+        (4, 8)
+        >>> shutil.rmtree(folder)
     """
     check_tensor_name(source, name)
     path = Path(os.fsdecode(os.fspath(source)))  # a str, bytes or os.PathLike (whose __fspath__ may give bytes)

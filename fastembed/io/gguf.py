@@ -83,7 +83,13 @@ _TYPE_OFFSET = struct.Struct("<IQ")
 
 
 def ggml_type_name(code: int) -> str:
-    """The GGUF name of a ggml type code ("Q8_0"), or ``"type code N"`` for a code ggml does not define."""
+    """The GGUF name of a ggml type code ("Q8_0"), or ``"type code N"`` for a code ggml does not define.
+
+    Example:
+        >>> from fastembed.io import ggml_type_name
+        >>> ggml_type_name(8), ggml_type_name(99)
+        ('Q8_0', 'type code 99')
+    """
     known = GGML_TYPES.get(code)
     return known[0] if known is not None else f"type code {code}"
 
@@ -295,6 +301,18 @@ def scan_gguf(path: str | os.PathLike, name: str | None = TOKEN_EMBEDDING) -> GG
             metadata value type; a bad general.alignment; a tensor with more than 4
             dims, dims whose product overflows, an offset not a multiple of the
             alignment; no tensor `name`, listing candidates; `name` given twice.
+
+    Example:
+        >>> import numpy as np, os, shutil, tempfile
+        >>> from fastembed.io import save_table
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "model.gguf")
+        >>> save_table(path, np.ones((4, 8), np.float16))
+        >>> from fastembed.io import scan_gguf
+        >>> tensor = scan_gguf(path)
+        >>> tensor.name, tensor.dims
+        ('token_embd.weight', (8, 4))
+        >>> shutil.rmtree(folder)
     """
     return _scan_file(path, name)[0]
 

@@ -35,6 +35,16 @@ def read_npy_header(path: str | os.PathLike) -> tuple[tuple[int, ...], bool, np.
             header (whatever numpy's parser raised on it: SyntaxError, OverflowError,
             tokenize.TokenError, ...) or a negative dimension; object dtypes; data shorter
             than the header says.
+
+    Example:
+        >>> import numpy as np, os, shutil, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "table.npy")
+        >>> np.save(path, np.ones((4, 8), np.float16))
+        >>> from fastembed.io import read_npy_header
+        >>> read_npy_header(path)  # shape, Fortran order, dtype, data offset
+        ((4, 8), False, dtype('float16'), 128)
+        >>> shutil.rmtree(folder)
     """
     return _read_header(path)[:4]
 
@@ -113,6 +123,16 @@ def map_npy(path: str | os.PathLike) -> np.memmap:
         FileNotFoundError: no file at `path`.
         ValueError: as :func:`read_npy_header`; the array is not 2-D (a sub-array
             dtype such as ``('<f4', (4,))`` adds dimensions) or is empty.
+
+    Example:
+        >>> import numpy as np, os, shutil, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "table.npy")
+        >>> np.save(path, np.ones((4, 8), np.float16))
+        >>> from fastembed.io import map_npy
+        >>> map_npy(path).shape
+        (4, 8)
+        >>> shutil.rmtree(folder)
     """
     shape, fortran_order, dtype, offset, identity = _read_header(path)
     if dtype.subdtype is not None:
@@ -132,6 +152,16 @@ def map_npy_rows(path: str | os.PathLike) -> np.memmap:
         FileNotFoundError, ValueError: as :func:`map_npy`; and a ValueError for a
             Fortran-order file, whose rows are not contiguous (gathering them would
             need a copy of the whole table), saying how to rewrite it once.
+
+    Example:
+        >>> import numpy as np, os, shutil, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "table.npy")
+        >>> np.save(path, np.ones((4, 8), np.float16))
+        >>> from fastembed.io import map_npy_rows
+        >>> map_npy_rows(path)[2].dtype
+        dtype('float16')
+        >>> shutil.rmtree(folder)
     """
     table = map_npy(path)
     if not table.flags.c_contiguous:

@@ -157,6 +157,18 @@ def scan_safetensors_header(
             longer than :data:`MAX_HEADER_BYTES` or than the file; invalid JSON; a
             bad dtype, shape or data_offsets (of any JSON type); overlapping tensors;
             a tensor name given twice among the kept ones.
+
+    Example:
+        >>> import numpy as np, os, shutil, tempfile
+        >>> from fastembed.io import save_table
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "model.safetensors")
+        >>> save_table(path, np.ones((4, 8), np.float16))
+        >>> from fastembed.io import scan_safetensors_header
+        >>> header = scan_safetensors_header(path)
+        >>> sorted(header.entries), header.tensor_count
+        (['weight'], 1)
+        >>> shutil.rmtree(folder)
     """
     with opened(path, _OPENER) as (handle, identity):
         raw = _header_bytes(path, handle, identity.size)
@@ -442,6 +454,18 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEn
 
     Raises:
         FileNotFoundError, ValueError: as :func:`scan_safetensors_header`.
+
+    Example:
+        >>> import numpy as np, os, shutil, tempfile
+        >>> from fastembed.io import save_table
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "model.safetensors")
+        >>> save_table(path, np.ones((4, 8), np.float16))
+        >>> from fastembed.io import read_safetensors_header
+        >>> entries, data_start = read_safetensors_header(path)
+        >>> entries["weight"].shape
+        (4, 8)
+        >>> shutil.rmtree(folder)
     """
     header = scan_safetensors_header(path)
     return header.entries, header.data_start
@@ -535,6 +559,17 @@ def map_safetensors(path: str | os.PathLike, name: str | None = None) -> np.memm
             the tensor is not 2-D or is empty; fastembed metadata that does not fit
             the tensors.
         TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
+
+    Example:
+        >>> import numpy as np, os, shutil, tempfile
+        >>> from fastembed.io import save_table
+        >>> folder = tempfile.mkdtemp()
+        >>> path = os.path.join(folder, "model.safetensors")
+        >>> save_table(path, np.ones((4, 8), np.float16))
+        >>> from fastembed.io import map_safetensors
+        >>> map_safetensors(path).shape
+        (4, 8)
+        >>> shutil.rmtree(folder)
     """
     from .checkpoints import MAX_CANDIDATES, is_embedding_candidate, select_in_file
 

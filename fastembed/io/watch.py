@@ -95,6 +95,19 @@ class FileWatch:
         Returns:
             A FileWatch covering the mapped bytes, or None when the table's rows are not an
             np.memmap with a file name.
+
+        Example:
+            >>> import numpy as np, os, shutil, tempfile
+            >>> folder = tempfile.mkdtemp()
+            >>> path = os.path.join(folder, "table.npy")
+            >>> np.save(path, np.ones((4, 8), np.float16))
+            >>> from fastembed.io import FileWatch, map_npy
+            >>> watch = FileWatch.for_table(map_npy(path))
+            >>> watch.check()
+            >>> watch.close()
+            >>> FileWatch.for_table(np.ones((4, 8))) is None
+            True
+            >>> shutil.rmtree(folder)
         """
         from ..formats import QuantizedTable
 
@@ -114,6 +127,17 @@ class FileWatch:
             FileChangedError: the file is now shorter than the table (a lookup could die with
                 SIGBUS), or its size, modification time or change time changed (rows may have changed).
             ValueError: the watch was closed.
+
+        Example:
+            >>> import numpy as np, os, shutil, tempfile
+            >>> folder = tempfile.mkdtemp()
+            >>> path = os.path.join(folder, "table.npy")
+            >>> np.save(path, np.ones((4, 8), np.float16))
+            >>> from fastembed.io import FileWatch, map_npy
+            >>> watch = FileWatch.for_table(map_npy(path))
+            >>> watch.check()  # silent: the file is as it was mapped
+            >>> watch.close()
+            >>> shutil.rmtree(folder)
         """
         if self._fd is None:
             raise ValueError(f"{self.path}: the FileWatch is closed")
@@ -130,7 +154,20 @@ class FileWatch:
                 "its modification or change time changed): its rows may have changed; reopen the table")
 
     def close(self) -> None:
-        """Close the descriptor (the table's memory map is not affected)."""
+        """Close the descriptor (the table's memory map is not affected).
+
+        Example:
+            >>> import numpy as np, os, shutil, tempfile
+            >>> folder = tempfile.mkdtemp()
+            >>> path = os.path.join(folder, "table.npy")
+            >>> np.save(path, np.ones((4, 8), np.float16))
+            >>> from fastembed.io import FileWatch, map_npy
+            >>> table = map_npy(path)
+            >>> FileWatch.for_table(table).close()
+            >>> table.shape
+            (4, 8)
+            >>> shutil.rmtree(folder)
+        """
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
