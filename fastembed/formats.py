@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BlockFormat", "FORMATS", "OUTPUT_DTYPES", "QuantizedTable", "block_format", "dequantize_rows", "quantize_rows",
-           "row_bytes"]
+__all__ = ["BlockFormat", "FORMATS", "OUTPUT_DTYPES", "QuantizedTable", "block_format", "dequantize_rows",
+           "is_fastembeds_own", "quantize_rows", "row_bytes"]
 
 _F16 = np.dtype("<f2")
 _F32 = np.dtype(np.float32)
@@ -206,6 +206,19 @@ FORMATS: dict[str, BlockFormat] = {
 
 #: The dtypes a quantized table dequantizes into; float32 is the default.
 OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def is_fastembeds_own(fmt: BlockFormat) -> bool:
+    """Whether `fmt` is one of :data:`FORMATS`, or a copy of one (pickled, say) with its layout and its decoder.
+
+    Example:
+        >>> import copy
+        >>> from fastembed.formats import FORMATS, is_fastembeds_own
+        >>> is_fastembeds_own(copy.deepcopy(FORMATS["q8_0"]))
+        True
+    """
+    known = FORMATS.get(fmt.name)
+    return known is not None and (fmt is known or (fmt == known and fmt.dequantize_blocks is known.dequantize_blocks))
 
 
 def block_format(name: str | BlockFormat) -> BlockFormat:

@@ -49,7 +49,7 @@ import numpy as np
 
 from .arrays import adapter_of, device_of, dtype_spec, host_copy, numpy_adapter, write_probe
 from .backends.base import NATIVE_ID_DTYPES
-from .formats import FORMATS, OUTPUT_DTYPES, QuantizedTable
+from .formats import FORMATS, OUTPUT_DTYPES, QuantizedTable, is_fastembeds_own
 from .tables import resolve_dtype
 
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)  # numpy's builtin dtypes are singletons
@@ -247,7 +247,7 @@ def check_quantized(table: Any) -> None:
     """
     fmt, data, scales = table.format, table.data, table.scales
     known = FORMATS.get(fmt.name.lower())  # the loaders read a saved format's name case-insensitively
-    if fmt is not known and known is not None and (fmt != known or fmt.dequantize_blocks is not known.dequantize_blocks):
+    if known is not None and not is_fastembeds_own(fmt):
         raise ValueError(
             f"a format named {fmt.name!r} must be fastembed's own {known.name} layout ({known}); "
             "give a format of your own a name of its own (names are compared case-insensitively)"

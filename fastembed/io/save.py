@@ -42,7 +42,7 @@ import numpy as np
 
 from .. import validate
 from ..arrays import adapter_of
-from ..formats import FORMATS, QuantizedTable
+from ..formats import FORMATS, QuantizedTable, is_fastembeds_own
 from ._files import check_tensor_name
 from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
 from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
@@ -138,8 +138,7 @@ def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
                                 f"{type(array).__module__}.{type(array).__qualname__} (copy them to the host first)")
         if table.shape[0] == 0:
             raise ValueError(f"{path}: the table is empty (shape {table.shape})")
-        own = FORMATS.get(table.format.name)  # a copy of one of fastembed's (pickled, say) reloads as it
-        if own is None or own != table.format or own.dequantize_blocks is not table.format.dequantize_blocks:
+        if not is_fastembeds_own(table.format):  # a copy of one of fastembed's (pickled, say) reloads as it
             raise ValueError(f"{path}: GGUF and safetensors files hold fastembed's block formats "
                              f"({', '.join(FORMATS)}), not the caller's format {table.format.name!r}: "
                              "the loaders would not know how to dequantize it")
