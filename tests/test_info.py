@@ -61,7 +61,7 @@ def test_info_tells_the_truth_about_each_backend():
         assert status.name in text
         for reason in status.reasons:
             assert reason in text
-    assert "threading_layer" in text or "numba" not in {s.name for s in fastembed.backend_statuses() if s.available}
+    assert "workers" in text or "numba" not in {s.name for s in fastembed.backend_statuses() if s.available}
     facts = json.loads(subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], check=True, capture_output=True, text=True).stdout)
     assert facts["fastembed"] == info.fastembed_version()[0]
     assert [b["name"] for b in facts["backends"]] == ["cuda", "numba", "numpy"]
@@ -93,7 +93,6 @@ def test_another_distribution_installing_fastembed_is_found_however_it_lists_its
 
 
 def run_info(*arguments: str, **environment: str) -> str:
-    import os
 
     env = {**os.environ, **environment}
     return subprocess.run([sys.executable, "-m", "fastembed", "info", *arguments], check=True, capture_output=True,
@@ -160,31 +159,6 @@ def test_the_version_comes_from_this_distribution_not_the_import_package(monkeyp
     assert info.fastembed_version() == ("0.7.3", "fastembed.__version__ (not installed as a distribution)")
 
 
-def _numba_facts(environment: dict[str, str]) -> dict:
-    env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    output = subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], capture_output=True, text=True,
-                            check=True, env={**env, **environment}).stdout
-    return next(backend for backend in json.loads(output)["backends"] if backend["name"] == "numba")
-
-
-def test_info_reports_the_openmp_wait_policy_and_respects_the_users():
-    numba = _numba_facts({})
-    if not numba["available"] or numba.get("threading_layer") != "omp":
-        pytest.skip("numba's OpenMP layer is not in use here")
-    assert numba["omp_wait_policy"].startswith("passive (set by fastembed")
-    assert _numba_facts({"OMP_WAIT_POLICY": "active"})["omp_wait_policy"] == "active (OMP_WAIT_POLICY set by the user)"
-    # GNU OpenMP's spin count overrides the policy: fastembed leaves it be, and says so.
-    assert _numba_facts({"GOMP_SPINCOUNT": "infinite"})["omp_wait_policy"] == "infinite (GOMP_SPINCOUNT set by the user)"
-
-
-def test_an_empty_openmp_wait_policy_counts_as_unset():
-    """GNU OpenMP ignores an empty OMP_WAIT_POLICY and spins, so fastembed sets passive as when it is unset."""
-    numba = _numba_facts({"OMP_WAIT_POLICY": ""})
-    if not numba["available"] or numba.get("threading_layer") != "omp":
-        pytest.skip("numba's OpenMP layer is not in use here")
-    assert numba["omp_wait_policy"].startswith("passive (set by fastembed")
-
-
 def test_info_reports_a_backend_that_fails_while_it_is_described(monkeypatch):
     """Describing numba loads it; a failure found then shows as the backend's status, not beside "available"."""
     from fastembed.backends import numba_backend
@@ -224,7 +198,6 @@ def test_a_backend_setting_is_shown_quoted_on_its_own_line():
 
 
 def test_a_full_standard_output_is_one_clear_line():
-    import os
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full on this system")
@@ -233,16 +206,3 @@ def test_a_full_standard_output_is_one_clear_line():
                                 text=True)
     assert result.returncode == 1
     assert result.stderr.strip() == "python -m fastembed: cannot write to the standard output: No space left on device"
-
-
-def test_a_threading_layer_that_cannot_load_is_not_reported_as_yet_to_start():
-    import importlib.util
-
-    if importlib.util.find_spec("numba") is None or importlib.util.find_spec("tbb") is not None:
-        pytest.skip("needs numba without the tbb package, whose layer then cannot load")
-    facts = json.loads(subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], check=True,
-                                      capture_output=True, text=True,
-                                      env=dict(os.environ, NUMBA_THREADING_LAYER="tbb")).stdout)
-    numba = next(backend for backend in facts["backends"] if backend["name"] == "numba")
-    assert numba["threading_layer"] == "none could load"
-    assert numba["parallel_kernels"].startswith("unavailable, serving serially")

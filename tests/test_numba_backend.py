@@ -4,7 +4,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-import textwrap
 import threading
 import time
 import types
@@ -23,17 +22,19 @@ if BACKEND.unavailable_reasons():
 THREAD_SECONDS = float(os.environ.get("FASTEMBED_RACE_SECONDS", "4"))
 
 
-@pytest.fixture(params=["serial", "parallel", "stream"])
+@pytest.fixture(params=["serial", "parallel", "stream", "stream on 7 threads"])
 def kernel_path(request, monkeypatch):
     """Force each kernel path on small data by moving the thresholds (compiling in the foreground)."""
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
-    if request.param == "serial":  # as in a forked child: the serial kernel, however large the batch
-        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
-        monkeypatch.setattr(BACKEND, "forked_after_pool_start", True)
-    else:
-        monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
-        monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 0 if request.param == "stream" else 2**62)
-    return request.param
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 2**62 if request.param == "parallel" else 0)
+    if request.param == "stream on 7 threads":  # more blocks than cores: workers claim blocks in turn
+        monkeypatch.setattr(numba_backend, "thread_count", lambda: 7)
+    if request.param != "serial":
+        yield request.param
+        return
+    with BACKEND._parallel_lock:  # as while another thread's lookup runs in parallel: the serial kernel, whatever the batch
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
@@ -58,8 +59,15 @@ def test_streaming_kernel_prefetch_options_are_exact(prefetch_rows_ahead, touch_
     out = poisoned((37, table.shape[1]), np.uint64)
     assert kernels.can_stream(out)
     options = (prefetch_rows_ahead, touch_pages_rows_ahead, numba_backend.ALIAS_WINDOW)
-    assert kernels.gather_parallel_stream(table, ids, out, n_blocks, *options) == -1
+    assert _streamed_in_blocks(table, ids, out, n_blocks, *options) == 0
     assert_bit_equal(out, table[ids])
+
+
+def _streamed_in_blocks(table, ids, out, n_blocks, *options) -> int:
+    """The streaming kernel on `n_blocks` blocks of rows over fastembed's workers; the rows it skipped."""
+    stream_rows = BACKEND.kernels().stream_rows
+    return numba_backend.WORKERS.run(lambda start, stop: stream_rows(table, ids, out, start, stop, *options), len(ids),
+                                     n_blocks)
 
 
 def test_rows_whose_source_sits_just_below_the_destination_modulo_4k_are_copied_backward():
@@ -98,7 +106,7 @@ def test_streaming_kernels_copy_rows_forward_and_backward_exactly(alias_window, 
     if alias_window == numba_backend.ALIAS_WINDOW and row_bytes % 4096:
         assert 0 < backward.sum() < n  # the test covers both directions in one call
     prefetches = (numba_backend.PREFETCH_ROWS_AHEAD, numba_backend.TOUCH_PAGES_ROWS_AHEAD)
-    assert kernels.gather_parallel_stream(table, ids, out, 3, *prefetches, alias_window) == -1
+    assert _streamed_in_blocks(table, ids, out, 3, *prefetches, alias_window) == 0
     assert_bit_equal(out, table[ids])
     assert (out_buffer[:shift] == 0xA5).all() and (out_buffer[shift + out.nbytes :] == 0xA5).all()
 
@@ -175,7 +183,6 @@ def test_fork_pool_after_the_parent_used_the_thread_pool():
     ids = np.random.default_rng(0).integers(0, 2000, 10000)  # 2.4 MiB of rows: parallel
     fastembed.lookup(table, ids, backend="numba")
     fastembed.wait_for_compiles()
-    assert BACKEND.pool_started
     assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])  # parallel in the parent
     context = multiprocessing.get_context("fork")
     with context.Pool(2) as pool:
@@ -294,14 +301,25 @@ class _Spy:
         return self.function(table, ids, *rest)
 
 
+class _RegionSpy:
+    """Records the rows of each parallel region the numba backend runs (on fastembed's workers)."""
+
+    def __init__(self, monkeypatch):
+        self.batches: list[int] = []
+        self.run = numba_backend.WORKERS.run
+        monkeypatch.setattr(numba_backend.WORKERS, "run", self)
+
+    def __call__(self, task, n_rows, n_threads):
+        self.batches.append(n_rows)
+        return self.run(task, n_rows, n_threads)
+
+
 def test_batches_are_served_by_numpy_while_their_kernels_compile(monkeypatch):
     """A new argument signature compiles on a background thread; numpy serves, exactly, until it is ready."""
     numba_backend.background_compile.forget()
     BACKEND.reset()
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
-    kernels = BACKEND.kernels()
-    parallel, fallback = _Spy(kernels.gather_parallel), _Spy(numba_backend.numpy_backend.BACKEND.gather)
-    monkeypatch.setattr(kernels, "gather_parallel", parallel)
+    parallel, fallback = _RegionSpy(monkeypatch), _Spy(numba_backend.numpy_backend.BACKEND.gather)
     monkeypatch.setattr(numba_backend.numpy_backend.BACKEND, "gather", fallback)
     release = threading.Event()
     original_compile = BACKEND._compile_now
@@ -320,7 +338,7 @@ def test_batches_are_served_by_numpy_while_their_kernels_compile(monkeypatch):
     release.set()
     fastembed.wait_for_compiles()
     assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
-    assert fallback.batches == [300] * 3 and parallel.batches == [1, 300]  # the compile's call: one bad id, no row
+    assert fallback.batches == [300] * 3 and parallel.batches == [300]
 
 
 def test_fork_waits_for_a_background_compile():
@@ -336,14 +354,6 @@ def test_fork_waits_for_a_background_compile():
     background_compile.forget()
 
 
-def test_a_refresh_keeps_that_the_process_was_forked_after_its_pool_started(monkeypatch):
-    """A forked child's pool cannot run (GNU OpenMP kills the child): a refresh there must not forget it."""
-    monkeypatch.setattr(BACKEND, "pool_started", True)
-    monkeypatch.setattr(BACKEND, "forked_after_pool_start", True)
-    fastembed.dispatch.refresh()
-    assert BACKEND.pool_started and BACKEND.forked_after_pool_start
-
-
 def test_signatures_compile_again_after_a_refresh(monkeypatch):
     """A refresh forgets the compiled kernels, and the keys of their compiles with them: numba serves again."""
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
@@ -352,10 +362,9 @@ def test_signatures_compile_again_after_a_refresh(monkeypatch):
     for _ in range(2):
         fastembed.lookup(table, ids, backend="numba")
         fastembed.wait_for_compiles()
-        kernels = BACKEND.kernels()
-        monkeypatch.setattr(kernels, "gather_parallel", _Spy(kernels.gather_parallel))
+        spy = _RegionSpy(monkeypatch)
         assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
-        parallel_calls.append(kernels.gather_parallel.batches)
+        parallel_calls.append(spy.batches)
         monkeypatch.undo()
         monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
         fastembed.dispatch.refresh()
@@ -471,90 +480,9 @@ def test_a_compile_that_fails_after_a_refresh_leaves_the_new_record_clean(monkey
     assert "compile_failures" not in BACKEND.describe()
     fastembed.lookup(table, ids, backend="numba")
     fastembed.wait_for_compiles(timeout=60)
-    parallel = _Spy(BACKEND.kernels().gather_parallel)
-    monkeypatch.setattr(BACKEND.kernels(), "gather_parallel", parallel)
+    parallel = _RegionSpy(monkeypatch)
     assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
     assert parallel.batches == [ids.size]
-
-
-def test_the_wait_policy_reaches_numbas_openmp_when_another_library_loaded_its_own(monkeypatch):
-    """torch maps its own copy of GNU OpenMP; numba's is another library, which reads the variable as it loads."""
-    import numba
-
-    monkeypatch.setenv("OMP_WAIT_POLICY", "")
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    mapped = iter([{"/torch/lib/libgomp-a34b3233.so.1"}, {"/torch/lib/libgomp-a34b3233.so.1", "/usr/lib/libgomp.so.1"}])
-    monkeypatch.setattr(numba_backend, "_openmp_paths", lambda: next(mapped))
-    monkeypatch.setattr(numba_backend, "_global_openmp_runtime", lambda: None)  # torch's kept to itself
-    seen = []
-    monkeypatch.setattr(numba, "get_num_threads", lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")))
-    backend = numba_backend.NumbaBackend()
-    backend._load_threading_layer()
-    assert seen == ["passive"] and "OMP_WAIT_POLICY" not in os.environ
-    assert backend.wait_policy.startswith("passive (set by fastembed")
-
-
-def test_a_runtime_another_library_put_in_the_global_scope_is_numbas_and_keeps_its_policy(monkeypatch):
-    """torch loads its libgomp into the global scope: numba's layer binds to it, whose policy was read long ago;
-    fastembed sets nothing then, and says so."""
-    import numba
-
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    torch_runtime = "/torch/lib/libgomp.so.1"
-    mapped = iter([{torch_runtime}, {torch_runtime, "/usr/lib/libgomp.so.1"}])
-    monkeypatch.setattr(numba_backend, "_openmp_paths", lambda: next(mapped))
-    monkeypatch.setattr(numba_backend, "_global_openmp_runtime", lambda: torch_runtime)
-    monkeypatch.setattr(numba_backend, "_threading_layer", lambda: "omp")
-    seen = []
-    monkeypatch.setattr(numba, "get_num_threads", lambda: seen.append(os.environ.get("OMP_WAIT_POLICY")))
-    backend = numba_backend.NumbaBackend()
-    backend._load_threading_layer()
-    assert seen == [None]
-    assert backend.wait_policy.startswith(f"as {torch_runtime} read it when another library loaded it first")
-    assert "OMP_WAIT_POLICY=passive" in backend.wait_policy
-
-
-def test_the_runtime_in_the_global_scope_is_found_where_torch_put_it(tmp_path):
-    torch = pytest.importorskip("torch")
-    bundled = [name for name in os.listdir(os.path.join(os.path.dirname(torch.__file__), "lib")) if "libgomp" in name]
-    if not sys.platform.startswith("linux") or not bundled:
-        pytest.skip("this torch build brings no GNU OpenMP runtime of its own")
-    result = run_script(tmp_path, "import torch\nfrom fastembed.backends import numba_backend\n"
-                                  "print(numba_backend._global_openmp_runtime())\n")  # a fresh process: torch first
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert os.path.basename(result.stdout.strip()) in bundled
-
-
-def test_info_says_whose_openmp_runtime_numba_uses_when_torch_came_first(tmp_path):
-    pytest.importorskip("torch")
-    import subprocess
-
-    script = textwrap.dedent("""
-        import torch, numpy as np, fastembed
-        from fastembed.backends import numba_backend
-        table = fastembed.Embedding.random(3000, 1024).table
-        fastembed.lookup(table, np.arange(2048) % 3000); fastembed.wait_for_compiles()
-        fastembed.lookup(table, np.arange(2048) % 3000)
-        print(numba_backend.BACKEND.describe()["omp_wait_policy"])
-    """)
-    environment = {name: value for name, value in os.environ.items() if name not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=environment)
-    assert result.returncode == 0, result.stderr[-3000:]
-    policy = result.stdout.strip().splitlines()[-1]
-    if policy.startswith("not applicable"):
-        pytest.skip(f"numba's threading layer is not omp here: {policy}")
-    assert "when another library loaded it first" in policy, policy
-
-
-def test_a_wait_policy_set_by_another_thread_while_numba_loads_is_kept(monkeypatch):
-    import numba
-
-    monkeypatch.setenv("OMP_WAIT_POLICY", "")  # recorded, so that the value the test leaves is undone
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.setattr(numba, "get_num_threads", lambda: os.environ.__setitem__("OMP_WAIT_POLICY", "active"))
-    numba_backend.NumbaBackend()._load_threading_layer()
-    assert os.environ["OMP_WAIT_POLICY"] == "active"
 
 
 def test_wait_for_compiles_returns_at_its_timeout_and_says_so():
@@ -612,14 +540,6 @@ def test_a_listener_that_refreshes_on_a_load_failure_does_not_deadlock(monkeypat
     for ids in (np.arange(0, 200, 3, dtype=np.int64), np.arange(0, 200, 3, dtype=np.int32)):
         assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
     assert fastembed.wait_for_compiles(timeout=60)
-
-
-def test_the_wait_policy_is_reported_as_loaded_after_a_refresh(fresh_backend):
-    """The OpenMP runtime read its policy once; a refresh does not make the report forget which."""
-    BACKEND.kernels()
-    policy = BACKEND.describe()["omp_wait_policy"]
-    fastembed.dispatch.refresh()
-    assert BACKEND.describe()["omp_wait_policy"] == policy
 
 
 @pytest.mark.parametrize(("timeout", "error"), [("5", TypeError), (True, TypeError), (-1, ValueError),
@@ -850,17 +770,31 @@ def test_an_interrupt_anywhere_in_a_parallel_lookup_leaves_the_parallel_lock_fre
     fastembed.lookup(table, ids, out=out, backend="numba")
     fastembed.lookup(quantized, ids, out=dequantized, dtype=np.float16, backend="numba")
     fastembed.wait_for_compiles()
-    ours = {numba_backend.NumbaBackend._run_parallel.__code__, numba_backend.NumbaBackend._run_dequantize.__code__}
+    from fastembed.backends import cpu_workers as workers
+
+    ours = {numba_backend.NumbaBackend._run_parallel.__code__, numba_backend.NumbaBackend._run_dequantize.__code__,
+            *(function.__code__ for function in (workers.Workers.run, workers.Workers._hand_out, workers.Workers.start,
+                                                 workers._Region.claim, workers._Region.close))}
+    regions = []
+    region_init = workers._Region.__init__
+
+    def recorded(region, *arguments):
+        region_init(region, *arguments)
+        regions.append(region)
 
     def action():
         fastembed.lookup(table, ids, out=out, backend="numba")
         fastembed.lookup(quantized, ids, out=dequantized, dtype=np.float16, backend="numba")
 
     runs = 0
-    for _ in interrupted_runs(lambda code: code in ours, action):
-        runs += 1
-        assert not BACKEND._parallel_lock.locked()
-    assert runs >= 4
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(workers._Region, "__init__", recorded)
+        for _ in interrupted_runs(lambda code: code in ours, action):
+            runs += 1
+            assert not BACKEND._parallel_lock.locked()
+            # no worker is inside a region, and none can start a block: nothing is written after the call ended
+            assert all(region.closed and region.busy == 0 and region.task is None for region in regions)
+    assert runs >= 10 and len(regions) >= runs
     action()
     assert_bit_equal(out, table[ids])
     assert_bit_equal(dequantized, fastembed.lookup(quantized, ids, dtype=np.float16, backend="numpy"))

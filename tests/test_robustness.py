@@ -218,12 +218,12 @@ print("ok" if os.waitstatus_to_exitcode(status) == 0 else "child failed")
 
 
 @needs_numba
-def test_a_child_forked_after_the_application_started_numbas_pool_gathers_serially():
+def test_a_child_forked_after_the_application_started_numbas_pool_gathers_exactly():
     assert_child_ok(run_child(FORK_AFTER_THE_APPLICATION_STARTED_NUMBAS_POOL, timeout=120))
 
 
 FORK_AFTER_TORCH_STARTED_ITS_OPENMP_THREADS = """
-import os, torch, numpy as np, fastembed   # torch first: its GNU OpenMP, loaded into the global scope, is numba's too
+import os, threading, torch, numpy as np, fastembed   # torch first: its GNU OpenMP is in the global scope
 from fastembed.backends import numba_backend
 float((torch.ones(500, 500) @ torch.ones(500, 500)).sum())   # torch's OpenMP threads start here
 table = fastembed.Embedding.random(3000, 1024).table
@@ -231,7 +231,9 @@ ids = np.random.default_rng(0).integers(0, 3000, 2048)   # 4 MiB of output: the 
 pid = os.fork()
 if pid == 0:
     fastembed.lookup(table, ids); fastembed.wait_for_compiles()
-    ok = np.array_equal(fastembed.lookup(table, ids), table[ids]) and numba_backend.BACKEND.forked_after_pool_start
+    ok = np.array_equal(fastembed.lookup(table, ids), table[ids])
+    workers = [thread for thread in threading.enumerate() if thread.name.startswith("fastembed-worker")]
+    ok = ok and len(workers) == numba_backend.thread_count() - 1
     os._exit(0 if ok else 3)
 _, status = os.waitpid(pid, 0)
 print("ok" if os.waitstatus_to_exitcode(status) == 0 else f"child failed: {os.waitstatus_to_exitcode(status)}")
@@ -239,31 +241,11 @@ print("ok" if os.waitstatus_to_exitcode(status) == 0 else f"child failed: {os.wa
 
 
 @needs_numba
-def test_a_child_forked_after_torch_started_its_openmp_threads_gathers_serially_and_never_hangs():
-    """numba's omp layer binds to the runtime torch put in the global scope; a parallel region on it in a child
-    waits for threads the fork did not copy."""
+def test_a_child_forked_after_torch_started_its_openmp_threads_gathers_in_parallel_and_never_hangs():
+    """A parallel region on torch's OpenMP runtime (numba's omp layer binds to it) would wait, in a child, for threads
+    the fork did not copy; fastembed's own workers start again in the child."""
     pytest.importorskip("torch")
     assert_child_ok(run_child(FORK_AFTER_TORCH_STARTED_ITS_OPENMP_THREADS, timeout=60))
-
-
-FORK_BEFORE_ANY_POOL_WITHOUT_TORCH = """
-import os, numpy as np, fastembed
-from fastembed.backends import numba_backend
-table = fastembed.Embedding.random(3000, 64).table
-fastembed.lookup(table, [1, 2])   # a small lookup: numpy's take, no thread pool anywhere
-pid = os.fork()
-if pid == 0:
-    os._exit(3 if numba_backend.BACKEND.forked_after_pool_start else 0)
-_, status = os.waitpid(pid, 0)
-print("ok" if os.waitstatus_to_exitcode(status) == 0 else "the child was made serial")
-"""
-
-
-@needs_numba
-def test_a_child_forked_before_any_openmp_pool_keeps_the_parallel_kernel():
-    """Only a pool that may have started (numba's, or one on a runtime another library put in the global scope)
-    makes a child serial."""
-    assert_child_ok(run_child(FORK_BEFORE_ANY_POOL_WITHOUT_TORCH, timeout=60))
 
 
 FORK_WHILE_THE_OUTPUT_CACHE_IS_LOCKED = """
@@ -350,33 +332,80 @@ def test_an_interrupted_first_lookup_leaves_later_lookups_working(delay):
 # -- settings that disable parts of numba ----------------------------------------------------------
 
 SETTINGS_CHECK = """
-import numpy as np, fastembed
+import threading, numpy as np, fastembed
 from fastembed.backends import cuda_backend, numba_backend
-table = fastembed.Embedding.random(3000, 64).table
-for n in (1, 6, 40, 2000, 2000, 2000):
-    ids = np.random.default_rng(n).integers(0, 3000, n)
-    assert np.array_equal(fastembed.lookup(table, ids), table[ids]), n
-    out = np.empty((n, 64), table.dtype)
-    assert np.array_equal(fastembed.lookup(table, ids, out=out), table[ids]), n
-    fastembed.wait_for_compiles()
+for dim in (64, 1024):   # 2,000 rows of 2 KiB: 4 MiB, in parallel where numba serves
+    table = fastembed.Embedding.random(3000, dim).table
+    for n in (1, 6, 40, 2000, 2000, 2000):
+        ids = np.random.default_rng(n).integers(0, 3000, n)
+        assert np.array_equal(fastembed.lookup(table, ids), table[ids]), n
+        out = np.empty((n, dim), table.dtype)
+        assert np.array_equal(fastembed.lookup(table, ids, out=out), table[ids]), n
+        fastembed.wait_for_compiles()
 print(fastembed.select_backend(table, np.arange(100)).backend)
 print(numba_backend.BACKEND.unavailable_reasons())
-print(numba_backend.BACKEND.describe().get("parallel_kernels", "parallel"))
+print(sum(thread.name.startswith("fastembed-worker") for thread in threading.enumerate()))
 print("ok")
 """
 
 
 @needs_numba
-def test_a_threading_layer_that_cannot_load_leaves_the_serial_kernel_serving():
+def test_a_threading_layer_that_cannot_load_changes_nothing():
+    """fastembed never starts numba's threading layer: a setting that would make it fail to load does not matter."""
     import importlib.util
 
     if importlib.util.find_spec("tbb") is not None:
         pytest.skip("tbb is installed: the layer loads")
     result = run_child(SETTINGS_CHECK, timeout=120, env={"NUMBA_THREADING_LAYER": "tbb"})
     assert_child_ok(result)
-    backend, reasons, parallel = result.stdout.strip().splitlines()[-4:-1]
+    backend, reasons, workers = result.stdout.strip().splitlines()[-4:-1]
     assert backend == "numba" and reasons == "[]"
-    assert parallel.startswith("unavailable, serving serially") and "threading layer" in parallel.lower()
+    assert int(workers) == len(os.sched_getaffinity(0)) - 1
+
+
+THREADS_CHECK = """
+import sys, threading, numpy as np
+{first}
+import fastembed
+from fastembed.backends import numba_backend
+table = fastembed.Embedding.random(3000, 1024).table
+quantized = fastembed.Embedding(table).quantize("q8_0")
+ids = np.random.default_rng(0).integers(0, 3000, 2048)   # 4 MiB of float16: in parallel
+for _ in range(2):
+    assert np.array_equal(fastembed.lookup(table, ids), table[ids])
+    assert np.array_equal(quantized(ids, dtype=np.float16), quantized(ids, dtype=np.float16, backend="numpy"))
+    fastembed.wait_for_compiles()
+parallel = sys.modules["numba.np.ufunc.parallel"]
+print(sum(thread.name.startswith("fastembed-worker") for thread in threading.enumerate()), numba_backend.thread_count(),
+      parallel._is_initialized)
+print("ok")
+"""
+
+
+@needs_numba
+@pytest.mark.parametrize("first", ["", "import torch; float((torch.ones(300, 300) @ torch.ones(300, 300)).sum())"],
+                         ids=["numpy only", "torch first, its OpenMP threads started"])
+def test_lookups_run_on_fastembeds_workers_and_never_start_numbas_threading_layer(first):
+    """No OpenMP runtime, numba's or one another library put in the process (torch's), runs a lookup."""
+    if first:
+        pytest.importorskip("torch")
+    result = run_child(THREADS_CHECK.format(first=first), timeout=120)
+    assert_child_ok(result)
+    workers, threads, layer_started = result.stdout.strip().splitlines()[-2].split()
+    assert int(workers) == int(threads) - 1 == len(os.sched_getaffinity(0)) - 1
+    assert layer_started == "False"
+
+
+@needs_numba
+@pytest.mark.parametrize("setting, first", [
+    ({"NUMBA_NUM_THREADS": "1"}, ""),
+    ({}, "import numba; numba.set_num_threads(1)"),  # the application's own setting, in the calling thread
+], ids=["NUMBA_NUM_THREADS", "numba.set_num_threads"])
+def test_the_users_thread_count_is_respected(setting, first):
+    result = run_child(THREADS_CHECK.format(first=first), timeout=120, env=setting)
+    assert_child_ok(result)
+    workers, threads, _ = result.stdout.strip().splitlines()[-2].split()
+    assert (int(workers), int(threads)) == (0, 1)
 
 
 @needs_numba

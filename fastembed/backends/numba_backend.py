@@ -1,4 +1,4 @@
-"""Host side of the Numba CPU gather: kernel choice, word views, thread and fork guards.
+"""Host side of the Numba CPU gather: kernel choice, word views, threads and fork guards.
 
 The kernels (:mod:`fastembed.kernels.gather_cpu`) copy rows as unsigned
 machine words, so this module turns any table into a word view: the widest
@@ -11,8 +11,13 @@ Which kernel runs (docs/backends.md gives each constant's evidence):
   calling thread (the numpy backend), so a decode step pays no thread
   wake-up and no compile; the serial kernel was no faster there;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
-  16-byte aligned: the parallel kernel with non-temporal stores;
-- otherwise the parallel kernel with ordinary (cached) stores.
+  16-byte aligned: the rows in parallel with non-temporal stores;
+- otherwise the rows in parallel with ordinary (cached) stores.
+
+In parallel means one block of rows per thread, claimed by the calling
+thread and fastembed's own workers (:mod:`.cpu_workers`), each running a
+serial kernel that releases the GIL; numba's threading layer (OpenMP, TBB
+or its workqueue) is never started. How many threads: :func:`thread_count`.
 
 No lookup compiles on the caller's thread: numba is imported, and the
 kernels compiled for each new argument signature (word and id dtypes,
@@ -25,19 +30,13 @@ Safety, whatever threading layer numba picked:
 
 - one parallel gather at a time per process (a lock). A thread that finds
   the lock taken runs the serial kernel instead of waiting: the other call
-  already keeps every core busy. This also keeps numba's ``workqueue``
-  layer, which aborts the process on concurrent entry, safe;
-- in a process forked after the parent started numba's thread pool (for
-  fastembed or for the application's own parallel numba code), or from a
-  parent whose global symbol scope holds another library's GNU OpenMP
-  runtime (torch's, which numba's layer then uses), the serial kernel only:
-  GNU OpenMP kills such children and a forked workqueue pool can hang;
+  already keeps every core busy;
+- a forked child starts workers of its own, and its lock is a new one (a
+  thread the child lacks may have held the parent's);
 - a fork waits until no thread is importing numba or compiling a kernel
   for this backend (:mod:`.background_compile`): a child would otherwise
   inherit the import or compile lock held by a thread it does not have;
 - an import of numba that is interrupted is undone, so the next one starts afresh;
-- a parallel kernel that cannot run (a threading layer that fails to load)
-  leaves the serial kernel serving, with the reason in ``describe()``;
 - numba failing to load (or its JIT off) on the background thread makes the
   dispatcher choose again; kernels that fail to compile leave numpy serving
   their signature, reported by ``describe()``.
@@ -45,7 +44,7 @@ Safety, whatever threading layer numba picked:
 Quantized tables (:meth:`NumbaBackend.dequantize`, every block format of
 :mod:`fastembed.formats`) go through :mod:`fastembed.kernels.dequant_cpu`:
 the serial kernel below ``PARALLEL_MIN_BYTES`` of output (no numpy ``take``
-can dequantize), the parallel one above, non-temporal stores from
+can dequantize), its rows in parallel above, non-temporal stores from
 ``STREAM_MIN_OUT_BYTES``, with the same guards, and the numpy reference
 (:func:`.numpy_backend.dequantize_into`) while the kernels compile. The
 format is a run-time argument of those kernels, and the table and ids
@@ -56,7 +55,6 @@ table.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import importlib.util
 import itertools
@@ -65,7 +63,6 @@ import platform
 import sys
 import threading
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import numpy as np
@@ -74,6 +71,7 @@ from .. import validate
 from ..formats import FORMATS, QuantizedTable
 from . import background_compile, base, numpy_backend, output_cache
 from .base import DENSE, Capabilities, SmallGather
+from .cpu_workers import WORKERS
 from .numpy_backend import take_into, take_new
 
 #: Outputs smaller than this are gathered by numpy's take on the calling
@@ -148,30 +146,20 @@ class NumbaBackend:
     def __init__(self) -> None:
         self._parallel_lock = threading.Lock()
         self._import_lock = threading.Lock()
-
-        self.pool_started = False  # this process (or its parent before a fork) ran a parallel kernel
-        self.forked_after_pool_start = False
-        self._openmp_in_global_scope = False  # at the last fork, asked in the parent (see before_fork)
-        self._layer_on_foreign_openmp = False  # numba's omp layer runs on a runtime another library loaded first
-        self.wait_policy = "not loaded yet"  # the OpenMP wait policy in force, as numba's runtime loaded
-        self._threading_layer_loaded = False  # a fact of the process: a reset keeps it
         self.reset()
 
     def reset(self) -> None:
-        """Forget availability, the kernel import's failure, the parallel kernel's failure and what compiled.
+        """Forget availability, the kernel import's failure and what compiled.
 
         Each signature compiles again afterwards; a compile still running
         records its result in the state it started from, which the reset has
         replaced. Waits for nothing: it may run inside a fork hook, while the
-        compiles' locks are held. Facts of the process (its thread pool
-        started, a fork after that, the wait policy its OpenMP runtime read)
-        stay: forgetting them would let a forked child run a pool it cannot.
+        compiles' locks are held.
         """
         self._kernels: Any = None
         self._import_error: str | None = None
         self._dequantize_kernels: Any = None
         self._dequantize_error: str | None = None  # the dequantizing kernels cannot load: numpy serves
-        self._parallel_error: str | None = None
         self._unavailable: list[str] | None = None
         self._compiles = _Compiles()  # one object, swapped whole: a compile started before holds the old one
 
@@ -211,7 +199,7 @@ class NumbaBackend:
         with background_compile.foreground(), self._import_lock:
             if self._kernels is None:
                 try:
-                    kernels = _import_or_undo("fastembed.kernels.gather_cpu", self._load_threading_layer)
+                    kernels = _import_or_undo("fastembed.kernels.gather_cpu")
                 except Exception as error:  # an interrupt propagates: the next call tries again
                     self._import_error = f"numba failed to load: {type(error).__name__}: {error}"
                     failure = error
@@ -248,50 +236,6 @@ class NumbaBackend:
                     raise ImportError(self._dequantize_error) from error
         return self._dequantize_kernels
 
-    def _load_threading_layer(self) -> None:
-        """Load numba's threading layer, its OpenMP workers set to sleep when idle unless the user said otherwise.
-
-        GNU OpenMP's default is to spin for milliseconds after each parallel
-        region. A worker spinning on the CPU of the thread that runs the next
-        lookup (or any other work of the process) holds that thread off until
-        the scheduler's time slice ends: lookups took milliseconds instead of
-        a fraction of one (docs/backends.md). OpenMP reads OMP_WAIT_POLICY
-        once, when its library loads; the variable is set to ``passive`` for
-        that moment only (other threads can see it in ``os.environ`` then),
-        and only if the user has set neither it nor GNU OpenMP's
-        GOMP_SPINCOUNT, which overrides it, and only if no OpenMP runtime is in
-        the process's global symbol scope yet: numba's layer would bind to that
-        one, whose policy was read when it loaded. A library that uses the same
-        runtime afterwards (one that loads the same ``libgomp.so.1``, as
-        torch's CPU build was seen to) shares its policy; a runtime that
-        another library loaded before has read it already and is not affected.
-        """
-        import numba
-
-        first_load = not self._threading_layer_loaded  # after a reset, the runtime has read its policy already
-        given = os.environ.get("OMP_WAIT_POLICY")
-        user_policy = _user_wait_setting()
-        foreign = _global_openmp_runtime()  # loaded before, its policy read: numba's layer binds to it
-        set_passive = first_load and user_policy is None and foreign is None
-        runtimes_before = _openmp_paths()
-        if set_passive:
-            os.environ["OMP_WAIT_POLICY"] = "passive"
-        try:
-            numba.get_num_threads()  # loads the threading layer
-        except Exception as error:  # noqa: BLE001 - no usable layer: the serial kernel serves, and describe() says why
-            self._parallel_error = _one_line(error)
-        finally:
-            # Restored only if still ours: another thread may have set it meanwhile.
-            if set_passive and os.environ.get("OMP_WAIT_POLICY") == "passive":
-                if given is None:
-                    os.environ.pop("OMP_WAIT_POLICY", None)
-                else:
-                    os.environ["OMP_WAIT_POLICY"] = given
-        if first_load:
-            self.wait_policy = _wait_policy_fact(user_policy, runtimes_before, _openmp_paths(), foreign)
-            self._layer_on_foreign_openmp = foreign is not None and _threading_layer() == "omp"
-            self._threading_layer_loaded = True
-
     # -- the gather ----------------------------------------------------------
 
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -312,14 +256,10 @@ class NumbaBackend:
         kernels = self._kernels
         if kernels is None:  # reset() by another thread since the check
             return numpy_backend.BACKEND.gather(table, ids, out)
-        parallel = not self.forked_after_pool_start and self._parallel_error is None
         if out is None:
             out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype)
         out_words = _row_words(out, n, word) if given_words is None else given_words
-        if parallel:
-            status = self._run_parallel(kernels, table_words, flat_ids, out_words)
-        else:
-            status = int(kernels.gather_serial(table_words, flat_ids, out_words))
+        status = self._run_parallel(kernels, table_words, flat_ids, out_words)
         _raise_for_status(status, ids, table.shape[0])
         return out
 
@@ -352,11 +292,9 @@ class NumbaBackend:
 
         The templates have the arguments' types (dtype, read-only flag,
         alignment) but none of their memory, so a compile keeps no table
-        alive. A parallel kernel that cannot run (no usable threading layer)
-        is remembered: the serial kernel then serves every batch, and
-        ``describe()`` says why. Kernels that fail to compile are remembered
-        too: numpy serves their signature. Both go into `compiles`, the
-        backend's record when the compile started.
+        alive. Kernels that fail to compile are remembered in `compiles`,
+        the backend's record when the compile started: numpy serves their
+        signature, and ``describe()`` says why.
         """
         try:
             kernels = self.kernels()
@@ -365,31 +303,32 @@ class NumbaBackend:
         table_words, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
         try:
             kernels.gather_serial(table_words, no_ids, no_rows)
+            kernels.first_bad_position(no_ids, table_words.shape[0])
+            kernels.copy_rows(table_words, no_ids, no_rows, 0, 0)
+            if _STREAMING_CPU:
+                kernels.stream_rows(table_words, no_ids, no_rows, 0, 0, PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD,
+                                    ALIAS_WINDOW)
         except Exception as error:  # a corrupt on-disk cache, say: numpy serves the signature, describe() says why
             compiles.failed[signature] = _one_line(error)
             raise
-        if self._parallel_error is None and not self.forked_after_pool_start:
-            with self._parallel_lock:
-                self.pool_started = True
-                try:
-                    kernels.gather_parallel(table_words, no_ids, no_rows, 1)
-                    if _STREAMING_CPU:
-                        kernels.gather_parallel_stream(table_words, no_ids, no_rows, 1, PREFETCH_ROWS_AHEAD,
-                                                       TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
-                except Exception as error:  # noqa: BLE001 - kept, reported by describe()
-                    self._parallel_error = _one_line(error)
         compiles.done.add(signature)
 
     def _run_parallel(self, kernels: Any, table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
+        """Gather into `out_words` on the calling thread and the workers; the serial kernel while another does."""
         if self._parallel_lock.locked():
             return int(kernels.gather_serial(table_words, flat_ids, out_words))
         with self._parallel_lock:  # not acquire() then try: an exception between the two would keep it taken for good
-            self.pool_started = True
-            n_blocks = max(1, min(len(flat_ids), _pool_size()))
+            bad = int(kernels.first_bad_position(flat_ids, table_words.shape[0]))
+            if bad >= 0:
+                return bad
             if out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words):
-                return int(kernels.gather_parallel_stream(table_words, flat_ids, out_words, n_blocks,
-                                                          PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW))
-            return int(kernels.gather_parallel(table_words, flat_ids, out_words, n_blocks))
+                def rows(start: int, stop: int) -> int:
+                    return kernels.stream_rows(table_words, flat_ids, out_words, start, stop, PREFETCH_ROWS_AHEAD,
+                                               TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
+            else:
+                def rows(start: int, stop: int) -> int:
+                    return kernels.copy_rows(table_words, flat_ids, out_words, start, stop)
+            return _CHANGED_DURING_COPY if WORKERS.run(rows, len(flat_ids), thread_count()) else -1
 
     # -- the dequantizing gather ----------------------------------------------
 
@@ -451,16 +390,20 @@ class NumbaBackend:
         scales = _read_only(table.scales.view(np.uint8) if fmt.row_scale else _NO_SCALES)  # bytes: any alignment
         mode = kernels.BFLOAT16 if dtype.itemsize == 2 and dtype != np.float16 else kernels.FLOAT16
         stream = rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and can_stream(rows)
-        arguments = (kernels.FORMAT_CODES[fmt.name], data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD,
-                     DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD)
-        if rows.nbytes < PARALLEL_MIN_BYTES or not self._runs_parallel() or self._parallel_lock.locked():
-            return int(kernels.dequantize_serial(*arguments))
+        code = kernels.FORMAT_CODES[fmt.name]
+        if rows.nbytes < PARALLEL_MIN_BYTES or self._parallel_lock.locked():
+            return int(kernels.dequantize_serial(code, data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD,
+                                                 DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD))
         with self._parallel_lock:  # as in _run_parallel
-            self.pool_started = True
-            return int(kernels.dequantize_parallel(*arguments, max(1, min(len(flat_ids), _pool_size()))))
+            bad = int(kernels.first_bad_position(flat_ids, kernels.readable_rows(code, data, scales)))
+            if bad >= 0:
+                return bad
 
-    def _runs_parallel(self) -> bool:
-        return not self.forked_after_pool_start and self._parallel_error is None
+            def dequantized(start: int, stop: int) -> int:
+                return kernels.dequantize_range(code, data, scales, flat_ids, rows, start, stop, mode, stream,
+                                                PREFETCH_ROWS_AHEAD, DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD)
+
+            return _CHANGED_DURING_COPY if WORKERS.run(dequantized, len(flat_ids), thread_count()) else -1
 
     def _compile_dequantize(self, signature: tuple) -> bool:
         """As :meth:`_compile`, for the dequantizing kernels of `signature` ("dequantize", output word)."""
@@ -481,36 +424,20 @@ class NumbaBackend:
             kernels = self.dequantize_kernels()
         except ImportError:
             return  # kept as the reason describe() reports; numpy serves
-        data, scales = _read_only(np.zeros((1, 34), np.uint8)), _read_only(_NO_SCALES)
+        code, data, scales = kernels.FORMAT_CODES["q8_0"], _read_only(np.zeros((1, 34), np.uint8)), _read_only(_NO_SCALES)
         no_row = _read_only(np.full(1, -1, np.int64))  # one bad id: the kernels return before writing anything
-        arguments = (kernels.FORMAT_CODES["q8_0"], data, scales, no_row, np.zeros((1, 32), signature[1]), kernels.FLOAT16,
-                     False, 0, 0)
+        rows = np.zeros((1, 32), signature[1])
         try:
-            kernels.dequantize_serial(*arguments)
+            kernels.dequantize_serial(code, data, scales, no_row, rows, kernels.FLOAT16, False, 0, 0)
+            kernels.first_bad_position(no_row, kernels.readable_rows(code, data, scales))
+            kernels.dequantize_range(code, data, scales, no_row, rows, 0, 0, kernels.FLOAT16, False, 0, 0)
         except Exception as error:  # numpy serves the signature, describe() says why
             compiles.failed[signature] = _one_line(error)
             raise
-        if self._runs_parallel():
-            with self._parallel_lock:
-                self.pool_started = True
-                try:
-                    kernels.dequantize_parallel(*arguments, 1)
-                except Exception as error:  # noqa: BLE001 - kept, reported by describe()
-                    self._parallel_error = _one_line(error)
         compiles.done.add(signature)
 
-    def before_fork(self) -> None:
-        # Asked in the parent: the child must not call the dynamic loader, whose lock another thread may have held.
-        if self._threading_layer_loaded:
-            self._openmp_in_global_scope = self._layer_on_foreign_openmp
-        else:  # the child's layer would bind to such a runtime, unless the user chose another layer
-            chosen = os.environ.get("NUMBA_THREADING_LAYER", "default").strip().lower()
-            self._openmp_in_global_scope = chosen not in ("workqueue", "tbb") and _global_openmp_runtime() is not None
-
     def after_fork_in_child(self) -> None:
-        # A runtime another library loaded into the global scope (torch's libgomp) is the one numba's layer uses,
-        # and that library may have started its threads: GNU OpenMP would hang or kill the child as for numba's own.
-        self.forked_after_pool_start = self.pool_started or _numba_pool_started() or self._openmp_in_global_scope
+        self._parallel_lock = threading.Lock()  # a thread the child lacks may have held the parent's
         if background_compile.compiles_disabled():
             self._unavailable = None  # found again: this process may never use numba
             base.availability_changed()
@@ -518,11 +445,9 @@ class NumbaBackend:
     # -- facts ---------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        """Versions, threads, the threading layer and its wait policy, the thresholds.
+        """Versions, threads, the thresholds, the output cache, and what failed to compile or load.
 
-        Loads numba and its threading layer the way a lookup does (with the
-        wait policy of :meth:`_load_threading_layer`), so that asking for the
-        facts never loads OpenMP with another policy first.
+        Loads numba (never its threading layer, which no lookup uses).
         """
         if self.unavailable_reasons():
             return {}
@@ -532,23 +457,17 @@ class NumbaBackend:
             return {"error": str(error)}
         import numba
 
-        try:
-            threads: Any = numba.get_num_threads()  # the layer is loaded: this reads the pool's size
-        except Exception as error:  # noqa: BLE001 - reported, not raised: info must always print
-            threads = f"unavailable: {_one_line(error)}"
-            self._parallel_error = self._parallel_error or threads
+        threads = thread_count()
         facts: dict[str, Any] = {
             "numba": numba.__version__,
             "threads": threads,
-            "threading_layer": _threading_layer() if self._parallel_error is None else "none could load",
+            "workers": (f"the calling thread and {threads - 1} of fastembed's own (NUMBA_NUM_THREADS, or "
+                        "numba.set_num_threads once numba's own threading layer runs; OpenMP settings do not apply)"),
             "parallel_min_bytes": PARALLEL_MIN_BYTES,
-            "omp_wait_policy": self.wait_policy,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
             "streaming_stores": _STREAMING_CPU,
             "output_cache": _output_cache_fact(),
         }
-        if self._parallel_error is not None:
-            facts["parallel_kernels"] = f"unavailable, serving serially: {self._parallel_error}"
         failures = list(self._compiles.failed.values())
         if failures:
             facts["compile_failures"] = (f"the kernels of {len(failures)} argument signature(s) failed to compile, "
@@ -605,90 +524,6 @@ def _import_or_undo(name: str, then: Any = None) -> Any:
 
 
 _KERNELS_PACKAGE = "fastembed.kernels."
-
-
-def _numba_pool_started() -> bool:
-    """Whether numba's thread pool was started in this process, by fastembed's kernels or by other code.
-
-    numba keeps no public flag; its own private one is read, and a numba
-    without it counts as started (the serial kernel is always safe).
-    """
-    parallel = sys.modules.get("numba.np.ufunc.parallel")
-    return parallel is not None and bool(getattr(parallel, "_is_initialized", True))
-
-
-#: File names of the OpenMP runtimes numba's omp layer may use: GNU, LLVM and Intel; each reads OMP_WAIT_POLICY.
-_OPENMP_LIBRARIES = ("libgomp", "libomp", "libiomp")
-
-
-def _openmp_paths() -> set[str]:
-    """The OpenMP runtimes mapped into this process (Linux; empty where /proc cannot tell)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            return {line.split()[-1] for line in maps if any(name in line for name in _OPENMP_LIBRARIES)}
-    except OSError:
-        return set()
-
-
-def _user_wait_setting() -> str | None:
-    """The user's own OpenMP wait setting (``"active (OMP_WAIT_POLICY ...)"``), or None where fastembed may set one.
-
-    An empty value counts as unset: GNU OpenMP ignores it.
-    """
-    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):  # GNU OpenMP's spin count overrides the policy
-        value = os.environ.get(name)
-        if value and value.strip():
-            return f"{value} ({name} set by the user)"
-    return None
-
-
-class _DlInfo(ctypes.Structure):
-    """glibc's ``Dl_info``, which ``dladdr`` fills in."""
-
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
-
-
-def _global_openmp_runtime() -> str | None:
-    """The file of the OpenMP runtime that gives ``GOMP_parallel`` to the process's global symbol scope, or None.
-
-    A library loaded into that scope (torch loads its own ``libgomp.so.1``
-    so) provides it to every library loaded after it, numba's omp layer
-    included, whatever runtime that layer itself brings. None also where
-    this cannot be told: not Linux, or no ``dladdr`` in the global scope
-    (glibc before 2.34 keeps it in libdl).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        scope = ctypes.CDLL(None)
-        entry = ctypes.cast(scope.GOMP_parallel, ctypes.c_void_p)
-        info = _DlInfo()
-        if not scope.dladdr(entry, ctypes.byref(info)) or not info.dli_fname:
-            return None
-    except (AttributeError, OSError):  # no such symbol in the global scope, or no dladdr
-        return None
-    return os.fsdecode(info.dli_fname)
-
-
-def _wait_policy_fact(user_policy: str | None, runtimes_before: set[str], runtimes_after: set[str],
-                      foreign: str | None = None) -> str:
-    """What OMP_WAIT_POLICY numba's OpenMP workers follow, for ``describe()``.
-
-    `foreign` is the runtime another library had loaded into the global scope before numba's layer loaded.
-    """
-    if user_policy is not None:
-        return user_policy
-    if foreign is not None and _threading_layer() == "omp":
-        return (f"as {foreign} read it when another library loaded it first (by default OpenMP workers spin for "
-                "milliseconds after each parallel region, which can stall lookups; set OMP_WAIT_POLICY=passive "
-                "before starting Python to avoid it)")
-    if runtimes_after - runtimes_before:
-        return ("passive (set by fastembed while numba's OpenMP runtime loaded; a library using that runtime "
-                "afterwards shares it)")
-    if runtimes_before and _threading_layer() == "omp":
-        return "as the OpenMP runtime read it when another library loaded it first"
-    return f"not applicable: numba's threading layer is {_threading_layer()}"
 
 
 def _raise_for_status(status: int, ids: np.ndarray, vocab_size: int) -> None:
@@ -794,27 +629,22 @@ def _shaped(dtype: np.dtype, shape: tuple[int, ...], aligned: bool) -> np.ndarra
     return buffer[start : start + size].view(dtype).reshape(shape)
 
 
-@cache
-def _pool_size() -> int:
-    """Threads in numba's pool, read once: the parallel kernels cut the rows into one block per thread.
+def thread_count() -> int:
+    """Threads a parallel lookup cuts its rows among, the calling thread's included: numba's setting.
 
-    numba.get_num_threads() costs microseconds a call; a caller's
-    numba.set_num_threads() still decides how many threads share the blocks.
+    ``NUMBA_NUM_THREADS`` (by default the CPUs this process may run on); once
+    numba's own threading layer runs in this process (the application's
+    parallel numba code started it), also ``numba.set_num_threads`` of the
+    calling thread. Reading it never starts that layer.
     """
     import numba
 
+    parallel = sys.modules.get("numba.np.ufunc.parallel")
+    if parallel is not None and getattr(parallel, "_is_initialized", False):
+        return max(1, numba.get_num_threads())
     return max(1, int(numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
 
 
-def _threading_layer() -> str:
-    import numba
-
-    try:
-        return str(numba.threading_layer())
-    except ValueError:
-        return f"not started yet (configured: {numba.config.THREADING_LAYER})"  # type: ignore[attr-defined]
-
-
 BACKEND = NumbaBackend()
-if hasattr(os, "register_at_fork"):  # POSIX; a flag set at fork, not a getpid() per call
-    os.register_at_fork(before=BACKEND.before_fork, after_in_child=BACKEND.after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=BACKEND.after_fork_in_child)

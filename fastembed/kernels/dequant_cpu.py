@@ -2,8 +2,10 @@
 
 Importing this module imports numba; only the numba backend does so, lazily.
 
-Contract shared by the two kernels, :func:`dequantize_serial` and
-:func:`dequantize_parallel` (as the gather kernels of :mod:`.gather_cpu`):
+Contract of :func:`dequantize_serial` (as the gather kernels of
+:mod:`.gather_cpu`; :func:`dequantize_range` is its row loop, which the
+numba backend runs on one block of rows per thread, after its own scan of
+the ids against :func:`readable_rows`):
 
 - ``fmt`` is the format's code, :data:`FORMAT_CODES` (a run-time argument:
   one compile serves every format);
@@ -64,7 +66,7 @@ by the sources of every kernel module).
 from __future__ import annotations
 
 import numpy as np
-from numba import literally, njit, prange
+from numba import literally, njit
 from numba.core import types
 from numba.extending import intrinsic
 
@@ -137,7 +139,7 @@ from .gather_cpu import CHANGED_DURING_COPY, first_bad_position
 __all__ = [
     "BFLOAT16", "CHANGED_DURING_COPY", "CHUNK", "FLOAT16", "FLOAT16_BITS", "FLOAT16_CONVERSION", "FORMAT_CODES",
     "FP8_TABLE_LOOKUP", "HARDWARE_FLOAT16", "NIBBLE_TABLE_LOOKUP", "NIBBLE_WORD_PERMUTE", "Q4_K_FLOAT16_BY_TABLE",
-    "TO_16_BITS", "bfloat16_bits", "dequantize_parallel", "dequantize_range", "dequantize_serial", "float16_bits",
+    "TO_16_BITS", "bfloat16_bits", "dequantize_range", "readable_rows", "dequantize_serial", "float16_bits",
     "fp8_e4m3_by_bits", "fp8_e4m3_value", "looked_up", "round_to_halves", "widen_halves",
 ]
 
@@ -360,7 +362,7 @@ def _itemsize(typingctx, array):
 
 
 @njit(**_JIT)
-def _vocab_size(fmt, data, scales):
+def readable_rows(fmt, data, scales):
     """Rows that may be read: of `data`, and of `scales` for a row-scale format."""
     return min(data.shape[0], scales.shape[0] // 4) if fmt == FP8_E4M3 else data.shape[0]
 
@@ -377,7 +379,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     its page translations are under way early. An address out of range there
     is a hint, never read.
     """
-    vocab_size = _vocab_size(fmt, data, scales)
+    vocab_size = readable_rows(fmt, data, scales)
     dim = out.shape[1]
     word: int = _itemsize(out)
     row_bytes = data.shape[1]
@@ -442,26 +444,10 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
 @njit(**_JIT)
 def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
     """Dequantize on the calling thread."""
-    bad = first_bad_position(ids, _vocab_size(fmt, data, scales))
+    bad = first_bad_position(ids, readable_rows(fmt, data, scales))
     if bad >= 0:
         return bad
     if dequantize_range(fmt, data, scales, ids, out, 0, ids.size, mode, stream, prefetch_rows_ahead,
                         touch_pages_rows_ahead):
         return CHANGED_DURING_COPY
     return -1
-
-
-@njit(parallel=True, **_JIT)
-def dequantize_parallel(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead,
-                        n_blocks):
-    """Dequantize in ``n_blocks`` contiguous blocks of rows spread over threads (each thread's writes sequential)."""
-    bad = first_bad_position(ids, _vocab_size(fmt, data, scales))
-    if bad >= 0:
-        return bad
-    skipped = 0
-    for block in prange(n_blocks):
-        start, stop = block * ids.size // n_blocks, (block + 1) * ids.size // n_blocks
-        skipped += dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead,
-                                    touch_pages_rows_ahead)
-    return CHANGED_DURING_COPY if skipped else -1
-

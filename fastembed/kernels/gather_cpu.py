@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .cpu_intrinsics import prefetch, store_fence, stream_store_16
 
@@ -40,15 +40,9 @@ def first_bad_position(ids, vocab_size):
     return -1
 
 
-@njit(**_JIT)
-def _block(block, n_blocks, n):
-    """[start, stop) of block number `block` when n rows are cut into n_blocks."""
-    return block * n // n_blocks, (block + 1) * n // n_blocks
-
-
-# The row loops are plain functions that the serial and parallel kernels
-# share, called once per block of rows: a call costs nothing next to a
-# block's copy, and each loop is written (and compiled) once.
+# The row loops serve the serial kernel and, one block of rows per call, the
+# parallel gathers of the numba backend, which run them on several threads
+# (they release the GIL): a call costs nothing next to a block's copy.
 
 
 CHANGED_DURING_COPY = -2
@@ -73,7 +67,10 @@ def copy_rows(table, ids, out, start, stop):
 
 @njit(**_JIT)
 def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_rows_ahead, alias_window):
-    """As :func:`copy_rows`, with non-temporal stores; rows a multiple of 16 bytes.
+    """As :func:`copy_rows`, with non-temporal stores, for outputs much larger than the last-level cache.
+
+    Non-temporal 16-byte stores fault on unaligned addresses: ``out`` must
+    be 16-byte aligned and its rows a multiple of 16 bytes (:func:`can_stream`).
 
     With ``prefetch_rows_ahead`` > 0, each cache line copied comes with a
     prefetch of the same line of the row that many rows ahead: later rows
@@ -185,45 +182,8 @@ def gather_serial(table, ids, out):
     return -1
 
 
-@njit(parallel=True, **_JIT)
-def gather_parallel(table, ids, out, n_blocks):
-    """Gather in ``n_blocks`` contiguous blocks of rows spread over threads.
-
-    Contiguous blocks (rather than interleaved rows) keep each thread's
-    writes sequential in ``out``. Cached stores: for outputs that fit in the
-    last-level cache, where the caller reads them next.
-    """
-    bad = first_bad_position(ids, table.shape[0])
-    if bad >= 0:
-        return bad
-    skipped = 0
-    for block in prange(n_blocks):
-        start, stop = _block(block, n_blocks, ids.size)
-        skipped += copy_rows(table, ids, out, start, stop)
-    return CHANGED_DURING_COPY if skipped else -1
-
-
-@njit(parallel=True, **_JIT)
-def gather_parallel_stream(table, ids, out, n_blocks, prefetch_rows_ahead, touch_pages_rows_ahead, alias_window):
-    """As :func:`gather_parallel`, with non-temporal stores and prefetches (see :func:`stream_rows`).
-
-    For outputs much larger than the last-level cache. Non-temporal 16-byte
-    stores fault on unaligned addresses: the caller must pass an ``out``
-    whose address is 16-byte aligned and rows that are a multiple of 16 bytes
-    (see :func:`can_stream`).
-    """
-    bad = first_bad_position(ids, table.shape[0])
-    if bad >= 0:
-        return bad
-    skipped = 0
-    for block in prange(n_blocks):
-        start, stop = _block(block, n_blocks, ids.size)
-        skipped += stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_rows_ahead, alias_window)
-    return CHANGED_DURING_COPY if skipped else -1
-
-
 def can_stream(out) -> bool:
-    """Whether the streaming kernels may write `out` (2-D words): 16-byte aligned rows.
+    """Whether :func:`stream_rows` may write `out` (2-D words): 16-byte aligned rows.
 
     A plain Python check (its ctypes lookup costs microseconds, nothing next
     to the 2 MiB or larger outputs that stream), kept out of the kernels so that each

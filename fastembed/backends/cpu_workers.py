@@ -1,0 +1,195 @@
+"""fastembed's own CPU worker threads: one parallel region at a time for kernels that release the GIL.
+
+The parallel gathers cut their rows into blocks and run a serial, nogil
+kernel on each block, on the calling thread and on these workers. They are
+plain Python threads, not numba's threading layer: that layer runs on an
+OpenMP runtime, which may be another library's (torch puts its GNU OpenMP
+in the process's global symbol scope, and numba's layer then uses it) with
+workers that spin for milliseconds after each region and hold off the
+caller sharing their CPU; and an OpenMP pool cannot run in a forked child.
+
+How a region runs (:meth:`Workers.run`):
+
+- the rows are cut into one contiguous block per thread, and the caller and
+  the workers *claim* blocks one at a time; the caller claims too, so a
+  worker that wakes late (descheduled, or sharing the caller's CPU) finds
+  its block done by the others and nobody waits for it;
+- idle workers sleep on a lock: no spinning, no setting shared with other
+  libraries;
+- the call returns once every block it handed out is done, and no worker
+  can start one afterwards, whatever happens meanwhile: a KeyboardInterrupt
+  on the calling thread is held back until the workers are out of the
+  region, so no row is written into an output after its call has ended;
+- a forked child starts workers of its own on its first region (a fork
+  copies none of the parent's threads).
+
+Example:
+    >>> import numpy as np
+    >>> from fastembed.backends.cpu_workers import WORKERS
+    >>> out = np.zeros(10, np.int64)
+    >>> def fill(start, stop):
+    ...     out[start:stop] = np.arange(start, stop)
+    ...     return stop - start
+    >>> WORKERS.run(fill, 10, 3)
+    10
+    >>> out.tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+#: A block's task: ``task(start, stop)`` processes rows [start, stop) and returns a count the region sums.
+Task = Callable[[int, int], int]
+
+
+class _Region:
+    """One call of :meth:`Workers.run`: its task, the blocks not yet claimed, and who is still inside.
+
+    Workers enter and leave under ``lock``; the caller never waits on it
+    while a worker runs a block, so the caller's wait is on ``quiet`` alone.
+    """
+
+    def __init__(self, task: Task, n_rows: int, n_blocks: int) -> None:
+        self.task: Task | None = task  # dropped when the region closes: a queued region keeps no array alive
+        self.n_rows, self.n_blocks = n_rows, n_blocks
+        self.blocks = iter(range(n_blocks))
+        self.lock = threading.Lock()
+        self.closed = False
+        self.busy = 0  # workers inside the region
+        self.quiet = threading.Lock()  # released by the last worker to leave a closed region
+        self.quiet.acquire()
+        self.counts: list[int] = []
+        self.errors: list[BaseException] = []
+
+    def claim(self) -> tuple[int, int] | None:
+        """The rows of the next unclaimed block, or None when every block is claimed."""
+        with self.lock:
+            block = next(self.blocks, None)
+        if block is None:
+            return None
+        return block * self.n_rows // self.n_blocks, (block + 1) * self.n_rows // self.n_blocks
+
+    def serve(self) -> None:
+        """A worker's part: claim and run blocks until none is left (a closed region is left at once)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.busy += 1
+            task = self.task
+        try:
+            while task is not None and (rows := self.claim()) is not None:
+                self.counts.append(task(*rows))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller, which raises it
+            self.errors.append(error)
+        finally:
+            with self.lock:
+                self.busy -= 1
+                if self.closed and self.busy == 0:
+                    self.quiet.release()
+
+    def close(self) -> None:
+        """Claim what is left, so that no worker starts a block, then wait for those inside. Safe to repeat."""
+        with self.lock:
+            for _ in self.blocks:
+                pass
+            self.task = None
+            if not self.closed:
+                self.closed = True
+                inside = self.busy
+            else:
+                inside = 1 if self.quiet.locked() and self.busy else 0
+        if inside:
+            self.quiet.acquire()
+            self.quiet.release()  # a repeated close() after an interrupted one finds it free
+
+
+class Workers:
+    """Worker threads that serve :meth:`run`, started on first use (again in a forked child)."""
+
+    def __init__(self) -> None:
+        self._forget()
+
+    def _forget(self) -> None:
+        self._regions: queue.SimpleQueue[_Region] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
+
+    def run(self, task: Task, n_rows: int, n_threads: int) -> int:
+        """Run ``task(start, stop)`` over [0, n_rows) cut into ``min(n_rows, n_threads)`` blocks; sum its returns.
+
+        Args:
+            task: processes rows [start, stop) and returns a count; it must
+                release the GIL for the blocks to run at once (a nogil numba
+                kernel does); blocks never overlap.
+            n_rows: rows in all.
+            n_threads: threads to share the rows, the calling thread
+                included; 1 runs ``task(0, n_rows)`` here.
+
+        Returns:
+            The sum of the blocks' counts.
+
+        Raises:
+            Whatever a block's task raised (the first, once every block handed out is done).
+        """
+        n_blocks = max(1, min(n_rows, n_threads))
+        if n_blocks == 1:
+            return task(0, n_rows)
+        region = _Region(task, n_rows, n_blocks)
+        interrupted = False
+        try:
+            self._hand_out(region, n_blocks - 1)
+            while (rows := region.claim()) is not None:
+                region.counts.append(task(*rows))
+        finally:
+            while True:  # no row may be written after this call ends, Ctrl-C or not
+                try:
+                    region.close()
+                    break
+                except KeyboardInterrupt:
+                    interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
+        if region.errors:
+            raise region.errors[0]
+        return sum(region.counts)
+
+    def _hand_out(self, region: _Region, n_workers: int) -> None:
+        for _ in range(min(n_workers, self.start(n_workers))):
+            self._regions.put(region)
+
+    def start(self, n_workers: int) -> int:
+        """Start workers until there are `n_workers`; return how many there are.
+
+        Fewer where no thread can start (at interpreter exit, or at a
+        process's thread limit): the calling thread then claims their blocks.
+        """
+        if len(self._threads) >= n_workers:
+            return len(self._threads)
+        with self._start_lock:
+            while len(self._threads) < n_workers:
+                thread = threading.Thread(target=self._serve, args=(self._regions,), daemon=True,
+                                          name=f"fastembed-worker-{len(self._threads) + 1}")
+                try:
+                    thread.start()
+                except RuntimeError:  # "can't start new thread", or "... at interpreter shutdown"
+                    break
+                self._threads.append(thread)
+        return len(self._threads)
+
+    @staticmethod
+    def _serve(regions: queue.SimpleQueue[_Region]) -> None:
+        while True:
+            regions.get().serve()
+
+    def after_fork_in_child(self) -> None:
+        """Forget the parent's threads and queue: the child has neither; its first region starts new ones."""
+        self._forget()
+
+
+WORKERS = Workers()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=WORKERS.after_fork_in_child)
