@@ -160,11 +160,10 @@ def _copy_numba(stream: bool) -> Callable:
 
         out = copy_kernels.word_view(np.empty((n, table.shape[1]), table.dtype))
         source = _copy_sources(table, n)
-        blocks = copy_kernels.block_count()
         if stream and copy_kernels.can_stream(out):
             window = copy_kernels.ALIAS_WINDOW
-            return lambda ids: copy_kernels.copy_parallel_stream(copy_kernels.word_view(source(ids)), out, blocks, window)
-        return lambda ids: copy_kernels.copy_parallel(copy_kernels.word_view(source(ids)), out, blocks)
+            return lambda ids: copy_kernels.copy_parallel_stream(copy_kernels.word_view(source(ids)), out, window)
+        return lambda ids: copy_kernels.copy_parallel(copy_kernels.word_view(source(ids)), out)
 
     return prepare
 
@@ -177,11 +176,11 @@ def _read_scattered(table: np.ndarray, n: int) -> Callable:
 
     from . import copy_kernels
 
-    words, blocks = copy_kernels.word_view(table), copy_kernels.block_count()
+    words = copy_kernels.word_view(table)
     _, below_bytes, _ = dispatch.small_gather_for_ndarray(np.asarray(table))
     if n * table.shape[1] * table.dtype.itemsize < below_bytes:
         return lambda ids: copy_kernels.read_scattered_serial(words, ids)
-    return lambda ids: copy_kernels.read_scattered(words, ids, blocks)
+    return lambda ids: copy_kernels.read_scattered(words, ids)
 
 
 def _copy_alloc(table: np.ndarray, n: int) -> Callable:
@@ -202,15 +201,15 @@ def _copy_alloc_numba(stream: bool) -> Callable:
     def prepare(table: np.ndarray, n: int) -> Callable:
         from . import copy_kernels
 
-        source, blocks, window = _copy_sources(table, n), copy_kernels.block_count(), copy_kernels.ALIAS_WINDOW
+        source, window = _copy_sources(table, n), copy_kernels.ALIAS_WINDOW
 
         def call(ids: np.ndarray) -> np.ndarray:
             out = np.empty((n, table.shape[1]), table.dtype)
             words, rows = copy_kernels.word_view(out), copy_kernels.word_view(source(ids))
             if stream and copy_kernels.can_stream(words):
-                copy_kernels.copy_parallel_stream(rows, words, blocks, window)
+                copy_kernels.copy_parallel_stream(rows, words, window)
             else:
-                copy_kernels.copy_parallel(rows, words, blocks)
+                copy_kernels.copy_parallel(rows, words)
             return out
 
         return call
@@ -239,13 +238,13 @@ def host_contenders(backends: list[str] | None = None) -> list[Contender]:
 
         problem = copy_kernels.parallel_unavailable()
         if problem is not None:
-            warnings.warn(f"numba's parallel kernels cannot run here ({problem}): the limits that use them are not "
+            warnings.warn(f"the numba copy kernels cannot run here ({problem}): the limits that use them are not "
                           "measured", RuntimeWarning, stacklevel=2)
             contenders = [contender for contender in contenders if contender.id not in _NUMBA_LIMITS]
     return contenders
 
 
-#: The limits measured by numba's parallel kernels (fastembed.benchmark.copy_kernels).
+#: The limits measured by the numba copy kernels on fastembed's workers (fastembed.benchmark.copy_kernels).
 _NUMBA_LIMITS = ("copy-numba", "copy-numba-stream", SCATTERED_READ, "copy-alloc-numba")
 
 

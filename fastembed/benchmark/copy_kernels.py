@@ -17,11 +17,13 @@ imports numba.
 """
 from __future__ import annotations
 
+import functools
+import operator
+from collections.abc import Callable
 from typing import Any
 
-import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from fastembed.kernels.cpu_intrinsics import store_fence
 from fastembed.kernels.gather_cpu import stream_row
@@ -35,23 +37,14 @@ ALIAS_WINDOW = 32
 _WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
 
 
-def block_count() -> int:
-    """Blocks of rows for the parallel kernels: one per thread of numba's pool, as the gather cuts them.
-
-    The numba backend loads numba's threading layer first, so that the copies
-    run with the same OpenMP wait policy as the gathers they are compared with.
-    """
-    from fastembed.backends.numba_backend import BACKEND
-
-    BACKEND.kernels()
-    return max(1, numba.get_num_threads())
-
-
 def parallel_unavailable() -> str | None:
-    """Why numba's parallel kernels cannot run in this process (no threading layer loads, a bad
-    NUMBA_NUM_THREADS), or None when they can. Where they cannot, the limits that use them are not measured."""
+    """Why the parallel kernels cannot run in this process (numba fails to load, a bad NUMBA_NUM_THREADS), or None
+    when they can. Where they cannot, the limits that use them are not measured."""
     try:
-        block_count()
+        from fastembed.backends.numba_backend import BACKEND, thread_count
+
+        BACKEND.kernels()
+        thread_count()
     except Exception as error:  # noqa: BLE001 - numba raises ValueError, and may raise others, for a bad setting
         return f"{type(error).__name__}: {error}"
     return None
@@ -73,35 +66,43 @@ def can_stream(destination: np.ndarray) -> bool:
     return (destination.shape[1] * destination.itemsize) % 16 == 0 and destination.ctypes.data % 16 == 0
 
 
+def _over_threads(rows: Callable[[int, int], int], n: int) -> int:
+    """``rows(start, stop)`` over [0, n) on the calling thread and fastembed's workers, as the gather cuts its rows."""
+    from fastembed.backends.cpu_workers import WORKERS
+    from fastembed.backends.numba_backend import thread_count
+
+    return WORKERS.run(rows, n, thread_count())
+
+
 @njit(**_JIT)
-def _block(block, n_blocks, n):
-    """[start, stop) of block number `block` when n rows are cut into n_blocks."""
-    return block * n // n_blocks, (block + 1) * n // n_blocks
+def _copy_rows(src, dst, start, stop):
+    for i in range(start, stop):
+        for w in range(src.shape[1]):
+            dst[i, w] = src[i, w]
+    return 0
 
 
-@njit(parallel=True, **_JIT)
-def copy_parallel(src, dst, n_blocks):
-    """Copy ``src`` into ``dst`` (the same 2-D word shape) in ``n_blocks`` blocks of rows over threads."""
-    for block in prange(n_blocks):
-        start, stop = _block(block, n_blocks, src.shape[0])
-        for i in range(start, stop):
-            for w in range(src.shape[1]):
-                dst[i, w] = src[i, w]
+def copy_parallel(src: np.ndarray, dst: np.ndarray) -> None:
+    """Copy ``src`` into ``dst`` (the same 2-D word shape), one block of rows per thread."""
+    _over_threads(lambda start, stop: _copy_rows(src, dst, start, stop), src.shape[0])
 
 
-@njit(parallel=True, **_JIT)
-def copy_parallel_stream(src, dst, n_blocks, alias_window):
+@njit(**_JIT)
+def _stream_rows(src, dst, start, stop, alias_window):
+    row_bytes = src.shape[1] * src.itemsize
+    for i in range(start, stop):
+        offset = np.uintp(i) * row_bytes
+        stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes, False, 0, alias_window)
+    store_fence()
+    return 0
+
+
+def copy_parallel_stream(src: np.ndarray, dst: np.ndarray, alias_window: int) -> None:
     """As :func:`copy_parallel`, with non-temporal stores; ``dst`` must pass :func:`can_stream`.
 
     ``alias_window``: see :func:`fastembed.kernels.gather_cpu.copies_backward`.
     """
-    row_bytes = src.shape[1] * src.itemsize
-    for block in prange(n_blocks):
-        start, stop = _block(block, n_blocks, src.shape[0])
-        for i in range(start, stop):
-            offset = np.uintp(i) * row_bytes
-            stream_row(dst.ctypes.data + offset, src.ctypes.data + offset, row_bytes, False, 0, alias_window)
-        store_fence()
+    _over_threads(lambda start, stop: _stream_rows(src, dst, start, stop, alias_window), src.shape[0])
 
 
 @njit(**_JIT)
@@ -115,24 +116,23 @@ def _xor_rows(table, ids, start, stop):
     return accumulator
 
 
-@njit(parallel=True, **_JIT)
-def read_scattered(table, ids, n_blocks):
+def read_scattered(table: np.ndarray, ids: np.ndarray) -> int:
     """Read every word of rows ``table[ids]`` over threads, write nothing; returns their XOR.
 
     Each block XORs its rows' words into its own accumulator. Ids are not
     checked: the caller passes ids within the table.
     """
-    sums = np.zeros(n_blocks, table.dtype)
-    for block in prange(n_blocks):
-        start, stop = _block(block, n_blocks, ids.size)
-        sums[block] = _xor_rows(table, ids, start, stop)
-    result = sums[0]
-    for block in range(1, n_blocks):
-        result ^= sums[block]
-    return result
+    blocks: list[int] = []
+
+    def xor(start: int, stop: int) -> int:
+        blocks.append(int(_xor_rows(table, ids, start, stop)))
+        return 0
+
+    _over_threads(xor, ids.size)
+    return functools.reduce(operator.xor, blocks, 0)
 
 
 @njit(**_JIT)
 def read_scattered_serial(table, ids):
-    """:func:`read_scattered` on the calling thread: what reading a few rows costs without waking the pool."""
+    """:func:`read_scattered` on the calling thread: what reading a few rows costs without waking the workers."""
     return _xor_rows(table, ids, 0, ids.size)

@@ -23,14 +23,19 @@ lowest process is reported). ``--load`` runs a CPU-bound process pinned to
 one CPU meanwhile, as a competing job on a shared machine would.
 
 The gate's co-located case (``one_cpu``) moves every thread of the worker,
-the caller and numba's pool alike, onto one CPU once the pool has started:
-that is where the scheduler sometimes puts them, and where a worker that
-spins after each parallel region holds the CPU the caller needs next.
-Starting the process on one CPU would not show it: the OpenMP runtime then
-sees one CPU and stops spinning by itself.
+the caller and fastembed's workers alike, onto one CPU once the workers
+have started: that is where the scheduler sometimes puts them, and where a
+lookup that waits for a descheduled worker, or a thread that spins after
+each parallel region, holds up the caller. Starting the process on one CPU
+would not show it: an OpenMP runtime then sees one CPU and stops spinning
+by itself. Where torch is installed, that process imports it first and runs
+one operation on its CPU threads, as a program that imported torch before
+fastembed does: torch's OpenMP runtime, with its spinning threads, is then
+in the process (and was the one numba's own parallel layer ran on).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -63,8 +68,13 @@ def reps_for(batch: int, row_bytes: int, reps: int) -> int:
 def worker(table_path: str, batches: list[int], reps: int, seed: int, one_cpu: bool = False) -> dict[str, Any]:
     """One process's samples: {batch: {contender: [seconds per call, ...]}} (run in a fresh interpreter).
 
-    With `one_cpu`, every thread of the process is moved onto one CPU after each warm-up (see the module docstring).
+    With `one_cpu`, torch (where installed) comes first and every thread of the process is moved onto one CPU after
+    each warm-up (see the module docstring).
     """
+    if one_cpu and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        float((torch.ones(256, 256) @ torch.ones(256, 256)).sum())  # torch's CPU threads start
     import fastembed
 
     table = np.load(table_path, mmap_mode="r")
@@ -80,7 +90,7 @@ def worker(table_path: str, batches: list[int], reps: int, seed: int, one_cpu: b
             call(rng.integers(0, table.shape[0], batch))
         fastembed.wait_for_compiles()
         if one_cpu:
-            calls["fastembed-out"](rng.integers(0, table.shape[0], batch))  # the compiled kernel starts the pool
+            calls["fastembed-out"](rng.integers(0, table.shape[0], batch))  # the compiled kernel starts the workers
             _move_threads_to_one_cpu()
         for _ in range(WARMUP_ROUNDS):
             for call in calls.values():
@@ -113,7 +123,7 @@ def can_move_threads() -> bool:
 
 
 def _move_threads_to_one_cpu() -> None:
-    """Pin every thread of this process, numba's pool included, to the lowest CPU it may use."""
+    """Pin every thread of this process, fastembed's workers and torch's included, to the lowest CPU it may use."""
     cpu = min(os.sched_getaffinity(0))
     for thread in os.listdir("/proc/self/task"):
         try:

@@ -117,7 +117,7 @@ def run(table_path: Path, ranks: int, batches: list[int], reps: int, seed: int =
 def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | None, batches: list[int], reps: int,
                 seed: int, folder: str) -> None:
     """One rank (run by torch.multiprocessing): its samples into ``folder/rank{rank}.json``."""
-    # The ranks share this machine's cores: each runs numba's parallel kernels on its share (unless told otherwise),
+    # The ranks share this machine's cores: each runs its parallel lookups on its share (unless told otherwise),
     # since a kernel whose threads outnumber the cores waits a scheduler time slice for the one descheduled.
     os.environ.setdefault("NUMBA_NUM_THREADS", str(rank_threads(world)))
     import torch.distributed as dist

@@ -27,17 +27,17 @@ def machine_facts() -> dict[str, Any]:
             pass
     threads: Any = None
     try:
-        import numba
+        from fastembed.backends.numba_backend import thread_count
 
-        threads = numba.get_num_threads()
+        threads = thread_count()  # the threads of a parallel lookup, as info says it; starts no threading layer
     except ImportError:
         pass
-    except Exception as error:  # noqa: BLE001 - a bad setting or no threading layer: said, as info says it
+    except Exception as error:  # noqa: BLE001 - a bad NUMBA_NUM_THREADS: said, as info says it
         threads = f"unavailable: {type(error).__name__}: {error}"
     return {
         "fastembed": fastembed.__version__, "python": platform.python_version(), "platform": platform.platform(),
         "cpu": facts["cpu"], "cpu_count": os.cpu_count(), "numba_threads": threads, "versions": versions,
-        "backends": facts["backends"],  # the numba backend's entry names the OpenMP wait policy in force
+        "backends": facts["backends"],
     }
 
 
