@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -49,14 +51,99 @@ def test_blocks_run_on_the_workers_as_well_as_the_caller():
     assert seen == {threading.current_thread().name, "fastembed-worker-1"}
 
 
+def _within(seconds: float, action):
+    """action()'s result, failing the test (instead of hanging it) if it takes longer than `seconds`."""
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(action()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    return results[0]
+
+
 def test_a_worker_that_never_comes_leaves_the_caller_to_claim_every_block():
     """A worker descheduled, or sharing the caller's CPU, must not hold the call up: nobody waits for its block."""
     workers = Workers()
     workers.start = lambda n_workers: n_workers  # type: ignore[method-assign] # workers said to exist, none running
     visits = np.zeros(100, np.int64)
-    assert workers.run(_counting(visits), 100, 4) == 100
+    assert _within(30, lambda: workers.run(_counting(visits), 100, 4)) == 100
     assert (visits == 1).all()
     assert workers._regions.qsize() == 3  # handed out, never taken
+
+
+def _held_worker(fail_in: str = "", pause_s: float = 0.3):
+    """A task whose worker block takes `pause_s` and whose caller block ends first, once the worker is inside its
+    own; `fail_in` ("worker" or "caller") makes that block raise ValueError. Returns it and the list of the worker
+    blocks finished."""
+    inside, finished = threading.Event(), []
+
+    def task(start: int, stop: int) -> int:
+        if threading.current_thread().name.startswith("fastembed-worker"):
+            inside.set()
+            time.sleep(pause_s)
+            finished.append(start)
+            if fail_in == "worker":
+                raise ValueError("the worker's block failed")
+            return 1
+        assert inside.wait(30)  # both blocks are claimed now
+        if fail_in == "caller":
+            raise ValueError("the caller's block failed")
+        return 1
+
+    return task, finished
+
+
+def test_a_call_returns_only_once_the_workers_block_is_done():
+    task, finished = _held_worker()
+    assert Workers().run(task, 2, 2) == 2
+    assert finished == [1] or finished == [0]
+
+
+@pytest.mark.parametrize("fail_in", ["worker", "caller"])
+def test_an_error_in_either_block_is_raised_once_the_workers_block_is_done(fail_in):
+    task, finished = _held_worker(fail_in)
+    with pytest.raises(ValueError, match=f"the {fail_in}'s block failed"):
+        Workers().run(task, 2, 2)
+    assert len(finished) == 1
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+@pytest.mark.parametrize("fail_in", ["", "caller"])
+def test_a_ctrl_c_while_the_caller_waits_is_raised_after_the_workers_block_even_over_an_error(fail_in):
+    """The interrupt arrives while the caller waits for the worker's block: it must wait on, then raise it, even when
+    its own block had raised."""
+    task, finished = _held_worker(fail_in, pause_s=0.5)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            Workers().run(task, 2, 2)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert len(finished) == 1
+
+
+def test_a_ctrl_c_inside_a_workers_start_leaves_no_running_thread_uncounted(monkeypatch):
+    workers = Workers()
+    start = threading.Thread.start
+
+    def start_then_interrupt(thread):
+        start(thread)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        workers.run(lambda first, stop: 0, 2, 2)
+    monkeypatch.undo()
+    assert len(workers._threads) == 1 and workers._threads[0].is_alive()
+    visits = np.zeros(2, np.int64)
+    assert workers.run(_counting(visits), 2, 2) == 2 and (visits == 1).all()
+    assert len(workers._threads) == 1
 
 
 def test_a_region_waiting_for_a_late_worker_keeps_no_array_alive():
@@ -70,24 +157,15 @@ def test_a_region_waiting_for_a_late_worker_keeps_no_array_alive():
     assert gone() is None
 
 
-def test_a_workers_error_reaches_the_caller_after_every_block_handed_out_is_done():
+def test_the_workers_serve_on_after_a_block_raised():
     workers = Workers()
-    done: list[int] = []
-
-    def task(start: int, stop: int) -> int:
-        if threading.current_thread().name.startswith("fastembed-worker"):
-            raise ValueError("a block failed")
-        done.append(start)
-        return 0
-
-    for _ in range(20):
-        try:
-            workers.run(task, 8, 2)
-        except ValueError as error:
-            assert str(error) == "a block failed"
-    # the workers are still there and serve the next region
+    for _ in range(3):
+        task, _ = _held_worker("worker", pause_s=0.01)
+        with pytest.raises(ValueError, match="the worker's block failed"):
+            workers.run(task, 2, 2)
     visits = np.zeros(8, np.int64)
     assert workers.run(_counting(visits), 8, 2) == 8 and (visits == 1).all()
+    assert len(workers._threads) == 1 and workers._threads[0].is_alive()
 
 
 def test_no_thread_that_can_start_still_leaves_a_working_region():
@@ -121,15 +199,27 @@ def test_an_interrupt_anywhere_leaves_no_worker_inside_a_region():
 
     ours = {function.__code__ for function in (Workers.run, Workers._hand_out, Workers.start, cpu_workers._Region.claim,
                                               cpu_workers._Region.close)}
-    visits = np.zeros(64, np.int64)
+    started: list[int] = []
+    finished: list[int] = []
+
+    def task(start: int, stop: int) -> int:  # a worker's block outlasts the caller's
+        started.append(start)
+        if threading.current_thread().name.startswith("fastembed-worker"):
+            time.sleep(0.005)
+        finished.append(start)
+        return 0
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_workers._Region, "__init__", recorded)
         runs = 0
-        for _ in interrupted_runs(lambda code: code in ours, lambda: workers.run(_counting(visits), 64, 2)):
+        for _ in interrupted_runs(lambda code: code in ours, lambda: workers.run(task, 64, 2)):
             runs += 1
+            assert sorted(started) == sorted(finished)  # no block still running once the call has ended
+            assert len(started) == len(set(started))  # no block run twice
             assert all(region.closed and region.busy == 0 and region.task is None for region in regions)
+            started.clear()
+            finished.clear()
     assert runs >= 8
-    assert (visits <= runs + 1).all()  # every row visited at most once per run
     fresh = np.zeros(64, np.int64)
     assert workers.run(_counting(fresh), 64, 2) == 64 and (fresh == 1).all()
 

@@ -196,7 +196,8 @@ def test_a_fork_during_the_first_lookup_never_hangs_the_child(cache, delay, tmp_
 
 
 FORK_AFTER_THE_APPLICATION_STARTED_NUMBAS_POOL = """
-import os, numba, numpy as np, fastembed
+import os, threading, numba, numpy as np, fastembed
+from fastembed.backends import numba_backend
 @numba.njit(parallel=True)
 def applications_own_code(a):
     total = 0.0
@@ -210,7 +211,8 @@ pid = os.fork()
 if pid == 0:
     fastembed.lookup(table, ids); fastembed.wait_for_compiles()
     ok = np.array_equal(fastembed.lookup(table, ids), table[ids])
-    os._exit(0 if ok else 3)
+    workers = [thread for thread in threading.enumerate() if thread.name.startswith("fastembed-worker")]
+    os._exit(0 if ok and len(workers) == numba_backend.thread_count() - 1 else 3)
 _, status = os.waitpid(pid, 0)
 print("child", os.waitstatus_to_exitcode(status))
 print("ok" if os.waitstatus_to_exitcode(status) == 0 else "child failed")
@@ -218,7 +220,7 @@ print("ok" if os.waitstatus_to_exitcode(status) == 0 else "child failed")
 
 
 @needs_numba
-def test_a_child_forked_after_the_application_started_numbas_pool_gathers_exactly():
+def test_a_child_forked_after_the_application_started_numbas_pool_gathers_exactly_in_parallel():
     assert_child_ok(run_child(FORK_AFTER_THE_APPLICATION_STARTED_NUMBAS_POOL, timeout=120))
 
 

@@ -1,4 +1,4 @@
-"""fastembed's own CPU worker threads: one parallel region at a time for kernels that release the GIL.
+"""fastembed's own CPU worker threads: parallel regions for kernels that release the GIL.
 
 The parallel gathers cut their rows into blocks and run a serial, nogil
 kernel on each block, on the calling thread and on these workers. They are
@@ -16,10 +16,13 @@ How a region runs (:meth:`Workers.run`):
   its block done by the others and nobody waits for it;
 - idle workers sleep on a lock: no spinning, no setting shared with other
   libraries;
-- the call returns once every block it handed out is done, and no worker
-  can start one afterwards, whatever happens meanwhile: a KeyboardInterrupt
-  on the calling thread is held back until the workers are out of the
-  region, so no row is written into an output after its call has ended;
+- the call returns (or raises) once every block it handed out is done, and
+  no worker can start one afterwards, whatever happens meanwhile: a
+  KeyboardInterrupt on the calling thread is held back until the workers
+  are out of the region, so no row is written into an output after its
+  call has ended;
+- regions from several threads at once queue up for the workers, first in,
+  first out; each caller claims blocks of its own region meanwhile;
 - a forked child starts workers of its own on its first region (a fork
   copies none of the parent's threads).
 
@@ -54,7 +57,7 @@ class _Region:
     """
 
     def __init__(self, task: Task, n_rows: int, n_blocks: int) -> None:
-        self.task: Task | None = task  # dropped when the region closes: a queued region keeps no array alive
+        self.task: Task | None = task  # dropped when the region closes: a region still queued keeps no array alive
         self.n_rows, self.n_blocks = n_rows, n_blocks
         self.blocks = iter(range(n_blocks))
         self.lock = threading.Lock()
@@ -133,13 +136,17 @@ class Workers:
             The sum of the blocks' counts.
 
         Raises:
-            Whatever a block's task raised (the first, once every block handed out is done).
+            KeyboardInterrupt: one arrived meanwhile; raised once every
+                block handed out is done.
+            Exception: what the calling thread's own block raised, else
+                the first a worker's block raised, once every block handed
+                out is done.
         """
         n_blocks = max(1, min(n_rows, n_threads))
         if n_blocks == 1:
             return task(0, n_rows)
         region = _Region(task, n_rows, n_blocks)
-        interrupted = False
+        interrupt: KeyboardInterrupt | None = None
         try:
             self._hand_out(region, n_blocks - 1)
             while (rows := region.claim()) is not None:
@@ -149,12 +156,13 @@ class Workers:
                 try:
                     region.close()
                     break
-                except KeyboardInterrupt:
-                    interrupted = True
-        if interrupted:
-            raise KeyboardInterrupt
-        if region.errors:
-            raise region.errors[0]
+                except KeyboardInterrupt as caught:
+                    interrupt = caught
+            if interrupt is not None:  # raised even where the caller's own block raised: a Ctrl-C is never lost
+                raise interrupt
+        errors, region.errors = region.errors, []  # a region still queued keeps no traceback (and its frames) alive
+        if errors:
+            raise errors[0]
         return sum(region.counts)
 
     def _hand_out(self, region: _Region, n_workers: int) -> None:
@@ -162,22 +170,30 @@ class Workers:
             self._regions.put(region)
 
     def start(self, n_workers: int) -> int:
-        """Start workers until there are `n_workers`; return how many there are.
+        """Start workers until `n_workers` are alive.
 
-        Fewer where no thread can start (at interpreter exit, or at a
-        process's thread limit): the calling thread then claims their blocks.
+        Args:
+            n_workers: the workers wanted, the calling thread not counted.
+
+        Returns:
+            The workers there are: fewer where no thread can start (at
+            interpreter exit, or at the process's thread limit); the
+            calling thread then claims their blocks.
         """
-        if len(self._threads) >= n_workers:
-            return len(self._threads)
+        threads = self._threads
+        if len(threads) >= n_workers and all(thread.is_alive() for thread in threads):
+            return len(threads)
         with self._start_lock:
+            self._threads = [thread for thread in self._threads if thread.is_alive()]
             while len(self._threads) < n_workers:
                 thread = threading.Thread(target=self._serve, args=(self._regions,), daemon=True,
                                           name=f"fastembed-worker-{len(self._threads) + 1}")
+                self._threads.append(thread)  # before start(): a Ctrl-C inside it leaves no running thread uncounted
                 try:
                     thread.start()
                 except RuntimeError:  # "can't start new thread", or "... at interpreter shutdown"
+                    self._threads.remove(thread)
                     break
-                self._threads.append(thread)
         return len(self._threads)
 
     @staticmethod

@@ -14,10 +14,9 @@ Which kernel runs (docs/backends.md gives each constant's evidence):
   16-byte aligned: the rows in parallel with non-temporal stores;
 - otherwise the rows in parallel with ordinary (cached) stores.
 
-In parallel means one block of rows per thread, claimed by the calling
-thread and fastembed's own workers (:mod:`.cpu_workers`), each running a
-serial kernel that releases the GIL; numba's threading layer (OpenMP, TBB
-or its workqueue) is never started. How many threads: :func:`thread_count`.
+In parallel means one block of rows per thread, on the calling thread and
+fastembed's own workers (:mod:`.cpu_workers`, which says why not numba's
+threading layer, never started here); how many threads: :func:`thread_count`.
 
 No lookup compiles on the caller's thread: numba is imported, and the
 kernels compiled for each new argument signature (word and id dtypes,
@@ -26,7 +25,7 @@ backend serves those calls (:mod:`.background_compile`). Ids are made 1-D,
 C-contiguous and writeable first (a copy only when they are not), so that
 strided ids need no signature of their own.
 
-Safety, whatever threading layer numba picked:
+Safety:
 
 - one parallel gather at a time per process (a lock). A thread that finds
   the lock taken runs the serial kernel instead of waiting: the other call
@@ -424,7 +423,8 @@ class NumbaBackend:
             kernels = self.dequantize_kernels()
         except ImportError:
             return  # kept as the reason describe() reports; numpy serves
-        code, data, scales = kernels.FORMAT_CODES["q8_0"], _read_only(np.zeros((1, 34), np.uint8)), _read_only(_NO_SCALES)
+        code, data = kernels.FORMAT_CODES["q8_0"], _read_only(np.zeros((1, 34), np.uint8))
+        scales = _read_only(_NO_SCALES)
         no_row = _read_only(np.full(1, -1, np.int64))  # one bad id: the kernels return before writing anything
         rows = np.zeros((1, 32), signature[1])
         try:
@@ -461,8 +461,9 @@ class NumbaBackend:
         facts: dict[str, Any] = {
             "numba": numba.__version__,
             "threads": threads,
-            "workers": (f"the calling thread and {threads - 1} of fastembed's own (NUMBA_NUM_THREADS, or "
-                        "numba.set_num_threads once numba's own threading layer runs; OpenMP settings do not apply)"),
+            "workers": (f"the calling thread and {threads - 1} fastembed worker thread(s) share a parallel lookup "
+                        "(NUMBA_NUM_THREADS sets the count, and so does numba.set_num_threads in the calling thread "
+                        "once numba's own threading layer runs; OpenMP settings do not apply)"),
             "parallel_min_bytes": PARALLEL_MIN_BYTES,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
             "streaming_stores": _STREAMING_CPU,
@@ -632,10 +633,14 @@ def _shaped(dtype: np.dtype, shape: tuple[int, ...], aligned: bool) -> np.ndarra
 def thread_count() -> int:
     """Threads a parallel lookup cuts its rows among, the calling thread's included: numba's setting.
 
-    ``NUMBA_NUM_THREADS`` (by default the CPUs this process may run on); once
-    numba's own threading layer runs in this process (the application's
-    parallel numba code started it), also ``numba.set_num_threads`` of the
-    calling thread. Reading it never starts that layer.
+    Returns:
+        ``NUMBA_NUM_THREADS`` (by default the CPUs this process may run
+        on); once numba's own threading layer runs in this process (the
+        application's parallel numba code started it), the calling
+        thread's ``numba.set_num_threads``. Reading it never starts that layer.
+
+    Raises:
+        ImportError, ValueError: numba cannot be imported (a bad ``NUMBA_NUM_THREADS`` among the reasons).
     """
     import numba
 

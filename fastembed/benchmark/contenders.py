@@ -171,7 +171,7 @@ def _copy_numba(stream: bool) -> Callable:
 def _read_scattered(table: np.ndarray, n: int) -> Callable:
     """Read the rows table[ids] and write nothing (copy_kernels.read_scattered): over threads where fastembed's
     gather uses them, on the calling thread below the size at which fastembed's allocating lookup gathers there
-    too (its small gather), as waking the pool would cost more."""
+    too (its small gather), as waking the workers would cost more."""
     from fastembed import dispatch
 
     from . import copy_kernels

@@ -76,6 +76,7 @@ def _over_threads(rows: Callable[[int, int], int], n: int) -> int:
 
 @njit(**_JIT)
 def _copy_rows(src, dst, start, stop):
+    """Rows [start, stop) of ``src`` into ``dst``, with ordinary stores."""
     for i in range(start, stop):
         for w in range(src.shape[1]):
             dst[i, w] = src[i, w]
@@ -89,6 +90,7 @@ def copy_parallel(src: np.ndarray, dst: np.ndarray) -> None:
 
 @njit(**_JIT)
 def _stream_rows(src, dst, start, stop, alias_window):
+    """Rows [start, stop) of ``src`` into ``dst``, with non-temporal stores."""
     row_bytes = src.shape[1] * src.itemsize
     for i in range(start, stop):
         offset = np.uintp(i) * row_bytes

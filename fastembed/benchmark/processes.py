@@ -25,13 +25,12 @@ one CPU meanwhile, as a competing job on a shared machine would.
 The gate's co-located case (``one_cpu``) moves every thread of the worker,
 the caller and fastembed's workers alike, onto one CPU once the workers
 have started: that is where the scheduler sometimes puts them, and where a
-lookup that waits for a descheduled worker, or a thread that spins after
-each parallel region, holds up the caller. Starting the process on one CPU
-would not show it: an OpenMP runtime then sees one CPU and stops spinning
-by itself. Where torch is installed, that process imports it first and runs
-one operation on its CPU threads, as a program that imported torch before
-fastembed does: torch's OpenMP runtime, with its spinning threads, is then
-in the process (and was the one numba's own parallel layer ran on).
+lookup that waits for a descheduled worker, or for threads that spin after
+each parallel region, stalls. Starting the process on one CPU would not
+show it: an OpenMP runtime then sees one CPU and stops spinning by itself.
+Where torch is installed, the process imports it first and runs one
+operation, as a program that imported torch before fastembed does, so that
+torch's OpenMP runtime and its threads are in it (docs/backends.md).
 """
 from __future__ import annotations
 
