@@ -108,19 +108,20 @@ def test_an_error_in_either_block_is_raised_once_the_workers_block_is_done(fail_
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, TimeoutError])
 @pytest.mark.parametrize("fail_in", ["", "caller"])
-def test_a_ctrl_c_while_the_caller_waits_is_raised_after_the_workers_block_even_over_an_error(fail_in):
-    """The interrupt arrives while the caller waits for the worker's block: it must wait on, then raise it, even when
-    its own block had raised."""
+def test_a_signal_handlers_exception_while_the_caller_waits_is_raised_after_the_workers_block(fail_in, raised):
+    """A Ctrl-C, or a timeout's handler, raises while the caller waits for the worker's block: the call must wait on,
+    then raise it, even when its own block had raised."""
     task, finished = _held_worker(fail_in, pause_s=0.5)
 
     def interrupt(signum, frame):
-        raise KeyboardInterrupt
+        raise raised
 
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.2)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(raised):
             Workers().run(task, 2, 2)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -17,10 +17,11 @@ How a region runs (:meth:`Workers.run`):
 - idle workers sleep on a lock: no spinning, no setting shared with other
   libraries;
 - the call returns (or raises) once every block it handed out is done, and
-  no worker can start one afterwards, whatever happens meanwhile: a
-  KeyboardInterrupt on the calling thread is held back until the workers
-  are out of the region, so no row is written into an output after its
-  call has ended;
+  no worker can start one afterwards, whatever happens meanwhile: an
+  exception a signal handler raises on the calling thread (Ctrl-C's
+  KeyboardInterrupt, a timeout's) is held back until the workers are out
+  of the region, so no row is written into an output after its call has
+  ended;
 - regions from several threads at once queue up for the workers, first in,
   first out; each caller claims blocks of its own region meanwhile;
 - a forked child starts workers of its own on its first region (a fork
@@ -136,7 +137,8 @@ class Workers:
             The sum of the blocks' counts.
 
         Raises:
-            KeyboardInterrupt: one arrived meanwhile; raised once every
+            BaseException: what a signal handler raised while the call
+                waited for the workers (KeyboardInterrupt, say), once every
                 block handed out is done.
             Exception: what the calling thread's own block raised, else
                 the first a worker's block raised, once every block handed
@@ -146,20 +148,20 @@ class Workers:
         if n_blocks == 1:
             return task(0, n_rows)
         region = _Region(task, n_rows, n_blocks)
-        interrupt: KeyboardInterrupt | None = None
+        held_back: BaseException | None = None
         try:
             self._hand_out(region, n_blocks - 1)
             while (rows := region.claim()) is not None:
                 region.counts.append(task(*rows))
         finally:
-            while True:  # no row may be written after this call ends, Ctrl-C or not
+            while True:  # no row may be written after this call ends, whatever a signal handler raises meanwhile
                 try:
                     region.close()
                     break
-                except KeyboardInterrupt as caught:
-                    interrupt = caught
-            if interrupt is not None:  # raised even where the caller's own block raised: a Ctrl-C is never lost
-                raise interrupt
+                except BaseException as caught:  # noqa: BLE001 - raised below, once the workers are out
+                    held_back = held_back or caught
+            if held_back is not None:  # raised even where the caller's own block raised: it is never lost
+                raise held_back
         errors, region.errors = region.errors, []  # a region still queued keeps no traceback (and its frames) alive
         if errors:
             raise errors[0]
