@@ -21,7 +21,8 @@ How a region runs (:meth:`Workers.run`):
   exception a signal handler raises on the calling thread (Ctrl-C's
   KeyboardInterrupt, a timeout's) is held back until the workers are out
   of the region, so no row is written into an output after its call has
-  ended;
+  ended (unless a second one lands in the few instructions between the
+  wait's retries, docs/backends.md);
 - regions from several threads at once queue up for the workers, first in,
   first out; each caller claims blocks of its own region meanwhile;
 - a forked child starts workers of its own on its first region (a fork
