@@ -224,6 +224,37 @@ def test_a_child_forked_after_the_application_started_numbas_pool_gathers_exactl
     assert_child_ok(run_child(FORK_AFTER_THE_APPLICATION_STARTED_NUMBAS_POOL, timeout=120))
 
 
+FORK_WHILE_NUMBAS_LAYER_LOCK_IS_HELD = """
+import os, threading, numba, numpy as np, fastembed
+from numba.np.ufunc import parallel
+numba.set_num_threads(2)   # the application starts numba's own layer: fastembed then reads its thread count
+table = fastembed.Embedding.random(3000, 1024).table
+ids = np.random.default_rng(0).integers(0, 3000, 2048)   # 4 MiB of output: in parallel
+fastembed.lookup(table, ids); fastembed.wait_for_compiles()
+held, release = threading.Event(), threading.Event()
+def hold():   # as a thread inside numba.get_num_threads() at the moment of the fork
+    with parallel._backend_init_thread_lock:
+        held.set()
+        release.wait()
+holder = threading.Thread(target=hold)
+holder.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if np.array_equal(fastembed.lookup(table, ids), table[ids]) else 3)
+release.set()
+holder.join()
+_, status = os.waitpid(pid, 0)
+print("ok" if os.waitstatus_to_exitcode(status) == 0 else f"child failed: {os.waitstatus_to_exitcode(status)}")
+"""
+
+
+@needs_numba
+def test_a_child_forked_while_another_thread_held_numbas_layer_lock_never_hangs():
+    """The thread count is read without numba's locks, which the child would wait on forever."""
+    assert_child_ok(run_child(FORK_WHILE_NUMBAS_LAYER_LOCK_IS_HELD, timeout=60))
+
+
 FORK_AFTER_TORCH_STARTED_ITS_OPENMP_THREADS = """
 import os, threading, torch, numpy as np, fastembed   # torch first: its GNU OpenMP is in the global scope
 from fastembed.backends import numba_backend

@@ -646,7 +646,10 @@ def thread_count() -> int:
 
     parallel = sys.modules.get("numba.np.ufunc.parallel")
     if parallel is not None and getattr(parallel, "_is_initialized", False):
-        return max(1, numba.get_num_threads())
+        # The layer's own per-thread count, read without numba.get_num_threads()'s locks: a fork while another
+        # thread held them would leave this child's lookups waiting on them forever.
+        read = getattr(parallel, "_get_num_threads", None)
+        return max(1, int(read() if callable(read) else numba.get_num_threads()))
     return max(1, int(numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
 
 
