@@ -42,6 +42,7 @@ modified before every check has passed.
 from __future__ import annotations
 
 import math
+import mmap
 import numbers
 from typing import Any
 
@@ -54,6 +55,7 @@ from .tables import resolve_dtype
 
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)  # numpy's builtin dtypes are singletons
 _NDARRAY = np.ndarray
+_MEMMAP, _MMAP = np.memmap, mmap.mmap
 
 
 def table_snapshot(table: Any) -> Any:
@@ -515,11 +517,15 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
                 and type(caller_ids) is _NDARRAY
                 and caller_ids.flags.owndata
                 and out is not caller_ids
-                and type(caller_table) is _NDARRAY  # a tensor or JAX table has no flags: the tests below
-                and caller_table.flags.owndata
-                and out is not caller_table
+                and (
+                    (type(caller_table) is _NDARRAY  # a tensor or JAX table has no flags: the tests below
+                     and caller_table.flags.owndata
+                     and out is not caller_table)
+                    or (type(caller_table) is _MEMMAP and type(caller_table.base) is _MMAP)
+                )
             ):
-                # Different arrays that each own their buffer cannot overlap.
+                # Different arrays that each own their buffer cannot overlap, nor can numpy's memory and a file
+                # mapping (np.load's mmap_mode), whose pages are the mapping's own while the table holds it.
                 return view
             base = out.base
             if not np.may_share_memory(view, table) and not np.may_share_memory(

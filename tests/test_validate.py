@@ -124,8 +124,9 @@ def test_out_overlapping_table_or_ids(backend):
     # An out that owns its buffer, with the table a view of it or the same array: still found.
     out = poisoned((2, 8), np.float16)
     for table in (out[:], out):
-        with pytest.raises(ValueError, match="overlaps the table"):
-            fastembed.lookup(table, [0, 1], out=out, backend=backend)
+        for ids in ([0, 1], np.array([0, 1])):  # ids a list, or an array owning its memory
+            with pytest.raises(ValueError, match="overlaps the table"):
+                fastembed.lookup(table, ids, out=out, backend=backend)
 
 
 def test_out_mapping_the_tables_own_file_is_refused_and_the_file_untouched(backend, tmp_path):
@@ -176,6 +177,30 @@ def test_out_owning_its_buffer_passes_the_overlap_checks(backend):
     out = poisoned((2, 8), table.dtype)
     assert out.flags.owndata and table.flags.owndata and ids.flags.owndata
     assert_bit_equal(fastembed.lookup(table, ids, out=out, backend=backend), table[ids])
+
+
+def test_out_owning_its_buffer_beside_a_memory_mapped_table_takes_the_cheap_path(backend, tmp_path, monkeypatch):
+    """numpy's memory and a file mapping cannot overlap: no address-range test is made for them."""
+    np.save(tmp_path / "table.npy", random_table(100, 8))
+    table = np.load(tmp_path / "table.npy", mmap_mode="r")
+    ids, out = np.array([3, 99]), poisoned((2, 8), table.dtype)
+
+    def refuse(*arrays, **options):
+        raise AssertionError("an address-range test was made")
+
+    monkeypatch.setattr(np, "may_share_memory", refuse)
+    assert fastembed.lookup(table, ids, out=out, backend=backend) is out
+    monkeypatch.undo()
+    assert_bit_equal(out, np.asarray(table)[[3, 99]])
+
+
+def test_a_memmap_typed_view_of_out_is_still_refused_as_the_table(backend):
+    """Only a memory map over its own mapping is told apart cheaply; one over another array's memory is tested."""
+    out = poisoned((2, 8), np.float16)
+    table = np.ndarray.__new__(np.memmap, (2, 8), np.float16, buffer=out)
+    assert type(table) is np.memmap and table.base is out
+    with pytest.raises(ValueError, match="out overlaps the table"):
+        fastembed.lookup(table, np.array([0, 1]), out=out, backend=backend)
 
 
 def test_device_mismatch_names_both_devices(table):
