@@ -18,6 +18,7 @@ import pytest
 
 from fastembed.benchmark import gate
 from fastembed.benchmark.ids import REFERENCE_IDS, id_sets
+from helpers import poisoned, random_table
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--vocab-size", "2000", "--dim", "64"]
@@ -750,21 +751,25 @@ def test_the_pytest_benchmark_suite_runs():
 
 
 def test_format_mode_measures_each_format_against_the_dense_gather_and_the_reference(tmp_path):
-    """--format writes a row per (batch, format, output dtype) plus the dense baseline; the numbers are not judged here."""
-    from fastembed.benchmark import cli
+    """--format writes a row per (batch, format, output dtype) plus the dense baseline and the write limit; the
+    numbers are not judged here."""
+    from fastembed.benchmark import cli, quantized
 
     assert cli.main(["--format", "q8_0,q4_k,fp8_e4m3", "--vocab-size", "3000", "--dim", "256", "--batch", "16,300",
                      "--reps", "2", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "quantized.json").read_text())
     assert {(row["batch"], row["format"], row["dtype"]) for row in payload["results"]} == {
         (batch, name, dtype) for batch in (16, 300) for name in ("q8_0", "q4_k", "fp8_e4m3")
-        for dtype in ("float16", "float32", "bfloat16")} | {(16, "dense", "float16"), (300, "dense", "float16")}
+        for dtype in ("float16", "float32", "bfloat16")} | {
+        (batch, name, "float16") for batch in (16, 300) for name in ("dense", "writes")}
     sources = {row["format"]: row["source"] for row in payload["results"]}
     assert sources["q8_0"] == sources["fp8_e4m3"] == "quantized by fastembed" and sources["q4_k"] == "random blocks"
+    assert sources["writes"] == f"the measured table's first {quantized.cached_rows(np.empty((3000, 256), np.float16))} " \
+                                "rows, in the cache"
     for row in payload["results"]:
         assert row["rows_per_s"] > 0 and row["gbps_moved"] > 0 and row["served_by"] in ("numba", "numpy")
-        assert (row["vs_numpy_reference"] is None) == (row["format"] == "dense")
-        if row["format"] != "dense":  # the reference's figure can be recomputed from the file
+        assert (row["vs_numpy_reference"] is None) == (row["format"] in ("dense", "writes"))
+        if row["vs_numpy_reference"] is not None:  # the reference's figure can be recomputed from the file
             rate = row["reference_batch"] / (statistics.median(row["reference_samples_us"]) * 1e-6)
             assert row["vs_numpy_reference"] == pytest.approx(row["rows_per_s"] / rate)
     q4_k = next(row for row in payload["results"] if row["format"] == "q4_k")
@@ -779,7 +784,49 @@ def test_a_quantized_gguf_table_is_measured_by_itself(tmp_path):
     assert cli.main(["--table", str(tmp_path / "model.gguf"), "--batch", "8", "--reps", "2", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "quantized.json").read_text())
     assert payload["table"]["format"] == "q8_0"
-    assert {row["format"] for row in payload["results"]} == {"dense", "q8_0"}
+    assert {row["format"] for row in payload["results"]} == {"dense", "writes", "q8_0"}
+
+
+def test_the_write_limit_gathers_rows_that_fit_half_a_cores_cache_into_the_shared_output(monkeypatch):
+    """The limit writes what a float16 lookup writes, from the dense table's first rows, into the float16 output."""
+    from fastembed.benchmark import quantized
+
+    monkeypatch.setattr(quantized, "core_cache_bytes", lambda: 64 * 1024)
+    dense = random_table(1000, 1024, np.float16)  # 2 KiB rows: 16 of them fill half of 64 KiB
+    assert quantized.cached_rows(dense) == 16
+    assert quantized.cached_rows(dense[:5]) == 5
+    monkeypatch.setattr(quantized, "core_cache_bytes", lambda: 1024)
+    assert quantized.cached_rows(dense) == 1  # a row wider than the cache: one row
+    monkeypatch.setattr(quantized, "core_cache_bytes", lambda: 64 * 1024)
+    outputs = {"float16": poisoned((300, 1024), np.float16)}
+    call = quantized._writes_alone(outputs)(dense, 300)
+    call(np.arange(300))  # the ids it is handed are not the ones it gathers
+    written = outputs["float16"]
+    rows = {row.tobytes(): index for index, row in enumerate(dense[:16])}
+    assert all(row.tobytes() in rows for row in written)
+    assert len({row.tobytes() for row in written}) > 8  # many of the cached rows, not one
+
+
+def test_cache_sizes_come_from_sysfs_by_level_without_instruction_caches(tmp_path, monkeypatch):
+    from fastembed.benchmark import measure
+
+    for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "4096K"), (2, "Unified", "2048K"),
+                                                 (3, "Unified", "96M"), (2, "Unified", "oops")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        (folder / "level").write_text(f"{level}\n")
+        (folder / "type").write_text(f"{kind}\n")
+        (folder / "size").write_text(f"{size}\n")
+    monkeypatch.setattr(measure.glob, "glob", lambda pattern: sorted(str(p) for p in tmp_path.glob("index*")))
+    measure._cache_sizes.cache_clear()
+    try:
+        assert measure._cache_sizes() == {1: 48 * 2**10, 2: 2 * 2**20, 3: 96 * 2**20}
+        assert measure.core_cache_bytes() == 2 * 2**20 and measure.last_level_cache_bytes() == 96 * 2**20
+        monkeypatch.setattr(measure.glob, "glob", lambda pattern: [])
+        measure._cache_sizes.cache_clear()
+        assert measure.core_cache_bytes() == 256 * 2**10 and measure.last_level_cache_bytes() == 32 * 2**20
+    finally:
+        measure._cache_sizes.cache_clear()
 
 
 @pytest.mark.parametrize("arguments, words", [

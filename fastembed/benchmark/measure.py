@@ -154,16 +154,32 @@ def _host_allocated_by_one_call(call: Callable[[Any], Any], ids: Any) -> int | N
 
 
 @functools.cache
+def _cache_sizes() -> dict[int, int]:
+    """cpu0's data and unified caches per Linux sysfs: level -> bytes (empty where sysfs does not say)."""
+    sizes: dict[int, int] = {}
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(f"{index}/size") as size_text, open(f"{index}/level") as level_text, \
+                    open(f"{index}/type") as type_text:
+                size, level, kind = size_text.read().strip(), level_text.read().strip(), type_text.read().strip()
+        except OSError:
+            continue
+        multiplier = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        # Anything else is not a size or level this reader knows; instruction caches hold no rows.
+        if size.rstrip("KMG").isdigit() and level.isdigit() and kind != "Instruction":
+            level_number = int(level)
+            sizes[level_number] = max(sizes.get(level_number, 0), int(size.rstrip("KMG")) * multiplier)
+    return sizes
+
+
 def last_level_cache_bytes() -> int:
     """The largest CPU cache of cpu0 per Linux sysfs; 32 MiB where sysfs does not say."""
-    sizes = []
-    for size_file in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        with open(size_file) as text:
-            size = text.read().strip()
-        multiplier = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
-        if size.rstrip("KMG").isdigit():  # anything else: not a size this reader knows
-            sizes.append(int(size.rstrip("KMG")) * multiplier)
-    return max(sizes, default=32 * 2**20)
+    return max(_cache_sizes().values(), default=32 * 2**20)
+
+
+def core_cache_bytes() -> int:
+    """cpu0's level-2 cache per Linux sysfs (a core's own on current CPUs); 256 KiB where sysfs does not say."""
+    return _cache_sizes().get(2, 256 * 2**10)
 
 
 _scrub_buffer: np.ndarray | None = None
