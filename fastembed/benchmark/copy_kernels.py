@@ -6,10 +6,10 @@ tell how fast the machine can move the bytes a gather moves:
 - :func:`copy_parallel` and :func:`copy_parallel_stream` copy a contiguous
   block of rows over threads (ordinary and non-temporal stores): the limit
   of writing an output of that size;
-- :func:`read_scattered` reads the rows a gather would read (the same ids)
-  and writes nothing: the limit of reading scattered rows at all
-  (:func:`read_scattered_serial` on one thread, for outputs too small for
-  the gather's threads).
+- :func:`read_scattered` reads the rows a gather would read (the same ids,
+  with the same page touch ahead) and writes nothing: the limit of reading
+  scattered rows at all (:func:`read_scattered_serial` on one thread, for
+  outputs too small for the gather's threads).
 
 Arrays are 2-D unsigned machine words (see :func:`word_view`): Numba has no
 float16 on the CPU, and words are what a gather moves. Importing this module
@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from fastembed.kernels.cpu_intrinsics import store_fence
+from fastembed.backends import numba_backend
+from fastembed.kernels.cpu_intrinsics import prefetch, store_fence
 from fastembed.kernels.gather_cpu import stream_row
 
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
@@ -108,10 +109,22 @@ def copy_parallel_stream(src: np.ndarray, dst: np.ndarray, alias_window: int) ->
 
 
 @njit(**_JIT)
-def _xor_rows(table, ids, start, stop):
-    """The XOR of every word of rows ``table[ids[start:stop]]``: it depends on every word, so no read is dropped."""
+def _xor_rows(table, ids, start, stop, touch_pages_rows_ahead):
+    """The XOR of every word of rows ``table[ids[start:stop]]``: it depends on every word, so no read is dropped.
+
+    Each row starts with one prefetch per 4 KiB page of the row
+    ``touch_pages_rows_ahead`` rows ahead (0: none), as the gather's kernels
+    do: random rows each need new page translations, and a read that waits
+    for them is not the fastest way to read the rows.
+    """
     accumulator = table.dtype.type(0)
+    row_bytes = table.shape[1] * table.itemsize
+    table_address = table.ctypes.data
     for i in range(start, stop):
+        if touch_pages_rows_ahead > 0:
+            far = table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes
+            for page in range(0, row_bytes, 4096):
+                prefetch(far + page)
         row = ids[i]
         for w in range(table.shape[1]):
             accumulator ^= table[row, w]
@@ -121,20 +134,21 @@ def _xor_rows(table, ids, start, stop):
 def read_scattered(table: np.ndarray, ids: np.ndarray) -> int:
     """Read every word of rows ``table[ids]`` over threads, write nothing; returns their XOR.
 
-    Each block XORs its rows' words into its own accumulator. Ids are not
-    checked: the caller passes ids within the table.
+    Each block XORs its rows' words into its own accumulator, touching pages
+    as far ahead as the gather does (``TOUCH_PAGES_ROWS_AHEAD`` of the numba
+    backend). Ids are not checked: the caller passes ids within the table.
     """
     blocks: list[int] = []
+    touch = numba_backend.TOUCH_PAGES_ROWS_AHEAD
 
     def xor(start: int, stop: int) -> int:
-        blocks.append(int(_xor_rows(table, ids, start, stop)))
+        blocks.append(int(_xor_rows(table, ids, start, stop, touch)))
         return 0
 
     _over_threads(xor, ids.size)
     return functools.reduce(operator.xor, blocks, 0)
 
 
-@njit(**_JIT)
-def read_scattered_serial(table, ids):
+def read_scattered_serial(table: np.ndarray, ids: np.ndarray) -> int:
     """:func:`read_scattered` on the calling thread: what reading a few rows costs without waking the workers."""
-    return _xor_rows(table, ids, 0, ids.size)
+    return int(_xor_rows(table, ids, 0, ids.size, numba_backend.TOUCH_PAGES_ROWS_AHEAD))
