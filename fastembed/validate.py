@@ -56,6 +56,8 @@ from .tables import resolve_dtype
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)  # numpy's builtin dtypes are singletons
 _NDARRAY = np.ndarray
 _MEMMAP, _MMAP = np.memmap, mmap.mmap
+#: Ids of these exact types hold no buffer: each call converts them into an array of its own.
+_CONVERTED_IDS = (list, tuple, int)
 
 
 def table_snapshot(table: Any) -> Any:
@@ -514,9 +516,8 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
         ):
             if (
                 out.flags.owndata
-                and type(caller_ids) is _NDARRAY
-                and caller_ids.flags.owndata
-                and out is not caller_ids
+                and (type(caller_ids) in _CONVERTED_IDS
+                     or (type(caller_ids) is _NDARRAY and caller_ids.flags.owndata and out is not caller_ids))
                 and (
                     (type(caller_table) is _NDARRAY  # a tensor or JAX table has no flags: the tests below
                      and caller_table.flags.owndata
@@ -525,7 +526,8 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
                 )
             ):
                 # Different arrays that each own their buffer cannot overlap, nor can numpy's memory and a file
-                # mapping (np.load's mmap_mode), whose pages are the mapping's own while the table holds it.
+                # mapping (np.load's mmap_mode), whose pages are the mapping's own while the table holds it; ids
+                # given as a list or a number have no memory to share.
                 return view
             base = out.base
             if not np.may_share_memory(view, table) and not np.may_share_memory(
@@ -627,6 +629,8 @@ def _caller_ids_memory(caller_ids: Any, ids: Any) -> Any:
     """The caller's ids as an array over their memory (`ids`, the call's snapshot, may be a copy of them)."""
     if isinstance(caller_ids, np.ndarray):
         return caller_ids
+    if type(caller_ids) in _CONVERTED_IDS:
+        return ids  # converted for this call: no memory of the caller's to share
     adapter = adapter_of(caller_ids)
     if adapter is not None:
         return adapter.snapshot(caller_ids)  # on a GPU too: ids of another dtype or at an odd address are copied there

@@ -179,11 +179,13 @@ def test_out_owning_its_buffer_passes_the_overlap_checks(backend):
     assert_bit_equal(fastembed.lookup(table, ids, out=out, backend=backend), table[ids])
 
 
-def test_out_owning_its_buffer_beside_a_memory_mapped_table_takes_the_cheap_path(backend, tmp_path, monkeypatch):
-    """numpy's memory and a file mapping cannot overlap: no address-range test is made for them."""
+@pytest.mark.parametrize("ids", [np.array([3, 99]), [3, 99], (3, 99)], ids=["array", "list", "tuple"])
+def test_out_owning_its_buffer_beside_a_memory_mapped_table_takes_the_cheap_path(backend, tmp_path, monkeypatch, ids):
+    """numpy's memory and a file mapping cannot overlap, and ids given as a list have no memory: no address-range
+    test is made for them."""
     np.save(tmp_path / "table.npy", random_table(100, 8))
     table = np.load(tmp_path / "table.npy", mmap_mode="r")
-    ids, out = np.array([3, 99]), poisoned((2, 8), table.dtype)
+    out = poisoned((2, 8), table.dtype)
 
     def refuse(*arrays, **options):
         raise AssertionError("an address-range test was made")
