@@ -327,6 +327,10 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
             return ids.copy()
         _check_integer_dtype(dtype)
         return _native_ids(ids, table.shape[0])  # a converted copy
+    if type(ids) in _CONVERTED_IDS and type(table) is _NDARRAY:  # host numbers for a host table, kept cheap too
+        converted = _converted_ids(ids)
+        _check_integer_dtype(converted.dtype)
+        return _native_ids(converted, table.shape[0])  # numpy's conversion: the call's own array
     rows = storage(table)
     table_device, ids_device = device_of(rows), _ids_device(ids)
     if ids_device != table_device:
@@ -392,6 +396,17 @@ def _host_ids(ids: Any) -> np.ndarray:
     adapter = adapter_of(ids)
     if adapter is not None:
         return adapter.snapshot(ids)  # a host tensor: a numpy view of it
+    return _converted_ids(ids)
+
+
+def _converted_ids(ids: Any) -> np.ndarray:
+    """Ids that are no array (a list, a tuple, a number) as the new array numpy converts them to.
+
+    Raises:
+        TypeError: a bool.
+        ValueError: nested lists of different lengths.
+        IndexError: an integer that fits no 64-bit integer.
+    """
     if isinstance(ids, (bool, np.bool_)):
         raise TypeError("ids must be integers, got a bool")
     try:

@@ -196,6 +196,27 @@ def test_out_owning_its_buffer_beside_a_memory_mapped_table_takes_the_cheap_path
     assert_bit_equal(out, np.asarray(table)[[3, 99]])
 
 
+@pytest.mark.parametrize("ids", [[3, 99], (3, 99), [[3], [99]], 7], ids=["list", "tuple", "nested", "number"])
+def test_ids_given_as_python_numbers_for_a_numpy_table_are_converted_without_asking_array_libraries(
+        backend, monkeypatch, ids):
+    """A list, tuple or number is numpy's to convert: no array library is asked about it (each asks costs a decode
+    step microseconds), and the result is numpy's conversion."""
+    table = random_table(100, 8)
+    expected = table[np.asarray(ids)]
+    out = poisoned(expected.shape, table.dtype)
+
+    def refuse(*arrays):
+        raise AssertionError(f"an array library was asked about {[type(array).__name__ for array in arrays]}")
+
+    monkeypatch.setattr(fastembed.validate, "adapter_of", refuse)
+    monkeypatch.setattr(np, "may_share_memory", refuse)
+    got = fastembed.lookup(table, ids, backend=backend)
+    assert fastembed.lookup(table, ids, out=out, backend=backend) is out
+    monkeypatch.undo()
+    assert_bit_equal(got, expected)
+    assert_bit_equal(out, expected)
+
+
 def test_a_memmap_typed_view_of_out_is_still_refused_as_the_table(backend):
     """Only a memory map over its own mapping is told apart cheaply; one over another array's memory is tested."""
     out = poisoned((2, 8), np.float16)
