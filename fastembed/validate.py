@@ -537,12 +537,13 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
                     (type(caller_table) is _NDARRAY  # a tensor or JAX table has no flags: the tests below
                      and caller_table.flags.owndata
                      and out is not caller_table)
-                    or (type(caller_table) is _MEMMAP and type(caller_table.base) is _MMAP)
+                    or (type(caller_table) is _MEMMAP and type(caller_table.base) is _MMAP
+                        and not np.may_share_memory(view, table))
                 )
             ):
-                # Different arrays that each own their buffer cannot overlap, nor can numpy's memory and a file
-                # mapping (np.load's mmap_mode), whose pages are the mapping's own while the table holds it; ids
-                # given as a list or a number have no memory to share.
+                # Different arrays that each own their buffer cannot overlap; ids given as a list or a number have
+                # no memory to share. A memory map (np.load's mmap_mode) holds its mmap object but not the mapping,
+                # which a close or resize can free under it: its address range is tested, the rest need not be.
                 return view
             base = out.base
             if not np.may_share_memory(view, table) and not np.may_share_memory(

@@ -807,19 +807,41 @@ def test_the_write_limit_gathers_rows_that_fit_half_a_cores_cache_into_the_share
     assert len({row.tobytes() for row in written}) > 8  # many of the cached rows, not one
 
 
+def test_the_goal_lines_give_the_write_limit_where_the_rows_have_one():
+    from fastembed.benchmark import quantized
+
+    def row(name, batch, ratio):
+        return {"format": name, "dtype": "float16", "batch": batch, "vs_dense_float16": ratio, "vs_numpy_reference":
+                None if name in ("dense", "writes") else 20.0}
+
+    rows = [row("dense", 8192, 1.0), row("writes", 8192, 1.45), row("q4_k", 8192, 1.41), row("q4_k", 65536, 1.3)]
+    verdicts = dict(quantized.goals(rows))
+    assert verdicts["q4_k at 8192 ids: >= 1.4x the dense float16 rows/s (measured 1.41x; writing float16 rows alone: "
+                    "1.45x)"] is True
+    assert verdicts["q4_k at 65536 ids: >= 1.4x the dense float16 rows/s (measured 1.30x)"] is False  # no limit row
+    assert not any(goal.startswith(("dense", "writes")) for goal in verdicts)
+
+
 def test_cache_sizes_come_from_sysfs_by_level_without_instruction_caches(tmp_path, monkeypatch):
     from fastembed.benchmark import measure
 
     for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "4096K"), (2, "Unified", "2048K"),
-                                                 (3, "Unified", "96M"), (2, "Unified", "oops")]):
+                                                 (3, "Unified", "96M"), (2, "Unified", "oops"), (2, "Unified", "12KK"),
+                                                 (2, "Unified", b"\xff8M"), (None, "Unified", "128M")]):
         folder = tmp_path / f"index{index}"
         folder.mkdir()
-        (folder / "level").write_text(f"{level}\n")
+        if level is not None:  # a cache whose level cannot be read still counts for the last level
+            (folder / "level").write_text(f"{level}\n")
         (folder / "type").write_text(f"{kind}\n")
-        (folder / "size").write_text(f"{size}\n")
+        (folder / "size").write_bytes(size if isinstance(size, bytes) else f"{size}\n".encode())
     monkeypatch.setattr(measure.glob, "glob", lambda pattern: sorted(str(p) for p in tmp_path.glob("index*")))
     measure._cache_sizes.cache_clear()
     try:
+        assert measure._cache_sizes() == {0: 128 * 2**20, 1: 48 * 2**10, 2: 2 * 2**20, 3: 96 * 2**20}
+        assert measure.core_cache_bytes() == 2 * 2**20 and measure.last_level_cache_bytes() == 128 * 2**20
+        (tmp_path / "index7" / "size").write_text("8M\n")
+        (tmp_path / "index7" / "level").write_text("3\n")
+        measure._cache_sizes.cache_clear()
         assert measure._cache_sizes() == {1: 48 * 2**10, 2: 2 * 2**20, 3: 96 * 2**20}
         assert measure.core_cache_bytes() == 2 * 2**20 and measure.last_level_cache_bytes() == 96 * 2**20
         monkeypatch.setattr(measure.glob, "glob", lambda pattern: [])

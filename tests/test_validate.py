@@ -1,6 +1,8 @@
 """Every bad input gets its exception with the stated content, and out stays untouched."""
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 
@@ -181,19 +183,42 @@ def test_out_owning_its_buffer_passes_the_overlap_checks(backend):
 
 @pytest.mark.parametrize("ids", [np.array([3, 99]), [3, 99], (3, 99)], ids=["array", "list", "tuple"])
 def test_out_owning_its_buffer_beside_a_memory_mapped_table_takes_the_cheap_path(backend, tmp_path, monkeypatch, ids):
-    """numpy's memory and a file mapping cannot overlap, and ids given as a list have no memory: no address-range
-    test is made for them."""
+    """An out owning its memory apart from a memory-mapped table, and ids of their own or given as a list: one
+    address-range test (out and the table), no walk down the arrays' bases and no array library asked."""
     np.save(tmp_path / "table.npy", random_table(100, 8))
     table = np.load(tmp_path / "table.npy", mmap_mode="r")
     out = poisoned((2, 8), table.dtype)
+    tested = []
+    may_share_memory = np.may_share_memory
 
     def refuse(*arrays, **options):
-        raise AssertionError("an address-range test was made")
+        raise AssertionError("the slower checks ran")
 
-    monkeypatch.setattr(np, "may_share_memory", refuse)
+    def counted(*arrays, **options):
+        tested.append(arrays)
+        return may_share_memory(*arrays, **options)
+
+    monkeypatch.setattr(np, "may_share_memory", counted)
+    monkeypatch.setattr(fastembed.validate, "adapter_of", refuse)
+    monkeypatch.setattr(fastembed.validate.write_probe, "lent", refuse)
     assert fastembed.lookup(table, ids, out=out, backend=backend) is out
     monkeypatch.undo()
+    assert len(tested) == 1
     assert_bit_equal(out, np.asarray(table)[[3, 99]])
+
+
+def test_a_memory_map_whose_mapping_was_closed_is_tested_by_address():
+    """np.memmap keeps its mmap object, not its mapping: once the mmap is closed (or resized, which moves it) numpy
+    may hand out the same addresses, so an owning out is still tested against the table's address range."""
+    mapping = mmap.mmap(-1, 4096)
+    table = np.ndarray.__new__(np.memmap, (2, 8), np.float16, buffer=mapping)
+    mapping.close()  # numpy released the buffer it took: the close succeeds under the table
+    assert type(table.base) is mmap.mmap and table.base.closed
+    out, ids = poisoned((2, 8), np.float16), np.array([0, 1])
+    # Where numpy's allocator reuses the freed addresses for out, the call's snapshot of the table is over out's memory.
+    table_snapshot_over_out = out.view()
+    with pytest.raises(ValueError, match="out overlaps the table"):
+        fastembed.validate.out_snapshot(out, ids.copy(), table_snapshot_over_out, table, ids)
 
 
 @pytest.mark.parametrize("ids", [[3, 99], (3, 99), [[3], [99]], 7], ids=["list", "tuple", "nested", "number"])

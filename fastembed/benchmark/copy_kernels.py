@@ -7,9 +7,9 @@ tell how fast the machine can move the bytes a gather moves:
   block of rows over threads (ordinary and non-temporal stores): the limit
   of writing an output of that size;
 - :func:`read_scattered` reads the rows a gather would read (the same ids,
-  with the same page touch ahead) and writes nothing: the limit of reading
-  scattered rows at all (:func:`read_scattered_serial` on one thread, for
-  outputs too small for the gather's threads).
+  touching pages ahead as the streaming gather does) and writes nothing:
+  the limit of reading scattered rows at all (:func:`read_scattered_serial`
+  on one thread, for outputs too small for the gather's threads).
 
 Arrays are 2-D unsigned machine words (see :func:`word_view`): Numba has no
 float16 on the CPU, and words are what a gather moves. Importing this module
@@ -113,8 +113,8 @@ def _xor_rows(table, ids, start, stop, touch_pages_rows_ahead):
     """The XOR of every word of rows ``table[ids[start:stop]]``: it depends on every word, so no read is dropped.
 
     Each row starts with one prefetch per 4 KiB page of the row
-    ``touch_pages_rows_ahead`` rows ahead (0: none), as the gather's kernels
-    do: random rows each need new page translations, and a read that waits
+    ``touch_pages_rows_ahead`` rows ahead (0: none), as the streaming gather
+    does: random rows each need new page translations, and a read that waits
     for them is not the fastest way to read the rows.
     """
     accumulator = table.dtype.type(0)
@@ -135,8 +135,9 @@ def read_scattered(table: np.ndarray, ids: np.ndarray) -> int:
     """Read every word of rows ``table[ids]`` over threads, write nothing; returns their XOR.
 
     Each block XORs its rows' words into its own accumulator, touching pages
-    as far ahead as the gather does (``TOUCH_PAGES_ROWS_AHEAD`` of the numba
-    backend). Ids are not checked: the caller passes ids within the table.
+    as far ahead as the streaming gather (outputs of 2 MiB and more) does
+    (``TOUCH_PAGES_ROWS_AHEAD`` of the numba backend), at every size. Ids are
+    not checked: the caller passes ids within the table.
     """
     blocks: list[int] = []
     touch = numba_backend.TOUCH_PAGES_ROWS_AHEAD

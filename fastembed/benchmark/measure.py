@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import glob
 import os
+import re
 import statistics
 import time
 import tracemalloc
@@ -155,21 +156,34 @@ def _host_allocated_by_one_call(call: Callable[[Any], Any], ids: Any) -> int | N
 
 @functools.cache
 def _cache_sizes() -> dict[int, int]:
-    """cpu0's data and unified caches per Linux sysfs: level -> bytes (empty where sysfs does not say)."""
+    """cpu0's data and unified caches per Linux sysfs: level -> bytes (empty where sysfs does not say).
+
+    A cache whose level or type cannot be read counts at level 0, for
+    :func:`last_level_cache_bytes` alone; a size this reader does not know
+    (anything but digits and an optional K, M or G) is skipped.
+    """
     sizes: dict[int, int] = {}
     for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
-        try:
-            with open(f"{index}/size") as size_text, open(f"{index}/level") as level_text, \
-                    open(f"{index}/type") as type_text:
-                size, level, kind = size_text.read().strip(), level_text.read().strip(), type_text.read().strip()
-        except OSError:
+        size = _sysfs_text(f"{index}/size")
+        match = re.fullmatch(r"(\d+)([KMG]?)", size or "")
+        if match is None:
             continue
-        multiplier = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
-        # Anything else is not a size or level this reader knows; instruction caches hold no rows.
-        if size.rstrip("KMG").isdigit() and level.isdigit() and kind != "Instruction":
-            level_number = int(level)
-            sizes[level_number] = max(sizes.get(level_number, 0), int(size.rstrip("KMG")) * multiplier)
+        level_text, kind = _sysfs_text(f"{index}/level"), _sysfs_text(f"{index}/type")
+        if kind == "Instruction":  # holds no rows
+            continue
+        level = int(level_text) if level_text is not None and level_text.isdigit() else 0
+        size_bytes = int(match[1]) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[match[2]]
+        sizes[level] = max(sizes.get(level, 0), size_bytes)
     return sizes
+
+
+def _sysfs_text(path: str) -> str | None:
+    """The stripped text of a sysfs file, or None where it cannot be read as text."""
+    try:
+        with open(path, encoding="ascii") as text:
+            return text.read().strip()
+    except (OSError, ValueError):  # missing, unreadable, or not ASCII (UnicodeDecodeError is a ValueError)
+        return None
 
 
 def last_level_cache_bytes() -> int:
