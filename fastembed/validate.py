@@ -416,22 +416,29 @@ def _converted_ids(ids: Any) -> np.ndarray:
     if converted.dtype.kind in "fO" and not isinstance(ids, np.generic):
         if converted.size == 0:
             return converted.astype(np.intp)  # [] is float64 to numpy; table[[]] treats it as intp
-        integers = _integers_as_int64(ids, converted.shape)
+        integers = _integers_as_int64(ids)
         if integers is not None:
             return integers
     return converted
 
 
-def _integers_as_int64(ids: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+def _integers_as_int64(ids: Any) -> np.ndarray | None:
     """Integers that numpy had to store as floats or objects (huge ones, or int64 beside uint64) as int64.
+
+    The ids are read once more, as Python objects, and that reading alone
+    gives the values and the shape: a list another thread resizes between
+    the two readings yields the rows of the second, never a mix of both.
 
     Returns None where they are not all integers (the dtype check then names the kind).
 
     Raises:
         IndexError: naming the first that fits no 64-bit integer.
     """
-    values = np.empty(shape, dtype=object)
-    values[...] = ids
+    try:
+        values = np.array(ids, dtype=object)
+    except ValueError:  # grown ragged since the first reading
+        return None
+    shape = values.shape
     flat = values.reshape(-1)
     if not all(isinstance(value, (int, np.integer)) and not isinstance(value, bool) for value in flat):
         return None

@@ -242,6 +242,25 @@ def test_ids_given_as_python_numbers_for_a_numpy_table_are_converted_without_ask
     assert_bit_equal(out, expected)
 
 
+def test_a_list_of_ids_resized_between_numpys_two_readings_gives_the_rows_of_one_reading(backend, monkeypatch):
+    """Ids numpy stores as floats (np.uint64 beside int) are read twice; another thread shrinking the list in between
+    must not make the first reading's shape repeat the second's values."""
+    table = random_table(100, 8)
+    ids = [np.uint64(5), 1, 2]
+    asarray = np.asarray
+
+    def shrink_after_reading(array, *options, **named):
+        converted = asarray(array, *options, **named)
+        if array is ids:
+            ids[:] = [7]  # another thread, right after numpy's first reading
+        return converted
+
+    monkeypatch.setattr(np, "asarray", shrink_after_reading)
+    got = fastembed.lookup(table, ids, backend=backend)
+    monkeypatch.undo()
+    assert_bit_equal(got, table[[7]])  # the second reading's rows, not [7, 7, 7]
+
+
 def test_a_memmap_typed_view_of_out_is_still_refused_as_the_table(backend):
     """Only a memory map over its own mapping is told apart cheaply; one over another array's memory is tested."""
     out = poisoned((2, 8), np.float16)
