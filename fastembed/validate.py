@@ -354,7 +354,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     _check_integer_dtype(host.dtype)
     native = _native_ids(host, table.shape[0])
     # A converted dtype, or a list numpy has just converted, is the call's own already.
-    return native if native is not host or type(ids) in (list, tuple, int) else native.copy()
+    return native if native is not host or type(ids) in _CONVERTED_IDS else native.copy()
 
 
 def host_ids_snapshot(ids: Any, table: Any, device: str) -> np.ndarray:
@@ -538,8 +538,8 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
         ):
             if (
                 out.flags.owndata
-                and (type(caller_ids) in _CONVERTED_IDS
-                     or (type(caller_ids) is _NDARRAY and caller_ids.flags.owndata and out is not caller_ids))
+                and ((type(caller_ids) is _NDARRAY and caller_ids.flags.owndata and out is not caller_ids)
+                     or type(caller_ids) in _CONVERTED_IDS)
                 and (
                     (type(caller_table) is _NDARRAY  # a tensor or JAX table has no flags: the tests below
                      and caller_table.flags.owndata

@@ -224,16 +224,13 @@ def test_a_child_forked_after_the_application_started_numbas_pool_gathers_exactl
     assert_child_ok(run_child(FORK_AFTER_THE_APPLICATION_STARTED_NUMBAS_POOL, timeout=120))
 
 
-FORK_WHILE_NUMBAS_LAYER_LOCK_IS_HELD = """
-import os, threading, numba, numpy as np, fastembed
-from numba.np.ufunc import parallel
-numba.set_num_threads(2)   # the application starts numba's own layer: fastembed then reads its thread count
-table = fastembed.Embedding.random(3000, 1024).table
-ids = np.random.default_rng(0).integers(0, 3000, 2048)   # 4 MiB of output: in parallel
-fastembed.lookup(table, ids); fastembed.wait_for_compiles()
+def fork_while_held(setup: str, lock: str, why: str) -> str:
+    """A script: `setup` (a table, its ids, one lookup), then a fork while another thread holds `lock` (`why`: as
+    what); the child's lookup must give ``table[ids]``, and prints "ok" where it does."""
+    return setup + f"""
 held, release = threading.Event(), threading.Event()
-def hold():   # as a thread inside numba.get_num_threads() at the moment of the fork
-    with parallel._backend_init_thread_lock:
+def hold():   # {why}
+    with {lock}:
         held.set()
         release.wait()
 holder = threading.Thread(target=hold)
@@ -245,8 +242,18 @@ if pid == 0:
 release.set()
 holder.join()
 _, status = os.waitpid(pid, 0)
-print("ok" if os.waitstatus_to_exitcode(status) == 0 else f"child failed: {os.waitstatus_to_exitcode(status)}")
+print("ok" if os.waitstatus_to_exitcode(status) == 0 else f"child failed: {{os.waitstatus_to_exitcode(status)}}")
 """
+
+
+FORK_WHILE_NUMBAS_LAYER_LOCK_IS_HELD = fork_while_held("""
+import os, threading, numba, numpy as np, fastembed
+from numba.np.ufunc import parallel
+numba.set_num_threads(2)   # the application starts numba's own layer: fastembed then reads its thread count
+table = fastembed.Embedding.random(3000, 1024).table
+ids = np.random.default_rng(0).integers(0, 3000, 2048)   # 4 MiB of output: in parallel
+fastembed.lookup(table, ids); fastembed.wait_for_compiles()
+""", "parallel._backend_init_thread_lock", "as a thread inside numba.get_num_threads() at the moment of the fork")
 
 
 @needs_numba
@@ -281,28 +288,13 @@ def test_a_child_forked_after_torch_started_its_openmp_threads_gathers_in_parall
     assert_child_ok(run_child(FORK_AFTER_TORCH_STARTED_ITS_OPENMP_THREADS, timeout=60))
 
 
-FORK_WHILE_THE_OUTPUT_CACHE_IS_LOCKED = """
+FORK_WHILE_THE_OUTPUT_CACHE_IS_LOCKED = fork_while_held("""
 import os, threading, numpy as np, fastembed
 from fastembed.backends import output_cache
 table = fastembed.Embedding.random(4000, 1024).table
 ids = np.arange(3000) % 4000   # 6 MiB of output: from the output cache
 fastembed.lookup(table, ids); fastembed.wait_for_compiles()
-held, release = threading.Event(), threading.Event()
-def hold_the_lock():   # as a thread inside empty_cache() or a lookup's _take at the moment of the fork
-    with output_cache._lock:
-        held.set()
-        release.wait()
-holder = threading.Thread(target=hold_the_lock)
-holder.start()
-held.wait()
-pid = os.fork()
-if pid == 0:
-    os._exit(0 if np.array_equal(fastembed.lookup(table, ids), table[ids]) else 3)
-release.set()
-holder.join()
-_, status = os.waitpid(pid, 0)
-print("ok" if os.waitstatus_to_exitcode(status) == 0 else f"child failed: {os.waitstatus_to_exitcode(status)}")
-"""
+""", "output_cache._lock", "as a thread inside empty_cache() or a lookup's _take at the moment of the fork")
 
 
 @needs_numba

@@ -501,9 +501,9 @@ _FORKED_MID_COMPILE = ("this process was forked while numba loaded or compiled o
                        "numba is never used here")
 
 
-def _import_or_undo(name: str, then: Any = None) -> Any:
-    """Import module `name` (then call `then()`); if either fails or is interrupted, drop the modules of `name`, the
-    kernel modules, numba and llvmlite it added.
+def _import_or_undo(name: str) -> Any:
+    """Import module `name`; if that fails or is interrupted, drop the modules of `name`, the kernel modules, numba
+    and llvmlite it added.
 
     A half-initialised numba left in ``sys.modules`` would break every later
     import; without it, the next call imports afresh. Other modules added
@@ -511,10 +511,7 @@ def _import_or_undo(name: str, then: Any = None) -> Any:
     """
     loaded_before = set(sys.modules)
     try:
-        module = importlib.import_module(name)
-        if then is not None:
-            then()
-        return module
+        return importlib.import_module(name)
     except BaseException:
         for added in set(sys.modules) - loaded_before:
             # numba, and every kernel module it brought in (the kernels' pieces are their siblings)

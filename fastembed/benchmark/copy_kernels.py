@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit
 
 from fastembed.backends import numba_backend
+from fastembed.backends.cpu_workers import WORKERS
 from fastembed.kernels.cpu_intrinsics import prefetch, store_fence
 from fastembed.kernels.gather_cpu import stream_row
 
@@ -42,10 +43,8 @@ def parallel_unavailable() -> str | None:
     """Why the parallel kernels cannot run in this process (numba fails to load, a bad NUMBA_NUM_THREADS), or None
     when they can. Where they cannot, the limits that use them are not measured."""
     try:
-        from fastembed.backends.numba_backend import BACKEND, thread_count
-
-        BACKEND.kernels()
-        thread_count()
+        numba_backend.BACKEND.kernels()
+        numba_backend.thread_count()
     except Exception as error:  # noqa: BLE001 - numba raises ValueError, and may raise others, for a bad setting
         return f"{type(error).__name__}: {error}"
     return None
@@ -69,10 +68,7 @@ def can_stream(destination: np.ndarray) -> bool:
 
 def _over_threads(rows: Callable[[int, int], int], n: int) -> int:
     """``rows(start, stop)`` over [0, n) on the calling thread and fastembed's workers, as the gather cuts its rows."""
-    from fastembed.backends.cpu_workers import WORKERS
-    from fastembed.backends.numba_backend import thread_count
-
-    return WORKERS.run(rows, n, thread_count())
+    return WORKERS.run(rows, n, numba_backend.thread_count())
 
 
 @njit(**_JIT)

@@ -14,9 +14,8 @@ bfloat16, and the float16 write limit: the dense float16 gather of a few
 rows that stay in a core's cache (:func:`_writes_alone`), the time the
 kernels' stores take here to write a float16 output, whatever is read; a
 format writing with the same stores gains at most that row's ratio over the
-dense gather. ``numpy reference``
-is ``gguf.quants.dequantize`` of the gathered
-blocks (fastembed's own reference for fp8), timed apart on at most
+dense gather. ``numpy reference`` is ``gguf.quants.dequantize`` of the
+gathered blocks (fastembed's own reference for fp8), timed apart on at most
 :data:`REFERENCE_MAX_IDS` ids with fewer repetitions (it is tens of times
 slower) and compared in rows per second. Bytes moved count what a call
 really reads and writes: the quantized rows (and their scales) plus the
