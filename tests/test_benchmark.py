@@ -199,6 +199,46 @@ def test_cold_samples_time_one_call_each_right_after_the_settling_read():
             assert all(len(run) > 2 for run in samples.split("s")[1:])  # a warm loop: an untimed call, then many
 
 
+def test_timed_calls_run_with_the_garbage_collector_paused_and_it_runs_again_between_samples():
+    """A collection triggered inside a timed call would be charged to whichever contender allocates: none is."""
+    import gc
+
+    from fastembed.benchmark.contenders import Contender
+    from fastembed.benchmark.measure import HOST, measure_case
+    from fastembed.tables import random_table
+
+    collector_on = []
+    platform = dataclasses.replace(HOST, settle=lambda written_bytes: collector_on.append(("settle", gc.isenabled())))
+
+    def prepare(table, n):
+        return lambda ids: collector_on.append(("call", gc.isenabled()))
+
+    contender = Contender("watching", "limit", False, prepare, id="watching")
+    measure_case(random_table(2000, 64, "float16"), [contender], 6, "uniform", 3, warmup=1, platform=platform,
+                 cold=True)
+    timed = [on for event, on in collector_on[collector_on.index(("settle", True)):] if event == "call"]
+    assert timed and not any(timed)
+    assert all(on for event, on in collector_on if event == "settle") and gc.isenabled()
+
+
+def test_collector_paused_restores_the_callers_setting_even_on_error():
+    import gc
+
+    from fastembed.benchmark.measure import collector_paused
+
+    with pytest.raises(RuntimeError), collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a caller who turned it off keeps it off
+    finally:
+        gc.enable()
+
+
 def test_each_fastembed_row_records_the_backend_that_served_it():
     """served_by is what fastembed.select_backend reports for the prepared call: a fact, not a timing."""
     import fastembed
@@ -667,6 +707,9 @@ def test_processes_mode_reports_spread_tails_and_goals(tmp_path):
                      "--reps", "5", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "processes.json").read_text())
     assert len(payload["samples"]) == 2
+    collections = payload["collections"]
+    assert len(collections["full_collection_ms"]) == len(collections["tracked_objects"]) == 2
+    assert all(ms > 0 for ms in collections["full_collection_ms"]) and min(collections["tracked_objects"]) > 1000
     assert {(row["batch"], row["contender"]) for row in payload["results"]} == {
         (batch, name) for batch in (64, 700) for name in ("fastembed-out", "fastembed-alloc", "numpy-fancy")}
     for row in payload["results"]:

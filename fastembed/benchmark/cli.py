@@ -664,11 +664,14 @@ def processes(arguments: argparse.Namespace, console: Any, table: Any, described
     load = ", a CPU-bound process pinned to one CPU meanwhile" if arguments.load else ""
     multi.print_report(rows, verdicts, console,
                        f"{arguments.processes} fresh processes{load}: {report.table_title(described)}")
+    collections = multi.collections(runs)
+    console.print(collections["summary"], soft_wrap=True, markup=False)
     report.write_json(arguments.out / "processes.json", {
         **report.run_facts(argv), "table": described, "load": arguments.load, "reps": reps,
         "reps_per_batch": {str(batch): multi.reps_for(batch, table.shape[1] * table.dtype.itemsize, reps)
                            for batch in batches},
-        "results": rows, "goals": [{"goal": goal, "met": met} for goal, met in verdicts], "samples": runs,
+        "results": rows, "goals": [{"goal": goal, "met": met} for goal, met in verdicts],
+        "collections": collections, "samples": [run["samples"] for run in runs],
     })
     console.print(f"wrote {arguments.out / 'processes.json'}", soft_wrap=True, markup=False)
     return 0

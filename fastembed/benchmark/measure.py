@@ -22,19 +22,30 @@ same six rows every call (see ids.py).
 Ratios between contenders are medians of per-repetition ratios (see
 :func:`summarise`).
 
+Python's cyclic garbage collector is paused while a sample is timed
+(:func:`collector_paused`), as ``timeit`` does: a collection runs inside
+whichever call allocates when its threshold is crossed, and a full one
+takes tens of milliseconds once numba and its compiled kernels are loaded,
+so a contender that allocates a few Python objects per call would host
+every collection the loop triggers while numpy's indexing, which allocates
+none that the collector tracks, hosts none. The collector runs between
+samples instead; the multi-process run reports what a full collection costs.
+
 What differs between the host and a GPU (the clock, where ids live, how
 memory is counted) is a :class:`Platform`; the loop is the same.
 """
 from __future__ import annotations
 
 import functools
+import gc
 import glob
 import os
 import re
 import statistics
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +141,18 @@ def rss_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block (on again after it, if it was on): see the module's method."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _host_seconds_per_call(call: Callable[[Any], Any], id_list: list[Any]) -> float:
@@ -289,7 +312,8 @@ def measure_case(
                 # (tens of us) to every call's average; cold=True times that call.
                 # Its ids are the previous contender's last set, which no timed call reads next.
                 call(pool[(first - 1) % len(pool)])
-            elapsed = platform.seconds_per_call(call, id_list)
+            with collector_paused():
+                elapsed = platform.seconds_per_call(call, id_list)
             if repetition >= warmup:
                 results[name].samples_s.append(elapsed)
     return list(results.values())

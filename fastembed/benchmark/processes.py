@@ -8,13 +8,16 @@ memory (so that its first lookups do not pay the mapping's page faults,
 which later ones never meet); per batch size it
 makes one lookup per contender, waits for background compiles, makes
 :data:`WARMUP_ROUNDS` more rounds untimed, then times ``reps`` single calls
-per contender, interleaved, each with fresh uniform ids:
+per contender, interleaved, each with fresh uniform ids, with Python's
+garbage collector paused while a call is timed (:func:`.measure.collector_paused`):
 
 - ``fastembed out=``: ``lookup(table, ids, out=out)``;
 - ``fastembed alloc``: ``lookup(table, ids)``;
 - ``numpy table[ids]``: what users write instead (allocating).
 
-The parent reports, per batch size and contender, the spread of the
+At the end each process times one full collection of its objects
+(numba, its compiled kernels and the process's own), the pause that its
+collections cost wherever they run. The parent reports, per batch size and contender, the spread of the
 per-process medians (slowest over fastest), each process's 99th percentile
 over its median (with the samples per process it comes from: below 100,
 the 99th percentile is close to the slowest sample), and fastembed's speed against numpy (the median, within
@@ -34,6 +37,7 @@ torch's OpenMP runtime and its threads are in it (docs/backends.md).
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -48,6 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .measure import collector_paused
 
 #: Batch sizes of the multi-process run: a decode step, mid-size batches, a prefill.
 BATCHES = (64, 1024, 4096, 65536)
@@ -65,7 +71,11 @@ def reps_for(batch: int, row_bytes: int, reps: int) -> int:
 
 
 def worker(table_path: str, batches: list[int], reps: int, seed: int, one_cpu: bool = False) -> dict[str, Any]:
-    """One process's samples: {batch: {contender: [seconds per call, ...]}} (run in a fresh interpreter).
+    """One process's run (in a fresh interpreter): its samples and what a full collection costs in it.
+
+    Returns:
+        ``{"samples": {batch: {contender: [seconds per call, ...]}}, "collector": {"tracked_objects": count,
+        "full_collection_s": seconds}}``.
 
     With `one_cpu`, torch (where installed) comes first and every thread of the process is moved onto one CPU after
     each warm-up (see the module docstring).
@@ -98,12 +108,16 @@ def worker(table_path: str, batches: list[int], reps: int, seed: int, one_cpu: b
         for _ in range(reps_for(batch, table.shape[1] * table.dtype.itemsize, reps)):
             for name, call in calls.items():
                 ids = rng.integers(0, table.shape[0], batch)
-                started = time.perf_counter()
-                result = call(ids)
-                times[name].append(time.perf_counter() - started)
+                with collector_paused():
+                    started = time.perf_counter()
+                    result = call(ids)
+                    times[name].append(time.perf_counter() - started)
                 del result
         samples[str(batch)] = times
-    return samples
+    tracked = len(gc.get_objects())
+    started = time.perf_counter()
+    gc.collect()
+    return {"samples": samples, "collector": {"tracked_objects": tracked, "full_collection_s": time.perf_counter() - started}}
 
 
 def _calls(fastembed: Any, table: np.ndarray, out: np.ndarray) -> dict[str, Any]:
@@ -149,7 +163,7 @@ def competing_load(enabled: bool) -> Iterator[None]:
 
 def run(table_path: Path, processes: int, batches: list[int], reps: int, load: bool,
         progress: Any = None, one_cpu: bool = False) -> list[dict[str, Any]]:
-    """Samples of `processes` fresh interpreters, run one after another (`one_cpu`: see :func:`worker`)."""
+    """The runs of `processes` fresh interpreters, one after another, each as :func:`worker` returns it (`one_cpu`: see there)."""
     runs = []
     with competing_load(load):
         for index in range(processes):
@@ -170,10 +184,10 @@ def run(table_path: Path, processes: int, batches: list[int], reps: int, load: b
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per batch and contender: medians per process, their spread, 99th percentiles, speed against numpy."""
     rows = []
-    for batch in runs[0]:
+    for batch in runs[0]["samples"]:
         for name in CONTENDERS:
             medians, tails, versus_numpy = [], [], []
-            for samples in runs:
+            for samples in (run["samples"] for run in runs):
                 times = samples[batch][name]
                 median = statistics.median(times)
                 medians.append(median)
@@ -182,7 +196,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 versus_numpy.append(statistics.median(n / t for n, t in zip(numpy_times, times, strict=True)))
             rows.append({
                 "batch": int(batch), "contender": name, "label": LABELS[name],
-                "samples_per_process": len(runs[0][batch][name]),
+                "samples_per_process": len(runs[0]["samples"][batch][name]),
                 "median_us": [m * 1e6 for m in medians],
                 "spread": max(medians) / min(medians),
                 "worst_p99_over_median": max(tails),
@@ -190,6 +204,15 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "median_speedup_vs_numpy": statistics.median(versus_numpy),
             })
     return rows
+
+
+def collections(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The processes' full collections: each one's time (ms) and tracked objects, and their range."""
+    times = [run["collector"]["full_collection_s"] * 1e3 for run in runs]
+    objects = [run["collector"]["tracked_objects"] for run in runs]
+    return {"full_collection_ms": times, "tracked_objects": objects,
+            "summary": (f"a full garbage collection took {min(times):.1f}-{max(times):.1f} ms in these processes "
+                        f"({min(objects):,}-{max(objects):,} tracked objects; the timed calls ran with it paused)")}
 
 
 def goals(rows: list[dict[str, Any]], load: bool) -> list[tuple[str, bool]]:

@@ -11,7 +11,8 @@ Each rank runs fastembed's parallel kernels on its share of the cores
 ``Embedding.from_pretrained`` and makes the same lookups. Every process draws
 the same uniform ids from the same seed; per batch it makes one call per
 mode, waits for background compiles, makes :data:`WARMUP_ROUNDS` more
-rounds untimed, then times ``reps`` calls per mode, the modes interleaved.
+rounds untimed, then times ``reps`` calls per mode, the modes interleaved
+(Python's garbage collector paused while a call is timed, as everywhere in the benchmark).
 
 The ranks and the single process cannot share a process, and calls of one
 interleaved with calls of the other slow both (each evicts the other's
@@ -71,6 +72,7 @@ from typing import Any
 import numpy as np
 
 from .contenders import usable_cores
+from .measure import collector_paused
 
 #: Batch sizes of the run: a decode step, mid-size batches, a prefill chunk.
 BATCHES = (1, 64, 1024, 8192)
@@ -184,10 +186,12 @@ def _measure(call: Any, vocab_size: int, batches: list[int], reps: int, seed: in
         for _ in range(reps):
             for mode in MODES:
                 ids = rng.integers(0, vocab_size, batch)
-                started = time.perf_counter()
-                call(ids, mode)
+                with collector_paused():
+                    started = time.perf_counter()
+                    call(ids, mode)
+                    elapsed = time.perf_counter() - started
                 case = samples[f"{batch}/{mode}"]
-                case["total_s"].append(time.perf_counter() - started)
+                case["total_s"].append(elapsed)
                 parts = timings()
                 if parts is not None:
                     for name in PHASES:
