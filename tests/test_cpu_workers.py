@@ -37,6 +37,23 @@ def test_every_row_is_visited_exactly_once(n_rows, n_threads):
     assert (visits == 1).all()
 
 
+@pytest.mark.parametrize("n_blocks", [0, 1, 2, 3, 16, 10**6])
+def test_more_blocks_than_threads_cover_every_row_once_and_wake_no_more_workers(n_blocks):
+    workers = Workers()
+    blocks: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def task(start: int, stop: int) -> int:
+        with lock:
+            blocks.append((start, stop))
+        return stop - start
+
+    assert workers.run(task, 1000, 2, n_blocks) == 1000
+    expected = min(1000, max(2, n_blocks))
+    assert sorted(blocks) == [(1000 * k // expected, 1000 * (k + 1) // expected) for k in range(expected)]
+    assert len(workers._threads) == 1  # the caller and one worker, however many blocks
+
+
 def test_blocks_run_on_the_workers_as_well_as_the_caller():
     workers = Workers()
     seen: set[str] = set()

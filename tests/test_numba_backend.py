@@ -22,14 +22,17 @@ if BACKEND.unavailable_reasons():
 THREAD_SECONDS = float(os.environ.get("FASTEMBED_RACE_SECONDS", "4"))
 
 
-@pytest.fixture(params=["serial", "parallel", "stream", "stream on 7 threads"])
+@pytest.fixture(params=["serial", "parallel", "stream", "stream on 7 threads", "parallel in small blocks",
+                        "stream in small blocks"])
 def kernel_path(request, monkeypatch):
     """Force each kernel path on small data by moving the thresholds (compiling in the foreground)."""
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 2**62 if request.param == "parallel" else 0)
+    monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 2**62 if request.param.startswith("parallel") else 0)
     # two threads whatever this machine has; seven: more blocks than cores, claimed in turn
     monkeypatch.setattr(numba_backend, "thread_count", lambda: 7 if request.param == "stream on 7 threads" else 2)
+    if request.param.endswith("small blocks"):  # blocks of 4 KiB: many more blocks than threads, claimed in turn
+        monkeypatch.setattr(numba_backend, "MAX_BLOCK_BYTES", 4096)
     if request.param != "serial":
         yield request.param
         return
@@ -311,9 +314,32 @@ class _RegionSpy:
         self.run = numba_backend.WORKERS.run
         monkeypatch.setattr(numba_backend.WORKERS, "run", self)
 
-    def __call__(self, task, n_rows, n_threads):
+    def __call__(self, task, n_rows, n_threads, *rest):
         self.batches.append(n_rows)
-        return self.run(task, n_rows, n_threads)
+        return self.run(task, n_rows, n_threads, *rest)
+
+
+def test_large_outputs_are_cut_into_blocks_of_at_most_max_block_bytes(monkeypatch):
+    """Up to MAX_BLOCK_BYTES per thread, one block per thread; above, a block per MAX_BLOCK_BYTES begun."""
+    assert numba_backend.blocks_for(0) == 0
+    assert numba_backend.blocks_for(1) == 1
+    assert numba_backend.blocks_for(2 * numba_backend.MAX_BLOCK_BYTES) == 2
+    assert numba_backend.blocks_for(2 * numba_backend.MAX_BLOCK_BYTES + 1) == 3
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "MAX_BLOCK_BYTES", 10 * 64 * 8)  # ten 64-wide float64 rows
+    cut: list[int] = []
+    run = numba_backend.WORKERS.run
+
+    def counting(task, n_rows, n_threads, n_blocks=1):
+        cut.append(n_blocks)
+        return run(lambda start, stop: (cut.append((start, stop)), task(start, stop))[1], n_rows, n_threads, n_blocks)
+
+    monkeypatch.setattr(numba_backend.WORKERS, "run", counting)
+    table = random_table(500, 64, "float64")
+    ids = np.random.default_rng(3).integers(0, 500, 95)
+    assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+    assert cut[0] == 10 and sorted(cut[1:]) == [(95 * k // 10, 95 * (k + 1) // 10) for k in range(10)]
 
 
 def test_batches_are_served_by_numpy_while_their_kernels_compile(monkeypatch):

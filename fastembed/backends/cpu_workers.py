@@ -10,10 +10,12 @@ caller sharing their CPU; and an OpenMP pool cannot run in a forked child.
 
 How a region runs (:meth:`Workers.run`):
 
-- the rows are cut into one contiguous block per thread, and the caller and
-  the workers *claim* blocks one at a time; the caller claims too, so a
-  worker that wakes late (descheduled, or sharing the caller's CPU) finds
-  its block done by the others and nobody waits for it;
+- the rows are cut into contiguous blocks, one per thread or as many more
+  as the caller asks for, and the caller and the workers *claim* blocks
+  one at a time; the caller claims too, so a worker that wakes late
+  (descheduled, or sharing the caller's CPU) finds its block done by the
+  others and nobody waits for it, and a thread that runs slower than the
+  others claims fewer blocks;
 - idle workers sleep on a lock: no spinning, no setting shared with other
   libraries;
 - the call returns (or raises) once every block it handed out is done, and
@@ -123,8 +125,8 @@ class Workers:
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
 
-    def run(self, task: Task, n_rows: int, n_threads: int) -> int:
-        """Run ``task(start, stop)`` over [0, n_rows) cut into ``min(n_rows, n_threads)`` blocks; sum its returns.
+    def run(self, task: Task, n_rows: int, n_threads: int, n_blocks: int = 1) -> int:
+        """Run ``task(start, stop)`` over [0, n_rows) cut into blocks; sum its returns.
 
         Args:
             task: processes rows [start, stop) and returns a count; it must
@@ -133,6 +135,8 @@ class Workers:
             n_rows: rows in all.
             n_threads: threads to share the rows, the calling thread
                 included; 1 runs ``task(0, n_rows)`` here.
+            n_blocks: blocks to cut the rows into, when more than
+                `n_threads` (at most `n_rows`); else one per thread.
 
         Returns:
             The sum of the blocks' counts.
@@ -145,13 +149,13 @@ class Workers:
                 the first a worker's block raised, once every block handed
                 out is done.
         """
-        n_blocks = max(1, min(n_rows, n_threads))
-        if n_blocks == 1:
+        n_threads = max(1, min(n_rows, n_threads))
+        if n_threads == 1:
             return task(0, n_rows)
-        region = _Region(task, n_rows, n_blocks)
+        region = _Region(task, n_rows, min(n_rows, max(n_threads, n_blocks)))
         held_back: BaseException | None = None
         try:
-            self._hand_out(region, n_blocks - 1)
+            self._hand_out(region, n_threads - 1)
             while (rows := region.claim()) is not None:
                 region.counts.append(task(*rows))
         finally:

@@ -14,7 +14,8 @@ Which kernel runs (docs/backends.md gives each constant's evidence):
   16-byte aligned: the rows in parallel with non-temporal stores;
 - otherwise the rows in parallel with ordinary (cached) stores.
 
-In parallel means one block of rows per thread, on the calling thread and
+In parallel means one block of rows per thread (blocks of at most
+``MAX_BLOCK_BYTES`` for the gather's larger outputs, claimed in turn), on the calling thread and
 fastembed's own workers (:mod:`.cpu_workers`, which says why not numba's
 threading layer, never started here); how many threads: :func:`thread_count`.
 
@@ -95,6 +96,11 @@ DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD = 4
 #: below its destination modulo 4 KiB, where a forward copy's loads wait on
 #: its own stores (4K aliasing).
 ALIAS_WINDOW = 32
+#: A parallel gather cuts its output into blocks of at most this many bytes (and at least one block per
+#: thread): under a competing load a thread sharing its CPU claims fewer of them, where with one block per
+#: thread the others would wait for its half (docs/backends.md). The dequantizing gather keeps one block
+#: per thread: it gained nothing from smaller ones.
+MAX_BLOCK_BYTES = 32 * 2**20
 #: Import numba and compile each new signature on a background thread while
 #: the numpy backend serves (see background_compile); False does both in the
 #: caller's thread.
@@ -327,7 +333,8 @@ class NumbaBackend:
             else:
                 def rows(start: int, stop: int) -> int:
                     return kernels.copy_rows(table_words, flat_ids, out_words, start, stop)
-            return _CHANGED_DURING_COPY if WORKERS.run(rows, len(flat_ids), thread_count()) else -1
+            return _CHANGED_DURING_COPY if WORKERS.run(rows, len(flat_ids), thread_count(),
+                                                       blocks_for(out_words.nbytes)) else -1
 
     # -- the dequantizing gather ----------------------------------------------
 
@@ -625,6 +632,11 @@ def _shaped(dtype: np.dtype, shape: tuple[int, ...], aligned: bool) -> np.ndarra
     buffer = np.zeros(size + 2 * dtype.itemsize, np.uint8)
     start = (-buffer.ctypes.data) % dtype.itemsize + (0 if aligned or dtype.itemsize == 1 else 1)
     return buffer[start : start + size].view(dtype).reshape(shape)
+
+
+def blocks_for(out_bytes: int) -> int:
+    """Blocks a parallel region writing `out_bytes` cuts its rows into, at least: one per MAX_BLOCK_BYTES begun."""
+    return -(-out_bytes // MAX_BLOCK_BYTES)
 
 
 def thread_count() -> int:

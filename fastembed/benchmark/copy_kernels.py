@@ -66,9 +66,10 @@ def can_stream(destination: np.ndarray) -> bool:
     return (destination.shape[1] * destination.itemsize) % 16 == 0 and destination.ctypes.data % 16 == 0
 
 
-def _over_threads(rows: Callable[[int, int], int], n: int) -> int:
-    """``rows(start, stop)`` over [0, n) on the calling thread and fastembed's workers, as the gather cuts its rows."""
-    return WORKERS.run(rows, n, numba_backend.thread_count())
+def _over_threads(rows: Callable[[int, int], int], n: int, out_bytes: int) -> int:
+    """``rows(start, stop)`` over [0, n) on the calling thread and fastembed's workers, cut into blocks as the
+    gather of an `out_bytes` output cuts its rows."""
+    return WORKERS.run(rows, n, numba_backend.thread_count(), numba_backend.blocks_for(out_bytes))
 
 
 @njit(**_JIT)
@@ -81,8 +82,8 @@ def _copy_rows(src, dst, start, stop):
 
 
 def copy_parallel(src: np.ndarray, dst: np.ndarray) -> None:
-    """Copy ``src`` into ``dst`` (the same 2-D word shape), one block of rows per thread."""
-    _over_threads(lambda start, stop: _copy_rows(src, dst, start, stop), src.shape[0])
+    """Copy ``src`` into ``dst`` (the same 2-D word shape), in blocks of rows as the gather cuts them."""
+    _over_threads(lambda start, stop: _copy_rows(src, dst, start, stop), src.shape[0], dst.nbytes)
 
 
 @njit(**_JIT)
@@ -101,7 +102,7 @@ def copy_parallel_stream(src: np.ndarray, dst: np.ndarray, alias_window: int) ->
 
     ``alias_window``: see :func:`fastembed.kernels.gather_cpu.copies_backward`.
     """
-    _over_threads(lambda start, stop: _stream_rows(src, dst, start, stop, alias_window), src.shape[0])
+    _over_threads(lambda start, stop: _stream_rows(src, dst, start, stop, alias_window), src.shape[0], dst.nbytes)
 
 
 @njit(**_JIT)
@@ -142,7 +143,7 @@ def read_scattered(table: np.ndarray, ids: np.ndarray) -> int:
         blocks.append(int(_xor_rows(table, ids, start, stop, touch)))
         return 0
 
-    _over_threads(xor, ids.size)
+    _over_threads(xor, ids.size, ids.size * table.shape[1] * table.itemsize)
     return functools.reduce(operator.xor, blocks, 0)
 
 
