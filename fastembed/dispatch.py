@@ -216,7 +216,7 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     holds for: every plain numpy table gets the same backend, and a decode
     step then skips the dispatch and backend layers (each costs microseconds
     with cold caches). The answer is read once per generation: a backend's
-    size that changes meanwhile (``numba_backend.PARALLEL_MIN_BYTES`` set at
+    size that changes meanwhile (``numba_backend.SERIAL_MIN_BYTES`` set at
     run time) reaches the API with the next generation. For a backend that is
     no :class:`~fastembed.backends.base.SmallGatherBackend`, the small gather
     is its ``gather`` itself, at every size.

@@ -196,14 +196,14 @@ def test_lookups_follow_the_environment_and_refresh(environment, monkeypatch):
     assert served == [("numpy", "gather")] * 2
 
 
-@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="needs numba: its small gather stops at PARALLEL_MIN_BYTES")
+@pytest.mark.skipif(not NUMBA_AVAILABLE, reason="needs numba: its small gather stops at SERIAL_MIN_BYTES")
 def test_small_allocating_lookups_call_the_backends_small_gather_and_larger_ones_its_gather(monkeypatch):
     """Below the backend's size the API calls its small gather directly; from it on, and with any other request,
     the backend's gather; the rows are the same either way."""
     served = []
     _record_serving(monkeypatch, served)
-    table = random_table(600, 1024)  # 2 KiB rows: PARALLEL_MIN_BYTES is 1,024 of them
-    rows = numba_backend.PARALLEL_MIN_BYTES // (1024 * table.dtype.itemsize)
+    table = random_table(600, 1024)  # 2 KiB rows: SERIAL_MIN_BYTES is 256 of them
+    rows = numba_backend.SERIAL_MIN_BYTES // (1024 * table.dtype.itemsize)
     emb = fastembed.Embedding(table)
     ids = np.random.default_rng(0).integers(0, 600, rows)
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)  # no numpy stand-in while the kernels compile

@@ -24,10 +24,10 @@ def test_import_is_cheap_and_loads_neither_numba_nor_cupy_nor_jax():
 
 
 def test_decode_step_lookups_without_out_import_no_numba():
-    """Outputs below PARALLEL_MIN_BYTES without out go through numpy's take: nothing to compile."""
-    from fastembed.backends.numba_backend import PARALLEL_MIN_BYTES
+    """Outputs below SERIAL_MIN_BYTES without out go through numpy's take: nothing to compile."""
+    from fastembed.backends.numba_backend import SERIAL_MIN_BYTES
 
-    largest_serial = (PARALLEL_MIN_BYTES - 1) // (256 * 2)  # ids whose float16 rows of 256 stay below it
+    largest_serial = (SERIAL_MIN_BYTES - 1) // (256 * 2)  # ids whose float16 rows of 256 stay below it
     code = (
         "import sys, numpy as np, fastembed\n"
         "t = fastembed.Embedding.random(100, 256).table\n"

@@ -22,12 +22,13 @@ if BACKEND.unavailable_reasons():
 THREAD_SECONDS = float(os.environ.get("FASTEMBED_RACE_SECONDS", "4"))
 
 
-@pytest.fixture(params=["serial", "parallel", "stream", "stream on 7 threads", "parallel in small blocks",
-                        "stream in small blocks"])
+@pytest.fixture(params=["serial", "serial below the parallel size", "parallel", "stream", "stream on 7 threads",
+                        "parallel in small blocks", "stream in small blocks"])
 def kernel_path(request, monkeypatch):
     """Force each kernel path on small data by moving the thresholds (compiling in the foreground)."""
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
-    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 2**62 if request.param.startswith("serial below") else 0)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 2**62 if request.param.startswith("parallel") else 0)
     # two threads whatever this machine has; seven: more blocks than cores, claimed in turn
     monkeypatch.setattr(numba_backend, "thread_count", lambda: 7 if request.param == "stream on 7 threads" else 2)
@@ -64,6 +65,25 @@ def test_streaming_kernel_prefetch_options_are_exact(prefetch_rows_ahead, touch_
     options = (prefetch_rows_ahead, touch_pages_rows_ahead, numba_backend.ALIAS_WINDOW)
     assert _streamed_in_blocks(table, ids, out, n_blocks, *options) == 0
     assert_bit_equal(out, table[ids])
+
+
+@pytest.mark.parametrize("touch_pages_rows_ahead", [0, 1, 3, 16, 10**6])
+@pytest.mark.parametrize("rows", [(0, 37), (5, 9), (36, 37), (7, 7)])
+def test_the_cached_copy_touches_pages_ahead_and_copies_exactly_its_rows(touch_pages_rows_ahead, rows):
+    """Any touch distance, shorter or longer than the rows copied: exactly rows [start, stop) are written."""
+    kernels = BACKEND.kernels()
+    table = random_table(500, 4104, seed=touch_pages_rows_ahead % 97).view(np.uint64)  # 3 pages, a partial one
+    ids = np.random.default_rng(rows[0]).integers(0, 500, 37)
+    out = poisoned((37, table.shape[1]), np.uint64)
+    untouched = out.copy()
+    start, stop = rows
+    assert kernels.copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead) == 0
+    assert_bit_equal(out[start:stop], table[ids[start:stop]])
+    assert_bit_equal(out[:start], untouched[:start])
+    assert_bit_equal(out[stop:], untouched[stop:])
+    ids[11] = 500  # out of range, as if another thread changed it after the scan: skipped, counted, never read
+    assert kernels.copy_rows(table, ids, out, 0, 37, touch_pages_rows_ahead) == 1
+    assert kernels.gather_serial(table, ids, out, touch_pages_rows_ahead) == 11
 
 
 def _streamed_in_blocks(table, ids, out, n_blocks, *options) -> int:
@@ -235,14 +255,16 @@ def test_one_id_row_copy_is_exact(shape, id_dtype, with_out, tmp_path):
         assert_bit_equal(result, table[ids.reshape(-1)].reshape(shape + (13,)))
 
 
-@pytest.mark.parametrize("parallel_min_rows", [1, 32])
+@pytest.mark.parametrize("serial_min_rows", [1, 8, 32])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("shape", [(0,), (2,), (31,), (32,), (4, 4), (2, 1, 3), (0, 3)])
-def test_few_ids_without_out_are_exact(monkeypatch, parallel_min_rows, dtype, id_dtype, shape, tmp_path):
-    """Below PARALLEL_MIN_BYTES, lookups without out go through numpy's take; plain and mapped tables."""
+def test_few_ids_without_out_are_exact(monkeypatch, serial_min_rows, dtype, id_dtype, shape, tmp_path):
+    """Below SERIAL_MIN_BYTES, lookups without out go through numpy's take, above through the serial kernel
+    (below PARALLEL_MIN_BYTES); plain and mapped tables."""
     table = random_table(90, 21, dtype, seed=len(shape))
-    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", parallel_min_rows * 21 * table.dtype.itemsize)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", serial_min_rows * 21 * table.dtype.itemsize)
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 16 * 21 * table.dtype.itemsize)
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     np.save(tmp_path / "table.npy", table)
     ids = np.random.default_rng(7).integers(0, 90, shape).astype(id_dtype)
@@ -327,6 +349,7 @@ def test_large_outputs_are_cut_into_blocks_of_at_most_max_block_bytes(monkeypatc
     assert numba_backend.blocks_for(2 * numba_backend.MAX_BLOCK_BYTES + 1) == 3
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "MAX_BLOCK_BYTES", 10 * 64 * 8)  # ten 64-wide float64 rows
     cut: list[int] = []
     run = numba_backend.WORKERS.run
@@ -347,6 +370,7 @@ def test_batches_are_served_by_numpy_while_their_kernels_compile(monkeypatch):
     numba_backend.background_compile.forget()
     BACKEND.reset()
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
     parallel, fallback = _RegionSpy(monkeypatch), _Spy(numba_backend.numpy_backend.BACKEND.gather)
     monkeypatch.setattr(numba_backend.numpy_backend.BACKEND, "gather", fallback)
     release = threading.Event()
@@ -385,6 +409,7 @@ def test_fork_waits_for_a_background_compile():
 def test_signatures_compile_again_after_a_refresh(monkeypatch):
     """A refresh forgets the compiled kernels, and the keys of their compiles with them: numba serves again."""
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
     table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
     parallel_calls = []
     for _ in range(2):
@@ -395,6 +420,7 @@ def test_signatures_compile_again_after_a_refresh(monkeypatch):
         parallel_calls.append(spy.batches)
         monkeypatch.undo()
         monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+        monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
         fastembed.dispatch.refresh()
     assert parallel_calls == [[ids.size], [ids.size]]
 
@@ -402,6 +428,7 @@ def test_signatures_compile_again_after_a_refresh(monkeypatch):
 def test_a_refresh_during_a_lookup_leaves_the_lookup_exact(monkeypatch):
     """reset() between the check for compiled kernels and their use: the lookup is served by numpy, exactly."""
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
     table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
     fastembed.lookup(table, ids, backend="numba")
     fastembed.wait_for_compiles()
@@ -435,6 +462,7 @@ def test_a_numba_that_fails_to_load_is_refused_by_name_and_skipped_by_auto(monke
 
     monkeypatch.setattr(numba_backend, "_import_or_undo", broken_import)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
     table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
     assert fastembed.select_backend(table, ids).backend == "numba"
     assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])  # numpy, while numba loads
@@ -473,6 +501,7 @@ def test_a_signature_that_fails_to_compile_is_served_by_numpy_with_the_reason(mo
 
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", in_background)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
     kernels = BACKEND.kernels()
 
     def corrupt_cache(*arguments):
@@ -490,6 +519,7 @@ def test_a_signature_that_fails_to_compile_is_served_by_numpy_with_the_reason(mo
 def test_a_compile_that_fails_after_a_refresh_leaves_the_new_record_clean(monkeypatch, fresh_backend):
     """The failure belongs to the record from before the refresh: the signature compiles again afterwards."""
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
     kernels = BACKEND.kernels()
     release = threading.Event()
     serial = kernels.gather_serial
@@ -563,6 +593,7 @@ def test_a_listener_that_refreshes_on_a_load_failure_does_not_deadlock(monkeypat
 
     monkeypatch.setattr(numba_backend, "_import_or_undo", broken_import)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
     monkeypatch.setattr(base, "_availability_listeners", [*base._availability_listeners, fastembed.dispatch.refresh])
     table = random_table(200, 48)
     for ids in (np.arange(0, 200, 3, dtype=np.int64), np.arange(0, 200, 3, dtype=np.int32)):

@@ -49,6 +49,7 @@ RESHAPE_RACE = """
 import sys, threading, time, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels serve these small tables too
+numba_backend.SERIAL_MIN_BYTES = 0
 sys.setswitchinterval(1e-6)   # switch threads as often as possible: every window between two reads is tried
 backend, seconds = {backend!r}, {seconds}
 table = np.arange(64 * 16, dtype=np.float64).reshape(64, 16)
@@ -106,6 +107,7 @@ IDS_RACE = """
 import re, sys, threading, time, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels serve these small tables too
+numba_backend.SERIAL_MIN_BYTES = 0
 sys.setswitchinterval(1e-6)
 backend, seconds = {backend!r}, {seconds}
 vocab, width = 300, 64

@@ -7,9 +7,11 @@ dtype (float16, bfloat16, float32, int8, S3, packed structs, ...).
 
 Which kernel runs (docs/backends.md gives each constant's evidence):
 
-- an output smaller than ``PARALLEL_MIN_BYTES``: numpy's ``take`` on the
+- an output smaller than ``SERIAL_MIN_BYTES``: numpy's ``take`` on the
   calling thread (the numpy backend), so a decode step pays no thread
-  wake-up and no compile; the serial kernel was no faster there;
+  wake-up, no compiled call and no compile;
+- an output smaller than ``PARALLEL_MIN_BYTES``: the serial kernel on the
+  calling thread, with ordinary stores, touching each row's pages ahead;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
   16-byte aligned: the rows in parallel with non-temporal stores;
 - otherwise the rows in parallel with ordinary (cached) stores.
@@ -74,11 +76,14 @@ from .base import DENSE, Capabilities, SmallGather
 from .cpu_workers import WORKERS
 from .numpy_backend import take_into, take_new
 
-#: Outputs smaller than this are gathered by numpy's take on the calling
-#: thread: waking a sleeping worker costs tens of microseconds, more than it
-#: saves on a copy of a few rows. In bytes: a copy's time is in proportion to them.
-#: The API reads it through :meth:`NumbaBackend.small_gather` once per dispatch
-#: generation: a change reaches it after :func:`fastembed.dispatch.read_environment` or ``refresh()``.
+#: Outputs smaller than this are gathered by numpy's take on the calling thread: the serial kernel's
+#: page touch gains less on them than a compiled call costs. The API reads it through
+#: :meth:`NumbaBackend.small_gather` once per dispatch generation: a change reaches it after
+#: :func:`fastembed.dispatch.read_environment` or ``refresh()``.
+SERIAL_MIN_BYTES = 512 * 2**10
+#: Outputs smaller than this (and at least SERIAL_MIN_BYTES) are gathered by the serial kernel on the
+#: calling thread: waking a sleeping worker costs tens of microseconds, more than it saves on a copy of
+#: a few rows. In bytes: a copy's time is in proportion to them.
 PARALLEL_MIN_BYTES = 2 * 2**20
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the cache.
@@ -87,7 +92,7 @@ STREAM_MIN_OUT_BYTES = 2 * 2**20
 #: line, as they copy this one (0: off): random rows defeat the hardware prefetcher.
 PREFETCH_ROWS_AHEAD = 1
 #: ... and touches each 4 KiB page of the row this many rows ahead (0: off),
-#: so that its page translation is under way before the copy needs it.
+#: so that its page translation is under way before the copy needs it; so does the serial kernel.
 TOUCH_PAGES_ROWS_AHEAD = 16
 #: The dequantizing kernels' page touch distance (0: off); shorter than the copy's, since a
 #: dequantized row takes longer than a copied one.
@@ -246,9 +251,8 @@ class NumbaBackend:
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         n = ids.size
         # strides[0] is the row's bytes in a C-contiguous table (any value where there is one row or none).
-        if n * table.strides[0] < PARALLEL_MIN_BYTES or self._import_error is not None:
-            # Small: numpy's take on this thread (the serial kernel is no faster). Or numba failed to load,
-            # which unavailable_reasons() reports.
+        if n * table.strides[0] < SERIAL_MIN_BYTES or self._import_error is not None:
+            # A few rows: numpy's take on this thread. Or numba failed to load, which unavailable_reasons() reports.
             return take_new(table, ids) if out is None else take_into(table, ids, out)
         table_words, word = kernel_table(table)
         flat_ids = kernel_ids(ids)
@@ -264,13 +268,16 @@ class NumbaBackend:
         if out is None:
             out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype)
         out_words = _row_words(out, n, word) if given_words is None else given_words
-        status = self._run_parallel(kernels, table_words, flat_ids, out_words)
+        if out_words.nbytes < PARALLEL_MIN_BYTES:
+            status = int(kernels.gather_serial(table_words, flat_ids, out_words, TOUCH_PAGES_ROWS_AHEAD))
+        else:
+            status = self._run_parallel(kernels, table_words, flat_ids, out_words)
         _raise_for_status(status, ids, table.shape[0])
         return out
 
     def small_gather(self) -> SmallGather:
-        """Allocating outputs below ``PARALLEL_MIN_BYTES`` are numpy's take on the calling thread (:meth:`gather`)."""
-        return SmallGather(PARALLEL_MIN_BYTES, take_new)
+        """Allocating outputs below ``SERIAL_MIN_BYTES`` are numpy's take on the calling thread (:meth:`gather`)."""
+        return SmallGather(SERIAL_MIN_BYTES, take_new)
 
     def _compile(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray) -> bool:
         """Make the kernels for `signature` ready (importing numba first if needed); True when they are ready now.
@@ -307,9 +314,9 @@ class NumbaBackend:
             return  # kept as the backend's reason: unavailable_reasons() reports it
         table_words, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
         try:
-            kernels.gather_serial(table_words, no_ids, no_rows)
+            kernels.gather_serial(table_words, no_ids, no_rows, TOUCH_PAGES_ROWS_AHEAD)
             kernels.first_bad_position(no_ids, table_words.shape[0])
-            kernels.copy_rows(table_words, no_ids, no_rows, 0, 0)
+            kernels.copy_rows(table_words, no_ids, no_rows, 0, 0, 0)
             if _STREAMING_CPU:
                 kernels.stream_rows(table_words, no_ids, no_rows, 0, 0, PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD,
                                     ALIAS_WINDOW)
@@ -321,7 +328,7 @@ class NumbaBackend:
     def _run_parallel(self, kernels: Any, table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
         """Gather into `out_words` on the calling thread and the workers; the serial kernel while another does."""
         if self._parallel_lock.locked():
-            return int(kernels.gather_serial(table_words, flat_ids, out_words))
+            return int(kernels.gather_serial(table_words, flat_ids, out_words, TOUCH_PAGES_ROWS_AHEAD))
         with self._parallel_lock:  # not acquire() then try: an exception between the two would keep it taken for good
             bad = int(kernels.first_bad_position(flat_ids, table_words.shape[0]))
             if bad >= 0:
@@ -332,7 +339,7 @@ class NumbaBackend:
                                                TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
             else:
                 def rows(start: int, stop: int) -> int:
-                    return kernels.copy_rows(table_words, flat_ids, out_words, start, stop)
+                    return kernels.copy_rows(table_words, flat_ids, out_words, start, stop, 0)
             return _CHANGED_DURING_COPY if WORKERS.run(rows, len(flat_ids), thread_count(),
                                                        blocks_for(out_words.nbytes)) else -1
 

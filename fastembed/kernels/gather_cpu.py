@@ -49,11 +49,23 @@ CHANGED_DURING_COPY = -2
 
 
 @njit(**_JIT)
-def copy_rows(table, ids, out, start, stop):
-    """out[i] = table[ids[i]] for i in [start, stop), with ordinary stores; returns the rows skipped as out of range."""
+def copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead):
+    """out[i] = table[ids[i]] for i in [start, stop), with ordinary stores; returns the rows skipped as out of range.
+
+    ``touch_pages_rows_ahead``: as in :func:`stream_rows` (0: off); the
+    rows before that distance are touched first, so that a call of a few
+    rows has every row's page translation under way before it copies one.
+    """
     vocab_size = table.shape[0]
+    row_bytes = table.shape[1] * table.itemsize
+    table_address = table.ctypes.data
+    if touch_pages_rows_ahead > 0:
+        for i in range(start, min(start + touch_pages_rows_ahead, stop)):
+            _touch_pages(table_address + np.uintp(ids[i]) * row_bytes, row_bytes)
     skipped = 0
     for i in range(start, stop):
+        if touch_pages_rows_ahead > 0 and i + touch_pages_rows_ahead < stop:
+            _touch_pages(table_address + np.uintp(ids[i + touch_pages_rows_ahead]) * row_bytes, row_bytes)
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
@@ -63,6 +75,13 @@ def copy_rows(table, ids, out, start, stop):
         for w in range(table.shape[1]):
             out[i, w] = table[row, w]
     return skipped
+
+
+@njit(**_JIT)
+def _touch_pages(address, row_bytes):
+    """One prefetch per 4 KiB page of the row at `address` (a hint: an address outside the table is never read)."""
+    for page in range(0, row_bytes, 4096):
+        prefetch(address + page)
 
 
 @njit(**_JIT)
@@ -95,9 +114,7 @@ def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_r
     skipped = 0
     for i in range(start, stop):
         if touch_pages_rows_ahead > 0:
-            far = table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes
-            for page in range(0, row_bytes, 4096):
-                prefetch(far + page)
+            _touch_pages(table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes, row_bytes)
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
@@ -172,12 +189,12 @@ def _stream_row_backward(destination, source, row_bytes, prefetch_ahead, ahead):
 
 
 @njit(**_JIT)
-def gather_serial(table, ids, out):
-    """Gather on the calling thread (no thread wake-up: for small batches)."""
+def gather_serial(table, ids, out, touch_pages_rows_ahead):
+    """Gather on the calling thread (no thread wake-up: for small batches), touching pages as :func:`copy_rows`."""
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
-    if copy_rows(table, ids, out, 0, ids.size):
+    if copy_rows(table, ids, out, 0, ids.size, touch_pages_rows_ahead):
         return CHANGED_DURING_COPY
     return -1
 
