@@ -478,7 +478,9 @@ class NumbaBackend:
             "workers": (f"the calling thread and {threads - 1} fastembed worker thread(s) share a parallel lookup "
                         "(NUMBA_NUM_THREADS sets the count, and so does numba.set_num_threads in the calling thread "
                         "once numba's own threading layer runs; OpenMP settings do not apply)"),
+            "serial_min_bytes": SERIAL_MIN_BYTES,
             "parallel_min_bytes": PARALLEL_MIN_BYTES,
+            "max_block_bytes": MAX_BLOCK_BYTES,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
             "streaming_stores": _STREAMING_CPU,
             "output_cache": _output_cache_fact(),

@@ -170,15 +170,12 @@ def _copy_numba(stream: bool) -> Callable:
 
 def _read_scattered(table: np.ndarray, n: int) -> Callable:
     """Read the rows table[ids] and write nothing (copy_kernels.read_scattered): over threads where fastembed's
-    gather uses them, on the calling thread below the size at which fastembed's allocating lookup gathers there
-    too (its small gather), as waking the workers would cost more."""
-    from fastembed import dispatch
-
+    gather uses them, on the calling thread below that size, where it gathers there too, as waking the workers
+    would cost more."""
     from . import copy_kernels
 
     words = copy_kernels.word_view(table)
-    _, below_bytes, _ = dispatch.small_gather_for_ndarray(np.asarray(table))
-    if n * table.shape[1] * table.dtype.itemsize < below_bytes:
+    if not copy_kernels.gathers_on_threads(n * table.shape[1] * table.dtype.itemsize):
         return lambda ids: copy_kernels.read_scattered_serial(words, ids)
     return lambda ids: copy_kernels.read_scattered(words, ids)
 

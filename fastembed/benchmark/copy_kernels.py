@@ -27,8 +27,8 @@ from numba import njit
 
 from fastembed.backends import numba_backend
 from fastembed.backends.cpu_workers import WORKERS
-from fastembed.kernels.cpu_intrinsics import prefetch, store_fence
-from fastembed.kernels.gather_cpu import stream_row
+from fastembed.kernels.cpu_intrinsics import store_fence
+from fastembed.kernels.gather_cpu import stream_row, touch_pages
 
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
 
@@ -109,19 +109,21 @@ def copy_parallel_stream(src: np.ndarray, dst: np.ndarray, alias_window: int) ->
 def _xor_rows(table, ids, start, stop, touch_pages_rows_ahead):
     """The XOR of every word of rows ``table[ids[start:stop]]``: it depends on every word, so no read is dropped.
 
-    Each row starts with one prefetch per 4 KiB page of the row
-    ``touch_pages_rows_ahead`` rows ahead (0: none), as the streaming gather
-    does: random rows each need new page translations, and a read that waits
-    for them is not the fastest way to read the rows.
+    Rows touch pages ahead as the gather's kernels do (``copy_rows`` of
+    :mod:`fastembed.kernels.gather_cpu`: one prefetch per 4 KiB page of the
+    row ``touch_pages_rows_ahead`` rows ahead, 0: none, the first rows
+    before any read): random rows each need new page translations, and a
+    read that waits for them is not the fastest way to read the rows.
     """
     accumulator = table.dtype.type(0)
     row_bytes = table.shape[1] * table.itemsize
     table_address = table.ctypes.data
+    if touch_pages_rows_ahead > 0:
+        for i in range(start, min(start + touch_pages_rows_ahead, stop)):
+            touch_pages(table_address + np.uintp(ids[i]) * row_bytes, row_bytes)
     for i in range(start, stop):
-        if touch_pages_rows_ahead > 0:
-            far = table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes
-            for page in range(0, row_bytes, 4096):
-                prefetch(far + page)
+        if touch_pages_rows_ahead > 0 and i + touch_pages_rows_ahead < stop:
+            touch_pages(table_address + np.uintp(ids[i + touch_pages_rows_ahead]) * row_bytes, row_bytes)
         row = ids[i]
         for w in range(table.shape[1]):
             accumulator ^= table[row, w]
@@ -145,6 +147,11 @@ def read_scattered(table: np.ndarray, ids: np.ndarray) -> int:
 
     _over_threads(xor, ids.size, ids.size * table.shape[1] * table.itemsize)
     return functools.reduce(operator.xor, blocks, 0)
+
+
+def gathers_on_threads(out_bytes: int) -> bool:
+    """Whether fastembed's numba gather of an `out_bytes` output runs on its workers (else on the calling thread)."""
+    return out_bytes >= numba_backend.PARALLEL_MIN_BYTES
 
 
 def read_scattered_serial(table: np.ndarray, ids: np.ndarray) -> int:

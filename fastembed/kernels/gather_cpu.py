@@ -61,11 +61,11 @@ def copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead):
     table_address = table.ctypes.data
     if touch_pages_rows_ahead > 0:
         for i in range(start, min(start + touch_pages_rows_ahead, stop)):
-            _touch_pages(table_address + np.uintp(ids[i]) * row_bytes, row_bytes)
+            touch_pages(table_address + np.uintp(ids[i]) * row_bytes, row_bytes)
     skipped = 0
     for i in range(start, stop):
         if touch_pages_rows_ahead > 0 and i + touch_pages_rows_ahead < stop:
-            _touch_pages(table_address + np.uintp(ids[i + touch_pages_rows_ahead]) * row_bytes, row_bytes)
+            touch_pages(table_address + np.uintp(ids[i + touch_pages_rows_ahead]) * row_bytes, row_bytes)
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
@@ -78,7 +78,7 @@ def copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead):
 
 
 @njit(**_JIT)
-def _touch_pages(address, row_bytes):
+def touch_pages(address, row_bytes):
     """One prefetch per 4 KiB page of the row at `address` (a hint: an address outside the table is never read)."""
     for page in range(0, row_bytes, 4096):
         prefetch(address + page)
@@ -114,7 +114,7 @@ def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_r
     skipped = 0
     for i in range(start, stop):
         if touch_pages_rows_ahead > 0:
-            _touch_pages(table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes, row_bytes)
+            touch_pages(table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes, row_bytes)
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
