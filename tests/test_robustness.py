@@ -450,6 +450,7 @@ NO_COMPILE_ON_THE_CALLERS_THREAD = """
 import threading, numpy as np, fastembed
 from numba.core import event
 from fastembed.backends import numba_backend
+numba_backend.SERIAL_MIN_BYTES = 20 * 64 * 2     # 20 ids and more run on the kernels, fewer on numpy's take
 numba_backend.PARALLEL_MIN_BYTES = 40 * 64 * 2   # 40 ids and more run in parallel, fewer serially
 
 class CompileThreads(event.Listener):
@@ -471,7 +472,7 @@ frozen = ids.copy(); frozen.flags.writeable = False
 for round in range(2):                             # the second round finds every kernel compiled
     for source in (table, mapped):
         for given in (ids, strided, frozen, ids.reshape(10, 100), ids.astype(np.int32)):
-            for n in (20, 40, 1000):
+            for n in (10, 20, 40, 1000):
                 part = given.reshape(-1)[:n]
                 assert np.array_equal(fastembed.lookup(source, part), table[part])
                 assert np.array_equal(fastembed.lookup(source, part, out=np.empty((n, 64), table.dtype)), table[part])

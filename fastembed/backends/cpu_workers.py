@@ -137,6 +137,7 @@ class Workers:
                 included; 1 runs ``task(0, n_rows)`` here.
             n_blocks: blocks to cut the rows into, when more than
                 `n_threads` (at most `n_rows`); else one per thread.
+                Ignored where one thread runs the whole task.
 
         Returns:
             The sum of the blocks' counts.

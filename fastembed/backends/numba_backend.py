@@ -76,8 +76,9 @@ from .base import DENSE, Capabilities, SmallGather
 from .cpu_workers import WORKERS
 from .numpy_backend import take_into, take_new
 
-#: Outputs smaller than this are gathered by numpy's take on the calling thread: the serial kernel's
-#: page touch gains less on them than a compiled call costs. The API reads it through
+#: Outputs smaller than this are gathered by numpy's take on the calling thread: below it the allocating
+#: lookup, which the API hands to take directly, would lose more than the serial kernel's page touch gains.
+#: The API reads it through
 #: :meth:`NumbaBackend.small_gather` once per dispatch generation: a change reaches it after
 #: :func:`fastembed.dispatch.read_environment` or ``refresh()``.
 SERIAL_MIN_BYTES = 512 * 2**10
@@ -101,8 +102,8 @@ DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD = 4
 #: below its destination modulo 4 KiB, where a forward copy's loads wait on
 #: its own stores (4K aliasing).
 ALIAS_WINDOW = 32
-#: A parallel gather cuts its output into blocks of at most this many bytes (and at least one block per
-#: thread): under a competing load a thread sharing its CPU claims fewer of them, where with one block per
+#: A parallel gather cuts its output into equal blocks, one per this many bytes begun (each at most this
+#: size plus a row), and at least one per thread: under a competing load a thread sharing its CPU claims fewer of them, where with one block per
 #: thread the others would wait for its half (docs/backends.md). The dequantizing gather keeps one block
 #: per thread: it gained nothing from smaller ones.
 MAX_BLOCK_BYTES = 32 * 2**20

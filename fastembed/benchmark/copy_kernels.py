@@ -109,10 +109,10 @@ def copy_parallel_stream(src: np.ndarray, dst: np.ndarray, alias_window: int) ->
 def _xor_rows(table, ids, start, stop, touch_pages_rows_ahead):
     """The XOR of every word of rows ``table[ids[start:stop]]``: it depends on every word, so no read is dropped.
 
-    Rows touch pages ahead as the gather's kernels do (``copy_rows`` of
-    :mod:`fastembed.kernels.gather_cpu`: one prefetch per 4 KiB page of the
-    row ``touch_pages_rows_ahead`` rows ahead, 0: none, the first rows
-    before any read): random rows each need new page translations, and a
+    Rows touch pages ahead as the gather's serial and streaming kernels do
+    (``copy_rows`` of :mod:`fastembed.kernels.gather_cpu` with a distance:
+    one prefetch per 4 KiB page of the row ``touch_pages_rows_ahead`` rows
+    ahead, 0: none, the first rows before any read): random rows each need new page translations, and a
     read that waits for them is not the fastest way to read the rows.
     """
     accumulator = table.dtype.type(0)
