@@ -134,8 +134,9 @@ def read_environment() -> None:
 _environment_choice = AUTO
 #: Changes whenever an answer of :func:`select` may change (FASTEMBED_BACKEND re-read, :func:`refresh`).
 generation = 0
-#: :func:`small_gather_for_ndarray`'s last answer: (the :data:`generation` it holds for, below_bytes, gather_new).
-ndarray_small_gather: tuple[int, int, Callable[[Any, Any], Any]] = (-1, 0, lambda table, ids: None)
+#: :func:`small_gather_for_ndarray`'s last answer: (the :data:`generation` it holds for, below_bytes, gather_new,
+#: calling_thread_below_bytes).
+ndarray_small_gather: tuple[int, int, Callable[[Any, Any], Any], int] = (-1, 0, lambda table, ids: None, 0)
 #: The backend chosen per (requested backend, FASTEMBED_BACKEND, table type), or per (requested backend,
 #: FASTEMBED_BACKEND, data type, format) for a QuantizedTable.
 _selected: dict[tuple[Any, ...], Backend] = {}
@@ -208,7 +209,7 @@ def _forget_choices() -> None:
 base.on_availability_change(_forget_choices)
 
 
-def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any], Any]]:
+def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any], Any], int]:
     """The small allocating gather of the backend ``"auto"`` picks for a plain numpy table (`table`: a snapshot).
 
     The lookup API keeps calling the answer, :data:`ndarray_small_gather`,
@@ -222,7 +223,8 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     is its ``gather`` itself, at every size.
 
     Returns:
-        ``(generation, below_bytes, gather_new)``.
+        ``(generation, below_bytes, gather_new, calling_thread_below_bytes)``
+        (:class:`~fastembed.backends.base.SmallGather`).
 
     Raises:
         BackendUnavailableError: as :func:`select` (FASTEMBED_BACKEND names a
@@ -235,8 +237,8 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     if isinstance(chosen, base.SmallGatherBackend):
         small = chosen.small_gather()
     else:
-        small = base.SmallGather(sys.maxsize, lambda table, ids: chosen.gather(table, ids, None))
-    ndarray_small_gather = (seen, small.below_bytes, small.gather_new)
+        small = base.SmallGather(sys.maxsize, lambda table, ids: chosen.gather(table, ids, None), sys.maxsize)
+    ndarray_small_gather = (seen, small.below_bytes, small.gather_new, small.calling_thread_below_bytes)
     return ndarray_small_gather
 
 

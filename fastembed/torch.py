@@ -10,9 +10,9 @@ inference, or when the weight is frozen. It gives torch's result in every
 other case by using torch's own embedding (never a copy of the weight):
 
 * for small batches: an output below the size under which fastembed's
-  backend would gather on the calling thread with the array library's own
-  take (:func:`fastembed.dispatch.small_gather_for_ndarray`), since for torch
-  tensors that take is torch's embedding, without the conversions between;
+  backend would gather on the calling thread alone
+  (:func:`fastembed.dispatch.small_gather_for_ndarray`), where torch's
+  embedding is at least as fast, without the conversions between;
 * while torch compiles, traces or scripts the model (``torch.compile``,
   ``torch.export``, ``torch.jit.trace``, ``torch.jit.script``, ``torch.fx``
   symbolic tracing), so the graph holds torch's operation, which runs on
@@ -144,7 +144,7 @@ class Embedding(torch.nn.Embedding):
             _say_fallback_once(self, input)
             return super().forward(input)
         if input.numel() * weight.shape[1] * weight.element_size() < _small_gather_bytes():
-            # A gather fastembed would leave to a library's take on this thread: torch's embedding is that take.
+            # A gather fastembed would do on this thread alone: torch's embedding is at least as fast there.
             return F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq,
                                self.sparse)
         if stands_for_other_memory(weight) or stands_for_other_memory(input):
@@ -179,13 +179,13 @@ def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
 
 
 def _small_gather_bytes() -> int:
-    """The output size below which fastembed's backend for host tables gathers on the calling thread with the
-    array library's own take (:func:`fastembed.dispatch.small_gather_for_ndarray`); for torch tensors that take
-    is torch's embedding, without the DLPack conversions in between."""
+    """The output size below which fastembed's backend for host tables gathers on the calling thread alone
+    (:func:`fastembed.dispatch.small_gather_for_ndarray`): torch's embedding serves such batches of torch tensors
+    at least as fast, without the DLPack conversions in between (docs/interop.md)."""
     small = dispatch.ndarray_small_gather
     if small[0] != dispatch.generation:
         small = dispatch.small_gather_for_ndarray(_PROBE_TABLE)
-    return small[1]
+    return small[3]
 
 
 #: A numpy table to ask the dispatcher with: its choice for host tables depends only on the table's type.

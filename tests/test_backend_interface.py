@@ -124,7 +124,8 @@ def test_a_host_backends_small_gather_is_its_gather_below_its_size(name):
     if backend.unavailable_reasons():
         pytest.skip(f"{name} is not available here")
     assert isinstance(backend, base.SmallGatherBackend)
-    below, gather_new = backend.small_gather()
+    below, gather_new, calling_thread_below = backend.small_gather()
+    assert calling_thread_below >= below
     table = random_table(3000, 1000, "float16")
     rows = min(below // table.strides[0], 2000) if below < 2**40 else 2000
     for ids in (np.array([7]), np.random.default_rng(1).integers(0, 3000, (2, rows // 2)), np.zeros(0, np.int64)):

@@ -155,13 +155,14 @@ def _record_serving(monkeypatch, served):
         monkeypatch.setattr(backend, "gather", lambda *a, name=backend.name, gather=original: (
             served.append((name, "gather")), gather(*a))[1])
         if hasattr(backend, "small_gather"):
-            below, gather_new = backend.small_gather()
+            below, gather_new, calling_thread_below = backend.small_gather()
             def recording(*arguments, name=backend.name, gather=gather_new):
                 served.append((name, "small"))
                 return gather(*arguments)
 
-            monkeypatch.setattr(backend, "small_gather", lambda below=below, recording=recording: base.SmallGather(
-                below, recording))
+            monkeypatch.setattr(backend, "small_gather", lambda below=below, recording=recording,
+                                calling_thread_below=calling_thread_below: base.SmallGather(
+                below, recording, calling_thread_below))
     dispatch.refresh()  # the API's remembered small gather is made again, from the recording backends
 
 

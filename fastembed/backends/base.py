@@ -121,10 +121,14 @@ class SmallGather(NamedTuple):
     ``gather(table, ids, None)`` does for a plain numpy table whose output
     (``ids.size`` times the table's row stride) is smaller than
     ``below_bytes``: same snapshots, same contract.
+    ``calling_thread_below_bytes`` (at least ``below_bytes``): outputs
+    smaller than it are gathered on the calling thread alone, by
+    ``gather_new`` or by the backend's own serial code.
     """
 
     below_bytes: int
     gather_new: Callable[[Any, Any], Any]
+    calling_thread_below_bytes: int
 
 
 @runtime_checkable

@@ -277,8 +277,9 @@ class NumbaBackend:
         return out
 
     def small_gather(self) -> SmallGather:
-        """Allocating outputs below ``SERIAL_MIN_BYTES`` are numpy's take on the calling thread (:meth:`gather`)."""
-        return SmallGather(SERIAL_MIN_BYTES, take_new)
+        """Allocating outputs below ``SERIAL_MIN_BYTES`` are numpy's take on the calling thread (:meth:`gather`);
+        the serial kernel gathers on it too, below ``PARALLEL_MIN_BYTES``."""
+        return SmallGather(SERIAL_MIN_BYTES, take_new, PARALLEL_MIN_BYTES)
 
     def _compile(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray) -> bool:
         """Make the kernels for `signature` ready (importing numba first if needed); True when they are ready now.

@@ -50,7 +50,7 @@ class NumpyBackend:
 
     def small_gather(self) -> SmallGather:
         """Every allocating gather is :func:`take_new`."""
-        return SmallGather(sys.maxsize, take_new)
+        return SmallGather(sys.maxsize, take_new, sys.maxsize)
 
     def dequantize(self, table: QuantizedTable, ids: np.ndarray, out: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
         if out is None:
