@@ -143,7 +143,7 @@ class Embedding(torch.nn.Embedding):
         ) or not _viewable(weight) or self.max_norm is not None:
             _say_fallback_once(self, input)
             return super().forward(input)
-        if input.numel() * weight.shape[1] * weight.element_size() < _small_gather_bytes():
+        if input.numel() * weight.shape[1] * weight.element_size() < _calling_thread_bytes():
             # A gather fastembed would do on this thread alone: torch's embedding is at least as fast there.
             return F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq,
                                self.sparse)
@@ -178,7 +178,7 @@ def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
     return forward_ad._current_level >= 0 and forward_ad.unpack_dual(weight).tangent is not None
 
 
-def _small_gather_bytes() -> int:
+def _calling_thread_bytes() -> int:
     """The output size below which fastembed's backend for host tables gathers on the calling thread alone
     (:func:`fastembed.dispatch.small_gather_for_ndarray`): torch's embedding serves such batches of torch tensors
     at least as fast, without the DLPack conversions in between (docs/interop.md)."""

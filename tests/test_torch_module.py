@@ -35,7 +35,7 @@ def fallback_not_said_yet(monkeypatch):
 def fastembed_serves_every_size(request, monkeypatch):
     """The tests' small tables would all be torch's small batches: fastembed's path is what most of them check."""
     if "small_batches" not in request.keywords:
-        monkeypatch.setattr(fastembed_torch, "_small_gather_bytes", lambda: 0)
+        monkeypatch.setattr(fastembed_torch, "_calling_thread_bytes", lambda: 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -419,7 +419,7 @@ def test_batches_below_the_small_gather_size_are_torchs_own_embedding(monkeypatc
 
     calls = []
     monkeypatch.setattr(fastembed_torch, "lookup", lambda *args: calls.append(args) or fastembed.lookup(*args))
-    below = fastembed_torch._small_gather_bytes()
+    below = fastembed_torch._calling_thread_bytes()
     assert below == dispatch.small_gather_for_ndarray(np.empty((1, 1), np.float16))[3] > 0
     weight = torch.randn(4096, 64)  # 256-byte rows
     layer = Embedding.from_pretrained(weight)

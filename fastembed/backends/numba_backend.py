@@ -78,9 +78,8 @@ from .numpy_backend import take_into, take_new
 
 #: Outputs smaller than this are gathered by numpy's take on the calling thread: below it the allocating
 #: lookup, which the API hands to take directly, would lose more than the serial kernel's page touch gains.
-#: The API reads it through
-#: :meth:`NumbaBackend.small_gather` once per dispatch generation: a change reaches it after
-#: :func:`fastembed.dispatch.read_environment` or ``refresh()``.
+#: The API reads it through :meth:`NumbaBackend.small_gather` once per dispatch generation: a change
+#: reaches it after :func:`fastembed.dispatch.read_environment` or ``refresh()``.
 SERIAL_MIN_BYTES = 512 * 2**10
 #: Outputs smaller than this (and at least SERIAL_MIN_BYTES) are gathered by the serial kernel on the
 #: calling thread: waking a sleeping worker costs tens of microseconds, more than it saves on a copy of
@@ -103,9 +102,9 @@ DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD = 4
 #: its own stores (4K aliasing).
 ALIAS_WINDOW = 32
 #: A parallel gather cuts its output into equal blocks, one per this many bytes begun (each at most this
-#: size plus a row), and at least one per thread: under a competing load a thread sharing its CPU claims fewer of them, where with one block per
-#: thread the others would wait for its half (docs/backends.md). The dequantizing gather keeps one block
-#: per thread: it gained nothing from smaller ones.
+#: size plus a row), and at least one per thread: under a competing load a thread sharing its CPU claims
+#: fewer of them, where with one block per thread the others would wait for its half (docs/backends.md).
+#: The dequantizing gather keeps one block per thread: it gained nothing from smaller ones.
 MAX_BLOCK_BYTES = 32 * 2**20
 #: Import numba and compile each new signature on a background thread while
 #: the numpy backend serves (see background_compile); False does both in the

@@ -28,7 +28,7 @@ from numba import njit
 from fastembed.backends import numba_backend
 from fastembed.backends.cpu_workers import WORKERS
 from fastembed.kernels.cpu_intrinsics import store_fence
-from fastembed.kernels.gather_cpu import stream_row, touch_pages
+from fastembed.kernels.gather_cpu import stream_row, touch_rows_ahead
 
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
 
@@ -109,21 +109,15 @@ def copy_parallel_stream(src: np.ndarray, dst: np.ndarray, alias_window: int) ->
 def _xor_rows(table, ids, start, stop, touch_pages_rows_ahead):
     """The XOR of every word of rows ``table[ids[start:stop]]``: it depends on every word, so no read is dropped.
 
-    Rows touch pages ahead as the gather's serial and streaming kernels do
-    (``copy_rows`` of :mod:`fastembed.kernels.gather_cpu` with a distance:
-    one prefetch per 4 KiB page of the row ``touch_pages_rows_ahead`` rows
-    ahead, 0: none, the first rows before any read): random rows each need new page translations, and a
-    read that waits for them is not the fastest way to read the rows.
+    Rows touch pages ahead as the gather's serial kernel does
+    (:func:`fastembed.kernels.gather_cpu.touch_rows_ahead`,
+    ``touch_pages_rows_ahead`` rows ahead, 0: none): random rows each need
+    new page translations, and a read that waits for them is not the
+    fastest way to read the rows.
     """
     accumulator = table.dtype.type(0)
-    row_bytes = table.shape[1] * table.itemsize
-    table_address = table.ctypes.data
-    if touch_pages_rows_ahead > 0:
-        for i in range(start, min(start + touch_pages_rows_ahead, stop)):
-            touch_pages(table_address + np.uintp(ids[i]) * row_bytes, row_bytes)
     for i in range(start, stop):
-        if touch_pages_rows_ahead > 0 and i + touch_pages_rows_ahead < stop:
-            touch_pages(table_address + np.uintp(ids[i + touch_pages_rows_ahead]) * row_bytes, row_bytes)
+        touch_rows_ahead(table, ids, i, start, stop, touch_pages_rows_ahead)
         row = ids[i]
         for w in range(table.shape[1]):
             accumulator ^= table[row, w]

@@ -111,7 +111,8 @@ def worker(table_path: str, batches: list[int], reps: int, seed: int, one_cpu: b
                 with collector_paused():
                     started = time.perf_counter()
                     result = call(ids)
-                    times[name].append(time.perf_counter() - started)
+                    elapsed = time.perf_counter() - started
+                times[name].append(elapsed)
                 del result
         samples[str(batch)] = times
     tracked = len(gc.get_objects())

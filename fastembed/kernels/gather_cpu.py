@@ -52,20 +52,12 @@ CHANGED_DURING_COPY = -2
 def copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead):
     """out[i] = table[ids[i]] for i in [start, stop), with ordinary stores; returns the rows skipped as out of range.
 
-    ``touch_pages_rows_ahead``: as in :func:`stream_rows` (0: off); the
-    rows before that distance are touched first, so that a call of a few
-    rows has every row's page translation under way before it copies one.
+    ``touch_pages_rows_ahead``: the distance of :func:`touch_rows_ahead` (0: off).
     """
     vocab_size = table.shape[0]
-    row_bytes = table.shape[1] * table.itemsize
-    table_address = table.ctypes.data
-    if touch_pages_rows_ahead > 0:
-        for i in range(start, min(start + touch_pages_rows_ahead, stop)):
-            touch_pages(table_address + np.uintp(ids[i]) * row_bytes, row_bytes)
     skipped = 0
     for i in range(start, stop):
-        if touch_pages_rows_ahead > 0 and i + touch_pages_rows_ahead < stop:
-            touch_pages(table_address + np.uintp(ids[i + touch_pages_rows_ahead]) * row_bytes, row_bytes)
+        touch_rows_ahead(table, ids, i, start, stop, touch_pages_rows_ahead)
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
@@ -75,6 +67,21 @@ def copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead):
         for w in range(table.shape[1]):
             out[i, w] = table[row, w]
     return skipped
+
+
+@njit(**_JIT)
+def touch_rows_ahead(table, ids, i, start, stop, distance):
+    """Before row `i` of [start, stop): the pages of the row `distance` ahead (0: none), and at the first row
+    those of every row before that distance, so that a call of a few rows has them all under way."""
+    if distance <= 0:
+        return
+    row_bytes = table.shape[1] * table.itemsize
+    table_address = table.ctypes.data
+    if i == start:
+        for first in range(start, min(start + distance, stop)):
+            touch_pages(table_address + np.uintp(ids[first]) * row_bytes, row_bytes)
+    if i + distance < stop:
+        touch_pages(table_address + np.uintp(ids[i + distance]) * row_bytes, row_bytes)
 
 
 @njit(**_JIT)
