@@ -242,6 +242,19 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     return ndarray_small_gather
 
 
+def placing_backend(table: Any) -> base.PlacingBackend:
+    """The backend that places rows of `table` (a host numpy snapshot) into chosen output rows.
+
+    ``"auto"``'s choice for the table where it is a
+    :class:`~fastembed.backends.base.PlacingBackend`, else the numpy backend.
+
+    Raises:
+        BackendUnavailableError, ValueError: as :func:`select`.
+    """
+    chosen = select(table, AUTO)
+    return chosen if isinstance(chosen, base.PlacingBackend) else numpy_backend.BACKEND
+
+
 def select(table: Any, backend: str = AUTO) -> Backend:
     """The backend that serves a call on `table` (a snapshot); raises if a named one cannot.
 

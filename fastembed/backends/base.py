@@ -1,9 +1,10 @@
 """The interface every backend implements, and the capabilities it declares.
 
 A backend is an object with a ``name``, declared :class:`Capabilities`, and
-four methods (:class:`Backend`); :class:`DequantizingBackend` and
-:class:`SmallGatherBackend` each add one it may have. The dispatcher derives why a backend cannot
-serve a call from those declarations (:func:`not_supported_reasons`); no
+four methods (:class:`Backend`); :class:`DequantizingBackend`,
+:class:`SmallGatherBackend` and :class:`PlacingBackend` each add one it may
+have. The dispatcher derives why a backend cannot serve a call from those
+declarations (:func:`not_supported_reasons`); no
 backend writes that logic itself. Adding a backend is one module that
 defines such an object, plus one call to
 :func:`fastembed.dispatch.register_backend`.
@@ -95,6 +96,33 @@ class DequantizingBackend(Backend, Protocol):
 
     def dequantize(self, table: Any, ids: Any, out: Any | None, dtype: np.dtype) -> Any:
         """Write the dequantized ``table[ids]`` as `dtype` into ``out`` (or a new array) and return it."""
+        ...
+
+
+@runtime_checkable
+class PlacingBackend(Backend, Protocol):
+    """A host backend that also gathers rows into chosen rows of an output (:meth:`place`).
+
+    The distributed layer's shared-memory exchange uses it to put each row
+    straight where its result needs it. The numpy backend is its reference.
+    """
+
+    def place(self, table: Any, ids: Any, out: Any, positions: Any) -> None:
+        """Write ``table[ids[i]]`` into ``out[positions[i]]`` for every i; the other rows of `out` stay as they are.
+
+        `table` (a dense 2-D host table) and `out` (2-D, the table's dtype and
+        row width) are snapshots; `ids` and `positions` are 1-D integer
+        arrays of one length. The positions must be distinct: rows placed at
+        one position by several threads could interleave.
+
+        Raises:
+            IndexError: an id outside the table (:func:`fastembed.validate.out_of_range_error`);
+                nothing is written.
+            ValueError: positions that are not one integer per id, each a row of
+                `out`; nothing is written.
+            RuntimeError: another thread changed the ids while they were placed
+                (the rows it made bad are skipped).
+        """
         ...
 
 

@@ -43,6 +43,13 @@ Safety:
   dispatcher choose again; kernels that fail to compile leave numpy serving
   their signature, reported by ``describe()``.
 
+Rows gathered into chosen rows of an output (:meth:`NumbaBackend.place`,
+which the distributed layer's shared-memory exchange uses) take the same
+paths by the bytes placed: numpy below ``SERIAL_MIN_BYTES`` or while the
+kernel compiles, else the place kernel on the calling thread, or in
+parallel from ``PARALLEL_MIN_BYTES``, with non-temporal stores from
+``STREAM_MIN_OUT_BYTES``.
+
 Quantized tables (:meth:`NumbaBackend.dequantize`, every block format of
 :mod:`fastembed.formats`) go through :mod:`fastembed.kernels.dequant_cpu`:
 the serial kernel below ``PARALLEL_MIN_BYTES`` of output (no numpy ``take``
@@ -64,6 +71,7 @@ import os
 import platform
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -257,8 +265,9 @@ class NumbaBackend:
         table_words, word = kernel_table(table)
         flat_ids = kernel_ids(ids)
         given_words = None if out is None else _row_words(out, n, word)
-        signature = _signature(table_words, flat_ids, given_words)
-        if signature not in self._compiles.done and not self._compile(signature, table_words, flat_ids):
+        signature = ("gather", *_signature(table_words, flat_ids, given_words))
+        if signature not in self._compiles.done and not self._compile(
+                signature, lambda compiles: self._compile_now(signature, table_words, flat_ids, compiles)):
             if out is None and n * table.shape[1] * table.dtype.itemsize >= output_cache.MIN_BYTES:
                 output_cache.limit()  # a bad setting raises now, as it will once the kernels serve
             return numpy_backend.BACKEND.gather(table, ids, out)  # compiling in the background meanwhile
@@ -280,28 +289,29 @@ class NumbaBackend:
         the serial kernel gathers on it too, below ``PARALLEL_MIN_BYTES``."""
         return SmallGather(SERIAL_MIN_BYTES, take_new, PARALLEL_MIN_BYTES)
 
-    def _compile(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray) -> bool:
-        """Make the kernels for `signature` ready (importing numba first if needed); True when they are ready now.
+    def _compile(self, signature: tuple, compile_now: Callable[[_Compiles], None]) -> bool:
+        """Make the kernels of `signature` ready (importing numba first if needed); True when they are ready now.
 
-        With COMPILE_IN_BACKGROUND, numba is imported and a new signature
-        compiled on a background thread (the call is served by the numpy
-        backend meanwhile), so no lookup ever imports numba or compiles on
-        the caller's thread; otherwise here.
+        `signature` starts with the kernels' kind ("gather", "place",
+        "dequantize"); ``compile_now(compiles)`` compiles them and records the
+        outcome in `compiles`. With COMPILE_IN_BACKGROUND, numba is imported
+        and a new signature compiled on a background thread (the call is
+        served by the numpy backend meanwhile), so no lookup ever imports
+        numba or compiles on the caller's thread; otherwise here.
         """
-        templates = _templates(table_words, flat_ids, signature)
         compiles = self._compiles
         if signature in compiles.failed:
             return False
         if COMPILE_IN_BACKGROUND:
-            background_compile.start(("gather", compiles.epoch, *signature),
-                                     lambda: self._compile_now(signature, templates, compiles))
+            background_compile.start((signature[0], compiles.epoch, *signature[1:]), lambda: compile_now(compiles))
             return signature in compiles.done
         with background_compile.foreground(), contextlib.suppress(Exception):  # kept: describe() reports it
-            self._compile_now(signature, templates, compiles)
+            compile_now(compiles)
         return signature in compiles.done
 
-    def _compile_now(self, signature: tuple, templates: tuple, compiles: _Compiles) -> None:
-        """Compile every kernel for these argument types with calls that gather no row.
+    def _compile_now(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray,
+                     compiles: _Compiles) -> None:
+        """Compile every gather kernel for these argument types with calls that gather no row.
 
         The templates have the arguments' types (dtype, read-only flag,
         alignment) but none of their memory, so a compile keeps no table
@@ -309,18 +319,27 @@ class NumbaBackend:
         the backend's record when the compile started: numpy serves their
         signature, and ``describe()`` says why.
         """
-        try:
-            kernels = self.kernels()
-        except ImportError:
-            return  # kept as the backend's reason: unavailable_reasons() reports it
-        table_words, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
-        try:
+        templates = _templates(table_words, flat_ids, signature[1:])
+
+        def compile_gather(kernels: Any) -> None:
+            table_words, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
             kernels.gather_serial(table_words, no_ids, no_rows, TOUCH_PAGES_ROWS_AHEAD)
             kernels.first_bad_position(no_ids, table_words.shape[0])
             kernels.copy_rows(table_words, no_ids, no_rows, 0, 0, 0)
             if _STREAMING_CPU:
                 kernels.stream_rows(table_words, no_ids, no_rows, 0, 0, PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD,
                                     ALIAS_WINDOW)
+
+        self._compile_kernels(signature, compile_gather, compiles)
+
+    def _compile_kernels(self, signature: tuple, compile_with: Callable[[Any], None], compiles: _Compiles) -> None:
+        """Run ``compile_with(kernels)`` (calls that copy nothing) and record in `compiles` whether it compiled."""
+        try:
+            kernels = self.kernels()
+        except ImportError:
+            return  # kept as the backend's reason: unavailable_reasons() reports it
+        try:
+            compile_with(kernels)
         except Exception as error:  # a corrupt on-disk cache, say: numpy serves the signature, describe() says why
             compiles.failed[signature] = _one_line(error)
             raise
@@ -344,6 +363,58 @@ class NumbaBackend:
             return _CHANGED_DURING_COPY if WORKERS.run(rows, len(flat_ids), thread_count(),
                                                        blocks_for(out_words.nbytes)) else -1
 
+    # -- the gather into chosen rows ---------------------------------------------
+
+    def place(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray, positions: np.ndarray) -> None:
+        """``out[positions[i]] = table[ids[i]]``, as :meth:`fastembed.backends.base.PlacingBackend.place` says.
+
+        Outputs below ``SERIAL_MIN_BYTES`` of placed rows, and calls whose
+        kernels are still compiling, go to the numpy backend; the rest run the
+        place kernel serially or in parallel, with non-temporal stores, as
+        the gather of as many rows would.
+        """
+        numpy_backend.check_positions(positions, ids.size, out.shape[0])
+        n = ids.size
+        if n * table.strides[0] < SERIAL_MIN_BYTES or self._import_error is not None:
+            numpy_backend.BACKEND.place(table, ids, out, positions)
+            return
+        table_words, word = kernel_table(table)
+        flat_ids = kernel_ids(ids)
+        out_words = _row_words(out, out.shape[0], word)
+        flat_positions = _int64_ids(positions)
+        signature = ("place", *_signature(table_words, flat_ids, out_words))
+        ready = signature in self._compiles.done or self._compile(
+            signature, lambda compiles: self._compile_place_now(signature, table_words, flat_ids, compiles))
+        kernels = self._kernels
+        if not ready or kernels is None:  # compiling in the background meanwhile, or reset() by another thread
+            numpy_backend.BACKEND.place(table, ids, out, positions)
+            return
+        bad = int(kernels.first_bad_position(flat_ids, table_words.shape[0]))
+        if bad >= 0:
+            raise validate.out_of_range_error(ids, bad, table.shape[0])
+        placed_bytes = n * table_words.shape[1] * word.itemsize
+        stream = placed_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words)
+
+        def rows(start: int, stop: int) -> int:
+            return kernels.place_rows(table_words, flat_ids, out_words, flat_positions, start, stop, stream,
+                                      PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
+
+        if placed_bytes < PARALLEL_MIN_BYTES or self._parallel_lock.locked():
+            skipped = rows(0, n)
+        else:
+            with self._parallel_lock:
+                skipped = WORKERS.run(rows, n, thread_count(), blocks_for(placed_bytes))
+        if skipped:
+            _raise_for_status(_CHANGED_DURING_COPY, ids, table.shape[0])
+
+    def _compile_place_now(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray,
+                           compiles: _Compiles) -> None:
+        """Compile the place kernel for these argument types with a call that places no row."""
+        table, no_ids, no_rows = _templates(table_words, flat_ids, signature[1:])
+        no_positions = _read_only(np.zeros(1, np.int64))
+        self._compile_kernels(signature, lambda kernels: kernels.place_rows(
+            table, no_ids, no_rows, no_positions, 0, 0, False, 0, 0, 0), compiles)
+
     # -- the dequantizing gather ----------------------------------------------
 
     def dequantize(self, table: QuantizedTable, ids: np.ndarray, out: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
@@ -361,7 +432,8 @@ class NumbaBackend:
         word = np.dtype(np.float32) if dtype.itemsize == 4 else np.dtype(np.uint16)
         signature = ("dequantize", word)
         if self._import_error is not None or self._dequantize_error is not None or (
-            signature not in self._compiles.done and not self._compile_dequantize(signature)
+            signature not in self._compiles.done
+            and not self._compile(signature, lambda compiles: self._compile_dequantize_now(signature, compiles))
         ):
             return numpy_backend.dequantize_into(table, ids, out)  # the kernels are compiling (or cannot load)
         kernels, gather_kernels = self._dequantize_kernels, self._kernels
@@ -418,19 +490,6 @@ class NumbaBackend:
                                                 PREFETCH_ROWS_AHEAD, DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD)
 
             return _CHANGED_DURING_COPY if WORKERS.run(dequantized, len(flat_ids), thread_count()) else -1
-
-    def _compile_dequantize(self, signature: tuple) -> bool:
-        """As :meth:`_compile`, for the dequantizing kernels of `signature` ("dequantize", output word)."""
-        compiles = self._compiles
-        if signature in compiles.failed:
-            return False
-        if COMPILE_IN_BACKGROUND:
-            background_compile.start((signature[0], compiles.epoch, *signature[1:]),
-                                     lambda: self._compile_dequantize_now(signature, compiles))
-            return signature in compiles.done
-        with background_compile.foreground(), contextlib.suppress(Exception):  # kept: describe() reports it
-            self._compile_dequantize_now(signature, compiles)
-        return signature in compiles.done
 
     def _compile_dequantize_now(self, signature: tuple, compiles: _Compiles) -> None:
         """Compile the dequantizing kernels for an output word with calls that dequantize no row (one bad id)."""

@@ -9,7 +9,8 @@ Contract shared by every gather kernel here:
   ``(vocab_size, words_per_row)``; Numba has no float16 on the CPU, and a
   word copy is bit-exact for every dtype;
 - ``ids`` is 1-D int32 or int64;
-- ``out`` has shape ``(ids.size, words_per_row)`` and the table's word dtype;
+- ``out`` has shape ``(ids.size, words_per_row)`` and the table's word dtype
+  (:func:`place_rows`: any number of rows, which ``positions`` choose);
 - the return value is -1 on success, else the position of the first id
   outside ``[0, vocab_size)``; in that case nothing has been written to
   ``out``: the ids are scanned before any row is copied, inside the same
@@ -131,6 +132,44 @@ def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_r
         destination = out_address + np.uintp(i) * row_bytes
         stream_row(destination, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
     store_fence()
+    return skipped
+
+
+@njit(**_JIT)
+def place_rows(table, ids, out, positions, start, stop, stream, prefetch_rows_ahead, touch_pages_rows_ahead,
+               alias_window):
+    """out[positions[i]] = table[ids[i]] for i in [start, stop): rows gathered into chosen rows of `out`.
+
+    The other rows of `out` are not written. With `stream` (:func:`can_stream`
+    must allow it), non-temporal stores, prefetching and touching pages as
+    :func:`stream_rows`; else ordinary stores. Returns the rows skipped
+    because their id or position was out of range (nothing is read or
+    written for them).
+    """
+    row_bytes = table.shape[1] * table.itemsize
+    vocab_size = table.shape[0]
+    out_rows = out.shape[0]
+    table_address = table.ctypes.data
+    out_address = out.ctypes.data
+    skipped = 0
+    for i in range(start, stop):
+        if touch_pages_rows_ahead > 0:
+            touch_pages(table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes, row_bytes)
+        row = ids[i]
+        position = positions[i]
+        if row < 0 or row >= vocab_size or position < 0 or position >= out_rows:
+            skipped += 1
+            continue
+        if stream:
+            source = table_address + np.uintp(row) * row_bytes
+            ahead = table_address + np.uintp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
+            stream_row(out_address + np.uintp(position) * row_bytes, source, row_bytes, prefetch_rows_ahead > 0, ahead,
+                       alias_window)
+        else:
+            for w in range(table.shape[1]):
+                out[position, w] = table[row, w]
+    if stream:
+        store_fence()
     return skipped
 
 
