@@ -40,6 +40,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 import fastembed  # noqa: E402
 from fastembed import distributed  # noqa: E402
 from fastembed.arrays import torch_adapter  # noqa: E402
+from fastembed.backends import numba_backend  # noqa: E402
 from fastembed.distributed import CommunicationError, VocabParallelEmbedding  # noqa: E402
 from fastembed.formats import FORMATS, QuantizedTable, quantize_rows  # noqa: E402
 from fastembed.tables import random_quantized_table, random_table  # noqa: E402
@@ -232,11 +233,20 @@ def exactness_task(rank: int, world: int, exchange: str) -> dict:
         emb = build(table, pad_to_multiple=pad, timeout=30)
         failures += check_lookups(emb, table, world, rank, f"pad {pad}")
         ranges[pad] = (emb.vocab_start, emb.vocab_end, emb.padded_vocab_size, int(emb.shard.shape[0]))
+    # Rows of 4 KiB, 4,096 ids: each rank places hundreds of rows, which the numba backend's kernel serves.
+    wide = make_table("float16", 2048)
+    emb = build(wide, timeout=30)
+    ids = np.random.default_rng(SEED).integers(0, VOCAB, 4096)
+    start, stop = distributed.position_range(ids.size, world, rank)
+    emb(ids, mode="scatter")
+    fastembed.wait_for_compiles()  # the first call was served by numpy while the place kernel compiled
+    failures += same_bits("wide scatter", emb(ids, mode="scatter"), fastembed.lookup(wide, ids)[start:stop], np.ndarray)
+    numba_placed = any(signature[0] == "place" for signature in numba_backend.BACKEND._compiles.done)
     plain = build(table)
     ranges[1] = (plain.vocab_start, plain.vocab_end, plain.padded_vocab_size, int(plain.shard.shape[0]))
     shard_is_view = bool(np.shares_memory(plain.shard, table))
     plain([1, 2, 3])
-    return {"failures": failures, "ranges": ranges, "shard_is_view": shard_is_view,
+    return {"failures": failures, "ranges": ranges, "shard_is_view": shard_is_view, "numba_placed": numba_placed,
             "timings": plain.last_timings._asdict(), "exchange": plain.exchange, "repr": repr(plain)}
 
 
@@ -466,6 +476,7 @@ def shared_memory_task(rank: int, world: int) -> dict:
         original = getattr(distributed.segments, name)
         setattr(distributed.segments, name, replacement)
         try:
+            fastembed.wait_for_compiles()  # a compile thread's own catch_warnings would swap out this one's record
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 value = call()
@@ -660,6 +671,8 @@ def test_lookups_are_bit_exact_for_every_dtype_mode_and_ids(group, exchange):
     world, ranks = group
     for rank, result in enumerate(ranks):
         assert result[exchange]["exact"]["failures"] == [], f"rank {rank} of {world}"
+        if exchange == "shared_memory" and not numba_backend.BACKEND.unavailable_reasons():  # scatter's rows placed by the kernel, not numpy
+            assert result[exchange]["exact"]["numba_placed"], f"rank {rank} of {world}"
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

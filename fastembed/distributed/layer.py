@@ -17,9 +17,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import validate
+from .. import dispatch, validate
 from ..api import Embedding, lookup
 from ..arrays import result_like, torch_adapter
+from ..backends import output_cache
 from ..backends.cuda_backend import deferred_id_checks
 from ..formats import QuantizedTable
 from . import segments
@@ -234,6 +235,8 @@ class VocabParallelEmbedding:
         self._dtype = validate.output_dtype(self._view, None)
         local = rows if self._quantized or self._on_device else rows.view(np.ndarray)
         self._local = Embedding(local) if self._stored else None
+        # A dense host table's rows, which the shared-memory exchange places straight into a scatter's result.
+        self._host_rows = None if self._quantized or self._on_device else rows.view(np.ndarray)
         self._phantom = np.empty((self.vocab_size, 0), np.uint8)  # ids are checked against the whole vocabulary
         # The first row of every rank but the first: searchsorted over them names each id's owner.
         self._bounds = np.array([row_range(self.vocab_size, self.world_size, rank, pad)[0]
@@ -523,14 +526,48 @@ class VocabParallelEmbedding:
         call.slots = slots
         first = int(counts[: self.rank].sum())
         count = int(counts[self.rank])
+        mine = order[first: first + count]  # the positions whose rows this rank owns, in order
+        if call.mode == "scatter" and self._host_rows is not None and call.dtype == self._dtype:
+            call.owners = owners
+            self._place_own_rows(call, buffer, mine)
+            return
         call.payload_bytes = count * call.row_bytes
         if not count:
             return
         assert self._local is not None  # a rank owning an id stores rows
-        local = call.ids[order[first: first + count]] - self.vocab_start
         region = buffer[first * call.row_bytes: (first + count) * call.row_bytes]
         cast = call.dtype if self._quantized or call.dtype != self._dtype else None
-        self._local(local, out=region.view(call.dtype).reshape(count, self._dim), dtype=cast)
+        self._local(call.ids[mine] - self.vocab_start, out=region.view(call.dtype).reshape(count, self._dim),
+                    dtype=cast)
+
+    def _place_own_rows(self, call: _Call, buffer: np.ndarray, mine: np.ndarray) -> None:
+        """``scatter`` of a dense host table, without a cast: this rank's rows for its own positions straight into
+        its result (allocated here), those for other ranks' positions into their slots of `buffer`.
+
+        A row then passes through shared memory only when another rank returns
+        it, and each rank copies out only the rows others own (:meth:`_copy_out`).
+        """
+        start, stop = self._scattered_rows(call)
+        assert self._host_rows is not None and call.slots is not None
+        placing = dispatch.placing_backend(self._host_rows)
+        result = call.result = output_cache.new_output((stop - start, self._dim), call.dtype)
+        inside = (mine >= start) & (mine < stop)
+        for_me, for_others = mine[inside], mine[~inside]
+        call.payload_bytes = for_others.size * call.row_bytes
+        placing.place(self._host_rows, call.ids[for_me] - self.vocab_start, result, for_me - start)
+        shared = self._shared_rows(call, buffer)
+        placing.place(self._host_rows, call.ids[for_others] - self.vocab_start, shared, call.slots[for_others])
+
+    def _scattered_rows(self, call: _Call) -> tuple[int, int]:
+        """The range of flat ids whose rows this rank returns in ``scatter``: its positions of the first dimension."""
+        start, stop = position_range(call.shape[0], self.world_size, self.rank)
+        rest = math.prod(call.shape[1:])  # ids per position along the first dimension
+        return start * rest, stop * rest
+
+    def _shared_rows(self, call: _Call, buffer: np.ndarray) -> np.ndarray:
+        """The first rows of `buffer`, one per id of the call, as ``(ids, dim)`` of the call's dtype."""
+        count = call.ids.size
+        return buffer[: count * call.row_bytes].view(call.dtype).reshape(count, self._dim)
 
     def _communicate(self, call: _Call) -> Any:
         """After the agreement: combine the ranks' rows and return the result in the table's kind."""
@@ -561,15 +598,25 @@ class VocabParallelEmbedding:
         return result
 
     def _copy_out(self, call: _Call, buffer: np.ndarray | None) -> Any:
-        """The rows this rank returns, gathered from the shared `buffer` into a new array of their own."""
+        """The rows this rank returns, gathered from the shared `buffer` into a new array of their own.
+
+        A result that :meth:`_place_own_rows` began receives the rows other ranks own, from their slots.
+        """
+        if call.result is not None:
+            assert buffer is not None and call.owners is not None and call.slots is not None
+            start, stop = self._scattered_rows(call)
+            theirs = start + np.flatnonzero(call.owners[start:stop] != self.rank)
+            shared = self._shared_rows(call, buffer)
+            dispatch.placing_backend(shared).place(shared, call.slots[theirs], call.result, theirs - start)
+            return self._finish(call.result.view(call.word), call.dtype, _scattered_shape(call.shape, self.world_size,
+                                                                                          self.rank))
         count = call.ids.size
         rows = call.slots if call.slots is not None else np.empty(0, np.intp)
         shape = call.shape
         if call.mode == "scatter":
-            start, stop = position_range(shape[0], self.world_size, self.rank)
-            rest = math.prod(shape[1:])  # ids per position along the first dimension
-            shape = (stop - start, *shape[1:])
-            rows = rows[start * rest: stop * rest]
+            start, stop = self._scattered_rows(call)
+            shape = _scattered_shape(shape, self.world_size, self.rank)
+            rows = rows[start:stop]
         row_words = call.row_bytes // call.word.itemsize
         if buffer is None or not rows.size:
             words = np.empty((rows.size, row_words), call.word)
@@ -856,7 +903,7 @@ class _Call:
     """One call's state: the ids, the output dtype, the fingerprint; then the buffers and the timings of the exchange."""
 
     __slots__ = ("mode", "shape", "ids", "dtype", "row_bytes", "word", "digest", "description", "exchange", "words",
-                 "scattered", "slots", "payload_bytes", "late_gather_s", "exchange_s", "copy_s")
+                 "scattered", "slots", "owners", "result", "payload_bytes", "late_gather_s", "exchange_s", "copy_s")
 
     def __init__(self, mode: str, shape: tuple[int, ...], ids: np.ndarray, dtype: np.dtype, row_bytes: int,
                  word: np.dtype, digest: int, description: str, exchange: str) -> None:
@@ -867,6 +914,8 @@ class _Call:
         self.words: Any = None  # the all-reduce's buffer: (ids, row words), numpy or a GPU shard's torch tensor
         self.scattered: Any = None  # NCCL's reduce-scatter's output: this rank's positions of `words`
         self.slots: np.ndarray | None = None  # shared memory: where each position's row lies in the buffer
+        self.owners: np.ndarray | None = None  # shared memory, placed scatter: the rank owning each position's row
+        self.result: np.ndarray | None = None  # shared memory, placed scatter: the result, this rank's rows placed
         self.payload_bytes = 0
         self.late_gather_s = self.exchange_s = self.copy_s = 0.0
 
@@ -876,6 +925,12 @@ class _Call:
 _NOT_COPIED = ("a VocabParallelEmbedding cannot be copied or pickled: it is this rank's part of one layer whose calls "
                "the ranks make in step, and a copy would fall out of step with the others; build another layer on "
                "every rank instead")
+
+
+def _scattered_shape(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, ...]:
+    """The shape of the ids whose rows `rank` returns in ``scatter``: its part of the first dimension."""
+    start, stop = position_range(shape[0], world_size, rank)
+    return (stop - start, *shape[1:])
 
 
 def _weak_world(dist: Any) -> Callable[[], Any]:
