@@ -110,18 +110,16 @@ class PlacingBackend(Backend, Protocol):
     def place(self, table: Any, ids: Any, out: Any, positions: Any) -> None:
         """Write ``table[ids[i]]`` into ``out[positions[i]]`` for every i; the other rows of `out` stay as they are.
 
-        `table` (a dense 2-D host table) and `out` (2-D, the table's dtype and
-        row width) are snapshots; `ids` and `positions` are 1-D integer
-        arrays of one length. The positions must be distinct: rows placed at
-        one position by several threads could interleave.
+        The arguments passed :func:`fastembed.validate.place_arguments`:
+        `table` (dense) and `out` (the table's dtype and row width) are 2-D,
+        C-contiguous host arrays, `ids` and `positions` that function's int64
+        copies, every position a row of `out`. The positions must be
+        distinct: rows placed at one position by several threads could
+        interleave.
 
         Raises:
             IndexError: an id outside the table (:func:`fastembed.validate.out_of_range_error`);
                 nothing is written.
-            ValueError: positions that are not one integer per id, each a row of
-                `out`; nothing is written.
-            RuntimeError: another thread changed the ids while they were placed
-                (the rows it made bad are skipped).
         """
         ...
 

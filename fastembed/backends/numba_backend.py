@@ -373,30 +373,27 @@ class NumbaBackend:
         place kernel serially or in parallel, with non-temporal stores, as
         the gather of as many rows would.
         """
-        numpy_backend.check_positions(positions, ids.size, out.shape[0])
         n = ids.size
-        if n * table.strides[0] < SERIAL_MIN_BYTES or self._import_error is not None:
+        if n * table.shape[1] * table.dtype.itemsize < SERIAL_MIN_BYTES or self._import_error is not None:
             numpy_backend.BACKEND.place(table, ids, out, positions)
             return
         table_words, word = kernel_table(table)
-        flat_ids = kernel_ids(ids)
         out_words = _row_words(out, out.shape[0], word)
-        flat_positions = _int64_ids(positions)
-        signature = ("place", *_signature(table_words, flat_ids, out_words))
+        signature = ("place", *_signature(table_words, ids, out_words))
         ready = signature in self._compiles.done or self._compile(
-            signature, lambda compiles: self._compile_place_now(signature, table_words, flat_ids, compiles))
+            signature, lambda compiles: self._compile_place_now(signature, table_words, ids, compiles))
         kernels = self._kernels
         if not ready or kernels is None:  # compiling in the background meanwhile, or reset() by another thread
             numpy_backend.BACKEND.place(table, ids, out, positions)
             return
-        bad = int(kernels.first_bad_position(flat_ids, table_words.shape[0]))
+        bad = int(kernels.first_bad_position(ids, table_words.shape[0]))
         if bad >= 0:
             raise validate.out_of_range_error(ids, bad, table.shape[0])
         placed_bytes = n * table_words.shape[1] * word.itemsize
         stream = placed_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words)
 
         def rows(start: int, stop: int) -> int:
-            return kernels.place_rows(table_words, flat_ids, out_words, flat_positions, start, stop, stream,
+            return kernels.place_rows(table_words, ids, out_words, positions, start, stop, stream,
                                       PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
 
         if placed_bytes < PARALLEL_MIN_BYTES or self._parallel_lock.locked():
@@ -404,14 +401,13 @@ class NumbaBackend:
         else:
             with self._parallel_lock:
                 skipped = WORKERS.run(rows, n, thread_count(), blocks_for(placed_bytes))
-        if skipped:
-            _raise_for_status(_CHANGED_DURING_COPY, ids, table.shape[0])
+        assert not skipped  # the ids were checked, the positions too (validate.place_arguments), and both are private
 
     def _compile_place_now(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray,
                            compiles: _Compiles) -> None:
         """Compile the place kernel for these argument types with a call that places no row."""
         table, no_ids, no_rows = _templates(table_words, flat_ids, signature[1:])
-        no_positions = _read_only(np.zeros(1, np.int64))
+        no_positions = np.zeros(1, np.int64)
         self._compile_kernels(signature, lambda kernels: kernels.place_rows(
             table, no_ids, no_rows, no_positions, 0, 0, False, 0, 0, 0), compiles)
 

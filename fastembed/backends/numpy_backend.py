@@ -60,13 +60,16 @@ class NumpyBackend:
         return dequantize_into(table, ids, out)
 
     def place(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray, positions: np.ndarray) -> None:
-        """``out[positions[i]] = table[ids[i]]``, a bounded number of rows at a time (the readable reference)."""
-        check_positions(positions, ids.size, out.shape[0])
+        """``out[positions[i]] = table[ids[i]]``, a bounded number of rows at a time (the readable reference).
+
+        Through byte views of the rows: every byte is copied, a structured
+        dtype's padding included, as the gather copies it.
+        """
         check_range(ids, table.shape[0])
-        source, target = (table, out) if table.flags.aligned and out.flags.aligned else (byte_rows(table), byte_rows(out))
+        source, target = byte_rows(table), byte_rows(out)
         for start in range(0, ids.size, _PLACE_ROWS_PER_STEP):
             stop = start + _PLACE_ROWS_PER_STEP
-            target[positions[start:stop]] = source.take(ids[start:stop], 0, mode="clip")
+            target[positions[start:stop]] = source.take(ids[start:stop], 0)
 
     def describe(self) -> dict[str, Any]:
         return {"numpy": np.__version__}
@@ -104,19 +107,6 @@ def check_range(ids: np.ndarray, vocab_size: int) -> None:
             raise validate.out_of_range_error(ids, 0, vocab_size)
     elif n and (ids.item(ids.argmin()) < 0 or ids.item(ids.argmax()) >= vocab_size):
         validate.check_ids_in_range(ids, vocab_size)  # raises, naming position and value
-
-
-def check_positions(positions: np.ndarray, n: int, out_rows: int) -> None:
-    """Raise ValueError unless `positions` holds `n` integers, each a row of an output of `out_rows` rows.
-
-    Whether they are distinct is the caller's to ensure (:meth:`~fastembed.backends.base.PlacingBackend.place`).
-    """
-    if positions.ndim != 1 or positions.size != n or positions.dtype.kind not in "iu":
-        raise ValueError(f"positions must be {n} integers, one per id; got a {positions.dtype} array of shape "
-                         f"{positions.shape}")
-    if n and (int(positions.min()) < 0 or int(positions.max()) >= out_rows):
-        raise ValueError(f"positions must lie in [0, {out_rows}), the rows of out; got {int(positions.min())} to "
-                         f"{int(positions.max())}")
 
 
 def take_new(table: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -50,10 +50,14 @@ class LookupTimings(NamedTuple):
     collective (the all-reduce; with shared memory, only a call that had to
     grow the segment spends time here). ``copy_s``: copying the rows this rank
     returns out of the exchanged buffer (all-reduce ``full``: none, the buffer
-    is the result). ``payload_bytes``: the whole buffer for the all-reduce,
-    this rank's own rows for shared memory. On a GPU shard the seconds are the
-    host's: kernels and NCCL collectives run asynchronously, so a step's device
-    time shows in the first later step that waits for it.
+    is the result). ``payload_bytes``: the whole buffer for the all-reduce;
+    for shared memory, the rows this rank writes into the segment (its own
+    rows; in ``scatter`` of a dense table, only those other ranks return).
+    ``gather_s`` of such a ``scatter`` includes placing this rank's rows into
+    its own result, and ``copy_s`` copies out only the rows other ranks own.
+    On a GPU shard the seconds are the host's: kernels and NCCL collectives
+    run asynchronously, so a step's device time shows in the first later
+    step that waits for it.
     """
 
     prepare_s: float
@@ -549,14 +553,13 @@ class VocabParallelEmbedding:
         """
         start, stop = self._scattered_rows(call)
         assert self._host_rows is not None and call.slots is not None
-        placing = dispatch.placing_backend(self._host_rows)
         result = call.result = output_cache.new_output((stop - start, self._dim), call.dtype)
         inside = (mine >= start) & (mine < stop)
         for_me, for_others = mine[inside], mine[~inside]
         call.payload_bytes = for_others.size * call.row_bytes
-        placing.place(self._host_rows, call.ids[for_me] - self.vocab_start, result, for_me - start)
-        shared = self._shared_rows(call, buffer)
-        placing.place(self._host_rows, call.ids[for_others] - self.vocab_start, shared, call.slots[for_others])
+        _place(self._host_rows, call.ids[for_me] - self.vocab_start, result, for_me - start)
+        _place(self._host_rows, call.ids[for_others] - self.vocab_start, self._shared_rows(call, buffer),
+               call.slots[for_others])
 
     def _scattered_rows(self, call: _Call) -> tuple[int, int]:
         """The range of flat ids whose rows this rank returns in ``scatter``: its positions of the first dimension."""
@@ -606,8 +609,7 @@ class VocabParallelEmbedding:
             assert buffer is not None and call.owners is not None and call.slots is not None
             start, stop = self._scattered_rows(call)
             theirs = start + np.flatnonzero(call.owners[start:stop] != self.rank)
-            shared = self._shared_rows(call, buffer)
-            dispatch.placing_backend(shared).place(shared, call.slots[theirs], call.result, theirs - start)
+            _place(self._shared_rows(call, buffer), call.slots[theirs], call.result, theirs - start)
             return self._finish(call.result.view(call.word), call.dtype, _scattered_shape(call.shape, self.world_size,
                                                                                           self.rank))
         count = call.ids.size
@@ -639,11 +641,10 @@ class VocabParallelEmbedding:
         started = time.perf_counter()
         shape = call.shape
         if call.mode == "scatter":
-            start, stop = position_range(shape[0], self.world_size, self.rank)
-            rest = math.prod(shape[1:])  # ids per position along the first dimension
-            shape = (stop - start, *shape[1:])
+            start, stop = self._scattered_rows(call)
+            shape = _scattered_shape(shape, self.world_size, self.rank)
             if self._reduce_scatters:
-                words = self._reduce_scatter(words, call.scattered, call.shape[0], rest)
+                words = self._reduce_scatter(words, call.scattered, call.shape[0], math.prod(shape[1:]))
                 call.exchange_s += time.perf_counter() - started
                 return self._finish(words, call.dtype, shape)
         if call.ids.size:
@@ -653,7 +654,7 @@ class VocabParallelEmbedding:
         reduced = time.perf_counter()
         call.exchange_s += reduced - started
         if call.mode == "scatter":
-            mine = words[start * rest: stop * rest]
+            mine = words[start:stop]
             words = mine.clone() if self._on_device else mine.copy()  # a result of its own size; the buffer is freed
         result = self._finish(words, call.dtype, shape)
         call.copy_s = time.perf_counter() - reduced
@@ -925,6 +926,12 @@ class _Call:
 _NOT_COPIED = ("a VocabParallelEmbedding cannot be copied or pickled: it is this rank's part of one layer whose calls "
                "the ranks make in step, and a copy would fall out of step with the others; build another layer on "
                "every rank instead")
+
+
+def _place(table: np.ndarray, ids: np.ndarray, out: np.ndarray, positions: np.ndarray) -> None:
+    """``out[positions[i]] = table[ids[i]]``, checked, by the host backend ``"auto"`` picks for `table`."""
+    ids, positions = validate.place_arguments(table, ids, out, positions)
+    dispatch.placing_backend(table).place(table, ids, out, positions)
 
 
 def _scattered_shape(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, ...]:

@@ -18,6 +18,10 @@ Contract shared by every gather kernel here:
 - every row is checked again as it is copied, so ids that another thread
   changes after the scan are never read out of bounds: such a row is
   skipped, and the return value is -2.
+
+:func:`place_rows` is the exception: its caller scans the ids first
+(:func:`first_bad_position`), and it returns the count of rows it skipped
+for an id or position out of range (0 with checked, private arguments).
 """
 from __future__ import annotations
 
