@@ -125,18 +125,30 @@ def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_r
     out_address = out.ctypes.data
     skipped = 0
     for i in range(start, stop):
-        if touch_pages_rows_ahead > 0:
-            touch_pages(table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes, row_bytes)
+        touch_row_pages_ahead(table_address, row_bytes, ids, i, stop, touch_pages_rows_ahead)
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
             continue
-        source = table_address + np.uintp(row) * row_bytes
-        ahead = table_address + np.uintp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
-        destination = out_address + np.uintp(i) * row_bytes
-        stream_row(destination, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
+        stream_id_row(table_address, row_bytes, ids, i, stop, out_address + np.uintp(i) * row_bytes,
+                      prefetch_rows_ahead, alias_window)
     store_fence()
     return skipped
+
+
+@njit(**_JIT)
+def touch_row_pages_ahead(table_address, row_bytes, ids, i, stop, distance):
+    """The pages of the row `distance` ids after `i` (the last before `stop`), as :func:`stream_rows` says (0: none)."""
+    if distance > 0:
+        touch_pages(table_address + np.uintp(ids[min(i + distance, stop - 1)]) * row_bytes, row_bytes)
+
+
+@njit(**_JIT)
+def stream_id_row(table_address, row_bytes, ids, i, stop, destination, prefetch_rows_ahead, alias_window):
+    """Stream the row of ``ids[i]`` (in range) to `destination`, prefetching the row `prefetch_rows_ahead` ids on."""
+    source = table_address + np.uintp(ids[i]) * row_bytes
+    ahead = table_address + np.uintp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
+    stream_row(destination, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
 
 
 @njit(**_JIT)
@@ -157,18 +169,15 @@ def place_rows(table, ids, out, positions, start, stop, stream, prefetch_rows_ah
     out_address = out.ctypes.data
     skipped = 0
     for i in range(start, stop):
-        if touch_pages_rows_ahead > 0:
-            touch_pages(table_address + np.uintp(ids[min(i + touch_pages_rows_ahead, stop - 1)]) * row_bytes, row_bytes)
+        touch_row_pages_ahead(table_address, row_bytes, ids, i, stop, touch_pages_rows_ahead)
         row = ids[i]
         position = positions[i]
         if row < 0 or row >= vocab_size or position < 0 or position >= out_rows:
             skipped += 1
             continue
         if stream:
-            source = table_address + np.uintp(row) * row_bytes
-            ahead = table_address + np.uintp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
-            stream_row(out_address + np.uintp(position) * row_bytes, source, row_bytes, prefetch_rows_ahead > 0, ahead,
-                       alias_window)
+            stream_id_row(table_address, row_bytes, ids, i, stop, out_address + np.uintp(position) * row_bytes,
+                          prefetch_rows_ahead, alias_window)
         else:
             for w in range(table.shape[1]):
                 out[position, w] = table[row, w]
