@@ -503,27 +503,39 @@ def place_arguments(table: np.ndarray, ids: np.ndarray, out: np.ndarray,
                     positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Check the arguments of a host backend's ``place``; the ids and the positions as int64 copies of their own.
 
-    The backend then reads only the copies, so no other thread can change
-    them once checked; the ids' range is the backend's to check, as for a
-    gather.
+    The checks that follow the copies read only the copies, and so does the
+    backend, so no other thread can change them once checked; the ids'
+    range is the backend's to check, as for a gather.
 
     Args:
-        table: a dense 2-D, C-contiguous numpy table.
-        ids: 1-D integers, one per row placed.
-        out: a 2-D, C-contiguous, writeable numpy array of the table's dtype and row width.
-        positions: 1-D integers, one per id: the rows of `out` they go to.
+        table: a dense 2-D, C-contiguous numpy table (a plain ``numpy.ndarray``, no Python objects in it).
+        ids: 1-D integers, one per row placed (a plain ``numpy.ndarray``).
+        out: a 2-D, C-contiguous, writeable plain ``numpy.ndarray`` of the table's dtype and row width,
+            sharing no memory with the table.
+        positions: 1-D integers, one per id: the rows of `out` they go to (a plain ``numpy.ndarray``).
 
     Returns:
         ``(ids, positions)`` as new 1-D int64 arrays.
 
     Raises:
-        TypeError: ids or positions that are not integer arrays; an `out` of another dtype than the table.
-        ValueError: a table or `out` that is not 2-D and C-contiguous, an `out` that is read-only or whose
-            rows are not as wide as the table's, positions that are not one per id or not rows of `out`.
+        TypeError: an argument that is not a plain ``numpy.ndarray`` (a list, a tensor, a masked array),
+            ids or positions that are not integers, a table holding Python objects, an `out` of another
+            dtype than the table.
+        ValueError: a table or `out` that is not 2-D and C-contiguous, an `out` that is read-only,
+            overlaps the table or whose rows are not as wide as the table's, positions that are not one
+            per id or not rows of `out`.
+        IndexError: an id or a position that fits no 64-bit integer.
     """
+    for name, array in (("table", table), ("ids", ids), ("out", out), ("positions", positions)):
+        if type(array) is not np.ndarray:
+            raise TypeError(f"{name} must be a numpy.ndarray (not a subclass), got {type(array).__name__}")
     for name, array in (("ids", ids), ("positions", positions)):
-        if not isinstance(array, np.ndarray) or array.dtype.kind not in "iu":
-            raise TypeError(f"{name} must be a numpy array of integers, got {getattr(array, 'dtype', type(array))}")
+        if array.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be integers, got {array.dtype}")
+        if array.dtype == np.uint64 and array.size and int(array.max()) >= 2**63:
+            raise IndexError(f"{name} must fit a 64-bit integer, got {int(array.max())}")
+    if table.dtype.hasobject:
+        raise TypeError(f"the table must hold no Python objects, got {table.dtype}")
     for name, array in (("table", table), ("out", out)):
         if array.ndim != 2 or not array.flags.c_contiguous:
             raise ValueError(f"{name} must be a 2-D, C-contiguous array, got shape {array.shape} and strides "
@@ -533,11 +545,13 @@ def place_arguments(table: np.ndarray, ids: np.ndarray, out: np.ndarray,
     if out.shape[1] != table.shape[1] or not out.flags.writeable:
         raise ValueError(f"out must be writeable rows of {table.shape[1]} values, got shape {out.shape}"
                          f"{'' if out.flags.writeable else ', read-only'}")
+    if np.may_share_memory(out, table):
+        raise ValueError("out overlaps the table: rows placed would change rows still to be read")
+    ids, positions = ids.astype(np.int64), positions.astype(np.int64)  # copies: nothing else can change them
     n = ids.size
     if ids.ndim != 1 or positions.ndim != 1 or positions.size != n:
         raise ValueError(f"ids and positions must be 1-D, one position per id; got shapes {ids.shape} and "
                          f"{positions.shape}")
-    ids, positions = ids.astype(np.int64), positions.astype(np.int64)  # copies: nothing else can change them
     if n and (int(positions.min()) < 0 or int(positions.max()) >= out.shape[0]):
         raise ValueError(f"positions must lie in [0, {out.shape[0]}), the rows of out; got {int(positions.min())} "
                          f"to {int(positions.max())}")

@@ -116,8 +116,8 @@ def test_a_bad_id_names_itself_and_writes_nothing(placing, bad):
 @pytest.mark.parametrize(("positions", "kind", "message"), [
     (np.arange(199), ValueError, r"one position per id; got shapes \(200,\) and \(199,\)"),
     (np.arange(200).reshape(10, 20), ValueError, "must be 1-D, one position per id"),
-    (np.arange(200.0), TypeError, "positions must be a numpy array of integers, got float64"),
-    (np.ones(200, bool), TypeError, "positions must be a numpy array of integers, got bool"),
+    (np.arange(200.0), TypeError, "positions must be integers, got float64"),
+    (np.ones(200, bool), TypeError, "positions must be integers, got bool"),
     (np.arange(200) - 1, ValueError, r"positions must lie in \[0, 220\), the rows of out; got -1 to 198"),
     (np.arange(200) + 21, ValueError, r"positions must lie in \[0, 220\), the rows of out; got 21 to 220"),
 ])
@@ -215,3 +215,27 @@ def test_ids_or_positions_changed_by_another_thread_are_never_used_unchecked(pla
     target[:] = good
     place(placing, table, ids, out, positions)
     assert_bit_equal(out, table[ids])
+
+
+def _refused_arguments():
+    """(label, arguments as table, ids, out, positions, error, message) that place_arguments refuses."""
+    table = random_table(100, 64)
+    ids, positions, out = np.arange(50), np.arange(50), poisoned((60, 64), np.float16)
+    objects = np.empty((100, 64), object)
+    return [
+        ("a list table", (table.tolist(), ids, out, positions), TypeError, "table must be a numpy.ndarray"),
+        ("a masked positions", (table, ids, out, np.ma.array(positions, mask=positions == 3)), TypeError,
+         "positions must be a numpy.ndarray \\(not a subclass\\), got MaskedArray"),
+        ("a memmap out", (table, ids, out.view(np.memmap), positions), TypeError, "out must be a numpy.ndarray"),
+        ("objects", (objects, ids, np.empty((60, 64), object), positions), TypeError, "no Python objects"),
+        ("uint64 ids past int64", (table, np.full(50, 2**64 - 1, np.uint64), out, positions), IndexError,
+         "ids must fit a 64-bit integer"),
+        ("out overlapping the table", (table, ids, table[20:80], positions), ValueError, "out overlaps the table"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_refused_arguments())), ids=[case[0] for case in _refused_arguments()])
+def test_arguments_a_backend_must_not_see_are_refused(case):
+    _, arguments, kind, message = _refused_arguments()[case]
+    with pytest.raises(kind, match=message):
+        validate.place_arguments(*arguments)

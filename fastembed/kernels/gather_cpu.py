@@ -11,17 +11,16 @@ Contract shared by every gather kernel here:
 - ``ids`` is 1-D int32 or int64;
 - ``out`` has shape ``(ids.size, words_per_row)`` and the table's word dtype
   (:func:`place_rows`: any number of rows, which ``positions`` choose);
-- the return value is -1 on success, else the position of the first id
-  outside ``[0, vocab_size)``; in that case nothing has been written to
-  ``out``: the ids are scanned before any row is copied, inside the same
-  compiled call, so the caller's ``out`` survives an error untouched;
+- no row is copied before every id is known to lie in ``[0, vocab_size)``,
+  so the caller's ``out`` survives a bad id untouched: :func:`gather_serial`
+  scans the ids itself and returns -1 on success, else the position of the
+  first bad id; the row loops (:func:`copy_rows`, :func:`stream_rows`,
+  :func:`place_rows`), which run one block of rows each, leave that scan
+  to their caller (:func:`first_bad_position`) and return the count of
+  rows they skipped;
 - every row is checked again as it is copied, so ids that another thread
   changes after the scan are never read out of bounds: such a row is
-  skipped, and the return value is -2.
-
-:func:`place_rows` is the exception: its caller scans the ids first
-(:func:`first_bad_position`), and it returns the count of rows it skipped
-for an id or position out of range (0 with checked, private arguments).
+  skipped (:func:`gather_serial` then returns -2).
 """
 from __future__ import annotations
 
@@ -156,11 +155,11 @@ def place_rows(table, ids, out, positions, start, stop, stream, prefetch_rows_ah
                alias_window):
     """out[positions[i]] = table[ids[i]] for i in [start, stop): rows gathered into chosen rows of `out`.
 
-    The other rows of `out` are not written. With `stream` (:func:`can_stream`
-    must allow it), non-temporal stores, prefetching and touching pages as
-    :func:`stream_rows`; else ordinary stores. Returns the rows skipped
-    because their id or position was out of range (nothing is read or
-    written for them).
+    The other rows of `out` are not written. Pages are touched ahead as in
+    :func:`stream_rows`; with `stream` (:func:`can_stream` must allow it),
+    non-temporal stores that prefetch as it does, else ordinary stores.
+    Returns the rows skipped because their id or position was out of range
+    (nothing is read or written for them).
     """
     row_bytes = table.shape[1] * table.itemsize
     vocab_size = table.shape[0]
