@@ -1227,3 +1227,28 @@ def test_the_gate_says_when_its_packaged_thresholds_meet_another_table(tmp_path,
     cli.main(["--gate", *[str(own) if a == "OWN" else a for a in arguments], "--out", str(tmp_path / "out")])
     said = " ".join(capsys.readouterr().out.split())
     assert ("the packaged thresholds are set for the default table" in said) == warned
+
+
+def test_ranks_throughput_counts_each_call_once_where_the_slowest_rank_counts_its_wait():
+    """Ranks in lockstep, each ahead in turn: the one ahead waits inside its call. Throughput averages each call
+    over the ranks (the loop's time per call); the slowest rank's median counts every wait."""
+    from fastembed.benchmark import ranks
+
+    keys = [f"8/{mode}" for mode in ranks.MODES]
+    ahead = [0.004, 0.002] * 5  # rank 0 waits 2 ms in every other call, rank 1 in the others
+    behind = [0.002, 0.004] * 5
+
+    def samples(totals):
+        return {key: {name: list(totals) for name in ("total_s", *ranks.PHASES)} for key in keys}
+
+    def rank(totals):
+        return {"samples": samples(totals), "exchanges": dict.fromkeys(keys, ["shared_memory"]),
+                "payload_bytes": dict.fromkeys(keys, 0)}
+
+    round_ = {"ranks": [rank(ahead), rank(behind)], "single": {"samples": samples([0.0015] * 10)}}
+    rows = ranks.summarise([round_, round_, round_], [8])
+    row = next(row for row in rows if row["mode"] == "full")
+    assert row["ranks_over_single"] == pytest.approx(0.004 / 0.0015)  # every call's slowest rank waited 2 ms
+    assert row["throughput_vs_single"] == pytest.approx(0.0015 / 0.003)  # 3 ms per call, the loop's pace
+    assert row["throughput_vs_single_range"] == pytest.approx([0.5, 0.5])
+

@@ -1139,6 +1139,8 @@ def test_bench_ranks_smoke(tmp_path):
     for row in rows.values():
         low, high = row["ranks_over_single_range"]
         assert low <= row["ranks_over_single"] <= high
+        low, high = row["throughput_vs_single_range"]
+        assert 0 < low <= row["throughput_vs_single"] <= high
     assert [rank["rows"] for rank in first["ranks"]] == [[0, 25], [25, 50]]
     assert all(rank["held_bytes"] == 25 * row_bytes for rank in first["ranks"])
     for process in [*first["ranks"], first["single"]]:

@@ -247,7 +247,17 @@ def memory(table_path: str | os.PathLike, reset_peak: bool = True) -> dict[str, 
 
 def summarise(measured: list[dict[str, Any]], batches: list[int]) -> list[dict[str, Any]]:
     """One row per (batch, mode): the exchange, the slowest rank's time and phases, bytes, one process's time, and
-    the ratio; each time the median over rounds of a round's median, the ratio the median over rounds of theirs."""
+    two ratios; each time the median over rounds of a round's median, each ratio the median over rounds of theirs.
+
+    ``ranks_over_single``: the slowest rank's median time per call over one
+    process's (a call's latency). ``throughput_vs_single``: the ranks'
+    throughput as a fraction of one process's, that is one process's mean
+    time per call over the ranks' mean, each call's time averaged over the
+    ranks. The ranks call in lockstep, and the rank that is ahead waits
+    inside its next call, so every rank's calls add up to the loop's time;
+    the slowest rank of each call is the one that waited, and its times add
+    up to more.
+    """
     world = len(measured[0]["ranks"])
     rows = []
     for batch in batches:
@@ -270,8 +280,18 @@ def summarise(measured: list[dict[str, Any]], batches: list[int]) -> list[dict[s
                 statistics.median(round_["single"]["samples"][key]["total_s"]) for round_ in measured) * 1e6
             row["ranks_over_single"] = statistics.median(ratios)
             row["ranks_over_single_range"] = [min(ratios), max(ratios)]
+            throughputs = [statistics.mean(round_["single"]["samples"][key]["total_s"])
+                           / _mean_over_ranks(round_["ranks"], key) for round_ in measured]
+            row["throughput_vs_single"] = statistics.median(throughputs)
+            row["throughput_vs_single_range"] = [min(throughputs), max(throughputs)]
             rows.append(row)
     return rows
+
+
+def _mean_over_ranks(ranks: list[dict[str, Any]], key: str) -> float:
+    """One round's mean seconds per call, each call's seconds averaged over the ranks."""
+    return statistics.mean(statistics.mean(values) for values in zip(*(rank["samples"][key]["total_s"]
+                                                                        for rank in ranks), strict=True))
 
 
 def _slowest_median(ranks: list[dict[str, Any]], key: str, name: str) -> float:
@@ -295,9 +315,11 @@ def print_report(rows: list[dict[str, Any]], measured: list[dict[str, Any]], con
     """Two tables (the times against one process; the parts and bytes) and each process's memory, with rich."""
     world = len(measured[0]["ranks"])
     console.print(_table(title, ("ids", "mode", "exchange", "1 process", f"{world} ranks", f"{world} ranks / 1",
-                                 "lowest-highest"), [
+                                 "lowest-highest", "through-\nput / 1"), [
         (row["batch"], row["mode"], row["exchange"], _time(row["single_us"]), _time(row["total_us"]),
-         f"{row['ranks_over_single']:.2f}", "{:.2f}-{:.2f}".format(*row["ranks_over_single_range"])) for row in rows]))
+         f"{row['ranks_over_single']:.2f}", "{:.2f}-{:.2f}".format(*row["ranks_over_single_range"]),
+         f"{row['throughput_vs_single']:.2f}")
+        for row in rows]))
     console.print(_table(f"the {world} ranks' time per lookup in parts (the slowest rank's), and bytes per rank",
                          ("ids", "mode", "prepare", "gather", "agree", "commu-\nnicate", "copy\nout", "payload",
                           "sent"), [
@@ -308,8 +330,11 @@ def print_report(rows: list[dict[str, Any]], measured: list[dict[str, Any]], con
     for rank in first["ranks"]:
         console.print(f"rank {rank['rank']}: {rank['layer']}, NUMBA_NUM_THREADS={rank['numba_threads']}",
                       markup=False)
-    console.print(f"times: the median over {len(measured)} rounds (the ranks, then 1 process, fresh processes each); "
-                  "memory: the first round's", markup=False)
+    console.print(f"times: the median over {len(measured)} rounds (the ranks, then 1 process, fresh processes each) "
+                  f"of the slowest rank's median per call; throughput: one process's mean time per call over the "
+                  f"ranks' (each call averaged over the ranks), the median over the rounds (ranks.json has its range); "
+                  f"memory: the first round's",
+                  markup=False)
     for rank in first["ranks"]:
         console.print(f"rank {rank['rank']}: rows {rank['rows'][0]}..{rank['rows'][1]}, holds "
                       f"{_bytes(rank['held_bytes'])}; {_rss(rank)}", markup=False)
