@@ -332,12 +332,16 @@ class NumbaBackend:
 
         self._compile_kernels(signature, compile_gather, compiles)
 
-    def _compile_kernels(self, signature: tuple, compile_with: Callable[[Any], None], compiles: _Compiles) -> None:
-        """Run ``compile_with(kernels)`` (calls that copy nothing) and record in `compiles` whether it compiled."""
+    def _compile_kernels(self, signature: tuple, compile_with: Callable[[Any], None], compiles: _Compiles,
+                         load: Callable[[], Any] | None = None) -> None:
+        """Run ``compile_with(kernels)`` (calls that copy nothing) and record in `compiles` whether it compiled.
+
+        `load` imports the kernel module (default: :meth:`kernels`, the gather's).
+        """
         try:
-            kernels = self.kernels()
+            kernels = (load or self.kernels)()
         except ImportError:
-            return  # kept as the backend's reason: unavailable_reasons() reports it
+            return  # the reason is kept: unavailable_reasons() (numba) or describe() (dequantizing kernels) reports it
         try:
             compile_with(kernels)
         except Exception as error:  # a corrupt on-disk cache, say: numpy serves the signature, describe() says why
@@ -489,22 +493,16 @@ class NumbaBackend:
 
     def _compile_dequantize_now(self, signature: tuple, compiles: _Compiles) -> None:
         """Compile the dequantizing kernels for an output word with calls that dequantize no row (one bad id)."""
-        try:
-            kernels = self.dequantize_kernels()
-        except ImportError:
-            return  # kept as the reason describe() reports; numpy serves
-        code, data = kernels.FORMAT_CODES["q8_0"], _read_only(np.zeros((1, 34), np.uint8))
-        scales = _read_only(_NO_SCALES)
-        no_row = _read_only(np.full(1, -1, np.int64))  # one bad id: the kernels return before writing anything
-        rows = np.zeros((1, 32), signature[1])
-        try:
+        def compile_dequantize(kernels: Any) -> None:
+            code, data = kernels.FORMAT_CODES["q8_0"], _read_only(np.zeros((1, 34), np.uint8))
+            scales = _read_only(_NO_SCALES)
+            no_row = _read_only(np.full(1, -1, np.int64))  # one bad id: the kernels return before writing anything
+            rows = np.zeros((1, 32), signature[1])
             kernels.dequantize_serial(code, data, scales, no_row, rows, kernels.FLOAT16, False, 0, 0)
             kernels.first_bad_position(no_row, kernels.readable_rows(code, data, scales))
             kernels.dequantize_range(code, data, scales, no_row, rows, 0, 0, kernels.FLOAT16, False, 0, 0)
-        except Exception as error:  # numpy serves the signature, describe() says why
-            compiles.failed[signature] = _one_line(error)
-            raise
-        compiles.done.add(signature)
+
+        self._compile_kernels(signature, compile_dequantize, compiles, self.dequantize_kernels)
 
     def after_fork_in_child(self) -> None:
         self._parallel_lock = threading.Lock()  # a thread the child lacks may have held the parent's

@@ -237,10 +237,9 @@ class VocabParallelEmbedding:
         self._view = validate.table_snapshot(rows)
         # What results without dtype= are gathered as: float32 for a quantized table, uint16 words for a GPU bfloat16.
         self._dtype = validate.output_dtype(self._view, None)
-        local = rows if self._quantized or self._on_device else rows.view(np.ndarray)
-        self._local = Embedding(local) if self._stored else None
-        # A dense host table's rows, which the shared-memory exchange places straight into a scatter's result.
+        # A dense host table's rows, which the shared-memory exchange also places straight into a scatter's result.
         self._host_rows = None if self._quantized or self._on_device else rows.view(np.ndarray)
+        self._local = Embedding(rows if self._host_rows is None else self._host_rows) if self._stored else None
         self._phantom = np.empty((self.vocab_size, 0), np.uint8)  # ids are checked against the whole vocabulary
         # The first row of every rank but the first: searchsorted over them names each id's owner.
         self._bounds = np.array([row_range(self.vocab_size, self.world_size, rank, pad)[0]
