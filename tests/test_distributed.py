@@ -634,7 +634,41 @@ def combined_task(rank: int, world: int, files: dict) -> dict:
                          "quantized": quantized_task(rank, world, files, exchange),
                          "cycles": cycles_task(rank, world, exchange)}
               for exchange in EXCHANGES}
-    return {**checks, "shared memory": shared_memory_task(rank, world)}
+    return {**checks, "shared memory": shared_memory_task(rank, world), "board": board_task(rank, world)}
+
+
+def board_task(rank: int, world: int) -> dict:
+    """The agreement board: one per group, shared by its layers, given up alike on every rank when it cannot be made."""
+    table = make_table("float16", 6)
+    expected = fastembed.lookup(table, [3, 1, 4])
+    failures: list[str] = []
+    report: dict = {}
+    on_world = VocabParallelEmbedding(table, timeout=30, exchange="all_reduce")
+    report["default group, all_reduce"] = on_world.agreement
+    subgroup = dist.new_group(list(range(world)))
+    real_mkfifo = os.mkfifo
+
+    def refused(path, mode=0o777):
+        raise OSError(28, "No space left on device", path)
+
+    os.mkfifo = refused if rank == world - 1 else real_mkfifo  # one rank cannot make its pipes
+    try:
+        first = VocabParallelEmbedding(table, group=subgroup, timeout=30)
+    finally:
+        os.mkfifo = real_mkfifo
+    report["given up"] = (first.agreement, first.exchange)
+    failures += same_bits("through the group", first([3, 1, 4]), expected, np.ndarray)
+    second = VocabParallelEmbedding(table, group=subgroup, timeout=30)  # tries again, for both layers
+    report["made by the next layer"] = (first.agreement, second.agreement, first._board() is second._board(),
+                                        first._board() is on_world._board())
+    failures += same_bits("the first layer on the board", first([3, 1, 4]), expected, np.ndarray)
+    failures += same_bits("the second layer on the board", second([3, 1, 4], mode="scatter"),
+                          expected[slice(*distributed.position_range(3, world, rank))], np.ndarray)
+    report["different layers"] = _outcome(lambda: (first if rank == 0 else second)([1, 2]))[:2]
+    failures += same_bits("after the mismatch", second([3, 1, 4]), expected, np.ndarray)
+    left = [name for name in os.listdir(distributed.segments.SHM_FOLDER)
+            if name.startswith(distributed.segments.SEGMENT_PREFIX) and "-" in name[len("fastembed-"):]]
+    return {"report": report, "failures": failures, "pipes left": left}
 
 
 def write_checkpoints(folder: Path) -> dict:
@@ -896,6 +930,20 @@ def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group)
         left = [name for name in report["names"] if os.path.exists(os.path.join(distributed.segments.SHM_FOLDER, name))]
         assert left == [], f"segments in /dev/shm after the ranks left: {left}"
     assert reports[0]["names"] == reports[-1]["names"]  # every rank named the same segments
+
+
+def test_the_ranks_of_one_host_agree_through_one_board_per_group_or_through_the_group(group):
+    world, ranks = group
+    for rank, result in enumerate(ranks):
+        board = result["board"]
+        assert board["failures"] == [], f"rank {rank}: {board['failures']}"
+        report = board["report"]
+        assert report["default group, all_reduce"] == "shared_memory"
+        assert report["given up"] == ("group", "shared_memory"), rank
+        assert report["made by the next layer"] == ("shared_memory", "shared_memory", True, False), rank
+        kind, message = report["different layers"]
+        assert kind == "ValueError" and "the ranks disagree on the ids" in message, message
+        assert board["pipes left"] == [], f"rank {rank}: pipes left in /dev/shm: {board['pipes left']}"
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

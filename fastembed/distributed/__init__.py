@@ -27,9 +27,13 @@ A call runs five steps on every rank (:class:`LookupTimings` times each):
 2. *gather*: the rank's own positions are gathered from its shard by
    fastembed (ids shifted by the shard's first row), into the exchange's
    buffer (below);
-3. *agree*: one small all-gather of each rank's status and fingerprint. A
-   rank's bad ids, or ids that differ between ranks, raise the same error on
-   every rank here, before any data collective; the group stays usable;
+3. *agree*: every rank shares its status and fingerprint with the others:
+   through a board in shared memory where every rank runs on one x86-64
+   Linux host and the group carries CPU tensors (one board per group, shared
+   by its layers: :attr:`VocabParallelEmbedding.agreement`), else by one
+   small all-gather over the group. A rank's bad ids, or ids that differ
+   between ranks, raise the same error on every rank here, before any data
+   collective; the group stays usable;
 4. *communicate*, by one of two exchanges (``exchange=``, chosen when the
    layer is built):
 
@@ -51,8 +55,10 @@ A call runs five steps on every rank (:class:`LookupTimings` times each):
    ``"full"`` returns the reduced buffer itself and ``"scatter"`` copies
    this rank's positions out of it.
 
-Every collective is waited for at most ``timeout`` seconds: a rank that dies
-or stops calling makes the others raise :class:`CommunicationError`. The
+Every collective and every agreement is waited for at most ``timeout``
+seconds: a rank that dies or stops calling makes the others raise
+:class:`CommunicationError` (on a board, a rank whose process ended is seen
+at once). The
 agreements carry CPU tensors where the group has a CPU backend (gloo), and
 tensors on the shard's GPU on a group of NCCL alone; a GPU shard's rows
 always travel as CUDA tensors of its device.

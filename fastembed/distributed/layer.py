@@ -23,7 +23,7 @@ from ..arrays import result_like, torch_adapter
 from ..backends import output_cache
 from ..backends.cuda_backend import deferred_id_checks
 from ..formats import QuantizedTable
-from . import segments
+from . import board, segments
 from .agreement import CommunicationError, _digest, _errno_of, _error_code, _shared_error
 from .layout import _checked_pad, padded_vocab_size, position_range, row_range
 from .segments import SEGMENT_GRANULE, SEGMENT_PREFIX, SHM_FOLDER, _Segment, _unlink_quietly
@@ -207,6 +207,8 @@ class VocabParallelEmbedding:
                 raise error
             finally:
                 error = None  # else this frame and the error's traceback hold each other (see _call)
+        # What the agreements through a board of the group wait (the first below, if the group has one already).
+        self._board_timeout_s = self._timeout if self._timeout is not None else self._group_timeout_s()
         self._mine = self._on_wire(np.zeros(2, np.int64))
         self._theirs = self._on_wire(np.zeros((self.world_size, 2), np.int64))
         self._theirs_list = list(self._theirs.unbind(0))
@@ -261,6 +263,16 @@ class VocabParallelEmbedding:
         rows (and row scales) for a quantized table.
         """
         return self._shard.rows if self._shard.like is None or self._quantized else self._shard.like
+
+    @property
+    def agreement(self) -> str:
+        """How the ranks agree at every call: ``"shared_memory"`` or ``"group"``.
+
+        ``"shared_memory"``: a board in /dev/shm that every layer of the group
+        shares, where all ranks run on one x86-64 Linux host and the group
+        carries CPU tensors; ``"group"``: an all-gather over the process group.
+        """
+        return "group" if self._board() is None else "shared_memory"
 
     @property
     def format(self) -> str:
@@ -708,11 +720,16 @@ class VocabParallelEmbedding:
         """
         host, usable = segments._host_identity()
         secret = int.from_bytes(secrets.token_bytes(8), "little", signed=True)
-        hosts, usables, secrets_ = zip(*self._all_gather_ints([host, int(usable), secret]), strict=True)
+        held = self._board()
+        facts = self._all_gather_ints([host, int(usable), secret, 0 if held is None else held.identity])
+        hosts, usables, secrets_, boards = zip(*facts, strict=True)
         self._key = int(secrets_[0]).to_bytes(8, "little", signed=True)  # rank 0's: names no one can guess
+        one_host = len(set(hosts)) == 1 and all(usables)
+        if one_host and self.world_size > 1 and self._wire == "cpu" and board.usable():
+            self._open_board(held, boards)
         if requested == "all_reduce" or self._on_device or (requested == "auto" and self.world_size == 1):
             return "all_reduce"
-        if len(set(hosts)) == 1 and all(usables):
+        if one_host:
             return "shared_memory"
         if requested == "auto":
             return "all_reduce"
@@ -726,6 +743,41 @@ class VocabParallelEmbedding:
             reasons.append(f"rank(s) {', '.join(map(str, unusable))} have no usable {SHM_FOLDER} (Linux, writable)")
         raise ValueError(f"VocabParallelEmbedding: exchange='shared_memory' needs every rank on one host with a "
                          f"shared {SHM_FOLDER}: {'; '.join(reasons)}; use exchange='auto' or 'all_reduce'")
+
+    def _board(self) -> board.Board | None:
+        """The agreement board of this layer's group on this rank, if it has one (every rank alike)."""
+        group = self._built_on()
+        return None if group is None else board.BOARDS.get(group)
+
+    def _open_board(self, held: board.Board | None, identities: tuple[int, ...]) -> None:
+        """Give the group a board (a collective), unless every rank holds the same one already.
+
+        Where a rank cannot make its part (on every rank alike), the group's
+        layers go on agreeing through the group, and the next layer built tries again.
+        """
+        if held is not None and set(identities) == {held.identity}:
+            return
+        group = self._built_on()
+        board.BOARDS.pop(group, None)  # meanwhile the ranks agree through the group, all of them
+        identity = int.from_bytes(self._key, "little", signed=True) or 1
+        name = SEGMENT_PREFIX + hashlib.blake2b(b"board", key=self._key, digest_size=12).hexdigest()
+        try:
+            made = board.open_board(name, SHM_FOLDER, identity, self.rank, self.world_size,
+                                    lambda error, what: self._agree(error, 0, lambda: "", what, ""))
+        except CommunicationError:
+            raise
+        except Exception:  # raised alike on every rank by the agreement
+            return
+        board.BOARDS[group] = made
+
+    def _group_timeout_s(self) -> float:
+        """The timeout the group was made with (``init_process_group(timeout=...)``), or torch's default for it."""
+        group = self._group if self._group is not None else self._dist.group.WORLD
+        try:
+            limit = group._get_backend(self._torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError, ValueError):  # torch keeps it in a private field
+            limit = self._dist.default_pg_timeout
+        return float(limit.total_seconds())
 
     def _segment_name(self, generation: int) -> str:
         hasher = hashlib.blake2b(generation.to_bytes(8, "little"), key=self._key, digest_size=12)
@@ -814,11 +866,16 @@ class VocabParallelEmbedding:
         of n)" added unless every rank raised it); otherwise differing digests
         raise a ValueError listing each rank's description.
         """
-        self._mine[0] = 0 if error is None else _error_code(error)
-        self._mine[1] = digest if error is None else _errno_of(error)
-        self._collective(lambda: self._dist.all_gather(self._theirs_list, self._mine, group=self._group,
-                                                       async_op=True), f"the agreement on {what}")
-        rows = self._theirs.tolist()  # one read back: on NCCL each read of the GPU tensor waits for the device
+        code = 0 if error is None else _error_code(error)
+        number = digest if error is None else _errno_of(error)
+        held = self._board()
+        if held is not None:
+            rows = self._board_agree(held, code, number, f"the agreement on {what}")
+        else:
+            self._mine[0], self._mine[1] = code, number
+            self._collective(lambda: self._dist.all_gather(self._theirs_list, self._mine, group=self._group,
+                                                           async_op=True), f"the agreement on {what}")
+            rows = self._theirs.tolist()  # one read back: on NCCL each read of the GPU tensor waits for the device
         codes, digests = [row[0] for row in rows], [row[1] for row in rows]
         if not any(codes) and len(set(digests)) == 1:
             return
@@ -842,6 +899,21 @@ class VocabParallelEmbedding:
         finally:
             error = None  # see _call
         return ended
+
+    def _board_agree(self, held: board.Board, code: int, number: int, what: str) -> list[list[int]]:
+        """:meth:`_agree`'s exchange of every rank's (code, number) through the board, at most `timeout` seconds."""
+        try:
+            return held.agree(code, number, self._board_timeout_s)
+        except board.BoardError as error:
+            limit = "the group's timeout" if self._timeout is None else f"timeout={self._timeout:g} s"
+            self._broken = (
+                f"VocabParallelEmbedding: {what} failed on rank {self.rank} of {self.world_size}: another rank died, "
+                f"hung or stopped calling ({limit}). This process group is unusable now: destroy it and end the "
+                f"process. The shared-memory board said: {error}")
+            raise CommunicationError(self._broken) from error
+        except BaseException as interrupt:
+            self._mark_interrupted(interrupt, what)
+            raise
 
     def _gather_texts(self, text: str) -> list[str]:
         """Every rank's `text` (cut to MESSAGE_BYTES), on every rank: only on the error path."""
