@@ -1170,6 +1170,7 @@ def test_bench_ranks_smoke(tmp_path):
     assert set(rows) == {(1, "full"), (1, "scatter"), (5, "full"), (5, "scatter")}
     row_bytes = 8 * 2
     assert payload["exchange"] == "shared_memory"  # the ranks share this host
+    assert payload["agreement"] == ("shared_memory" if distributed.board.usable() else "group")
     for mode in ("full", "scatter"):  # a rank puts in only its own rows, the slowest 3 to 5 of 5, and sends them once
         assert 3 * row_bytes <= rows[5, mode]["payload_bytes"] == rows[5, mode]["sent_bytes"] <= 5 * row_bytes
     for row in rows.values():

@@ -28,9 +28,10 @@ Per batch and mode the report gives:
   the median) and its parts, each the same statistic: *prepare* (checking,
   copying and hashing the ids), *gather* (this rank's rows into the
   exchange's buffer: the shared segment, or the all-reduce's buffer with
-  zeros elsewhere), *agree* (the fingerprint all-gather, which includes
-  waiting for the slowest rank; with shared memory it is also the barrier
-  after every rank's writes), *communicate* (the data collective: the
+  zeros elsewhere), *agree* (the exchange of fingerprints, through the
+  agreement board where the ranks share a host, else an all-gather; it
+  includes waiting for the slowest rank, and with shared memory it is also
+  the barrier after every rank's writes), *communicate* (the data collective: the
   all-reduce in both modes; with shared memory none, unless a call grew
   the segment) and *copy out* (the rows a rank returns, out of the shared
   segment, or scatter's positions out of the all-reduced buffer);
@@ -134,7 +135,8 @@ def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | N
         emb = VocabParallelEmbedding(table_path, name=name, timeout=TIMEOUT_S)
         samples, payloads, exchanges = _measure(lambda ids, mode: emb(ids, mode=mode), emb.vocab_size, batches, reps,
                                                 seed, fastembed.wait_for_compiles, lambda: emb.last_timings)
-        report = {"rank": rank, "layer": repr(emb), "exchange": emb.exchange, "exchanges": exchanges,
+        report = {"rank": rank, "layer": repr(emb), "exchange": emb.exchange, "agreement": emb.agreement,
+                  "exchanges": exchanges,
                   "numba_threads": os.environ["NUMBA_NUM_THREADS"],
                   "rows": [emb.vocab_start, emb.vocab_end], "held_bytes": int(emb.shard.nbytes),
                   "rss_before_bytes": before["rss"], "rss_bytes": _rss_bytes(), "memory_before": before,
@@ -403,12 +405,13 @@ def main(arguments: Any, console: Any, table: Any, described: dict[str, Any], ar
     with table_file(table, arguments.table) as path:
         measured = run(path, arguments.ranks, batches, reps, name=arguments.tensor, rounds=rounds)
     rows = summarise(measured, batches)
-    exchange = measured[0]["ranks"][0]["exchange"]
-    print_report(rows, measured, console, f"{arguments.ranks} ranks (gloo, {exchange} exchange, this machine) against "
-                                          f"1 process: {report.table_title(described)}")
+    exchange, agreement = (measured[0]["ranks"][0][fact] for fact in ("exchange", "agreement"))
+    print_report(rows, measured, console, f"{arguments.ranks} ranks (gloo, {exchange} exchange, agreement through "
+                                          f"{agreement.replace('_', ' ')}, this machine) against 1 process: "
+                                          f"{report.table_title(described)}")
     report.write_json(arguments.out / "ranks.json", {
         **report.run_facts(argv), "table": described, "ranks": arguments.ranks, "reps": reps,
-        "cpus": os.cpu_count(), "exchange": exchange, "rounds": len(measured), "results": rows,
+        "cpus": os.cpu_count(), "exchange": exchange, "agreement": agreement, "rounds": len(measured), "results": rows,
         "processes": measured,
     })
     console.print(f"wrote {arguments.out / 'ranks.json'}", soft_wrap=True, markup=False)
