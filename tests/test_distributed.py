@@ -332,6 +332,14 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
         with emb._calling:  # as a second thread of this rank finds it
             emb([1])
 
+    def while_another_thread_calls_another_layer():
+        with other._calling:  # the group's lock: the agreements of two layers would pair up across the ranks
+            emb([1])
+
+    def while_another_thread_builds():
+        with emb._calling:
+            build(table, timeout=30)
+
     class OddIds:  # ids whose conversion raises an OSError whose errno is no number
         def __array__(self, dtype=None, copy=None):
             raise OSError("not a number", "the ids' source went away")
@@ -366,6 +374,8 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
         "timeout under a millisecond": lambda: build(table, timeout=1e-4),
         "timeout over a year": lambda: build(table, timeout=1e14),
         "two threads at once": while_another_thread_calls,
+        "two threads, two layers of the group": while_another_thread_calls_another_layer,
+        "two threads, a build beside a call": while_another_thread_builds,
         "an OSError without a numeric errno on one rank": lambda: emb(OddIds() if rank == last else [1]),
         "storage resized on one rank": after_a_resize_on_the_last_rank,
     }
@@ -637,6 +647,21 @@ def combined_task(rank: int, world: int, files: dict) -> dict:
     return {**checks, "shared memory": shared_memory_task(rank, world), "board": board_task(rank, world)}
 
 
+def _in_a_forked_child(call) -> tuple[str, str]:
+    """(error type, message) of `call` in a forked child of this rank, which leaves at once."""
+    reading, writing = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.write(writing, json.dumps(_outcome(call)[:2]).encode())
+        finally:
+            os._exit(0)
+    os.close(writing)
+    os.waitpid(child, 0)
+    with os.fdopen(reading, "rb") as said:
+        return tuple(json.loads(said.read()))
+
+
 def board_task(rank: int, world: int) -> dict:
     """The agreement board: one per group, shared by its layers, given up alike on every rank when it cannot be made."""
     table = make_table("float16", 6)
@@ -665,6 +690,8 @@ def board_task(rank: int, world: int) -> dict:
     failures += same_bits("the second layer on the board", second([3, 1, 4], mode="scatter"),
                           expected[slice(*distributed.position_range(3, world, rank))], np.ndarray)
     report["different layers"] = _outcome(lambda: (first if rank == 0 else second)([1, 2]))[:2]
+    report["forked child"] = _in_a_forked_child(lambda: first([5, 6]))
+    report["build in a forked child"] = _in_a_forked_child(lambda: VocabParallelEmbedding(table, group=subgroup))
     failures += same_bits("after the mismatch", second([3, 1, 4]), expected, np.ndarray)
     left = [name for name in os.listdir(distributed.segments.SHM_FOLDER)
             if name.startswith(distributed.segments.SEGMENT_PREFIX) and "-" in name[len("fastembed-"):]]
@@ -760,6 +787,7 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
         "bad timeout on one rank": "ValueError", "name with an array": "ValueError",
         "different layers": "ValueError", "timeout under a millisecond": "ValueError",
         "timeout over a year": "ValueError", "two threads at once": "RuntimeError",
+        "two threads, two layers of the group": "RuntimeError", "two threads, a build beside a call": "RuntimeError",
         "storage resized on one rank": "ValueError", "an OSError without a numeric errno on one rank": "OSError",
     }
     for case, kind in expected_types.items():
@@ -788,7 +816,8 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
     assert "timeout must be None" in message["timeout under a millisecond"]
     assert "timeout must be None" in message["timeout over a year"]
     assert "to layer" in message["different layers"] and "same layer" in message["different layers"]
-    assert "called from two threads of one rank at once" in message["two threads at once"]
+    for case in ("two threads at once", "two threads, two layers of the group", "two threads, a build beside a call"):
+        assert "called or built from two threads of one rank at once" in message[case], message[case]
     assert "storage was resized in place" in message["storage resized on one rank"]
     assert f"(on rank {world - 1} of {world})" in message["storage resized on one rank"]
     assert f"the ids' source went away (on rank {world - 1} of {world})" in message[
@@ -943,6 +972,8 @@ def test_the_ranks_of_one_host_agree_through_one_board_per_group_or_through_the_
         assert report["made by the next layer"] == ("shared_memory", "shared_memory", True, False), rank
         kind, message = report["different layers"]
         assert kind == "ValueError" and "the ranks disagree on the ids" in message, message
+        for case in ("forked child", "build in a forked child"):  # before a byte lands in the parent's shared memory
+            assert report[case] == ("RuntimeError", distributed.layer._FORKED), (case, report[case])
         assert board["pipes left"] == [], f"rank {rank}: pipes left in /dev/shm: {board['pipes left']}"
 
 

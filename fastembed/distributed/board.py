@@ -8,8 +8,9 @@ a line another rank is still reading (it cannot get two agreements ahead).
 
 Each ordered pair of ranks shares a named pipe: after posting, a rank writes
 a byte into its pipe to every other rank, which wakes a rank waiting in
-``poll``; and when a rank's process ends or its board is freed, the pipes it
-writes are closed, which its readers see at once as a hang-up.
+``poll``; and when a rank's process ends or its board is closed, the pipes
+it writes are closed, which its readers see at once as a hang-up (unless a
+child process it forked still holds them).
 
 A board serves every layer built on one process group, as the group's own
 collectives would: the ranks' agreements pair up in the order they are made,
@@ -31,7 +32,6 @@ import platform
 import select
 import stat
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -43,12 +43,13 @@ from .segments import _create_mapping, _open_mapping, _unlink_quietly
 
 #: int64 words per rank and turn: count, status code, digest, and padding to a 64-byte cache line of its own.
 _LINE_WORDS = 8
-#: The longest single wait in poll (milliseconds); longer timeouts wait in several.
-_MAX_POLL_MS = 3_600_000
+#: The longest single wait in poll (milliseconds): a post whose wake-up never came (its rank was interrupted
+#: in between) is still seen within this.
+_MAX_POLL_MS = 100
 #: Hang-up, error or a closed descriptor: the rank writing that pipe is gone.
 _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL if hasattr(select, "POLLHUP") else 0
 
-#: Each process group's board on this rank (weakly: a destroyed group's board goes with its last layer).
+#: Each process group's board on this rank (weakly: it lives as long as the group object).
 BOARDS: weakref.WeakKeyDictionary[Any, Board] = weakref.WeakKeyDictionary()
 
 
@@ -67,7 +68,8 @@ class Board:
 
     Built by :func:`open_board`, a collective. After a failed or interrupted
     agreement the ranks are out of step, and every later agreement raises
-    :class:`BoardError` at once.
+    :class:`BoardError` at once. One thread at a time, in the process that
+    made it: the layers hold their group's lock, and refuse a forked child.
     """
 
     def __init__(self, mapping: mmap.mmap, identity: int, rank: int, world_size: int, inboxes: dict[int, int],
@@ -84,8 +86,8 @@ class Board:
             self._poller.register(descriptor, select.POLLIN)
         self._gone: set[int] = set()
         self._failed: str | None = None
-        self._posting = threading.Lock()
-        self._pid = os.getpid()
+        #: The process that made it: a forked child must not post on its lines.
+        self.pid = os.getpid()
         self._closer = weakref.finalize(self, _close, mapping, [*inboxes.values(), *outboxes])
 
     def agree(self, code: int, digest: int, timeout_s: float) -> list[list[int]]:
@@ -95,34 +97,23 @@ class Board:
             BoardError: a rank that has not posted closed its pipes, or did not
                 post within `timeout_s` (naming which), or an earlier agreement
                 failed or was interrupted on this rank.
-            RuntimeError: another thread of this process is in an agreement on
-                this board, or this is a forked child of the process that made
-                it (before posting: the board stays usable).
         """
-        if os.getpid() != self._pid:
-            raise RuntimeError("a VocabParallelEmbedding serves the process that built it, not a forked child")
-        if self._posting.locked():
-            raise RuntimeError("two threads of one rank called layers of one process group at once; their calls are "
-                               "collectives, one at a time in the same order on every rank")
-        with self._posting:  # a thread that finds it free in the instant another takes it waits for that agreement
-            if self._failed is not None:
-                raise BoardError(self._failed)
-            try:
-                return self._agree(code, digest, timeout_s)
-            except BoardError as error:
-                self._failed = f"an earlier agreement failed on rank {self.rank}: {error}"
-                raise
-            except BaseException as interrupt:
-                self._failed = (f"an earlier agreement was interrupted on rank {self.rank} "
-                                f"({type(interrupt).__name__})")
-                raise
+        if self._failed is not None:
+            raise BoardError(self._failed)
+        try:
+            return self._agree(code, digest, timeout_s)
+        except BoardError as error:
+            self._failed = f"an earlier agreement failed on rank {self.rank}: {error}"
+            raise
+        except BaseException as interrupt:
+            self._failed = f"an earlier agreement was interrupted on rank {self.rank} ({type(interrupt).__name__})"
+            raise
 
     def close(self) -> None:
         """Close this rank's pipes and unmap the board; the other ranks' waits then end with :class:`BoardError`."""
-        with self._posting:
-            self._failed = "this rank's board was closed"
-            self._lines = np.empty((2, self.world_size, _LINE_WORDS), np.int64)  # the map's last view goes first
-            self._closer()
+        self._failed = "this rank's board was closed"
+        self._lines = np.empty((2, self.world_size, _LINE_WORDS), np.int64)  # the map's last view goes first
+        self._closer()
 
     def _agree(self, code: int, digest: int, timeout_s: float) -> list[list[int]]:
         count = self._posts + 1
@@ -149,7 +140,7 @@ class Board:
             gone = [rank for rank in waiting if rank in self._gone]
             if gone:
                 raise BoardError(f"rank {gone[0]} closed its end of the agreement board before this agreement (its "
-                                 "process ended, or its layers were freed)")
+                                 "process ended, or its process group was destroyed there)")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise BoardError(f"rank(s) {', '.join(map(str, waiting))} did not reach the agreement in time")
@@ -165,6 +156,9 @@ def open_board(name: str, folder: str, identity: int, rank: int, world_size: int
                agree: Callable[[Exception | None, str], None]) -> Board:
     """Make the board and the pipes together with the other ranks (a collective), and unlink their names.
 
+    Every rank unlinks every name once the ranks hold them, or once the
+    making failed (a rank that died meanwhile leaves none of its names).
+
     Args:
         name: the board's file name in `folder`, the same on every rank and hard
             to guess; the pipes are named after it.
@@ -178,7 +172,8 @@ def open_board(name: str, folder: str, identity: int, rank: int, world_size: int
     board_path = os.path.join(folder, name)
     size = 2 * world_size * _LINE_WORDS * 8
     others = [other for other in range(world_size) if other != rank]
-    made: list[str] = []
+    names = [board_path] + [_pipe_path(board_path, sender, receiver) for sender in range(world_size)
+                            for receiver in range(world_size) if sender != receiver]
     inboxes: dict[int, int] = {}
     outboxes: list[int] = []
     mapping = None
@@ -188,11 +183,9 @@ def open_board(name: str, folder: str, identity: int, rank: int, world_size: int
             for other in others:
                 path = _pipe_path(board_path, other, rank)
                 os.mkfifo(path, 0o600)  # fails if the name exists: no one else's pipe is taken over
-                made.append(path)
                 inboxes[other] = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             if rank == 0:
                 mapping = _create_mapping(board_path, size)
-                made.append(board_path)
         except Exception as caught:
             error = caught
         agree(error, "making the agreement board")
@@ -211,8 +204,11 @@ def open_board(name: str, folder: str, identity: int, rank: int, world_size: int
         raise
     finally:
         error = None  # the error's traceback holds this frame, which would hold the error
-        for path in made:
-            _unlink_quietly(path)
+        for path in names:
+            try:
+                _unlink_quietly(path)
+            except OSError:  # not this user's file to remove (a sticky folder): not ours either
+                pass
     assert mapping is not None
     return Board(mapping, identity, rank, world_size, inboxes, outboxes)
 

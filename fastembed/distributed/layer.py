@@ -37,6 +37,12 @@ MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 365 * 24 * 3600.0
 #: Bytes of an error message or description one rank shares with the others (longer ones are cut).
 MESSAGE_BYTES = 2048
 TORCH_NEEDED = "fastembed.distributed needs torch 2.13 or later (the release it is tested with): pip install 'fastembed-gather[distributed]'"
+_TWO_THREADS = ("layers of one process group were called or built from two threads of one rank at once; their calls "
+                "are collectives, one at a time in the same order on every rank")
+_FORKED = ("a VocabParallelEmbedding and its process group serve the process that built them, not a forked child "
+           "(whose writes would land in the parent's shared memory)")
+#: Each process group's lock on this rank (weakly: it goes with the group), shared by the group's layers.
+_GROUP_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 #: Integer views for the SUM collectives, widest first. No int16: neither gloo nor NCCL sums it.
 _WORDS = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.uint8))
 
@@ -117,7 +123,10 @@ class VocabParallelEmbedding:
 
     Raises:
         ImportError: torch is not installed.
-        RuntimeError: no process group is initialised.
+        RuntimeError: no process group is initialised; another thread of this rank
+            is calling or building a layer of the same group (on this rank only,
+            before any collective); this process is a forked child of a rank
+            whose group agrees through a board.
         ValueError: this process is not in `group`; a host table on a group
             without CPU transport (NCCL alone: on every rank, through the agreement on
             torch's current GPU; on that rank only, before any collective, where torch
@@ -178,8 +187,18 @@ class VocabParallelEmbedding:
         carriers = {kind: _carrier(backend, kind, dist.Backend.backend_capability) for kind in ("cpu", "cuda")}
         if not any(carriers.values()):
             raise ValueError(f"VocabParallelEmbedding needs a group that carries CPU or CUDA tensors, not {backend!r}")
+        # One call or build of the group's layers at a time on this rank: their collectives pair up in order.
+        self._calling = _group_lock(self._built_on())
+        if self._calling.locked():
+            raise RuntimeError(_TWO_THREADS)
+        with self._calling:  # a with statement only: a KeyboardInterrupt cannot leave it taken
+            self._build(source, name, pad_to_multiple, timeout, exchange, device, backend, carriers)
+
+    def _build(self, source: Any, name: str | None, pad_to_multiple: int, timeout: float | None, exchange: str,
+               device: Any, backend: str, carriers: dict[str, str | None]) -> None:
+        """:meth:`__init__`'s collective part, under the group's lock."""
         self._broken: str | None = None
-        self._calling = threading.Lock()
+        self._pid = os.getpid()
         self._timeout: float | None = None
         self.last_timings: LookupTimings | None = None
         shard, error, placement, pad = None, None, None, 1
@@ -199,8 +218,8 @@ class VocabParallelEmbedding:
             self._wire = "cpu"  # the agreements' small tensors
         elif placement not in (None, "cpu"):
             self._wire = placement
-        elif torch.cuda.device_count():  # a build that failed off the GPU still shares its error over NCCL
-            self._wire = f"cuda:{torch.cuda.current_device()}"
+        elif self._torch.cuda.device_count():  # a build that failed off the GPU still shares its error over NCCL
+            self._wire = f"cuda:{self._torch.cuda.current_device()}"
         else:
             assert error is not None  # _check_transport's: raised on this rank alone, as no agreement can run
             try:
@@ -359,15 +378,19 @@ class VocabParallelEmbedding:
                 interrupted (KeyboardInterrupt) once it had started, after
                 which the ranks may be out of step (every later call raises
                 it at once; the other ranks raise it within `timeout`).
-            RuntimeError: another thread of this rank is calling the layer (raised
-                on this rank only, before any collective; a thread that comes in the
-                very instant the other starts waits for its call instead); on a GPU shard, a rank ran
+            RuntimeError: another thread of this rank is calling or building a layer of
+                the same process group (raised on this rank only, before any collective; a
+                thread that comes in the very instant the other starts waits for its call
+                instead); this process is a forked child of the rank that built the layer
+                (raised before anything is written); on a GPU shard, a rank ran
                 out of GPU memory for this call's buffers (raised on every rank, with
                 torch's message).
             OSError, MemoryError: with ``exchange="shared_memory"``, the shared-memory
                 segment a batch needs cannot be made or mapped (a full ``/dev/shm``, say);
                 raised on every rank, and the group stays usable.
         """
+        if os.getpid() != self._pid:
+            raise RuntimeError(_FORKED)
         if self._broken is not None:
             raise CommunicationError(self._broken)
         if not self._group_exists():
@@ -376,8 +399,7 @@ class VocabParallelEmbedding:
             raise CommunicationError(self._broken)
         if self._calling.locked():
             # Before any collective: the call already running keeps the ranks in step (two at once abort gloo).
-            raise RuntimeError("VocabParallelEmbedding was called from two threads of one rank at once; a layer's calls "
-                               "are collectives, one at a time in the same order on every rank")
+            raise RuntimeError(_TWO_THREADS)
         # Taken by a with statement only, so that a KeyboardInterrupt cannot leave it taken; a thread that finds it
         # free in the instant another takes it waits for that call.
         with self._calling:
@@ -745,9 +767,16 @@ class VocabParallelEmbedding:
                          f"shared {SHM_FOLDER}: {'; '.join(reasons)}; use exchange='auto' or 'all_reduce'")
 
     def _board(self) -> board.Board | None:
-        """The agreement board of this layer's group on this rank, if it has one (every rank alike)."""
+        """The agreement board of this layer's group on this rank, if it has one (every rank alike).
+
+        Raises:
+            RuntimeError: this process is a forked child of the one that made it.
+        """
         group = self._built_on()
-        return None if group is None else board.BOARDS.get(group)
+        held = None if group is None else board.BOARDS.get(group)
+        if held is not None and held.pid != os.getpid():
+            raise RuntimeError(_FORKED)
+        return held
 
     def _open_board(self, held: board.Board | None, identities: tuple[int, ...]) -> None:
         """Give the group a board (a collective), unless every rank holds the same one already.
@@ -860,7 +889,8 @@ class VocabParallelEmbedding:
 
     def _agree(self, error: Exception | None, digest: int, describe: Callable[[], str], what: str,
                requirement: str) -> None:
-        """All-gather every rank's (status, digest); raise the same error on every rank unless all are fine and equal.
+        """Share every rank's (status, digest) (the group's board, else an all-gather); raise the same error on every
+        rank unless all are fine and equal.
 
         A rank's error is raised on every rank (its type and message; "(on rank r
         of n)" added unless every rank raised it); otherwise differing digests
@@ -1009,6 +1039,11 @@ def _scattered_shape(shape: tuple[int, ...], world_size: int, rank: int) -> tupl
     """The shape of the ids whose rows `rank` returns in ``scatter``: its part of the first dimension."""
     start, stop = position_range(shape[0], world_size, rank)
     return (stop - start, *shape[1:])
+
+
+def _group_lock(group: Any) -> threading.Lock:
+    """The lock of `group`'s layers on this rank (made by the first; dict.setdefault is atomic); None: a lock of its own."""
+    return threading.Lock() if group is None else _GROUP_LOCKS.setdefault(group, threading.Lock())
 
 
 def _weak_world(dist: Any) -> Callable[[], Any]:
