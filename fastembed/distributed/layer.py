@@ -935,15 +935,18 @@ class VocabParallelEmbedding:
         try:
             return held.agree(code, number, self._board_timeout_s)
         except board.BoardError as error:
-            limit = "the group's timeout" if self._timeout is None else f"timeout={self._timeout:g} s"
-            self._broken = (
-                f"VocabParallelEmbedding: {what} failed on rank {self.rank} of {self.world_size}: another rank died, "
-                f"hung or stopped calling ({limit}). This process group is unusable now: destroy it and end the "
-                f"process. The shared-memory board said: {error}")
-            raise CommunicationError(self._broken) from error
+            raise self._lost(what, f"The shared-memory board said: {error}") from error
         except BaseException as interrupt:
             self._mark_interrupted(interrupt, what)
             raise
+
+    def _lost(self, what: str, said: str) -> CommunicationError:
+        """Mark the layer unusable after `what` failed on this rank, and the error to raise (`said`: by what)."""
+        limit = "the group's timeout" if self._timeout is None else f"timeout={self._timeout:g} s"
+        self._broken = (f"VocabParallelEmbedding: {what} failed on rank {self.rank} of {self.world_size}: another rank "
+                        f"died, hung or stopped calling ({limit}). This process group is unusable now: destroy it "
+                        f"and end the process. {said}")
+        return CommunicationError(self._broken)
 
     def _gather_texts(self, text: str) -> list[str]:
         """Every rank's `text` (cut to MESSAGE_BYTES), on every rank: only on the error path."""
@@ -990,12 +993,7 @@ class VocabParallelEmbedding:
                 else:
                     work.wait(timeout=datetime.timedelta(seconds=self._timeout))
         except RuntimeError as error:  # torch's DistBackendError, "Operation timed out!", gloo's lost connections
-            limit = "the group's timeout" if self._timeout is None else f"timeout={self._timeout:g} s"
-            self._broken = (
-                f"VocabParallelEmbedding: {what} failed on rank {self.rank} of {self.world_size}: another rank died, "
-                f"hung or stopped calling ({limit}). This process group is unusable now: destroy it and end the "
-                f"process. torch.distributed said: {str(error).strip()}")
-            raise CommunicationError(self._broken) from error
+            raise self._lost(what, f"torch.distributed said: {str(error).strip()}") from error
         except BaseException as interrupt:
             self._mark_interrupted(interrupt, what)
             raise
