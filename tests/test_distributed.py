@@ -693,6 +693,12 @@ def board_task(rank: int, world: int) -> dict:
     report["forked child"] = _in_a_forked_child(lambda: first([5, 6]))
     report["build in a forked child"] = _in_a_forked_child(lambda: VocabParallelEmbedding(table, group=subgroup))
     failures += same_bits("after the mismatch", second([3, 1, 4]), expected, np.ndarray)
+    # Rank 0's board as an interrupted agreement of another layer leaves it: every layer of the group refuses.
+    out_of_step = dist.new_group(list(range(world)))
+    third = VocabParallelEmbedding(table, group=out_of_step, timeout=1)
+    if rank == 0:
+        third._board()._failed = "an earlier agreement was interrupted on rank 0 (KeyboardInterrupt)"
+    report["out of step"] = _outcome(lambda: third([1]))[:2]
     left = [name for name in os.listdir(distributed.segments.SHM_FOLDER)
             if name.startswith(distributed.segments.SEGMENT_PREFIX) and "-" in name[len("fastembed-"):]]
     return {"report": report, "failures": failures, "pipes left": left}
@@ -972,6 +978,12 @@ def test_the_ranks_of_one_host_agree_through_one_board_per_group_or_through_the_
         assert report["made by the next layer"] == ("shared_memory", "shared_memory", True, False), rank
         kind, message = report["different layers"]
         assert kind == "ValueError" and "the ranks disagree on the ids" in message, message
+        kind, message = report["out of step"]
+        assert kind == "CommunicationError", report["out of step"]
+        if rank == 0:
+            assert "cannot run on rank 0" in message and "the ranks are out of step" in message, message
+        else:
+            assert "another rank died, hung or stopped calling (timeout=1 s)" in message, message
         for case in ("forked child", "build in a forked child"):  # before a byte lands in the parent's shared memory
             assert report[case] == ("RuntimeError", distributed.layer._FORKED), (case, report[case])
         assert board["pipes left"] == [], f"rank {rank}: pipes left in /dev/shm: {board['pipes left']}"

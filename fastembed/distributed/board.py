@@ -60,7 +60,11 @@ def usable() -> bool:
 
 
 class BoardError(Exception):
-    """An agreement through the board failed: a rank is gone or late, or an earlier agreement failed here."""
+    """An agreement through the board failed: a rank is gone or late, or (`earlier`) an earlier one failed here."""
+
+    def __init__(self, message: str, earlier: bool = False) -> None:
+        super().__init__(message)
+        self.earlier = earlier
 
 
 class Board:
@@ -99,7 +103,7 @@ class Board:
                 failed or was interrupted on this rank.
         """
         if self._failed is not None:
-            raise BoardError(self._failed)
+            raise BoardError(self._failed, earlier=True)
         try:
             return self._agree(code, digest, timeout_s)
         except BoardError as error:
@@ -167,7 +171,8 @@ def open_board(name: str, folder: str, identity: int, rank: int, world_size: int
             rank passes an error.
 
     Raises:
-        OSError, ValueError: a rank could not make or open its part (on every rank).
+        OSError, ValueError: a rank could not make or open its part (on every
+            rank); and whatever `agree` raises (a rank that died meanwhile).
     """
     board_path = os.path.join(folder, name)
     size = 2 * world_size * _LINE_WORDS * 8

@@ -187,6 +187,7 @@ class VocabParallelEmbedding:
         carriers = {kind: _carrier(backend, kind, dist.Backend.backend_capability) for kind in ("cpu", "cuda")}
         if not any(carriers.values()):
             raise ValueError(f"VocabParallelEmbedding needs a group that carries CPU or CUDA tensors, not {backend!r}")
+        self._board()  # a forked child of a rank whose group has a board: RuntimeError, before anything else
         # One call or build of the group's layers at a time on this rank: their collectives pair up in order.
         self._calling = _group_lock(self._built_on())
         if self._calling.locked():
@@ -288,8 +289,10 @@ class VocabParallelEmbedding:
         """How the ranks agree at every call: ``"shared_memory"`` or ``"group"``.
 
         ``"shared_memory"``: a board in /dev/shm that every layer of the group
-        shares, where all ranks run on one x86-64 Linux host and the group
-        carries CPU tensors; ``"group"``: an all-gather over the process group.
+        shares, where two ranks or more run on one x86-64 Linux host and the
+        group carries CPU tensors; ``"group"``: an all-gather over the process
+        group (elsewhere, in a group of one rank, or where the board could not
+        be made: the next layer built on the group tries again).
         """
         return "group" if self._board() is None else "shared_memory"
 
@@ -935,6 +938,11 @@ class VocabParallelEmbedding:
         try:
             return held.agree(code, number, self._board_timeout_s)
         except board.BoardError as error:
+            if error.earlier:  # this rank's own failure, in a call of this or another layer of the group
+                self._broken = (f"VocabParallelEmbedding: {what} cannot run on rank {self.rank} of {self.world_size}: "
+                                f"{error}; the ranks are out of step. This process group is unusable now: destroy "
+                                "it and end the process")
+                raise CommunicationError(self._broken) from error
             raise self._lost(what, f"The shared-memory board said: {error}") from error
         except BaseException as interrupt:
             self._mark_interrupted(interrupt, what)
