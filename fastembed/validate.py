@@ -523,7 +523,7 @@ def place_arguments(table: np.ndarray, ids: np.ndarray, out: np.ndarray,
             dtype than the table.
         ValueError: a table or `out` that is not 2-D and C-contiguous, an `out` that is read-only,
             overlaps the table or whose rows are not as wide as the table's, positions that are not one
-            per id or not rows of `out`.
+            per id, not rows of `out` or not distinct.
         IndexError: an id or a position that fits no 64-bit integer.
     """
     for name, array in (("table", table), ("ids", ids), ("out", out), ("positions", positions)):
@@ -555,6 +555,10 @@ def place_arguments(table: np.ndarray, ids: np.ndarray, out: np.ndarray,
     if n and (int(positions.min()) < 0 or int(positions.max()) >= out.shape[0]):
         raise ValueError(f"positions must lie in [0, {out.shape[0]}), the rows of out; got {int(positions.min())} "
                          f"to {int(positions.max())}")
+    ordered = np.sort(positions)
+    repeated = np.flatnonzero(ordered[1:] == ordered[:-1])
+    if repeated.size:  # threads placing rows at one position could leave a mix of them there
+        raise ValueError(f"positions must be distinct, got {int(ordered[repeated[0]])} more than once")
     return ids, positions
 
 

@@ -120,6 +120,7 @@ def test_a_bad_id_names_itself_and_writes_nothing(placing, bad):
     (np.ones(200, bool), TypeError, "positions must be integers, got bool"),
     (np.arange(200) - 1, ValueError, r"positions must lie in \[0, 220\), the rows of out; got -1 to 198"),
     (np.arange(200) + 21, ValueError, r"positions must lie in \[0, 220\), the rows of out; got 21 to 220"),
+    (np.r_[np.arange(199), 57], ValueError, "positions must be distinct, got 57 more than once"),
 ])
 def test_bad_positions_are_refused_before_anything_is_written(placing, positions, kind, message):
     table = random_table(100, 64)

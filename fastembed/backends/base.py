@@ -113,9 +113,8 @@ class PlacingBackend(Backend, Protocol):
         The arguments passed :func:`fastembed.validate.place_arguments`:
         `table` (dense) and `out` (the table's dtype and row width) are 2-D,
         C-contiguous host arrays, `ids` and `positions` that function's int64
-        copies, every position a row of `out`. The positions must be
-        distinct: rows placed at one position by several threads could
-        interleave.
+        copies, every position a distinct row of `out` (rows placed at one
+        position by several threads could interleave).
 
         Raises:
             IndexError: an id outside the table (:func:`fastembed.validate.out_of_range_error`);

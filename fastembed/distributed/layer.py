@@ -804,9 +804,8 @@ class VocabParallelEmbedding:
 
     def _group_timeout_s(self) -> float:
         """The timeout the group was made with (``init_process_group(timeout=...)``), or torch's default for it."""
-        group = self._group if self._group is not None else self._dist.group.WORLD
         try:
-            limit = group._get_backend(self._torch.device("cpu")).options._timeout
+            limit = self._built_on()._get_backend(self._torch.device("cpu")).options._timeout
         except (AttributeError, RuntimeError, ValueError):  # torch keeps it in a private field
             limit = self._dist.default_pg_timeout
         return float(limit.total_seconds())
