@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import textwrap
 import threading
 import time
 import types
@@ -67,23 +68,59 @@ def test_streaming_kernel_prefetch_options_are_exact(prefetch_rows_ahead, touch_
     assert_bit_equal(out, table[ids])
 
 
-@pytest.mark.parametrize("touch_pages_rows_ahead", [0, 1, 3, 16, 10**6])
+@pytest.mark.parametrize(("word", "words_per_row"), [(np.uint64, 513), (np.uint64, 1), (np.uint32, 7), (np.uint16, 3),
+                                                     (np.uint8, 5)])
 @pytest.mark.parametrize("rows", [(0, 37), (5, 9), (36, 37), (7, 7)])
-def test_the_cached_copy_touches_pages_ahead_and_copies_exactly_its_rows(touch_pages_rows_ahead, rows):
-    """Any touch distance, shorter or longer than the rows copied: exactly rows [start, stop) are written."""
+def test_the_cached_copy_copies_exactly_its_rows(word, words_per_row, rows):
+    """Rows of any word and size (one memcpy each): exactly rows [start, stop) are written, bit for bit."""
     kernels = BACKEND.kernels()
-    table = random_table(500, 4104, seed=touch_pages_rows_ahead % 97).view(np.uint64)  # 3 pages, a partial one
+    row_bytes = words_per_row * np.dtype(word).itemsize
+    table = np.random.default_rng(row_bytes).integers(0, 256, (500, row_bytes), dtype=np.uint8).view(word)
     ids = np.random.default_rng(rows[0]).integers(0, 500, 37)
-    out = poisoned((37, table.shape[1]), np.uint64)
+    out = poisoned((37, words_per_row), word)
     untouched = out.copy()
     start, stop = rows
-    assert kernels.copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead) == 0
+    assert kernels.copy_rows(table, ids, out, start, stop) == 0
     assert_bit_equal(out[start:stop], table[ids[start:stop]])
     assert_bit_equal(out[:start], untouched[:start])
     assert_bit_equal(out[stop:], untouched[stop:])
     ids[11] = 500  # out of range, as if another thread changed it after the scan: skipped, counted, never read
-    assert kernels.copy_rows(table, ids, out, 0, 37, touch_pages_rows_ahead) == 1
-    assert kernels.gather_serial(table, ids, out, touch_pages_rows_ahead) == 11
+    assert kernels.copy_rows(table, ids, out, 0, 37) == 1
+    assert kernels.gather_serial(table, ids, out) == 11
+
+
+def test_the_row_loops_call_nothing_per_row_that_counts_references(tmp_path):
+    """numba's reference counting of an array passed to a function called per row is an atomic instruction,
+    which keeps the next rows' reads from starting early (a serial gather of 128-byte rows took 2.7x as long).
+
+    Compiled afresh in a child process (the listing of a cached kernel is not available): only the row loops
+    themselves, entered once per block, may count references; every function they call per row must not.
+    """
+    script = textwrap.dedent("""
+        import numba.core.dispatcher, numpy as np
+        numba.core.dispatcher.Dispatcher.enable_caching = lambda self: None
+        from numba.core.registry import CPUDispatcher
+        from fastembed.kernels import gather_cpu as k
+        from fastembed.benchmark import copy_kernels as c
+        table, ids, out = np.zeros((9, 16), np.uint64), np.zeros(3, np.int64), np.zeros((3, 16), np.uint64)
+        k.gather_serial(table, ids, out); k.copy_rows(table, ids, out, 0, 3); k.stream_rows(table, ids, out, 0, 3, 1, 16, 32)
+        k.place_rows(table, ids, out, np.arange(3), 0, 3, False, 1, 16, 32)
+        k.place_rows(table, ids, out, np.arange(3), 0, 3, True, 1, 16, 32)
+        c.read_scattered_serial(table, ids)
+        entered_once = {"gather_serial", "copy_rows", "stream_rows", "place_rows", "_xor_rows", "first_bad_position"}
+        for module in (k, c):
+            for name, function in vars(module).items():
+                if isinstance(function, CPUDispatcher) and function.__module__ == module.__name__:
+                    for signature in function.signatures:
+                        body = function.inspect_asm(signature).split(".Lfunc_end0")[0]
+                        print(name, name in entered_once, body.count("NRT_incref"))
+    """)
+    listing = run_script(tmp_path, script)
+    assert listing.returncode == 0, listing.stderr
+    counts = [line.split() for line in listing.stdout.splitlines()]
+    assert {"copy_rows", "stream_rows", "place_rows", "_xor_rows", "touch_pages"} <= {name for name, _, _ in counts}
+    per_row = [(name, int(count)) for name, entered_once, count in counts if entered_once == "False"]
+    assert per_row and all(count == 0 for _, count in per_row), per_row
 
 
 def _streamed_in_blocks(table, ids, out, n_blocks, *options) -> int:

@@ -1,9 +1,10 @@
 """Host side of the Numba CPU gather: kernel choice, word views, threads and fork guards.
 
-The kernels (:mod:`fastembed.kernels.gather_cpu`) copy rows as unsigned
-machine words, so this module turns any table into a word view: the widest
-of 8, 4, 2 or 1 bytes that divides the row size. That is bit-exact for every
-dtype (float16, bfloat16, float32, int8, S3, packed structs, ...).
+The kernels (:mod:`fastembed.kernels.gather_cpu`) take rows as unsigned
+machine words (numba has no float16), so this module turns any table into
+a word view: the widest of 8, 4, 2 or 1 bytes that divides the row size.
+Rows are copied as their bytes, bit-exact for every dtype (float16,
+bfloat16, float32, int8, S3, packed structs, ...).
 
 Which kernel runs (docs/backends.md gives each constant's evidence):
 
@@ -11,7 +12,7 @@ Which kernel runs (docs/backends.md gives each constant's evidence):
   calling thread (the numpy backend), so a decode step pays no thread
   wake-up, no compiled call and no compile;
 - an output smaller than ``PARALLEL_MIN_BYTES``: the serial kernel on the
-  calling thread, with ordinary stores, touching each row's pages ahead;
+  calling thread, each row one ``memcpy`` of the C library;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
   16-byte aligned: the rows in parallel with non-temporal stores;
 - otherwise the rows in parallel with ordinary (cached) stores.
@@ -85,7 +86,7 @@ from .cpu_workers import WORKERS
 from .numpy_backend import take_into, take_new
 
 #: Outputs smaller than this are gathered by numpy's take on the calling thread: below it the allocating
-#: lookup, which the API hands to take directly, would lose more than the serial kernel's page touch gains.
+#: lookup, which the API hands to take directly, would lose more than the serial kernel gains.
 #: The API reads it through :meth:`NumbaBackend.small_gather` once per dispatch generation: a change
 #: reaches it after :func:`fastembed.dispatch.read_environment` or ``refresh()``.
 SERIAL_MIN_BYTES = 512 * 2**10
@@ -100,7 +101,7 @@ STREAM_MIN_OUT_BYTES = 2 * 2**20
 #: line, as they copy this one (0: off): random rows defeat the hardware prefetcher.
 PREFETCH_ROWS_AHEAD = 1
 #: ... and touches each 4 KiB page of the row this many rows ahead (0: off),
-#: so that its page translation is under way before the copy needs it; so does the serial kernel.
+#: so that its page translation is under way before the copy needs it.
 TOUCH_PAGES_ROWS_AHEAD = 16
 #: The dequantizing kernels' page touch distance (0: off); shorter than the copy's, since a
 #: dequantized row takes longer than a copied one.
@@ -278,7 +279,7 @@ class NumbaBackend:
             out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype)
         out_words = _row_words(out, n, word) if given_words is None else given_words
         if out_words.nbytes < PARALLEL_MIN_BYTES:
-            status = int(kernels.gather_serial(table_words, flat_ids, out_words, TOUCH_PAGES_ROWS_AHEAD))
+            status = int(kernels.gather_serial(table_words, flat_ids, out_words))
         else:
             status = self._run_parallel(kernels, table_words, flat_ids, out_words)
         _raise_for_status(status, ids, table.shape[0])
@@ -323,9 +324,9 @@ class NumbaBackend:
 
         def compile_gather(kernels: Any) -> None:
             table_words, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
-            kernels.gather_serial(table_words, no_ids, no_rows, TOUCH_PAGES_ROWS_AHEAD)
+            kernels.gather_serial(table_words, no_ids, no_rows)
             kernels.first_bad_position(no_ids, table_words.shape[0])
-            kernels.copy_rows(table_words, no_ids, no_rows, 0, 0, 0)
+            kernels.copy_rows(table_words, no_ids, no_rows, 0, 0)
             if _STREAMING_CPU:
                 kernels.stream_rows(table_words, no_ids, no_rows, 0, 0, PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD,
                                     ALIAS_WINDOW)
@@ -352,7 +353,7 @@ class NumbaBackend:
     def _run_parallel(self, kernels: Any, table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
         """Gather into `out_words` on the calling thread and the workers; the serial kernel while another does."""
         if self._parallel_lock.locked():
-            return int(kernels.gather_serial(table_words, flat_ids, out_words, TOUCH_PAGES_ROWS_AHEAD))
+            return int(kernels.gather_serial(table_words, flat_ids, out_words))
         with self._parallel_lock:  # not acquire() then try: an exception between the two would keep it taken for good
             bad = int(kernels.first_bad_position(flat_ids, table_words.shape[0]))
             if bad >= 0:
@@ -363,7 +364,7 @@ class NumbaBackend:
                                                TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
             else:
                 def rows(start: int, stop: int) -> int:
-                    return kernels.copy_rows(table_words, flat_ids, out_words, start, stop, 0)
+                    return kernels.copy_rows(table_words, flat_ids, out_words, start, stop)
             return _CHANGED_DURING_COPY if WORKERS.run(rows, len(flat_ids), thread_count(),
                                                        blocks_for(out_words.nbytes)) else -1
 

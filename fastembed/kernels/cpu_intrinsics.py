@@ -1,4 +1,4 @@
-"""Three x86-64 instructions Numba cannot express, as Numba intrinsics.
+"""Operations Numba cannot express, as Numba intrinsics: three x86-64 instructions and a byte copy.
 
 - ``stream_store_16(dst, src)``: copy 16 bytes with a non-temporal store
   (MOVNTDQ). The store bypasses the cache, so writing an output far larger
@@ -8,6 +8,9 @@
 - ``store_fence()``: SFENCE, which orders the weakly-ordered streaming stores
   before anything the thread does next.
 - ``prefetch(address)``: a read prefetch into all cache levels.
+- ``copy_bytes(dst, src, n)``: copy `n` bytes with the C library's
+  ``memcpy`` (LLVM's memcpy intrinsic, linked to the process's C library
+  when the kernel loads; any CPU). ``dst`` and ``src`` must not overlap.
 
 Addresses are plain integers (``array.ctypes.data + offset``).
 """
@@ -59,3 +62,14 @@ def prefetch(typingctx, address):
         return context.get_dummy_value()
 
     return types.void(types.uintp), codegen
+
+
+@intrinsic
+def copy_bytes(typingctx, dst, src, n):
+    def codegen(context, builder, signature, args):
+        byte_pointer = ir.IntType(8).as_pointer()
+        destination, source = (builder.inttoptr(address, byte_pointer) for address in args[:2])
+        cgutils.raw_memcpy(builder, destination, source, args[2], 1)
+        return context.get_dummy_value()
+
+    return types.void(types.uintp, types.uintp, types.uintp), codegen

@@ -6,8 +6,8 @@ never import the dispatcher.
 
 Contract shared by every gather kernel here:
 - ``table`` is the table viewed as unsigned machine words, shape
-  ``(vocab_size, words_per_row)``; Numba has no float16 on the CPU, and a
-  word copy is bit-exact for every dtype;
+  ``(vocab_size, words_per_row)``; Numba has no float16 on the CPU, and the
+  kernels copy the rows' bytes, bit-exact for every dtype;
 - ``ids`` is 1-D int32 or int64;
 - ``out`` has shape ``(ids.size, words_per_row)`` and the table's word dtype
   (:func:`place_rows`: any number of rows, which ``positions`` choose);
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from .cpu_intrinsics import prefetch, store_fence, stream_store_16
+from .cpu_intrinsics import copy_bytes, prefetch, store_fence, stream_store_16
 
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
 
@@ -53,39 +53,24 @@ CHANGED_DURING_COPY = -2
 
 
 @njit(**_JIT)
-def copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead):
+def copy_rows(table, ids, out, start, stop):
     """out[i] = table[ids[i]] for i in [start, stop), with ordinary stores; returns the rows skipped as out of range.
 
-    ``touch_pages_rows_ahead``: the distance of :func:`touch_rows_ahead` (0: off).
+    Each row is one call of the C library's ``memcpy`` (:func:`copy_bytes`),
+    which picks the copy for the CPU and the row's size.
     """
     vocab_size = table.shape[0]
+    row_bytes = table.shape[1] * table.itemsize
+    table_address = table.ctypes.data
+    out_address = out.ctypes.data
     skipped = 0
     for i in range(start, stop):
-        touch_rows_ahead(table, ids, i, start, stop, touch_pages_rows_ahead)
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
             continue
-        # An explicit word loop: LLVM vectorises it into wide loads and stores,
-        # whereas slice assignment lowers to an element loop with an overlap check.
-        for w in range(table.shape[1]):
-            out[i, w] = table[row, w]
+        copy_bytes(out_address + np.uintp(i) * row_bytes, table_address + np.uintp(row) * row_bytes, row_bytes)
     return skipped
-
-
-@njit(**_JIT)
-def touch_rows_ahead(table, ids, i, start, stop, distance):
-    """Before row `i` of [start, stop): the pages of the row `distance` ahead (0: none), and at the first row
-    those of every row before that distance, so that a call of a few rows has them all under way."""
-    if distance <= 0:
-        return
-    row_bytes = table.shape[1] * table.itemsize
-    table_address = table.ctypes.data
-    if i == start:
-        for first in range(start, min(start + distance, stop)):
-            touch_pages(table_address + np.uintp(ids[first]) * row_bytes, row_bytes)
-    if i + distance < stop:
-        touch_pages(table_address + np.uintp(ids[i + distance]) * row_bytes, row_bytes)
 
 
 @njit(**_JIT)
@@ -178,8 +163,8 @@ def place_rows(table, ids, out, positions, start, stop, stream, prefetch_rows_ah
             stream_id_row(table_address, row_bytes, ids, i, stop, out_address + np.uintp(position) * row_bytes,
                           prefetch_rows_ahead, alias_window)
         else:
-            for w in range(table.shape[1]):
-                out[position, w] = table[row, w]
+            copy_bytes(out_address + np.uintp(position) * row_bytes, table_address + np.uintp(row) * row_bytes,
+                       row_bytes)
     if stream:
         store_fence()
     return skipped
@@ -247,12 +232,12 @@ def _stream_row_backward(destination, source, row_bytes, prefetch_ahead, ahead):
 
 
 @njit(**_JIT)
-def gather_serial(table, ids, out, touch_pages_rows_ahead):
-    """Gather on the calling thread (no thread wake-up: for small batches), touching pages as :func:`copy_rows`."""
+def gather_serial(table, ids, out):
+    """Gather on the calling thread (no thread wake-up: for small batches) with :func:`copy_rows`."""
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
-    if copy_rows(table, ids, out, 0, ids.size, touch_pages_rows_ahead):
+    if copy_rows(table, ids, out, 0, ids.size):
         return CHANGED_DURING_COPY
     return -1
 
