@@ -197,11 +197,14 @@ def test_unaligned_table_and_out(kernel_path, offset):
     assert (out_buffer[:offset] == 0xA5).all() and (out_buffer[offset + out.nbytes :] == 0xA5).all()
 
 
-def test_word_size_follows_the_row_size():
-    assert numba_backend.word_dtype(8192) == np.uint64
-    assert numba_backend.word_dtype(8190) == np.uint16
-    assert numba_backend.word_dtype(12) == np.uint32
-    assert numba_backend.word_dtype(7) == np.uint8
+@pytest.mark.parametrize(("dtype", "dim", "word"), [(np.float16, 4096, np.uint64), (np.float16, 4095, np.uint16),
+                                                   (np.float32, 3, np.uint32), (np.uint8, 7, np.uint8), ("S3", 5, np.uint8)])
+def test_word_size_follows_the_row_size(dtype, dim, word):
+    table = np.zeros((3, dim), dtype)
+    table_words, _, out_words, signature = numba_backend.kernel_views("gather", table, np.arange(2), table[:2], 2)
+    assert table_words.dtype == word and out_words.dtype == word and signature[1] == word
+    assert table_words.shape == (3, dim * np.dtype(dtype).itemsize // np.dtype(word).itemsize)
+    assert out_words.shape == (2, table_words.shape[1])
 
 
 def test_concurrent_threads_get_exact_results():
@@ -469,14 +472,14 @@ def test_a_refresh_during_a_lookup_leaves_the_lookup_exact(monkeypatch):
     table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
     fastembed.lookup(table, ids, backend="numba")
     fastembed.wait_for_compiles()
-    original = numba_backend._signature
+    original = numba_backend.kernel_views
 
-    def signature_then_reset(*arguments):
-        signature = original(*arguments)
+    def views_then_reset(*arguments):
+        views = original(*arguments)
         monkeypatch.setattr(BACKEND, "_kernels", None)  # what reset() on another thread does at this moment
-        return signature
+        return views
 
-    monkeypatch.setattr(numba_backend, "_signature", signature_then_reset)
+    monkeypatch.setattr(numba_backend, "kernel_views", views_then_reset)
     assert_bit_equal(BACKEND.gather(table, ids, None), table[ids])
 
 
@@ -852,7 +855,7 @@ def test_writeable_and_read_only_tables_share_one_kernel_signature():
     read_only = table.view()
     read_only.flags.writeable = False
     ids = np.arange(4)
-    signatures = {numba_backend._signature(numba_backend.kernel_table(t)[0], ids, None) for t in (table, read_only)}
+    signatures = {numba_backend.kernel_views("gather", t, ids, None, 4)[3] for t in (table, read_only)}
     assert len(signatures) == 1
     assert table.flags.writeable  # the caller's table is left as it was
 

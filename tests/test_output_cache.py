@@ -311,7 +311,9 @@ def test_a_bad_environment_setting_is_named_even_while_numpy_serves_during_a_com
         pytest.skip("the numba backend is unavailable here")
     monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, "lots")
     monkeypatch.setattr(output_cache, "_limit", None)
-    monkeypatch.setattr(numba_backend, "_signature", lambda *arguments: "a signature still compiling")
+    kernel_views = numba_backend.kernel_views
+    monkeypatch.setattr(numba_backend, "kernel_views",
+                        lambda *arguments: (*kernel_views(*arguments)[:3], "a signature still compiling"))
     monkeypatch.setattr(numba_backend.BACKEND, "_compile", lambda *arguments: False)  # numpy serves meanwhile
     table = random_table(700, 4096)
     with pytest.raises(ValueError, match="FASTEMBED_OUTPUT_CACHE_BYTES='lots'"):

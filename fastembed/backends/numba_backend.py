@@ -145,15 +145,6 @@ class _Compiles:
     failed: dict[tuple, str] = field(default_factory=dict)  # signature -> why its kernels failed to compile
 
 
-def word_dtype(row_bytes: int) -> np.dtype:
-    """The widest unsigned word (8, 4, 2 or 1 bytes) that divides the row size.
-
-    Base addresses need not be aligned to it: a view of unaligned memory is
-    flagged unaligned by numpy, and numba then compiles unaligned loads.
-    """
-    return _WORD_FOR_REMAINDER.get(row_bytes % 8, _BYTE)
-
-
 class NumbaBackend:
     """The parallel CPU backend. All of its mutable state lives here (see :meth:`reset`)."""
 
@@ -263,10 +254,7 @@ class NumbaBackend:
         if n * table.strides[0] < SERIAL_MIN_BYTES or self._import_error is not None:
             # A few rows: numpy's take on this thread. Or numba failed to load, which unavailable_reasons() reports.
             return take_new(table, ids) if out is None else take_into(table, ids, out)
-        table_words, word = kernel_table(table)
-        flat_ids = kernel_ids(ids)
-        given_words = None if out is None else _row_words(out, n, word)
-        signature = ("gather", *_signature(table_words, flat_ids, given_words))
+        table_words, flat_ids, given_words, signature = kernel_views("gather", table, ids, out, n)
         if signature not in self._compiles.done and not self._compile(
                 signature, lambda compiles: self._compile_now(signature, table_words, flat_ids, compiles)):
             if out is None and n * table.shape[1] * table.dtype.itemsize >= output_cache.MIN_BYTES:
@@ -277,12 +265,13 @@ class NumbaBackend:
             return numpy_backend.BACKEND.gather(table, ids, out)
         if out is None:
             out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype)
-        out_words = _row_words(out, n, word) if given_words is None else given_words
+        out_words = _row_words(out, n, table_words.dtype) if given_words is None else given_words
         if out_words.nbytes < PARALLEL_MIN_BYTES:
             status = int(kernels.gather_serial(table_words, flat_ids, out_words))
         else:
             status = self._run_parallel(kernels, table_words, flat_ids, out_words)
-        _raise_for_status(status, ids, table.shape[0])
+        if status != -1:
+            _raise_for_status(status, ids, table.shape[0])
         return out
 
     def small_gather(self) -> SmallGather:
@@ -382,9 +371,7 @@ class NumbaBackend:
         if n * table.shape[1] * table.dtype.itemsize < SERIAL_MIN_BYTES or self._import_error is not None:
             numpy_backend.BACKEND.place(table, ids, out, positions)
             return
-        table_words, word = kernel_table(table)
-        out_words = _row_words(out, out.shape[0], word)
-        signature = ("place", *_signature(table_words, ids, out_words))
+        table_words, _, out_words, signature = kernel_views("place", table, ids, out, out.shape[0])
         ready = signature in self._compiles.done or self._compile(
             signature, lambda compiles: self._compile_place_now(signature, table_words, ids, compiles))
         kernels = self._kernels
@@ -394,7 +381,7 @@ class NumbaBackend:
         bad = int(kernels.first_bad_position(ids, table_words.shape[0]))
         if bad >= 0:
             raise validate.out_of_range_error(ids, bad, table.shape[0])
-        placed_bytes = n * table_words.shape[1] * word.itemsize
+        placed_bytes = n * table_words.shape[1] * table_words.itemsize
         stream = placed_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words)
 
         def rows(start: int, stop: int) -> int:
@@ -620,20 +607,41 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def kernel_table(table: np.ndarray) -> tuple[np.ndarray, np.dtype]:
-    """The table as 2-D words for the kernels, and the word dtype.
+def kernel_views(kind: str, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None, out_rows: int) -> tuple:
+    """The kernels' arguments for a gather from `table` (or a placement, `kind`) and what numba compiles them for.
 
-    Item sizes that the word does not divide (S3, packed structs) go through
-    a byte view first. Every table is presented read-only: numba compiles
-    read-only and writeable arrays separately, and the kernels never write the
-    table, so a writeable numpy table, a mapped file and a torch tensor (read
-    through a read-only view) share one compile.
+    Args:
+        kind: the kernels' kind, the signature's first item ("gather", "place").
+        table: a C-contiguous 2-D snapshot.
+        ids: the ids (any shape).
+        out: the output, or None for a new one (always aligned).
+        out_rows: the rows of `out`.
+
+    Returns:
+        ``(table_words, flat_ids, out_words, signature)``: the table as 2-D
+        words of the widest of 8, 4, 2 or 1 bytes that divides the row, read-only
+        (numba compiles read-only and writeable arrays separately, and the kernels never write the
+        table, so a writeable numpy table, a mapped file and a torch tensor share
+        one compile); the ids 1-D, C-contiguous and writeable (a copy only when
+        they are not); `out` as ``(out_rows, words_per_row)`` words, or None;
+        and the signature, ``(kind, word, table writeable, table aligned, id dtype,
+        ids aligned, out aligned)``. Views of item sizes the word does not
+        divide (S3, packed structs) go through bytes. Base addresses need not
+        be aligned to the word: numpy flags a view of unaligned memory
+        unaligned, and numba then compiles unaligned loads. All in one
+        function: a lookup of a few hundred KiB pays for every Python call on its way.
     """
-    row_bytes = table.shape[1] * table.dtype.itemsize
-    word = word_dtype(row_bytes)
-    words = (table if table.dtype.itemsize % word.itemsize == 0 else table.view(_BYTE)).view(word)
-    words.flags.writeable = False
-    return words, word
+    word = _WORD_FOR_REMAINDER.get(table.shape[1] * table.dtype.itemsize % 8, _BYTE)
+    table_words = (table if table.dtype.itemsize % word.itemsize == 0 else table.view(_BYTE)).view(word)
+    table_words.flags.writeable = False
+    flat_ids = ids.reshape(-1)
+    ids_flags = flat_ids.flags
+    if not ids_flags.c_contiguous or not ids_flags.writeable:
+        flat_ids = flat_ids.copy()
+    out_words = None if out is None else _row_words(out, out_rows, word)
+    signature = (kind, word, False, table_words.flags.aligned, flat_ids.dtype, flat_ids.flags.aligned,
+                 out_words is None or out_words.flags.aligned)
+    return table_words, flat_ids, out_words, signature
 
 
 #: The scales argument of a format without row scales.
@@ -653,28 +661,10 @@ def _int64_ids(ids: np.ndarray) -> np.ndarray:
     return _read_only(flat if flat.dtype == np.int64 and flat.flags.c_contiguous else flat.astype(np.int64))
 
 
-def kernel_ids(ids: np.ndarray) -> np.ndarray:
-    """The ids as a 1-D, C-contiguous, writeable array (a view when they already are one)."""
-    flat = ids.reshape(-1)
-    if not flat.flags.c_contiguous or not flat.flags.writeable:
-        flat = flat.copy()
-    return flat
-
-
 def _row_words(out: np.ndarray, n: int, word: np.dtype) -> np.ndarray:
     """``out`` as ``(n, words_per_row)`` words (a view)."""
     byte_or_item = out if out.dtype.itemsize % word.itemsize == 0 else out.view(_BYTE)
     return byte_or_item.view(word).reshape(n, -1) if n else byte_or_item.view(word).reshape(0, 0)
-
-
-def _signature(table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray | None) -> tuple:
-    """What numba specialises the kernels on here (the views are always C-contiguous): dtypes, flags.
-
-    A new output (None) is always aligned.
-    """
-    table_flags, ids_flags = table_words.flags, flat_ids.flags
-    return (table_words.dtype, table_flags.writeable, table_flags.aligned, flat_ids.dtype, ids_flags.aligned,
-            out_words is None or out_words.flags.aligned)
 
 
 def _templates(table_words: np.ndarray, flat_ids: np.ndarray, signature: tuple) -> tuple:
