@@ -97,15 +97,17 @@ def test_the_row_loops_call_nothing_per_row_that_counts_references(tmp_path):
     themselves, entered once per block, may count references; every function they call per row must not.
     """
     script = textwrap.dedent("""
-        import numba.core.dispatcher, numpy as np
+        import platform, re, numba.core.dispatcher, numpy as np
         numba.core.dispatcher.Dispatcher.enable_caching = lambda self: None
         from numba.core.registry import CPUDispatcher
         from fastembed.kernels import gather_cpu as k
         from fastembed.benchmark import copy_kernels as c
         table, ids, out = np.zeros((9, 16), np.uint64), np.zeros(3, np.int64), np.zeros((3, 16), np.uint64)
-        k.gather_serial(table, ids, out); k.copy_rows(table, ids, out, 0, 3); k.stream_rows(table, ids, out, 0, 3, 1, 16, 32)
+        k.gather_serial(table, ids, out); k.copy_rows(table, ids, out, 0, 3)
         k.place_rows(table, ids, out, np.arange(3), 0, 3, False, 1, 16, 32)
-        k.place_rows(table, ids, out, np.arange(3), 0, 3, True, 1, 16, 32)
+        if platform.machine().lower() in ("x86_64", "amd64"):  # non-temporal stores: x86-64 only
+            k.stream_rows(table, ids, out, 0, 3, 1, 16, 32)
+            k.place_rows(table, ids, out, np.arange(3), 0, 3, True, 1, 16, 32)
         c.read_scattered_serial(table, ids)
         entered_once = {"gather_serial", "copy_rows", "stream_rows", "place_rows", "_xor_rows", "first_bad_position"}
         for module in (k, c):
@@ -113,12 +115,14 @@ def test_the_row_loops_call_nothing_per_row_that_counts_references(tmp_path):
                 if isinstance(function, CPUDispatcher) and function.__module__ == module.__name__:
                     for signature in function.signatures:
                         body = function.inspect_asm(signature).split(".Lfunc_end0")[0]
-                        print(name, name in entered_once, body.count("NRT_incref"))
+                        # the call, or its atomic add if ever inlined (a lock prefix on x86-64)
+                        counted = body.count("NRT_incref") + len(re.findall(r"\\block\\b", body))
+                        print(name, name in entered_once, counted)
     """)
     listing = run_script(tmp_path, script)
     assert listing.returncode == 0, listing.stderr
     counts = [line.split() for line in listing.stdout.splitlines()]
-    assert {"copy_rows", "stream_rows", "place_rows", "_xor_rows", "touch_pages"} <= {name for name, _, _ in counts}
+    assert {"copy_rows", "place_rows", "_xor_rows", "first_bad_position"} <= {name for name, _, _ in counts}
     per_row = [(name, int(count)) for name, entered_once, count in counts if entered_once == "False"]
     assert per_row and all(count == 0 for _, count in per_row), per_row
 

@@ -384,9 +384,11 @@ class NumbaBackend:
         placed_bytes = n * table_words.shape[1] * table_words.itemsize
         stream = placed_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words)
 
+        touch = TOUCH_PAGES_ROWS_AHEAD if stream else 0  # as the gather: cached stores copy without the touch
+
         def rows(start: int, stop: int) -> int:
             return kernels.place_rows(table_words, ids, out_words, positions, start, stop, stream,
-                                      PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
+                                      PREFETCH_ROWS_AHEAD, touch, ALIAS_WINDOW)
 
         if placed_bytes < PARALLEL_MIN_BYTES or self._parallel_lock.locked():
             skipped = rows(0, n)
@@ -625,7 +627,7 @@ def kernel_views(kind: str, table: np.ndarray, ids: np.ndarray, out: np.ndarray 
         one compile); the ids 1-D, C-contiguous and writeable (a copy only when
         they are not); `out` as ``(out_rows, words_per_row)`` words, or None;
         and the signature, ``(kind, word, table writeable, table aligned, id dtype,
-        ids aligned, out aligned)``. Views of item sizes the word does not
+        ids aligned, out aligned)``, where the table is never writeable. Views of item sizes the word does not
         divide (S3, packed structs) go through bytes. Base addresses need not
         be aligned to the word: numpy flags a view of unaligned memory
         unaligned, and numba then compiles unaligned loads. All in one

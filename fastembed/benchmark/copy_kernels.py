@@ -124,7 +124,7 @@ def _xor_rows(table, ids, start, stop, touch_pages_rows_ahead):
     return accumulator
 
 
-# Inlined: a call per row that takes an array pays numba's reference counting on it, whose atomic
+# Inlined: as a function called per row its loop kept numba's reference counting of `ids`, whose atomic
 # instructions keep the next rows' reads from starting early.
 @njit(inline="always", **_JIT)
 def _touch_rows_ahead(table_address, row_bytes, ids, i, start, stop, distance):

@@ -11,6 +11,8 @@ Contract shared by every gather kernel here:
 - ``ids`` is 1-D int32 or int64;
 - ``out`` has shape ``(ids.size, words_per_row)`` and the table's word dtype
   (:func:`place_rows`: any number of rows, which ``positions`` choose);
+- ``table`` and ``out`` are C-contiguous: rows are copied by address, a row
+  ``words_per_row`` words after the one before;
 - no row is copied before every id is known to lie in ``[0, vocab_size)``,
   so the caller's ``out`` survives a bad id untouched: :func:`gather_serial`
   scans the ids itself and returns -1 on success, else the position of the
