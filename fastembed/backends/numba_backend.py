@@ -620,18 +620,23 @@ def kernel_views(kind: str, table: np.ndarray, ids: np.ndarray, out: np.ndarray 
         out_rows: the rows of `out`.
 
     Returns:
-        ``(table_words, flat_ids, out_words, signature)``: the table as 2-D
-        words of the widest of 8, 4, 2 or 1 bytes that divides the row, read-only
-        (numba compiles read-only and writeable arrays separately, and the kernels never write the
-        table, so a writeable numpy table, a mapped file and a torch tensor share
-        one compile); the ids 1-D, C-contiguous and writeable (a copy only when
-        they are not); `out` as ``(out_rows, words_per_row)`` words, or None;
-        and the signature, ``(kind, word, table writeable, table aligned, id dtype,
-        ids aligned, out aligned)``, where the table is never writeable. Views of item sizes the word does not
-        divide (S3, packed structs) go through bytes. Base addresses need not
-        be aligned to the word: numpy flags a view of unaligned memory
-        unaligned, and numba then compiles unaligned loads. All in one
-        function: a lookup of a few hundred KiB pays for every Python call on its way.
+        ``(table_words, flat_ids, out_words, signature)``:
+
+        - the table as 2-D words, the widest of 8, 4, 2 or 1 bytes that
+          divides the row (item sizes the word does not divide, such as S3
+          or packed structs, through bytes), read-only: numba compiles
+          read-only and writeable arrays separately, and the kernels never
+          write the table, so a writeable numpy table, a mapped file and a
+          torch tensor share one compile;
+        - the ids 1-D, C-contiguous and writeable (a copy only when they are not);
+        - `out` as ``(out_rows, words_per_row)`` words, or None;
+        - the signature ``(kind, word, False, table aligned, id dtype, ids
+          aligned, out aligned)`` (False: the table view is never writeable).
+
+        Base addresses need not be aligned to the word: numpy flags a view
+        of unaligned memory unaligned, and numba then compiles unaligned
+        loads. All in one function: a lookup of a few hundred KiB pays for
+        every Python call on its way.
     """
     word = _WORD_FOR_REMAINDER.get(table.shape[1] * table.dtype.itemsize % 8, _BYTE)
     table_words = (table if table.dtype.itemsize % word.itemsize == 0 else table.view(_BYTE)).view(word)
