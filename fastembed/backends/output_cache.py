@@ -33,6 +33,7 @@ few smaller ones.
 from __future__ import annotations
 
 import _thread
+import math
 import os
 import threading
 import weakref
@@ -140,7 +141,7 @@ def new_output(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 0) -> n
     caller overwrites every element.
     """
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or limit() == 0:
         out = aligned_empty(shape, dtype, alignment) if alignment else np.empty(shape, dtype)
         if nbytes >= MIN_BYTES:
@@ -224,7 +225,7 @@ def _trim(keep: int) -> None:
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> np.ndarray:
     """An uninitialised C-contiguous array whose data address is a multiple of `alignment` bytes."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     start = -raw.ctypes.data % alignment
     return raw[start : start + nbytes].view(dtype).reshape(shape)
