@@ -1,6 +1,7 @@
 """Gathers into chosen rows of an output (``place``): every host backend and kernel path against numpy."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -202,6 +203,10 @@ def test_ids_or_positions_changed_by_another_thread_are_never_used_unchecked(pla
             target[::97] = good[::97]
 
     thread = threading.Thread(target=poison)
+    # The poisoning loop holds the GIL between its writes: without a short switch interval each of the
+    # parallel place's block claims could wait the default 5 ms for it, and the test's time would be luck.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
     thread.start()
     try:
         for _ in range(100):
@@ -212,6 +217,7 @@ def test_ids_or_positions_changed_by_another_thread_are_never_used_unchecked(pla
     finally:
         stop.set()
         thread.join()
+        sys.setswitchinterval(interval)
     assert (frame[:100].view(np.uint8) == 0xA5).all() and (frame[5100:].view(np.uint8) == 0xA5).all()
     target[:] = good
     place(placing, table, ids, out, positions)
