@@ -640,13 +640,15 @@ def kernel_views(kind: str, table: np.ndarray, ids: np.ndarray, out: np.ndarray 
     """
     word = _WORD_FOR_REMAINDER.get(table.shape[1] * table.dtype.itemsize % 8, _BYTE)
     table_words = (table if table.dtype.itemsize % word.itemsize == 0 else table.view(_BYTE)).view(word)
-    table_words.flags.writeable = False
+    table_flags = table_words.flags
+    table_flags.writeable = False
     flat_ids = ids.reshape(-1)
     ids_flags = flat_ids.flags
+    ids_aligned = ids_flags.aligned
     if not ids_flags.c_contiguous or not ids_flags.writeable:
-        flat_ids = flat_ids.copy()
+        flat_ids, ids_aligned = flat_ids.copy(), True
     out_words = None if out is None else _row_words(out, out_rows, word)
-    signature = (kind, word, False, table_words.flags.aligned, flat_ids.dtype, flat_ids.flags.aligned,
+    signature = (kind, word, False, table_flags.aligned, flat_ids.dtype, ids_aligned,
                  out_words is None or out_words.flags.aligned)
     return table_words, flat_ids, out_words, signature
 

@@ -28,7 +28,7 @@ from numba import njit
 from fastembed.backends import numba_backend
 from fastembed.backends.cpu_workers import WORKERS
 from fastembed.kernels.cpu_intrinsics import store_fence
-from fastembed.kernels.gather_cpu import stream_row, touch_pages
+from fastembed.kernels.gather_cpu import stream_row, touch_row_pages_ahead
 
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
 
@@ -109,34 +109,21 @@ def copy_parallel_stream(src: np.ndarray, dst: np.ndarray, alias_window: int) ->
 def _xor_rows(table, ids, start, stop, touch_pages_rows_ahead):
     """The XOR of every word of rows ``table[ids[start:stop]]``: it depends on every word, so no read is dropped.
 
-    Rows touch pages ahead (:func:`_touch_rows_ahead`, ``touch_pages_rows_ahead``
-    rows ahead, 0: none): random rows each need new page translations, and a
-    read that waits for them is not the fastest way to read the rows.
+    Each row first touches the pages of the row ``touch_pages_rows_ahead``
+    ahead (0: none), as the streaming gather does
+    (:func:`fastembed.kernels.gather_cpu.touch_row_pages_ahead`): random
+    rows each need new page translations, and a read that waits for them is
+    not the fastest way to read the rows.
     """
     accumulator = table.dtype.type(0)
     row_bytes = table.shape[1] * table.itemsize
     table_address = table.ctypes.data
     for i in range(start, stop):
-        _touch_rows_ahead(table_address, row_bytes, ids, i, start, stop, touch_pages_rows_ahead)
+        touch_row_pages_ahead(table_address, row_bytes, ids, i, stop, touch_pages_rows_ahead)
         row = ids[i]
         for w in range(table.shape[1]):
             accumulator ^= table[row, w]
     return accumulator
-
-
-# Inlined: as a function called per row its loop kept numba's reference counting of `ids`, whose atomic
-# instructions keep the next rows' reads from starting early.
-@njit(inline="always", **_JIT)
-def _touch_rows_ahead(table_address, row_bytes, ids, i, start, stop, distance):
-    """Before row `i` of [start, stop): the pages of the row `distance` ahead (0: none), and at the first row
-    those of every row before that distance, so that a call of a few rows has them all under way."""
-    if distance <= 0:
-        return
-    if i == start:
-        for first in range(start, min(start + distance, stop)):
-            touch_pages(table_address + np.uintp(ids[first]) * row_bytes, row_bytes)
-    if i + distance < stop:
-        touch_pages(table_address + np.uintp(ids[i + distance]) * row_bytes, row_bytes)
 
 
 def read_scattered(table: np.ndarray, ids: np.ndarray) -> int:
