@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 import threading
 
@@ -411,34 +412,56 @@ class _Cycle:
     """An object in a reference cycle: only the garbage collector frees what it holds."""
 
 
-@pytest.mark.parametrize("shrink", [fastembed.empty_cache, lambda: fastembed.set_output_cache_limit(12 * 2**20)])
-def test_a_result_freed_by_a_collection_inside_the_cache_is_kept_on_the_way_out(shrink):
-    """A lease's finalizer run by a garbage collection in the middle of a trim once made it index past the list."""
-    import gc
+class _CollectingFree(dict):
+    """The cache's free buffers, whose first removal runs a collection of the youngest objects: a collection that
+    happens to start in the middle of the cache's own loop over them."""
 
+    collected = False
+
+    def _collect_once(self):
+        if not self.collected:
+            self.collected = True
+            gc.collect(0)
+
+    def pop(self, *args):
+        self._collect_once()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._collect_once()
+        return super().popitem()
+
+    def __delitem__(self, key):
+        self._collect_once()
+        super().__delitem__(key)
+
+    def clear(self):
+        self._collect_once()
+        super().clear()
+
+
+@pytest.mark.parametrize("shrink", [fastembed.empty_cache, lambda: fastembed.set_output_cache_limit(12 * 2**20)])
+def test_a_result_freed_by_a_collection_inside_the_cache_is_kept_on_the_way_out(shrink, monkeypatch):
+    """A lease's finalizer run by a garbage collection in the middle of a trim once made it index past the list."""
     table = random_table(4096, 1024, "float32")  # 4 KiB rows: 1,024 ids make 4 MiB
-    fastembed.lookup(table, np.arange(1024), backend="numba")
-    for threshold in range(1, 40):  # some threshold collects inside the trim's loop
-        gc.disable()
-        try:
-            fastembed.set_output_cache_limit(16 * 2**20)
-            fastembed.empty_cache()
-            first, second, third, kept = (fastembed.lookup(table, np.arange(n), backend="numba")
-                                          for n in (1024, 1024, 2048, 2048))
-            del first, second, third  # 4 + 4 + 8 MiB free in the cache
-            gc.collect()
-            cycle = _Cycle()
-            cycle.self, cycle.result = cycle, kept
-            del cycle, kept
-            gc.set_threshold(threshold)
-            gc.enable()
-            shrink()
-        finally:
-            gc.set_threshold(700)
-            gc.enable()
-        gc.collect()
-        assert output_cache.cached_bytes() <= output_cache.limit()
-        assert output_cache.cached_bytes() == sum(buffer.size for buffer, _ in output_cache._free.values())
+    fastembed.set_output_cache_limit(16 * 2**20)
+    first, second, third, kept = (fastembed.lookup(table, np.arange(n), backend="numba") for n in (1024, 1024, 2048, 2048))
+    kept_buffer = address(kept)
+    gc.disable()  # the cycle below stays young, uncollected, until the trim's collection
+    try:
+        del first, second, third  # 4 + 4 + 8 MiB free in the cache
+        cycle = _Cycle()
+        cycle.self, cycle.result = cycle, kept
+        del cycle, kept
+        free = _CollectingFree(output_cache._free)
+        monkeypatch.setattr(output_cache, "_free", free)
+        shrink()
+    finally:
+        gc.enable()
+    assert free.collected
+    assert output_cache.cached_bytes() <= output_cache.limit()
+    assert output_cache.cached_bytes() == sum(buffer.size for buffer, _ in output_cache._free.values())
+    assert kept_buffer in {address(buffer) for buffer, _ in output_cache._free.values()}  # kept, not lost
 
 
 @pytest.mark.parametrize(("limit", "error"), [("1G", TypeError), (1.5, TypeError), (True, TypeError), (-1, ValueError)])
