@@ -165,8 +165,13 @@ class Embedding:
         self._view = validate.table_snapshot(table)
         self._table = table
         self._rows = validate.storage(table)  # what results are wrapped like: read once, as the view was
+        scales = table.scales if type(table) is QuantizedTable else None
+        # The caller's arrays as read here, which an out is checked against (their files too): a quantized table's
+        # data and scales in a table of the layer's own, since the caller may assign others to theirs.
+        self._caller_table = self._rows if type(table) is not QuantizedTable else QuantizedTable(
+            self._rows, table.format, table.dim, scales)
         # A torch table's memory can be freed under the view (resize_): checked before every call.
-        self._guards = memory_guards(self._rows, table.scales if type(table) is QuantizedTable else None)
+        self._guards = memory_guards(self._rows, scales)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
         self._row_stride = self._view.strides[0] if type(self._view) is _NDARRAY else 0  # an output row's bytes
@@ -198,7 +203,7 @@ class Embedding:
         for guard in self._guards:  # as _checked_view(), inline: a decode step is mostly call overhead
             guard.check()
         if dtype is not None or type(table_view) is not _NDARRAY:
-            return _converting_lookup(table_view, ids, out, dtype, backend, self._rows)
+            return _converting_lookup(table_view, ids, out, dtype, backend, self._caller_table)
         ids_view = validate.ids_snapshot(ids, table_view)
         if out is None:
             if self._numpy:

@@ -159,6 +159,34 @@ def test_out_mapping_the_tables_own_file_is_refused_and_the_file_untouched(backe
     assert_bit_equal(fastembed.lookup(first_rows, [0, 1, 2], out=apart, backend=backend), expected)
 
 
+def test_out_mapping_the_file_of_a_copy_on_write_table_is_refused(backend, tmp_path):
+    """A copy-on-write table reads the file's own pages (it never writes them): a shared map's writes reach it."""
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(10, 4, "float32"))
+    before = path.read_bytes()
+    table = np.load(path, mmap_mode="c")
+    out = np.memmap(path, np.float32, "r+", offset=128, shape=(10, 4))[1:3]  # the .npy header is 128 bytes
+    with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+        fastembed.lookup(table, [2, 1], out=out, backend=backend)
+    assert path.read_bytes() == before
+
+
+def test_a_layer_over_a_quantized_file_refuses_an_out_over_its_scales(backend, tmp_path):
+    """The layer checked an out against the file of the table's data only, and the scales' bytes were overwritten
+    before the rows that needed them were dequantized."""
+    path = tmp_path / "table.safetensors"
+    fastembed.Embedding(random_table(1000, 64, "float32")).quantize("fp8_e4m3").save(path)
+    before = path.read_bytes()
+    emb = fastembed.Embedding.from_safetensors(path)
+    scales = emb.table.scales
+    out = np.memmap(path, np.float32, "r+", offset=scales.offset, shape=(2, 64))  # inside the 4,000 bytes of row scales
+    for call in (lambda: emb([5, 10], out=out, backend=backend),
+                 lambda: fastembed.lookup(emb.table, [5, 10], out=out, backend=backend)):
+        with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+            call()
+    assert path.read_bytes() == before
+
+
 def test_out_beside_a_mapped_table_or_viewed_ids_passes_the_overlap_checks(backend, tmp_path):
     """Arrays that own no buffer (a memory-mapped table, ids and out that are views) but lie apart are accepted."""
     np.save(tmp_path / "table.npy", random_table(100, 8))

@@ -41,11 +41,13 @@ class NumpyAdapter:
         Both are np.memmap arrays or views of them. Two mappings of a file have
         different addresses, which :meth:`may_share_memory` compares; a write
         through one is read through the other all the same. False where either
-        maps no file, `first` is a copy-on-write mapping, or a file cannot be
-        looked at any more (renamed or removed since it was mapped: the name
-        then leads elsewhere).
+        maps no file, `first` is a copy-on-write mapping (its writes stay in
+        the process), or a file cannot be looked at any more (renamed or
+        removed since it was mapped: the name then leads elsewhere). A
+        copy-on-write `second` counts: it reads the file's own pages until it
+        writes them, and a table is never written.
         """
-        span_a, span_b = _file_span(first), _file_span(second)
+        span_a, span_b = _file_span(first, writes=True), _file_span(second, writes=False)
         if span_a is None or span_b is None:
             return False
         (file_a, start_a, stop_a), (file_b, start_b, stop_b) = span_a, span_b
@@ -66,18 +68,21 @@ class NumpyAdapter:
 ADAPTER = NumpyAdapter()
 
 
-def _file_span(array: Any) -> tuple[tuple[int, int], int, int] | None:
-    """((device, inode) of the file, first byte, end) that `array` writes through to, or None.
+def _file_span(array: Any, writes: bool) -> tuple[tuple[int, int], int, int] | None:
+    """((device, inode) of the file, first byte, end) that `array` maps, or None.
 
     `array` is an np.memmap or a view of one (a plain ndarray whose base
     chain leads to it). np.memmap maps its file from ``offset`` rounded down
     to the allocation granularity, and a memmap view keeps its parent's
     ``offset`` and mapping: the file position of an address is that start
-    plus the address's distance from the mapping's first byte. A
-    copy-on-write mapping (mode ``"c"``) never writes through to its file.
+    plus the address's distance from the mapping's first byte. With
+    `writes`, the bytes a write through `array` reaches: none for a
+    copy-on-write mapping (mode ``"c"``), which never writes through to its
+    file; else the bytes it reads, which a copy-on-write mapping reads from
+    the file until it writes them.
     """
     memmap = memmap_of(array)
-    if memmap is None or memmap.mode == "c" or array.size == 0:
+    if memmap is None or (writes and memmap.mode == "c") or array.size == 0:
         return None
     try:
         base = np.frombuffer(getattr(memmap, "_mmap"), np.uint8).ctypes.data  # noqa: B009 - numpy's own attribute
