@@ -151,3 +151,30 @@ def test_a_copied_layer_watches_through_its_own_descriptor_and_a_mapped_one_refu
         other.write("still open")
     with pytest.raises(TypeError, match="cannot be pickled.*from_pretrained"):
         pickle.dumps(fastembed.Embedding.from_npy(path))
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="needs symbolic links")
+def test_a_path_through_a_link_and_dotdot_watches_the_file_it_maps(tmp_path):
+    """numpy names a map by the path as text, where ``link/..`` drops out: the watch then followed another file."""
+    import fastembed
+
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    table = random_table(512, 64, "float32")
+    np.save(tmp_path / "real" / "table.npy", table)  # the file the system opens
+    np.save(tmp_path / "table.npy", table)  # what the path says as text
+    emb = fastembed.Embedding.from_pretrained(tmp_path / "link" / ".." / "table.npy")
+    assert os.path.samefile(emb.table.filename, tmp_path / "real" / "table.npy")
+    os.truncate(tmp_path / "real" / "table.npy", 128)
+    with pytest.raises(io.FileChangedError, match="shrank"):
+        emb.check_file()
+
+
+def test_a_file_changed_between_its_mapping_and_its_watch_is_refused(tmp_path):
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(64, 8, "float32"))
+    table = io.map_npy(path)
+    with open(path, "ab") as handle:  # grown in place after the map: the watch would start from the new state
+        handle.write(b"\0" * 64)
+    with pytest.raises(ValueError, match="changed since it was mapped"):
+        io.FileWatch.for_table(table)

@@ -99,8 +99,10 @@ def map_file(path: str | os.PathLike, dtype: Any, offset: int, shape: tuple[int,
              order: Literal["C", "F"] = "C", identity: FileIdentity | None = None) -> np.memmap:
     """A read-only np.memmap of `shape` at byte `offset` of the file at `path` (a path whose ``__fspath__`` gives bytes too).
 
-    The path is passed on as text, so the map's ``filename`` names the file
-    and :class:`~fastembed.io.FileWatch` can watch it. With `identity` (the
+    The path is resolved (symbolic links, then ``..``, as the system resolves
+    it) and passed on as text, so the map's ``filename`` names the file
+    mapped and :class:`~fastembed.io.FileWatch` can watch it (numpy would
+    drop ``link/..`` as text, naming another file). With `identity` (the
     file its header was read from, :func:`opened`), the file is opened again
     and mapped through that descriptor only if it is still that file,
     unchanged: so the map holds the bytes the header describes.
@@ -108,7 +110,7 @@ def map_file(path: str | os.PathLike, dtype: Any, offset: int, shape: tuple[int,
     Raises:
         ValueError: the path names another file than `identity` now, or the file changed.
     """
-    name = os.fsdecode(os.fspath(path))
+    name = os.path.realpath(os.fsdecode(os.fspath(path)))
     if identity is None:
         return np.memmap(name, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
     try:
