@@ -13,6 +13,7 @@ import fastembed
 from fastembed import io
 from fastembed.formats import FORMATS, QuantizedTable, dequantize_rows
 from fastembed.io import gguf as gguf_module
+from helpers import run_script
 
 gguf = pytest.importorskip("gguf")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -352,3 +353,30 @@ def test_readable_types_are_the_formats_with_a_ggml_type():
         if fmt.ggml_type is not None:
             assert gguf_module.GGML_TYPES[fmt.ggml_type][1:] == (fmt.block_values, fmt.block_bytes)
     assert io.ggml_type_name(17) == "IQ2_XS" and io.ggml_type_name(1000) == "type code 1000"
+
+
+def test_a_file_cut_short_while_its_header_is_scanned_is_a_value_error(tmp_path):
+    """The header was scanned through a map of the file: a file truncated meanwhile killed the process (SIGBUS)."""
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"token {i}" for i in range(300_000)])  # a header of about 4 MiB
+    writer.add_tensor("token_embd.weight", values(VOCAB, 64))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_script(tmp_path, f"""
+import os, fastembed
+from fastembed.io import gguf
+scan_metadata = gguf._read_metadata
+def cut_then_scan(reader, kv_count):  # the file shrinks once its header is being read
+    os.truncate({str(path)!r}, 4096)
+    return scan_metadata(reader, kv_count)
+gguf._read_metadata = cut_then_scan
+try:
+    fastembed.Embedding.from_gguf({str(path)!r})
+except ValueError as error:
+    print("ValueError:", error)
+""")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "changed while it was being opened" in result.stdout

@@ -15,16 +15,17 @@ n_vocab axis.
 
 Every length and count is checked against the bytes left before it is used,
 so a hostile file costs time linear in its header (at most
-:data:`MAX_GGUF_HEADER_BYTES`) and no memory beyond a few names; metadata
-values are skipped, never built. Every malformed file raises ValueError
+:data:`MAX_GGUF_HEADER_BYTES`) and no memory beyond it and a few names;
+metadata values are skipped, never built. The header is read into memory as
+the scan reaches it, never mapped: a file cut short meanwhile is an error,
+not a signal that kills the process. Every malformed file raises ValueError
 naming the file and the problem.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import struct
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -111,12 +112,27 @@ class GGUFTensor(NamedTuple):
 
 
 class _Reader:
-    """A position in the file's bytes that never moves past the header limit or the file's end."""
+    """A position in the file's bytes that never moves past the header limit or the file's end.
 
-    def __init__(self, path: Any, buffer: Any, size: int) -> None:
-        self.path, self.buffer, self.size = path, buffer, size
+    `buffer` holds the file's first bytes; with `source` (the file open at
+    their end) the rest are read from it as positions reach them, in
+    growing pieces, up to the limit.
+    """
+
+    def __init__(self, path: Any, buffer: bytes, size: int, source: BinaryIO | None = None) -> None:
+        self.path, self.size, self._source = path, size, source
+        self.buffer = bytearray(buffer)
         self.limit = min(size, MAX_GGUF_HEADER_BYTES)
         self.pos = 0
+
+    def _load(self, end: int) -> None:
+        """Read on to byte `end` (at most the limit) at least, and as far again as is read already."""
+        have = len(self.buffer)
+        if self._source is None or end <= have:
+            return
+        self.buffer += self._source.read(min(self.limit, max(end, 2 * have, 2**20)) - have)
+        if len(self.buffer) < end:
+            raise self.fail("changed while it was being opened (it shrank); open it again")
 
     def fail(self, problem: str) -> ValueError:
         return ValueError(f"{self.path}: {problem}")
@@ -127,6 +143,8 @@ class _Reader:
         if count > self.limit - start:
             raise self._beyond(start, count, what)
         self.pos = start + count
+        if self.pos > len(self.buffer):
+            self._load(self.pos)
         return start
 
     def _beyond(self, start: int, count: int, what: Any) -> ValueError:
@@ -155,6 +173,9 @@ class _Reader:
         for _ in range(count):
             if pos + 8 > limit:
                 raise self._beyond(pos, 8, what)
+            if pos + 8 > len(buffer):
+                self._load(pos + 8)
+                buffer = self.buffer
             pos += 8 + unpack(buffer, pos)[0]
         if pos > limit:
             raise self._beyond(self.pos, pos - self.pos, what)
@@ -325,10 +346,7 @@ def _scan_file(path: str | os.PathLike, name: str | None) -> tuple[GGUFTensor, F
         head = handle.read(24)
         if len(head) < 24 or not head.startswith(_MAGIC):
             _header_counts(_Reader(path, head, len(head)), head)  # raises: not GGUF, or truncated
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            if len(buffer) != identity.size:  # the size was checked on this very file: it changed meanwhile
-                raise ValueError(f"{path}: changed while it was being opened; open it again")
-            return _scan(_Reader(path, buffer, len(buffer)), head, name), identity
+        return _scan(_Reader(path, head, identity.size, handle), head, name), identity
 
 
 def _scan(reader: _Reader, head: bytes, name: str) -> GGUFTensor:
