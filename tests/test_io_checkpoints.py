@@ -228,6 +228,18 @@ def test_config_chooses_among_equal_names(tmp_path):
         io.open_table(tmp_path / "without")
 
 
+def test_the_endings_of_one_rank_are_equal_candidates(tmp_path):
+    """token_embedding and token_embeddings rank alike: a checkpoint with both (a text and a vision encoder) is a
+    choice for name=, not the first ending's silently."""
+    tensors = {"text.token_embedding.weight": _t(VOCAB, DIM, 7), "vision.token_embeddings.weight": _t(VOCAB, DIM, 8)}
+    write_checkpoint(tmp_path, tensors, None)
+    assert io.embedding_rank("text.token_embedding.weight") == io.embedding_rank("vision.token_embeddings.weight")
+    with pytest.raises(ValueError, match=r"several tensors look like token embeddings.*vision.token_embeddings.weight"):
+        io.open_table(tmp_path)
+    assert_zero_copy_table(io.open_table(tmp_path, "vision.token_embeddings.weight"),
+                           tensors["vision.token_embeddings.weight"])
+
+
 def test_multimodal_config_reads_text_config(tmp_path):
     tensors = {"language_model.model.embed_tokens.weight": _t(VOCAB, DIM, 6), "vision_tower.patch_embedding.weight": _t(DIM, 12)}
     write_checkpoint(tmp_path, tensors, {"text_config": {"vocab_size": VOCAB, "hidden_size": DIM}, "model_type": "llava"})

@@ -34,18 +34,19 @@ from .gguf import map_gguf
 from .npy import map_npy_rows
 from .safetensors import SCALES_SUFFIX, TENSOR_KEY, SafetensorsHeader, TensorEntry, map_entry, scan_safetensors_header
 
-#: Tensor-name endings that mark a token embedding, best first, with the families that use them.
+#: Tensor-name endings that mark a token embedding, best first (endings of equal rank together), with the families
+#: that use them.
 #: A name matches an ending when it equals it or ends with "." followed by it, so
 #: ``position_embeddings.weight`` or ``wpe.weight`` never match.
-TOKEN_EMBEDDING_ENDINGS: tuple[tuple[str, str], ...] = (
-    ("shared.weight", "T5, BART (shared.weight; encoder/decoder embed_tokens are tied to it)"),
-    ("embed_tokens.weight", "LLaMA, Qwen, Mistral, DeepSeek, OPT (model.embed_tokens.weight)"),
-    ("word_embeddings.weight", "BERT, RoBERTa (embeddings.word_embeddings.weight), BLOOM, Falcon"),
-    ("wte.weight", "GPT-2, GPT-J (transformer.wte.weight)"),
-    ("embed_in.weight", "GPT-NeoX, Pythia (gpt_neox.embed_in.weight)"),
-    ("tok_embeddings.weight", "Meta's original LLaMA layout, InternLM2"),
-    ("token_embedding.weight", "CLIP text encoders"),
-    ("token_embeddings.weight", "other encoders"),
+TOKEN_EMBEDDING_ENDINGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("shared.weight",), "T5, BART (shared.weight; encoder/decoder embed_tokens are tied to it)"),
+    (("embed_tokens.weight",), "LLaMA, Qwen, Mistral, DeepSeek, OPT (model.embed_tokens.weight)"),
+    (("word_embeddings.weight",), "BERT, RoBERTa (embeddings.word_embeddings.weight), BLOOM, Falcon"),
+    (("wte.weight",), "GPT-2, GPT-J (transformer.wte.weight)"),
+    (("embed_in.weight",), "GPT-NeoX, Pythia (gpt_neox.embed_in.weight)"),
+    (("tok_embeddings.weight",), "Meta's original LLaMA layout, InternLM2"),
+    # One rank: a checkpoint holding both (a text and a vision encoder) names its table only by name=.
+    (("token_embedding.weight", "token_embeddings.weight"), "CLIP text encoders, others"),
 )
 #: Last resort: any "...embedding(s).weight" that is not a position or token-type embedding.
 _GENERIC_ENDINGS = ("embeddings.weight", "embedding.weight")
@@ -78,8 +79,8 @@ def embedding_rank(name: str) -> int | None:
         >>> embedding_rank("model.norm.weight") is None
         True
     """
-    for rank, (ending, _) in enumerate(TOKEN_EMBEDDING_ENDINGS):
-        if name == ending or name.endswith("." + ending):
+    for rank, (endings, _) in enumerate(TOKEN_EMBEDDING_ENDINGS):
+        if any(name == ending or name.endswith("." + ending) for ending in endings):
             return rank
     lowered = name.lower()
     if lowered.endswith(_GENERIC_ENDINGS) and not any(word in lowered for word in _NOT_TOKEN_WORDS):
@@ -139,7 +140,7 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
         if two_d is None:
             two_d = shorten(name for name, shape in shapes.items() if len(shape) == 2)
         raise ValueError(f"{where}: no tensor is named like a token embedding "
-                         f"({', '.join(ending for ending, _ in TOKEN_EMBEDDING_ENDINGS)}); pass name=; "
+                         f"({', '.join(ending for endings, _ in TOKEN_EMBEDDING_ENDINGS for ending in endings)}); pass name=; "
                          f"2-D tensors: {two_d}")
     kept = outside_numbered_layers(list(candidates))
     candidates = {name: candidates[name] for name in kept}
@@ -470,7 +471,7 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap | QuantizedTa
         names = outside_numbered_layers(names)  # so that an MTP layer's shard is not even read
         if not names:
             raise ValueError(f"{index_path}: no tensor is named like a token embedding "
-                             f"({', '.join(ending for ending, _ in TOKEN_EMBEDDING_ENDINGS)}); pass name=; "
+                             f"({', '.join(ending for endings, _ in TOKEN_EMBEDDING_ENDINGS for ending in endings)}); pass name=; "
                              f"tensors: {shorten(weight_map, len(weight_map))}")
         if len(names) > MAX_CANDIDATES:
             raise ValueError(f"{index_path}: {len(names)} tensors are named like token embeddings; pass name= one of {shorten(names)}")
