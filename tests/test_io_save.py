@@ -444,6 +444,14 @@ def test_a_link_to_a_directory_is_refused_before_anything_is_written(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["folder.gguf", "model.gguf"] and not os.listdir(tmp_path / "folder.gguf")
 
 
+def test_a_directory_without_a_suffix_is_refused_as_a_directory(tmp_path):
+    (tmp_path / "folder").mkdir()
+    for destination in (str(tmp_path / "folder"), str(tmp_path / "folder") + os.sep, str(tmp_path / "new") + os.sep):
+        with pytest.raises(IsADirectoryError):
+            io.save_table(destination, rows())
+    assert sorted(os.listdir(tmp_path)) == ["folder"] and not os.listdir(tmp_path / "folder")
+
+
 def test_a_link_to_a_device_is_replaced_by_a_file_with_the_usual_permissions(tmp_path):
     umask = os.umask(0o022)
     os.umask(umask)
