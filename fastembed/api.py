@@ -165,11 +165,13 @@ class Embedding:
         self._view = validate.table_snapshot(table)
         self._table = table
         self._rows = validate.storage(table)  # what results are wrapped like: read once, as the view was
-        scales = table.scales if type(table) is QuantizedTable else None
         # The caller's arrays as read here, which an out is checked against (their files too): a quantized table's
         # data and scales in a table of the layer's own, since the caller may assign others to theirs.
-        self._caller_table = self._rows if type(table) is not QuantizedTable else QuantizedTable(
-            self._rows, table.format, table.dim, scales)
+        scales = None
+        self._caller_table = self._rows
+        if type(table) is QuantizedTable:
+            scales = table.scales
+            self._caller_table = QuantizedTable(self._rows, table.format, table.dim, scales)
         # A torch table's memory can be freed under the view (resize_): checked before every call.
         self._guards = memory_guards(self._rows, scales)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)

@@ -178,3 +178,45 @@ def test_a_file_changed_between_its_mapping_and_its_watch_is_refused(tmp_path):
         handle.write(b"\0" * 64)
     with pytest.raises(ValueError, match="changed since it was mapped"):
         io.FileWatch.for_table(table)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_watch_on_a_fifo_returns_at_once(tmp_path):
+    """Opening a FIFO for reading waits for a writer: a watch made where one now sits would hang for ever."""
+    fifo = tmp_path / "table.npy"
+    os.mkfifo(fifo)
+    source = f"from fastembed import io\ntry:\n    io.FileWatch({str(fifo)!r}, 10)\nexcept ValueError as error:\n    print(error)\n"
+    result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=20)
+    assert "shorter than the 10 the table needs" in result.stdout, result.stderr[-2000:]
+
+
+def test_a_watch_names_a_file_replaced_since_its_mapping(tmp_path):
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(64, 8, "float32"))
+    table = io.map_npy(path)
+    os.replace(_saved(tmp_path / "new.npy", random_table(8, 8, "float32")), path)  # shorter, and another file
+    with pytest.raises(ValueError, match="no longer the file that was mapped"):
+        io.FileWatch.for_table(table)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_a_deleted_file_opened_through_its_descriptor_maps_and_watches(tmp_path):
+    """Resolving /proc/self/fd/N of a deleted file gives a name that opens nothing: the name given is kept."""
+    import fastembed
+
+    path = tmp_path / "table.npy"
+    table = random_table(64, 8, "float32")
+    np.save(path, table)
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.unlink(path)
+        emb = fastembed.Embedding.from_pretrained(f"/proc/self/fd/{descriptor}")
+        assert np.array_equal(emb([3, 60]), table[[3, 60]])
+        emb.check_file()
+    finally:
+        os.close(descriptor)
+
+
+def _saved(path, table):
+    np.save(path, table)
+    return path

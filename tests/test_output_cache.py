@@ -441,27 +441,32 @@ class _CollectingFree(dict):
 
 
 @pytest.mark.parametrize("shrink", [fastembed.empty_cache, lambda: fastembed.set_output_cache_limit(12 * 2**20)])
-def test_a_result_freed_by_a_collection_inside_the_cache_is_kept_on_the_way_out(shrink, monkeypatch):
+def test_a_result_freed_by_a_collection_inside_the_cache_is_kept_on_the_way_out(shrink):
     """A lease's finalizer run by a garbage collection in the middle of a trim once made it index past the list."""
     table = random_table(4096, 1024, "float32")  # 4 KiB rows: 1,024 ids make 4 MiB
     fastembed.set_output_cache_limit(16 * 2**20)
     first, second, third, kept = (fastembed.lookup(table, np.arange(n), backend="numba") for n in (1024, 1024, 2048, 2048))
     kept_buffer = address(kept)
+    original = output_cache._free
     gc.disable()  # the cycle below stays young, uncollected, until the trim's collection
     try:
         del first, second, third  # 4 + 4 + 8 MiB free in the cache
         cycle = _Cycle()
         cycle.self, cycle.result = cycle, kept
         del cycle, kept
-        free = _CollectingFree(output_cache._free)
-        monkeypatch.setattr(output_cache, "_free", free)
+        free = output_cache._free = _CollectingFree(original)
         shrink()
     finally:
         gc.enable()
+        if output_cache._free is not original:  # the cache's own dict again, holding what the trim left
+            original.clear()
+            original.update(output_cache._free)
+            output_cache._free = original
     assert free.collected
     assert output_cache.cached_bytes() <= output_cache.limit()
     assert output_cache.cached_bytes() == sum(buffer.size for buffer, _ in output_cache._free.values())
     assert kept_buffer in {address(buffer) for buffer, _ in output_cache._free.values()}  # kept, not lost
+    assert type(output_cache._free) is dict
 
 
 @pytest.mark.parametrize(("limit", "error"), [("1G", TypeError), (1.5, TypeError), (True, TypeError), (-1, ValueError)])

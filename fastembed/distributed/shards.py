@@ -145,7 +145,7 @@ def _map_shard(path: str | os.PathLike, name: str | None, pad: int, rank: int, w
     maps = [None if array is None else _map_rows(array, start, stop) for array in arrays]
     needed = max(int(array.offset) + int(array.itemsize) * stop * math.prod(array.shape[1:])
                  for array in arrays if array is not None)
-    watch = FileWatch(str(arrays[0].filename), needed, mapped_identity(arrays[0]))
+    watch = FileWatch(str(arrays[0].filename), needed, mapped=mapped_identity(arrays[0]))
     rows: Any = QuantizedTable(maps[0], whole.format, whole.dim, maps[1]) if isinstance(whole, QuantizedTable) else maps[0]
     del whole, arrays  # the loaders' maps of the whole tensor, never read
     return _Shard(rows, None, watch, vocab_size)

@@ -21,6 +21,7 @@ or hostile header) raises ValueError naming the file and the problem.
 """
 from __future__ import annotations
 
+from ._files import FileIdentity
 from .checkpoints import (
     TOKEN_EMBEDDING_ENDINGS,
     embedding_rank,
@@ -50,6 +51,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "TOKEN_EMBEDDING_ENDINGS",
     "FileChangedError",
+    "FileIdentity",
     "FileWatch",
     "GGUFTensor",
     "SafetensorsHeader",

@@ -70,6 +70,15 @@ class FileIdentity(NamedTuple):
 
     @classmethod
     def of(cls, status: os.stat_result) -> FileIdentity:
+        """The identity `status` (an ``os.stat`` or ``os.fstat`` result) gives.
+
+        Example:
+            >>> import os, tempfile
+            >>> from fastembed.io import FileIdentity
+            >>> with tempfile.NamedTemporaryFile() as handle:
+            ...     FileIdentity.of(os.fstat(handle.fileno())).size
+            0
+        """
         return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
 
 
@@ -110,7 +119,7 @@ def map_file(path: str | os.PathLike, dtype: Any, offset: int, shape: tuple[int,
     Raises:
         ValueError: the path names another file than `identity` now, or the file changed.
     """
-    name = os.path.realpath(os.fsdecode(os.fspath(path)))
+    name = _resolved(os.fsdecode(os.fspath(path)))
     if identity is None:
         return np.memmap(name, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
     try:
@@ -123,6 +132,19 @@ def map_file(path: str | os.PathLike, dtype: Any, offset: int, shape: tuple[int,
         array = np.memmap(handle, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
     _MAPPED_FROM[array.base] = identity
     return array
+
+
+def _resolved(name: str) -> str:
+    """`name` with its links and ``..`` resolved, where that still names the same file.
+
+    A name the resolution cannot give back stays as given: ``/proc/self/fd/N``
+    of a deleted file (or a memfd) resolves to a name that opens nothing.
+    """
+    resolved = os.path.realpath(name)
+    try:
+        return resolved if os.path.samefile(resolved, name) else name
+    except OSError:
+        return name
 
 
 def _open_for_reading(path: str | os.PathLike) -> BinaryIO:

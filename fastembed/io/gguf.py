@@ -15,10 +15,11 @@ n_vocab axis.
 
 Every length and count is checked against the bytes left before it is used,
 so a hostile file costs time linear in its header (at most
-:data:`MAX_GGUF_HEADER_BYTES`) and no memory beyond it and a few names;
-metadata values are skipped, never built. The header is read into memory as
-the scan reaches it, never mapped: a file cut short meanwhile is an error,
-not a signal that kills the process. Every malformed file raises ValueError
+:data:`MAX_GGUF_HEADER_BYTES`) and memory of at most about twice its header
+(never more than that limit) and a few names; metadata values are skipped,
+never built. The header is read into memory as the scan reaches it, never
+mapped: a file cut short meanwhile is an error, not a signal that kills the
+process. Every malformed file raises ValueError
 naming the file and the problem.
 """
 from __future__ import annotations
@@ -170,12 +171,13 @@ class _Reader:
     def skip_strings(self, count: int, what: Any) -> None:
         """Move past `count` strings (an array of them), reading only their lengths."""
         buffer, pos, limit, unpack = self.buffer, self.pos, self.limit, _U64.unpack_from
+        loaded = len(buffer)
         for _ in range(count):
-            if pos + 8 > limit:
-                raise self._beyond(pos, 8, what)
-            if pos + 8 > len(buffer):
+            if pos + 8 > loaded:
+                if pos + 8 > limit:
+                    raise self._beyond(pos, 8, what)
                 self._load(pos + 8)
-                buffer = self.buffer
+                loaded = len(buffer)  # the same bytearray, extended
             pos += 8 + unpack(buffer, pos)[0]
         if pos > limit:
             raise self._beyond(self.pos, pos - self.pos, what)

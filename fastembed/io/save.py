@@ -102,7 +102,10 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
     check_tensor_name(path, name)
     suffix = Path(path).suffix.lower()
     if suffix not in (".gguf", ".safetensors"):
-        if not os.path.basename(path) or os.path.isdir(path):  # a directory is refused as one, whatever its name
+        if path and not os.path.basename(path):  # a directory is refused as one, whatever its name
+            raise IsADirectoryError(errno.EISDIR, "a path ending in a separator names a directory, not a file to write",
+                                    path)
+        if os.path.isdir(path):
             raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", path)
         raise ValueError(f"{path}: save_table writes .gguf and .safetensors files, not {suffix or 'a file without a suffix'!r} "
                          "(a dense table goes to .npy with numpy.save)")

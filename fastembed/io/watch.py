@@ -69,9 +69,10 @@ class FileWatch:
         path: the mapped file.
         needed_bytes: how many bytes from the file's start the table covers
             (the map's offset plus its length).
-        mapped: the file as it was when it was mapped (device, inode, size
-            and modification time, as the loaders record it when they map it),
-            or None when unknown. The file at `path` must still be that one,
+        mapped: the file as it was when it was mapped (a
+            :class:`~fastembed.io.FileIdentity`: device, inode, size and
+            modification time, as the loaders record it), or None when
+            unknown. The file at `path` must still be that one,
             unchanged: else the watch would follow another file, or start
             from a change it never saw.
 
@@ -81,20 +82,24 @@ class FileWatch:
             `mapped` any more.
     """
 
-    def __init__(self, path: str | os.PathLike, needed_bytes: int, mapped: FileIdentity | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, needed_bytes: int, *, mapped: FileIdentity | None = None) -> None:
         self.path = os.fspath(path)
         self.needed_bytes = int(needed_bytes)
         # Without waiting, should the path name a FIFO now (no regular file opened this way ever waits).
         self._fd: int | None = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
         status = os.fstat(self._fd)
         self.size, self.mtime_ns, self.ctime_ns = status.st_size, status.st_mtime_ns, status.st_ctime_ns
+        if mapped is not None and (status.st_dev, status.st_ino) != (mapped.device, mapped.inode):
+            self.close()
+            raise ValueError(f"{self.path}: no longer the file that was mapped (another program replaced it: a "
+                             "download finishing?); open it again")
         if self.size < self.needed_bytes:
             self.close()
             raise ValueError(f"{self.path}: {self.size} bytes, shorter than the {self.needed_bytes} the table needs")
         if mapped is not None and FileIdentity.of(status) != mapped:
             self.close()
-            raise ValueError(f"{self.path}: changed since it was mapped (another program replaced or rewrote it: a "
-                             "download finishing?); open it again")
+            raise ValueError(f"{self.path}: changed since it was mapped (another program rewrote it in place); "
+                             "open it again")
 
     @classmethod
     def for_table(cls, table: Any) -> FileWatch | None:
@@ -129,7 +134,7 @@ class FileWatch:
         if filename is None:
             return None
         needed = max(_end_in_file(array) for array in maps if _filename(array) == filename)
-        return cls(filename, needed, mapped_identity(maps[0]))
+        return cls(filename, needed, mapped=mapped_identity(maps[0]))
 
     def check(self) -> None:
         """Raise when the file shrank below the table or was modified in place since it was opened.
