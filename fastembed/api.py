@@ -512,10 +512,10 @@ class Embedding:
         if type(view) is QuantizedTable or not isinstance(view, np.ndarray) or not validate.is_float_dtype(view.dtype):
             raise TypeError(f"quantize() takes a dense floating-point host table, not {self!r}")
         vocab_size, dim = view.shape
+        quantize_rows(view[:0], fmt)  # the kind, then the dim, refused before anything is allocated, rows or none
         data = _host_array(self._rows, (vocab_size, fmt.row_bytes(dim)), np.dtype(np.uint8))
         scales = _host_array(self._rows, (vocab_size,), np.dtype(np.float32)) if fmt.row_scale else None
         step = max(1, (4 << 20) // (4 * dim))
-        quantize_rows(view[:0], fmt)  # the kind and the dim refused alike for a table without rows
         for start in range(0, vocab_size, step):
             rows, row_scales = quantize_rows(view[start : start + step], fmt)
             data[start : start + step] = rows

@@ -317,6 +317,8 @@ _Q8_0_OVERFLOW = 65520 * 127
 
 def _quantize_checked(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.ndarray | None]:
     """:func:`quantize_rows` once the arguments are known good, under errstate(all="ignore")."""
+    if fmt.name not in ("q8_0", "fp8_e4m3"):  # before the row's width: a width would not make it one
+        raise ValueError(f"fastembed quantizes into q8_0 and fp8_e4m3; {fmt.name} tables come from GGUF files")
     values = rows.astype(_F32)
     if not np.isfinite(values).all():
         if np.isfinite(rows).all():
@@ -339,16 +341,14 @@ def _quantize_checked(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, n
         q = _round_half_away(np.where(np.isfinite(scaled), scaled, np.float32(0))).astype(np.int8)
         data = np.concatenate([d.astype(_F16).view(np.uint8), q.view(np.uint8)], axis=1)
         return data.reshape(n, fmt.row_bytes(dim)), None
-    if fmt.name == "fp8_e4m3":
-        import ml_dtypes
+    import ml_dtypes  # fp8_e4m3, the other format fastembed quantizes into
 
-        absmax = np.abs(values).max(axis=1)
-        # Below float32's smallest normal a scale loses bits, and x / scale could pass 448 (NaN in float8_e4m3fn).
-        floor = np.maximum(absmax / np.float32(448), np.finfo(_F32).tiny)
-        scales = np.where(absmax == 0, np.float32(0), floor).astype(_F32)
-        scaled = np.where(scales[:, None] == 0, np.float32(0), values / scales[:, None])
-        return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scales
-    raise ValueError(f"fastembed quantizes into q8_0 and fp8_e4m3; {fmt.name} tables come from GGUF files")
+    absmax = np.abs(values).max(axis=1)
+    # Below float32's smallest normal a scale loses bits, and x / scale could pass 448 (NaN in float8_e4m3fn).
+    floor = np.maximum(absmax / np.float32(448), np.finfo(_F32).tiny)
+    scales = np.where(absmax == 0, np.float32(0), floor).astype(_F32)
+    scaled = np.where(scales[:, None] == 0, np.float32(0), values / scales[:, None])
+    return scaled.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), scales
 
 
 class QuantizedTable:

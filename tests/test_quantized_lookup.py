@@ -194,7 +194,9 @@ def test_a_dense_gguf_table_opens_through_from_pretrained(tmp_path):
 
 
 @pytest.mark.parametrize("rows", [0, 1])
-def test_quantizing_into_a_format_only_files_hold_is_refused_whatever_the_rows(rows):
+@pytest.mark.parametrize("dim", [256, 64])
+def test_quantizing_into_a_format_only_files_hold_is_refused_whatever_the_rows(rows, dim):
+    """Whatever the width too: a row of 64 values cannot be q4_k, but no width makes fastembed write q4_k."""
     with pytest.raises(ValueError, match="q4_k tables come from GGUF files"):
-        fastembed.Embedding(np.ones((rows, 256), np.float32)).quantize("q4_k")
+        fastembed.Embedding(np.ones((rows, dim), np.float32)).quantize("q4_k")
     assert fastembed.Embedding(np.ones((0, 64), np.float32)).quantize("q8_0").table.data.shape == (0, 68)
