@@ -400,6 +400,23 @@ def test_a_dangling_link_or_a_directory_where_the_checkpoint_should_be_is_named(
         io.open_table(nested)
 
 
+def test_a_shard_that_is_a_dangling_link_or_a_loop_is_named_as_such(tmp_path):
+    import os
+
+    tensors, _, config = FAMILIES["llama"]
+    write_checkpoint(tmp_path, tensors, config, shards=2)
+    shard = tmp_path / json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.embed_tokens.weight"]
+    shard.unlink()
+    os.symlink("../../blobs/0123abcd", shard)  # a snapshot copied without its blobs
+    with pytest.raises(FileNotFoundError, match=r"symbolic link to '../../blobs/0123abcd', which does not exist"):
+        io.open_table(tmp_path)
+    shard.unlink()
+    os.symlink(shard.name, shard)  # a link to itself
+    with pytest.raises(ValueError, match="a loop of symbolic links"):
+        io.open_table(tmp_path)
+
+
 @pytest.mark.parametrize("kind", ["float16", "q8_0"])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_the_config_confirms_the_shape_of_a_table_fastembed_saved(tmp_path, kind, sharded):

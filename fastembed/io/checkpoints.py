@@ -481,6 +481,8 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap | QuantizedTa
     found: dict[str, tuple[str, SafetensorsHeader]] = {}
     tagged: list[str] = []  # tables a shard's fastembed metadata names (a quantized table fastembed saved)
     for shard, tensors in by_shard.items():
+        if os.path.islink(shard) and not os.path.exists(shard):
+            check_file(shard, "fastembed.io.open_table")  # raises: a link leading nowhere, with its target, or a loop
         if not os.path.exists(shard):
             raise FileNotFoundError(errno.ENOENT, f"{index_path.name} puts {tensors[0]!r} in a shard that is "
                                        "missing (an incomplete download?)", shard)
