@@ -15,8 +15,8 @@ n_vocab axis.
 
 Every length and count is checked against the bytes left before it is used,
 so a hostile file costs time linear in its header (at most
-:data:`MAX_GGUF_HEADER_BYTES`) and memory of at most about twice its header
-(never more than that limit) and a few names; metadata values are skipped,
+:data:`MAX_GGUF_HEADER_BYTES`) and memory of 1 MiB or about twice its header,
+whichever is more (never more than that limit), and a few names; metadata values are skipped,
 never built. The header is read into memory as the scan reaches it, never
 mapped: a file cut short meanwhile is an error, not a signal that kills the
 process. Every malformed file raises ValueError
