@@ -9,6 +9,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -113,6 +114,13 @@ def test_gate_refuses_a_bad_thresholds_file_before_building_the_table(tmp_path, 
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert "building" not in result.stdout and "table:" not in result.stdout
+
+
+def test_a_directory_as_thresholds_is_named_with_the_reason():
+    """The error's own text named the descriptor it was read through, not the path."""
+    with pytest.raises(ValueError) as caught:
+        gate.load_checks(Path(tempfile.gettempdir()))
+    assert str(caught.value) == f"--thresholds {tempfile.gettempdir()}: cannot read it: Is a directory"
 
 
 _CHECK = 'name = "x"\ncontender = "fastembed-out"\nmetric = "speedup_vs_numpy"\nmin = 1\n'
@@ -446,7 +454,7 @@ def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("cupy is installed")
     result = bench("--device", "cuda", *SMALL)
-    assert result.returncode == 2 and "no usable GPU" in result.stderr
+    assert result.returncode == 2 and result.stderr.startswith("fastembed-bench: --device cuda: no usable GPU")
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -588,7 +588,8 @@ def _main(argv: list[str] | None) -> int:
     if arguments.device == "cuda" and not gpu_usable() and not arguments.gate:
         from fastembed.backends import cuda_backend
 
-        print(f"--device cuda: no usable GPU: {'; '.join(cuda_backend.BACKEND.unavailable_reasons())}", file=sys.stderr)
+        print(f"fastembed-bench: --device cuda: no usable GPU: {'; '.join(cuda_backend.BACKEND.unavailable_reasons())}",
+              file=sys.stderr)
         return 2
     started = time.perf_counter()
     try:

@@ -87,7 +87,9 @@ def thresholds_text(path: Path | None = None) -> tuple[str, str]:
                 raise ValueError(f"--thresholds {path}: {facts.st_size} bytes, more than a thresholds file takes "
                                  f"({MAX_THRESHOLDS_BYTES} at most)")
             return str(path), file.read(MAX_THRESHOLDS_BYTES + 1).decode("utf-8")
-    except (OSError, UnicodeDecodeError) as error:
+    except OSError as error:  # its own text would name the descriptor (a directory fails at its first read)
+        raise ValueError(f"--thresholds {path}: cannot read it: {error.strerror or error}") from error
+    except UnicodeDecodeError as error:
         raise ValueError(f"--thresholds {path}: cannot read it: {error}") from error
 
 
