@@ -32,7 +32,7 @@ import numpy as np
 
 from ..formats import FORMATS, BlockFormat, QuantizedTable
 from ..tables import resolve_dtype
-from ._files import FileIdentity, check_tensor_name, describe, map_file, opened, shorten
+from ._files import FileIdentity, _changed, check_tensor_name, describe, map_file, opened, shorten
 
 _OPENER = "fastembed.Embedding.from_gguf"
 #: The tensor ``map_gguf`` opens when no name is given: llama.cpp's token embedding.
@@ -132,8 +132,8 @@ class _Reader:
         if self._source is None or end <= have:
             return
         self.buffer += self._source.read(min(self.limit, max(end, 2 * have, 2**20)) - have)
-        if len(self.buffer) < end:
-            raise self.fail("changed while it was being opened (it shrank); open it again")
+        if len(self.buffer) < end:  # the file is shorter than when it was opened
+            raise _changed(self.path)
 
     def fail(self, problem: str) -> ValueError:
         return ValueError(f"{self.path}: {problem}")
