@@ -53,6 +53,31 @@ def test_every_kernel_path_is_exact(kernel_path, dtype, width, id_dtype):
     assert_bit_equal(out, table[ids])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8", "S3"])
+@pytest.mark.parametrize("width", [1, 3, 4095])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_the_allocating_serial_gather_is_exact(monkeypatch, dtype, width, id_dtype, offset):
+    """The serial kernel into a new output, for tables of every dtype at any address (one compile: they are bytes to
+    it), ids of any shape."""
+    from fastembed import validate
+
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    rows = random_table(300, width, dtype, seed=width) if dtype != "S3" else np.random.default_rng(width).integers(
+        0, 256, (300, width * 3), dtype=np.uint8).view("S3")
+    buffer = np.empty(rows.nbytes + 1, np.uint8)
+    table = buffer[offset : offset + rows.nbytes].view(rows.dtype).reshape(rows.shape)
+    table[...] = rows
+    ids = np.random.default_rng(width).integers(0, 300, (3, 19)).astype(id_dtype)
+    snapshot = validate.ids_snapshot(ids, table)
+    BACKEND.gather(table, snapshot, None)  # compiles, if this signature never ran
+    assert ("gather", np.dtype(id_dtype), True) in BACKEND._compiles.done
+    served = BACKEND.gather(table, snapshot, None)
+    assert served.shape == (3, 19, width) and served.dtype == table.dtype and served.flags.c_contiguous
+    assert_bit_equal(served, rows[ids])
+
+
 @pytest.mark.parametrize("prefetch_rows_ahead", [0, 1, 4, 10**6])
 @pytest.mark.parametrize("touch_pages_rows_ahead", [0, 1, 16, 10**6])
 @pytest.mark.parametrize("n_blocks", [1, 3, 64])
@@ -201,14 +226,24 @@ def test_unaligned_table_and_out(kernel_path, offset):
     assert (out_buffer[:offset] == 0xA5).all() and (out_buffer[offset + out.nbytes :] == 0xA5).all()
 
 
-@pytest.mark.parametrize(("dtype", "dim", "word"), [(np.float16, 4096, np.uint64), (np.float16, 4095, np.uint16),
-                                                   (np.float32, 3, np.uint32), (np.uint8, 7, np.uint8), ("S3", 5, np.uint8)])
-def test_word_size_follows_the_row_size(dtype, dim, word):
+@pytest.mark.parametrize(("dtype", "dim"), [(np.float16, 4096), (np.float16, 4095), (np.float32, 3), (np.uint8, 7),
+                                          ("S3", 5)])
+def test_kernels_take_rows_as_bytes(dtype, dim):
     table = np.zeros((3, dim), dtype)
-    table_words, _, out_words, signature = numba_backend.kernel_views("gather", table, np.arange(2), table[:2], 2)
-    assert table_words.dtype == word and out_words.dtype == word and signature[1] == word
-    assert table_words.shape == (3, dim * np.dtype(dtype).itemsize // np.dtype(word).itemsize)
-    assert out_words.shape == (2, table_words.shape[1])
+    table_bytes, _, out_bytes, signature = numba_backend.kernel_views("gather", table, np.arange(2), table[:2], 2)
+    row_bytes = dim * np.dtype(dtype).itemsize
+    assert table_bytes.dtype == np.uint8 and table_bytes.shape == (3, row_bytes)
+    assert out_bytes.dtype == np.uint8 and out_bytes.shape == (2, row_bytes)
+    assert not table_bytes.flags.writeable
+
+
+def test_tables_of_every_dtype_and_alignment_share_one_kernel_signature():
+    """The kernels copy bytes by address: a table's dtype, width and alignment compile nothing new."""
+    ids = np.arange(2)
+    unaligned = np.zeros(3 * 5 * 4 + 1, np.uint8)[1:].view(np.float32).reshape(3, 5)
+    tables = [np.zeros((3, 4096), np.float16), np.zeros((3, 7), np.uint8), np.zeros((3, 5), "S3"), unaligned]
+    assert not unaligned.flags.aligned
+    assert len({numba_backend.kernel_views("gather", t, ids, None, 2)[3] for t in tables}) == 1
 
 
 def test_concurrent_threads_get_exact_results():

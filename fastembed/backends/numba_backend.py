@@ -1,8 +1,7 @@
-"""Host side of the Numba CPU gather: kernel choice, word views, threads and fork guards.
+"""Host side of the Numba CPU gather: kernel choice, byte views, threads and fork guards.
 
-The kernels (:mod:`fastembed.kernels.gather_cpu`) take rows as unsigned
-machine words (numba has no float16), so this module turns any table into
-a word view: the widest of 8, 4, 2 or 1 bytes that divides the row size.
+The kernels (:mod:`fastembed.kernels.gather_cpu`) take rows as bytes
+(numba has no float16), so this module views any table as its bytes.
 Rows are copied as their bytes, bit-exact for every dtype (float16,
 bfloat16, float32, int8, S3, packed structs, ...).
 
@@ -23,8 +22,8 @@ fastembed's own workers (:mod:`.cpu_workers`, which says why not numba's
 threading layer, never started here); how many threads: :func:`thread_count`.
 
 No lookup compiles on the caller's thread: numba is imported, and the
-kernels compiled for each new argument signature (word and id dtypes,
-read-only table, alignment), on a background thread, while the numpy
+kernels compiled for each new argument signature (the id dtype and
+alignment), on a background thread, while the numpy
 backend serves those calls (:mod:`.background_compile`). Ids are made 1-D,
 C-contiguous and writeable first (a copy only when they are not), so that
 strided ids need no signature of their own.
@@ -125,8 +124,6 @@ COMPILE_IN_BACKGROUND = True
 STAGE_BYTES = 32 * 2**10
 
 _STREAMING_CPU = platform.machine().lower() in ("x86_64", "amd64")
-#: The word each row is copied in, by ``row_bytes % 8``: the widest dividing the row.
-_WORD_FOR_REMAINDER: dict[int, np.dtype] = {0: np.dtype(np.uint64), 4: np.dtype(np.uint32), 2: np.dtype(np.uint16), 6: np.dtype(np.uint16)}
 _BYTE = np.dtype(np.uint8)
 #: A kernel's return value when a row's id was found out of range while copying
 #: (only possible when another thread changed the ids after they were checked).
@@ -254,9 +251,9 @@ class NumbaBackend:
         if n * table.strides[0] < SERIAL_MIN_BYTES or self._import_error is not None:
             # A few rows: numpy's take on this thread. Or numba failed to load, which unavailable_reasons() reports.
             return take_new(table, ids) if out is None else take_into(table, ids, out)
-        table_words, flat_ids, given_words, signature = kernel_views("gather", table, ids, out, n)
+        table_bytes, flat_ids, given_bytes, signature = kernel_views("gather", table, ids, out, n)
         if signature not in self._compiles.done and not self._compile(
-                signature, lambda compiles: self._compile_now(signature, table_words, flat_ids, compiles)):
+                signature, lambda compiles: self._compile_now(signature, compiles)):
             if out is None and n * table.shape[1] * table.dtype.itemsize >= output_cache.MIN_BYTES:
                 output_cache.limit()  # a bad setting raises now, as it will once the kernels serve
             return numpy_backend.BACKEND.gather(table, ids, out)  # compiling in the background meanwhile
@@ -265,11 +262,11 @@ class NumbaBackend:
             return numpy_backend.BACKEND.gather(table, ids, out)
         if out is None:
             out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype)
-        out_words = _row_words(out, n, table_words.dtype) if given_words is None else given_words
-        if out_words.nbytes < PARALLEL_MIN_BYTES:
-            status = int(kernels.gather_serial(table_words, flat_ids, out_words))
+        out_bytes = _row_bytes(out, n) if given_bytes is None else given_bytes
+        if out_bytes.nbytes < PARALLEL_MIN_BYTES:
+            status = int(kernels.gather_serial(table_bytes, flat_ids, out_bytes))
         else:
-            status = self._run_parallel(kernels, table_words, flat_ids, out_words)
+            status = self._run_parallel(kernels, table_bytes, flat_ids, out_bytes)
         if status != -1:
             _raise_for_status(status, ids, table.shape[0])
         return out
@@ -299,25 +296,23 @@ class NumbaBackend:
             compile_now(compiles)
         return signature in compiles.done
 
-    def _compile_now(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray,
-                     compiles: _Compiles) -> None:
-        """Compile every gather kernel for these argument types with calls that gather no row.
+    def _compile_now(self, signature: tuple, compiles: _Compiles) -> None:
+        """Compile every gather kernel for `signature` with calls that gather no row.
 
-        The templates have the arguments' types (dtype, read-only flag,
-        alignment) but none of their memory, so a compile keeps no table
-        alive. Kernels that fail to compile are remembered in `compiles`,
+        The templates have the arguments' types but none of their memory,
+        so a compile keeps no table alive. Kernels that fail to compile are remembered in `compiles`,
         the backend's record when the compile started: numpy serves their
         signature, and ``describe()`` says why.
         """
-        templates = _templates(table_words, flat_ids, signature[1:])
+        templates = _templates(signature)
 
         def compile_gather(kernels: Any) -> None:
-            table_words, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
-            kernels.gather_serial(table_words, no_ids, no_rows)
-            kernels.first_bad_position(no_ids, table_words.shape[0])
-            kernels.copy_rows(table_words, no_ids, no_rows, 0, 0)
+            table_bytes, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
+            kernels.gather_serial(table_bytes, no_ids, no_rows)
+            kernels.first_bad_position(no_ids, table_bytes.shape[0])
+            kernels.copy_rows(table_bytes, no_ids, no_rows, 0, 0)
             if _STREAMING_CPU:
-                kernels.stream_rows(table_words, no_ids, no_rows, 0, 0, PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD,
+                kernels.stream_rows(table_bytes, no_ids, no_rows, 0, 0, PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD,
                                     ALIAS_WINDOW)
 
         self._compile_kernels(signature, compile_gather, compiles)
@@ -339,23 +334,23 @@ class NumbaBackend:
             raise
         compiles.done.add(signature)
 
-    def _run_parallel(self, kernels: Any, table_words: np.ndarray, flat_ids: np.ndarray, out_words: np.ndarray) -> int:
-        """Gather into `out_words` on the calling thread and the workers; the serial kernel while another does."""
+    def _run_parallel(self, kernels: Any, table_bytes: np.ndarray, flat_ids: np.ndarray, out_bytes: np.ndarray) -> int:
+        """Gather into `out_bytes` on the calling thread and the workers; the serial kernel while another does."""
         if self._parallel_lock.locked():
-            return int(kernels.gather_serial(table_words, flat_ids, out_words))
+            return int(kernels.gather_serial(table_bytes, flat_ids, out_bytes))
         with self._parallel_lock:  # not acquire() then try: an exception between the two would keep it taken for good
-            bad = int(kernels.first_bad_position(flat_ids, table_words.shape[0]))
+            bad = int(kernels.first_bad_position(flat_ids, table_bytes.shape[0]))
             if bad >= 0:
                 return bad
-            if out_words.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words):
+            if out_bytes.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_bytes):
                 def rows(start: int, stop: int) -> int:
-                    return kernels.stream_rows(table_words, flat_ids, out_words, start, stop, PREFETCH_ROWS_AHEAD,
+                    return kernels.stream_rows(table_bytes, flat_ids, out_bytes, start, stop, PREFETCH_ROWS_AHEAD,
                                                TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
             else:
                 def rows(start: int, stop: int) -> int:
-                    return kernels.copy_rows(table_words, flat_ids, out_words, start, stop)
+                    return kernels.copy_rows(table_bytes, flat_ids, out_bytes, start, stop)
             return _CHANGED_DURING_COPY if WORKERS.run(rows, len(flat_ids), thread_count(),
-                                                       blocks_for(out_words.nbytes)) else -1
+                                                       blocks_for(out_bytes.nbytes)) else -1
 
     # -- the gather into chosen rows ---------------------------------------------
 
@@ -371,23 +366,23 @@ class NumbaBackend:
         if n * table.shape[1] * table.dtype.itemsize < SERIAL_MIN_BYTES or self._import_error is not None:
             numpy_backend.BACKEND.place(table, ids, out, positions)
             return
-        table_words, _, out_words, signature = kernel_views("place", table, ids, out, out.shape[0])
+        table_bytes, _, out_bytes, signature = kernel_views("place", table, ids, out, out.shape[0])
         ready = signature in self._compiles.done or self._compile(
-            signature, lambda compiles: self._compile_place_now(signature, table_words, ids, compiles))
+            signature, lambda compiles: self._compile_place_now(signature, compiles))
         kernels = self._kernels
         if not ready or kernels is None:  # compiling in the background meanwhile, or reset() by another thread
             numpy_backend.BACKEND.place(table, ids, out, positions)
             return
-        bad = int(kernels.first_bad_position(ids, table_words.shape[0]))
+        bad = int(kernels.first_bad_position(ids, table_bytes.shape[0]))
         if bad >= 0:
             raise validate.out_of_range_error(ids, bad, table.shape[0])
-        placed_bytes = n * table_words.shape[1] * table_words.itemsize
-        stream = placed_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_words)
+        placed_bytes = n * table_bytes.shape[1] * table_bytes.itemsize
+        stream = placed_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_bytes)
 
         touch = TOUCH_PAGES_ROWS_AHEAD if stream else 0  # as the gather: cached stores copy without the touch
 
         def rows(start: int, stop: int) -> int:
-            return kernels.place_rows(table_words, ids, out_words, positions, start, stop, stream,
+            return kernels.place_rows(table_bytes, ids, out_bytes, positions, start, stop, stream,
                                       PREFETCH_ROWS_AHEAD, touch, ALIAS_WINDOW)
 
         if placed_bytes < PARALLEL_MIN_BYTES or self._parallel_lock.locked():
@@ -397,10 +392,9 @@ class NumbaBackend:
                 skipped = WORKERS.run(rows, n, thread_count(), blocks_for(placed_bytes))
         assert not skipped  # the ids were checked, the positions too (validate.place_arguments), and both are private
 
-    def _compile_place_now(self, signature: tuple, table_words: np.ndarray, flat_ids: np.ndarray,
-                           compiles: _Compiles) -> None:
-        """Compile the place kernel for these argument types with a call that places no row."""
-        table, no_ids, no_rows = _templates(table_words, flat_ids, signature[1:])
+    def _compile_place_now(self, signature: tuple, compiles: _Compiles) -> None:
+        """Compile the place kernel for `signature` with a call that places no row."""
+        table, no_ids, no_rows = _templates(signature)
         no_positions = np.zeros(1, np.int64)
         self._compile_kernels(signature, lambda kernels: kernels.place_rows(
             table, no_ids, no_rows, no_positions, 0, 0, False, 0, 0, 0), compiles)
@@ -616,41 +610,34 @@ def kernel_views(kind: str, table: np.ndarray, ids: np.ndarray, out: np.ndarray 
         kind: the kernels' kind, the signature's first item ("gather", "place").
         table: a C-contiguous 2-D snapshot.
         ids: the ids (any shape).
-        out: the output, or None for a new one (always aligned).
+        out: the output, or None for a new one.
         out_rows: the rows of `out`.
 
     Returns:
-        ``(table_words, flat_ids, out_words, signature)``:
+        ``(table_bytes, flat_ids, out_bytes, signature)``:
 
-        - the table as 2-D words, the widest of 8, 4, 2 or 1 bytes that
-          divides the row (item sizes the word does not divide, such as S3
-          or packed structs, through bytes), read-only: numba compiles
-          read-only and writeable arrays separately, and the kernels never
-          write the table, so a writeable numpy table, a mapped file and a
-          torch tensor share one compile;
+        - the table as ``(vocab_size, row_bytes)`` bytes, read-only: numba
+          compiles read-only and writeable arrays separately, and the
+          kernels never write the table, so a writeable numpy table, a
+          mapped file and a torch tensor share one compile; bytes are
+          aligned wherever they start, so tables of every dtype and
+          alignment share it too;
         - the ids 1-D, C-contiguous and writeable (a copy only when they are not);
-        - `out` as ``(out_rows, words_per_row)`` words, or None;
-        - the signature ``(kind, word, False, table aligned, id dtype, ids
-          aligned, out aligned)`` (False: the table view is never writeable).
+        - `out` as ``(out_rows, row_bytes)`` bytes, or None;
+        - the signature ``(kind, id dtype, ids aligned)``.
 
-        Base addresses need not be aligned to the word: numpy flags a view
-        of unaligned memory unaligned, and numba then compiles unaligned
-        loads. All in one function: a lookup of a few hundred KiB pays for
-        every Python call on its way.
+        All in one function: a lookup of a few hundred KiB pays for every
+        Python call on its way.
     """
-    word = _WORD_FOR_REMAINDER.get(table.shape[1] * table.dtype.itemsize % 8, _BYTE)
-    table_words = (table if table.dtype.itemsize % word.itemsize == 0 else table.view(_BYTE)).view(word)
-    table_flags = table_words.flags
-    table_flags.writeable = False
+    table_bytes = table.view(_BYTE)
+    table_bytes.flags.writeable = False
     flat_ids = ids.reshape(-1)
     ids_flags = flat_ids.flags
     ids_aligned = ids_flags.aligned
     if not ids_flags.c_contiguous or not ids_flags.writeable:
         flat_ids, ids_aligned = flat_ids.copy(), True
-    out_words = None if out is None else _row_words(out, out_rows, word)
-    signature = (kind, word, False, table_flags.aligned, flat_ids.dtype, ids_aligned,
-                 out_words is None or out_words.flags.aligned)
-    return table_words, flat_ids, out_words, signature
+    out_bytes = None if out is None else _row_bytes(out, out_rows)
+    return table_bytes, flat_ids, out_bytes, (kind, flat_ids.dtype, ids_aligned)
 
 
 #: The scales argument of a format without row scales.
@@ -670,23 +657,22 @@ def _int64_ids(ids: np.ndarray) -> np.ndarray:
     return _read_only(flat if flat.dtype == np.int64 and flat.flags.c_contiguous else flat.astype(np.int64))
 
 
-def _row_words(out: np.ndarray, n: int, word: np.dtype) -> np.ndarray:
-    """``out`` as ``(n, words_per_row)`` words (a view)."""
-    byte_or_item = out if out.dtype.itemsize % word.itemsize == 0 else out.view(_BYTE)
-    return byte_or_item.view(word).reshape(n, -1) if n else byte_or_item.view(word).reshape(0, 0)
+def _row_bytes(out: np.ndarray, n: int) -> np.ndarray:
+    """``out`` as ``(n, row_bytes)`` bytes (a view)."""
+    out_bytes = out.view(_BYTE)
+    return out_bytes.reshape(n, -1) if n else out_bytes.reshape(0, 0)
 
 
-def _templates(table_words: np.ndarray, flat_ids: np.ndarray, signature: tuple) -> tuple:
+def _templates(signature: tuple) -> tuple:
     """Small arrays of the kernels' argument types for `signature`, sharing no memory with the real ones."""
-    word = table_words.dtype
-    _, writeable, table_aligned, id_dtype, ids_aligned, out_aligned = signature
-    table = _shaped(word, (1, table_words.shape[1]), table_aligned)
-    table.flags.writeable = writeable
+    _, id_dtype, ids_aligned = signature
+    table = np.zeros((1, 16), _BYTE)
+    table.flags.writeable = False
     # One id, out of range: every kernel returns from its scan of the ids before it copies anything.
     # (Arrays of one element, because numpy calls every empty array aligned.)
     bad_id = _shaped(id_dtype, (1,), ids_aligned)
     bad_id[0] = -1
-    return table, bad_id, _shaped(word, (1, table_words.shape[1]), out_aligned)
+    return table, bad_id, np.zeros((1, 16), _BYTE)
 
 
 def _shaped(dtype: np.dtype, shape: tuple[int, ...], aligned: bool) -> np.ndarray:

@@ -5,14 +5,14 @@ Kernels never validate their inputs beyond the per-id bounds check, and they
 never import the dispatcher.
 
 Contract shared by every gather kernel here:
-- ``table`` is the table viewed as unsigned machine words, shape
-  ``(vocab_size, words_per_row)``; Numba has no float16 on the CPU, and the
-  kernels copy the rows' bytes, bit-exact for every dtype;
+- ``table`` is the table viewed as its bytes, shape ``(vocab_size,
+  row_bytes)``; Numba has no float16 on the CPU, and the kernels copy the
+  rows' bytes, bit-exact for every dtype;
 - ``ids`` is 1-D int32 or int64;
-- ``out`` has shape ``(ids.size, words_per_row)`` and the table's word dtype
-  (:func:`place_rows`: any number of rows, which ``positions`` choose);
+- ``out`` is bytes of shape ``(ids.size, row_bytes)`` (:func:`place_rows`:
+  any number of rows, which ``positions`` choose);
 - ``table`` and ``out`` are C-contiguous: rows are copied by address, a row
-  ``words_per_row`` words after the one before;
+  ``row_bytes`` bytes after the one before;
 - no row is copied before every id is known to lie in ``[0, vocab_size)``,
   so the caller's ``out`` survives a bad id untouched: :func:`gather_serial`
   scans the ids itself and returns -1 on success, else the position of the
@@ -245,7 +245,7 @@ def gather_serial(table, ids, out):
 
 
 def can_stream(out) -> bool:
-    """Whether :func:`stream_rows` may write `out` (2-D words): 16-byte aligned rows.
+    """Whether :func:`stream_rows` may write `out` (2-D bytes): 16-byte aligned rows.
 
     A plain Python check (its ctypes lookup costs microseconds, nothing next
     to the 2 MiB or larger outputs that stream), kept out of the kernels so that each
