@@ -22,7 +22,7 @@ fastembed's own workers (:mod:`.cpu_workers`, which says why not numba's
 threading layer, never started here); how many threads: :func:`thread_count`.
 
 No lookup compiles on the caller's thread: numba is imported, and the
-kernels compiled for each new argument signature (the id dtype and
+kernels compiled for each new argument signature (the ids' dtype and
 alignment), on a background thread, while the numpy
 backend serves those calls (:mod:`.background_compile`). Ids are made 1-D,
 C-contiguous and writeable first (a copy only when they are not), so that
@@ -666,7 +666,7 @@ def _row_bytes(out: np.ndarray, n: int) -> np.ndarray:
 def _templates(signature: tuple) -> tuple:
     """Small arrays of the kernels' argument types for `signature`, sharing no memory with the real ones."""
     _, id_dtype, ids_aligned = signature
-    table = np.zeros((1, 16), _BYTE)
+    table = np.zeros((1, 16), _BYTE)  # any row size: a kernel's types do not include its arrays' shapes
     table.flags.writeable = False
     # One id, out of range: every kernel returns from its scan of the ids before it copies anything.
     # (Arrays of one element, because numpy calls every empty array aligned.)

@@ -12,8 +12,8 @@ tell how fast the machine can move the bytes a gather moves:
   on one thread, for outputs too small for the gather's threads).
 
 Arrays are 2-D unsigned machine words (see :func:`word_view`): Numba has no
-float16 on the CPU, and words are what a gather moves. Importing this module
-imports numba.
+float16 on the CPU, and these loops read and write a word at a time.
+Importing this module imports numba.
 """
 from __future__ import annotations
 
