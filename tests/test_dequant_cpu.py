@@ -201,6 +201,18 @@ def test_every_float16_scale_field_converts_exactly():
         assert_bit_equal(BACKEND.dequantize(table, ids, None, dtype), reference(table, ids, dtype))
 
 
+def test_every_q8_0_product_rounds_to_float16_as_the_reference():
+    """Every float16 scale times every int8 quant, into float16: the rounding of each product (ties, subnormals,
+    overflow, NaN payloads), whether the CPU computes it in float32 or, with AVX512-FP16, in float16."""
+    quants = np.arange(-128, 128, dtype=np.int8).view(np.uint8).reshape(8, 32)  # one row: 8 blocks, 256 quants
+    blocks = np.empty((65536, 8, 34), np.uint8)
+    blocks[:, :, 2:] = quants
+    blocks[:, :, :2] = np.arange(65536, dtype="<u2").view(np.uint8).reshape(-1, 1, 2)
+    table = QuantizedTable(blocks.reshape(65536, 8 * 34), "q8_0", 256)
+    for ids in (np.arange(65536), np.random.default_rng(0).permutation(65536)[:150]):  # streamed, and cached stores
+        assert_bit_equal(BACKEND.dequantize(table, ids, None, np.dtype(np.float16)), reference(table, ids, np.float16))
+
+
 def float32_patterns() -> np.ndarray:
     """Every high half of a float32 with low halves at the rounding boundaries of float16 and bfloat16."""
     low = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x2000, 0x3000, 0x7FFF, 0x8000, 0x8001, 0xE000, 0xFFFF], np.uint32)
@@ -443,9 +455,10 @@ def refused(*args):
 numpy_backend.dequantize_into = refused  # ... and never the numpy reference, which serves when they cannot compile
 from fastembed.formats import dequantize_rows
 from fastembed.tables import random_quantized_table
-print(dequant_cpu.NIBBLE_TABLE_LOOKUP, dequant_cpu.NIBBLE_WORD_PERMUTE, dequant_cpu.FP8_TABLE_LOOKUP)
+print(dequant_cpu.NIBBLE_TABLE_LOOKUP, dequant_cpu.NIBBLE_WORD_PERMUTE, dequant_cpu.FP8_TABLE_LOOKUP,
+      dequant_cpu.Q8_0_FLOAT16_ARITHMETIC)
 ids = np.random.default_rng(0).integers(0, 64, 50)
-for name in ("q4_0", "q4_1", "q4_k", "fp8_e4m3"):
+for name in ("q4_0", "q4_1", "q4_k", "fp8_e4m3", "q8_0"):
     table = random_quantized_table(name, 64, 512, seed=5)
     scales = None if table.scales is None else table.scales[ids]
     for dtype in (np.float16, ml_dtypes.bfloat16):
@@ -457,13 +470,14 @@ for name in ("q4_0", "q4_1", "q4_k", "fp8_e4m3"):
 
 
 @pytest.mark.parametrize(("hidden", "flags"), [
-    pytest.param("avx512", "True False False", marks=pytest.mark.skipif(
+    pytest.param("avx512", "True False False False", marks=pytest.mark.skipif(
         not dequant_cpu.FP8_TABLE_LOOKUP, reason="the CPU has no AVX-512BW: the tests above ran its AVX2 paths")),
-    pytest.param("avx", "False False False", marks=pytest.mark.skipif(
+    pytest.param("avx", "False False False False", marks=pytest.mark.skipif(
         not dequant_cpu.NIBBLE_TABLE_LOOKUP, reason="the CPU has no AVX2: the tests above ran the paths without it")),
 ])
 def test_the_paths_of_cpus_without_avx512_or_avx2_are_the_reference_bit_for_bit(tmp_path, hidden, flags):
-    """The table lookups by byte shuffles (AVX2) and by lane-by-lane code (no AVX2), compiled here by hiding features."""
+    """The table lookups by byte shuffles (AVX2) and by lane-by-lane code (no AVX2), and q8_0 into float16 without
+    float16 arithmetic (no AVX512-FP16), compiled here by hiding features."""
     from numba.core import codegen
 
     features = ",".join("-" + feature[1:] if feature.startswith("+" + hidden) else feature

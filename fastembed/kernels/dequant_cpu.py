@@ -111,6 +111,7 @@ from .dequant_ir import (
     Q5_K,
     Q6_K,
     Q8_0,
+    Q8_0_FLOAT16_ARITHMETIC,
     TO_16_BITS,
     _byte,
     _float16_fast,
@@ -139,6 +140,7 @@ from .gather_cpu import CHANGED_DURING_COPY, first_bad_position
 __all__ = [
     "BFLOAT16", "CHANGED_DURING_COPY", "CHUNK", "FLOAT16", "FLOAT16_BITS", "FLOAT16_CONVERSION", "FORMAT_CODES",
     "FP8_TABLE_LOOKUP", "HARDWARE_FLOAT16", "NIBBLE_TABLE_LOOKUP", "NIBBLE_WORD_PERMUTE", "Q4_K_FLOAT16_BY_TABLE",
+    "Q8_0_FLOAT16_ARITHMETIC",
     "TO_16_BITS", "bfloat16_bits", "dequantize_range", "readable_rows", "dequantize_serial", "float16_bits",
     "fp8_e4m3_by_bits", "fp8_e4m3_value", "looked_up", "round_to_halves", "widen_halves",
 ]

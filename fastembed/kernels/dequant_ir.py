@@ -54,12 +54,17 @@ NIBBLE_WORD_PERMUTE = NIBBLE_TABLE_LOOKUP and FP8_TABLE_LOOKUP
 #: ... q4_k's float16 outputs too, except with AVX-512F but no word permute: there the decode (16 float32 lanes
 #: per instruction, rounded by F16C straight into the output) is the faster.
 Q4_K_FLOAT16_BY_TABLE = NIBBLE_TABLE_LOOKUP and ("+avx512f" not in _FEATURES or NIBBLE_WORD_PERMUTE)
+#: q8_0 values going to float16 are computed in float16 (AVX512-FP16: 32 lanes per instruction). d * q is exact in
+#: float32 (11 and 8 significant bits), so the float32 product rounded to float16, the reference, is the one rounding
+#: of the float16 multiply.
+Q8_0_FLOAT16_ARITHMETIC = "+avx512fp16" in _FEATURES and HARDWARE_FLOAT16
 #: How values become 16-bit outputs, in words (for describe()).
 TO_16_BITS = "; ".join([
     "fp8_e4m3: " + ("a table of each row's 128 values, AVX-512BW word permutes" if FP8_TABLE_LOOKUP else "decoded"),
     ("q4_0, q4_1, q4_k: a table of each block's 16 values, "
      + ("AVX-512BW word permutes" if NIBBLE_WORD_PERMUTE else "AVX2 byte shuffles")
      + ("" if Q4_K_FLOAT16_BY_TABLE else " (q4_k into float16: decoded)")) if NIBBLE_TABLE_LOOKUP else "q4_0, q4_1, q4_k: decoded",
+    "q8_0 into float16: " + ("float16 arithmetic (AVX512-FP16)" if Q8_0_FLOAT16_ARITHMETIC else "decoded"),
     "others: decoded"])
 
 _I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
@@ -390,25 +395,31 @@ _stream_float16_bits = _eight_halves(_float16_bits_lanes, True)
 # -- where a block puts its values -------------------------------------------------------------------
 
 
-def _put(lanes, nontemporal):
+class _Put:
     """Put values `first`... of a chunk (a vector) at `destination`: float32, or the 16-bit words `lanes` rounds
     them to (a function of the builder and the vector); stored non-temporally (16-byte aligned there) if
-    `nontemporal`."""
-    def put(builder, destination, first, value):
-        data = value if lanes is None else lanes(builder, value)
-        width = 4 if lanes is None else 2
-        _put_vector(builder, builder.add(destination, destination.type(width * first)), data, nontemporal, width)
+    `nontemporal`. A vector of float16 (values a block computed in float16, where :attr:`float16_arithmetic`
+    allows) is stored as it is."""
 
-    return put
+    def __init__(self, lanes: Any, nontemporal: bool) -> None:
+        self.lanes, self.nontemporal = lanes, nontemporal
+        #: Whether a block may compute float16 outputs in float16 arithmetic (:data:`Q8_0_FLOAT16_ARITHMETIC`).
+        self.float16_arithmetic = Q8_0_FLOAT16_ARITHMETIC and lanes is _float16_hardware_lanes
+
+    def __call__(self, builder: Any, destination: Any, first: int, value: Any) -> None:
+        computed_in_float16 = isinstance(value.type.element, ir.HalfType)
+        data = value if self.lanes is None or computed_in_float16 else self.lanes(builder, value)
+        width = 4 if self.lanes is None else 2
+        _put_vector(builder, builder.add(destination, destination.type(width * first)), data, self.nontemporal, width)
 
 
 #: Where a block puts its values (a literal argument of the block intrinsics and the chunk functions).
 _TO_FLOATS, _TO_STREAMED_FLOATS, _TO_HALVES, _TO_STREAMED_HALVES, _TO_BFLOAT16, _TO_STREAMED_BFLOAT16 = range(6)
-_PUTS = {_TO_FLOATS: _put(None, False), _TO_STREAMED_FLOATS: _put(None, True),
-         _TO_HALVES: _put(_FLOAT16_LANES, False),
-         _TO_STREAMED_HALVES: _put(_FLOAT16_LANES, True),
-         _TO_BFLOAT16: _put(_bfloat16_lanes, False),
-         _TO_STREAMED_BFLOAT16: _put(_bfloat16_lanes, True)}
+_PUTS = {_TO_FLOATS: _Put(None, False), _TO_STREAMED_FLOATS: _Put(None, True),
+         _TO_HALVES: _Put(_FLOAT16_LANES, False),
+         _TO_STREAMED_HALVES: _Put(_FLOAT16_LANES, True),
+         _TO_BFLOAT16: _Put(_bfloat16_lanes, False),
+         _TO_STREAMED_BFLOAT16: _Put(_bfloat16_lanes, True)}
 
 
 def _block(put, body, *scalars):
