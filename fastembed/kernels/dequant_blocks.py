@@ -5,7 +5,9 @@ that the table and the output never overlap; its values go where `put`
 says (:func:`.dequant_ir._block`): float32, or float16 or bfloat16 rounded
 in the same registers, into the output row. The float arithmetic is plain
 fmul/fadd/fsub (no fast-math flags, so never fused) in the reference's
-order, and each integer value is exact before its conversion to float.
+order, and each integer value is exact before its conversion to float;
+q8_0 computes float16 outputs in float16 where the put allows it (the
+same values: ``dequant_ir.Q8_0_FLOAT16_ARITHMETIC``).
 """
 from __future__ import annotations
 
