@@ -201,16 +201,20 @@ def test_every_float16_scale_field_converts_exactly():
         assert_bit_equal(BACKEND.dequantize(table, ids, None, dtype), reference(table, ids, dtype))
 
 
-def test_every_q8_0_product_rounds_to_float16_as_the_reference():
+@pytest.mark.parametrize("offset", [0, 2])
+def test_every_q8_0_product_rounds_to_float16_as_the_reference(kernel_path, offset):
     """Every float16 scale times every int8 quant, into float16: the rounding of each product (ties, subnormals,
-    overflow, NaN payloads), whether the CPU computes it in float32 or, with AVX512-FP16, in float16."""
+    overflow, NaN payloads), whether the CPU computes it in float32 or, with AVX512-FP16, in float16; on every kernel
+    path, into an output at an odd offset too (staged through an aligned buffer)."""
     quants = np.arange(-128, 128, dtype=np.int8).view(np.uint8).reshape(8, 32)  # one row: 8 blocks, 256 quants
     blocks = np.empty((65536, 8, 34), np.uint8)
     blocks[:, :, 2:] = quants
     blocks[:, :, :2] = np.arange(65536, dtype="<u2").view(np.uint8).reshape(-1, 1, 2)
     table = QuantizedTable(blocks.reshape(65536, 8 * 34), "q8_0", 256)
-    for ids in (np.arange(65536), np.random.default_rng(0).permutation(65536)[:150]):  # streamed, and cached stores
-        assert_bit_equal(BACKEND.dequantize(table, ids, None, np.dtype(np.float16)), reference(table, ids, np.float16))
+    ids = np.random.default_rng(offset).permutation(65536)
+    buffer = np.empty(ids.size * 256 * 2 + 2, np.uint8)
+    out = buffer[offset : offset + ids.size * 256 * 2].view(np.float16).reshape(ids.size, 256)
+    assert_bit_equal(BACKEND.dequantize(table, ids, out, np.dtype(np.float16)), reference(table, ids, np.float16))
 
 
 def float32_patterns() -> np.ndarray:

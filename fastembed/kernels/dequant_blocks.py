@@ -37,9 +37,10 @@ def _q8_0_body(builder, args, put):
     # 32 x int8 at source; q * d
     destination, source, d_at = args
     quants = _load(builder, source, _vector(_I8, 32))
-    if put.float16_arithmetic:  # the same values: see dequant_ir.Q8_0_FLOAT16_ARITHMETIC
+    if put.float16_arithmetic:  # d * q in float16, the same values (dequant_ir.Q8_0_FLOAT16_ARITHMETIC)
         d = builder.load(builder.inttoptr(d_at, ir.HalfType().as_pointer()), align=1)
-        put(builder, destination, 0, builder.fmul(_splat(builder, d, 32), builder.sitofp(quants, _vector(ir.HalfType(), 32))))
+        q = builder.sitofp(quants, _vector(ir.HalfType(), 32))
+        put(builder, destination, 0, builder.fmul(_splat(builder, d, 32), q))
         return
     q = builder.sitofp(quants, _vector(_F32, 32))
     put(builder, destination, 0, builder.fmul(q, _splat_half(builder, d_at, 32)))

@@ -21,8 +21,9 @@ the ids against :func:`readable_rows`):
   float32 arithmetic in the reference's order, never fused (no fast-math),
   then rounded to the nearest float16 or bfloat16, ties to even, as numpy
   and ml_dtypes round (subnormals, overflow to infinity, NaN); q8_0 into
-  float16 with AVX512-FP16 is one float16 multiply of each exact product,
-  the same rounding (:data:`Q8_0_FLOAT16_ARITHMETIC`);
+  float16 with AVX512-FP16 is a float16 multiply of d and q, which rounds
+  their exact product once, as the reference does
+  (:data:`Q8_0_FLOAT16_ARITHMETIC`);
 - the return value is -1 on success, else the position of the first id
   outside ``[0, vocab_size)``, with nothing written to ``out`` (the ids are
   scanned first, in the same compiled call); a row whose id another thread

@@ -54,9 +54,10 @@ NIBBLE_WORD_PERMUTE = NIBBLE_TABLE_LOOKUP and FP8_TABLE_LOOKUP
 #: ... q4_k's float16 outputs too, except with AVX-512F but no word permute: there the decode (16 float32 lanes
 #: per instruction, rounded by F16C straight into the output) is the faster.
 Q4_K_FLOAT16_BY_TABLE = NIBBLE_TABLE_LOOKUP and ("+avx512f" not in _FEATURES or NIBBLE_WORD_PERMUTE)
-#: q8_0 values going to float16 are computed in float16 (AVX512-FP16: 32 lanes per instruction). d * q is exact in
-#: float32 (11 and 8 significant bits), so the float32 product rounded to float16, the reference, is the one rounding
-#: of the float16 multiply.
+#: q8_0 values going to float16 are computed in float16 (AVX512-FP16: 32 lanes per instruction), the same values:
+#: an int8 quant is exact in float16, and d * q needs at most 18 significant bits, so the reference's float32 product
+#: is exact and its rounding to float16 is the one rounding of the float16 multiply (a NaN d keeps its sign and
+#: payload either way; float16 instructions ignore MXCSR's flush-to-zero and denormals-are-zero, as the conversions do).
 Q8_0_FLOAT16_ARITHMETIC = "+avx512fp16" in _FEATURES and HARDWARE_FLOAT16
 #: How values become 16-bit outputs, in words (for describe()).
 TO_16_BITS = "; ".join([
@@ -403,11 +404,14 @@ class _Put:
 
     def __init__(self, lanes: Any, nontemporal: bool) -> None:
         self.lanes, self.nontemporal = lanes, nontemporal
-        #: Whether a block may compute float16 outputs in float16 arithmetic (:data:`Q8_0_FLOAT16_ARITHMETIC`).
+        #: Whether this put stores float16 rounded by the CPU's conversion on a CPU with float16 arithmetic: a block
+        #: whose products are exact in float32 (q8_0) may then hand it values computed in float16
+        #: (:data:`Q8_0_FLOAT16_ARITHMETIC`).
         self.float16_arithmetic = Q8_0_FLOAT16_ARITHMETIC and lanes is _float16_hardware_lanes
 
     def __call__(self, builder: Any, destination: Any, first: int, value: Any) -> None:
         computed_in_float16 = isinstance(value.type.element, ir.HalfType)
+        assert self.float16_arithmetic or not computed_in_float16, "float16 values for a put that does not store them"
         data = value if self.lanes is None or computed_in_float16 else self.lanes(builder, value)
         width = 4 if self.lanes is None else 2
         _put_vector(builder, builder.add(destination, destination.type(width * first)), data, self.nontemporal, width)
