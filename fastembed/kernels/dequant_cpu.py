@@ -399,6 +399,9 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
     by_nibble_table = NIBBLE_TABLE_LOOKUP and word == 2 and mode != FLOAT16_BITS and (
         fmt == Q4_0 or fmt == Q4_1 or (fmt == Q4_K and (mode == BFLOAT16 or Q4_K_FLOAT16_BY_TABLE)))
+    # A chunk's bytes: CHUNK values are whole blocks of every format, so each chunk starts where the last ended
+    # (no division per chunk).
+    chunk_bytes = CHUNK * row_bytes // dim if dim else 0
     skipped = 0
     for i in range(start, stop):
         if touch_pages_rows_ahead > 0:
@@ -415,9 +418,10 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
         row_by_table = by_table and scale - scale == 0  # finite
         if row_by_table:
             _fill_fp8_e4m3_table(table, scale, mode)
+        begin = 0
         for first in range(0, dim, CHUNK):
             count = min(CHUNK, dim - first)
-            begin, end = first * row_bytes // dim, (first + count) * row_bytes // dim
+            end = min(begin + chunk_bytes, row_bytes)
             if prefetch_rows_ahead > 0:
                 for byte in range(begin, end, 64):
                     prefetch(ahead + byte)
@@ -441,6 +445,7 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
             else:
                 _dequantize_chunk(fmt, source + begin, count, scale, buf, _TO_FLOATS)
                 _emit(buf, position, count, mode, stream)
+            begin = end
     if stream:
         _fence()
     return skipped
