@@ -376,7 +376,7 @@ class NumbaBackend:
         bad = int(kernels.first_bad_position(ids, table_bytes.shape[0]))
         if bad >= 0:
             raise validate.out_of_range_error(ids, bad, table.shape[0])
-        placed_bytes = n * table_bytes.shape[1] * table_bytes.itemsize
+        placed_bytes = n * table_bytes.shape[1]
         stream = placed_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_bytes)
 
         touch = TOUCH_PAGES_ROWS_AHEAD if stream else 0  # as the gather: cached stores copy without the touch

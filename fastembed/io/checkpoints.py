@@ -48,6 +48,8 @@ TOKEN_EMBEDDING_ENDINGS: tuple[tuple[tuple[str, ...], str], ...] = (
     # One rank: a checkpoint holding both (a text and a vision encoder) names its table only by name=.
     (("token_embedding.weight", "token_embeddings.weight"), "CLIP text encoders, others"),
 )
+#: The endings as an error message lists them.
+_ENDINGS_TEXT = ", ".join(ending for endings, _ in TOKEN_EMBEDDING_ENDINGS for ending in endings)
 #: Last resort: any "...embedding(s).weight" that is not a position or token-type embedding.
 _GENERIC_ENDINGS = ("embeddings.weight", "embedding.weight")
 _NOT_TOKEN_WORDS = ("position", "token_type", "segment", "pos_emb", "patch", "rotary", "relative")
@@ -140,7 +142,7 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
         if two_d is None:
             two_d = shorten(name for name, shape in shapes.items() if len(shape) == 2)
         raise ValueError(f"{where}: no tensor is named like a token embedding "
-                         f"({', '.join(ending for endings, _ in TOKEN_EMBEDDING_ENDINGS for ending in endings)}); pass name=; "
+                         f"({_ENDINGS_TEXT}); pass name=; "
                          f"2-D tensors: {two_d}")
     kept = outside_numbered_layers(list(candidates))
     candidates = {name: candidates[name] for name in kept}
@@ -471,7 +473,7 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap | QuantizedTa
         names = outside_numbered_layers(names)  # so that an MTP layer's shard is not even read
         if not names:
             raise ValueError(f"{index_path}: no tensor is named like a token embedding "
-                             f"({', '.join(ending for endings, _ in TOKEN_EMBEDDING_ENDINGS for ending in endings)}); pass name=; "
+                             f"({_ENDINGS_TEXT}); pass name=; "
                              f"tensors: {shorten(weight_map, len(weight_map))}")
         if len(names) > MAX_CANDIDATES:
             raise ValueError(f"{index_path}: {len(names)} tensors are named like token embeddings; pass name= one of {shorten(names)}")
