@@ -421,6 +421,46 @@ class _RegionSpy:
         return self.run(task, n_rows, n_threads, *rest)
 
 
+def test_gathers_below_the_parallel_size_are_numpys_take_and_placements_from_their_size_the_kernel(monkeypatch):
+    """At the shipped sizes: take serves every gather below PARALLEL_MIN_BYTES (the serial kernel none), the
+    workers from there; placements of PLACE_SERIAL_MIN_BYTES or more go to the place kernel, fewer to numpy."""
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+    table = random_table(400, 1024, "float64")  # 8 KiB rows, as the default table's
+    row_bytes = 1024 * 8
+    below_parallel = numba_backend.PARALLEL_MIN_BYTES // row_bytes - 1
+    rng = np.random.default_rng(11)
+    # The signatures' compiles, which call the kernels.
+    BACKEND.gather(table, rng.integers(0, 400, below_parallel + 1), None)
+    BACKEND.place(table, np.arange(64), np.empty((64, 1024)), np.arange(64))
+    kernels = BACKEND.kernels()
+    serial, place_rows = _Spy(kernels.gather_serial), _Spy(kernels.place_rows)
+    monkeypatch.setattr(kernels, "gather_serial", serial)
+    monkeypatch.setattr(kernels, "place_rows", place_rows)
+    take_new, take_into = _Spy(numba_backend.take_new), _Spy(numba_backend.take_into)
+    monkeypatch.setattr(numba_backend, "take_new", take_new)
+    monkeypatch.setattr(numba_backend, "take_into", take_into)
+    numpy_place = _Spy(numba_backend.numpy_backend.BACKEND.place)
+    monkeypatch.setattr(numba_backend.numpy_backend.BACKEND, "place", numpy_place)
+    parallel = _RegionSpy(monkeypatch)
+    for n in (64, below_parallel):  # from 64 rows of 8 KiB the serial kernel used to serve
+        ids = rng.integers(0, 400, n)
+        assert_bit_equal(BACKEND.gather(table, ids, None), table[ids])
+        assert_bit_equal(BACKEND.gather(table, ids, poisoned((n, 1024), table.dtype)), table[ids])
+    assert take_new.batches == take_into.batches == [64, below_parallel] and serial.batches == []
+    ids = rng.integers(0, 400, below_parallel + 1)
+    assert_bit_equal(BACKEND.gather(table, ids, None), table[ids])
+    assert parallel.batches == [below_parallel + 1] and serial.batches == []
+    place_min_rows = numba_backend.PLACE_SERIAL_MIN_BYTES // row_bytes
+    for n in (place_min_rows - 1, place_min_rows):
+        ids, positions = rng.integers(0, 400, n), rng.permutation(2 * n)[:n]
+        out = poisoned((2 * n, 1024), table.dtype)
+        expected = out.copy()
+        expected[positions] = table[ids]
+        BACKEND.place(table, ids, out, positions)
+        assert_bit_equal(out, expected)
+    assert numpy_place.batches == [place_min_rows - 1] and place_rows.batches == [place_min_rows]
+
+
 def test_large_outputs_are_cut_into_blocks_of_at_most_max_block_bytes(monkeypatch):
     """Up to MAX_BLOCK_BYTES per thread, one block per thread; above, a block per MAX_BLOCK_BYTES begun."""
     assert numba_backend.blocks_for(0) == 0

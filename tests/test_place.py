@@ -26,7 +26,7 @@ def placing(request, monkeypatch):
         pytest.skip("numba backend unavailable")
     path = request.param.removeprefix("numba ")
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", path == "numpy while compiling")
-    monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "PLACE_SERIAL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 2**62 if path == "serial" else 0)
     monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 0 if path.startswith("stream") else 2**62)
     monkeypatch.setattr(numba_backend, "thread_count", lambda: 7 if path == "stream on 7 threads" else 2)

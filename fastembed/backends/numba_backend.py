@@ -7,11 +7,12 @@ bfloat16, float32, int8, S3, packed structs, ...).
 
 Which kernel runs (docs/backends.md gives each constant's evidence):
 
-- an output smaller than ``SERIAL_MIN_BYTES``: numpy's ``take`` on the
-  calling thread (the numpy backend), so a decode step pays no thread
-  wake-up, no compiled call and no compile;
-- an output smaller than ``PARALLEL_MIN_BYTES``: the serial kernel on the
-  calling thread, each row one ``memcpy`` of the C library;
+- an output smaller than ``SERIAL_MIN_BYTES`` (the parallel kernels' size):
+  numpy's ``take`` on the calling thread (the numpy backend), so a decode
+  step pays no thread wake-up, no compiled call and no compile;
+- an output from ``SERIAL_MIN_BYTES`` to below ``PARALLEL_MIN_BYTES`` (no
+  size by default; tests lower ``SERIAL_MIN_BYTES`` to reach it): the serial
+  kernel on the calling thread, each row one ``memcpy`` of the C library;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
   16-byte aligned: the rows in parallel with non-temporal stores;
 - otherwise the rows in parallel with ordinary (cached) stores.
@@ -45,7 +46,7 @@ Safety:
 
 Rows gathered into chosen rows of an output (:meth:`NumbaBackend.place`,
 which the distributed layer's shared-memory exchange uses) take the same
-paths by the bytes placed: numpy below ``SERIAL_MIN_BYTES`` or while the
+paths by the bytes placed: numpy below ``PLACE_SERIAL_MIN_BYTES`` or while the
 kernel compiles, else the place kernel on the calling thread, or in
 parallel from ``PARALLEL_MIN_BYTES``, with non-temporal stores from
 ``STREAM_MIN_OUT_BYTES``.
@@ -84,15 +85,18 @@ from .base import DENSE, Capabilities, SmallGather
 from .cpu_workers import WORKERS
 from .numpy_backend import take_into, take_new
 
-#: Outputs smaller than this are gathered by numpy's take on the calling thread: below it the allocating
-#: lookup, which the API hands to take directly, would lose more than the serial kernel gains.
+#: Outputs smaller than this are gathered on the calling thread: waking a sleeping worker costs tens of
+#: microseconds, more than it saves on a copy of a few rows. In bytes: a copy's time is in proportion to them.
+PARALLEL_MIN_BYTES = 2 * 2**20
+#: Outputs smaller than this are gathered by numpy's take on the calling thread, larger ones (below
+#: PARALLEL_MIN_BYTES) by the serial kernel: take copies each row with the C library's memcpy as that kernel
+#: does, with less Python on its way, and won against it at every size below the parallel kernels'.
 #: The API reads it through :meth:`NumbaBackend.small_gather` once per dispatch generation: a change
 #: reaches it after :func:`fastembed.dispatch.read_environment` or ``refresh()``.
-SERIAL_MIN_BYTES = 512 * 2**10
-#: Outputs smaller than this (and at least SERIAL_MIN_BYTES) are gathered by the serial kernel on the
-#: calling thread: waking a sleeping worker costs tens of microseconds, more than it saves on a copy of
-#: a few rows. In bytes: a copy's time is in proportion to them.
-PARALLEL_MIN_BYTES = 2 * 2**20
+SERIAL_MIN_BYTES = PARALLEL_MIN_BYTES
+#: Placements of fewer bytes than this are numpy's (fancy assignment, through a temporary); larger ones go to
+#: the place kernel, which writes each row once.
+PLACE_SERIAL_MIN_BYTES = 512 * 2**10
 #: From this output size on, non-temporal stores win over cached stores, even
 #: counting the caller's read of the output that cached stores leave in the cache.
 STREAM_MIN_OUT_BYTES = 2 * 2**20
@@ -357,13 +361,13 @@ class NumbaBackend:
     def place(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray, positions: np.ndarray) -> None:
         """``out[positions[i]] = table[ids[i]]``, as :meth:`fastembed.backends.base.PlacingBackend.place` says.
 
-        Outputs below ``SERIAL_MIN_BYTES`` of placed rows, and calls whose
+        Outputs below ``PLACE_SERIAL_MIN_BYTES`` of placed rows, and calls whose
         kernels are still compiling, go to the numpy backend; the rest run the
         place kernel serially or in parallel, with non-temporal stores, as
         the gather of as many rows would.
         """
         n = ids.size
-        if n * table.shape[1] * table.dtype.itemsize < SERIAL_MIN_BYTES or self._import_error is not None:
+        if n * table.shape[1] * table.dtype.itemsize < PLACE_SERIAL_MIN_BYTES or self._import_error is not None:
             numpy_backend.BACKEND.place(table, ids, out, positions)
             return
         table_bytes, _, out_bytes, signature = kernel_views("place", table, ids, out, out.shape[0])
@@ -517,6 +521,7 @@ class NumbaBackend:
                         "(NUMBA_NUM_THREADS sets the count, and so does numba.set_num_threads in the calling thread "
                         "once numba's own threading layer runs; OpenMP settings do not apply)"),
             "serial_min_bytes": SERIAL_MIN_BYTES,
+            "place_serial_min_bytes": PLACE_SERIAL_MIN_BYTES,
             "parallel_min_bytes": PARALLEL_MIN_BYTES,
             "max_block_bytes": MAX_BLOCK_BYTES,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
