@@ -75,9 +75,10 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     """Block until every kernel compiling in the background is ready, or `timeout` seconds have passed.
 
     No lookup compiles on the caller's thread: a call whose kernels are
-    not compiled yet is served by numpy's take while they compile on a
-    background thread. A server that wants full speed from its first
-    request makes one lookup of a typical batch at start-up, then calls this.
+    not compiled yet is served by numpy while they compile on a background
+    thread. Gathers below 2 MiB of output never need them, so a server that
+    wants full speed from its first large request makes one lookup of at
+    least that size at start-up (or one quantized lookup), then calls this.
 
     Args:
         timeout: the most seconds to wait (None: until done).

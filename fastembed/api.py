@@ -87,7 +87,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         if isinstance(table, _NDARRAY):  # a numpy table's result is a plain numpy array, an np.memmap's too
             # The default argument (and any literal "auto") is this very object; an equal string takes select().
             if backend is _AUTO:
-                small = dispatch.ndarray_small_gather  # (generation, below_bytes, gather_new)
+                small = dispatch.ndarray_small_gather  # (generation, below_bytes, gather_new, calling_thread_below_bytes)
                 if small[0] != dispatch.generation:
                     small = dispatch.small_gather_for_ndarray(table_view)
                 if ids_view.size * table_view.strides[0] < small[1]:

@@ -203,7 +203,7 @@ def test_small_allocating_lookups_call_the_backends_small_gather_and_larger_ones
     the backend's gather; the rows are the same either way."""
     served = []
     _record_serving(monkeypatch, served)
-    table = random_table(600, 1024)  # 2 KiB rows: SERIAL_MIN_BYTES is 256 of them
+    table = random_table(600, 1024)  # 2 KiB rows
     rows = numba_backend.SERIAL_MIN_BYTES // (1024 * table.dtype.itemsize)
     emb = fastembed.Embedding(table)
     ids = np.random.default_rng(0).integers(0, 600, rows)

@@ -277,7 +277,8 @@ class NumbaBackend:
 
     def small_gather(self) -> SmallGather:
         """Allocating outputs below ``SERIAL_MIN_BYTES`` are numpy's take on the calling thread (:meth:`gather`);
-        the serial kernel gathers on it too, below ``PARALLEL_MIN_BYTES``."""
+        everything below ``PARALLEL_MIN_BYTES`` is gathered on that thread (the serial kernel serves the range
+        between the two, empty unless ``SERIAL_MIN_BYTES`` is lowered)."""
         return SmallGather(SERIAL_MIN_BYTES, take_new, PARALLEL_MIN_BYTES)
 
     def _compile(self, signature: tuple, compile_now: Callable[[_Compiles], None]) -> bool:

@@ -84,7 +84,7 @@ def touch_pages(address, row_bytes):
 
 @njit(**_JIT)
 def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_rows_ahead, alias_window):
-    """As :func:`copy_rows`, with non-temporal stores, for outputs much larger than the last-level cache.
+    """As :func:`copy_rows`, with non-temporal stores, for outputs of the backend's ``STREAM_MIN_OUT_BYTES`` or more.
 
     Non-temporal 16-byte stores fault on unaligned addresses: ``out`` must
     be 16-byte aligned and its rows a multiple of 16 bytes (:func:`can_stream`).
@@ -142,8 +142,8 @@ def place_rows(table, ids, out, positions, start, stop, stream, prefetch_rows_ah
                alias_window):
     """out[positions[i]] = table[ids[i]] for i in [start, stop): rows gathered into chosen rows of `out`.
 
-    The other rows of `out` are not written. Pages are touched ahead as in
-    :func:`stream_rows`; with `stream` (:func:`can_stream` must allow it),
+    The other rows of `out` are not written. With ``touch_pages_rows_ahead``
+    > 0, pages are touched ahead as in :func:`stream_rows`; with `stream` (:func:`can_stream` must allow it),
     non-temporal stores that prefetch as it does, else ordinary stores.
     Returns the rows skipped because their id or position was out of range
     (nothing is read or written for them).
@@ -235,7 +235,7 @@ def _stream_row_backward(destination, source, row_bytes, prefetch_ahead, ahead):
 
 @njit(**_JIT)
 def gather_serial(table, ids, out):
-    """Gather on the calling thread (no thread wake-up: for small batches) with :func:`copy_rows`."""
+    """Gather on the calling thread with :func:`copy_rows`: the backend's gather that finds the parallel lock taken."""
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
