@@ -174,22 +174,32 @@ def test_rows_whose_source_sits_just_below_the_destination_modulo_4k_are_copied_
 
 
 @pytest.mark.parametrize("alias_window", [0, numba_backend.ALIAS_WINDOW, 4096])
-@pytest.mark.parametrize("row_bytes", [48, 8192, 8208, 8240])
+@pytest.mark.parametrize("row_bytes", [16, 48, 80, 8192, 8208, 8240])
 @pytest.mark.parametrize("distance", [0, 16, 4064, 4080])
-def test_streaming_kernels_copy_rows_forward_and_backward_exactly(alias_window, row_bytes, distance):
+@pytest.mark.parametrize("table_line_offset", [0, 16])
+def test_streaming_kernels_copy_rows_forward_and_backward_exactly(alias_window, row_bytes, distance,
+                                                                   table_line_offset):
     """Rows copied forward, backward or either by their distance modulo 4 KiB: exact, nothing written outside out.
 
     Window 0 copies every row forward, 4096 every row backward. With the
     shipped window, 8 KiB rows all take the direction of `distance`; rows of
     other sizes each have their own distance, and both directions occur.
+    The table starts `table_line_offset` bytes into a cache line, so out
+    starts at each of the four 16-byte places in a line (the rows are cut at
+    its line boundaries).
     """
     kernels = BACKEND.kernels()
     n = 300
-    table = random_table(n, row_bytes // 2, seed=row_bytes).view(np.uint64)
+    rows = random_table(n, row_bytes // 2, seed=row_bytes).view(np.uint8)
+    table_buffer = np.empty(rows.nbytes + 128, np.uint8)
+    start = (table_line_offset - table_buffer.ctypes.data) % 64
+    table = table_buffer[start : start + rows.nbytes].reshape(rows.shape)
+    table[:] = rows
     ids = np.random.default_rng(distance).permutation(n)
     out_buffer = np.full(n * row_bytes + 8192, 0xA5, np.uint8)
     shift = (table.ctypes.data - distance - out_buffer.ctypes.data) % 4096
-    out = out_buffer[shift : shift + n * row_bytes].view(np.uint64).reshape(n, table.shape[1])
+    out = out_buffer[shift : shift + n * row_bytes].reshape(n, row_bytes)
+    assert out.ctypes.data % 64 == (table_line_offset - distance) % 64
     assert kernels.can_stream(out)
     row_distances = (table.ctypes.data + ids * row_bytes - out.ctypes.data - np.arange(n) * row_bytes) % 4096
     backward = row_distances >= 4096 - alias_window

@@ -201,35 +201,56 @@ def stream_row(destination, source, row_bytes, prefetch_ahead, ahead, alias_wind
 
 
 @njit(**_JIT)
+def _line_start(destination, row_bytes):
+    """Bytes of a row at `destination` before the destination's next 64-byte cache line (a multiple of 16 there).
+
+    Streamed stores write whole cache lines where each line's four 16-byte
+    stores come together: a row whose destination starts inside a line (a
+    numpy array's data starts 16 bytes into a page) is cut at the
+    destination's line boundaries, not at its own.
+    """
+    return min((-destination) & 63, row_bytes)
+
+
+@njit(**_JIT)
 def _stream_row_forward(destination, source, row_bytes, prefetch_ahead, ahead):
-    # Whole cache lines first, each completed in the write-combining buffer by
-    # consecutive stores, then the remaining 16-byte pieces.
-    whole_lines = row_bytes - row_bytes % 64
-    for offset in range(0, whole_lines, 64):
+    # The 16-byte pieces before the destination's first line boundary, its whole cache lines, each
+    # completed in the write-combining buffer by consecutive stores, then the remaining pieces.
+    head = _line_start(destination, row_bytes)
+    lines_end = row_bytes - (row_bytes - head) % 64
+    for offset in range(0, head, 16):
+        stream_store_16(destination + offset, source + offset)
+    for offset in range(head, lines_end, 64):
         if prefetch_ahead:
             prefetch(ahead + offset)
         stream_store_16(destination + offset, source + offset)
         stream_store_16(destination + offset + 16, source + offset + 16)
         stream_store_16(destination + offset + 32, source + offset + 32)
         stream_store_16(destination + offset + 48, source + offset + 48)
-    for offset in range(whole_lines, row_bytes, 16):
+    if prefetch_ahead and lines_end < row_bytes:
+        prefetch(ahead + row_bytes - 1)
+    for offset in range(lines_end, row_bytes, 16):
         stream_store_16(destination + offset, source + offset)
 
 
 @njit(**_JIT)
 def _stream_row_backward(destination, source, row_bytes, prefetch_ahead, ahead):
-    # _stream_row_forward in reverse: the 16-byte pieces after the whole
-    # lines, last first, then the whole lines from the last one down, each
-    # line from its last 16 bytes down.
-    whole_lines = row_bytes - row_bytes % 64
-    for offset in range(row_bytes - 16, whole_lines - 16, -16):
+    # _stream_row_forward in reverse: the pieces after the last whole line, last first, then the whole
+    # lines from the last one down, each line from its last 16 bytes down, then the pieces before the first.
+    head = _line_start(destination, row_bytes)
+    lines_end = row_bytes - (row_bytes - head) % 64
+    if prefetch_ahead and lines_end < row_bytes:
+        prefetch(ahead + row_bytes - 1)
+    for offset in range(row_bytes - 16, lines_end - 16, -16):
         stream_store_16(destination + offset, source + offset)
-    for offset in range(whole_lines - 64, -64, -64):
+    for offset in range(lines_end - 64, head - 64, -64):
         if prefetch_ahead:
             prefetch(ahead + offset)
         stream_store_16(destination + offset + 48, source + offset + 48)
         stream_store_16(destination + offset + 32, source + offset + 32)
         stream_store_16(destination + offset + 16, source + offset + 16)
+        stream_store_16(destination + offset, source + offset)
+    for offset in range(head - 16, -16, -16):
         stream_store_16(destination + offset, source + offset)
 
 
