@@ -331,6 +331,25 @@ def test_small_outputs_come_from_numpy():
     assert out.flags.owndata
 
 
+@pytest.mark.parametrize("limit", [0, 64 * 2**20])
+def test_streamed_allocating_outputs_start_on_a_cache_line(monkeypatch, limit):
+    """From the streaming size on (below the cache's too, and with the cache off), the numba backend's allocating
+    gathers and dequantizing lookups return outputs that start on a 64-byte line."""
+    from fastembed.tables import random_quantized_table
+
+    monkeypatch.setattr(output_cache, "_limit", limit)
+    table = random_table(400, 4096)  # 8 KiB float16 rows
+    quantized = random_quantized_table("q8_0", 400, 4096)
+    rng = np.random.default_rng(limit)
+    for rows in (numba_backend.STREAM_MIN_OUT_BYTES // 8192, 300, 600):  # 2 MiB, 2.3 MiB, 4.7 MiB
+        ids = rng.integers(0, 400, rows)
+        dense = numba_backend.BACKEND.gather(table, ids, None)
+        dequantized = numba_backend.BACKEND.dequantize(quantized, ids, None, np.dtype(np.float16))
+        assert address(dense) % 64 == 0 and address(dequantized) % 64 == 0
+        assert_bit_equal(dense, table[ids])
+        del dense, dequantized
+
+
 def test_info_shows_the_cache():
     from fastembed.info import format_report, report
 

@@ -168,6 +168,7 @@ FORK_DURING_FIRST_LOOKUP = """
 import os, threading, time, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels (and their compile) serve these small tables too
+numba_backend.SERIAL_MIN_BYTES = 0
 table = fastembed.Embedding.random(500, 16, "float32").table
 ids = np.arange(40) % 500
 expected = table[ids]
@@ -308,6 +309,7 @@ FORK_POOL_DURING_WARM_UP = """
 import multiprocessing, threading, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels (and their compile) serve these small tables too
+numba_backend.SERIAL_MIN_BYTES = 0
 table = fastembed.Embedding.random(2000, 64).table
 def lookup(seed):
     ids = np.random.default_rng(seed).integers(0, 2000, 3000)
@@ -331,6 +333,7 @@ INTERRUPTED_FIRST_LOOKUP = """
 import signal, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels (and their compile) serve these small tables too
+numba_backend.SERIAL_MIN_BYTES = 0
 table = fastembed.Embedding.random(500, 16).table
 ids = np.arange(100) % 500
 signal.setitimer(signal.ITIMER_REAL, {delay})

@@ -264,8 +264,8 @@ class NumbaBackend:
         kernels = self._kernels
         if kernels is None:  # reset() by another thread since the check
             return numpy_backend.BACKEND.gather(table, ids, out)
-        if out is None:
-            out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype)
+        if out is None:  # on a cache line, as streamed outputs are best placed
+            out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype, output_cache.ALIGNMENT)
         out_bytes = _row_bytes(out, n) if given_bytes is None else given_bytes
         if out_bytes.nbytes < PARALLEL_MIN_BYTES:
             status = int(kernels.gather_serial(table_bytes, flat_ids, out_bytes))
@@ -415,7 +415,9 @@ class NumbaBackend:
         dtype = np.dtype(dtype)
         n = ids.size
         if out is None:
-            out = output_cache.new_output(ids.shape + (table.dim,), dtype)
+            # A streamed output on a cache line: each block's stores would straddle two lines otherwise.
+            streamed = n * table.dim * dtype.itemsize >= STREAM_MIN_OUT_BYTES
+            out = output_cache.new_output(ids.shape + (table.dim,), dtype, output_cache.ALIGNMENT if streamed else 0)
         if n == 0:
             return out
         word = np.dtype(np.float32) if dtype.itemsize == 4 else np.dtype(np.uint16)

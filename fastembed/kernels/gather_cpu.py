@@ -204,10 +204,10 @@ def stream_row(destination, source, row_bytes, prefetch_ahead, ahead, alias_wind
 def _line_start(destination, row_bytes):
     """Bytes of a row at `destination` before the destination's next 64-byte cache line (a multiple of 16 there).
 
-    Streamed stores write whole cache lines where each line's four 16-byte
-    stores come together: a row whose destination starts inside a line (a
-    numpy array's data starts 16 bytes into a page) is cut at the
-    destination's line boundaries, not at its own.
+    A row whose destination starts inside a line (a numpy array's data
+    starts 16 bytes into a page) is cut at the destination's line
+    boundaries, not at its own, so that the prefetch before each group of
+    four 16-byte stores never falls between the stores of one line.
     """
     return min((-destination) & 63, row_bytes)
 
