@@ -274,18 +274,32 @@ def test_out_of_range_ids_on_every_path_leave_out_untouched(kernel_path, bad_id)
         assert_bit_equal(out, before)
 
 
-def test_a_row_whose_id_changed_after_the_scan_is_skipped_never_read():
-    """The per-row check: what another thread's write of an id after the scan gives (the kernels' status -2)."""
+@pytest.mark.parametrize("line_offset", [None, 0, 16, 32, 48])
+def test_a_row_whose_id_changed_after_the_scan_is_skipped_never_read(line_offset):
+    """The per-row check: what another thread's write of an id after the scan gives (the kernels' status -2).
+
+    Also streamed into an output at each place in a cache line, where the
+    rows around a skipped one end and start inside a line: nothing of the
+    skipped row is written, nor anything outside the output.
+    """
     kernels = BACKEND.dequantize_kernels()
-    table = random_quantized_table("q8_0", 50, 64)
-    ids = numba_backend._int64_ids(np.array([3, -7, 49, 50, 2**40]))
-    out = poisoned((5, 64), np.float16).view(np.uint16)
-    data, scales = numba_backend._read_only(table.data), numba_backend._read_only(numba_backend._NO_SCALES)
-    skipped = kernels.dequantize_range(kernels.FORMAT_CODES["q8_0"], data, scales, ids, out, 0, 5, kernels.FLOAT16,
-                                       False, 4, 4)
-    assert skipped == 3
-    assert_bit_equal(out[[0, 2]].view(np.float16), reference(table, ids[[0, 2]], np.float16))
-    assert (out[[1, 3, 4]].view(np.uint8) == 0xA5).all()
+    stream = line_offset is not None
+    if stream and not numba_backend._STREAMING_CPU:
+        pytest.skip("streamed stores are x86-64's")
+    for dim in (64, 96):
+        table = random_quantized_table("q8_0", 50, dim)
+        ids = numba_backend._int64_ids(np.array([3, -7, 49, 50, 2**40, 7, 8]))
+        buffer = np.full(ids.size * dim * 2 + 128, 0xA5, np.uint8)
+        start = ((line_offset or 0) - buffer.ctypes.data) % 64
+        out = buffer[start:start + ids.size * dim * 2].view(np.uint16).reshape(ids.size, dim)
+        data, scales = numba_backend._read_only(table.data), numba_backend._read_only(numba_backend._NO_SCALES)
+        skipped = kernels.dequantize_range(kernels.FORMAT_CODES["q8_0"], data, scales, ids, out, 0, ids.size,
+                                           kernels.FLOAT16, stream, 4, 4)
+        assert skipped == 3
+        written = [0, 2, 5, 6]
+        assert_bit_equal(out[written].view(np.float16), reference(table, ids[written], np.float16))
+        assert (out[[1, 3, 4]].view(np.uint8) == 0xA5).all()
+        assert (buffer[:start] == 0xA5).all() and (buffer[start + out.nbytes:] == 0xA5).all()
 
 
 def test_int32_ids_straight_into_the_kernel():
@@ -361,6 +375,7 @@ def test_lookup_serves_quantized_tables_through_the_numba_backend():
     assert_bit_equal(fastembed.lookup(table, ids, dtype=np.float16, backend="numba"), reference(table, ids, np.float16))
     facts = BACKEND.describe()
     assert "q6_k" in facts["dequantize_formats"] and facts["float16_conversion"] and facts["to_16_bits"]
+    assert facts["dequantize_streamed_stores"]
 
 
 def test_concurrent_threads_get_exact_rows(monkeypatch):
@@ -436,18 +451,12 @@ def test_streamed_stores_stay_non_temporal_after_a_conversion(output):
     helper keeps the conversion and the store apart; the output would then
     be read into the cache before it is written, as the hint exists to avoid.
     """
-    import platform
-
-    import ml_dtypes
     from numba import njit, types
     from numba.extending import intrinsic
 
     from fastembed.kernels import dequant_ir
 
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("non-temporal stores are an x86 path")
-    put = dequant_ir._PUTS[{"float16": dequant_ir._TO_STREAMED_HALVES, "bfloat16": dequant_ir._TO_STREAMED_BFLOAT16,
-                            "float32": dequant_ir._TO_STREAMED_FLOATS}[output]]
+    put, dtype = _streamed_put(output)
 
     @intrinsic
     def streamed(typingctx, destination, source):
@@ -462,7 +471,6 @@ def test_streamed_stores_stay_non_temporal_after_a_conversion(output):
     def convert(destination, source):
         streamed(destination, source)
 
-    dtype = np.dtype(ml_dtypes.bfloat16) if output == "bfloat16" else np.dtype(output)
     values = np.linspace(-3, 3, 32).astype(np.float32)
     out = np.zeros(32 + 16 // dtype.itemsize, dtype)
     at = -(out.ctypes.data // dtype.itemsize) % (16 // dtype.itemsize)  # 16-byte aligned
@@ -471,6 +479,90 @@ def test_streamed_stores_stay_non_temporal_after_a_conversion(output):
     assembly = next(iter(convert.inspect_asm().values())).lower().splitlines()
     stores = sum(bool(re.search(r"\bv?movnt(dq|ps)\b", line)) for line in assembly)
     assert stores == 32 * dtype.itemsize // 16  # every byte, 16 at a time
+    _assert_converted_in_registers(output, assembly)
+
+
+@pytest.mark.parametrize("output", ["float16", "bfloat16", "float32"])
+def test_streamed_puts_go_out_a_whole_cache_line_per_store(output):
+    """Through a line buffer, streamed values go out in 64-byte non-temporal stores of whole cache lines, the
+    values of a put that straddles two lines held until the next put completes the line: exact wherever the
+    destination starts in its line, one put after another, and nothing written outside them."""
+    from numba import njit, types
+    from numba.extending import intrinsic
+
+    from fastembed.kernels import dequant_ir
+
+    if not dequant_ir.LINES_BY_PERMUTE:
+        pytest.skip("whole-line stores need AVX-512F")
+    put, dtype = _streamed_put(output, lined=True)
+
+    @intrinsic
+    def streamed(typingctx, lines, destination, source):
+        def codegen(context, builder, signature, args):
+            values = dequant_ir._load(builder, args[2], dequant_ir._vector(dequant_ir._F32, 32))
+            put.through(args[0])(builder, args[1], 0, values)
+            return context.get_dummy_value()
+
+        return types.void(types.intp, types.intp, types.intp), codegen
+
+    line_buffer, stack_floats, open_lines, close_lines, put_bytes = (
+        dequant_ir.LINE_BUFFER_FLOATS, dequant_ir._stack_floats, dequant_ir.open_lines, dequant_ir.close_lines,
+        32 * dtype.itemsize)
+
+    @njit(cache=False)
+    def convert(destination, source, n_puts):
+        lines = stack_floats(line_buffer)
+        open_lines(lines)
+        for k in range(n_puts):
+            streamed(lines, destination + k * put_bytes, source + k * 128)
+        close_lines(lines)
+
+    @njit(cache=False)
+    def one_put(destination, source):
+        lines = stack_floats(line_buffer)
+        open_lines(lines)
+        streamed(lines, destination, source)
+        close_lines(lines)
+
+    values = np.random.default_rng(1).standard_normal(32 * 5).astype(np.float32)
+    for offset in (0, 16, 32, 48):
+        for n_puts in (1, 2, 5):
+            buffer = np.full(5 * 32 * dtype.itemsize + 128, 0xA5, np.uint8)
+            start = (offset - buffer.ctypes.data) % 64
+            nbytes = n_puts * 32 * dtype.itemsize
+            out = buffer[start:start + nbytes].view(dtype)
+            convert(out.ctypes.data, values.ctypes.data, n_puts)
+            assert_bit_equal(out, values[:32 * n_puts].astype(dtype))
+            assert (buffer[:start] == 0xA5).all() and (buffer[start + nbytes:] == 0xA5).all()
+    one_put(out.ctypes.data, values.ctypes.data)
+    assembly = next(iter(one_put.inspect_asm().values())).lower().splitlines()
+    whole_lines = [line for line in assembly if re.search(r"\bv?movnt(dq|ps)\s+%zmm", line)]
+    cached_zmm = [line for line in assembly if re.search(r"\bvmov\w*\s+%zmm\d+, .*\(", line) and "movnt" not in line]
+    assert len(whole_lines) == 32 * dtype.itemsize // 64  # a line per store
+    assert len(cached_zmm) == 1, cached_zmm  # the held values, into the line buffer
+    _assert_converted_in_registers(output, assembly)
+
+
+def _streamed_put(output, lined=False):
+    import platform
+
+    import ml_dtypes
+
+    from fastembed.kernels import dequant_ir
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("non-temporal stores are an x86 path")
+    codes = ({"float16": dequant_ir._TO_LINED_HALVES, "bfloat16": dequant_ir._TO_LINED_BFLOAT16,
+              "float32": dequant_ir._TO_LINED_FLOATS} if lined else
+             {"float16": dequant_ir._TO_STREAMED_HALVES, "bfloat16": dequant_ir._TO_STREAMED_BFLOAT16,
+              "float32": dequant_ir._TO_STREAMED_FLOATS})
+    put = dequant_ir._PUTS[codes[output]]
+    return put, np.dtype(ml_dtypes.bfloat16) if output == "bfloat16" else np.dtype(output)
+
+
+def _assert_converted_in_registers(output, assembly):
+    from fastembed.kernels import dequant_ir
+
     if output == "float16" and dequant_ir.HARDWARE_FLOAT16:
         conversions = [line for line in assembly if "cvtps2ph" in line]
         assert conversions and not any(line.rstrip().endswith(")") for line in conversions)  # none into memory

@@ -540,6 +540,8 @@ class NumbaBackend:
             kernels = self.dequantize_kernels()
             facts["float16_conversion"] = kernels.FLOAT16_CONVERSION
             facts["to_16_bits"] = kernels.TO_16_BITS
+            facts["dequantize_streamed_stores"] = ("a whole cache line per store (AVX-512F)" if kernels.LINES_BY_PERMUTE
+                                                   else "16 bytes per store")
         except ImportError:
             pass
         if self._dequantize_error is not None:

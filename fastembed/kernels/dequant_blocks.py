@@ -232,52 +232,52 @@ _f32, _u32 = types.float32, types.uint32
 
 
 @intrinsic(prefer_literal=True)
-def _q8_0_block(typingctx, put, destination, source, d_at):
+def _q8_0_block(typingctx, put, lines, destination, source, d_at):
     return _block(put, _q8_0_body, _ADDRESS)
 
 
 @intrinsic(prefer_literal=True)
-def _q4_0_block(typingctx, put, destination, source, d_at):
+def _q4_0_block(typingctx, put, lines, destination, source, d_at):
     return _block(put, _q4_0_body, _ADDRESS)
 
 
 @intrinsic(prefer_literal=True)
-def _q4_1_block(typingctx, put, destination, source, d_at):
+def _q4_1_block(typingctx, put, lines, destination, source, d_at):
     return _block(put, _q4_1_body, _ADDRESS)
 
 
 @intrinsic(prefer_literal=True)
-def _q5_0_block(typingctx, put, destination, source, d_at, qh):
+def _q5_0_block(typingctx, put, lines, destination, source, d_at, qh):
     return _block(put, _q5_0_body, _ADDRESS, _u32)
 
 
 @intrinsic(prefer_literal=True)
-def _q5_1_block(typingctx, put, destination, source, d_at, qh):
+def _q5_1_block(typingctx, put, lines, destination, source, d_at, qh):
     return _block(put, _q5_1_body, _ADDRESS, _u32)
 
 
 @intrinsic(prefer_literal=True)
-def _q4_k_block(typingctx, put, destination, block):
+def _q4_k_block(typingctx, put, lines, destination, block):
     return _block(put, _q4_k_body)
 
 
 @intrinsic(prefer_literal=True)
-def _q5_k_block(typingctx, put, destination, block):
+def _q5_k_block(typingctx, put, lines, destination, block):
     return _block(put, _q5_k_body)
 
 
 @intrinsic(prefer_literal=True)
-def _q6_k_block(typingctx, put, destination, block):
+def _q6_k_block(typingctx, put, lines, destination, block):
     return _block(put, _q6_k_body)
 
 
 @intrinsic(prefer_literal=True)
-def _fp8_e4m3_32(typingctx, put, destination, source, scale):
+def _fp8_e4m3_32(typingctx, put, lines, destination, source, scale):
     return _block(put, _fp8_e4m3_body, _f32)
 
 
 @intrinsic(prefer_literal=True)
-def _fp8_e4m3_32_bits(typingctx, put, destination, source, scale):
+def _fp8_e4m3_32_bits(typingctx, put, lines, destination, source, scale):
     return _block(put, _fp8_e4m3_bits_body, _f32)
 
 

@@ -40,7 +40,10 @@ over a block would stay scalar. Inside a row everything
 is addressed by plain integers (the rows, the buffer, the output), so no
 array is passed, or reference-counted, per chunk. With
 ``stream``, the stores are non-temporal (``out`` 16-byte aligned, rows a
-multiple of 16 bytes: :func:`.gather_cpu.can_stream`). float16
+multiple of 16 bytes: :func:`.gather_cpu.can_stream`); with AVX-512F the
+blocks' values go out a whole cache line per store, through a line buffer
+on each thread's stack, wherever ``out`` starts in a line
+(:data:`LINES_BY_PERMUTE`). float16
 conversions use the CPU's instructions where numba compiles for them
 (x86-64 with F16C: :data:`HARDWARE_FLOAT16`), else integer bit operations;
 both round alike. Values bound for 16-bit outputs are looked up instead
@@ -91,6 +94,9 @@ from .dequant_ir import (
     _TO_BFLOAT16,
     _TO_FLOATS,
     _TO_HALVES,
+    _TO_LINED_BFLOAT16,
+    _TO_LINED_FLOATS,
+    _TO_LINED_HALVES,
     _TO_STREAMED_BFLOAT16,
     _TO_STREAMED_FLOATS,
     _TO_STREAMED_HALVES,
@@ -103,6 +109,8 @@ from .dequant_ir import (
     FP8_E4M3,
     FP8_TABLE_LOOKUP,
     HARDWARE_FLOAT16,
+    LINE_BUFFER_FLOATS,
+    LINES_BY_PERMUTE,
     NIBBLE_TABLE_LOOKUP,
     NIBBLE_WORD_PERMUTE,
     Q4_0,
@@ -131,9 +139,11 @@ from .dequant_ir import (
     _stream_float16_bits,
     _word,
     bfloat16_bits,
+    close_lines,
     float16_bits,
     fp8_e4m3_value,
     half_at,
+    open_lines,
 )
 from .dequant_lookups import _fill_fp8_e4m3_table, _fp8_e4m3_by_table, _nibbles_by_table
 from .gather_cpu import CHANGED_DURING_COPY, first_bad_position
@@ -142,8 +152,8 @@ from .gather_cpu import CHANGED_DURING_COPY, first_bad_position
 #: and the conversions the tests check on their own.
 __all__ = [
     "BFLOAT16", "CHANGED_DURING_COPY", "CHUNK", "FLOAT16", "FLOAT16_BITS", "FLOAT16_CONVERSION", "FORMAT_CODES",
-    "FP8_TABLE_LOOKUP", "HARDWARE_FLOAT16", "NIBBLE_TABLE_LOOKUP", "NIBBLE_WORD_PERMUTE", "Q4_K_FLOAT16_BY_TABLE",
-    "Q8_0_FLOAT16_ARITHMETIC",
+    "FP8_TABLE_LOOKUP", "HARDWARE_FLOAT16", "LINES_BY_PERMUTE", "NIBBLE_TABLE_LOOKUP", "NIBBLE_WORD_PERMUTE",
+    "Q4_K_FLOAT16_BY_TABLE", "Q8_0_FLOAT16_ARITHMETIC",
     "TO_16_BITS", "bfloat16_bits", "dequantize_range", "readable_rows", "dequantize_serial", "float16_bits",
     "fp8_e4m3_by_bits", "fp8_e4m3_value", "looked_up", "round_to_halves", "widen_halves",
 ]
@@ -159,93 +169,94 @@ CHUNK = 256
 
 @njit(**_JIT)
 def _value_bytes(put):
-    return 4 if put == _TO_FLOATS or put == _TO_STREAMED_FLOATS else 2
+    return 4 if put == _TO_FLOATS or put == _TO_STREAMED_FLOATS or put == _TO_LINED_FLOATS else 2
 
 
 @njit(**_JIT)
-def _q8_0(source, n_blocks, destination, put):
+def _q8_0(source, n_blocks, destination, put, lines):
     # d: f16 | 32 x int8
     literally(put)
     for block in range(n_blocks):
         at = source + 34 * block
-        _q8_0_block(put, destination + 32 * _value_bytes(put) * block, at + 2, at)
+        _q8_0_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 2, at)
 
 
 @njit(**_JIT)
-def _q4_0(source, n_blocks, destination, put):
+def _q4_0(source, n_blocks, destination, put, lines):
     # d: f16 | 16 bytes, values j and j + 16 in the low and high nibble of byte j
     literally(put)
     for block in range(n_blocks):
         at = source + 18 * block
-        _q4_0_block(put, destination + 32 * _value_bytes(put) * block, at + 2, at)
+        _q4_0_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 2, at)
 
 
 @njit(**_JIT)
-def _q4_1(source, n_blocks, destination, put):
+def _q4_1(source, n_blocks, destination, put, lines):
     # d: f16 | m: f16 | 16 bytes of nibbles as Q4_0
     literally(put)
     for block in range(n_blocks):
         at = source + 20 * block
-        _q4_1_block(put, destination + 32 * _value_bytes(put) * block, at + 4, at)
+        _q4_1_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 4, at)
 
 
 @njit(**_JIT)
-def _q5_0(source, n_blocks, destination, put):
+def _q5_0(source, n_blocks, destination, put, lines):
     # d: f16 | qh: 4 bytes, bit j the fifth bit of value j | 16 bytes of nibbles
     literally(put)
     for block in range(n_blocks):
         at = source + 22 * block
-        _q5_0_block(put, destination + 32 * _value_bytes(put) * block, at + 6, at, _word(at + 2))
+        _q5_0_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 6, at, _word(at + 2))
 
 
 @njit(**_JIT)
-def _q5_1(source, n_blocks, destination, put):
+def _q5_1(source, n_blocks, destination, put, lines):
     # d: f16 | m: f16 | qh: 4 bytes | 16 bytes of nibbles
     literally(put)
     for block in range(n_blocks):
         at = source + 24 * block
-        _q5_1_block(put, destination + 32 * _value_bytes(put) * block, at + 8, at, _word(at + 4))
+        _q5_1_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 8, at, _word(at + 4))
 
 
 @njit(**_JIT)
-def _fp8_e4m3(source, count, scale, destination, put):
+def _fp8_e4m3(source, count, scale, destination, put, lines):
     # one float8_e4m3fn per value; value * the row's scale
     literally(put)
     whole = count - count % 32
     for j in range(0, whole, 32):
-        _fp8_e4m3_32(put, destination + _value_bytes(put) * j, source + j, scale)
+        _fp8_e4m3_32(put, lines, destination + _value_bytes(put) * j, source + j, scale)
     for j in range(whole, count):
         value = fp8_e4m3_value(_byte(source + j)) * scale
         if _value_bytes(put) == 4:
             _store_f32(destination + 4 * j, value)
-        elif put == _TO_BFLOAT16 or put == _TO_STREAMED_BFLOAT16:
+        elif put == _TO_BFLOAT16 or put == _TO_STREAMED_BFLOAT16 or put == _TO_LINED_BFLOAT16:
             _store_u16(destination + 2 * j, bfloat16_bits(value))
         else:
             _store_u16(destination + 2 * j, _float16_fast(value))
 
 
 @njit(**_JIT)
-def _dequantize_chunk(fmt, source, count, scale, destination, put):
-    """The `count` values of format `fmt` whose blocks start at address `source`, put at `destination` (see above)."""
+def _dequantize_chunk(fmt, source, count, scale, destination, put, lines):
+    """The `count` values of format `fmt` whose blocks start at address `source`, put at `destination` (see above;
+    streamed puts go through the line buffer at address `lines`)."""
     literally(put)
     if fmt == Q8_0:
-        _q8_0(source, count // 32, destination, put)
+        _q8_0(source, count // 32, destination, put, lines)
     elif fmt == Q4_0:
-        _q4_0(source, count // 32, destination, put)
+        _q4_0(source, count // 32, destination, put, lines)
     elif fmt == Q4_K:
-        _q4_k_block(put, destination, source)  # one block of 256 values (see dequant_blocks._q4_k_body)
+        _q4_k_block(put, lines, destination, source)  # one block of 256 values (see dequant_blocks._q4_k_body)
     elif fmt == Q6_K:
-        _q6_k_block(put, destination, source)
+        _q6_k_block(put, lines, destination, source)
     elif fmt == FP8_E4M3:
-        _fp8_e4m3(source, count, scale, destination, put)
+        _fp8_e4m3(source, count, scale, destination, put, lines)
     elif fmt == Q4_1:
-        _q4_1(source, count // 32, destination, put)
+        _q4_1(source, count // 32, destination, put, lines)
     elif fmt == Q5_0:
-        _q5_0(source, count // 32, destination, put)
+        _q5_0(source, count // 32, destination, put, lines)
     elif fmt == Q5_1:
-        _q5_1(source, count // 32, destination, put)
+        _q5_1(source, count // 32, destination, put, lines)
     elif fmt == Q5_K:
-        _q5_k_block(put, destination, source)
+        _q5_k_block(put, lines, destination, source)
 
 
 # -- float32 values to the output ---------------------------------------------------------------------
@@ -320,7 +331,7 @@ def round_to_halves(values, out, mode, stream):
 def fp8_e4m3_by_bits(codes, scale, out):
     """out[j] = float8_e4m3fn codes[j] (uint8, a multiple of 32) times scale by the integer-bit vector code, for tests."""
     for j in range(0, codes.size, 32):
-        _fp8_e4m3_32_bits(_TO_FLOATS, np.intp(out.ctypes.data) + 4 * j, np.intp(codes.ctypes.data) + j, scale)
+        _fp8_e4m3_32_bits(_TO_FLOATS, 0, np.intp(out.ctypes.data) + 4 * j, np.intp(codes.ctypes.data) + j, scale)
     return out
 
 
@@ -333,12 +344,18 @@ def looked_up(fmt, row, scale, out, mode, stream):
     `out` uint16 of the row's size; with `stream`, 16-byte aligned.
     """
     source, destination = np.intp(row.ctypes.data), np.intp(out.ctypes.data)
+    lined = stream and LINES_BY_PERMUTE
+    lines = np.intp(_stack_floats(LINE_BUFFER_FLOATS)) if lined else np.intp(0)
+    if lined:
+        open_lines(lines)
     if fmt == FP8_E4M3:
         table = np.intp(_stack_floats(64))
         _fill_fp8_e4m3_table(table, scale, mode)
-        _fp8_e4m3_by_table(source, out.size, table, destination, stream)
+        _fp8_e4m3_by_table(source, out.size, table, destination, stream, lines)
     else:
-        _nibbles_by_table(fmt, source, out.size, destination, mode, stream)
+        _nibbles_by_table(fmt, source, out.size, destination, mode, stream, lines)
+    if lined:
+        close_lines(lines)
     if stream:
         _fence()
     return out
@@ -393,6 +410,12 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     destination = np.intp(out.ctypes.data)
     buf = np.intp(_stack_floats(CHUNK))
     table = np.intp(_stack_floats(64))  # 128 16-bit entries
+    # Streamed rows that start inside a cache line go out a line at a time through a line buffer (dequant_ir); a
+    # separate compiled path, so that line-aligned rows run the plain one. `lines` 0: none.
+    lined = stream and LINES_BY_PERMUTE and (destination % 64 != 0 or (dim * word) % 64 != 0)
+    lines = np.intp(_stack_floats(LINE_BUFFER_FLOATS)) if lined else np.intp(0)
+    if lined:
+        open_lines(lines)
     # float16, bfloat16 and float32: the blocks write the output themselves
     halves, bfloats = word == 2 and mode == FLOAT16, word == 2 and mode == BFLOAT16
     # a table of 128 entries pays for itself on rows of at least as many values
@@ -427,25 +450,33 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
                     prefetch(ahead + byte)
             position = destination + (np.intp(i) * dim + first) * word
             if row_by_table:
-                _fp8_e4m3_by_table(source + begin, count, table, position, stream)
+                _fp8_e4m3_by_table(source + begin, count, table, position, stream, lines)
             elif by_nibble_table:
-                _nibbles_by_table(fmt, source + begin, count, position, mode, stream)
+                _nibbles_by_table(fmt, source + begin, count, position, mode, stream, lines)
+            elif halves and lined:
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_LINED_HALVES, lines)
             elif halves and stream:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_HALVES)
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_HALVES, lines)
             elif halves:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_HALVES)
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_HALVES, lines)
+            elif bfloats and lined:
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_LINED_BFLOAT16, lines)
             elif bfloats and stream:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_BFLOAT16)
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_BFLOAT16, lines)
             elif bfloats:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_BFLOAT16)
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_BFLOAT16, lines)
+            elif word == 4 and lined:
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_LINED_FLOATS, lines)
             elif word == 4 and stream:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_FLOATS)
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_FLOATS, lines)
             elif word == 4:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_FLOATS)
+                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_FLOATS, lines)
             else:
-                _dequantize_chunk(fmt, source + begin, count, scale, buf, _TO_FLOATS)
+                _dequantize_chunk(fmt, source + begin, count, scale, buf, _TO_FLOATS, lines)
                 _emit(buf, position, count, mode, stream)
             begin = end
+    if lined:
+        close_lines(lines)
     if stream:
         _fence()
     return skipped

@@ -279,33 +279,146 @@ def _store(builder, address, value):
     builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=4)
 
 
-def _put_vector(builder, address, value, nontemporal, align):
+def _put_vector(builder, address, value, nontemporal, align, lines=None):
     """Store `value` at `address`: with cached stores (`align` bytes aligned there) or, if `nontemporal`,
-    streamed past the cache (16-byte aligned there).
+    streamed past the cache (16-byte aligned there); a cache line at a time through the line buffer at address
+    `lines` where given and the CPU can (:data:`LINES_BY_PERMUTE`; `value` a multiple of 64 bytes).
 
-    On x86 the streamed value goes out 16 bytes at a time, each piece through an empty inline-assembly
-    statement: without it LLVM combines a conversion (float16, or bfloat16's truncation) with the store and
-    emits ordinary stores, dropping the hint, so that every output line is read into the cache before it is
-    written.
+    Otherwise on x86 the streamed value goes out 16 bytes at a time, each piece through an empty
+    inline-assembly statement: without it LLVM combines a conversion (float16, or bfloat16's truncation) with
+    the store and emits ordinary stores, dropping the hint, so that every output line is read into the cache
+    before it is written.
     """
     if not nontemporal:
         builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=align)
         return
-    if _X86:
-        bits = {ir.HalfType: 16, ir.FloatType: 32}.get(type(value.type.element)) or value.type.element.width
-        assert value.type.count * bits % 128 == 0, "streamed vectors are whole 16-byte pieces"
-        words = builder.bitcast(value, _vector(_I32, value.type.count * bits // 32))
-        piece_type = _vector(_I32, 4)
-        barrier = ir.FunctionType(piece_type, [piece_type])
-        pieces = [(4 * k, builder.asm(barrier, "", "=x,0", [builder.shuffle_vector(
-            words, words, _constant(_I32, 4, list(range(4 * k, 4 * k + 4))))], False))
-                  for k in range(words.type.count // 4)]
+    if not _X86:  # the kernels stream on x86 only; this keeps the IR valid elsewhere
+        _stream(builder, address, value)
+        return
+    bits = {ir.HalfType: 16, ir.FloatType: 32}.get(type(value.type.element)) or value.type.element.width
+    assert value.type.count * bits % 128 == 0, "streamed vectors are whole 16-byte pieces"
+    words = builder.bitcast(value, _vector(_I32, value.type.count * bits // 32))
+    if lines is None or not LINES_BY_PERMUTE:
+        _stream_pieces(builder, address, words)
     else:
-        pieces = [(0, value)]
-    for word, piece in pieces:
-        piece_at = builder.add(address, address.type(4 * word))
-        store = builder.store(piece, builder.inttoptr(piece_at, piece.type.as_pointer()), align=16)
-        store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+        _stream_lines(builder, lines, address, words)
+
+
+def _stream_pieces(builder, address, words):
+    for k in range(words.type.count // 4):
+        _stream(builder, builder.add(address, address.type(16 * k)), _kept(builder, _lanes(builder, words, 4 * k, 4)))
+
+
+def _kept(builder, value):
+    """`value` through an empty inline-assembly statement, which LLVM cannot fold into the store that follows."""
+    return builder.asm(ir.FunctionType(value.type, [value.type]), "", "=x,0" if value.type.count == 4 else "=v,0",
+                       [value], False)
+
+
+def _lanes(builder, vector, first, count):
+    return builder.shuffle_vector(vector, vector, _constant(_I32, count, list(range(first, first + count))))
+
+
+def _stream(builder, address, value, align=16):
+    store = builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=align)
+    store.set_metadata("nontemporal", builder.module.add_metadata([_I32(1)]))
+
+
+# -- streamed stores, a cache line at a time ---------------------------------------------------------
+# Streamed stores fill a write-combining buffer per cache line, which goes to memory whole once its line is
+# complete. An output row that starts 16, 32 or 48 bytes into a line (numpy's large arrays start 16 bytes into a
+# page) puts each 64 bytes of values across two lines: a line's first pieces come from one block and its last
+# from the next, with the next block's loads and arithmetic in between, and the buffer may go to memory half
+# full, a partial-line write. So each put's values are held in a line buffer on the kernel's stack, and each
+# line is stored whole, in one 64-byte store, from the held values and the next put's, shifted together by one
+# AVX-512 permute: the line buffer holds the last 64 bytes put and the address where they end. A put that does
+# not continue them first stores the held pieces of their last line alone, then its own pieces before its first
+# line boundary alone; so do the kernels (:func:`close_lines`) after their last put. Only the lined puts do this,
+# which the kernels choose for rows that start inside a line: line-aligned rows keep the plain stores, whose
+# shorter code ran faster there.
+
+#: Streamed 64-byte values go out a whole cache line at a time (AVX-512F: a two-register permute by a place
+#: known at run time); elsewhere 16 bytes at a time, as put.
+LINES_BY_PERMUTE = "+avx512f" in _FEATURES
+#: float32 slots of a line buffer: the last 64 bytes put, then the address where they end (0: none held).
+LINE_BUFFER_FLOATS = 32
+_HELD_END = 64
+
+
+def _held_end(builder, lines):
+    return builder.inttoptr(builder.add(lines, lines.type(_HELD_END)), lines.type.as_pointer())
+
+
+def _place(builder, address):
+    """How many 16-byte pieces `address` is into its cache line."""
+    return builder.and_(builder.lshr(address, address.type(4)), address.type(3))
+
+
+def _flush_held(builder, lines, end):
+    """If `end` is not 0, stream alone the pieces of the held values that lie in the line of `end`, before it."""
+    place = _place(builder, end)
+    for k in range(3):
+        with builder.if_then(builder.and_(builder.icmp_unsigned("!=", end, end.type(0)),
+                                          builder.icmp_unsigned("<", place.type(k), place))):
+            first = builder.sub(lines.type(4), place)  # the held piece that lies at the line's start
+            held = builder.add(lines, builder.mul(builder.add(first, lines.type(k)), lines.type(16)))
+            piece = builder.load(builder.inttoptr(held, _vector(_I32, 4).as_pointer()), align=16)
+            at = builder.add(builder.sub(end, builder.mul(place, end.type(16))), end.type(16 * k))
+            _stream(builder, at, piece)
+
+
+def _stream_lines(builder, lines, address, words):
+    """Stream `words` (<16n x i32>) to `address` onwards, a whole cache line per store (see above)."""
+    vectors = [_lanes(builder, words, first, 16) for first in range(0, words.type.count, 16)]
+    end_at = _held_end(builder, lines)
+    held_end = builder.load(end_at, align=8)
+    held = builder.load(builder.inttoptr(lines, vectors[0].type.as_pointer()), align=32)
+    place = _place(builder, address)
+    # line k's words: the last 4 * place words of the vector before, then the first ones of vector k
+    shift = builder.trunc(builder.sub(address.type(16), builder.mul(place, address.type(4))), _I32)
+    index = builder.add(_constant(_I32, 16, list(range(16))), _splat(builder, shift, 16))
+    permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+        vectors[0].type, [vectors[0].type] * 3), "llvm.x86.avx512.vpermi2var.d.512")
+    line = builder.sub(address, builder.mul(place, address.type(16)))
+    fresh = builder.icmp_unsigned("!=", held_end, address)
+    with builder.if_then(fresh, likely=False):
+        _flush_held(builder, lines, held_end)
+    with builder.if_else(builder.and_(fresh, builder.icmp_unsigned("!=", place, place.type(0)))) as (head, whole):
+        with head:  # the line before the first boundary is partly another row's: its pieces alone
+            for k in range(3):
+                with builder.if_then(builder.icmp_unsigned("<", place.type(k), builder.sub(place.type(4), place))):
+                    _stream(builder, builder.add(address, address.type(16 * k)),
+                            _kept(builder, _lanes(builder, vectors[0], 4 * k, 4)))
+        with whole:
+            _stream(builder, line, _kept(builder, builder.call(permute, [held, index, vectors[0]])), 64)
+    for k in range(1, len(vectors)):
+        at = builder.add(line, line.type(64 * k))
+        _stream(builder, at, _kept(builder, builder.call(permute, [vectors[k - 1], index, vectors[k]])), 64)
+    builder.store(vectors[-1], builder.inttoptr(lines, vectors[-1].type.as_pointer()), align=32)
+    builder.store(builder.add(address, address.type(4 * words.type.count)), end_at, align=8)
+
+
+@intrinsic
+def open_lines(typingctx, lines):
+    """Make the line buffer at address `lines` (LINE_BUFFER_FLOATS float32, 32-byte aligned) hold nothing."""
+    def codegen(context, builder, signature, args):
+        builder.store(args[0].type(0), _held_end(builder, args[0]), align=8)
+        return context.get_dummy_value()
+
+    return types.void(_ADDRESS), codegen
+
+
+@intrinsic
+def close_lines(typingctx, lines):
+    """Stream alone the held pieces of the line buffer at address `lines` that no put completed; it then holds
+    nothing."""
+    def codegen(context, builder, signature, args):
+        end_at = _held_end(builder, args[0])
+        _flush_held(builder, args[0], builder.load(end_at, align=8))
+        builder.store(args[0].type(0), end_at, align=8)
+        return context.get_dummy_value()
+
+    return types.void(_ADDRESS), codegen
 
 
 def _nibbles(builder, packed):
@@ -399,35 +512,46 @@ _stream_float16_bits = _eight_halves(_float16_bits_lanes, True)
 class _Put:
     """Put values `first`... of a chunk (a vector) at `destination`: float32, or the 16-bit words `lanes` rounds
     them to (a function of the builder and the vector); stored non-temporally (16-byte aligned there) if
-    `nontemporal`. A vector of float16 (values a block computed in float16, where :attr:`float16_arithmetic`
-    allows) is stored as it is."""
+    `nontemporal`, a cache line at a time through the line buffer at address `lines` if `lined`
+    (:func:`_stream_lines`). A vector of float16 (values a block computed in float16, where
+    :attr:`float16_arithmetic` allows) is stored as it is."""
 
-    def __init__(self, lanes: Any, nontemporal: bool) -> None:
-        self.lanes, self.nontemporal = lanes, nontemporal
+    def __init__(self, lanes: Any, nontemporal: bool, lined: bool = False, lines: Any = None) -> None:
+        self.lanes, self.nontemporal, self.lined, self.lines = lanes, nontemporal, lined, lines
         #: Whether this put stores float16 rounded by the CPU's conversion on a CPU with float16 arithmetic: a block
         #: whose products are exact in float32 (q8_0) may then hand it values computed in float16
         #: (:data:`Q8_0_FLOAT16_ARITHMETIC`).
         self.float16_arithmetic = Q8_0_FLOAT16_ARITHMETIC and lanes is _float16_hardware_lanes
+
+    def through(self, lines: Any) -> _Put:
+        """This put, with the line buffer at address `lines` (an LLVM value) if it is lined."""
+        return _Put(self.lanes, self.nontemporal, self.lined, lines)
 
     def __call__(self, builder: Any, destination: Any, first: int, value: Any) -> None:
         computed_in_float16 = isinstance(value.type.element, ir.HalfType)
         assert self.float16_arithmetic or not computed_in_float16, "float16 values for a put that does not store them"
         data = value if self.lanes is None or computed_in_float16 else self.lanes(builder, value)
         width = 4 if self.lanes is None else 2
-        _put_vector(builder, builder.add(destination, destination.type(width * first)), data, self.nontemporal, width)
+        _put_vector(builder, builder.add(destination, destination.type(width * first)), data, self.nontemporal, width,
+                    self.lines if self.lined else None)
 
 
 #: Where a block puts its values (a literal argument of the block intrinsics and the chunk functions).
 _TO_FLOATS, _TO_STREAMED_FLOATS, _TO_HALVES, _TO_STREAMED_HALVES, _TO_BFLOAT16, _TO_STREAMED_BFLOAT16 = range(6)
+#: ... streamed a cache line at a time (into rows that start inside a line).
+_TO_LINED_FLOATS, _TO_LINED_HALVES, _TO_LINED_BFLOAT16 = range(6, 9)
 _PUTS = {_TO_FLOATS: _Put(None, False), _TO_STREAMED_FLOATS: _Put(None, True),
          _TO_HALVES: _Put(_FLOAT16_LANES, False),
          _TO_STREAMED_HALVES: _Put(_FLOAT16_LANES, True),
          _TO_BFLOAT16: _Put(_bfloat16_lanes, False),
-         _TO_STREAMED_BFLOAT16: _Put(_bfloat16_lanes, True)}
+         _TO_STREAMED_BFLOAT16: _Put(_bfloat16_lanes, True),
+         _TO_LINED_FLOATS: _Put(None, True, True),
+         _TO_LINED_HALVES: _Put(_FLOAT16_LANES, True, True),
+         _TO_LINED_BFLOAT16: _Put(_bfloat16_lanes, True, True)}
 
 
 def _block(put, body, *scalars):
-    """Signature and codegen of a block intrinsic ``(put, destination, source, *scalars)``.
+    """Signature and codegen of a block intrinsic ``(put, lines, destination, source, *scalars)``.
 
     ``source`` is the address of the block's bytes the body reads first (its
     quants, or the whole block where the body also reads the scales);
@@ -438,15 +562,18 @@ def _block(put, body, *scalars):
     :func:`.dequant_cpu._emit` converts), ``_TO_HALVES`` and ``_TO_STREAMED_HALVES`` round
     them to float16 and store them into the output, ``_TO_BFLOAT16`` and
     ``_TO_STREAMED_BFLOAT16`` to bfloat16; streamed: 16-byte aligned there.
+    ``_TO_LINED_FLOATS``, ``_TO_LINED_HALVES`` and ``_TO_LINED_BFLOAT16``
+    stream a cache line at a time through the line buffer at address
+    ``lines`` (unused by the other puts).
     """
     if not isinstance(put, types.IntegerLiteral):
         return None
 
     def codegen(context, builder, signature, args):
-        body(builder, args[1:], _PUTS[put.literal_value])
+        body(builder, args[2:], _PUTS[put.literal_value].through(args[1]))
         return context.get_dummy_value()
 
-    return types.void(put, _ADDRESS, _ADDRESS, *scalars), codegen
+    return types.void(put, _ADDRESS, _ADDRESS, _ADDRESS, *scalars), codegen
 
 
 def _splat_half(builder, address, n):

@@ -91,35 +91,48 @@ def _word_permute(builder, low, index, high):
     return builder.call(permute, [low, index, high])
 
 
+def _line_buffer_choices(builder, nontemporal, lines):
+    """The ways a lookup's loop may store, as (the line buffer to stream through or None, when): streamed stores
+    go through the line buffer at address `lines` unless it is 0; other stores never do."""
+    if not nontemporal:
+        return [(None, ir.Constant(ir.IntType(1), 1))]
+    lined = builder.icmp_unsigned("!=", lines, lines.type(0))
+    return [(None, builder.not_(lined)), (lines, lined)]
+
+
 @intrinsic(prefer_literal=True)
-def _fp8_e4m3_looked_up(typingctx, nontemporal, destination, source, n_blocks, table):
+def _fp8_e4m3_looked_up(typingctx, nontemporal, lines, destination, source, n_blocks, table):
     """Put the 32 * `n_blocks` float8_e4m3fn values at `source` as their entries of `table` at `destination`.
 
-    `nontemporal` (a literal): stream the stores (`destination` 16-byte aligned).
+    `nontemporal` (a literal): stream the stores (`destination` 16-byte
+    aligned), a cache line at a time through the line buffer at address
+    `lines` unless it is 0 (see :func:`.dequant_ir._stream_lines`).
     """
     if not isinstance(nontemporal, types.BooleanLiteral):
         return None
 
     def codegen(context, builder, signature, args):
-        _, destination, source, n_blocks, table = args
+        _, lines, destination, source, n_blocks, table = args
         words = _vector(_I16, 32)
 
         def c(value):
             return _constant(_I16, 32, value)
 
         entries = [_load(builder, builder.add(table, table.type(64 * k)), words) for k in range(4)]
-        with cgutils.for_range(builder, n_blocks) as loop:
-            codes = builder.zext(_load(builder, builder.add(source, builder.mul(loop.index, source.type(32))),
-                                       _vector(_I8, 32)), words)
-            below_64 = _word_permute(builder, entries[0], codes, entries[1])
-            from_64 = _word_permute(builder, entries[2], codes, entries[3])
-            value = builder.select(builder.icmp_unsigned("!=", builder.and_(codes, c(0x40)), c(0)), from_64, below_64)
-            value = builder.xor(value, builder.shl(builder.and_(codes, c(0x80)), c(8)))
-            address = builder.add(destination, builder.mul(loop.index, destination.type(64)))
-            _put_vector(builder, address, value, nontemporal.literal_value, 2)
+        for through, chosen in _line_buffer_choices(builder, nontemporal.literal_value, lines):
+            with builder.if_then(chosen), cgutils.for_range(builder, n_blocks) as loop:
+                codes = builder.zext(_load(builder, builder.add(source, builder.mul(loop.index, source.type(32))),
+                                           _vector(_I8, 32)), words)
+                below_64 = _word_permute(builder, entries[0], codes, entries[1])
+                from_64 = _word_permute(builder, entries[2], codes, entries[3])
+                value = builder.select(builder.icmp_unsigned("!=", builder.and_(codes, c(0x40)), c(0)), from_64,
+                                       below_64)
+                value = builder.xor(value, builder.shl(builder.and_(codes, c(0x80)), c(8)))
+                address = builder.add(destination, builder.mul(loop.index, destination.type(64)))
+                _put_vector(builder, address, value, nontemporal.literal_value, 2, through)
         return context.get_dummy_value()
 
-    return types.void(nontemporal, _ADDRESS, _ADDRESS, types.intp, _ADDRESS), codegen
+    return types.void(nontemporal, _ADDRESS, _ADDRESS, _ADDRESS, types.intp, _ADDRESS), codegen
 
 
 @njit(**_JIT)
@@ -133,13 +146,14 @@ def _fill_fp8_e4m3_table(table, scale, mode):
 
 
 @njit(**_JIT)
-def _fp8_e4m3_by_table(source, count, table, destination, stream):
-    """The `count` values at `source` as 16-bit entries of `table` at `destination` (streamed: 16-byte aligned)."""
+def _fp8_e4m3_by_table(source, count, table, destination, stream, lines):
+    """The `count` values at `source` as 16-bit entries of `table` at `destination` (streamed: 16-byte aligned,
+    through the line buffer at address `lines`)."""
     whole = count - count % 32
     if stream:
-        _fp8_e4m3_looked_up(True, destination, source, whole // 32, table)
+        _fp8_e4m3_looked_up(True, lines, destination, source, whole // 32, table)
     else:
-        _fp8_e4m3_looked_up(False, destination, source, whole // 32, table)
+        _fp8_e4m3_looked_up(False, lines, destination, source, whole // 32, table)
     for j in range(whole, count):
         code = _byte(source + j)
         entry = _u16_at(table + 2 * (code & np.uint32(0x7F)))
@@ -212,32 +226,36 @@ def _q4_k_lookups(builder, block, lanes):
 
 
 def _nibbles_looked_up(lookups, block_bytes, block_values):
-    """An intrinsic ``(mode, nontemporal, destination, source, n_blocks)`` putting blocks of a 4-bit format.
+    """An intrinsic ``(mode, nontemporal, lines, destination, source, n_blocks)`` putting blocks of a 4-bit format.
 
     The `n_blocks` blocks whose bytes start at `source` become 16-bit values
     at `destination`: float16 if `mode` is FLOAT16, else bfloat16; stored
-    non-temporally (16-byte aligned there) if `nontemporal`. `lookups(builder,
-    block, lanes)` gives, per 32 values of the block at address `block`,
-    their first position, their table of 16 words and each value's index
-    into it. `mode` and `nontemporal` are run-time values, so that one call
-    site serves all: the code holds a loop for each pair.
+    non-temporally (16-byte aligned there; a cache line at a time through
+    the line buffer at address `lines` unless it is 0) if `nontemporal`.
+    `lookups(builder, block, lanes)` gives, per 32 values of the block at
+    address `block`, their first position, their table of 16 words and each
+    value's index into it. `mode`, `nontemporal` and `lines` are run-time
+    values, so that one call site serves all: the code holds a loop for
+    each way to store.
     """
     def codegen(context, builder, signature, args):
-        mode, nontemporal, destination, source, n_blocks = args
+        mode, nontemporal, lines, destination, source, n_blocks = args
         half = builder.icmp_signed("==", mode, mode.type(FLOAT16))
         for code, output_is_mode in ((FLOAT16, half), (BFLOAT16, builder.not_(half))):
-            for streamed, store_is_streamed in ((False, builder.not_(nontemporal)), (True, nontemporal)):
-                chosen = builder.and_(output_is_mode, store_is_streamed)
+            for streamed, through, store_is_chosen in [(False, None, builder.not_(nontemporal))] + [
+                    (True, through, builder.and_(nontemporal, chosen))
+                    for through, chosen in _line_buffer_choices(builder, True, lines)]:
+                chosen = builder.and_(output_is_mode, store_is_chosen)
                 with builder.if_then(chosen), cgutils.for_range(builder, n_blocks) as loop:
                     block = builder.add(source, builder.mul(loop.index, source.type(block_bytes)))
                     row = builder.add(destination, builder.mul(loop.index, destination.type(2 * block_values)))
                     for first, table, index in lookups(builder, block, _LANES_OF_MODE[code]):
                         words = _words_looked_up(builder, table, index)
-                        _put_vector(builder, builder.add(row, row.type(2 * first)), words, streamed, 2)
+                        _put_vector(builder, builder.add(row, row.type(2 * first)), words, streamed, 2, through)
         return context.get_dummy_value()
 
-    def typer(typingctx, mode, nontemporal, destination, source, n_blocks):
-        return types.void(types.intp, types.boolean, _ADDRESS, _ADDRESS, types.intp), codegen
+    def typer(typingctx, mode, nontemporal, lines, destination, source, n_blocks):
+        return types.void(types.intp, types.boolean, _ADDRESS, _ADDRESS, _ADDRESS, types.intp), codegen
 
     return intrinsic(typer)
 
@@ -248,13 +266,13 @@ _q4_k_looked_up = _nibbles_looked_up(_q4_k_lookups, 144, 256)
 
 
 @njit(inline="always", **_JIT)  # as a call per chunk it was slower (results/2026-12-02-direct-stores-ab.md)
-def _nibbles_by_table(fmt, source, count, destination, mode, stream):
+def _nibbles_by_table(fmt, source, count, destination, mode, stream, lines):
     """The `count` values of 4-bit format `fmt` at `source` as 16-bit `mode` values at `destination` (see above)."""
     if fmt == Q4_0:
-        _q4_0_looked_up(mode, stream, destination, source, count // 32)
+        _q4_0_looked_up(mode, stream, lines, destination, source, count // 32)
     elif fmt == Q4_1:
-        _q4_1_looked_up(mode, stream, destination, source, count // 32)
+        _q4_1_looked_up(mode, stream, lines, destination, source, count // 32)
     else:
-        _q4_k_looked_up(mode, stream, destination, source, count // 256)
+        _q4_k_looked_up(mode, stream, lines, destination, source, count // 256)
 
 
