@@ -279,25 +279,35 @@ def test_a_row_whose_id_changed_after_the_scan_is_skipped_never_read(line_offset
     """The per-row check: what another thread's write of an id after the scan gives (the kernels' status -2).
 
     Also streamed into an output at each place in a cache line, where the
-    rows around a skipped one end and start inside a line: nothing of the
-    skipped row is written, nor anything outside the output.
+    rows around a skipped one end and start inside a line (at one place, or,
+    with 80-byte rows, at places that differ from row to row): nothing of
+    the skipped row is written, nor anything outside the output, in every
+    output mode.
     """
     kernels = BACKEND.dequantize_kernels()
     stream = line_offset is not None
     if stream and not numba_backend._STREAMING_CPU:
         pytest.skip("streamed stores are x86-64's")
-    for dim in (64, 96):
-        table = random_quantized_table("q8_0", 50, dim)
+    cases = [("q8_0", 64, np.uint16, kernels.FLOAT16), ("q8_0", 96, np.uint16, kernels.FLOAT16),
+             ("q8_0", 64, np.float32, kernels.FLOAT16), ("q8_0", 64, np.uint16, kernels.BFLOAT16),
+             ("q8_0", 64, np.uint16, kernels.FLOAT16_BITS), ("fp8_e4m3", 40, np.uint16, kernels.FLOAT16),
+             ("fp8_e4m3", 160, np.uint16, kernels.FLOAT16_BITS)]
+    for name, dim, word, mode in cases:
+        table = random_quantized_table(name, 50, dim)
         ids = numba_backend._int64_ids(np.array([3, -7, 49, 50, 2**40, 7, 8]))
-        buffer = np.full(ids.size * dim * 2 + 128, 0xA5, np.uint8)
+        nbytes = ids.size * dim * np.dtype(word).itemsize
+        buffer = np.full(nbytes + 128, 0xA5, np.uint8)
         start = ((line_offset or 0) - buffer.ctypes.data) % 64
-        out = buffer[start:start + ids.size * dim * 2].view(np.uint16).reshape(ids.size, dim)
-        data, scales = numba_backend._read_only(table.data), numba_backend._read_only(numba_backend._NO_SCALES)
-        skipped = kernels.dequantize_range(kernels.FORMAT_CODES["q8_0"], data, scales, ids, out, 0, ids.size,
-                                           kernels.FLOAT16, stream, 4, 4)
+        out = buffer[start:start + nbytes].view(word).reshape(ids.size, dim)
+        data = numba_backend._read_only(table.data)
+        scales = numba_backend._read_only(numba_backend._NO_SCALES if table.scales is None
+                                          else table.scales.view(np.uint8))
+        skipped = kernels.dequantize_range(kernels.FORMAT_CODES[name], data, scales, ids, out, 0, ids.size, mode,
+                                           stream, 4, 4)
         assert skipped == 3
         written = [0, 2, 5, 6]
-        assert_bit_equal(out[written].view(np.float16), reference(table, ids[written], np.float16))
+        dtype = np.float32 if word is np.float32 else ml_dtypes.bfloat16 if mode == kernels.BFLOAT16 else np.float16
+        assert_bit_equal(out[written].view(dtype), reference(table, ids[written], dtype))
         assert (out[[1, 3, 4]].view(np.uint8) == 0xA5).all()
         assert (buffer[:start] == 0xA5).all() and (buffer[start + out.nbytes:] == 0xA5).all()
 
@@ -339,7 +349,8 @@ def test_unaligned_data_scales_and_out(kernel_path, offset, tmp_path):
 @pytest.mark.parametrize("line_offset", [0, 16, 32, 48])
 def test_streamed_rows_starting_inside_a_cache_line_are_exact(monkeypatch, line_offset):
     """An out= 0, 16, 32 or 48 bytes into a cache line, streamed: each block's stores then straddle two lines;
-    rows of a partial last chunk and of many chunks, every output dtype, nothing written outside out."""
+    rows of a partial last chunk and of many chunks, fp8_e4m3 rows looked up and decoded in one call, every output
+    dtype, nothing written outside out."""
     if not numba_backend._STREAMING_CPU:
         pytest.skip("streamed stores are x86-64's")
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
@@ -353,8 +364,11 @@ def test_streamed_rows_starting_inside_a_cache_line_are_exact(monkeypatch, line_
 
     monkeypatch.setattr(gather_kernels, "can_stream", recording)
     rng = np.random.default_rng(line_offset)
-    for name, dim in (("q8_0", 96), ("q4_k", 256), ("q6_k", 4352), ("fp8_e4m3", 4104), ("q4_0", 2080)):
+    for name, dim in (("q8_0", 96), ("q4_k", 256), ("q6_k", 4352), ("fp8_e4m3", 4104), ("q4_0", 2080),
+                      ("fp8_e4m3", 4096)):
         table = random_quantized_table(name, 40, dim, seed=dim)
+        if dim == 4096:  # rows of a non-finite scale are decoded, the others looked up: both kinds in one call
+            table = QuantizedTable(table.data, name, dim, np.where(np.arange(40) % 3 == 0, np.inf, table.scales).astype(np.float32))
         ids = rng.integers(0, 40, 23)
         for dtype in OUTPUT_DTYPES:
             nbytes = ids.size * dim * dtype.itemsize
@@ -375,7 +389,8 @@ def test_lookup_serves_quantized_tables_through_the_numba_backend():
     assert_bit_equal(fastembed.lookup(table, ids, dtype=np.float16, backend="numba"), reference(table, ids, np.float16))
     facts = BACKEND.describe()
     assert "q6_k" in facts["dequantize_formats"] and facts["float16_conversion"] and facts["to_16_bits"]
-    assert facts["dequantize_streamed_stores"]
+    assert ("a whole line per store" in facts["dequantize_streamed_stores"]) == (
+        numba_backend._STREAMING_CPU and BACKEND.dequantize_kernels().LINES_BY_PERMUTE)
 
 
 def test_concurrent_threads_get_exact_rows(monkeypatch):

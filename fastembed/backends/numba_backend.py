@@ -540,13 +540,21 @@ class NumbaBackend:
             kernels = self.dequantize_kernels()
             facts["float16_conversion"] = kernels.FLOAT16_CONVERSION
             facts["to_16_bits"] = kernels.TO_16_BITS
-            facts["dequantize_streamed_stores"] = ("a whole cache line per store (AVX-512F)" if kernels.LINES_BY_PERMUTE
-                                                   else "16 bytes per store")
+            facts["dequantize_streamed_stores"] = _streamed_stores_fact(kernels.LINES_BY_PERMUTE)
         except ImportError:
             pass
         if self._dequantize_error is not None:
             facts["dequantize_kernels"] = f"unavailable, the numpy reference serves: {self._dequantize_error}"
         return facts
+
+
+def _streamed_stores_fact(lines_by_permute: bool) -> str:
+    """How the dequantizing kernels stream their outputs, in words (for describe())."""
+    if not _STREAMING_CPU:
+        return "none (streamed stores are x86-64's)"
+    if lines_by_permute:
+        return "16 bytes per store; into rows that start inside a cache line, a whole line per store (AVX-512F)"
+    return "16 bytes per store"
 
 
 _JIT_DISABLED = "numba's JIT is disabled (NUMBA_DISABLE_JIT or disable_jit in .numba_config.yaml): numba would run the kernels as Python, slower than numpy"

@@ -42,7 +42,7 @@ array is passed, or reference-counted, per chunk. With
 ``stream``, the stores are non-temporal (``out`` 16-byte aligned, rows a
 multiple of 16 bytes: :func:`.gather_cpu.can_stream`); with AVX-512F the
 blocks' values go out a whole cache line per store, through a line buffer
-on each thread's stack, wherever ``out`` starts in a line
+on each thread's stack, where the rows start inside a line
 (:data:`LINES_BY_PERMUTE`). float16
 conversions use the CPU's instructions where numba compiles for them
 (x86-64 with F16C: :data:`HARDWARE_FLOAT16`), else integer bit operations;

@@ -341,7 +341,7 @@ def _stream(builder, address, value, align=16):
 #: known at run time); elsewhere 16 bytes at a time, as put.
 LINES_BY_PERMUTE = "+avx512f" in _FEATURES
 #: float32 slots of a line buffer: the last 64 bytes put, then the address where they end (0: none held).
-LINE_BUFFER_FLOATS = 32
+LINE_BUFFER_FLOATS = 18
 _HELD_END = 64
 
 
@@ -355,11 +355,10 @@ def _place(builder, address):
 
 
 def _flush_held(builder, lines, end):
-    """If `end` is not 0, stream alone the pieces of the held values that lie in the line of `end`, before it."""
+    """Stream alone the pieces of the held values that lie in the line of `end`, before it (none if `end` is 0)."""
     place = _place(builder, end)
     for k in range(3):
-        with builder.if_then(builder.and_(builder.icmp_unsigned("!=", end, end.type(0)),
-                                          builder.icmp_unsigned("<", place.type(k), place))):
+        with builder.if_then(builder.icmp_unsigned("<", place.type(k), place)):  # 0, nothing held: place 0
             first = builder.sub(lines.type(4), place)  # the held piece that lies at the line's start
             held = builder.add(lines, builder.mul(builder.add(first, lines.type(k)), lines.type(16)))
             piece = builder.load(builder.inttoptr(held, _vector(_I32, 4).as_pointer()), align=16)
@@ -369,6 +368,7 @@ def _flush_held(builder, lines, end):
 
 def _stream_lines(builder, lines, address, words):
     """Stream `words` (<16n x i32>) to `address` onwards, a whole cache line per store (see above)."""
+    assert words.type.count % 16 == 0, "lined puts are whole 64-byte vectors"
     vectors = [_lanes(builder, words, first, 16) for first in range(0, words.type.count, 16)]
     end_at = _held_end(builder, lines)
     held_end = builder.load(end_at, align=8)

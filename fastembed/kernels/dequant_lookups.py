@@ -28,6 +28,7 @@ from .dequant_ir import (
     FLOAT16,
     FLOAT16_BITS,
     FP8_TABLE_LOOKUP,
+    LINES_BY_PERMUTE,
     NIBBLE_TABLE_LOOKUP,
     NIBBLE_WORD_PERMUTE,
     Q4_0,
@@ -94,7 +95,7 @@ def _word_permute(builder, low, index, high):
 def _line_buffer_choices(builder, nontemporal, lines):
     """The ways a lookup's loop may store, as (the line buffer to stream through or None, when): streamed stores
     go through the line buffer at address `lines` unless it is 0; other stores never do."""
-    if not nontemporal:
+    if not nontemporal or not LINES_BY_PERMUTE:  # no loop that could never run
         return [(None, ir.Constant(ir.IntType(1), 1))]
     lined = builder.icmp_unsigned("!=", lines, lines.type(0))
     return [(None, builder.not_(lined)), (lines, lined)]
