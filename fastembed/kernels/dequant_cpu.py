@@ -63,10 +63,13 @@ Where the pieces live: :mod:`.dequant_ir` (the codes, the CPU features,
 loads, stores, vectors and roundings as LLVM IR), :mod:`.dequant_blocks`
 (each block format's values), :mod:`.dequant_lookups` (16-bit outputs by
 table lookup); this module puts them together into chunks, rows and the
-two kernels. numba's on-disk cache stamps a compiled kernel with this
-file only: after an edit of one of the pieces, clear the cache (the
-``.nbi`` and ``.nbc`` files in ``__pycache__``, or ``NUMBA_CACHE_DIR``),
-or the old machine code keeps serving (the test suite keys its own cache
+two kernels. Each chunk's puts are chosen by the output's type while numba
+types a kernel (:func:`_put_chunk`): numba compiles every function a kernel
+calls, reached or not, so a kernel for float32 outputs compiles only the
+float32 puts, and one for 16-bit outputs only the 16-bit ones. numba's
+on-disk cache stamps a compiled kernel with this file only: after an edit
+of one of the pieces, clear the cache (the ``.nbi`` and ``.nbc`` files in
+``__pycache__``, or ``NUMBA_CACHE_DIR``), or the old machine code keeps serving (the test suite keys its own cache
 by the sources of every kernel module).
 """
 from __future__ import annotations
@@ -74,7 +77,7 @@ from __future__ import annotations
 import numpy as np
 from numba import literally, njit
 from numba.core import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .cpu_intrinsics import prefetch, store_fence
 from .dequant_blocks import (
@@ -369,6 +372,62 @@ def widen_halves(halves, out):
     return out
 
 
+# -- one chunk into an output row, by the output's word ---------------------------------------------------
+
+
+def _put_chunk(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+               by_nibble_table):
+    """Typed inside the kernels only (the overload below); Python never calls it."""
+    raise TypeError("_put_chunk runs inside the compiled kernels only")
+
+
+@overload(_put_chunk, jit_options=_JIT)  # type: ignore[arg-type]  # numba's stubs list neither cache nor boundscheck
+def _put_chunk_for_word(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+                        by_nibble_table):
+    """The chunk's `count` values at address `source` into the row at address `position` of `out`: float32 puts
+    for a float32 `out`, 16-bit ones for a uint16 `out` (`mode` says which: the table lookups where the row
+    allows them, then float16, bfloat16, or FLOAT16_BITS through the float32 buffer at address `buf`).
+
+    Chosen by `out`'s type while numba types the kernel: numba compiles every function a kernel calls, whether or
+    not a call can run, so one body for both words would compile each format's puts for both.
+    """
+    if out.dtype.bitwidth == 32:
+        def to_floats(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+                      by_nibble_table):
+            if lines != 0:
+                _dequantize_chunk(fmt, source, count, scale, position, _TO_LINED_FLOATS, lines)
+            elif stream:
+                _dequantize_chunk(fmt, source, count, scale, position, _TO_STREAMED_FLOATS, lines)
+            else:
+                _dequantize_chunk(fmt, source, count, scale, position, _TO_FLOATS, lines)
+
+        return to_floats
+
+    def to_halves(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+                  by_nibble_table):
+        if row_by_table:
+            _fp8_e4m3_by_table(source, count, table, position, stream, lines)
+        elif by_nibble_table:
+            _nibbles_by_table(fmt, source, count, position, mode, stream, lines)
+        elif mode == FLOAT16 and lines != 0:
+            _dequantize_chunk(fmt, source, count, scale, position, _TO_LINED_HALVES, lines)
+        elif mode == FLOAT16 and stream:
+            _dequantize_chunk(fmt, source, count, scale, position, _TO_STREAMED_HALVES, lines)
+        elif mode == FLOAT16:
+            _dequantize_chunk(fmt, source, count, scale, position, _TO_HALVES, lines)
+        elif mode == BFLOAT16 and lines != 0:
+            _dequantize_chunk(fmt, source, count, scale, position, _TO_LINED_BFLOAT16, lines)
+        elif mode == BFLOAT16 and stream:
+            _dequantize_chunk(fmt, source, count, scale, position, _TO_STREAMED_BFLOAT16, lines)
+        elif mode == BFLOAT16:
+            _dequantize_chunk(fmt, source, count, scale, position, _TO_BFLOAT16, lines)
+        else:
+            _dequantize_chunk(fmt, source, count, scale, buf, _TO_FLOATS, lines)
+            _emit(buf, position, count, mode, stream)
+
+    return to_halves
+
+
 # -- the kernels ----------------------------------------------------------------------------------------
 
 
@@ -416,8 +475,6 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     lines = np.intp(_stack_floats(LINE_BUFFER_FLOATS)) if lined else np.intp(0)
     if lined:
         open_lines(lines)
-    # float16, bfloat16 and float32: the blocks write the output themselves
-    halves, bfloats = word == 2 and mode == FLOAT16, word == 2 and mode == BFLOAT16
     # a table of 128 entries pays for itself on rows of at least as many values
     by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
     by_nibble_table = NIBBLE_TABLE_LOOKUP and word == 2 and mode != FLOAT16_BITS and (
@@ -449,31 +506,8 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
                 for byte in range(begin, end, 64):
                     prefetch(ahead + byte)
             position = destination + (np.intp(i) * dim + first) * word
-            if row_by_table:
-                _fp8_e4m3_by_table(source + begin, count, table, position, stream, lines)
-            elif by_nibble_table:
-                _nibbles_by_table(fmt, source + begin, count, position, mode, stream, lines)
-            elif halves and lined:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_LINED_HALVES, lines)
-            elif halves and stream:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_HALVES, lines)
-            elif halves:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_HALVES, lines)
-            elif bfloats and lined:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_LINED_BFLOAT16, lines)
-            elif bfloats and stream:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_BFLOAT16, lines)
-            elif bfloats:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_BFLOAT16, lines)
-            elif word == 4 and lined:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_LINED_FLOATS, lines)
-            elif word == 4 and stream:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_STREAMED_FLOATS, lines)
-            elif word == 4:
-                _dequantize_chunk(fmt, source + begin, count, scale, position, _TO_FLOATS, lines)
-            else:
-                _dequantize_chunk(fmt, source + begin, count, scale, buf, _TO_FLOATS, lines)
-                _emit(buf, position, count, mode, stream)
+            _put_chunk(out, fmt, source + begin, count, scale, position, mode, stream, lines, buf, table,
+                       row_by_table, by_nibble_table)
             begin = end
     if lined:
         close_lines(lines)
@@ -488,7 +522,8 @@ def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_a
     bad = first_bad_position(ids, readable_rows(fmt, data, scales))
     if bad >= 0:
         return bad
-    if dequantize_range(fmt, data, scales, ids, out, 0, ids.size, mode, stream, prefetch_rows_ahead,
+    # np.intp(0): a literal 0 would type, and compile, a second dequantize_range beside the one the backend calls
+    if dequantize_range(fmt, data, scales, ids, out, np.intp(0), ids.size, mode, stream, prefetch_rows_ahead,
                         touch_pages_rows_ahead):
         return CHANGED_DURING_COPY
     return -1

@@ -260,7 +260,7 @@ def gather_serial(table, ids, out):
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
-    if copy_rows(table, ids, out, 0, ids.size):
+    if copy_rows(table, ids, out, np.intp(0), ids.size):  # np.intp(0): a literal 0 would compile a second copy_rows
         return CHANGED_DURING_COPY
     return -1
 
