@@ -381,7 +381,8 @@ def _put_chunk(out, fmt, source, count, scale, position, mode, stream, lines, bu
     raise TypeError("_put_chunk runs inside the compiled kernels only")
 
 
-@overload(_put_chunk, jit_options=_JIT)  # type: ignore[arg-type]  # numba's stubs list neither cache nor boundscheck
+# Inlined into the row loop: a call of its own per chunk slowed the formats whose blocks decode fastest.
+@overload(_put_chunk, inline="always", jit_options=_JIT)  # type: ignore[arg-type]  # numba's stubs list neither cache nor boundscheck
 def _put_chunk_for_word(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
                         by_nibble_table):
     """The chunk's `count` values at address `source` into the row at address `position` of `out`: float32 puts
