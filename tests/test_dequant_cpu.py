@@ -633,24 +633,33 @@ def test_the_paths_of_cpus_without_avx512_or_avx2_are_the_reference_bit_for_bit(
     assert done.stdout.split("\n")[0] == flags
 
 
-_FLOAT32_COMPILE_CHECK = """
+_COMPILED_PUTS_CHECK = """
+import sys
 import numpy as np
 from fastembed.kernels import dequant_cpu, dequant_ir
+word, mode = np.dtype(sys.argv[1]), getattr(dequant_cpu, sys.argv[2])
 data, no_scales, no_row = np.zeros((1, 34), np.uint8), np.zeros(0, np.uint8), np.full(1, -1, np.int64)
-rows = np.zeros((1, 32), np.float32)
-dequant_cpu.dequantize_serial(0, data, no_scales, no_row, rows, dequant_cpu.FLOAT16, False, 0, 0)
-dequant_cpu.dequantize_range(0, data, no_scales, no_row, rows, 0, 0, dequant_cpu.FLOAT16, False, 0, 0)
+rows = np.zeros((1, 32), word)
+dequant_cpu.dequantize_serial(0, data, no_scales, no_row, rows, mode, False, 0, 0)
+dequant_cpu.dequantize_range(0, data, no_scales, no_row, rows, 0, 0, mode, False, 0, 0)
 puts = {getattr(signature[5], "literal_value", None) for signature in dequant_cpu._dequantize_chunk.signatures}
-float_puts = {dequant_ir._TO_FLOATS, dequant_ir._TO_STREAMED_FLOATS, dequant_ir._TO_LINED_FLOATS}
-print(len(dequant_cpu.dequantize_range.signatures), sorted(puts - float_puts), sorted(float_puts - puts))
+names = {getattr(dequant_ir, name): name for name in dir(dequant_ir) if name.startswith("_TO_")}
+assert not dequant_cpu._put_by_stores.signatures, "inlined into the row loop, never compiled as a call per chunk"
+print(len(dequant_cpu._dequantize_rows.signatures), " ".join(sorted(names[put] for put in puts)))
 """
 
 
-def test_a_float32_kernel_compiles_its_own_puts_and_one_row_loop(tmp_path):
-    """The kernels for float32 outputs compile the float32 puts of each format and no 16-bit one, and the serial
-    kernel calls the very row loop the backend calls in parallel (compiled once), with an empty cache."""
+@pytest.mark.parametrize(("word", "mode", "puts"), [
+    ("float32", "FLOAT16", "_TO_FLOATS _TO_LINED_FLOATS _TO_STREAMED_FLOATS"),
+    ("uint16", "FLOAT16", "_TO_HALVES _TO_LINED_HALVES _TO_STREAMED_HALVES"),
+    ("uint16", "BFLOAT16", "_TO_BFLOAT16 _TO_LINED_BFLOAT16 _TO_STREAMED_BFLOAT16"),
+    ("uint16", "FLOAT16_BITS", "_TO_FLOATS"),
+])
+def test_a_kernel_compiles_the_puts_of_its_output_alone_and_one_row_loop(tmp_path, word, mode, puts):
+    """The kernels for an output compile each format's puts for that output and no other's, and the serial
+    kernel calls the very row loop the backend calls in parallel (compiled once), from an empty cache."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", _FLOAT32_COMPILE_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-c", _COMPILED_PUTS_CHECK, word, mode], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[0] == "1 [] []"
+    assert done.stdout.split("\n")[0] == f"1 {puts}"

@@ -59,8 +59,8 @@ can dequantize), its rows in parallel above, non-temporal stores from
 (:func:`.numpy_backend.dequantize_into`) while the kernels compile. The
 format is a run-time argument of those kernels, and the table and ids
 reach them in one type (read-only bytes, int64 ids), so one compile per
-output word (float32, or the 16 bits of float16 and bfloat16) serves every
-table.
+output dtype (float32, float16 or bfloat16, each compiling only its own
+puts) serves every table.
 """
 from __future__ import annotations
 
@@ -420,8 +420,8 @@ class NumbaBackend:
             out = output_cache.new_output(ids.shape + (table.dim,), dtype, output_cache.ALIGNMENT if streamed else 0)
         if n == 0:
             return out
-        word = np.dtype(np.float32) if dtype.itemsize == 4 else np.dtype(np.uint16)
-        signature = ("dequantize", word)
+        word = _output_word(dtype)
+        signature = ("dequantize", dtype)  # the kernels compile for each output dtype: its word and its mode
         if self._import_error is not None or self._dequantize_error is not None or (
             signature not in self._compiles.done
             and not self._compile(signature, lambda compiles: self._compile_dequantize_now(signature, compiles))
@@ -465,7 +465,7 @@ class NumbaBackend:
         fmt = table.format
         data = _read_only(table.data)
         scales = _read_only(table.scales.view(np.uint8) if fmt.row_scale else _NO_SCALES)  # bytes: any alignment
-        mode = kernels.BFLOAT16 if dtype.itemsize == 2 and dtype != np.float16 else kernels.FLOAT16
+        mode = _output_mode(kernels, dtype)
         stream = rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and can_stream(rows)
         code = kernels.FORMAT_CODES[fmt.name]
         if rows.nbytes < PARALLEL_MIN_BYTES or self._parallel_lock.locked():
@@ -483,15 +483,17 @@ class NumbaBackend:
             return _CHANGED_DURING_COPY if WORKERS.run(dequantized, len(flat_ids), thread_count()) else -1
 
     def _compile_dequantize_now(self, signature: tuple, compiles: _Compiles) -> None:
-        """Compile the dequantizing kernels for an output word with calls that dequantize no row (one bad id)."""
+        """Compile the dequantizing kernels for an output dtype with calls that dequantize no row (one bad id)."""
         def compile_dequantize(kernels: Any) -> None:
             code, data = kernels.FORMAT_CODES["q8_0"], _read_only(np.zeros((1, 34), np.uint8))
             scales = _read_only(_NO_SCALES)
             no_row = _read_only(np.full(1, -1, np.int64))  # one bad id: the kernels return before writing anything
-            rows = np.zeros((1, 32), signature[1])
-            kernels.dequantize_serial(code, data, scales, no_row, rows, kernels.FLOAT16, False, 0, 0)
+            dtype = signature[1]
+            rows = np.zeros((1, 32), _output_word(dtype))
+            mode = _output_mode(kernels, dtype)
+            kernels.dequantize_serial(code, data, scales, no_row, rows, mode, False, 0, 0)
             kernels.first_bad_position(no_row, kernels.readable_rows(code, data, scales))
-            kernels.dequantize_range(code, data, scales, no_row, rows, 0, 0, kernels.FLOAT16, False, 0, 0)
+            kernels.dequantize_range(code, data, scales, no_row, rows, 0, 0, mode, False, 0, 0)
 
         self._compile_kernels(signature, compile_dequantize, compiles, self.dequantize_kernels)
 
@@ -660,6 +662,16 @@ def kernel_views(kind: str, table: np.ndarray, ids: np.ndarray, out: np.ndarray 
 
 #: The scales argument of a format without row scales.
 _NO_SCALES = np.empty(0, np.uint8)
+
+
+def _output_word(dtype: np.dtype) -> np.dtype:
+    """The word the dequantizing kernels write an output of `dtype` in: float32, or uint16 (float16 and bfloat16)."""
+    return np.dtype(np.float32) if dtype.itemsize == 4 else np.dtype(np.uint16)
+
+
+def _output_mode(kernels: Any, dtype: np.dtype) -> int:
+    """The dequantizing kernels' mode for an output of `dtype` (float32 outputs ignore it, and take FLOAT16)."""
+    return kernels.BFLOAT16 if dtype.itemsize == 2 and dtype != np.float16 else kernels.FLOAT16
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ the ids against :func:`readable_rows`):
 - ``out`` is ``(ids.size, dim)``, C-contiguous: float32, or uint16 holding
   the bits of float16 or bfloat16 values as ``mode`` says (:data:`FLOAT16`,
   :data:`BFLOAT16`, :data:`FLOAT16_BITS`); Numba has no float16 on the CPU;
+  each ``mode`` compiles a kernel of its own (float32 outputs ignore it);
 - the values are bit for bit :func:`fastembed.formats.dequantize_rows`:
   float32 arithmetic in the reference's order, never fused (no fast-math),
   then rounded to the nearest float16 or bfloat16, ties to even, as numpy
@@ -63,16 +64,19 @@ Where the pieces live: :mod:`.dequant_ir` (the codes, the CPU features,
 loads, stores, vectors and roundings as LLVM IR), :mod:`.dequant_blocks`
 (each block format's values), :mod:`.dequant_lookups` (16-bit outputs by
 table lookup); this module puts them together into chunks, rows and the
-two kernels. Each chunk's puts are chosen by the output's type while numba
-types a kernel (:func:`_put_chunk`): numba compiles every function a kernel
-calls, reached or not, so a kernel for float32 outputs compiles only the
-float32 puts, and one for 16-bit outputs only the 16-bit ones. numba's
+two kernels. Each chunk's puts are chosen by the output's type and the
+mode while numba types a kernel (:func:`_put_chunk`; the kernels compile
+once per ``mode``): numba compiles every function a kernel calls, reached
+or not, so a kernel for float32 outputs compiles only the float32 puts,
+and one for float16 outputs only the float16 ones. numba's
 on-disk cache stamps a compiled kernel with this file only: after an edit
 of one of the pieces, clear the cache (the ``.nbi`` and ``.nbc`` files in
 ``__pycache__``, or ``NUMBA_CACHE_DIR``), or the old machine code keeps serving (the test suite keys its own cache
 by the sources of every kernel module).
 """
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from numba import literally, njit
@@ -372,7 +376,7 @@ def widen_halves(halves, out):
     return out
 
 
-# -- one chunk into an output row, by the output's word ---------------------------------------------------
+# -- one chunk into an output row, by the output's type and mode ------------------------------------------
 
 
 def _put_chunk(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
@@ -381,52 +385,69 @@ def _put_chunk(out, fmt, source, count, scale, position, mode, stream, lines, bu
     raise TypeError("_put_chunk runs inside the compiled kernels only")
 
 
-# Inlined into the row loop: a call of its own per chunk slowed the formats whose blocks decode fastest.
-@overload(_put_chunk, inline="always", jit_options=_JIT)  # type: ignore[arg-type]  # numba's stubs list neither cache nor boundscheck
-def _put_chunk_for_word(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
-                        by_nibble_table):
-    """The chunk's `count` values at address `source` into the row at address `position` of `out`: float32 puts
-    for a float32 `out`, 16-bit ones for a uint16 `out` (`mode` says which: the table lookups where the row
-    allows them, then float16, bfloat16, or FLOAT16_BITS through the float32 buffer at address `buf`).
+@njit(inline="always", **_JIT)
+def _put_by_stores(fmt, source, count, scale, position, stream, lines, plain, streamed, lined):
+    """The chunk's values at `position` with the put of the row's stores: `lined` (a line buffer at `lines`),
+    `streamed` or `plain` (each a literal: see :func:`_dequantize_chunk`)."""
+    if lines != 0:
+        _dequantize_chunk(fmt, source, count, scale, position, lined, lines)
+    elif stream:
+        _dequantize_chunk(fmt, source, count, scale, position, streamed, lines)
+    else:
+        _dequantize_chunk(fmt, source, count, scale, position, plain, lines)
 
-    Chosen by `out`'s type while numba types the kernel: numba compiles every function a kernel calls, whether or
-    not a call can run, so one body for both words would compile each format's puts for both.
+
+def _chunk_puts(plain: int, streamed: int, lined: int, looked_up: bool) -> Any:
+    """The implementation of :func:`_put_chunk` that puts with `plain`, `streamed` or `lined` (the stores the row
+    takes), after the 16-bit table lookups where `looked_up` and the row or block allows them."""
+    if looked_up:
+        def with_lookups(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+                         by_nibble_table):
+            if row_by_table:
+                _fp8_e4m3_by_table(source, count, table, position, stream, lines)
+            elif by_nibble_table:
+                _nibbles_by_table(fmt, source, count, position, mode, stream, lines)
+            else:
+                _put_by_stores(fmt, source, count, scale, position, stream, lines, plain, streamed, lined)
+
+        return with_lookups
+
+    def by_stores(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+                  by_nibble_table):
+        _put_by_stores(fmt, source, count, scale, position, stream, lines, plain, streamed, lined)
+
+    return by_stores
+
+
+# Inlined into the row loop: a call of its own per chunk slowed the formats whose blocks decode fastest.
+@overload(_put_chunk, inline="always", prefer_literal=True, jit_options=_JIT)  # type: ignore[arg-type]  # numba's stubs list neither cache nor boundscheck
+def _put_chunk_for_output(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+                          by_nibble_table):
+    """The chunk's `count` values at address `source` into the row at address `position` of `out`: float32 puts
+    for a float32 `out`; for a uint16 `out`, the table lookups where the row allows them, else the puts of `mode`
+    (float16, bfloat16, or FLOAT16_BITS through the float32 buffer at address `buf`).
+
+    Chosen by `out`'s type and `mode`'s value while numba types the kernel: numba compiles every function a kernel
+    calls, whether or not a call can run, so one body for every output would compile each format's puts for all.
     """
     if out.dtype.bitwidth == 32:
-        def to_floats(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
-                      by_nibble_table):
-            if lines != 0:
-                _dequantize_chunk(fmt, source, count, scale, position, _TO_LINED_FLOATS, lines)
-            elif stream:
-                _dequantize_chunk(fmt, source, count, scale, position, _TO_STREAMED_FLOATS, lines)
+        return _chunk_puts(_TO_FLOATS, _TO_STREAMED_FLOATS, _TO_LINED_FLOATS, looked_up=False)
+    mode_value = getattr(mode, "literal_value", None)  # None: not a literal, which no kernel passes
+    if mode_value == FLOAT16:
+        return _chunk_puts(_TO_HALVES, _TO_STREAMED_HALVES, _TO_LINED_HALVES, looked_up=True)
+    if mode_value == BFLOAT16:
+        return _chunk_puts(_TO_BFLOAT16, _TO_STREAMED_BFLOAT16, _TO_LINED_BFLOAT16, looked_up=True)
+    if mode_value == FLOAT16_BITS:
+        def by_bits(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+                    by_nibble_table):
+            if row_by_table:
+                _fp8_e4m3_by_table(source, count, table, position, stream, lines)
             else:
-                _dequantize_chunk(fmt, source, count, scale, position, _TO_FLOATS, lines)
+                _dequantize_chunk(fmt, source, count, scale, buf, _TO_FLOATS, lines)
+                _emit(buf, position, count, mode, stream)
 
-        return to_floats
-
-    def to_halves(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
-                  by_nibble_table):
-        if row_by_table:
-            _fp8_e4m3_by_table(source, count, table, position, stream, lines)
-        elif by_nibble_table:
-            _nibbles_by_table(fmt, source, count, position, mode, stream, lines)
-        elif mode == FLOAT16 and lines != 0:
-            _dequantize_chunk(fmt, source, count, scale, position, _TO_LINED_HALVES, lines)
-        elif mode == FLOAT16 and stream:
-            _dequantize_chunk(fmt, source, count, scale, position, _TO_STREAMED_HALVES, lines)
-        elif mode == FLOAT16:
-            _dequantize_chunk(fmt, source, count, scale, position, _TO_HALVES, lines)
-        elif mode == BFLOAT16 and lines != 0:
-            _dequantize_chunk(fmt, source, count, scale, position, _TO_LINED_BFLOAT16, lines)
-        elif mode == BFLOAT16 and stream:
-            _dequantize_chunk(fmt, source, count, scale, position, _TO_STREAMED_BFLOAT16, lines)
-        elif mode == BFLOAT16:
-            _dequantize_chunk(fmt, source, count, scale, position, _TO_BFLOAT16, lines)
-        else:
-            _dequantize_chunk(fmt, source, count, scale, buf, _TO_FLOATS, lines)
-            _emit(buf, position, count, mode, stream)
-
-    return to_halves
+        return by_bits
+    return None  # numba reports a typing error: no put for this mode
 
 
 # -- the kernels ----------------------------------------------------------------------------------------
@@ -450,17 +471,10 @@ def readable_rows(fmt, data, scales):
 
 
 @njit(**_JIT)
-def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead,
+def _dequantize_rows(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead,
                      touch_pages_rows_ahead):
-    """Rows [start, stop) of the output; returns the rows skipped because their id was out of range.
-
-    With ``prefetch_rows_ahead`` > 0, each chunk comes with prefetches of the
-    same bytes of the row that many rows ahead (random rows defeat the
-    hardware prefetcher); with ``touch_pages_rows_ahead`` > 0, each row starts
-    with one prefetch per 4 KiB page of the row that many rows ahead, so that
-    its page translations are under way early. An address out of range there
-    is a hint, never read.
-    """
+    """:func:`dequantize_range`, for `mode` a literal (its compile has the puts of that mode only)."""
+    literally(mode)  # a compile per mode, each with its own puts only (_put_chunk)
     vocab_size = readable_rows(fmt, data, scales)
     dim = out.shape[1]
     word: int = _itemsize(out)
@@ -518,13 +532,82 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
 
 
 @njit(**_JIT)
-def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+def _dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
     """Dequantize on the calling thread."""
+    literally(mode)
     bad = first_bad_position(ids, readable_rows(fmt, data, scales))
     if bad >= 0:
         return bad
-    # np.intp(0): a literal 0 would type, and compile, a second dequantize_range beside the one the backend calls
-    if dequantize_range(fmt, data, scales, ids, out, np.intp(0), ids.size, mode, stream, prefetch_rows_ahead,
+    # np.intp(0): a literal 0 would type, and compile, a second row loop beside the one the backend calls
+    if _dequantize_rows(fmt, data, scales, ids, out, np.intp(0), ids.size, mode, stream, prefetch_rows_ahead,
                         touch_pages_rows_ahead):
         return CHANGED_DURING_COPY
     return -1
+
+
+# -- the kernels of each mode ---------------------------------------------------------------------------------
+# Python calls these: a kernel that takes the mode as a literal would be typed anew, at compile cost, on every call
+# from Python, where each of these passes its mode as a constant of its own compiled code. float32 outputs take the
+# float16 ones (the backend passes FLOAT16 for them).
+
+
+@njit(**_JIT)
+def _rows_float16(fmt, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_rows(fmt, data, scales, ids, out, start, stop, FLOAT16, stream, prefetch_rows_ahead,
+                            touch_pages_rows_ahead)
+
+
+@njit(**_JIT)
+def _rows_bfloat16(fmt, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_rows(fmt, data, scales, ids, out, start, stop, BFLOAT16, stream, prefetch_rows_ahead,
+                            touch_pages_rows_ahead)
+
+
+@njit(**_JIT)
+def _rows_float16_bits(fmt, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead,
+                       touch_pages_rows_ahead):
+    return _dequantize_rows(fmt, data, scales, ids, out, start, stop, FLOAT16_BITS, stream, prefetch_rows_ahead,
+                            touch_pages_rows_ahead)
+
+
+@njit(**_JIT)
+def _serial_float16(fmt, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_serial(fmt, data, scales, ids, out, FLOAT16, stream, prefetch_rows_ahead, touch_pages_rows_ahead)
+
+
+@njit(**_JIT)
+def _serial_bfloat16(fmt, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_serial(fmt, data, scales, ids, out, BFLOAT16, stream, prefetch_rows_ahead,
+                              touch_pages_rows_ahead)
+
+
+@njit(**_JIT)
+def _serial_float16_bits(fmt, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_serial(fmt, data, scales, ids, out, FLOAT16_BITS, stream, prefetch_rows_ahead,
+                              touch_pages_rows_ahead)
+
+
+_ROWS_OF_MODE = {FLOAT16: _rows_float16, BFLOAT16: _rows_bfloat16, FLOAT16_BITS: _rows_float16_bits}
+_SERIAL_OF_MODE = {FLOAT16: _serial_float16, BFLOAT16: _serial_bfloat16, FLOAT16_BITS: _serial_float16_bits}
+
+
+def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead,
+                     touch_pages_rows_ahead):
+    """Rows [start, stop) of the output; returns the rows skipped because their id was out of range.
+
+    The compiled row loop of `mode` (each mode's compiles apart; float32
+    outputs ignore the mode). With ``prefetch_rows_ahead`` > 0, each chunk
+    comes with prefetches of the same bytes of the row that many rows ahead
+    (random rows defeat the hardware prefetcher); with
+    ``touch_pages_rows_ahead`` > 0, each row starts with one prefetch per
+    4 KiB page of the row that many rows ahead, so that its page
+    translations are under way early. An address out of range there is a
+    hint, never read.
+    """
+    return _ROWS_OF_MODE[mode](fmt, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead,
+                               touch_pages_rows_ahead)
+
+
+def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    """Dequantize on the calling thread, with the compiled kernel of `mode` (see :func:`dequantize_range`)."""
+    return _SERIAL_OF_MODE[mode](fmt, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead)
