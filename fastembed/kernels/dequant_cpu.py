@@ -71,8 +71,9 @@ or not, so a kernel for float32 outputs compiles only the float32 puts,
 and one for float16 outputs only the float16 ones. numba's
 on-disk cache stamps a compiled kernel with this file only: after an edit
 of one of the pieces, clear the cache (the ``.nbi`` and ``.nbc`` files in
-``__pycache__``, or ``NUMBA_CACHE_DIR``), or the old machine code keeps serving (the test suite keys its own cache
-by the sources of every kernel module).
+``__pycache__``, or ``NUMBA_CACHE_DIR``), or the old machine code keeps
+serving (the test suite keys its own cache by the sources of every kernel
+module).
 """
 from __future__ import annotations
 
