@@ -78,7 +78,8 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
     not compiled yet is served by numpy while they compile on a background
     thread. Gathers below 2 MiB of output never need them, so a server that
     wants full speed from its first large request makes one lookup of at
-    least that size at start-up (or one quantized lookup), then calls this.
+    least that size at start-up (and one quantized lookup per format and
+    output dtype it uses), then calls this.
 
     Args:
         timeout: the most seconds to wait (None: until done).

@@ -601,7 +601,7 @@ from fastembed.tables import random_quantized_table
 print(dequant_cpu.NIBBLE_TABLE_LOOKUP, dequant_cpu.NIBBLE_WORD_PERMUTE, dequant_cpu.FP8_TABLE_LOOKUP,
       dequant_cpu.Q8_0_FLOAT16_ARITHMETIC)
 ids = np.random.default_rng(0).integers(0, 64, 50)
-for name in ("q4_0", "q4_1", "q4_k", "fp8_e4m3", "q8_0"):
+for name in ("q4_0", "q4_k", "fp8_e4m3", "q8_0"):  # each path that depends on a feature (q4_1 looks up as q4_0)
     table = random_quantized_table(name, 64, 512, seed=5)
     scales = None if table.scales is None else table.scales[ids]
     expected = dequantize_rows(table.data[ids], scales, table.format, table.dim).astype(np.float16)
@@ -637,15 +637,23 @@ def test_the_paths_of_cpus_without_avx512_or_avx2_are_the_reference_bit_for_bit(
 _COMPILED_PUTS_CHECK = """
 import sys
 import numpy as np
-from fastembed.kernels import dequant_cpu, dequant_ir
+from numba.core import types
+from fastembed.kernels import dequant_cpu, dequant_ir, dequant_lookups
 word, mode = np.dtype(sys.argv[1]), getattr(dequant_cpu, sys.argv[2])
 data, no_scales, no_row = np.zeros((1, 34), np.uint8), np.zeros(0, np.uint8), np.full(1, -1, np.int64)
 rows = np.zeros((1, 32), word)
-dequant_cpu.dequantize_serial(0, data, no_scales, no_row, rows, mode, False, 0, 0)
-dequant_cpu.dequantize_range(0, data, no_scales, no_row, rows, 0, 0, mode, False, 0, 0)
-puts = {getattr(signature[5], "literal_value", None) for signature in dequant_cpu._dequantize_chunk.signatures}
-names = {getattr(dequant_ir, name): name for name in dir(dequant_ir) if name.startswith("_TO_")}
+q8_0 = dequant_cpu.FORMAT_CODES["q8_0"]
+dequant_cpu.dequantize_serial(q8_0, data, no_scales, no_row, rows, mode, False, 0, 0)
+dequant_cpu.dequantize_range(q8_0, data, no_scales, no_row, rows, 0, 0, mode, False, 0, 0)
+chunks = dequant_cpu._CHUNK_OF_FORMAT
+others = [code for code, chunk in chunks.items() if code != q8_0 and chunk.signatures]
+assert not others, f"only q8_0's decoder compiles for q8_0 rows, not {others}"
+assert not dequant_lookups._fill_fp8_e4m3_table.signatures and not dequant_lookups._fp8_e4m3_by_table.signatures
 assert not dequant_cpu._put_by_stores.signatures, "inlined into the row loop, never compiled as a call per chunk"
+arrays = [signature for signature in chunks[q8_0].signatures if any(isinstance(arg, types.Array) for arg in signature)]
+assert not arrays, f"a chunk takes no array (a reference count per call waits for the streamed stores): {arrays}"
+puts = {getattr(signature[4], "literal_value", None) for signature in chunks[q8_0].signatures}
+names = {getattr(dequant_ir, name): name for name in dir(dequant_ir) if name.startswith("_TO_")}
 print(len(dequant_cpu._dequantize_rows.signatures), " ".join(sorted(names[put] for put in puts)))
 """
 
@@ -654,10 +662,12 @@ print(len(dequant_cpu._dequantize_rows.signatures), " ".join(sorted(names[put] f
     ("float32", "FLOAT16", "_TO_FLOATS _TO_LINED_FLOATS _TO_STREAMED_FLOATS"),
     ("uint16", "FLOAT16", "_TO_HALVES _TO_LINED_HALVES _TO_STREAMED_HALVES"),
 ])
-def test_a_kernel_compiles_the_puts_of_its_output_alone_and_one_row_loop(tmp_path, word, mode, puts):
-    """The kernels for an output compile each format's puts for that output and no other's, and the serial
-    kernel calls the very row loop the backend calls in parallel (compiled once), from an empty cache (float32 and
-    float16: bfloat16 and FLOAT16_BITS take the same choice by the mode's value, and each compile costs seconds)."""
+def test_a_kernel_compiles_the_decoder_of_its_format_and_the_puts_of_its_output_alone(tmp_path, word, mode, puts):
+    """The kernels for a format and an output compile that format's decoder with that output's puts and no other
+    format's decoder, table or fill, nor another output's puts; the decoder is called with numbers alone; and the
+    serial kernel calls the very row loop the backend calls in parallel (compiled once), from an empty cache
+    (float32 and float16: bfloat16 and FLOAT16_BITS take the same choice by the mode's value, and each compile
+    costs seconds)."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", _COMPILED_PUTS_CHECK, word, mode], env=env, capture_output=True,
                           text=True, timeout=600)

@@ -421,7 +421,8 @@ class NumbaBackend:
         if n == 0:
             return out
         word = _output_word(dtype)
-        signature = ("dequantize", dtype)  # the kernels compile for each output dtype: its word and its mode
+        # The kernels compile for each format and output dtype (its word and its mode).
+        signature = ("dequantize", dtype, table.format.name)
         if self._import_error is not None or self._dequantize_error is not None or (
             signature not in self._compiles.done
             and not self._compile(signature, lambda compiles: self._compile_dequantize_now(signature, compiles))
@@ -483,13 +484,15 @@ class NumbaBackend:
             return _CHANGED_DURING_COPY if WORKERS.run(dequantized, len(flat_ids), thread_count()) else -1
 
     def _compile_dequantize_now(self, signature: tuple, compiles: _Compiles) -> None:
-        """Compile the dequantizing kernels for an output dtype with calls that dequantize no row (one bad id)."""
+        """Compile the dequantizing kernels for a format and an output dtype with calls that dequantize no row (one
+        bad id)."""
         def compile_dequantize(kernels: Any) -> None:
-            code, data = kernels.FORMAT_CODES["q8_0"], _read_only(np.zeros((1, 34), np.uint8))
+            _, dtype, name = signature
+            fmt = FORMATS[name]
+            code, data = kernels.FORMAT_CODES[name], _read_only(np.zeros((1, fmt.block_bytes), np.uint8))
             scales = _read_only(_NO_SCALES)
             no_row = _read_only(np.full(1, -1, np.int64))  # one bad id: the kernels return before writing anything
-            dtype = signature[1]
-            rows = np.zeros((1, 32), _output_word(dtype))
+            rows = np.zeros((1, fmt.block_values), _output_word(dtype))
             mode = _output_mode(kernels, dtype)
             kernels.dequantize_serial(code, data, scales, no_row, rows, mode, False, 0, 0)
             kernels.first_bad_position(no_row, kernels.readable_rows(code, data, scales))

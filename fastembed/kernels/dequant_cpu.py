@@ -7,8 +7,9 @@ Contract of :func:`dequantize_serial` (as the gather kernels of
 numba backend runs on one block of rows per thread, after its own scan of
 the ids against :func:`readable_rows`):
 
-- ``fmt`` is the format's code, :data:`FORMAT_CODES` (a run-time argument:
-  one compile serves every format);
+- ``fmt`` is the format's code, :data:`FORMAT_CODES`; each format compiles
+  kernels of its own, with its decoder alone (its marker:
+  :data:`FORMAT_MARKERS`);
 - ``data`` is the table's rows as ``(vocab_size, row_bytes)`` uint8, C-contiguous;
 - ``scales`` is the bytes of the ``(vocab_size,)`` float32 row scales of a
   ``row_scale`` format (fp8_e4m3) as ``(4 * vocab_size,)`` uint8, at any
@@ -64,11 +65,11 @@ Where the pieces live: :mod:`.dequant_ir` (the codes, the CPU features,
 loads, stores, vectors and roundings as LLVM IR), :mod:`.dequant_blocks`
 (each block format's values), :mod:`.dequant_lookups` (16-bit outputs by
 table lookup); this module puts them together into chunks, rows and the
-two kernels. Each chunk's puts are chosen by the output's type and the
-mode while numba types a kernel (:func:`_put_chunk`; the kernels compile
-once per ``mode``): numba compiles every function a kernel calls, reached
-or not, so a kernel for float32 outputs compiles only the float32 puts,
-and one for float16 outputs only the float16 ones. numba's
+two kernels. Each chunk's decoder and puts are chosen by the format, the
+output's type and the mode while numba types a kernel (:func:`_put_chunk`;
+the kernels compile once per format and ``mode``): numba compiles every
+function a kernel calls, reached or not, so a kernel for q4_k rows into
+float32 outputs compiles only q4_k's decoder and the float32 puts. numba's
 on-disk cache stamps a compiled kernel with this file only: after an edit
 of one of the pieces, clear the cache (the ``.nbi`` and ``.nbc`` files in
 ``__pycache__``, or ``NUMBA_CACHE_DIR``), or the old machine code keeps
@@ -153,13 +154,14 @@ from .dequant_ir import (
     half_at,
     open_lines,
 )
-from .dequant_lookups import _fill_fp8_e4m3_table, _fp8_e4m3_by_table, _nibbles_by_table
+from .dequant_lookups import NIBBLES_LOOKED_UP, _fill_fp8_e4m3_table, _fp8_e4m3_by_table, _nibbles_by_table
 from .gather_cpu import CHANGED_DURING_COPY, first_bad_position
 
 #: What callers read from this module: the kernels, the codes they take, the facts of how they were compiled,
 #: and the conversions the tests check on their own.
 __all__ = [
     "BFLOAT16", "CHANGED_DURING_COPY", "CHUNK", "FLOAT16", "FLOAT16_BITS", "FLOAT16_CONVERSION", "FORMAT_CODES",
+    "FORMAT_MARKERS",
     "FP8_TABLE_LOOKUP", "HARDWARE_FLOAT16", "LINES_BY_PERMUTE", "NIBBLE_TABLE_LOOKUP", "NIBBLE_WORD_PERMUTE",
     "Q4_K_FLOAT16_BY_TABLE", "Q8_0_FLOAT16_ARITHMETIC",
     "TO_16_BITS", "bfloat16_bits", "dequantize_range", "readable_rows", "dequantize_serial", "float16_bits",
@@ -168,6 +170,33 @@ __all__ = [
 
 #: Values dequantized per step: one K-quant block, eight 32-value blocks.
 CHUNK = 256
+
+# -- the format, as a type ----------------------------------------------------------------------------------
+# numba compiles every function a kernel calls, reached or not, so a format passed as a value would compile every
+# format's decoder into each kernel; passed as a literal, a kernel called from Python is typed anew on every call.
+# The kernels take a marker instead, an empty array whose dtype names the format: numba compiles (and caches) a kernel
+# per format, as it does per array type, and each holds that format's decoder and table lookups alone.
+
+#: Each format code's marker: an empty array of a one-field record named after the format.
+FORMAT_MARKERS = {code: np.empty(0, np.dtype([(name, np.uint8)])) for name, code in FORMAT_CODES.items()}
+
+
+def _marked_code(marker: Any) -> int:
+    """The format code a marker's numba type names (while numba types a kernel)."""
+    (name,) = marker.dtype.fields
+    return FORMAT_CODES[name]
+
+
+@intrinsic
+def _format_code(typingctx, marker):
+    """The code of the format `marker` names, as a constant of the compiled code (LLVM drops the others' paths)."""
+    code = _marked_code(marker)
+
+    def codegen(context, builder, signature, args):
+        return context.get_constant(types.intp, code)
+
+    return types.intp(marker), codegen
+
 
 # -- one chunk of one row ----------------------------------------------------------------------------
 # Each dequantizes the blocks (or `count` values) whose bytes start at address `source` and puts them at
@@ -181,46 +210,46 @@ def _value_bytes(put):
 
 
 @njit(**_JIT)
-def _q8_0(source, n_blocks, destination, put, lines):
+def _q8_0(source, count, scale, destination, put, lines):
     # d: f16 | 32 x int8
     literally(put)
-    for block in range(n_blocks):
+    for block in range(count // 32):
         at = source + 34 * block
         _q8_0_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 2, at)
 
 
 @njit(**_JIT)
-def _q4_0(source, n_blocks, destination, put, lines):
+def _q4_0(source, count, scale, destination, put, lines):
     # d: f16 | 16 bytes, values j and j + 16 in the low and high nibble of byte j
     literally(put)
-    for block in range(n_blocks):
+    for block in range(count // 32):
         at = source + 18 * block
         _q4_0_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 2, at)
 
 
 @njit(**_JIT)
-def _q4_1(source, n_blocks, destination, put, lines):
+def _q4_1(source, count, scale, destination, put, lines):
     # d: f16 | m: f16 | 16 bytes of nibbles as Q4_0
     literally(put)
-    for block in range(n_blocks):
+    for block in range(count // 32):
         at = source + 20 * block
         _q4_1_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 4, at)
 
 
 @njit(**_JIT)
-def _q5_0(source, n_blocks, destination, put, lines):
+def _q5_0(source, count, scale, destination, put, lines):
     # d: f16 | qh: 4 bytes, bit j the fifth bit of value j | 16 bytes of nibbles
     literally(put)
-    for block in range(n_blocks):
+    for block in range(count // 32):
         at = source + 22 * block
         _q5_0_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 6, at, _word(at + 2))
 
 
 @njit(**_JIT)
-def _q5_1(source, n_blocks, destination, put, lines):
+def _q5_1(source, count, scale, destination, put, lines):
     # d: f16 | m: f16 | qh: 4 bytes | 16 bytes of nibbles
     literally(put)
-    for block in range(n_blocks):
+    for block in range(count // 32):
         at = source + 24 * block
         _q5_1_block(put, lines, destination + 32 * _value_bytes(put) * block, at + 8, at, _word(at + 4))
 
@@ -243,28 +272,26 @@ def _fp8_e4m3(source, count, scale, destination, put, lines):
 
 
 @njit(**_JIT)
-def _dequantize_chunk(fmt, source, count, scale, destination, put, lines):
-    """The `count` values of format `fmt` whose blocks start at address `source`, put at `destination` (see above;
-    streamed puts go through the line buffer at address `lines`)."""
+def _q4_k(source, count, scale, destination, put, lines):
     literally(put)
-    if fmt == Q8_0:
-        _q8_0(source, count // 32, destination, put, lines)
-    elif fmt == Q4_0:
-        _q4_0(source, count // 32, destination, put, lines)
-    elif fmt == Q4_K:
-        _q4_k_block(put, lines, destination, source)  # one block of 256 values (see dequant_blocks._q4_k_body)
-    elif fmt == Q6_K:
-        _q6_k_block(put, lines, destination, source)
-    elif fmt == FP8_E4M3:
-        _fp8_e4m3(source, count, scale, destination, put, lines)
-    elif fmt == Q4_1:
-        _q4_1(source, count // 32, destination, put, lines)
-    elif fmt == Q5_0:
-        _q5_0(source, count // 32, destination, put, lines)
-    elif fmt == Q5_1:
-        _q5_1(source, count // 32, destination, put, lines)
-    elif fmt == Q5_K:
-        _q5_k_block(put, lines, destination, source)
+    _q4_k_block(put, lines, destination, source)  # one block of 256 values (see dequant_blocks._q4_k_body)
+
+
+@njit(**_JIT)
+def _q5_k(source, count, scale, destination, put, lines):
+    literally(put)
+    _q5_k_block(put, lines, destination, source)
+
+
+@njit(**_JIT)
+def _q6_k(source, count, scale, destination, put, lines):
+    literally(put)
+    _q6_k_block(put, lines, destination, source)
+
+
+#: Each format's chunk: the functions above, by format code. A kernel calls its format's alone (:func:`_put_chunk`).
+_CHUNK_OF_FORMAT = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k, Q5_K: _q5_k,
+                    Q6_K: _q6_k, FP8_E4M3: _fp8_e4m3}
 
 
 # -- float32 values to the output ---------------------------------------------------------------------
@@ -387,35 +414,50 @@ def _put_chunk(out, fmt, source, count, scale, position, mode, stream, lines, bu
 
 
 @njit(inline="always", **_JIT)
-def _put_by_stores(fmt, source, count, scale, position, stream, lines, plain, streamed, lined):
-    """The chunk's values at `position` with the put of the row's stores: `lined` (a line buffer at `lines`),
-    `streamed` or `plain` (each a literal: see :func:`_dequantize_chunk`)."""
+def _put_by_stores(chunk, source, count, scale, position, stream, lines, plain, streamed, lined):
+    """The chunk's values at `position`, decoded by `chunk` (a format's, above) with the put of the row's stores:
+    `lined` (a line buffer at `lines`), `streamed` or `plain` (each a literal)."""
     if lines != 0:
-        _dequantize_chunk(fmt, source, count, scale, position, lined, lines)
+        chunk(source, count, scale, position, lined, lines)
     elif stream:
-        _dequantize_chunk(fmt, source, count, scale, position, streamed, lines)
+        chunk(source, count, scale, position, streamed, lines)
     else:
-        _dequantize_chunk(fmt, source, count, scale, position, plain, lines)
+        chunk(source, count, scale, position, plain, lines)
 
 
-def _chunk_puts(plain: int, streamed: int, lined: int, looked_up: bool) -> Any:
-    """The implementation of :func:`_put_chunk` that puts with `plain`, `streamed` or `lined` (the stores the row
-    takes), after the 16-bit table lookups where `looked_up` and the row or block allows them."""
-    if looked_up:
-        def with_lookups(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
-                         by_nibble_table):
+def _chunk_puts(code: int, plain: int, streamed: int, lined: int, looked_up: bool) -> Any:
+    """The implementation of :func:`_put_chunk` for format `code` that decodes with that format's chunk and puts
+    with `plain`, `streamed` or `lined` (the stores the row takes), after the format's 16-bit table lookups where
+    `looked_up` and the row or block allows them (fp8_e4m3: the row's table; the 4-bit formats: each block's).
+
+    The format's chunk is called by itself, not through a function that takes the format's marker: an array
+    argument costs a reference count per call, an atomic instruction, which waits for the streamed stores.
+    """
+    chunk = _CHUNK_OF_FORMAT[code]
+    if looked_up and code == FP8_E4M3:
+        def with_row_table(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+                           by_nibble_table):
             if row_by_table:
                 _fp8_e4m3_by_table(source, count, table, position, stream, lines)
-            elif by_nibble_table:
-                _nibbles_by_table(fmt, source, count, position, mode, stream, lines)
             else:
-                _put_by_stores(fmt, source, count, scale, position, stream, lines, plain, streamed, lined)
+                _put_by_stores(chunk, source, count, scale, position, stream, lines, plain, streamed, lined)
 
-        return with_lookups
+        return with_row_table
+    if looked_up and code in NIBBLES_LOOKED_UP:
+        nibbles_looked_up, block_values = NIBBLES_LOOKED_UP[code]
+
+        def with_block_tables(out, fmt, source, count, scale, position, mode, stream, lines, buf, table,
+                              row_by_table, by_nibble_table):
+            if by_nibble_table:
+                nibbles_looked_up(mode, stream, lines, position, source, count // block_values)
+            else:
+                _put_by_stores(chunk, source, count, scale, position, stream, lines, plain, streamed, lined)
+
+        return with_block_tables
 
     def by_stores(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
                   by_nibble_table):
-        _put_by_stores(fmt, source, count, scale, position, stream, lines, plain, streamed, lined)
+        _put_by_stores(chunk, source, count, scale, position, stream, lines, plain, streamed, lined)
 
     return by_stores
 
@@ -425,30 +467,61 @@ def _chunk_puts(plain: int, streamed: int, lined: int, looked_up: bool) -> Any:
 def _put_chunk_for_output(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
                           by_nibble_table):
     """The chunk's `count` values at address `source` into the row at address `position` of `out`: float32 puts
-    for a float32 `out`; for a uint16 `out`, the table lookups where the row allows them, else the puts of `mode`
-    (float16, bfloat16, or FLOAT16_BITS through the float32 buffer at address `buf`).
+    for a float32 `out`; for a uint16 `out`, the table lookups of `fmt`'s format where the row allows them, else
+    the puts of `mode` (float16, bfloat16, or FLOAT16_BITS through the float32 buffer at address `buf`).
 
-    Chosen by `out`'s type and `mode`'s value while numba types the kernel: numba compiles every function a kernel
-    calls, whether or not a call can run, so one body for every output would compile each format's puts for all.
+    Chosen by `out`'s type, `fmt`'s format and `mode`'s value while numba types the kernel: numba compiles every
+    function a kernel calls, whether or not a call can run, so one body for every output would compile each
+    format's puts for all.
     """
+    code = _marked_code(fmt)
     if out.dtype.bitwidth == 32:
-        return _chunk_puts(_TO_FLOATS, _TO_STREAMED_FLOATS, _TO_LINED_FLOATS, looked_up=False)
+        return _chunk_puts(code, _TO_FLOATS, _TO_STREAMED_FLOATS, _TO_LINED_FLOATS, looked_up=False)
     mode_value = getattr(mode, "literal_value", None)  # None: not a literal, which no kernel passes
     if mode_value == FLOAT16:
-        return _chunk_puts(_TO_HALVES, _TO_STREAMED_HALVES, _TO_LINED_HALVES, looked_up=True)
+        return _chunk_puts(code, _TO_HALVES, _TO_STREAMED_HALVES, _TO_LINED_HALVES, looked_up=True)
     if mode_value == BFLOAT16:
-        return _chunk_puts(_TO_BFLOAT16, _TO_STREAMED_BFLOAT16, _TO_LINED_BFLOAT16, looked_up=True)
-    if mode_value == FLOAT16_BITS:
-        def by_bits(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
-                    by_nibble_table):
+        return _chunk_puts(code, _TO_BFLOAT16, _TO_STREAMED_BFLOAT16, _TO_LINED_BFLOAT16, looked_up=True)
+    chunk = _CHUNK_OF_FORMAT[code]
+    if mode_value == FLOAT16_BITS and code == FP8_E4M3:
+        def by_bits_or_row_table(out, fmt, source, count, scale, position, mode, stream, lines, buf, table,
+                                 row_by_table, by_nibble_table):
             if row_by_table:
                 _fp8_e4m3_by_table(source, count, table, position, stream, lines)
             else:
-                _dequantize_chunk(fmt, source, count, scale, buf, _TO_FLOATS, lines)
+                chunk(source, count, scale, buf, _TO_FLOATS, lines)
                 _emit(buf, position, count, mode, stream)
+
+        return by_bits_or_row_table
+    if mode_value == FLOAT16_BITS:
+        def by_bits(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+                    by_nibble_table):
+            chunk(source, count, scale, buf, _TO_FLOATS, lines)
+            _emit(buf, position, count, mode, stream)
 
         return by_bits
     return None  # numba reports a typing error: no put for this mode
+
+
+def _fill_row_table(fmt, table, scale, mode):
+    """Typed inside the kernels only (the overload below); Python never calls it."""
+    raise TypeError("_fill_row_table runs inside the compiled kernels only")
+
+
+@overload(_fill_row_table, inline="always", jit_options=_JIT)  # type: ignore[arg-type]  # as _put_chunk's
+def _fill_row_table_of_format(fmt, table, scale, mode):
+    """fp8_e4m3: the row's table at address `table`, its 128 magnitudes times `scale` as `mode` values; the other
+    formats have none (compiled into their kernels as nothing)."""
+    if _marked_code(fmt) != FP8_E4M3:
+        def no_table(fmt, table, scale, mode):
+            pass
+
+        return no_table
+
+    def fill(fmt, table, scale, mode):
+        _fill_fp8_e4m3_table(table, scale, mode)
+
+    return fill
 
 
 # -- the kernels ----------------------------------------------------------------------------------------
@@ -474,9 +547,11 @@ def readable_rows(fmt, data, scales):
 @njit(**_JIT)
 def _dequantize_rows(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead,
                      touch_pages_rows_ahead):
-    """:func:`dequantize_range`, for `mode` a literal (its compile has the puts of that mode only)."""
+    """:func:`dequantize_range`, for `fmt` a format's marker and `mode` a literal (its compile has that format's decoder
+    and that mode's puts only)."""
     literally(mode)  # a compile per mode, each with its own puts only (_put_chunk)
-    vocab_size = readable_rows(fmt, data, scales)
+    code: int = _format_code(fmt)
+    vocab_size = readable_rows(code, data, scales)
     dim = out.shape[1]
     word: int = _itemsize(out)
     row_bytes = data.shape[1]
@@ -492,9 +567,9 @@ def _dequantize_rows(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     if lined:
         open_lines(lines)
     # a table of 128 entries pays for itself on rows of at least as many values
-    by_table = FP8_TABLE_LOOKUP and fmt == FP8_E4M3 and word == 2 and dim >= 128
+    by_table = FP8_TABLE_LOOKUP and code == FP8_E4M3 and word == 2 and dim >= 128
     by_nibble_table = NIBBLE_TABLE_LOOKUP and word == 2 and mode != FLOAT16_BITS and (
-        fmt == Q4_0 or fmt == Q4_1 or (fmt == Q4_K and (mode == BFLOAT16 or Q4_K_FLOAT16_BY_TABLE)))
+        code == Q4_0 or code == Q4_1 or (code == Q4_K and (mode == BFLOAT16 or Q4_K_FLOAT16_BY_TABLE)))
     # A chunk's bytes: CHUNK values are whole blocks of every format, so each chunk starts where the last ended
     # (no division per chunk).
     chunk_bytes = CHUNK * row_bytes // dim if dim else 0
@@ -510,10 +585,10 @@ def _dequantize_rows(fmt, data, scales, ids, out, start, stop, mode, stream, pre
             continue
         source = rows + np.intp(row) * row_bytes
         ahead = rows + np.intp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
-        scale = _load_f32_anywhere(scale_bytes + 4 * np.intp(row)) if fmt == FP8_E4M3 else np.float32(1)
+        scale = _load_f32_anywhere(scale_bytes + 4 * np.intp(row)) if code == FP8_E4M3 else np.float32(1)
         row_by_table = by_table and scale - scale == 0  # finite
         if row_by_table:
-            _fill_fp8_e4m3_table(table, scale, mode)
+            _fill_row_table(fmt, table, scale, mode)
         begin = 0
         for first in range(0, dim, CHUNK):
             count = min(CHUNK, dim - first)
@@ -536,7 +611,7 @@ def _dequantize_rows(fmt, data, scales, ids, out, start, stop, mode, stream, pre
 def _dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
     """Dequantize on the calling thread."""
     literally(mode)
-    bad = first_bad_position(ids, readable_rows(fmt, data, scales))
+    bad = first_bad_position(ids, readable_rows(_format_code(fmt), data, scales))
     if bad >= 0:
         return bad
     # np.intp(0): a literal 0 would type, and compile, a second row loop beside the one the backend calls
@@ -549,7 +624,7 @@ def _dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_
 # -- the kernels of each mode ---------------------------------------------------------------------------------
 # Python calls these: a kernel that takes the mode as a literal would be typed anew, at compile cost, on every call
 # from Python, where each of these passes its mode as a constant of its own compiled code. float32 outputs take the
-# float16 ones (the backend passes FLOAT16 for them).
+# float16 ones (the backend passes FLOAT16 for them). Each compiles once per format: `fmt` is the format's marker.
 
 
 @njit(**_JIT)
@@ -596,8 +671,8 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
                      touch_pages_rows_ahead):
     """Rows [start, stop) of the output; returns the rows skipped because their id was out of range.
 
-    The compiled row loop of `mode` (each mode's compiles apart; float32
-    outputs ignore the mode). With ``prefetch_rows_ahead`` > 0, each chunk
+    The compiled row loop of `fmt`'s format and `mode` (each format's and
+    each mode's compiles apart; float32 outputs ignore the mode). With ``prefetch_rows_ahead`` > 0, each chunk
     comes with prefetches of the same bytes of the row that many rows ahead
     (random rows defeat the hardware prefetcher); with
     ``touch_pages_rows_ahead`` > 0, each row starts with one prefetch per
@@ -605,10 +680,11 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     translations are under way early. An address out of range there is a
     hint, never read.
     """
-    return _ROWS_OF_MODE[mode](fmt, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead,
+    return _ROWS_OF_MODE[mode](FORMAT_MARKERS[fmt], data, scales, ids, out, start, stop, stream, prefetch_rows_ahead,
                                touch_pages_rows_ahead)
 
 
 def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
-    """Dequantize on the calling thread, with the compiled kernel of `mode` (see :func:`dequantize_range`)."""
-    return _SERIAL_OF_MODE[mode](fmt, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead)
+    """Dequantize on the calling thread, with the compiled kernel of `fmt` and `mode` (see :func:`dequantize_range`)."""
+    return _SERIAL_OF_MODE[mode](FORMAT_MARKERS[fmt], data, scales, ids, out, stream, prefetch_rows_ahead,
+                                 touch_pages_rows_ahead)

@@ -33,6 +33,7 @@ from .dequant_ir import (
     NIBBLE_WORD_PERMUTE,
     Q4_0,
     Q4_1,
+    Q4_K,
     _bfloat16_lanes,
     _byte,
     _constant,
@@ -264,6 +265,8 @@ def _nibbles_looked_up(lookups, block_bytes, block_values):
 _q4_0_looked_up = _nibbles_looked_up(_q4_0_lookups, 18, 32)
 _q4_1_looked_up = _nibbles_looked_up(_q4_1_lookups, 20, 32)
 _q4_k_looked_up = _nibbles_looked_up(_q4_k_lookups, 144, 256)
+#: Each 4-bit format's lookups and its values per block, by format code.
+NIBBLES_LOOKED_UP = {Q4_0: (_q4_0_looked_up, 32), Q4_1: (_q4_1_looked_up, 32), Q4_K: (_q4_k_looked_up, 256)}
 
 
 @njit(inline="always", **_JIT)  # as a call per chunk it was slower (results/2026-12-02-direct-stores-ab.md)
