@@ -458,6 +458,44 @@ def test_numpy_serves_while_the_kernels_compile_in_the_background(monkeypatch):
     assert served == [100, 100]
 
 
+@pytest.mark.parametrize("name", ["q8_0", "q4_k", "fp8_e4m3"])
+def test_the_background_compile_of_a_format_calls_the_kernels_as_its_lookups_do(monkeypatch, name):
+    """The background compile of a format and an output dtype calls each kernel with the format, the mode and the
+    argument types that format's lookups pass, serial and parallel, streamed or not, so no lookup compiles on the
+    caller's thread."""
+    from numba import typeof
+
+    numba_backend.background_compile.forget()
+    BACKEND.reset()
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", True)
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 2**20)
+    kernels = BACKEND.dequantize_kernels()
+    calls: dict[str, set] = {"compile": set(), "lookup": set()}
+    phase = ["compile"]
+    for kernel_name, mode_at in (("dequantize_serial", 5), ("dequantize_range", 7)):
+        kernel = getattr(kernels, kernel_name)
+
+        def spy(*args, kernel=kernel, kernel_name=kernel_name, mode_at=mode_at):
+            calls[phase[0]].add((kernel_name, args[0], args[mode_at], tuple(typeof(arg) for arg in args)))
+            return kernel(*args)
+
+        monkeypatch.setattr(kernels, kernel_name, spy)
+    table = random_quantized_table(name, 300, 2048)
+    for dtype in OUTPUT_DTYPES:
+        BACKEND.dequantize(table, np.arange(2), None, dtype)  # the numpy reference serves while they compile
+    fastembed.wait_for_compiles()
+    phase[0] = "lookup"
+    ids = np.random.default_rng(0).integers(0, 300, 256)  # 1-2 MiB of output: streamed
+    for dtype in OUTPUT_DTYPES:
+        for chosen in (ids[:3], ids):
+            assert_bit_equal(BACKEND.dequantize(table, chosen, None, dtype), reference(table, chosen, dtype))
+            with BACKEND._parallel_lock:  # the serial kernel
+                assert_bit_equal(BACKEND.dequantize(table, chosen, None, dtype), reference(table, chosen, dtype))
+    assert {call[0] for call in calls["lookup"]} == {"dequantize_serial", "dequantize_range"}
+    assert calls["lookup"] <= calls["compile"], calls["lookup"] - calls["compile"]
+
+
 @pytest.mark.parametrize("output", ["float16", "bfloat16", "float32"])
 def test_streamed_stores_stay_non_temporal_after_a_conversion(output):
     """32 float32 values converted (or not) and stored with the streaming hint compile to 16-byte non-temporal stores.

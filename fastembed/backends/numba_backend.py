@@ -57,10 +57,10 @@ the serial kernel below ``PARALLEL_MIN_BYTES`` of output (no numpy ``take``
 can dequantize), its rows in parallel above, non-temporal stores from
 ``STREAM_MIN_OUT_BYTES``, with the same guards, and the numpy reference
 (:func:`.numpy_backend.dequantize_into`) while the kernels compile. The
-format is a run-time argument of those kernels, and the table and ids
-reach them in one type (read-only bytes, int64 ids), so one compile per
-output dtype (float32, float16 or bfloat16, each compiling only its own
-puts) serves every table.
+table and ids reach them in one type (read-only bytes, int64 ids), so one
+compile per format and output dtype (float32, float16 or bfloat16; each
+compiling only that format's decoder and that output's puts) serves every
+table of that format.
 """
 from __future__ import annotations
 
