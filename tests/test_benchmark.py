@@ -468,6 +468,7 @@ def test_gpu_module_imports_without_cupy_and_device_cuda_refuses_cleanly():
     (["--dtype", "object"], "--dtype: object: the benchmark measures tables of bool, integers"),
     (["--backend", "bogus"], "--backend: unknown 'bogus'; choose from"),
     (["--reps", "x"], "--reps: not an integer: 'x'"),
+    (["--out", ""], "--out: an empty path"),
     (["--thresholds", "gate.toml"], "--thresholds goes with --gate"),
     (["--batch", "64,1024,64"], "--batch: 64 is given twice"),
     (["--dist", "zipf,zipf"], "--dist: zipf is given twice"),

@@ -74,12 +74,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="time every call alone, right after the caches are evicted, as a decode step meets the "
                              "lookup after a forward pass (default: small batches are timed as warm loops of calls; "
                              "use many --reps, such as 200)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+    parser.add_argument("--out", type=_path, default=Path("bench-results"),
                         help="folder for the results: JSON, a Markdown table and PNG plots (default: bench-results)")
     parser.add_argument("--vocab-size", type=_positive_int, help="rows of the random table (default: 129280)")
     parser.add_argument("--dim", type=_positive_int, help="width of the random table (default: 4096)")
     parser.add_argument("--dtype", type=_dtype, help="float16 (default), bfloat16, float32, ...")
-    parser.add_argument("--table", type=Path,
+    parser.add_argument("--table", type=_path,
                         help="measure this table instead of a random one: a .npy, safetensors or GGUF file, memory-mapped "
                              "read-only (not with --vocab-size, --dim or --dtype)")
     parser.add_argument("--tensor", help="--table: the tensor's name in a safetensors or GGUF file (default: the one "
@@ -106,7 +106,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                              "layout), each gathered into float16, float32 and bfloat16 against the dense float16 "
                              "gather and the numpy reference (batches: --batch, default 64,1024,8192,65536; uniform "
                              "ids). A quantized --table (a .gguf file) is measured this way by itself")
-    parser.add_argument("--thresholds", type=Path,
+    parser.add_argument("--thresholds", type=_path,
                         help="gate thresholds (TOML; default: the thresholds.toml shipped with fastembed.benchmark)")
     arguments = parser.parse_args(argv)
     shaped = [flag for flag, value in (("--vocab-size", arguments.vocab_size), ("--dim", arguments.dim),
@@ -229,6 +229,13 @@ def _ignored_option(arguments: argparse.Namespace) -> str | None:
     if ignored:
         return f"{ignored[0]} has no effect with {mode}, which takes only {', '.join(_MODE_OPTIONS[mode])}: leave {ignored[0]} out"
     return None
+
+
+def _path(text: str) -> Path:
+    """A path argument; an empty one (an unset shell variable, say) is refused rather than read as the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    return Path(text)
 
 
 def _positive_int(text: str) -> int:
