@@ -676,20 +676,33 @@ _COMPILED_PUTS_CHECK = """
 import sys
 import numpy as np
 from numba.core import types
+from numba.core.registry import CPUDispatcher
 from fastembed.kernels import dequant_cpu, dequant_ir, dequant_lookups
+block_tables = []
+words_looked_up = dequant_lookups._words_looked_up
+dequant_lookups._words_looked_up = lambda *args: block_tables.append(1) or words_looked_up(*args)
 word, mode = np.dtype(sys.argv[1]), getattr(dequant_cpu, sys.argv[2])
 data, no_scales, no_row = np.zeros((1, 34), np.uint8), np.zeros(0, np.uint8), np.full(1, -1, np.int64)
+data.flags.writeable = no_scales.flags.writeable = no_row.flags.writeable = False  # as the backend passes them
 rows = np.zeros((1, 32), word)
 q8_0 = dequant_cpu.FORMAT_CODES["q8_0"]
 dequant_cpu.dequantize_serial(q8_0, data, no_scales, no_row, rows, mode, False, 0, 0)
 dequant_cpu.dequantize_range(q8_0, data, no_scales, no_row, rows, 0, 0, mode, False, 0, 0)
+if sys.argv[3:] == ["loaded"]:
+    sys.exit()
 chunks = dequant_cpu._CHUNK_OF_FORMAT
 others = [code for code, chunk in chunks.items() if code != q8_0 and chunk.signatures]
 assert not others, f"only q8_0's decoder compiles for q8_0 rows, not {others}"
+assert not block_tables, "no 4-bit format's block tables in q8_0's kernels"
 assert not dequant_lookups._fill_fp8_e4m3_table.signatures and not dequant_lookups._fp8_e4m3_by_table.signatures
 assert not dequant_cpu._put_by_stores.signatures, "inlined into the row loop, never compiled as a call per chunk"
-arrays = [signature for signature in chunks[q8_0].signatures if any(isinstance(arg, types.Array) for arg in signature)]
-assert not arrays, f"a chunk takes no array (a reference count per call waits for the streamed stores): {arrays}"
+entered_once = {"_dequantize_rows", "_dequantize_serial", "readable_rows",
+                *(kernel.__name__ for kernel in (*dequant_cpu._ROWS_OF_MODE.values(), *dequant_cpu._SERIAL_OF_MODE.values()))}
+for module in (dequant_cpu, dequant_lookups, dequant_ir):
+    for name, function in vars(module).items():
+        if isinstance(function, CPUDispatcher) and function.__module__ == module.__name__ and name not in entered_once:
+            for signature in function.signatures:  # an array argument costs a reference count, an atomic, per call
+                assert not any(isinstance(arg, types.Array) for arg in signature), (name, signature)
 puts = {getattr(signature[4], "literal_value", None) for signature in chunks[q8_0].signatures}
 names = {getattr(dequant_ir, name): name for name in dir(dequant_ir) if name.startswith("_TO_")}
 print(len(dequant_cpu._dequantize_rows.signatures), " ".join(sorted(names[put] for put in puts)))
@@ -702,12 +715,17 @@ print(len(dequant_cpu._dequantize_rows.signatures), " ".join(sorted(names[put] f
 ])
 def test_a_kernel_compiles_the_decoder_of_its_format_and_the_puts_of_its_output_alone(tmp_path, word, mode, puts):
     """The kernels for a format and an output compile that format's decoder with that output's puts and no other
-    format's decoder, table or fill, nor another output's puts; the decoder is called with numbers alone; and the
-    serial kernel calls the very row loop the backend calls in parallel (compiled once), from an empty cache
-    (float32 and float16: bfloat16 and FLOAT16_BITS take the same choice by the mode's value, and each compile
-    costs seconds)."""
+    format's decoder, table or fill, nor another output's puts; nothing called per row or chunk takes an array; the
+    serial kernel calls the very row loop the backend calls in parallel (compiled once), from an empty cache; and a
+    second process loads them from the cache, writing nothing (float32 and float16: bfloat16 and FLOAT16_BITS take
+    the same choice by the mode's value, and each compile costs seconds)."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", _COMPILED_PUTS_CHECK, word, mode], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[0] == f"1 {puts}"
+    cached = sorted(tmp_path.rglob("*"))
+    loaded = subprocess.run([sys.executable, "-c", _COMPILED_PUTS_CHECK, word, mode, "loaded"], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert sorted(tmp_path.rglob("*")) == cached, "a second process loads the kernels and writes nothing new"

@@ -484,8 +484,7 @@ class NumbaBackend:
             return _CHANGED_DURING_COPY if WORKERS.run(dequantized, len(flat_ids), thread_count()) else -1
 
     def _compile_dequantize_now(self, signature: tuple, compiles: _Compiles) -> None:
-        """Compile the dequantizing kernels for a format and an output dtype with calls that dequantize no row (one
-        bad id)."""
+        """Compile the dequantizing kernels of a format and an output dtype by calls that dequantize no row."""
         def compile_dequantize(kernels: Any) -> None:
             _, dtype, name = signature
             fmt = FORMATS[name]

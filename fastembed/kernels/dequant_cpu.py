@@ -67,9 +67,10 @@ loads, stores, vectors and roundings as LLVM IR), :mod:`.dequant_blocks`
 table lookup); this module puts them together into chunks, rows and the
 two kernels. Each chunk's decoder and puts are chosen by the format, the
 output's type and the mode while numba types a kernel (:func:`_put_chunk`;
-the kernels compile once per format and ``mode``): numba compiles every
-function a kernel calls, reached or not, so a kernel for q4_k rows into
-float32 outputs compiles only q4_k's decoder and the float32 puts. numba's
+the kernels compile once per format, output type and ``mode``): numba
+compiles every function a kernel calls, reached or not, so a kernel for
+q4_k rows into float32 outputs compiles only q4_k's decoder and the
+float32 puts. numba's
 on-disk cache stamps a compiled kernel with this file only: after an edit
 of one of the pieces, clear the cache (the ``.nbi`` and ``.nbc`` files in
 ``__pycache__``, or ``NUMBA_CACHE_DIR``), or the old machine code keeps
@@ -154,16 +155,21 @@ from .dequant_ir import (
     half_at,
     open_lines,
 )
-from .dequant_lookups import NIBBLES_LOOKED_UP, _fill_fp8_e4m3_table, _fp8_e4m3_by_table, _nibbles_by_table
+from .dequant_lookups import (
+    NIBBLES_LOOKED_UP,
+    _fill_fp8_e4m3_table,
+    _fp8_e4m3_by_table,
+    _fp8_e4m3_fill_table,
+    _nibbles_by_table,
+)
 from .gather_cpu import CHANGED_DURING_COPY, first_bad_position
 
 #: What callers read from this module: the kernels, the codes they take, the facts of how they were compiled,
 #: and the conversions the tests check on their own.
 __all__ = [
     "BFLOAT16", "CHANGED_DURING_COPY", "CHUNK", "FLOAT16", "FLOAT16_BITS", "FLOAT16_CONVERSION", "FORMAT_CODES",
-    "FORMAT_MARKERS",
-    "FP8_TABLE_LOOKUP", "HARDWARE_FLOAT16", "LINES_BY_PERMUTE", "NIBBLE_TABLE_LOOKUP", "NIBBLE_WORD_PERMUTE",
-    "Q4_K_FLOAT16_BY_TABLE", "Q8_0_FLOAT16_ARITHMETIC",
+    "FORMAT_MARKERS", "FP8_TABLE_LOOKUP", "HARDWARE_FLOAT16", "LINES_BY_PERMUTE", "NIBBLE_TABLE_LOOKUP",
+    "NIBBLE_WORD_PERMUTE", "Q4_K_FLOAT16_BY_TABLE", "Q8_0_FLOAT16_ARITHMETIC",
     "TO_16_BITS", "bfloat16_bits", "dequantize_range", "readable_rows", "dequantize_serial", "float16_bits",
     "fp8_e4m3_by_bits", "fp8_e4m3_value", "looked_up", "round_to_halves", "widen_halves",
 ]
@@ -172,10 +178,8 @@ __all__ = [
 CHUNK = 256
 
 # -- the format, as a type ----------------------------------------------------------------------------------
-# numba compiles every function a kernel calls, reached or not, so a format passed as a value would compile every
-# format's decoder into each kernel; passed as a literal, a kernel called from Python is typed anew on every call.
-# The kernels take a marker instead, an empty array whose dtype names the format: numba compiles (and caches) a kernel
-# per format, as it does per array type, and each holds that format's decoder and table lookups alone.
+# A format passed as a value compiles every decoder into each kernel (numba compiles what a kernel calls, reached or
+# not), and as a literal is typed anew on every call from Python; as the type of a marker, one kernel per format.
 
 #: Each format code's marker: an empty array of a one-field record named after the format.
 FORMAT_MARKERS = {code: np.empty(0, np.dtype([(name, np.uint8)])) for name, code in FORMAT_CODES.items()}
@@ -290,6 +294,7 @@ def _q6_k(source, count, scale, destination, put, lines):
 
 
 #: Each format's chunk: the functions above, by format code. A kernel calls its format's alone (:func:`_put_chunk`).
+#: The K-quant chunks decode one block of 256 values: :data:`CHUNK` values.
 _CHUNK_OF_FORMAT = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q4_K: _q4_k, Q5_K: _q5_k,
                     Q6_K: _q6_k, FP8_E4M3: _fp8_e4m3}
 
@@ -407,7 +412,7 @@ def widen_halves(halves, out):
 # -- one chunk into an output row, by the output's type and mode ------------------------------------------
 
 
-def _put_chunk(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+def _put_chunk(out, marker, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
                by_nibble_table):
     """Typed inside the kernels only (the overload below); Python never calls it."""
     raise TypeError("_put_chunk runs inside the compiled kernels only")
@@ -435,7 +440,7 @@ def _chunk_puts(code: int, plain: int, streamed: int, lined: int, looked_up: boo
     """
     chunk = _CHUNK_OF_FORMAT[code]
     if looked_up and code == FP8_E4M3:
-        def with_row_table(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+        def with_row_table(out, marker, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
                            by_nibble_table):
             if row_by_table:
                 _fp8_e4m3_by_table(source, count, table, position, stream, lines)
@@ -446,7 +451,7 @@ def _chunk_puts(code: int, plain: int, streamed: int, lined: int, looked_up: boo
     if looked_up and code in NIBBLES_LOOKED_UP:
         nibbles_looked_up, block_values = NIBBLES_LOOKED_UP[code]
 
-        def with_block_tables(out, fmt, source, count, scale, position, mode, stream, lines, buf, table,
+        def with_block_tables(out, marker, source, count, scale, position, mode, stream, lines, buf, table,
                               row_by_table, by_nibble_table):
             if by_nibble_table:
                 nibbles_looked_up(mode, stream, lines, position, source, count // block_values)
@@ -455,26 +460,32 @@ def _chunk_puts(code: int, plain: int, streamed: int, lined: int, looked_up: boo
 
         return with_block_tables
 
-    def by_stores(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+    def by_stores(out, marker, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
                   by_nibble_table):
         _put_by_stores(chunk, source, count, scale, position, stream, lines, plain, streamed, lined)
 
     return by_stores
 
 
+#: _put_chunk's implementations hold compiled functions, which numba's cache would key anew in each process, so
+#: they are not cached by themselves (the kernels they are inlined into are).
+_JIT_NOT_CACHED: Any = {**_JIT, "cache": False}
+
+
 # Inlined into the row loop: a call of its own per chunk slowed the formats whose blocks decode fastest.
-@overload(_put_chunk, inline="always", prefer_literal=True, jit_options=_JIT)  # type: ignore[arg-type]  # numba's stubs list neither cache nor boundscheck
-def _put_chunk_for_output(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+@overload(_put_chunk, inline="always", prefer_literal=True, jit_options=_JIT_NOT_CACHED)
+def _put_chunk_for_output(out, marker, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
                           by_nibble_table):
     """The chunk's `count` values at address `source` into the row at address `position` of `out`: float32 puts
-    for a float32 `out`; for a uint16 `out`, the table lookups of `fmt`'s format where the row allows them, else
+    for a float32 `out`; for a uint16 `out`, the table lookups of the format `marker` names where the row allows them,
+    else
     the puts of `mode` (float16, bfloat16, or FLOAT16_BITS through the float32 buffer at address `buf`).
 
-    Chosen by `out`'s type, `fmt`'s format and `mode`'s value while numba types the kernel: numba compiles every
+    Chosen by `out`'s type, the format and `mode`'s value while numba types the kernel: numba compiles every
     function a kernel calls, whether or not a call can run, so one body for every output would compile each
     format's puts for all.
     """
-    code = _marked_code(fmt)
+    code = _marked_code(marker)
     if out.dtype.bitwidth == 32:
         return _chunk_puts(code, _TO_FLOATS, _TO_STREAMED_FLOATS, _TO_LINED_FLOATS, looked_up=False)
     mode_value = getattr(mode, "literal_value", None)  # None: not a literal, which no kernel passes
@@ -484,7 +495,7 @@ def _put_chunk_for_output(out, fmt, source, count, scale, position, mode, stream
         return _chunk_puts(code, _TO_BFLOAT16, _TO_STREAMED_BFLOAT16, _TO_LINED_BFLOAT16, looked_up=True)
     chunk = _CHUNK_OF_FORMAT[code]
     if mode_value == FLOAT16_BITS and code == FP8_E4M3:
-        def by_bits_or_row_table(out, fmt, source, count, scale, position, mode, stream, lines, buf, table,
+        def by_bits_or_row_table(out, marker, source, count, scale, position, mode, stream, lines, buf, table,
                                  row_by_table, by_nibble_table):
             if row_by_table:
                 _fp8_e4m3_by_table(source, count, table, position, stream, lines)
@@ -494,7 +505,7 @@ def _put_chunk_for_output(out, fmt, source, count, scale, position, mode, stream
 
         return by_bits_or_row_table
     if mode_value == FLOAT16_BITS:
-        def by_bits(out, fmt, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
+        def by_bits(out, marker, source, count, scale, position, mode, stream, lines, buf, table, row_by_table,
                     by_nibble_table):
             chunk(source, count, scale, buf, _TO_FLOATS, lines)
             _emit(buf, position, count, mode, stream)
@@ -503,23 +514,23 @@ def _put_chunk_for_output(out, fmt, source, count, scale, position, mode, stream
     return None  # numba reports a typing error: no put for this mode
 
 
-def _fill_row_table(fmt, table, scale, mode):
+def _fill_row_table(marker, table, scale, mode):
     """Typed inside the kernels only (the overload below); Python never calls it."""
     raise TypeError("_fill_row_table runs inside the compiled kernels only")
 
 
-@overload(_fill_row_table, inline="always", jit_options=_JIT)  # type: ignore[arg-type]  # as _put_chunk's
-def _fill_row_table_of_format(fmt, table, scale, mode):
-    """fp8_e4m3: the row's table at address `table`, its 128 magnitudes times `scale` as `mode` values; the other
-    formats have none (compiled into their kernels as nothing)."""
-    if _marked_code(fmt) != FP8_E4M3:
-        def no_table(fmt, table, scale, mode):
+@overload(_fill_row_table, inline="always", prefer_literal=True, jit_options=_JIT)  # type: ignore[arg-type]  # numba's stubs list neither cache nor boundscheck
+def _fill_row_table_of_format(marker, table, scale, mode):
+    """fp8_e4m3: the row's table at address `table`, its 128 magnitudes times `scale` as `mode` values (`mode` a
+    literal: that mode's fill alone); the other formats have none (compiled into their kernels as nothing)."""
+    if _marked_code(marker) != FP8_E4M3:
+        def no_table(marker, table, scale, mode):
             pass
 
         return no_table
 
-    def fill(fmt, table, scale, mode):
-        _fill_fp8_e4m3_table(table, scale, mode)
+    def fill(marker, table, scale, mode):
+        _fp8_e4m3_fill_table(mode, table, scale)
 
     return fill
 
@@ -545,12 +556,12 @@ def readable_rows(fmt, data, scales):
 
 
 @njit(**_JIT)
-def _dequantize_rows(fmt, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead,
+def _dequantize_rows(marker, data, scales, ids, out, start, stop, mode, stream, prefetch_rows_ahead,
                      touch_pages_rows_ahead):
-    """:func:`dequantize_range`, for `fmt` a format's marker and `mode` a literal (its compile has that format's decoder
+    """:func:`dequantize_range`, for `marker` a format's marker and `mode` a literal (its compile has that format's decoder
     and that mode's puts only)."""
     literally(mode)  # a compile per mode, each with its own puts only (_put_chunk)
-    code: int = _format_code(fmt)
+    code: int = _format_code(marker)
     vocab_size = readable_rows(code, data, scales)
     dim = out.shape[1]
     word: int = _itemsize(out)
@@ -588,7 +599,7 @@ def _dequantize_rows(fmt, data, scales, ids, out, start, stop, mode, stream, pre
         scale = _load_f32_anywhere(scale_bytes + 4 * np.intp(row)) if code == FP8_E4M3 else np.float32(1)
         row_by_table = by_table and scale - scale == 0  # finite
         if row_by_table:
-            _fill_row_table(fmt, table, scale, mode)
+            _fill_row_table(marker, table, scale, mode)
         begin = 0
         for first in range(0, dim, CHUNK):
             count = min(CHUNK, dim - first)
@@ -597,7 +608,7 @@ def _dequantize_rows(fmt, data, scales, ids, out, start, stop, mode, stream, pre
                 for byte in range(begin, end, 64):
                     prefetch(ahead + byte)
             position = destination + (np.intp(i) * dim + first) * word
-            _put_chunk(out, fmt, source + begin, count, scale, position, mode, stream, lines, buf, table,
+            _put_chunk(out, marker, source + begin, count, scale, position, mode, stream, lines, buf, table,
                        row_by_table, by_nibble_table)
             begin = end
     if lined:
@@ -608,14 +619,14 @@ def _dequantize_rows(fmt, data, scales, ids, out, start, stop, mode, stream, pre
 
 
 @njit(**_JIT)
-def _dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+def _dequantize_serial(marker, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
     """Dequantize on the calling thread."""
     literally(mode)
-    bad = first_bad_position(ids, readable_rows(_format_code(fmt), data, scales))
+    bad = first_bad_position(ids, readable_rows(_format_code(marker), data, scales))
     if bad >= 0:
         return bad
     # np.intp(0): a literal 0 would type, and compile, a second row loop beside the one the backend calls
-    if _dequantize_rows(fmt, data, scales, ids, out, np.intp(0), ids.size, mode, stream, prefetch_rows_ahead,
+    if _dequantize_rows(marker, data, scales, ids, out, np.intp(0), ids.size, mode, stream, prefetch_rows_ahead,
                         touch_pages_rows_ahead):
         return CHANGED_DURING_COPY
     return -1
@@ -624,42 +635,42 @@ def _dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_
 # -- the kernels of each mode ---------------------------------------------------------------------------------
 # Python calls these: a kernel that takes the mode as a literal would be typed anew, at compile cost, on every call
 # from Python, where each of these passes its mode as a constant of its own compiled code. float32 outputs take the
-# float16 ones (the backend passes FLOAT16 for them). Each compiles once per format: `fmt` is the format's marker.
+# float16 ones (the backend passes FLOAT16 for them). Each compiles once per format: `marker` is the format's.
 
 
 @njit(**_JIT)
-def _rows_float16(fmt, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
-    return _dequantize_rows(fmt, data, scales, ids, out, start, stop, FLOAT16, stream, prefetch_rows_ahead,
+def _rows_float16(marker, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_rows(marker, data, scales, ids, out, start, stop, FLOAT16, stream, prefetch_rows_ahead,
                             touch_pages_rows_ahead)
 
 
 @njit(**_JIT)
-def _rows_bfloat16(fmt, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
-    return _dequantize_rows(fmt, data, scales, ids, out, start, stop, BFLOAT16, stream, prefetch_rows_ahead,
+def _rows_bfloat16(marker, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_rows(marker, data, scales, ids, out, start, stop, BFLOAT16, stream, prefetch_rows_ahead,
                             touch_pages_rows_ahead)
 
 
 @njit(**_JIT)
-def _rows_float16_bits(fmt, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead,
+def _rows_float16_bits(marker, data, scales, ids, out, start, stop, stream, prefetch_rows_ahead,
                        touch_pages_rows_ahead):
-    return _dequantize_rows(fmt, data, scales, ids, out, start, stop, FLOAT16_BITS, stream, prefetch_rows_ahead,
+    return _dequantize_rows(marker, data, scales, ids, out, start, stop, FLOAT16_BITS, stream, prefetch_rows_ahead,
                             touch_pages_rows_ahead)
 
 
 @njit(**_JIT)
-def _serial_float16(fmt, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
-    return _dequantize_serial(fmt, data, scales, ids, out, FLOAT16, stream, prefetch_rows_ahead, touch_pages_rows_ahead)
+def _serial_float16(marker, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_serial(marker, data, scales, ids, out, FLOAT16, stream, prefetch_rows_ahead, touch_pages_rows_ahead)
 
 
 @njit(**_JIT)
-def _serial_bfloat16(fmt, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
-    return _dequantize_serial(fmt, data, scales, ids, out, BFLOAT16, stream, prefetch_rows_ahead,
+def _serial_bfloat16(marker, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_serial(marker, data, scales, ids, out, BFLOAT16, stream, prefetch_rows_ahead,
                               touch_pages_rows_ahead)
 
 
 @njit(**_JIT)
-def _serial_float16_bits(fmt, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
-    return _dequantize_serial(fmt, data, scales, ids, out, FLOAT16_BITS, stream, prefetch_rows_ahead,
+def _serial_float16_bits(marker, data, scales, ids, out, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
+    return _dequantize_serial(marker, data, scales, ids, out, FLOAT16_BITS, stream, prefetch_rows_ahead,
                               touch_pages_rows_ahead)
 
 
@@ -680,8 +691,8 @@ def dequantize_range(fmt, data, scales, ids, out, start, stop, mode, stream, pre
     translations are under way early. An address out of range there is a
     hint, never read.
     """
-    return _ROWS_OF_MODE[mode](FORMAT_MARKERS[fmt], data, scales, ids, out, start, stop, stream, prefetch_rows_ahead,
-                               touch_pages_rows_ahead)
+    return _ROWS_OF_MODE[mode](FORMAT_MARKERS[fmt], data, scales, ids, out, start, stop, stream,
+                               prefetch_rows_ahead, touch_pages_rows_ahead)
 
 
 def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_ahead, touch_pages_rows_ahead):
