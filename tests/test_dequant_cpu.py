@@ -649,27 +649,45 @@ for name in ("q4_0", "q4_k", "fp8_e4m3", "q8_0"):  # each path that depends on a
 """
 
 
-@pytest.mark.parametrize(("hidden", "flags"), [
-    pytest.param("avx512", "True False False False", marks=pytest.mark.skipif(
-        not dequant_cpu.FP8_TABLE_LOOKUP, reason="the CPU has no AVX-512BW: the tests above ran its AVX2 paths")),
-    pytest.param("avx", "False False False False", marks=pytest.mark.skipif(
-        not dequant_cpu.NIBBLE_TABLE_LOOKUP, reason="the CPU has no AVX2: the tests above ran the paths without it")),
-])
-def test_the_paths_of_cpus_without_avx512_or_avx2_are_the_reference_bit_for_bit(tmp_path, hidden, flags):
+def _children(scripts: dict, timeout: float) -> dict:
+    """Run child processes at once (each compiles on a core of its own) and wait: {key: (argv, env)} to {key: done}."""
+    started = {key: subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for key, (argv, env) in scripts.items()}
+    finished = {}
+    try:
+        for key, child in started.items():
+            stdout, stderr = child.communicate(timeout=timeout)
+            finished[key] = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+    finally:
+        for child in started.values():
+            child.kill()  # none is left behind by a timeout (a finished one ignores it)
+            child.wait()
+    return finished
+
+
+def test_the_paths_of_cpus_without_avx512_or_avx2_are_the_reference_bit_for_bit(tmp_path):
     """The table lookups by byte shuffles (AVX2) and by lane-by-lane code (no AVX2), and q8_0 into float16 without
-    float16 arithmetic (no AVX512-FP16), compiled here by hiding features. float16 outputs take every path that
-    depends on a feature (a bfloat16 output differs only in its integer rounding, and each output compiles for
-    seconds)."""
+    float16 arithmetic (no AVX512-FP16), compiled here by hiding features, in two child processes at once. float16
+    outputs take every path that depends on a feature (a bfloat16 output differs only in its integer rounding, and
+    each output compiles for seconds)."""
     from numba.core import codegen
 
-    features = ",".join("-" + feature[1:] if feature.startswith("+" + hidden) else feature
-                        for feature in codegen.get_host_cpu_features().split(","))
-    # Last, so that no feature named before it and implying it (f16c implies avx) turns it on again.
-    features += ",-avx512f" if hidden == "avx512" else ",-avx"
-    env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", _OTHER_CPU_CHECK], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[0] == flags
+    cases = {"avx512": "True False False False"} if dequant_cpu.FP8_TABLE_LOOKUP else {}
+    if dequant_cpu.NIBBLE_TABLE_LOOKUP:
+        cases["avx"] = "False False False False"
+    if not cases:
+        pytest.skip("the CPU has no AVX2: the tests above ran the paths without it")
+    children = {}
+    for hidden in cases:
+        features = ",".join("-" + feature[1:] if feature.startswith("+" + hidden) else feature
+                            for feature in codegen.get_host_cpu_features().split(","))
+        # Last, so that no feature named before it and implying it (f16c implies avx) turns it on again.
+        features += ",-avx512f" if hidden == "avx512" else ",-avx"
+        env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path / hidden))
+        children[hidden] = ([sys.executable, "-c", _OTHER_CPU_CHECK], env)
+    for hidden, done in _children(children, timeout=900).items():
+        assert done.returncode == 0, (hidden, done.stderr[-3000:])
+        assert done.stdout.split("\n")[0] == cases[hidden], hidden
 
 
 _COMPILED_PUTS_CHECK = """
@@ -709,23 +727,23 @@ print(len(dequant_cpu._dequantize_rows.signatures), " ".join(sorted(names[put] f
 """
 
 
-@pytest.mark.parametrize(("word", "mode", "puts"), [
-    ("float32", "FLOAT16", "_TO_FLOATS _TO_LINED_FLOATS _TO_STREAMED_FLOATS"),
-    ("uint16", "FLOAT16", "_TO_HALVES _TO_LINED_HALVES _TO_STREAMED_HALVES"),
-])
-def test_a_kernel_compiles_the_decoder_of_its_format_and_the_puts_of_its_output_alone(tmp_path, word, mode, puts):
+def test_a_kernel_compiles_the_decoder_of_its_format_and_the_puts_of_its_output_alone(tmp_path):
     """The kernels for a format and an output compile that format's decoder with that output's puts and no other
     format's decoder, table or fill, nor another output's puts; nothing called per row or chunk takes an array; the
     serial kernel calls the very row loop the backend calls in parallel (compiled once), from an empty cache; and a
-    second process loads them from the cache, writing nothing (float32 and float16: bfloat16 and FLOAT16_BITS take
-    the same choice by the mode's value, and each compile costs seconds)."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", _COMPILED_PUTS_CHECK, word, mode], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[0] == f"1 {puts}"
+    second process loads them from the cache, writing nothing. Float32 and float16 outputs, in child processes at
+    once (bfloat16 and FLOAT16_BITS take the same choice by the mode's value, and each compile costs seconds)."""
+    puts = {"float32": "_TO_FLOATS _TO_LINED_FLOATS _TO_STREAMED_FLOATS",
+            "uint16": "_TO_HALVES _TO_LINED_HALVES _TO_STREAMED_HALVES"}
+    envs = {word: dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / word)) for word in puts}
+    compiled = _children({word: ([sys.executable, "-c", _COMPILED_PUTS_CHECK, word, "FLOAT16"], envs[word])
+                          for word in puts}, timeout=600)
+    for word, done in compiled.items():
+        assert done.returncode == 0, (word, done.stderr[-3000:])
+        assert done.stdout.split("\n")[0] == f"1 {puts[word]}", word
     cached = sorted(tmp_path.rglob("*"))
-    loaded = subprocess.run([sys.executable, "-c", _COMPILED_PUTS_CHECK, word, mode, "loaded"], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    loaded = _children({word: ([sys.executable, "-c", _COMPILED_PUTS_CHECK, word, "FLOAT16", "loaded"], envs[word])
+                        for word in puts}, timeout=600)
+    for word, done in loaded.items():
+        assert done.returncode == 0, (word, done.stderr[-3000:])
     assert sorted(tmp_path.rglob("*")) == cached, "a second process loads the kernels and writes nothing new"
