@@ -100,16 +100,24 @@ def table_snapshot(table: Any) -> Any:
 
 
 def _quantized_snapshot(table: QuantizedTable) -> QuantizedTable:
-    """A QuantizedTable over fresh views of `table`'s arrays, checked again (another thread may change them)."""
+    """A QuantizedTable over fresh views of `table`'s arrays, checked again (another thread may change them).
+
+    Host views are read-only: no gather writes a table, and the numba
+    kernels take read-only arrays, so a lookup passes them on as they are.
+    """
     data, scales = table.data, table.scales
     data_adapter = adapter_of(data)
     scales_adapter = adapter_of(scales)
-    return QuantizedTable(
+    snapshot = QuantizedTable(
         data if data_adapter is None else data_adapter.snapshot(data),
         table.format,
         table.dim,
         scales if scales_adapter is None else scales_adapter.snapshot(scales),
     )
+    for view in (snapshot.data, snapshot.scales):
+        if type(view) is _NDARRAY:
+            view.flags.writeable = False
+    return snapshot
 
 
 def storage(table: Any) -> Any:
@@ -321,7 +329,8 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         IndexError: an integer too large for 64 bits, or (for converted
             dtypes) an id outside the table.
     """
-    if type(ids) is _NDARRAY and type(table) is _NDARRAY:  # the common case, kept cheap
+    if type(ids) is _NDARRAY and (type(table) is _NDARRAY or type(table) is QuantizedTable
+                                  and type(table.data) is _NDARRAY):  # the common cases, kept cheap
         dtype = ids.dtype
         if dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES:
             return ids.copy()

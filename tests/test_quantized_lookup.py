@@ -63,6 +63,23 @@ def test_an_embedding_keeps_its_own_view_of_a_quantized_table():
     assert_bit_equal(emb([3]), expected)
 
 
+@pytest.mark.parametrize("name", ["q8_0", "fp8_e4m3"])
+def test_a_quantized_snapshot_is_read_only_and_the_callers_arrays_stay_writeable(name):
+    from fastembed.validate import table_snapshot
+
+    table = random_quantized(name, 20, 64)
+    snapshot = table_snapshot(table)
+    views = [snapshot.data] + ([] if snapshot.scales is None else [snapshot.scales])
+    assert all(not view.flags.writeable for view in views)  # the kernels take them as they are
+    fastembed.lookup(table, [3, 7])
+    fastembed.Embedding(table)([1])
+    assert table.data.flags.writeable and (table.scales is None or table.scales.flags.writeable)
+    table.data[3] = table.data[4]  # the caller still owns its rows
+    if table.scales is not None:
+        table.scales[3] = table.scales[4]
+    assert_bit_equal(fastembed.lookup(table, [3]), fastembed.lookup(table, [4]))
+
+
 @pytest.mark.parametrize("dtype", [np.int8, np.float64, "float8_e4m3fn"])
 def test_quantized_tables_dequantize_into_float32_float16_or_bfloat16_only(dtype):
     with pytest.raises(TypeError, match="dequantizes into float32, float16, bfloat16"):

@@ -433,7 +433,7 @@ class NumbaBackend:
             return numpy_backend.dequantize_into(table, ids, out)
         rows = out.reshape(n, table.dim).view(word)
         flat_ids = _int64_ids(ids)
-        if rows.ctypes.data % word.itemsize == 0:
+        if rows.flags.aligned:  # as numba types it: an unaligned array would compile kernels of its own
             status = self._run_dequantize(kernels, gather_kernels.can_stream, table, flat_ids, rows, dtype)
         else:
             numpy_backend.check_range(ids, table.shape[0])  # before any row is written: a bad id leaves out untouched
@@ -664,6 +664,7 @@ def kernel_views(kind: str, table: np.ndarray, ids: np.ndarray, out: np.ndarray 
 
 #: The scales argument of a format without row scales.
 _NO_SCALES = np.empty(0, np.uint8)
+_NO_SCALES.flags.writeable = False
 
 
 def _output_word(dtype: np.dtype) -> np.dtype:
@@ -677,8 +678,12 @@ def _output_mode(kernels: Any, dtype: np.dtype) -> int:
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
-    """A read-only, aligned plain ndarray (one numba type whatever the caller's array): a view, or a copy if unaligned."""
-    view = array.view(np.ndarray) if array.flags.aligned else np.array(array)
+    """A read-only, aligned plain ndarray (one numba type whatever the caller's array): `array` if it is one, else a view
+    (a copy if unaligned)."""
+    flags = array.flags
+    if type(array) is np.ndarray and not flags.writeable and flags.aligned:
+        return array
+    view = array.view(np.ndarray) if flags.aligned else np.array(array)
     view.flags.writeable = False
     return view
 
