@@ -177,6 +177,9 @@ class Embedding:
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
         self._row_stride = self._view.strides[0] if type(self._view) is _NDARRAY else 0  # an output row's bytes
+        # For a quantized table whose rows numpy holds, the dtype of a lookup without dtype= (else None).
+        self._host_quantized_dtype = validate.output_dtype(self._view, None) if (
+            type(self._view) is QuantizedTable and isinstance(self._rows, _NDARRAY)) else None
 
     def __call__(self, ids: Any, out: Any = None, backend: str = "auto", *, dtype: Any = None) -> Any:
         """``table[ids]``, as :func:`lookup` (same arguments, returns, shape and errors).
@@ -205,6 +208,11 @@ class Embedding:
         for guard in self._guards:  # as _checked_view(), inline: a decode step is mostly call overhead
             guard.check()
         if dtype is not None or type(table_view) is not _NDARRAY:
+            if self._host_quantized_dtype is not None and dtype is None and out is None:
+                # A decode step on a quantized table: the steps of _converting_lookup that numpy rows need.
+                ids_view = validate.ids_snapshot(ids, table_view)
+                chosen = dispatch.select(table_view, backend)
+                return chosen.dequantize(table_view, ids_view, None, self._host_quantized_dtype)  # type: ignore[attr-defined]
             return _converting_lookup(table_view, ids, out, dtype, backend, self._caller_table)
         ids_view = validate.ids_snapshot(ids, table_view)
         if out is None:

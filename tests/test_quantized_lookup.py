@@ -34,6 +34,27 @@ def test_every_declared_format_gathers_the_reference_bit_for_bit(backend, name, 
 
 
 @pytest.mark.parametrize(("backend", "name"), DECLARED)
+def test_a_layers_allocating_lookups_are_the_reference_and_raise_as_lookup_does(backend, name):
+    table = random_quantized(name, 300, 512, seed=len(name))
+    emb = fastembed.Embedding(table)
+    rng = np.random.default_rng(6)
+    for ids in (rng.integers(0, 300, 40), rng.integers(0, 300, (3, 5)).astype(np.int32), np.array([299]),
+                np.array([], np.int64), [7, 8], 5):
+        for chosen in (backend, "auto"):
+            result = emb(ids, backend=chosen)
+            assert type(result) is np.ndarray
+            assert_bit_equal(result, reference(table, ids))
+    with pytest.raises(IndexError, match="id 300 at position 1 is out of range for a table of 300 rows"):
+        emb([0, 300], backend=backend)
+    with pytest.raises(IndexError, match="id -1 at position 0"):
+        emb([-1, 2], backend=backend)
+    with pytest.raises(TypeError, match="ids must be integers"):
+        emb(np.array([1.0]), backend=backend)
+    with pytest.raises(ValueError, match="backend"):
+        emb([1], backend="fortran")
+
+
+@pytest.mark.parametrize(("backend", "name"), DECLARED)
 def test_an_out_of_range_id_leaves_out_untouched(backend, name):
     table = random_quantized(name, 50, 256)
     out = poisoned((3, 256), np.float32)
