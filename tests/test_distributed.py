@@ -269,7 +269,8 @@ def quantized_task(rank: int, world: int, files: dict, exchange: str) -> dict:
     layer = build(table, timeout=30)
     shard = layer.shard
     facts = {"format": layer.format, "dtype": str(layer.dtype), "shard": (type(shard).__name__, shard.format.name,
-                                                                         int(shard.data.shape[0]))}
+                                                                         int(shard.data.shape[0])),
+             "shard is a writeable view": (bool(np.shares_memory(shard.data, table.data)), shard.data.flags.writeable)}
     cases = {
         "int8 everywhere": lambda: layer([1, 2], dtype="int8"),
         "int8 on one rank": lambda: layer([1, 2], dtype="int8" if rank == world - 1 else "float16"),
@@ -858,7 +859,8 @@ def test_quantized_tables_are_bit_exact_into_every_output_dtype(group, exchange)
         assert report["failures"] == [], f"rank {rank} of {world}"
         start, stop = distributed.row_range(VOCAB, world, rank)
         assert report["facts"] == {"format": "q8_0", "dtype": "float32", "shard": ("QuantizedTable", "q8_0",
-                                                                                   stop - start)}
+                                                                                   stop - start),
+                                   "shard is a writeable view": (True, True)}
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)

@@ -124,9 +124,12 @@ def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: 
             return _Shard(QuantizedTable(like, source.format, source.dim, scales), like, None, vocab_size, guards)
         return _Shard(like, like, None, vocab_size, guards)
     if isinstance(view, QuantizedTable):
-        scales = None if view.scales is None else view.scales[start:stop]
-        return _Shard(QuantizedTable(view.data[start:stop], view.format, view.dim, scales), like, None, vocab_size,
-                      guards)
+        data, scales = view.data[start:stop], None if view.scales is None else view.scales[start:stop]
+        # A snapshot's host views are read-only; a shard is, as a dense one, a view the caller may write where its own is.
+        for part, own in ((data, source.data), (scales, source.scales)):
+            if isinstance(own, np.ndarray) and own.flags.writeable and part is not None:
+                part.flags.writeable = True
+        return _Shard(QuantizedTable(data, view.format, view.dim, scales), like, None, vocab_size, guards)
     return _Shard(view[start:stop], like, None, vocab_size, guards)
 
 
