@@ -329,14 +329,15 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         IndexError: an integer too large for 64 bits, or (for converted
             dtypes) an id outside the table.
     """
-    if type(ids) is _NDARRAY and (type(table) is _NDARRAY or type(table) is QuantizedTable
-                                  and type(table.data) is _NDARRAY):  # the common cases, kept cheap
+    # The common cases, kept cheap: host ids for a table whose rows numpy holds (dense, or a quantized table's bytes).
+    numpy_rows = type(table) is _NDARRAY or (type(table) is QuantizedTable and type(table.data) is _NDARRAY)
+    if type(ids) is _NDARRAY and numpy_rows:
         dtype = ids.dtype
         if dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES:
             return ids.copy()
         _check_integer_dtype(dtype)
         return _native_ids(ids, table.shape[0])  # a converted copy
-    if type(ids) in _CONVERTED_IDS and type(table) is _NDARRAY:  # host numbers for a host table, kept cheap too
+    if type(ids) in _CONVERTED_IDS and numpy_rows:
         converted = _converted_ids(ids)
         _check_integer_dtype(converted.dtype)
         return _native_ids(converted, table.shape[0])  # numpy's conversion: the call's own array
