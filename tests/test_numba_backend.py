@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 import textwrap
 import threading
@@ -761,10 +762,15 @@ def test_a_ctrl_c_while_a_fork_waits_is_held_back_until_the_fork_is_done(monkeyp
     monkeypatch.setattr(background_compile, "_threads", [_InterruptedJoin(KeyboardInterrupt())])
     background_compile._wait_before_fork()  # the wait goes on to its end
     assert not _free_for_another_thread(background_compile._guard)
-    with pytest.raises(KeyboardInterrupt):
-        background_compile._after_fork_in_parent()  # raised again once the locks are released
-    assert _free_for_another_thread(background_compile._guard)
-    assert _free_for_another_thread(background_compile._foreground_lock)
+    # Raised again as SIGINT, which Python's own handler turns into the KeyboardInterrupt, once the locks are released.
+    # Recorded instead of raised: whether a signal reaches this thread's handler is the process's business (a library
+    # may hold its own handler), and the check is about when fastembed raises it.
+    raised: list[tuple] = []
+    monkeypatch.setattr(background_compile.signal, "raise_signal", lambda signum: raised.append(
+        (signum, _free_for_another_thread(background_compile._guard),
+         _free_for_another_thread(background_compile._foreground_lock))))
+    background_compile._after_fork_in_parent()
+    assert raised == [(signal.SIGINT, True, True)]
 
 
 def test_a_fork_whose_wait_another_error_cut_short_leaves_a_child_that_never_uses_numba(monkeypatch, fresh_backend):
