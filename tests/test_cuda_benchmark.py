@@ -14,22 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fastembed.benchmark import cli
-
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def test_fastembed_bench_device_cuda_quick(cupy_or_double, tmp_path):
-    pytest.importorskip("rich")
-    status = cli.main(["--device", "cuda", "--quick", "--vocab-size", "2000", "--dim", "64", "--out", str(tmp_path)])
-    assert status == 0
-    results = json.loads((tmp_path / "results.json").read_text())["results"]
-    names = {row["contender"] for row in results}
-    assert {"fastembed[cuda] out=", "fastembed[cuda] out= deferred", "fastembed[cuda] alloc", "cupy.take(out=)",
-            "copy device-to-device"} <= names
-    assert all(row["device"] == "cuda" for row in results)
-    assert {row["served_by"] for row in results if row["kind"] == "fastembed"} == {"cuda"}
-    assert all(row["median_us"] > 0 for row in results)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
@@ -46,6 +31,13 @@ def test_gpu_check_dry_run_on_the_double(tmp_path):
     assert "passed" in (out / "gpu-tests.txt").read_text()
     verdicts = json.loads((out / "gpu-check.json").read_text())
     assert {row["width"] for row in verdicts["rows"]} == {56} and len(verdicts["goals"]) == 4
+    results = json.loads((out / "w56" / "results.json").read_text())["results"]  # fastembed-bench --device cuda
+    names = {row["contender"] for row in results}
+    assert {"fastembed[cuda] out=", "fastembed[cuda] out= deferred", "fastembed[cuda] alloc", "cupy.take(out=)",
+            "copy device-to-device"} <= names
+    assert all(row["device"] == "cuda" for row in results)
+    assert {row["served_by"] for row in results if row["kind"] == "fastembed"} == {"cuda"}
+    assert all(row["median_us"] > 0 for row in results)
     last = run.stdout.strip().splitlines()
     assert last[-1].startswith("goal: ") and any(line.startswith("width    ids") for line in last[-20:])
 
