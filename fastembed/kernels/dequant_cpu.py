@@ -478,8 +478,7 @@ def _put_chunk_for_output(out, marker, source, count, scale, position, mode, str
                           by_nibble_table):
     """The chunk's `count` values at address `source` into the row at address `position` of `out`: float32 puts
     for a float32 `out`; for a uint16 `out`, the table lookups of the format `marker` names where the row allows them,
-    else
-    the puts of `mode` (float16, bfloat16, or FLOAT16_BITS through the float32 buffer at address `buf`).
+    else the puts of `mode` (float16, bfloat16, or FLOAT16_BITS through the float32 buffer at address `buf`).
 
     Chosen by `out`'s type, the format and `mode`'s value while numba types the kernel: numba compiles every
     function a kernel calls, whether or not a call can run, so one body for every output would compile each
