@@ -747,3 +747,30 @@ def test_a_kernel_compiles_the_decoder_of_its_format_and_the_puts_of_its_output_
     for word, done in loaded.items():
         assert done.returncode == 0, (word, done.stderr[-3000:])
     assert sorted(tmp_path.rglob("*")) == cached, "a second process loads the kernels and writes nothing new"
+
+
+_MARKER_NAMES = """
+import sys
+import numba
+import numpy as np
+from numba.core import itanium_mangler
+for k in range(int(sys.argv[1])):  # record types typed first take the numbers a process counts
+    numba.typeof(np.empty(0, np.dtype([(f"field{k}", np.uint8)])))
+from fastembed.kernels import dequant_cpu
+for code, marker in sorted(dequant_cpu.FORMAT_MARKERS.items()):
+    print(code, itanium_mangler.mangle_type_or_value(numba.typeof(marker)))
+"""
+
+
+def test_each_formats_kernels_have_names_of_their_own_in_every_process():
+    """A kernel loaded from numba's cache links each function it calls to one of the same name the process already
+    holds: the format's part of those names (its marker's type) is the same in every process and differs between
+    formats, so a cached kernel never runs another format's row loop."""
+    runs = [subprocess.run([sys.executable, "-c", _MARKER_NAMES, str(typed_before)], capture_output=True, text=True,
+                           timeout=120) for typed_before in (0, 3)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    names = [run.stdout.split("\n") for run in runs]
+    assert names[0] == names[1]
+    assert len({line.split()[1] for line in names[0] if line}) == len(FORMATS)  # each format's own
+

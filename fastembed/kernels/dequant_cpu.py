@@ -180,15 +180,19 @@ CHUNK = 256
 # -- the format, as a type ----------------------------------------------------------------------------------
 # A format passed as a value compiles every decoder into each kernel (numba compiles what a kernel calls, reached or
 # not), and as a literal is typed anew on every call from Python; as the type of a marker, one kernel per format.
+# The marker's scalar dtype names the format, not a record type: numba names a record type in compiled code by a
+# number each process counts anew, and a kernel loaded from numba's cache links each function it calls to one of
+# the same name the process already holds, so it could run another format's row loop.
 
-#: Each format code's marker: an empty array of a one-field record named after the format.
-FORMAT_MARKERS = {code: np.empty(0, np.dtype([(name, np.uint8)])) for name, code in FORMAT_CODES.items()}
+#: The dtype of each format's marker, by format code.
+_MARKER_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float32")
+#: Each format code's marker: an empty array of the format's dtype.
+FORMAT_MARKERS = {code: np.empty(0, np.dtype(_MARKER_DTYPES[code])) for code in FORMAT_CODES.values()}
 
 
 def _marked_code(marker: Any) -> int:
     """The format code a marker's numba type names (while numba types a kernel)."""
-    (name,) = marker.dtype.fields
-    return FORMAT_CODES[name]
+    return _MARKER_DTYPES.index(str(marker.dtype))
 
 
 @intrinsic
