@@ -773,4 +773,3 @@ def test_each_formats_kernels_have_names_of_their_own_in_every_process():
     names = [run.stdout.split("\n") for run in runs]
     assert names[0] == names[1]
     assert len({line.split()[1] for line in names[0] if line}) == len(FORMATS)  # each format's own
-
