@@ -26,6 +26,14 @@ import fastembed  # noqa: E402
 from helpers import CPU_BACKENDS  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _dispatch_forgets_each_tests_choices():
+    """After every test, once its patches are undone (autouse fixtures are torn down last), dispatch chooses anew: a
+    test that moved a backend's sizes would otherwise leave its cached small gather to the tests after it."""
+    yield
+    fastembed.dispatch._forget_choices()
+
+
 @pytest.fixture(params=CPU_BACKENDS)
 def backend(request) -> str:
     return request.param
