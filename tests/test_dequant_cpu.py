@@ -44,11 +44,19 @@ def kernel_path(request, monkeypatch):
     if request.param != "serial":
         monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
         monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 2**62 if request.param == "parallel" else 0)
+    if request.param in ("stream", "serial-stream"):
+        streaming_every_output(monkeypatch)
     if request.param != "serial-stream":
         yield request.param
         return
     with BACKEND._parallel_lock:
         yield request.param
+
+
+def streaming_every_output(monkeypatch) -> None:
+    """Streamed stores for every format and output, also those the backend keeps to cached stores on this CPU (a CPU
+    with more vector registers streams them)."""
+    monkeypatch.setattr(BACKEND.dequantize_kernels(), "streams_well", lambda fmt, word_bytes, mode: True)
 
 
 def reference(table: QuantizedTable, ids, dtype=np.float32) -> np.ndarray:
@@ -355,6 +363,7 @@ def test_streamed_rows_starting_inside_a_cache_line_are_exact(monkeypatch, line_
         pytest.skip("streamed stores are x86-64's")
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 0)
+    streaming_every_output(monkeypatch)
     gather_kernels = BACKEND.kernels()
     streamed, can_stream = [], gather_kernels.can_stream
 
@@ -391,6 +400,56 @@ def test_lookup_serves_quantized_tables_through_the_numba_backend():
     assert "q6_k" in facts["dequantize_formats"] and facts["float16_conversion"] and facts["to_16_bits"]
     assert ("a whole line per store" in facts["dequantize_streamed_stores"]) == (
         numba_backend._STREAMING_CPU and BACKEND.dequantize_kernels().LINES_BY_PERMUTE)
+
+
+@pytest.mark.parametrize("registers", [16, 32])
+def test_only_row_loops_that_keep_their_blocks_in_registers_stream(monkeypatch, registers):
+    """With 16 vector registers the bfloat16 rounding and q4_k's 16-bit tables spill to the row loop's stack once
+    per block, and streamed stores made those row loops 2-3 times slower in some processes: they take cached
+    stores. With 32 every row loop streams."""
+    monkeypatch.setattr(dequant_cpu, "VECTOR_REGISTERS", registers)
+    codes, q4_k_by_table = dequant_cpu.FORMAT_CODES, dequant_cpu.Q4_K_FLOAT16_BY_TABLE
+    for name, code in codes.items():
+        assert dequant_cpu.streams_well(code, 4, dequant_cpu.FLOAT16)  # float32 outputs
+        assert dequant_cpu.streams_well(code, 2, dequant_cpu.BFLOAT16) == (registers == 32)
+        assert dequant_cpu.streams_well(code, 2, dequant_cpu.FLOAT16) == (
+            registers == 32 or name != "q4_k" or not q4_k_by_table)
+
+
+@pytest.mark.skipif(not numba_backend._STREAMING_CPU, reason="streamed stores are x86-64's")
+def test_the_backend_streams_a_quantized_lookup_only_where_its_kernels_stream_well(monkeypatch):
+    """The stream flag the kernels get, for outputs big enough to stream, is :func:`streams_well`'s answer."""
+    monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 0)
+    kernels = BACKEND.dequantize_kernels()
+    tables = {name: random_quantized_table(name, 50, 256, seed=3) for name in ("q8_0", "q4_k")}
+    ids = np.arange(8) * 6
+    for table in tables.values():  # compiled first: a compile calls the kernels without rows
+        for dtype in OUTPUT_DTYPES:
+            fastembed.lookup(table, ids, dtype=dtype, backend="numba")
+    flags: set[bool] = set()
+
+    def recording(kernel, stream_at):
+        def run(*args):
+            flags.add(bool(args[stream_at]))
+            return kernel(*args)
+
+        return run
+
+    monkeypatch.setattr(kernels, "dequantize_range", recording(kernels.dequantize_range, 8))
+    monkeypatch.setattr(kernels, "dequantize_serial", recording(kernels.dequantize_serial, 6))
+    for name, table in tables.items():
+        for dtype in OUTPUT_DTYPES:
+            flags.clear()
+            assert_bit_equal(fastembed.lookup(table, ids, dtype=dtype, backend="numba"), reference(table, ids, dtype))
+            mode = kernels.BFLOAT16 if dtype == np.dtype(ml_dtypes.bfloat16) else kernels.FLOAT16
+            assert flags == {kernels.streams_well(kernels.FORMAT_CODES[name], dtype.itemsize, mode)}, (name, dtype)
+    with BACKEND._parallel_lock:  # the serial kernel, as while another thread's lookup holds the lock
+        flags.clear()
+        fastembed.lookup(tables["q8_0"], ids, dtype=ml_dtypes.bfloat16, backend="numba")
+    assert flags == {kernels.streams_well(kernels.FORMAT_CODES["q8_0"], 2, kernels.BFLOAT16)}
+    if kernels.VECTOR_REGISTERS == 16:  # this CPU's answer, as measured on one: bfloat16 outputs take cached stores
+        assert flags == {False}
 
 
 def test_concurrent_threads_get_exact_rows(monkeypatch):

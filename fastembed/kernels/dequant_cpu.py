@@ -134,6 +134,7 @@ from .dequant_ir import (
     Q8_0,
     Q8_0_FLOAT16_ARITHMETIC,
     TO_16_BITS,
+    VECTOR_REGISTERS,
     _byte,
     _float16_fast,
     _load_f32,
@@ -170,7 +171,8 @@ __all__ = [
     "BFLOAT16", "CHANGED_DURING_COPY", "CHUNK", "FLOAT16", "FLOAT16_BITS", "FLOAT16_CONVERSION", "FORMAT_CODES",
     "FORMAT_MARKERS", "FP8_TABLE_LOOKUP", "HARDWARE_FLOAT16", "LINES_BY_PERMUTE", "NIBBLE_TABLE_LOOKUP",
     "NIBBLE_WORD_PERMUTE", "Q4_K_FLOAT16_BY_TABLE", "Q8_0_FLOAT16_ARITHMETIC",
-    "TO_16_BITS", "bfloat16_bits", "dequantize_range", "readable_rows", "dequantize_serial", "float16_bits",
+    "TO_16_BITS", "VECTOR_REGISTERS", "bfloat16_bits", "dequantize_range", "readable_rows", "dequantize_serial",
+    "float16_bits", "streams_well",
     "fp8_e4m3_by_bits", "fp8_e4m3_value", "looked_up", "round_to_halves", "widen_halves",
 ]
 
@@ -702,3 +704,27 @@ def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_a
     """Dequantize on the calling thread, with the compiled kernel of `fmt` and `mode` (see :func:`dequantize_range`)."""
     return _SERIAL_OF_MODE[mode](FORMAT_MARKERS[fmt], data, scales, ids, out, stream, prefetch_rows_ahead,
                                  touch_pages_rows_ahead)
+
+
+def streams_well(fmt, word_bytes, mode):
+    """Whether the kernels of format code `fmt` into `word_bytes`-byte output words of `mode` should stream.
+
+    Not where the row loop spills vector registers to its stack once per
+    block, as it does with 16 of them (:data:`VECTOR_REGISTERS`) for q4_k
+    into 16-bit outputs by table (its eight tables of a block at once) and
+    for most decoders into bfloat16 (the rounding's constants on top of the
+    decoder's). A load whose address matches an older queued store's in the
+    low 12 bits waits for it, and streamed stores hold the stores behind
+    them in the queue: in the processes where the decoder's constants and
+    its spills meet in those bits, each block waits on the last one's
+    spills, and the row loop runs 2-3 times slower. In the other processes
+    streaming gained no bfloat16 output 5%, and q4_k into float16 at most
+    10% (docs/backends.md).
+
+    Returns:
+        True with 32 vector registers and for float32 outputs; else False for
+        bfloat16 and for q4_k's tables.
+    """
+    if VECTOR_REGISTERS > 16 or word_bytes == 4:
+        return True
+    return mode != BFLOAT16 and not (fmt == Q4_K and Q4_K_FLOAT16_BY_TABLE)
