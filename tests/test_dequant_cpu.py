@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def kernel_path(request, monkeypatch):
 def streaming_every_output(monkeypatch) -> None:
     """Streamed stores for every format and output, also those the backend keeps to cached stores on this CPU (a CPU
     with more vector registers streams them)."""
-    monkeypatch.setattr(BACKEND.dequantize_kernels(), "streams_well", lambda fmt, word_bytes, mode: True)
+    monkeypatch.setattr(BACKEND.dequantize_kernels(), "streams_well", lambda word_bytes, mode: True)
 
 
 def reference(table: QuantizedTable, ids, dtype=np.float32) -> np.ndarray:
@@ -403,17 +404,13 @@ def test_lookup_serves_quantized_tables_through_the_numba_backend():
 
 
 @pytest.mark.parametrize("registers", [16, 32])
-def test_only_row_loops_that_keep_their_blocks_in_registers_stream(monkeypatch, registers):
-    """With 16 vector registers the bfloat16 rounding and q4_k's 16-bit tables spill to the row loop's stack once
-    per block, and streamed stores made those row loops 2-3 times slower in some processes: they take cached
-    stores. With 32 every row loop streams."""
+def test_bfloat16_outputs_stream_only_with_32_vector_registers(monkeypatch, registers):
+    """With 16 vector registers most decoders into bfloat16 spill to the row loop's stack once per block, and
+    streamed stores made those row loops 2-3 times slower in some processes: they take cached stores."""
     monkeypatch.setattr(dequant_cpu, "VECTOR_REGISTERS", registers)
-    codes, q4_k_by_table = dequant_cpu.FORMAT_CODES, dequant_cpu.Q4_K_FLOAT16_BY_TABLE
-    for name, code in codes.items():
-        assert dequant_cpu.streams_well(code, 4, dequant_cpu.FLOAT16)  # float32 outputs
-        assert dequant_cpu.streams_well(code, 2, dequant_cpu.BFLOAT16) == (registers == 32)
-        assert dequant_cpu.streams_well(code, 2, dequant_cpu.FLOAT16) == (
-            registers == 32 or name != "q4_k" or not q4_k_by_table)
+    assert dequant_cpu.streams_well(4, dequant_cpu.FLOAT16)  # float32 outputs
+    assert dequant_cpu.streams_well(2, dequant_cpu.FLOAT16)
+    assert dequant_cpu.streams_well(2, dequant_cpu.BFLOAT16) == (registers == 32)
 
 
 @pytest.mark.skipif(not numba_backend._STREAMING_CPU, reason="streamed stores are x86-64's")
@@ -443,11 +440,11 @@ def test_the_backend_streams_a_quantized_lookup_only_where_its_kernels_stream_we
             flags.clear()
             assert_bit_equal(fastembed.lookup(table, ids, dtype=dtype, backend="numba"), reference(table, ids, dtype))
             mode = kernels.BFLOAT16 if dtype == np.dtype(ml_dtypes.bfloat16) else kernels.FLOAT16
-            assert flags == {kernels.streams_well(kernels.FORMAT_CODES[name], dtype.itemsize, mode)}, (name, dtype)
+            assert flags == {kernels.streams_well(dtype.itemsize, mode)}, (name, dtype)
     with BACKEND._parallel_lock:  # the serial kernel, as while another thread's lookup holds the lock
         flags.clear()
         fastembed.lookup(tables["q8_0"], ids, dtype=ml_dtypes.bfloat16, backend="numba")
-    assert flags == {kernels.streams_well(kernels.FORMAT_CODES["q8_0"], 2, kernels.BFLOAT16)}
+    assert flags == {kernels.streams_well(2, kernels.BFLOAT16)}
     if kernels.VECTOR_REGISTERS == 16:  # this CPU's answer, as measured on one: bfloat16 outputs take cached stores
         assert flags == {False}
 
@@ -832,3 +829,34 @@ def test_each_formats_kernels_have_names_of_their_own_in_every_process():
     names = [run.stdout.split("\n") for run in runs]
     assert names[0] == names[1]
     assert len({line.split()[1] for line in names[0] if line}) == len(FORMATS)  # each format's own
+
+
+_Q4_K_ROW_LOOPS_CODE = """
+import re
+import numpy as np
+import fastembed
+from fastembed.kernels import dequant_cpu
+from fastembed.tables import random_quantized_table
+table = random_quantized_table("q4_k", 16, 512, 0)
+for dtype in (np.float32, np.float16):
+    fastembed.lookup(table, np.zeros(2048, np.int64), out=np.empty((2048, 512), dtype), dtype=np.dtype(dtype))
+fastembed.wait_for_compiles()
+for signature, assembly in dequant_cpu._dequantize_rows.inspect_asm().items():
+    code = assembly.split("_ZN7cpython")[0]  # the function, without numba's wrapper for Python
+    stores = re.findall(r"^\\s+v?mov\\w*\\s+%\\w+, -?\\w*[(]%rsp[)]", code, re.M)
+    print(signature[4].dtype, len(stores))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not dequant_cpu.Q4_K_FLOAT16_BY_TABLE,
+                    reason="q4_k's float16 outputs are looked up in tables by x86-64's vector shuffles")
+def test_q4_k_into_float16_by_table_does_not_spill_registers_to_its_stack(tmp_path):
+    """Its row loop stores to its stack no more often than q4_k's row loop into float32, which keeps every block in
+    registers: a block's eight 16-word tables made at once spilled there on 16 vector registers, and streamed stores
+    behind such spills made the row loop 2-3 times slower in some processes. From an empty cache, so that numba
+    keeps the assembly."""
+    run = subprocess.run([sys.executable, "-c", _Q4_K_ROW_LOOPS_CODE], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    stores = dict(line.split() for line in run.stdout.strip().split("\n"))
+    assert int(stores["uint16"]) <= int(stores["float32"]), stores

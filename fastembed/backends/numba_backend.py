@@ -467,9 +467,9 @@ class NumbaBackend:
         data = _read_only(table.data)
         scales = _read_only(table.scales.view(np.uint8) if fmt.row_scale else _NO_SCALES)  # bytes: any alignment
         mode = _output_mode(kernels, dtype)
-        code = kernels.FORMAT_CODES[fmt.name]
         stream = (rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and can_stream(rows)
-                  and kernels.streams_well(code, rows.itemsize, mode))
+                  and kernels.streams_well(rows.itemsize, mode))
+        code = kernels.FORMAT_CODES[fmt.name]
         if rows.nbytes < PARALLEL_MIN_BYTES or self._parallel_lock.locked():
             return int(kernels.dequantize_serial(code, data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD,
                                                  DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD))
@@ -559,16 +559,12 @@ def _streamed_stores_fact(kernels: Any) -> str:
         return "none (streamed stores are x86-64's)"
     if kernels.LINES_BY_PERMUTE:
         return "16 bytes per store; into rows that start inside a cache line, a whole line per store (AVX-512F)"
-    cached = []
-    for dtype, mode in (("float16", kernels.FLOAT16), ("bfloat16", kernels.BFLOAT16)):
-        names = [name for name, code in kernels.FORMAT_CODES.items() if not kernels.streams_well(code, 2, mode)]
-        if names:
-            cached.append(f"into {dtype}, " + ("every format" if len(names) == len(kernels.FORMAT_CODES) else
-                                               ", ".join(names)))
+    cached = [dtype for dtype, mode in (("float16", kernels.FLOAT16), ("bfloat16", kernels.BFLOAT16))
+              if not kernels.streams_well(2, mode)]
     if not cached:
         return "16 bytes per store"
-    return (f"16 bytes per store; cached stores where the row loop spills registers to its stack "
-            f"({kernels.VECTOR_REGISTERS} vector registers): {'; '.join(cached)}")
+    return (f"16 bytes per store; into {' and '.join(cached)} cached stores, where the row loops spill registers to "
+            f"their stack ({kernels.VECTOR_REGISTERS} vector registers)")
 
 
 _JIT_DISABLED = "numba's JIT is disabled (NUMBA_DISABLE_JIT or disable_jit in .numba_config.yaml): numba would run the kernels as Python, slower than numpy"

@@ -706,25 +706,20 @@ def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_a
                                  touch_pages_rows_ahead)
 
 
-def streams_well(fmt, word_bytes, mode):
-    """Whether the kernels of format code `fmt` into `word_bytes`-byte output words of `mode` should stream.
+def streams_well(word_bytes, mode):
+    """Whether the dequantizing kernels into `word_bytes`-byte output words of `mode` should stream.
 
-    Not where the row loop spills vector registers to its stack once per
-    block, as it does with 16 of them (:data:`VECTOR_REGISTERS`) for q4_k
-    into 16-bit outputs by table (its eight tables of a block at once) and
-    for most decoders into bfloat16 (the rounding's constants on top of the
-    decoder's). A load whose address matches an older queued store's in the
-    low 12 bits waits for it, and streamed stores hold the stores behind
-    them in the queue: in the processes where the decoder's constants and
-    its spills meet in those bits, each block waits on the last one's
-    spills, and the row loop runs 2-3 times slower. In the other processes
-    streaming gained no bfloat16 output 5%, and q4_k into float16 at most
-    10% (docs/backends.md).
+    Not into bfloat16 with 16 vector registers (:data:`VECTOR_REGISTERS`):
+    there most decoders spill registers to their row loop's stack once per
+    block (the rounding's constants on top of the decoder's). A load whose
+    address matches an older queued store's in the low 12 bits waits for
+    it, and streamed stores hold the stores behind them in the queue: in
+    the processes where the decoder's constants and its spills meet in
+    those bits, each block waits on the last one's spills, and the row loop
+    ran 2-3 times slower; streaming gained 5% for a bfloat16 output in at
+    most one process of six (docs/backends.md).
 
     Returns:
-        True with 32 vector registers and for float32 outputs; else False for
-        bfloat16 and for q4_k's tables.
+        False for bfloat16 outputs with 16 vector registers, else True.
     """
-    if VECTOR_REGISTERS > 16 or word_bytes == 4:
-        return True
-    return mode != BFLOAT16 and not (fmt == Q4_K and Q4_K_FLOAT16_BY_TABLE)
+    return VECTOR_REGISTERS > 16 or word_bytes == 4 or mode != BFLOAT16

@@ -214,7 +214,6 @@ def _q4_k_lookups(builder, block, lanes):
     # see dequant_blocks._q4_k_body: sub-blocks 2g and 2g + 1 take the low and high nibbles of 32 bytes; their tables are made
     # together, entries 0-15 and 16-31 of one vector
     scales, mins = _k_scales(builder, block)
-    lookups = []
     for group in range(4):
         pair = _constant(_I32, 32, [2 * group] * 16 + [2 * group + 1] * 16)
         scale, low = builder.shuffle_vector(scales, scales, pair), builder.shuffle_vector(mins, mins, pair)
@@ -223,8 +222,7 @@ def _q4_k_lookups(builder, block, lanes):
         for half, nibbles in enumerate([builder.and_(packed, _constant(_I8, 32, 0xF)),
                                         builder.lshr(packed, _constant(_I8, 32, 4))]):
             table = builder.shuffle_vector(entries, entries, _constant(_I32, 16, list(range(16 * half, 16 * half + 16))))
-            lookups.append((64 * group + 32 * half, table, nibbles))
-    return lookups
+            yield 64 * group + 32 * half, table, nibbles
 
 
 def _nibbles_looked_up(lookups, block_bytes, block_values):
@@ -234,9 +232,11 @@ def _nibbles_looked_up(lookups, block_bytes, block_values):
     at `destination`: float16 if `mode` is FLOAT16, else bfloat16; stored
     non-temporally (16-byte aligned there; a cache line at a time through
     the line buffer at address `lines` unless it is 0) if `nontemporal`.
-    `lookups(builder, block, lanes)` gives, per 32 values of the block at
+    `lookups(builder, block, lanes)` yields, per 32 values of the block at
     address `block`, their first position, their table of 16 words and each
-    value's index into it. `mode`, `nontemporal` and `lines` are run-time
+    value's index into it, one at a time: each table is made just before its
+    values are put, so a block's tables are never all live at once (q4_k's
+    eight would spill registers to the stack on a CPU with 16 of them). `mode`, `nontemporal` and `lines` are run-time
     values, so that one call site serves all: the code holds a loop for
     each way to store.
     """
