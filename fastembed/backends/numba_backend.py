@@ -55,7 +55,8 @@ Quantized tables (:meth:`NumbaBackend.dequantize`, every block format of
 :mod:`fastembed.formats`) go through :mod:`fastembed.kernels.dequant_cpu`:
 the serial kernel below ``PARALLEL_MIN_BYTES`` of output (no numpy ``take``
 can dequantize), its rows in parallel above, non-temporal stores from
-``STREAM_MIN_OUT_BYTES``, with the same guards, and the numpy reference
+``STREAM_MIN_OUT_BYTES`` (not into bfloat16 on CPUs with 16 vector registers:
+``streams_well`` of that module), with the same guards, and the numpy reference
 (:func:`.numpy_backend.dequantize_into`) while the kernels compile. The
 table and ids reach them in one type (read-only bytes, int64 ids), so one
 compile per format and output dtype (float32, float16 or bfloat16; each
@@ -563,8 +564,8 @@ def _streamed_stores_fact(kernels: Any) -> str:
               if not kernels.streams_well(2, mode)]
     if not cached:
         return "16 bytes per store"
-    return (f"16 bytes per store; into {' and '.join(cached)} cached stores, where the row loops spill registers to "
-            f"their stack ({kernels.VECTOR_REGISTERS} vector registers)")
+    return (f"16 bytes per store; {' and '.join(cached)} outputs take cached stores (their row loops spill registers "
+            f"to the stack on {kernels.VECTOR_REGISTERS} vector registers)")
 
 
 _JIT_DISABLED = "numba's JIT is disabled (NUMBA_DISABLE_JIT or disable_jit in .numba_config.yaml): numba would run the kernels as Python, slower than numpy"

@@ -719,6 +719,9 @@ def streams_well(word_bytes, mode):
     ran 2-3 times slower; streaming gained 5% for a bfloat16 output in at
     most one process of six (docs/backends.md).
 
+    Measured on one CPU with 16 registers (AMD Zen 3); applied to all of them.
+    Only x86-64 streams at all (the backend checks that first).
+
     Returns:
         False for bfloat16 outputs with 16 vector registers, else True.
     """

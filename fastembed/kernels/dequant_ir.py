@@ -340,7 +340,8 @@ def _stream(builder, address, value, align=16):
 #: Streamed 64-byte values go out a whole cache line at a time (AVX-512F: a two-register permute by a place
 #: known at run time); elsewhere 16 bytes at a time, as put.
 LINES_BY_PERMUTE = "+avx512f" in _FEATURES
-#: Vector registers the kernels compile for: 32 with AVX-512F, else 16 (x86-64's YMM or XMM registers).
+#: x86-64 vector registers the kernels compile for: 32 with AVX-512F, else 16 (YMM or XMM); what decides how many
+#: values a decoder can hold without spilling them to its stack.
 VECTOR_REGISTERS = 32 if "+avx512f" in _FEATURES else 16
 #: float32 slots of a line buffer: the last 64 bytes put, then the address where they end (0: none held).
 LINE_BUFFER_FLOATS = 18

@@ -233,10 +233,11 @@ def _nibbles_looked_up(lookups, block_bytes, block_values):
     non-temporally (16-byte aligned there; a cache line at a time through
     the line buffer at address `lines` unless it is 0) if `nontemporal`.
     `lookups(builder, block, lanes)` yields, per 32 values of the block at
-    address `block`, their first position, their table of 16 words and each
-    value's index into it, one at a time: each table is made just before its
-    values are put, so a block's tables are never all live at once (q4_k's
-    eight would spill registers to the stack on a CPU with 16 of them). `mode`, `nontemporal` and `lines` are run-time
+    address `block`, their first position, their table of 16 words and
+    each value's index into it, one at a time: each table is made just
+    before its values are put, so a block's tables are never all live at
+    once (q4_k's eight would spill registers to the stack on a CPU with 16
+    of them). `mode`, `nontemporal` and `lines` are run-time
     values, so that one call site serves all: the code holds a loop for
     each way to store.
     """
