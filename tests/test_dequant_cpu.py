@@ -830,40 +830,58 @@ def test_each_formats_kernels_have_names_of_their_own_in_every_process():
     assert len({line.split()[1] for line in names[0] if line}) == len(FORMATS)  # each format's own
 
 
-_Q4_K_ROW_LOOPS_CODE = """
+_STACK_STORES_CODE = """
 import re
 import numpy as np
 import fastembed
-from fastembed.kernels import dequant_cpu
+from fastembed.kernels import dequant_cpu, dequant_ir
 from fastembed.tables import random_quantized_table
+
+
+def stack_stores(dispatcher):
+    for signature, assembly in dispatcher.inspect_asm().items():
+        code = assembly.split("_ZN7cpython")[0]  # the function, without numba's wrapper for Python
+        yield signature, len(re.findall(r"^\\s+v?mov\\w*\\s+%\\w+, -?\\w*[(]%rsp[)]", code, re.M))
+
+
 table = random_quantized_table("q4_k", 16, 512, 0)
 for dtype in (np.float32, np.float16):
     fastembed.lookup(table, np.zeros(2048, np.int64), out=np.empty((2048, 512), dtype), dtype=np.dtype(dtype))
 fastembed.wait_for_compiles()
-for signature, assembly in dequant_cpu._dequantize_rows.inspect_asm().items():
-    code = assembly.split("_ZN7cpython")[0]  # the function, without numba's wrapper for Python
-    stores = re.findall(r"^\\s+v?mov\\w*\\s+%\\w+, -?\\w*[(]%rsp[)]", code, re.M)
-    print(signature[4].dtype, len(stores))
+for signature, count in stack_stores(dequant_cpu._dequantize_rows):
+    print("rows", signature[4].dtype, count)
+source = np.random.default_rng(0).integers(0, 256, 512, np.uint8)
+destination = np.zeros(2048, np.uint8)
+at = destination.ctypes.data + (-destination.ctypes.data % 64)
+for name in dequant_cpu.FORMAT_CODES:
+    chunk = getattr(dequant_cpu, "_" + name)
+    for put in (dequant_ir._TO_STREAMED_FLOATS, dequant_ir._TO_STREAMED_HALVES):
+        chunk(source.ctypes.data, 32, np.float32(1), at, put, 0)  # one block (fp8_e4m3: 32 values)
+    for signature, count in stack_stores(chunk):
+        print("chunk", name, count)
 """
 
 
-@pytest.mark.skipif(not dequant_cpu.NIBBLE_TABLE_LOOKUP,
-                    reason="q4_k's float16 outputs are looked up in tables by AVX2 byte shuffles, which this CPU lacks")
-def test_q4_k_into_float16_by_table_does_not_spill_registers_to_its_stack(tmp_path):
-    """Compiled for 16 vector registers (AVX-512 hidden from numba), its row loop stores to its stack no more often
-    than q4_k's row loop into float32, which keeps every block in registers: a block's eight 16-word tables made at
-    once spilled there, and streamed stores behind such spills made the row loop 2-3 times slower in some processes.
-    From an empty cache, so that numba keeps the assembly."""
+@pytest.mark.skipif(not dequant_cpu.NIBBLE_TABLE_LOOKUP, reason="the kernels' x86-64 vector code needs AVX2")
+def test_no_streamed_decoder_spills_registers_to_its_stack(tmp_path):
+    """Compiled for 16 vector registers (AVX-512 hidden from numba): every block decoder putting float32 or float16
+    values with streamed stores keeps them in registers, and q4_k's row loop into float16 by table stores to its
+    stack no more often than its row loop into float32. Streamed stores behind spills made a row loop 2-3 times
+    slower in some processes (a block's eight q4_k tables made at once spilled so). From an empty cache, so that
+    numba keeps the assembly."""
     from numba.core import codegen
 
     features = ",".join(feature for feature in codegen.get_host_cpu_features().split(",")
                         if not feature.startswith("+avx512")) + ",-avx512f"
-    run = subprocess.run([sys.executable, "-c", _Q4_K_ROW_LOOPS_CODE], capture_output=True, text=True, timeout=600,
+    run = subprocess.run([sys.executable, "-c", _STACK_STORES_CODE], capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_FEATURES=features))
     assert run.returncode == 0, run.stderr[-3000:]
-    stores: dict[str, list[int]] = {}
+    rows: dict[str, list[int]] = {}
+    chunks: dict[str, list[int]] = {}
     for line in run.stdout.strip().split("\n"):
-        dtype, count = line.split()
-        stores.setdefault(dtype, []).append(int(count))
-    assert stores["float32"] and min(stores["float32"]) > 0, stores  # the pattern finds the row loop's own stores
-    assert max(stores["uint16"]) <= min(stores["float32"]), stores
+        kind, name, count = line.split()
+        (rows if kind == "rows" else chunks).setdefault(name, []).append(int(count))
+    assert rows["float32"] and min(rows["float32"]) > 0, rows  # the pattern finds the row loop's own stores
+    assert max(rows["uint16"]) <= min(rows["float32"]), rows
+    assert set(chunks) == set(dequant_cpu.FORMAT_CODES), chunks
+    assert all(count == 0 for counts in chunks.values() for count in counts), chunks
