@@ -560,12 +560,10 @@ def _streamed_stores_fact(kernels: Any) -> str:
         return "none (streamed stores are x86-64's)"
     if kernels.LINES_BY_PERMUTE:
         return "16 bytes per store; into rows that start inside a cache line, a whole line per store (AVX-512F)"
-    cached = [dtype for dtype, mode in (("float16", kernels.FLOAT16), ("bfloat16", kernels.BFLOAT16))
-              if not kernels.streams_well(2, mode)]
-    if not cached:
+    if kernels.streams_well(2, kernels.BFLOAT16):
         return "16 bytes per store"
-    return (f"16 bytes per store; {' and '.join(cached)} outputs take cached stores (their row loops spill registers "
-            f"to the stack on {kernels.VECTOR_REGISTERS} vector registers)")
+    return (f"16 bytes per store; bfloat16 outputs take cached stores (their row loops spill registers to the stack "
+            f"on {kernels.VECTOR_REGISTERS} vector registers)")
 
 
 _JIT_DISABLED = "numba's JIT is disabled (NUMBA_DISABLE_JIT or disable_jit in .numba_config.yaml): numba would run the kernels as Python, slower than numpy"
