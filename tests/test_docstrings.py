@@ -12,9 +12,10 @@ import fastembed
 MODULES = ["fastembed", "fastembed.api", "fastembed.dispatch", "fastembed.validate", "fastembed.io",
            "fastembed.io.checkpoints", "fastembed.io.gguf", "fastembed.io.npy", "fastembed.io.safetensors",
            "fastembed.io.save", "fastembed.io.watch", "fastembed.formats", "fastembed.tables", "fastembed.arrays",
-           "fastembed.backends.base", "fastembed.backends.cpu_workers", "fastembed.backends.cuda_backend", "fastembed.torch", "fastembed.distributed"]
+           "fastembed.backends.base", "fastembed.backends.cpu_workers", "fastembed.backends.cuda_backend", "fastembed.torch", "fastembed.distributed",
+           "fastembed.distributed.shards", "fastembed.io._files"]  # examples of private helpers too
 #: Modules that import torch: their examples run where it is installed.
-NEED_TORCH = ("fastembed.torch", "fastembed.distributed")
+NEED_TORCH = ("fastembed.torch", "fastembed.distributed", "fastembed.distributed.shards")
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -82,7 +82,7 @@ def _carrier(backend: str, device_type: str, capability: dict[str, list[str]]) -
     (``"cpu:gloo,cuda:nccl"``).
 
     Example:
-        >>> from fastembed.distributed import _carrier
+        >>> from fastembed.distributed.shards import _carrier
         >>> capability = {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]}
         >>> [_carrier("nccl", kind, capability) for kind in ("cpu", "cuda")]
         [None, 'nccl']
