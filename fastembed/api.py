@@ -27,7 +27,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     Args:
         table: 2-D C-contiguous numpy array, np.memmap, torch CPU tensor,
             JAX CPU array or any other DLPack producer in host memory (host),
-            or cupy array (GPU), of any fixed-size dtype; or a
+            or cupy array or torch CUDA tensor (GPU), of any fixed-size dtype; or a
             :class:`fastembed.formats.QuantizedTable` (GGUF block formats,
             fp8 with row scales), dequantized while gathering.
         ids: integers of any dtype and ndim (lists and scalars as numpy
@@ -436,6 +436,7 @@ class Embedding:
             FileNotFoundError: no file at `path`.
             ValueError: not a GGUF file, a corrupt or hostile header, a missing
                 tensor, or a tensor type fastembed does not gather (named).
+            TypeError: a BF16 tensor, and ml_dtypes is not installed.
 
         Example:
             >>> import os, shutil, tempfile, fastembed

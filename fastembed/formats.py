@@ -222,7 +222,16 @@ def is_fastembeds_own(fmt: BlockFormat) -> bool:
 
 
 def block_format(name: str | BlockFormat) -> BlockFormat:
-    """The format called `name` (case-insensitive), or `name` itself when it is a format; ValueError listing the known ones otherwise.
+    """The format called `name` (case-insensitive), or `name` itself when it is a format.
+
+    Args:
+        name: a format's name (``"q8_0"``, ``"Q4_K"``) or a :class:`BlockFormat`.
+
+    Returns:
+        The :class:`BlockFormat`.
+
+    Raises:
+        ValueError: no format of that name (the message lists the known ones).
 
     Example:
         >>> from fastembed.formats import block_format
@@ -245,6 +254,10 @@ def dequantize_rows(data: np.ndarray, scales: np.ndarray | None, fmt: BlockForma
         scales: ``(n,)`` float32 row scales for a ``row_scale`` format, else None.
         fmt: the rows' format.
         dim: values per row.
+
+    Returns:
+        A new ``(n, dim)`` float32 array (``gguf.quants.dequantize`` of those
+        rows for the GGUF formats, bit for bit).
 
     Example:
         >>> import numpy as np
@@ -283,10 +296,20 @@ def quantize_rows(rows: np.ndarray, fmt: str | BlockFormat) -> tuple[np.ndarray,
     float32 temporaries several times their size: a whole table is quantized
     a few MiB of rows at a time by :meth:`fastembed.Embedding.quantize`.
 
+    Args:
+        rows: a 2-D array of real numbers, ``(n, dim)``; for q8_0, `dim` a
+            multiple of 32.
+        fmt: the format, or its name.
+
+    Returns:
+        ``(data, scales)``: ``data`` a new ``(n, row_bytes)`` uint8 array of the
+        rows' blocks; ``scales`` a new ``(n,)`` float32 array for a format with
+        row scales (fp8_e4m3), else None.
+
     Raises:
         TypeError: rows of complex numbers or of a dtype that is not a number.
         ValueError: rows that are not 2-D, a format that cannot be produced
-            here, non-finite values, values beyond float32's range, or (q8_0)
+            here, a q8_0 row whose length is not a multiple of 32, non-finite values, values beyond float32's range, or (q8_0)
             a block whose scale rounds to infinity in float16 (a largest
             magnitude that rounds to 65520 x 127 = 8,321,040 or more in float32).
 
@@ -408,6 +431,12 @@ class QuantizedTable:
 
 def row_bytes(table: Any) -> int:
     """Bytes one row of `table` occupies in memory (the rows' bytes only, scales aside).
+
+    Args:
+        table: a 2-D array of any library with ``shape`` and ``dtype``, or a :class:`QuantizedTable`.
+
+    Returns:
+        ``dim x itemsize`` for a dense table, the row's block bytes for a quantized one.
 
     Example:
         >>> import numpy as np

@@ -157,12 +157,33 @@ class VocabParallelEmbedding:
         position_range(ids.shape[0], world_size, rank)``. The table's dtype, or
         ``dtype=`` (a quantized table: float32 unless ``dtype=`` says otherwise).
 
-    Example (run by every rank, after ``torch.distributed.init_process_group("gloo")``;
-    docs/distributed.md has complete scripts)::
+    Attributes:
+        rank, world_size: this rank and the group's size.
+        vocab_start, vocab_end: the rows this rank owns, ``[vocab_start, vocab_end)``
+            in the padded vocabulary (:func:`row_range`).
+        device: where this rank's rows are (``"cpu"`` or ``"cuda:N"``).
+        exchange: ``"shared_memory"`` or ``"all_reduce"``, as chosen at construction.
+        last_timings: the last call's :class:`LookupTimings` (None before the first call).
+
+    Example (a group of one rank, so that it runs in one process):
+        >>> import os, tempfile, numpy as np, torch.distributed as dist
+        >>> from fastembed.distributed import VocabParallelEmbedding
+        >>> rendezvous = "file://" + os.path.join(tempfile.mkdtemp(), "rendezvous")
+        >>> dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
+        >>> emb = VocabParallelEmbedding(np.arange(12, dtype=np.float32).reshape(4, 3))
+        >>> emb([3, 0])
+        array([[ 9., 10., 11.],
+               [ 0.,  1.,  2.]], dtype=float32)
+        >>> emb.vocab_start, emb.vocab_end, emb.exchange
+        (0, 4, 'all_reduce')
+        >>> dist.destroy_process_group()
+
+    Run by every rank of a group, after ``torch.distributed.init_process_group("gloo")``
+    (docs/distributed.md has complete scripts)::
 
         emb = VocabParallelEmbedding("path/to/checkpoint", timeout=60)
         rows = emb(torch.tensor([[5, 9, 2]]))              # (1, 3, dim) on every rank
-        mine = emb(torch.arange(8), mode="scatter")        # (8 // world_size, dim) here
+        mine = emb(torch.arange(8), mode="scatter")        # (stop - start, dim): position_range(8, world_size, rank)
 
     On GPUs, after ``init_process_group("nccl")`` and ``torch.cuda.set_device(local_rank)``::
 

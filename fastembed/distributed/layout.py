@@ -82,6 +82,13 @@ def position_range(count: int, world_size: int, rank: int) -> tuple[int, int]:
     The same rule as rows (:func:`split_range`): the first ``count % world_size``
     ranks get one position more; ranks past `count` get none.
 
+    Returns:
+        ``(start, stop)``, a half-open range of positions.
+
+    Raises:
+        ValueError: a negative `count`, a `world_size` below 1, or `rank`
+            outside ``[0, world_size)``.
+
     Example:
         >>> from fastembed.distributed import position_range
         >>> [position_range(5, 3, rank) for rank in range(3)]

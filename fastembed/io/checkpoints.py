@@ -180,6 +180,13 @@ def read_config_shape(directory: str | os.PathLike) -> tuple[int | None, int | N
     ``hidden_size``, ``d_model`` (T5, BART) or ``n_embd`` (GPT-2), the first present;
     a multimodal config's ``text_config`` is read when the top level lacks them.
 
+    Args:
+        directory: a checkpoint directory.
+
+    Returns:
+        ``(vocab_size, width)``, each None where the config does not give it;
+        None where the directory has no config.json.
+
     Raises:
         ValueError: config.json exists but is not a readable JSON object.
 

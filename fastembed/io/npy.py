@@ -148,6 +148,12 @@ def map_npy(path: str | os.PathLike) -> np.memmap:
 def map_npy_rows(path: str | os.PathLike) -> np.memmap:
     """:func:`map_npy` for a table whose rows are gathered: the file must be in row-major (C) order.
 
+    Args:
+        path: a ``.npy`` file holding a 2-D array.
+
+    Returns:
+        A read-only C-contiguous ``np.memmap`` over the file's data (nothing is read yet).
+
     Raises:
         FileNotFoundError, ValueError: as :func:`map_npy`; and a ValueError for a
             Fortran-order file, whose rows are not contiguous (gathering them would

@@ -452,6 +452,13 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorEn
     Keeps every entry (about 300 bytes of memory each); loaders use
     :func:`scan_safetensors_header`, which keeps only what they need.
 
+    Args:
+        path: a safetensors file.
+
+    Returns:
+        ``(entries, data_start)``: each tensor's :class:`TensorEntry` by name, and
+        the file offset at which the tensors' data begins.
+
     Raises:
         FileNotFoundError, ValueError: as :func:`scan_safetensors_header`.
 

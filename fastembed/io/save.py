@@ -67,8 +67,8 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             replaced (by a rename: a table mapped from it keeps its old contents); the
             new file is flushed to disk first, so after a crash `path` holds the old
             table or the new one, whole.
-        table: a 2-D host array (numpy, np.memmap) or a :class:`~fastembed.formats.QuantizedTable`
-            on the host.
+        table: a 2-D host array (numpy, np.memmap, a torch CPU tensor, a JAX CPU
+            array) or a :class:`~fastembed.formats.QuantizedTable` on the host.
         name: the tensor's name; None gives ``token_embd.weight`` in GGUF (what
             :func:`~fastembed.io.map_gguf` opens by default) and ``weight`` in safetensors.
 

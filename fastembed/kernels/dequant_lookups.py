@@ -270,7 +270,7 @@ _q4_k_looked_up = _nibbles_looked_up(_q4_k_lookups, 144, 256)
 NIBBLES_LOOKED_UP = {Q4_0: (_q4_0_looked_up, 32), Q4_1: (_q4_1_looked_up, 32), Q4_K: (_q4_k_looked_up, 256)}
 
 
-@njit(inline="always", **_JIT)  # as a call per chunk it was slower (results/2026-12-02-direct-stores-ab.md)
+@njit(inline="always", **_JIT)  # inlined: a call per chunk is slower (docs/results/2026-12-02-direct-stores-ab.md)
 def _nibbles_by_table(fmt, source, count, destination, mode, stream, lines):
     """The `count` values of 4-bit format `fmt` at `source` as 16-bit `mode` values at `destination` (see above)."""
     if fmt == Q4_0:
