@@ -15,7 +15,7 @@ Contracts:
 - a *table* is a 2-D, C-contiguous array (numpy, np.memmap, cupy, a torch
   CPU tensor, a JAX CPU array, or any other DLPack producer in host memory)
   of any fixed-size dtype that holds no Python objects;
-- *ids* are integers of any dtype and any ndim, on the table's device (host
+- *ids* are integers of any dtype and ndim up to :data:`MAX_IDS_NDIM`, on the table's device (host
   ids for a GPU table are copied there); host ids are copied once per call
   (int32 and int64 keep their dtype), so that no other thread can change
   them between the checks and the gather;
@@ -58,6 +58,21 @@ _NDARRAY = np.ndarray
 _MEMMAP, _MMAP = np.memmap, mmap.mmap
 #: Ids of these exact types hold no buffer: each call converts them into an array of its own.
 _CONVERTED_IDS = (list, tuple, int)
+
+
+def _numpy_max_ndim() -> int:
+    """The most dimensions a numpy array may have (64 from numpy 2.0, 32 before)."""
+    for ndim in (64, 32):
+        try:
+            np.empty((0,) * ndim)
+            return ndim
+        except ValueError:
+            continue
+    return 32
+
+
+#: The most dimensions ids may have: the result has one more.
+MAX_IDS_NDIM = _numpy_max_ndim() - 1
 
 
 def table_snapshot(table: Any) -> Any:
@@ -326,6 +341,8 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     Raises:
         TypeError: non-integer ids (bool, float, complex, str, object), or
             ids on another device than the table.
+        ValueError: ids of more than :data:`MAX_IDS_NDIM` dimensions (63 with
+            numpy 2), for which the result cannot be an array.
         IndexError: an integer too large for 64 bits, or (for converted
             dtypes) an id outside the table.
     """
@@ -333,7 +350,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     numpy_rows = type(table) is _NDARRAY or (type(table) is QuantizedTable and type(table.data) is _NDARRAY)
     if type(ids) is _NDARRAY and numpy_rows:
         dtype = ids.dtype
-        if dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES:
+        if (dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES) and ids.ndim <= MAX_IDS_NDIM:
             return ids.copy()
         _check_integer_dtype(dtype)
         return _native_ids(ids, table.shape[0])  # a converted copy
@@ -470,7 +487,11 @@ def _native_ids(ids: Any, vocab_size: int) -> Any:
 
     The check comes first because uint64 values above 2**63 would wrap to
     negative numbers in the conversion and hide the caller's mistake.
+    Raises ValueError for ids of more than :data:`MAX_IDS_NDIM` dimensions.
     """
+    if len(ids.shape) > MAX_IDS_NDIM:
+        raise ValueError(f"ids have {len(ids.shape)} dimensions; at most {MAX_IDS_NDIM}, since the result "
+                         f"has one more and an array has at most {MAX_IDS_NDIM + 1}")
     dtype = np.dtype(ids.dtype)
     if dtype in NATIVE_ID_DTYPES:
         return ids

@@ -8,7 +8,7 @@ import pytest
 
 import fastembed
 from fastembed import dispatch
-from helpers import assert_bit_equal, poisoned, random_table
+from helpers import CPU_BACKENDS, assert_bit_equal, poisoned, random_table
 
 
 class FakeGpuArray:
@@ -332,6 +332,21 @@ def test_ragged_nested_lists_of_ids_are_a_value_error_saying_what_ids_must_be(ta
     for ragged in ([[1, 2], [3]], [[1], [2, [3]]]):
         with pytest.raises(ValueError, match="ids must form a rectangular array of integers: .*inhomogeneous"):
             fastembed.lookup(table, ragged)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16])
+@pytest.mark.parametrize("backend_name", ["auto", *CPU_BACKENDS])
+def test_ids_with_no_room_for_the_result_dimension_are_a_value_error_naming_it(table, dtype, backend_name):
+    deepest = np.zeros((1,) * fastembed.validate.MAX_IDS_NDIM, dtype)
+    assert fastembed.lookup(table, deepest, backend=backend_name).shape == deepest.shape + (8,)
+    out = poisoned((1, 8), table.dtype)
+    untouched = out.copy()
+    for kwargs in ({}, {"dtype": np.float32}, {"out": out.reshape((1,) * fastembed.validate.MAX_IDS_NDIM + (8,))}):
+        with pytest.raises(ValueError, match=f"ids have {deepest.ndim + 1} dimensions; at most {deepest.ndim}"):
+            fastembed.lookup(table, deepest[..., np.newaxis], backend=backend_name, **kwargs)
+    with pytest.raises(ValueError, match=f"ids have {deepest.ndim + 1} dimensions"):
+        fastembed.Embedding(table)(deepest[..., np.newaxis], backend=backend_name)
+    assert_bit_equal(out, untouched)
 
 
 @pytest.mark.parametrize("name", ["finfo", "__name__", "iinfo"])
