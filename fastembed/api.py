@@ -55,7 +55,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         ``ids.shape + (table.shape[1],)``, the output dtype.
 
     Raises:
-        TypeError: ids that are not integers; arrays of the wrong kind, dtype or device.
+        TypeError: ids that are not integers; arrays of the wrong kind, dtype or device;
+            a `dtype` that is no dtype.
         ValueError: ids in nested lists of different lengths, or of more
             than 63 dimensions (the result has one more); a table or
             ``out`` of the wrong shape or layout; an ``out``

@@ -22,13 +22,14 @@ _CHUNK_WORDS = 8 * 2**20
 def resolve_dtype(dtype: Any) -> np.dtype:
     """np.dtype(dtype), with "bfloat16" (and other ml_dtypes names) through ml_dtypes.
 
-    Raises TypeError naming the missing package when ml_dtypes is needed but absent.
+    Raises TypeError for anything that is not a dtype, naming the missing
+    package when ml_dtypes is needed but absent.
     """
     try:
         return np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError) as error:  # numpy raises ValueError for some objects with a .dtype (a torch tensor)
         if not isinstance(dtype, str):
-            raise
+            raise TypeError(f"{dtype!r} is not a dtype: {error}") from None
     try:
         import ml_dtypes
     except ImportError:

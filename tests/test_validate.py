@@ -349,6 +349,22 @@ def test_ids_with_no_room_for_the_result_dimension_are_a_value_error_naming_it(t
     assert_bit_equal(out, untouched)
 
 
+class _NoDtype:
+    """An object whose ``dtype`` attribute is no dtype, as a torch tensor's is to numpy."""
+
+    dtype = 5
+
+
+@pytest.mark.parametrize("not_a_dtype", [_NoDtype(), np.array([1.0]), object(), 3])
+def test_a_dtype_argument_that_is_no_dtype_is_a_type_error(table, not_a_dtype):
+    out = poisoned((1, 8), np.float32)
+    untouched = out.copy()
+    for kwargs in ({}, {"out": out}):
+        with pytest.raises(TypeError, match="is not a dtype"):
+            fastembed.lookup(table, [1], dtype=not_a_dtype, **kwargs)
+    assert_bit_equal(out, untouched)
+
+
 @pytest.mark.parametrize("name", ["finfo", "__name__", "iinfo"])
 def test_a_dtype_name_that_is_no_scalar_type_of_ml_dtypes_is_unknown(table, name):
     with pytest.raises(TypeError, match=f"unknown dtype '{name}'"):
