@@ -33,7 +33,6 @@ class Capabilities:
             adapter name (``"numpy"``, ``"cupy"``, see :mod:`fastembed.arrays`);
             ``ids`` and ``out`` arrive on the table's device and library.
         devices: the device kinds it runs on (``"cpu"``, ``"cuda"``).
-        id_dtypes: the id dtypes it takes natively.
         formats: the table formats it gathers: ``"dense"`` (any fixed-size
             dtype) and the names of the block formats it dequantizes
             (:data:`fastembed.formats.FORMATS`), for which it implements
@@ -42,7 +41,6 @@ class Capabilities:
 
     array_libraries: frozenset[str]
     devices: frozenset[str]
-    id_dtypes: frozenset[np.dtype] = NATIVE_ID_DTYPES
     formats: frozenset[str] = DENSE_ONLY
 
 
