@@ -25,11 +25,8 @@ def gather_cast(backend: Backend, table: np.ndarray, ids: np.ndarray, out: np.nd
         dtype: the output dtype (validated by :func:`fastembed.validate.output_dtype`).
 
     Raises:
-        TypeError: a table that is not a host (numpy) array.
         IndexError: an id out of range, before anything is written.
     """
-    if not isinstance(table, np.ndarray):
-        raise TypeError(f"dtype= casts host tables only; gather this {type(table).__module__} table in its own dtype and cast the result")
     from .backends.numpy_backend import check_range
 
     check_range(ids, table.shape[0])

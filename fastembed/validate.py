@@ -154,8 +154,9 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
 
     Raises:
         TypeError: a dtype the table cannot be gathered into, naming the
-            choices; a dtype in the other byte order for a table whose
-            library has none (torch, JAX, cupy).
+            choices; a cast of a dense table that is not on the host; a dtype
+            in the other byte order for a table whose library has none
+            (torch, JAX, cupy).
     """
     if type(table) is QuantizedTable:
         if dtype is None:
@@ -179,6 +180,9 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     if target == source or (own == target.name and target.isnative):
         return source
     if is_float_dtype(source) and target.name in (*OUTPUT_DTYPES, "float64"):
+        if not isinstance(table, _NDARRAY):
+            library = adapter_of(table if rows is None else rows).name  # type: ignore[union-attr]
+            raise TypeError(f"dtype= casts host tables only; gather this {library} table in its own dtype and cast the result")
         return target
     raise TypeError(
         f"a table of dtype {own or source} can be gathered into its own dtype"

@@ -65,6 +65,18 @@ def test_lookup_matches_numpy(cp, width, id_dtype, dtype):
     assert fastembed.select_backend(emb.table, ids).backend == "cuda"
 
 
+def test_a_cast_of_a_dense_device_table_is_refused_alike_by_select_backend_and_lookup(cp):
+    table = cp.asarray(random_table(50, 8, np.float32))
+    out = device_poisoned(cp, (2, 8), np.float16)
+    for call in (lambda: fastembed.select_backend(table, [1, 2], dtype="float16"),
+                 lambda: fastembed.lookup(table, [1, 2], dtype="float16"),
+                 lambda: fastembed.lookup(table, [1, 2], out=out, dtype="float16"),
+                 lambda: fastembed.Embedding(table)([1, 2], dtype="float16")):
+        with pytest.raises(TypeError, match="dtype= casts host tables only; gather this cupy table in its own dtype"):
+            call()
+    assert (cp.asnumpy(out).view(np.uint8) == POISON).all()
+
+
 @pytest.mark.parametrize(("row_bytes", "table_offset", "out_offset", "vector"), [
     (64, 0, 0, 16), (48, 0, 0, 16), (40, 0, 0, 8), (64, 8, 0, 8), (64, 0, 24, 8), (36, 0, 0, 4), (64, 4, 0, 4),
     (64, 0, 12, 4), (18, 0, 0, 2), (64, 2, 6, 2), (21, 0, 0, 1), (64, 1, 0, 1), (64, 0, 3, 1), (7, 5, 9, 1),
