@@ -181,8 +181,8 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
         return source
     if is_float_dtype(source) and target.name in (*OUTPUT_DTYPES, "float64"):
         if not isinstance(table, _NDARRAY):
-            library = adapter_of(table if rows is None else rows).name  # type: ignore[union-attr]
-            raise TypeError(f"dtype= casts host tables only; gather this {library} table in its own dtype and cast the result")
+            kind = adapter_of(table if rows is None else rows).name  # type: ignore[union-attr]
+            raise TypeError(f"dtype= casts host tables only; gather this {kind} table in its own dtype and cast the result")
         return target
     raise TypeError(
         f"a table of dtype {own or source} can be gathered into its own dtype"
