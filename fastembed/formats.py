@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BlockFormat", "FORMATS", "OUTPUT_DTYPES", "QuantizedTable", "block_format", "dequantize_rows",
+__all__ = ["BlockFormat", "FORMATS", "OUTPUT_DTYPES", "QUANTIZERS", "QuantizedTable", "block_format", "dequantize_rows",
            "is_fastembeds_own", "quantize_rows", "row_bytes"]
 
 _F16 = np.dtype("<f2")
@@ -206,6 +206,8 @@ FORMATS: dict[str, BlockFormat] = {
 
 #: The dtypes a quantized table dequantizes into; float32 is the default.
 OUTPUT_DTYPES = ("float32", "float16", "bfloat16")
+#: The formats :func:`quantize_rows` (and so :meth:`fastembed.Embedding.quantize`) produces.
+QUANTIZERS = ("q8_0", "fp8_e4m3")
 
 
 def is_fastembeds_own(fmt: BlockFormat) -> bool:
@@ -322,7 +324,7 @@ def quantize_rows(rows: np.ndarray, fmt: str | BlockFormat) -> tuple[np.ndarray,
     """
     fmt = block_format(fmt)
     if FORMATS.get(fmt.name) is not fmt:
-        raise ValueError(f"fastembed quantizes into its own q8_0 and fp8_e4m3 formats, not {fmt!r}")
+        raise ValueError(f"fastembed quantizes into its own {' and '.join(QUANTIZERS)} formats, not {fmt!r}")
     rows = np.asarray(rows)
     if rows.ndim != 2:
         raise ValueError(f"rows to quantize must be 2-D (n, dim), got shape {rows.shape}")
@@ -340,8 +342,8 @@ _Q8_0_OVERFLOW = 65520 * 127
 
 def _quantize_checked(rows: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, np.ndarray | None]:
     """:func:`quantize_rows` once the arguments are known good, under errstate(all="ignore")."""
-    if fmt.name not in ("q8_0", "fp8_e4m3"):  # before the row's width: a width would not make it one
-        raise ValueError(f"fastembed quantizes into q8_0 and fp8_e4m3; {fmt.name} tables come from GGUF files")
+    if fmt.name not in QUANTIZERS:  # before the row's width: a width would not make it one
+        raise ValueError(f"fastembed quantizes into {' and '.join(QUANTIZERS)}; {fmt.name} tables come from GGUF files")
     values = rows.astype(_F32)
     if not np.isfinite(values).all():
         if np.isfinite(rows).all():

@@ -104,7 +104,6 @@ def report() -> dict[str, Any]:
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "backends": backends,
-        "fastembed_backend_env": os.environ.get(dispatch.ENVIRONMENT_VARIABLE),
         "backend_env": backend_environment(),
         "packages": package_versions(),
         "conflicting_distributions": other_fastembed_distributions(),

@@ -509,8 +509,9 @@ def _native_ids(ids: Any, vocab_size: int) -> Any:
 def check_ids_in_range(ids: Any, vocab_size: int) -> None:
     """Raise IndexError naming the first id outside ``[0, vocab_size)``.
 
-    Used by backends that cannot check bounds inside their own gather pass.
-    Two reductions over the ids (min and max); the search for the position
+    The one bounds check for ids checked apart from a gather pass: converted
+    ids here, the backends that cannot check inside their own pass,
+    ``select_backend`` and the distributed layer's ids. Two reductions over the ids (min and max); the search for the position
     runs only when one of them is out of range.
     """
     if ids.size == 0:

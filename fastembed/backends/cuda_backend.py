@@ -57,8 +57,8 @@ DEQUANT_SOURCE = KERNEL_SOURCE.with_name("dequant.cu")
 #: (vector bytes, the CUDA type used for it); the widest that fits is used.
 VECTOR_TYPES = ((16, "uint4"), (8, "uint2"), (4, "unsigned int"), (2, "unsigned short"), (1, "unsigned char"))
 ID_TYPES = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long"}
-#: Threads per block: one block per row; 128 threads x 16 bytes = 2 KiB per
-#: pass, four passes over an 8 KiB row (float16 x 4096).
+#: Threads per block at most: one block per row, a warp per 32 vectors of it
+#: (rows of 512 vectors or more take 128 threads: :func:`launch_geometry`).
 MAX_THREADS_PER_BLOCK = 256
 #: Resident blocks per SM the grid is sized for (grid-stride beyond that).
 BLOCKS_PER_SM = 32
@@ -473,7 +473,7 @@ def launch_geometry(n_ids: int, vecs_per_row: int, sm_count: int) -> tuple[int, 
     """(blocks, threads per block): a block per row, up to BLOCKS_PER_SM per SM."""
     threads = min(MAX_THREADS_PER_BLOCK, max(32, -(-vecs_per_row // 32) * 32))
     if vecs_per_row >= 512:
-        threads = 128  # four 16-byte vectors per thread in flight per row
+        threads = 128  # 128 x 16 bytes = 2 KiB per pass: four passes over an 8 KiB row, four vectors per thread in flight
     blocks = max(1, min(n_ids, sm_count * BLOCKS_PER_SM))
     return blocks, threads
 

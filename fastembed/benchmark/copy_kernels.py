@@ -33,8 +33,8 @@ from fastembed.kernels.gather_cpu import stream_row, touch_row_pages_ahead
 _JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
 
 #: Rows whose source sits 1 to this many bytes below the destination (modulo
-#: 4 KiB) are streamed backward (see :func:`fastembed.kernels.gather_cpu.copies_backward`).
-ALIAS_WINDOW = 32
+#: 4 KiB) are streamed backward (see :func:`fastembed.kernels.gather_cpu.copies_backward`), as the backend does.
+ALIAS_WINDOW = numba_backend.ALIAS_WINDOW
 
 _WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
 

@@ -31,7 +31,7 @@ import numpy as np
 
 import fastembed
 from fastembed import dispatch
-from fastembed.formats import QuantizedTable, dequantize_rows, row_bytes
+from fastembed.formats import QUANTIZERS, QuantizedTable, dequantize_rows, row_bytes
 from fastembed.tables import random_quantized_table
 
 from .contenders import Contender
@@ -55,7 +55,7 @@ def quantized_tables(dense: np.ndarray, names: list[str], seed: int = 0) -> dict
     """Per format name: the table to measure and where it came from ("quantized by fastembed" or "random blocks")."""
     tables = {}
     for name in names:
-        if name in ("q8_0", "fp8_e4m3") and dense.dtype.kind == "f":
+        if name in QUANTIZERS and dense.dtype.kind == "f":
             tables[name] = (fastembed.Embedding(dense).quantize(name).table, "quantized by fastembed")
         else:
             tables[name] = (random_quantized_table(name, dense.shape[0], dense.shape[1], seed), "random blocks")
