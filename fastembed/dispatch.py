@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import validate
 from .arrays import adapter_of, device_of
 from .backends import base, cuda_backend, numba_backend, numpy_backend
 from .backends.base import Backend
@@ -161,15 +162,14 @@ def requested_choice(backend: str, environment: str | None = None) -> str:
 
 
 def reasons_against(backend: Backend, table: Any) -> list[str]:
-    """Why `backend` cannot serve a call on `table`: the machine first, then its declared capabilities."""
+    """Why `backend` cannot serve a call on `table` (a snapshot): the machine first, then its declared capabilities."""
     unavailable = backend.unavailable_reasons()
     if unavailable:
         return unavailable
-    quantized = type(table) is QuantizedTable
-    rows = table.data if quantized else table
-    adapter = adapter_of(rows)
-    library = adapter.name if adapter is not None else type(rows).__module__.partition(".")[0]
-    return base.not_supported_reasons(backend, library, device_of(rows), table.format.name if quantized else base.DENSE)
+    rows = validate.storage(table)
+    library = adapter_of(rows).name  # type: ignore[union-attr]  # a snapshot's rows always have an adapter
+    kind = table.format.name if type(table) is QuantizedTable else base.DENSE
+    return base.not_supported_reasons(backend, library, device_of(rows), kind)
 
 
 def available_backends() -> tuple[Backend, ...]:

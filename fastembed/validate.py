@@ -675,10 +675,6 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             f"out lives on {adapter.device(out)} but the table lives on {device_of(rows)}; "
             "they must be on the same device"
         )
-    if getattr(out, "requires_grad", False):
-        raise ValueError(
-            "out requires grad: lookup writes it in place and records no autograd; pass a tensor that does not"
-        )
     write_refusal = getattr(adapter, "write_refusal", None)
     refusal = None if write_refusal is None else write_refusal(out)
     if refusal is not None:

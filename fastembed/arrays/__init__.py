@@ -46,9 +46,9 @@ class ArrayAdapter(Protocol):
     an array's address range without making a view of it (torch:
     ``data_ptr()``) provides ``byte_span(array)``, ``(first byte, past the
     last)``: validation tells an ``out`` and ids with disjoint spans apart
-    without the exact test. An adapter whose library forbids in-place writes
-    to some arrays in some states (torch: an inference tensor outside
-    inference mode) provides ``write_refusal(array)``, the reason or None,
+    without the exact test. An adapter whose library has arrays a lookup
+    must not write in place (torch: a tensor that requires grad, an
+    inference tensor outside inference mode) provides ``write_refusal(array)``, the reason or None,
     which validation asks of an ``out``. An adapter whose read-only
     snapshots may stand for memory that is writable (DLPack: numpy imports an
     export older than DLPack 1.0 read-only) sets ``read_only_note``, the

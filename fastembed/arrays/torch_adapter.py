@@ -245,7 +245,10 @@ class TorchAdapter:
         return not isinstance(view, np.ndarray) or write_probe.can_write(view)
 
     def write_refusal(self, array: Any) -> str | None:
-        """Why torch forbids writing `array` in place here, or None (an inference tensor outside inference mode)."""
+        """Why a lookup must not write `array` in place, or None: it requires grad (no autograd is recorded), or it
+        is an inference tensor outside inference mode (torch forbids the write)."""
+        if array.requires_grad:
+            return "out requires grad: lookup writes it in place and records no autograd; pass a tensor that does not"
         if array.is_inference():
             import torch
 
