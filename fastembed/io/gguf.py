@@ -51,7 +51,8 @@ MAX_NAME_BYTES = 4096
 MAX_DIMS = 4
 #: The alignment of the data when the file does not set ``general.alignment``.
 DEFAULT_ALIGNMENT = 32
-_MAGIC = b"GGUF"
+#: The bytes every GGUF file starts with.
+MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _INT64_MAX = 2**63 - 1
 
@@ -73,8 +74,11 @@ QUANTIZED_TYPES: dict[int, BlockFormat] = {fmt.ggml_type: fmt for fmt in FORMATS
 
 # Metadata value types: fixed sizes, and the two variable ones.
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
-_ALIGNMENT_KEY = b"general.alignment"
+_STRING, _ARRAY = 8, 9
+#: The metadata value type of a uint32.
+UINT32_TYPE = 4
+#: The metadata key of the data's alignment.
+ALIGNMENT_KEY = b"general.alignment"
 # The fewest bytes one metadata entry and one tensor description take (empty names, a u8 value, no dims).
 _MIN_KV_BYTES = 8 + 4 + 1
 _MIN_TENSOR_BYTES = 8 + 4 + 4 + 8
@@ -190,7 +194,7 @@ class _Reader:
 
 def _header_counts(reader: _Reader, head: bytes) -> tuple[int, int, int]:
     """Check the magic and version; returns (version, tensor_count, kv_count)."""
-    if not head.startswith(_MAGIC):
+    if not head.startswith(MAGIC):
         looks = describe(reader.path, head)
         raise reader.fail(f"not a GGUF file: it {looks}" if looks else
                           f"not a GGUF file (no 'GGUF' magic); {_OPENER} opens .gguf files")
@@ -262,12 +266,12 @@ def _read_metadata(reader: _Reader, kv_count: int) -> int:
             return reader.text(start, length, 80)
 
         value_type = reader.u32(lambda: f"the value type of {key()!r}")
-        if key_length != len(_ALIGNMENT_KEY) or reader.buffer[key_start:key_start + key_length] != _ALIGNMENT_KEY:
+        if key_length != len(ALIGNMENT_KEY) or reader.buffer[key_start:key_start + key_length] != ALIGNMENT_KEY:
             _skip_value(reader, value_type, key)
             continue
         if alignment is not None:
             raise reader.fail("general.alignment is given twice")
-        if value_type != _UINT32:
+        if value_type != UINT32_TYPE:
             raise reader.fail(f"general.alignment must be a uint32 (GGUF value type 4), not value type {value_type}")
         alignment = reader.u32("general.alignment")
         if alignment == 0 or alignment & (alignment - 1):
@@ -346,7 +350,7 @@ def _scan_file(path: str | os.PathLike, name: str | None) -> tuple[GGUFTensor, F
     name = TOKEN_EMBEDDING if name is None else name
     with opened(path, _OPENER) as (handle, identity):
         head = handle.read(24)
-        if len(head) < 24 or not head.startswith(_MAGIC):
+        if len(head) < 24 or not head.startswith(MAGIC):
             _header_counts(_Reader(path, head, len(head)), head)  # raises: not GGUF, or truncated
         return _scan(_Reader(path, head, identity.size, handle), head, name), identity
 

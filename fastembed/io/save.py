@@ -44,13 +44,13 @@ from .. import validate
 from ..arrays import adapter_of
 from ..formats import FORMATS, QuantizedTable, is_fastembeds_own
 from ._files import check_tensor_name
-from .gguf import DEFAULT_ALIGNMENT, TOKEN_EMBEDDING
+from .gguf import ALIGNMENT_KEY, DEFAULT_ALIGNMENT, DENSE_TYPES, MAGIC, TOKEN_EMBEDDING, UINT32_TYPE
 from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
 
 #: The tensor name a table is saved under in a safetensors file when none is given.
 SAFETENSORS_NAME = "weight"
-#: GGUF type codes of the dense dtypes a GGUF file holds.
-_GGUF_DENSE = {"float32": 0, "float16": 1, "bfloat16": 30}
+#: GGUF type codes of the dense dtypes a GGUF file holds, by numpy name (bfloat16 without importing ml_dtypes).
+_GGUF_DENSE = {(spec if spec == "bfloat16" else np.dtype(spec).name): code for code, spec in DENSE_TYPES.items()}
 #: The safetensors dtype code of each dense dtype (numpy names) a safetensors file holds and the loaders map back.
 _SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 #: Bytes written at a time (a memory-mapped table is streamed, never copied whole).
@@ -185,16 +185,15 @@ def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> Non
     _replace(path, write)
 
 
-def _gguf_string(text: str) -> bytes:
-    raw = text.encode("utf-8")
+def _gguf_string(raw: bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
 def _gguf_header(name: str, dim: int, vocab_size: int, ggml_type: int) -> bytes:
     """Everything before the data, padded to the alignment; dims are innermost first: ``[dim, vocab_size]``."""
-    alignment = _gguf_string("general.alignment") + struct.pack("<II", 4, DEFAULT_ALIGNMENT)
-    tensor = _gguf_string(name) + struct.pack("<IQQIQ", 2, dim, vocab_size, ggml_type, 0)
-    head = b"GGUF" + struct.pack("<IQQ", 3, 1, 1) + alignment + tensor
+    alignment = _gguf_string(ALIGNMENT_KEY) + struct.pack("<II", UINT32_TYPE, DEFAULT_ALIGNMENT)
+    tensor = _gguf_string(name.encode("utf-8")) + struct.pack("<IQQIQ", 2, dim, vocab_size, ggml_type, 0)
+    head = MAGIC + struct.pack("<IQQ", 3, 1, 1) + alignment + tensor
     return head + b"\0" * (-len(head) % DEFAULT_ALIGNMENT)
 
 
