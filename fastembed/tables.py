@@ -19,6 +19,21 @@ _FLOAT_BITS = {
 _CHUNK_WORDS = 8 * 2**20
 
 
+def is_ml_dtype(dtype: np.dtype) -> bool:
+    """A dtype of ml_dtypes (bfloat16, float8, int4, ...), which numpy sees as void (kind V) and other libraries lack."""
+    return dtype.type.__module__ == "ml_dtypes"
+
+
+def is_float_dtype(dtype: np.dtype) -> bool:
+    """numpy floats and the ml_dtypes floats (bfloat16, float8): what casts to another float."""
+    return dtype.kind == "f" or (is_ml_dtype(dtype) and "float" in dtype.name)
+
+
+def is_integer_dtype(dtype: np.dtype) -> bool:
+    """numpy integers and the ml_dtypes integers (int4, uint4, int2, ...)."""
+    return dtype.kind in "iu" or (is_ml_dtype(dtype) and "int" in dtype.name)
+
+
 def resolve_dtype(dtype: Any) -> np.dtype:
     """np.dtype(dtype), with "bfloat16" (and other ml_dtypes names) through ml_dtypes.
 
@@ -58,7 +73,7 @@ def random_table(
         bits = table.view(view)
         bits &= np.array(keep, dtype=view)
         bits |= np.array(exponent, dtype=view)
-    elif dtype.kind in "fc" or (dtype.kind == "V" and dtype.type.__module__ == "ml_dtypes" and "float" in dtype.name):
+    elif dtype.kind == "c" or is_float_dtype(dtype):
         # Other floats (ml_dtypes float8, long double, complex): cast from float32 in [1/64, 1/32).
         flat = table.reshape(-1)
         for start in range(0, flat.size, _CHUNK_WORDS):

@@ -51,7 +51,7 @@ import numpy as np
 from .arrays import adapter_of, device_of, dtype_spec, host_copy, numpy_adapter, write_probe
 from .backends.base import NATIVE_ID_DTYPES
 from .formats import FORMATS, OUTPUT_DTYPES, QuantizedTable, is_fastembeds_own
-from .tables import resolve_dtype
+from .tables import is_float_dtype, is_integer_dtype, resolve_dtype
 
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)  # numpy's builtin dtypes are singletons
 _NDARRAY = np.ndarray
@@ -211,16 +211,6 @@ def _dtype_name(array: Any) -> str | None:
     """The name of `array`'s own dtype where its adapter knows one beyond its snapshot's (torch), else None."""
     dtype_name = getattr(adapter_of(array), "dtype_name", None)
     return None if dtype_name is None else dtype_name(array)
-
-
-def is_float_dtype(dtype: np.dtype) -> bool:
-    """numpy floats and the ml_dtypes floats (bfloat16, float8): what casts to another float."""
-    return dtype.kind == "f" or (dtype.type.__module__ == "ml_dtypes" and "float" in dtype.name)
-
-
-def is_integer_dtype(dtype: np.dtype) -> bool:
-    """numpy integers and the ml_dtypes integers (int4, uint4, int2, ...), which numpy sees as void (kind V)."""
-    return dtype.kind in "iu" or (dtype.type.__module__ == "ml_dtypes" and "int" in dtype.name)
 
 
 def is_real_number_dtype(dtype: np.dtype) -> bool:

@@ -18,8 +18,10 @@ class CupyAdapter:
         """CuPy has no ml_dtypes (bfloat16, float8): they live as unsigned words of the same size."""
         import numpy as np
 
+        from ..tables import is_ml_dtype
+
         dtype = np.dtype(dtype)
-        return np.dtype(f"u{dtype.itemsize}") if dtype.type.__module__ == "ml_dtypes" else dtype
+        return np.dtype(f"u{dtype.itemsize}") if is_ml_dtype(dtype) else dtype
 
     def owns(self, array: Any) -> bool:
         return type(array).__module__.partition(".")[0] == "cupy" and hasattr(array, "__cuda_array_interface__")

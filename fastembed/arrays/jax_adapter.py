@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..tables import is_ml_dtype
 from . import numpy_adapter
 
 #: JAX's CPU client aliases host buffers aligned to this many bytes, and copies the others.
@@ -180,7 +181,7 @@ def _check_whole_bytes(dtype: Any) -> None:
 @functools.cache
 def _value_bits(dtype: np.dtype) -> int:
     """Bits per value of `dtype`: ml_dtypes' own count for its dtypes (int4: 4), else the itemsize's."""
-    if dtype.type.__module__ != "ml_dtypes":
+    if not is_ml_dtype(dtype):
         return 8 * dtype.itemsize  # numpy's own dtypes: JAX stores them as numpy does
     import ml_dtypes
 

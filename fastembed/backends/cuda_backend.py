@@ -50,6 +50,7 @@ import numpy as np
 
 from .. import validate
 from ..formats import QuantizedTable
+from ..tables import is_ml_dtype
 from .base import DENSE, Capabilities
 
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "gather.cu"
@@ -448,7 +449,7 @@ def to_device(table: Any, device_id: int) -> Any:
             scales = None if table.scales is None else cupy.asarray(np.ascontiguousarray(table.scales))
         return QuantizedTable(data, table.format, table.dim, scales)
     host = np.ascontiguousarray(table)
-    if host.dtype.kind == "V" or host.dtype.type.__module__.partition(".")[0] == "ml_dtypes":
+    if host.dtype.kind == "V" or is_ml_dtype(host.dtype):
         if host.dtype.itemsize not in (1, 2, 4, 8):
             raise TypeError(f"cannot move a table of dtype {host.dtype} to the GPU: cupy has no dtype of "
                             f"{host.dtype.itemsize} bytes to carry it")

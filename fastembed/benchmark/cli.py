@@ -318,7 +318,9 @@ ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 def dtype_problem(dtype: Any) -> str | None:
     """Why the benchmark cannot measure a dense table of `dtype`, or None when it can."""
-    if dtype.type.__module__ == "ml_dtypes":
+    from fastembed.tables import is_ml_dtype
+
+    if is_ml_dtype(dtype):
         return None if dtype.name in ML_DTYPES else f"{dtype.name}: of ml_dtypes' dtypes only {', '.join(ML_DTYPES)} are measured"
     if dtype.kind not in "biufc" or dtype.char in "gG":  # g, G: long double, which torch and cupy lack
         return (f"{dtype}: the benchmark measures tables of bool, integers, floats up to float64, complex up to "
@@ -333,7 +335,7 @@ def quantizing_problem(formats: list[str], dim: int, dtype: Any) -> str | None:
     import numpy as np
 
     from fastembed.formats import FORMATS
-    from fastembed.validate import is_float_dtype
+    from fastembed.tables import is_float_dtype
 
     if not is_float_dtype(dtype):
         return f"--format quantizes a float table, not {dtype}"

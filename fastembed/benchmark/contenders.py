@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 import fastembed
+from fastembed.tables import is_ml_dtype
 
 #: The id of the scattered-read limit (its own limit line, not a copy).
 SCATTERED_READ = "read-scattered"
@@ -115,7 +116,7 @@ def _torch_tensor(array: np.ndarray) -> Any:
     with warnings.catch_warnings():
         # A read-only table (memory-mapped with --table) is only ever read through the tensor.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        if array.dtype.type.__module__ == "ml_dtypes":
+        if is_ml_dtype(array.dtype):
             words = array.view(np.int16 if array.dtype.itemsize == 2 else np.uint8)
             return torch.from_numpy(words).view(getattr(torch, array.dtype.name))
         return torch.from_numpy(array)
