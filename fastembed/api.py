@@ -593,7 +593,7 @@ class Embedding:
         from .backends import cuda_backend
         from .dispatch import BackendUnavailableError
 
-        index = cuda_backend.device_index(device)
+        index = cuda_backend.checked_device_index(device)
         if self.device != "cpu":
             raise TypeError(f"to_device() copies a host table, and this one lives on {self.device}")
         reasons = cuda_backend.BACKEND.unavailable_reasons()

@@ -501,7 +501,7 @@ def deferred_id_checks() -> Iterator[None]:
         _deferred.reset(token)
 
 
-def device_index(device: Any) -> int:
+def checked_device_index(device: Any) -> int:
     """`device` as the index of a CUDA device of this machine (where cupy sees none, only its type and sign are checked).
 
     Raises:
@@ -547,7 +547,7 @@ def raise_deferred_id_errors(device_id: int = 0) -> None:
         >>> import fastembed
         >>> fastembed.raise_deferred_id_errors(0)  # silent: no deferred lookup saw a bad id
     """
-    device_id = device_index(device_id)
+    device_id = checked_device_index(device_id)
     if BACKEND.unavailable_reasons():
         return
     position = BACKEND._take_deferred_error(device_id)
