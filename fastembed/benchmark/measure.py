@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from fastembed.arrays import adapter_of
+
 from .contenders import SCATTERED_READ, Contender, slug
 from .ids import id_sets
 
@@ -170,7 +172,7 @@ def _host_allocated_by_one_call(call: Callable[[Any], Any], ids: Any) -> int | N
         tracemalloc.reset_peak()
         result = call(ids)
         _, peak = tracemalloc.get_traced_memory()
-        unseen = type(result).__module__.partition(".")[0] == "torch"
+        unseen = _library(result) == "torch"
         del result
         return None if unseen else max(0, peak - before)
     finally:
@@ -324,9 +326,15 @@ def same_bytes(result: Any, expected: Any) -> bool:
     return tuple(result.shape) == tuple(expected.shape) and np.array_equal(_host_bytes(result), _host_bytes(expected))
 
 
+def _library(array: Any) -> str:
+    """The name of `array`'s adapter (``"numpy"``, ``"torch"``, ``"cupy"``, ...), numpy for what no adapter owns."""
+    adapter = adapter_of(array)
+    return "numpy" if adapter is None else adapter.name
+
+
 def _host_bytes(array: Any) -> np.ndarray:
     """The bytes of `array` (numpy, cupy, or torch, whose bfloat16 and float8 numpy cannot hold), in host memory."""
-    library = type(array).__module__.partition(".")[0]
+    library = _library(array)
     if library == "torch":
         import torch
 
