@@ -30,7 +30,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
             or cupy array or torch CUDA tensor (GPU), of any fixed-size dtype; or a
             :class:`fastembed.formats.QuantizedTable` (GGUF block formats,
             fp8 with row scales), dequantized while gathering.
-        ids: integers of any dtype and ndim up to 63 (lists and scalars as numpy
+        ids: integers of any dtype and ndim up to 63 with numpy 2 (lists and scalars as numpy
             accepts them) in ``[0, table.shape[0])``. Host ids are copied
             once (n x 8 bytes at most; int32/int64 keep their dtype), so
             another thread writing them meanwhile cannot change what the
@@ -58,7 +58,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         TypeError: ids that are not integers; arrays of the wrong kind, dtype or device;
             a `dtype` that is no dtype.
         ValueError: ids in nested lists of different lengths, or of more
-            than 63 dimensions (the result has one more); a table or
+            dimensions than the result leaves room for (63 with numpy 2); a table or
             ``out`` of the wrong shape or layout; an ``out``
             that is read-only, overlaps the table or the ids (an np.memmap of
             the table's own file bytes too), requires grad, or

@@ -311,9 +311,10 @@ def quantize_rows(rows: np.ndarray, fmt: str | BlockFormat) -> tuple[np.ndarray,
     Raises:
         TypeError: rows of complex numbers or of a dtype that is not a number.
         ValueError: rows that are not 2-D, a format that cannot be produced
-            here, a q8_0 row whose length is not a multiple of 32, non-finite values, values beyond float32's range, or (q8_0)
-            a block whose scale rounds to infinity in float16 (a largest
-            magnitude that rounds to 65520 x 127 = 8,321,040 or more in float32).
+            here, a q8_0 row whose length is not a multiple of 32, non-finite
+            values, values beyond float32's range, or (q8_0) a block whose
+            scale rounds to infinity in float16 (a largest magnitude that
+            rounds to 65520 x 127 = 8,321,040 or more in float32).
 
     Example:
         >>> import numpy as np
