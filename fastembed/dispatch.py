@@ -144,11 +144,6 @@ _selected: dict[tuple[Any, ...], Backend] = {}
 read_environment()
 
 
-def environment_choice() -> str:
-    """The FASTEMBED_BACKEND value in force (``"auto"`` when unset)."""
-    return _environment_choice
-
-
 def requested_choice(backend: str, environment: str | None = None) -> str:
     """Resolve ``auto`` through FASTEMBED_BACKEND (`environment`: its value as read; None: now), and reject unknown names."""
     if backend == AUTO:

@@ -131,7 +131,7 @@ def test_environment_variable_is_read_at_import():
     output = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
     assert output.stdout.strip() == "numpy"
     dispatch.read_environment()  # the current process' value again
-    assert dispatch.environment_choice() == (os.environ.get("FASTEMBED_BACKEND") or "auto")
+    assert dispatch.requested_choice(dispatch.AUTO) == (os.environ.get("FASTEMBED_BACKEND") or "auto")
 
 
 @pytest.mark.skipif(not NUMBA_AVAILABLE, reason="needs numba: auto picks it over numpy")
