@@ -193,8 +193,10 @@ def _give_back(buffer: np.ndarray, view: weakref.ref) -> None:
     """Finalizer of a lease: keep its buffer, freeing the buffers that came back before it, oldest first, to stay
     within the limit (a buffer larger than the limit is freed itself).
 
-    Room is made before the buffer is kept, so an interruption leaves the cache within its limit; a Ctrl-C
-    caught here is delivered again, since Python only prints an exception that leaves a finalizer.
+    Room is made before the buffer is kept, so an interruption leaves the cache within its limit. A
+    KeyboardInterrupt caught here is requested again for the main thread, since Python only prints an exception
+    that leaves a finalizer: that delivers it where the finalizer runs on another thread; on the main thread the
+    request is served before the finalizer returns, so a Ctrl-C that lands in it is printed, not raised.
     """
     try:
         with _lock:
