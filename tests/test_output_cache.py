@@ -99,6 +99,7 @@ def test_an_interrupt_anywhere_in_the_caches_code_leaves_it_bounded_and_working(
     busy for good when it struck on entering the code that left it, then kept every returning buffer beyond the
     limit, served none and freed none on empty_cache()."""
     monkeypatch.setattr("sys.unraisablehook", lambda unraisable: None)  # a finalizer's interrupt is not raised
+    monkeypatch.setattr(output_cache, "_interrupt_again", lambda: None)  # nor raised again later, in the test's code
     fastembed.set_output_cache_limit(12 * 2**20)  # room for two of the round's four buffers: the limit is tested
     runs = 0
     for _ in interrupted_runs(_in_the_cache, _cache_round):
@@ -112,7 +113,7 @@ def test_an_interrupt_while_a_buffer_comes_back_never_keeps_more_than_the_limit_
     only once there is room) and the KeyboardInterrupt, which Python would only print, is raised again (but on
     entering the finalizer, before any of its code runs)."""
     delivered, printed = [], []
-    monkeypatch.setattr("_thread.interrupt_main", lambda: delivered.append(True))
+    monkeypatch.setattr(output_cache, "_interrupt_again", lambda: delivered.append(True))
     monkeypatch.setattr("sys.unraisablehook", lambda unraisable: printed.append(unraisable.exc_type))
     fastembed.set_output_cache_limit(12 * 2**20)  # room for two buffers
     armed = []
@@ -135,6 +136,34 @@ def test_an_interrupt_while_a_buffer_comes_back_never_keeps_more_than_the_limit_
         delivered.clear(), printed.clear()
         fastembed.empty_cache()
     assert runs > 3
+
+
+INTERRUPTED_FINALIZER = """
+import sys, threading, numpy as np
+from fastembed.backends import output_cache
+printed = []
+sys.unraisablehook = lambda unraisable: printed.append(unraisable.exc_type)
+lease = output_cache.new_output((600, 4096), np.float16)
+def ctrl_c():
+    raise KeyboardInterrupt  # as a Ctrl-C landing in the finalizer's code
+output_cache.cached_bytes = ctrl_c
+try:
+    del lease  # its finalizer runs on the main thread, and returns
+    after_the_finalizer = True
+    threading.Event().wait()  # for ever, unless interrupted as by a Ctrl-C: run_script's timeout ends it
+    print("not raised again")
+except KeyboardInterrupt:
+    print("raised again", after_the_finalizer, printed)
+"""
+
+
+def test_a_ctrl_c_caught_in_a_finalizer_on_the_main_thread_is_raised_again_after_it_returns(tmp_path):
+    """A request from within the finalizer would be served before it returns, and Python would only print it; and
+    the interrupt wakes a blocking wait, as a Ctrl-C does."""
+    finished = run_script(tmp_path, INTERRUPTED_FINALIZER)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert finished.stdout.split()[:3] == ["raised", "again", "True"], finished.stdout + finished.stderr[-2000:]
+    assert finished.stdout.rstrip().endswith("[]"), finished.stdout  # nothing printed as unraisable
 
 
 class _Keeper:

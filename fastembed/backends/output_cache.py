@@ -35,6 +35,7 @@ from __future__ import annotations
 import _thread
 import math
 import os
+import signal
 import threading
 import weakref
 from typing import Any
@@ -48,6 +49,9 @@ GRANULE = 2 * 2**20
 #: Every cached buffer starts at a multiple of this many bytes (a cache line; what JAX needs to share a result).
 ALIGNMENT = 64
 ENVIRONMENT_VARIABLE = "FASTEMBED_OUTPUT_CACHE_BYTES"
+#: Seconds after which a Ctrl-C caught in a finalizer on the main thread is raised again: the finalizer has returned
+#: by then, and a person does not notice the delay.
+INTERRUPT_AGAIN_AFTER_S = 0.05
 
 _lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
 # Free buffers (uint8, each faulted in) by id, the oldest returned first, each with a weak reference to the view
@@ -193,10 +197,9 @@ def _give_back(buffer: np.ndarray, view: weakref.ref) -> None:
     """Finalizer of a lease: keep its buffer, freeing the buffers that came back before it, oldest first, to stay
     within the limit (a buffer larger than the limit is freed itself).
 
-    Room is made before the buffer is kept, so an interruption leaves the cache within its limit. A
-    KeyboardInterrupt caught here is requested again for the main thread, since Python only prints an exception
-    that leaves a finalizer: that delivers it where the finalizer runs on another thread; on the main thread the
-    request is served before the finalizer returns, so a Ctrl-C that lands in it is printed, not raised.
+    Room is made before the buffer is kept, so an interruption leaves the cache within its limit; a Ctrl-C
+    caught here is raised again (:func:`_interrupt_again`), since Python only prints an exception that leaves a
+    finalizer.
     """
     try:
         with _lock:
@@ -212,6 +215,34 @@ def _give_back(buffer: np.ndarray, view: weakref.ref) -> None:
             if total <= keep:
                 _free[id(buffer)] = (buffer, view)
     except KeyboardInterrupt:
+        _interrupt_again()
+
+
+def _interrupt_again() -> None:
+    """Interrupt the main thread again, as the Ctrl-C that a finalizer caught did, once that finalizer has returned.
+
+    From another thread it is done at once. On the main thread a request would be served before the finalizer
+    returns (and only printed), so a timer thread makes it :data:`INTERRUPT_AGAIN_AFTER_S` later; at interpreter
+    shutdown no thread can start, and nothing is left to interrupt.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        _interrupt_main()
+        return
+    timer = threading.Timer(INTERRUPT_AGAIN_AFTER_S, _interrupt_main)
+    timer.daemon = True
+    try:
+        timer.start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown"
+        pass
+
+
+def _interrupt_main() -> None:
+    """SIGINT to the main thread where Python handles it, which also wakes a blocking call as a Ctrl-C does;
+    ``_thread.interrupt_main()`` (which does not wake one) where threads cannot be signalled."""
+    main = threading.main_thread().ident
+    if hasattr(signal, "pthread_kill") and main is not None and callable(signal.getsignal(signal.SIGINT)):
+        signal.pthread_kill(main, signal.SIGINT)
+    else:
         _thread.interrupt_main()
 
 
