@@ -33,6 +33,7 @@ few smaller ones.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import math
 import os
 import signal
@@ -241,7 +242,8 @@ def _interrupt_main() -> None:
     ``_thread.interrupt_main()`` (which does not wake one) where threads cannot be signalled."""
     main = threading.main_thread().ident
     if hasattr(signal, "pthread_kill") and main is not None and callable(signal.getsignal(signal.SIGINT)):
-        signal.pthread_kill(main, signal.SIGINT)
+        with contextlib.suppress(OSError):  # the main thread has ended meanwhile: nothing is left to interrupt
+            signal.pthread_kill(main, signal.SIGINT)
     else:
         _thread.interrupt_main()
 
