@@ -371,6 +371,15 @@ def test_bench_refuses_fewer_than_one_repetition(reps):
     assert result.returncode == 2 and "--reps: must be 1 or more" in result.stderr
 
 
+def test_bench_refuses_more_ranks_than_the_machine_can_run_at_once():
+    """Every rank is an interpreter of its own, all at once: a huge count used to start them until the machine hung."""
+    pytest.importorskip("torch")
+    from fastembed.benchmark.cli import max_ranks
+
+    result = bench("--ranks", str(max_ranks() + 1), *SMALL)
+    assert result.returncode == 2 and f"--ranks: at most {max_ranks()} here" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("option", ["--vocab-size", "--dim"])
 def test_bench_refuses_an_empty_random_table(option):
     """A table without rows or columns has nothing to gather (it used to crash, or loop building id sets)."""

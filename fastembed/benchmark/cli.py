@@ -97,7 +97,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="--processes: a CPU-bound process pinned to one CPU runs meanwhile")
     parser.add_argument("--ranks", type=_positive_int,
                         help="the vocabulary-parallel lookup (fastembed.distributed; needs torch) on this many ranks of "
-                             "this machine, each mapping its rows of the table, against one process: time per lookup "
+                             f"this machine (at most {RANKS_PER_CORE} per usable core), each mapping its rows of the table, against "
+                             "one process: time per lookup "
                              "split into local gather and communication, bytes per rank, RSS per rank (batches: "
                              "--batch, default 1,64,1024,8192; uniform ids)")
     parser.add_argument("--format", type=_choices(_format_names()),
@@ -159,6 +160,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error(problem)
     if arguments.ranks and importlib.util.find_spec("torch") is None:
         parser.error("--ranks needs torch: pip install 'fastembed-gather[distributed]'")
+    if arguments.ranks and arguments.ranks > max_ranks():
+        parser.error(f"--ranks: at most {max_ranks()} here ({RANKS_PER_CORE} per core this process may use): the "
+                     "ranks run at once, each an interpreter with torch and numba of its own")
     missing = [package for package in ("ml_dtypes", "gguf") if importlib.util.find_spec(package) is None]
     if arguments.format and missing:
         parser.error(f"--format needs {' and '.join(missing)} (bfloat16 outputs; the numpy reference is "
@@ -314,6 +318,17 @@ def _dtype(text: str) -> str:
 
 #: ml_dtypes' dtypes the benchmark measures: torch has each by the same name (the torch contenders take them as words).
 ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+#: Ranks per usable core that --ranks starts at most: beyond that the ranks only time-share the cores.
+RANKS_PER_CORE = 4
+
+
+def max_ranks() -> int:
+    """The most ranks --ranks starts on this machine."""
+    from .contenders import usable_cores
+
+    return RANKS_PER_CORE * usable_cores()
 
 
 def dtype_problem(dtype: Any) -> str | None:
