@@ -62,13 +62,11 @@ _CONVERTED_IDS = (list, tuple, int)
 
 def _numpy_max_ndim() -> int:
     """The most dimensions a numpy array may have (64 from numpy 2.0, 32 before)."""
-    for ndim in (64, 32):
-        try:
-            np.empty((0,) * ndim)
-            return ndim
-        except ValueError:
-            continue
-    return 32
+    try:
+        np.empty((0,) * 64)
+    except ValueError:
+        return 32
+    return 64
 
 
 #: The most dimensions ids may have: the result has one more.

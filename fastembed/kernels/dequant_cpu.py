@@ -715,12 +715,10 @@ def streams_well(word_bytes, mode):
     address matches an older queued store's in the low 12 bits waits for
     it, and streamed stores hold the stores behind them in the queue: in
     the processes where the decoder's constants and its spills meet in
-    those bits, each block waits on the last one's spills, and the row loop
-    ran 2-3 times slower; streaming gained 5% for a bfloat16 output in at
-    most one process of six at 8,192 ids and of three at 65,536
-    (docs/backends.md).
-
-    Measured on one CPU with 16 registers (AMD Zen 3); applied to all of them.
+    those bits, each block waits on the last one's spills. The measurements
+    are in docs/backends.md ("Cached stores for the dequantizing row loops
+    that spill"), made on one CPU with 16 registers (AMD Zen 3) and applied
+    to all of them.
     Only x86-64 streams at all (the backend checks that first).
 
     Returns:
