@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+#: The dtypes cupy arrays hold, by numpy's character codes: bool, the integers, float16/32/64, complex64/128.
+_DTYPE_CHARS = frozenset("?bhilqBHILQefdFD")
+
 
 class CupyAdapter:
     name = "cupy"
@@ -43,9 +46,32 @@ class CupyAdapter:
         return view.data.ptr % max(1, view.dtype.itemsize) != 0
 
     def from_host(self, host: Any, device: str) -> Any:
-        """A copy of host data on `device` (ids given as numpy for a GPU table)."""
-        import cupy
+        """A copy of host data on `device` (a table moved once, or ids given as numpy for a GPU table).
 
+        ml_dtypes (bfloat16, float8) and structured dtypes travel as unsigned
+        words of their size (:meth:`stored_dtype`).
+
+        Raises:
+            TypeError: a dtype cupy cannot carry: strings, datetimes, objects,
+                long doubles, another byte order than the machine's, or a
+                structured or ml_dtypes dtype of other than 1, 2, 4 or 8 bytes.
+        """
+        import cupy
+        import numpy as np
+
+        from ..tables import is_ml_dtype
+
+        host = np.asarray(host, order="C")  # keeps 0-d ids 0-d, where ascontiguousarray makes them 1-d
+        dtype = host.dtype
+        if dtype.kind == "V" or is_ml_dtype(dtype):
+            if dtype.itemsize not in (1, 2, 4, 8):
+                raise TypeError(f"cannot move an array of dtype {dtype} to the GPU: cupy has no dtype of "
+                                f"{dtype.itemsize} bytes to carry it")
+            host = host.view(f"u{dtype.itemsize}")
+        elif dtype.char not in _DTYPE_CHARS or not dtype.isnative:
+            raise TypeError(f"cannot move an array of dtype {dtype} to the GPU: cupy arrays hold booleans and numbers "
+                            "of up to 64 bits (128 complex) in native byte order only; convert the host array first "
+                            "(table.astype(table.dtype.newbyteorder('=')) for another byte order)")
         with cupy.cuda.Device(device_index(device)):
             return cupy.asarray(host)
 

@@ -49,8 +49,8 @@ from typing import Any
 import numpy as np
 
 from .. import validate
+from ..arrays.cupy_adapter import ADAPTER as CUPY
 from ..formats import QuantizedTable
-from ..tables import is_ml_dtype
 from .base import DENSE, Capabilities
 
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "gather.cu"
@@ -423,10 +423,6 @@ def _probe() -> list[str]:
 BACKEND = CudaBackend()
 
 
-#: The dtypes cupy arrays hold, by numpy's character codes: bool, the integers, float16/32/64, complex64/128.
-_CUPY_DTYPE_CHARS = frozenset("?bhilqBHILQefdFD")
-
-
 def to_device(table: Any, device_id: int) -> Any:
     """A copy of a host table on `device_id` (the one explicit host-to-device move).
 
@@ -437,29 +433,14 @@ def to_device(table: Any, device_id: int) -> Any:
     QuantizedTable over cupy arrays.
 
     Raises:
-        TypeError: a dtype cupy cannot carry: strings, datetimes, objects,
-            long doubles, another byte order than the machine's, or a
-            structured or ml_dtypes dtype of other than 1, 2, 4 or 8 bytes.
+        TypeError: a dtype cupy cannot carry (:meth:`fastembed.arrays.cupy_adapter.CupyAdapter.from_host`).
     """
-    import cupy
-
+    device = f"cuda:{device_id}"
     if isinstance(table, QuantizedTable):
-        with cupy.cuda.Device(device_id):
-            data = cupy.asarray(np.ascontiguousarray(table.data))
-            scales = None if table.scales is None else cupy.asarray(np.ascontiguousarray(table.scales))
+        data = CUPY.from_host(table.data, device)
+        scales = None if table.scales is None else CUPY.from_host(table.scales, device)
         return QuantizedTable(data, table.format, table.dim, scales)
-    host = np.ascontiguousarray(table)
-    if host.dtype.kind == "V" or is_ml_dtype(host.dtype):
-        if host.dtype.itemsize not in (1, 2, 4, 8):
-            raise TypeError(f"cannot move a table of dtype {host.dtype} to the GPU: cupy has no dtype of "
-                            f"{host.dtype.itemsize} bytes to carry it")
-        host = host.view(f"u{host.dtype.itemsize}")
-    elif host.dtype.char not in _CUPY_DTYPE_CHARS or not host.dtype.isnative:
-        raise TypeError(f"cannot move a table of dtype {host.dtype} to the GPU: cupy arrays hold booleans and numbers "
-                        "of up to 64 bits (128 complex) in native byte order only; convert the host table first "
-                        "(table.astype(table.dtype.newbyteorder('=')) for another byte order)")
-    with cupy.cuda.Device(device_id):
-        return cupy.asarray(host)
+    return CUPY.from_host(table, device)
 
 
 def vector_bytes(row_bytes: int, *addresses: int) -> tuple[int, str]:
