@@ -56,7 +56,7 @@ def kernel_path(request, monkeypatch):
 def streaming_every_output(monkeypatch) -> None:
     """Streamed stores for every format and output, also those the backend keeps to cached stores on this CPU (a CPU
     with more vector registers streams them)."""
-    monkeypatch.setattr(BACKEND.dequantize_kernels(), "streams_well", lambda word_bytes, mode: True)
+    monkeypatch.setattr(BACKEND.dequantize_kernels(), "streams_well", lambda mode: True)
 
 
 def reference(table: QuantizedTable, ids, dtype=np.float32) -> np.ndarray:
@@ -407,9 +407,8 @@ def test_bfloat16_outputs_stream_only_with_32_vector_registers(monkeypatch, regi
     """With 16 vector registers most decoders into bfloat16 spill to the row loop's stack once per block, and
     streamed stores made those row loops 2-3 times slower in some processes: they take cached stores."""
     monkeypatch.setattr(dequant_cpu, "VECTOR_REGISTERS", registers)
-    assert dequant_cpu.streams_well(4, dequant_cpu.FLOAT16)  # float32 outputs
-    assert dequant_cpu.streams_well(2, dequant_cpu.FLOAT16)
-    assert dequant_cpu.streams_well(2, dequant_cpu.BFLOAT16) == (registers == 32)
+    assert dequant_cpu.streams_well(dequant_cpu.FLOAT16)  # float16 and float32 outputs
+    assert dequant_cpu.streams_well(dequant_cpu.BFLOAT16) == (registers == 32)
 
 
 @pytest.mark.skipif(not numba_backend._STREAMING_CPU, reason="streamed stores are x86-64's")

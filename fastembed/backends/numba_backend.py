@@ -469,7 +469,7 @@ class NumbaBackend:
         scales = _read_only(table.scales.view(np.uint8) if fmt.row_scale else _NO_SCALES)  # bytes: any alignment
         mode = _output_mode(kernels, dtype)
         stream = (rows.nbytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and can_stream(rows)
-                  and kernels.streams_well(rows.itemsize, mode))
+                  and kernels.streams_well(mode))
         code = kernels.FORMAT_CODES[fmt.name]
         if rows.nbytes < PARALLEL_MIN_BYTES or self._parallel_lock.locked():
             return int(kernels.dequantize_serial(code, data, scales, flat_ids, rows, mode, stream, PREFETCH_ROWS_AHEAD,
@@ -560,7 +560,7 @@ def _streamed_stores_fact(kernels: Any) -> str:
         return "none (streamed stores are x86-64's)"
     if kernels.LINES_BY_PERMUTE:
         return "16 bytes per store; into rows that start inside a cache line, a whole line per store (AVX-512F)"
-    if kernels.streams_well(2, kernels.BFLOAT16):
+    if kernels.streams_well(kernels.BFLOAT16):
         return "16 bytes per store"
     return (f"16 bytes per store; bfloat16 outputs take cached stores (their row loops spill registers to the stack "
             f"on {kernels.VECTOR_REGISTERS} vector registers)")

@@ -706,8 +706,8 @@ def dequantize_serial(fmt, data, scales, ids, out, mode, stream, prefetch_rows_a
                                  touch_pages_rows_ahead)
 
 
-def streams_well(word_bytes, mode):
-    """Whether the dequantizing kernels into `word_bytes`-byte output words of `mode` should stream.
+def streams_well(mode):
+    """Whether the dequantizing kernels into outputs of `mode` (float32 outputs: FLOAT16's) should stream.
 
     Not into bfloat16 with 16 vector registers (:data:`VECTOR_REGISTERS`):
     there most decoders spill registers to their row loop's stack once per
@@ -724,4 +724,4 @@ def streams_well(word_bytes, mode):
     Returns:
         False for bfloat16 outputs with 16 vector registers, else True.
     """
-    return VECTOR_REGISTERS > 16 or word_bytes == 4 or mode != BFLOAT16
+    return VECTOR_REGISTERS > 16 or mode != BFLOAT16
