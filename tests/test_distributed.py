@@ -73,8 +73,10 @@ LARGE_IDS = 20000
 GROWING_STAGES = {"after making the segment": 0, "before mapping the segment": -1}
 KILL_REPEATS = int(os.environ.get("FASTEMBED_DIST_KILL_REPEATS", "4"))
 KILL_TIMEOUT_S = 2.0
-#: A group that has not finished by then has hung: its ranks are killed and the test fails.
-GROUP_DEADLINE_S = 150.0
+#: A group that has not finished by then has hung: its ranks are killed and the test fails. The 3-rank group
+#: of every check takes over a minute on 2 idle cores, and two groups may start at once (one per test worker),
+#: each compiling its kernels where the cache is empty.
+GROUP_DEADLINE_S = 400.0
 
 
 # -- running a group of ranks ----------------------------------------------------------------------------------
@@ -700,8 +702,9 @@ def board_task(rank: int, world: int) -> dict:
     if rank == 0:
         third._board()._failed = "an earlier agreement was interrupted on rank 0 (KeyboardInterrupt)"
     report["out of step"] = _outcome(lambda: third([1]))[:2]
+    boards = {layer._board_name() for layer in (on_world, first, second, third)}  # not other groups' on this host
     left = [name for name in os.listdir(distributed.segments.SHM_FOLDER)
-            if name.startswith(distributed.segments.SEGMENT_PREFIX) and "-" in name[len("fastembed-"):]]
+            if name in boards or name.rpartition("-")[0].rpartition("-")[0] in boards]  # a board, or its pipes
     return {"report": report, "failures": failures, "pipes left": left}
 
 
@@ -905,13 +908,13 @@ def kill_a_rank(tmp_path: Path, victim: int, stage: str, exchange: str) -> None:
     world = 3
     multiprocessing.get_context("forkserver").set_forkserver_preload(["numpy", "torch", "torch.distributed",
                                                                       "fastembed.distributed"])
-    outcomes = run_ranks(tmp_path, world, kill_task, victim, stage, exchange, deadline_s=60,
+    outcomes = run_ranks(tmp_path, world, kill_task, victim, stage, exchange, deadline_s=150,
                          start_method="forkserver")
     assert outcomes[victim] == {"died": 17}, outcomes[victim]
     for rank, result in enumerate(results([o for r, o in enumerate(outcomes) if r != victim])):
         assert result["error"] is not None, f"rank {rank} never noticed the dead rank"
         assert "another rank died, hung or stopped calling" in result["error"]
-        assert result["seconds"] < KILL_TIMEOUT_S + 5, result
+        assert result["seconds"] < KILL_TIMEOUT_S + 20, result  # far below the group's own timeout, slack for load
         assert result["again"] == result["error"]  # later calls fail at once, with the same message
         if stage == "stops calling":
             assert result["seconds"] >= KILL_TIMEOUT_S * 0.9, result  # the timeout was what ended the wait
@@ -1017,7 +1020,7 @@ def test_a_rank_whose_build_fails_waits_only_its_timeout_for_absent_peers(tmp_pa
     outcomes = results(run_ranks(tmp_path, 2, absent_peer_task, str(tmp_path / "no-such-checkpoint")))
     kind, message, seconds = outcomes[0]["outcome"]
     assert kind == "CommunicationError" and "timeout=2 s" in message, message
-    assert seconds < 10  # the group's own timeout is 60 s
+    assert seconds < 30  # the group's own timeout is 60 s
 
 
 def destroyed_group_task(rank: int, world: int, init: str) -> dict:
@@ -1148,9 +1151,9 @@ def test_docstring_examples_run():
 
 
 def test_without_a_process_group_or_torch_the_errors_say_what_is_needed(monkeypatch):
-    if not dist.is_initialized():
-        with pytest.raises(RuntimeError, match="init_process_group"):
-            VocabParallelEmbedding(np.ones((4, 2), np.float32))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # whatever group another test left in this process
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        VocabParallelEmbedding(np.ones((4, 2), np.float32))
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ImportError, match=r"fastembed-gather\[distributed\]"):
         VocabParallelEmbedding(np.ones((4, 2), np.float32))

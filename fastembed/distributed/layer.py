@@ -166,9 +166,10 @@ class VocabParallelEmbedding:
         last_timings: the last call's :class:`LookupTimings` (None before the first call).
 
     Example (a group of one rank, so that it runs in one process):
-        >>> import os, tempfile, numpy as np, torch.distributed as dist
+        >>> import os, shutil, tempfile, numpy as np, torch.distributed as dist
         >>> from fastembed.distributed import VocabParallelEmbedding
-        >>> rendezvous = "file://" + os.path.join(tempfile.mkdtemp(), "rendezvous")
+        >>> folder = tempfile.mkdtemp()
+        >>> rendezvous = "file://" + os.path.join(folder, "rendezvous")
         >>> dist.init_process_group("gloo", init_method=rendezvous, rank=0, world_size=1)
         >>> emb = VocabParallelEmbedding(np.arange(12, dtype=np.float32).reshape(4, 3))
         >>> emb([3, 0])
@@ -177,6 +178,7 @@ class VocabParallelEmbedding:
         >>> emb.vocab_start, emb.vocab_end, emb.exchange
         (0, 4, 'all_reduce')
         >>> dist.destroy_process_group()
+        >>> shutil.rmtree(folder)
 
     Run by every rank of a group, after ``torch.distributed.init_process_group("gloo")``
     (docs/distributed.md has complete scripts)::
@@ -813,15 +815,18 @@ class VocabParallelEmbedding:
         group = self._built_on()
         board.BOARDS.pop(group, None)  # meanwhile the ranks agree through the group, all of them
         identity = int.from_bytes(self._key, "little", signed=True) or 1
-        name = SEGMENT_PREFIX + hashlib.blake2b(b"board", key=self._key, digest_size=12).hexdigest()
         try:
-            made = board.open_board(name, SHM_FOLDER, identity, self.rank, self.world_size,
+            made = board.open_board(self._board_name(), SHM_FOLDER, identity, self.rank, self.world_size,
                                     lambda error, what: self._agree(error, 0, lambda: "", what, ""))
         except CommunicationError:
             raise
         except Exception:  # raised alike on every rank by the agreement
             return
         board.BOARDS[group] = made
+
+    def _board_name(self) -> str:
+        """The name in shared memory of the board this layer makes for its group (its pipes' names start with it)."""
+        return SEGMENT_PREFIX + hashlib.blake2b(b"board", key=self._key, digest_size=12).hexdigest()
 
     def _group_timeout_s(self) -> float:
         """The timeout the group was made with (``init_process_group(timeout=...)``), or torch's default for it."""
