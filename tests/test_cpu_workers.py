@@ -130,14 +130,18 @@ def test_an_error_in_either_block_is_raised_once_the_workers_block_is_done(fail_
 def test_a_signal_handlers_exception_while_the_caller_waits_is_raised_after_the_workers_block(fail_in, raised):
     """A Ctrl-C, or a timeout's handler, raises while the caller waits for the worker's block: the call must wait on,
     then raise it, even when its own block had raised."""
-    task, finished = _held_worker(fail_in, pause_s=0.5)
+    held, finished = _held_worker(fail_in, pause_s=0.5)
+
+    def task(start: int, stop: int) -> int:
+        if threading.current_thread().name.startswith("fastembed-worker"):
+            signal.setitimer(signal.ITIMER_REAL, 0.2)  # armed once the worker holds its block, however late it came
+        return held(start, stop)
 
     def interrupt(signum, frame):
         raise raised
 
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
         with pytest.raises(raised):
             Workers().run(task, 2, 2)
     finally:

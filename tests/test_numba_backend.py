@@ -529,10 +529,22 @@ def test_fork_waits_for_a_background_compile():
     background_compile = numba_backend.background_compile
     background_compile.forget()
     key = ("test", "slow compile")
-    background_compile.start(key, lambda: time.sleep(0.5))
-    context = multiprocessing.get_context("fork")
-    with context.Pool(1) as pool:
-        ready_in_child = pool.apply_async(background_compile.is_ready, (key,)).get(timeout=60)
+    forking, armed = threading.Event(), [True]
+    # Hooks registered later run first before a fork: this one lets the compile end only once the fork has begun.
+    os.register_at_fork(before=lambda: armed[0] and forking.set())
+
+    def compile_until_a_fork_begins() -> None:
+        forking.wait(60)
+        time.sleep(0.2)
+
+    try:
+        background_compile.start(key, compile_until_a_fork_begins)
+        context = multiprocessing.get_context("fork")
+        with context.Pool(1) as pool:
+            ready_in_child = pool.apply_async(background_compile.is_ready, (key,)).get(timeout=60)
+    finally:
+        armed[0] = False
+        forking.set()
     assert ready_in_child
     background_compile.forget()
 
@@ -811,7 +823,7 @@ def test_a_fork_waits_no_longer_than_its_bound_for_a_compile_that_cannot_finish(
     started = time.monotonic()
     background_compile._wait_before_fork()
     try:
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < 30  # the stuck compile would hold it 60 s
         background_compile._after_fork_in_child()  # what Python runs in the child
         assert background_compile.compiles_disabled() and _free_for_another_thread(background_compile._guard)
     finally:
