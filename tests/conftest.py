@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,15 @@ def _dispatch_forgets_each_tests_choices():
     test that moved a backend's sizes would otherwise leave its cached small gather to the tests after it."""
     yield
     fastembed.dispatch._forget_choices()
+
+
+@pytest.fixture(autouse=True)
+def _torch_draws_the_same_numbers_whatever_ran_before():
+    """Tests draw torch's random tensors from its global generator: seeded for each test, a failure comes back
+    when the test runs alone. torch is not imported for it."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(0)
 
 
 @pytest.fixture(params=CPU_BACKENDS)

@@ -28,9 +28,11 @@ def cuda_available() -> bool:
     return not cuda_backend.BACKEND.unavailable_reasons()
 
 
-def run_child(code: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter; a hang fails the test with what the child printed."""
+def run_child(code: str, timeout: float, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter, with `env`'s variables set (None: removed); a hang fails the test with what
+    the child printed."""
     environment = dict(os.environ, **(env or {}))
+    environment = {name: value for name, value in environment.items() if value is not None}
     try:
         return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                               timeout=timeout, env=environment)
@@ -379,6 +381,10 @@ print("ok")
 """
 
 
+#: A child's environment without a thread count of the caller's: numba's default, the CPUs it may run on.
+DEFAULT_THREADS: dict[str, str | None] = {"NUMBA_NUM_THREADS": None}
+
+
 @needs_numba
 def test_a_threading_layer_that_cannot_load_changes_nothing():
     """fastembed never starts numba's threading layer: a setting that would make it fail to load does not matter."""
@@ -386,7 +392,7 @@ def test_a_threading_layer_that_cannot_load_changes_nothing():
 
     if importlib.util.find_spec("tbb") is not None:
         pytest.skip("tbb is installed: the layer loads")
-    result = run_child(SETTINGS_CHECK, timeout=120, env={"NUMBA_THREADING_LAYER": "tbb"})
+    result = run_child(SETTINGS_CHECK, timeout=120, env={"NUMBA_THREADING_LAYER": "tbb", **DEFAULT_THREADS})
     assert_child_ok(result)
     backend, reasons, workers = result.stdout.strip().splitlines()[-4:-1]
     assert backend == "numba" and reasons == "[]"
@@ -419,7 +425,7 @@ def test_lookups_run_on_fastembeds_workers_and_never_start_numbas_threading_laye
     """No OpenMP runtime, numba's or one another library put in the process (torch's), runs a lookup."""
     if first:
         pytest.importorskip("torch")
-    result = run_child(THREADS_CHECK.format(first=first), timeout=120)
+    result = run_child(THREADS_CHECK.format(first=first), timeout=120, env=DEFAULT_THREADS)
     assert_child_ok(result)
     workers, threads, layer_started = result.stdout.strip().splitlines()[-2].split()
     assert int(workers) == int(threads) - 1 == len(os.sched_getaffinity(0)) - 1

@@ -39,6 +39,7 @@ def test_the_ends_of_a_pipe_need_not_share_an_inode(monkeypatch):
     memory = np.arange(16, dtype=np.uint8)
     assert write_probe.can_write(memory) and write_probe.can_write(memory)  # made once, then found again
     assert np.array_equal(memory, np.arange(16, dtype=np.uint8))
+    write_probe._close_still_ours(*write_probe._probe_pipe)  # this test's pipe: the process's comes back after it
 
 
 def test_an_interrupted_probe_leaves_the_pipe_empty(monkeypatch):
@@ -96,8 +97,22 @@ def test_a_pipe_with_one_end_closed_is_replaced_and_its_other_end_closed():
     """A process closing one of the pipe's numbers (and perhaps reusing it) must not leak the other end."""
     assert write_probe.can_write(np.ones(4))
     read_end, _, identity = write_probe._probe_pipe
-    held = len(os.listdir("/proc/self/fd"))
+    assert _open_ends_of(identity)  # the test sees the pipe's ends
     os.close(read_end)
     assert write_probe.can_write(np.ones(4))
     assert write_probe._probe_pipe[2] != identity  # a new pipe
-    assert len(os.listdir("/proc/self/fd")) == held  # its two ends, and not the old write end besides
+    assert _open_ends_of(identity) == []  # the old write end was closed too
+
+
+def _open_ends_of(identity: tuple[int, ...]) -> list[int]:
+    """The descriptors of this process open on either end of the pipe of `identity` (as the probe records it)."""
+    ends = {identity[:2], identity[2:]}
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            status = os.fstat(int(name))
+        except OSError:  # closed meanwhile (the listing's own descriptor among them)
+            continue
+        if (status.st_dev, status.st_ino) in ends:
+            found.append(int(name))
+    return found

@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import hashlib
 import os
 import re
+import stat
 import subprocess
 import tempfile
 import threading
@@ -800,13 +802,14 @@ def _library(code: str, options: tuple[str, ...], kind: str = "gather") -> ctype
     """The host emulation of `code` through the `kind` driver (a shared library built by g++, cached by content)."""
     standard = next((o for o in options if o.startswith("-std=")), "-std=c++17")
     driver, source = _DRIVERS[kind]
-    parts = [code, standard, kind, *_CXX_FLAGS] + [(_EMULATION / name).read_text() for name in ("cuda_host.h", driver)]
+    parts = [code, standard, kind, *_CXX_FLAGS, _compiler_version()]
+    parts += [(_EMULATION / name).read_text() for name in ("cuda_host.h", driver)]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     with _build_lock:
         library = _libraries.get(key)
         if library is not None:
             return library
-        path = Path(tempfile.gettempdir()) / f"fastembed-cupy-double-{key}.so"
+        path = _build_folder() / f"{key}.so"
         if not path.exists():
             with tempfile.TemporaryDirectory() as folder:
                 (Path(folder) / source).write_text(code)
@@ -827,6 +830,22 @@ def _library(code: str, options: tuple[str, ...], kind: str = "gather") -> ctype
             library.fe_dequant_format_name.argtypes = [ctypes.c_int]
         _libraries[key] = library
         return library
+
+
+@functools.cache
+def _compiler_version() -> str:
+    """What ``g++ --version`` says: a library built by another compiler is built again."""
+    return subprocess.run(["g++", "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def _build_folder() -> Path:
+    """This user's folder of built emulations, which no other user can write: a library is loaded from it as it is."""
+    folder = Path(tempfile.gettempdir()) / f"fastembed-cupy-double-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    status = folder.lstat()
+    if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o077:
+        raise RuntimeError(f"{folder} is not a folder only this user can write: remove it")
+    return folder
 
 
 def _format_indices(library: ctypes.CDLL) -> dict[str, int]:
