@@ -105,3 +105,15 @@ def interrupted_runs(traced: Callable[[types.CodeType], bool], action: Callable[
             return
         yield n
     raise AssertionError(f"the action still reached {limit} points")
+
+
+def dequantized(table, ids, dtype=np.float32) -> np.ndarray:
+    """The rows `ids` of a quantized table by fastembed.formats' reference (checked against gguf's own), cast by
+    numpy (or ml_dtypes, rounding to nearest even): what every backend must give, bit for bit."""
+    from fastembed.formats import dequantize_rows
+
+    flat = np.asarray(ids).reshape(-1)
+    scales = None if table.scales is None else np.asarray(table.scales)[flat]
+    with np.errstate(over="ignore", invalid="ignore"):  # the special-value tests make infinities and NaN on purpose
+        rows = dequantize_rows(np.asarray(table.data)[flat], scales, table.format, table.dim)
+        return rows.astype(dtype).reshape(np.shape(ids) + (table.dim,))

@@ -17,6 +17,7 @@ import fastembed
 from fastembed.formats import FORMATS, QuantizedTable, dequantize_rows
 from fastembed.tables import random_quantized_table
 from helpers import assert_bit_equal, poisoned
+from helpers import dequantized as reference
 
 numba_backend = pytest.importorskip("fastembed.backends.numba_backend")
 BACKEND = numba_backend.BACKEND
@@ -57,15 +58,6 @@ def streaming_every_output(monkeypatch) -> None:
     """Streamed stores for every format and output, also those the backend keeps to cached stores on this CPU (a CPU
     with more vector registers streams them)."""
     monkeypatch.setattr(BACKEND.dequantize_kernels(), "streams_well", lambda mode: True)
-
-
-def reference(table: QuantizedTable, ids, dtype=np.float32) -> np.ndarray:
-    """fastembed.formats' reference, converted by numpy's (or ml_dtypes') cast."""
-    flat = np.asarray(ids).reshape(-1)
-    scales = None if table.scales is None else table.scales[flat]
-    with np.errstate(over="ignore", invalid="ignore"):  # the special-value tests make infinities and NaN on purpose
-        rows = dequantize_rows(table.data[flat], scales, table.format, table.dim)
-        return rows.astype(dtype).reshape(np.shape(ids) + (table.dim,))
 
 
 def dims(name: str) -> list[int]:
