@@ -73,9 +73,9 @@ LARGE_IDS = 20000
 GROWING_STAGES = {"after making the segment": 0, "before mapping the segment": -1}
 KILL_REPEATS = int(os.environ.get("FASTEMBED_DIST_KILL_REPEATS", "4"))
 KILL_TIMEOUT_S = 2.0
-#: A group that has not finished by then has hung: its ranks are killed and the test fails. The 3-rank group
-#: of every check takes over a minute on 2 idle cores, and two groups may start at once (one per test worker),
-#: each compiling its kernels where the cache is empty.
+#: A group that has not finished by then has hung: its ranks are killed and the test fails. Generous: on a
+#: 2-core machine the 3-rank group of every check shares the cores with another test worker's group, and each
+#: compiles its kernels where the cache is empty.
 GROUP_DEADLINE_S = 400.0
 
 
