@@ -1,14 +1,16 @@
-"""The Python examples of README.md, docs/quantized.md and docs/interop.md run as a user would copy them.
+"""The Python examples of README.md and the user guides run as a user would copy them.
 
 Each block runs in a fresh namespace, in a folder holding the files the
-examples name (a GGUF ``model.gguf`` written by the gguf package), with a
-stand-in for ``model``, "your loaded model" (a torch module whose input
-embedding is a ``torch.nn.Embedding``). A block without an import continues
-the example at the top of its page: it runs in that example's namespace.
-cupy examples run on the CuPy double; examples that need a CUDA device skip.
+examples name (checkpoints, a ``table.npy``, GGUF files written by the gguf
+package), with a stand-in for ``model``, "your loaded model" (a torch module
+whose input embedding is a ``torch.nn.Embedding``). A block right after a
+``<!-- continues -->`` line runs in the namespace of the nearest block
+before it without one. cupy examples, and ``to_device``, run on the CuPy
+double; examples that need a CUDA device skip.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -16,49 +18,73 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ("README.md", "docs/quantized.md", "docs/interop.md")
+PAGES = ("README.md", "docs/loading.md", "docs/quantized.md", "docs/interop.md")
+CONTINUES = "<!-- continues -->"
 #: Words in a block that mark it as needing a CUDA device, which the CuPy double cannot stand in for.
 NEEDS_CUDA = "a torch CUDA tensor"
-#: The vocabulary of the stand-in model.gguf: the examples look up ids up to 128,000 (a Llama 3 vocabulary).
-GGUF_VOCAB, GGUF_DIM = 128_256, 64
 
 
-def python_blocks(page: str) -> list[tuple[int, str]]:
-    """The ```python blocks of `page`: (the line of the fence, the code)."""
+def python_blocks(page: str) -> list[tuple[int, str, bool]]:
+    """The ```python blocks of `page`: (the line of the fence, the code, whether it continues the one before)."""
     text = (ROOT / page).read_text()
     found = []
-    for match in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
-        found.append((text.count("\n", 0, match.start()) + 1, match.group(1)))
+    for match in re.finditer(r"^(<!-- continues -->\n)?```python\n(.*?)^```", text, re.S | re.M):
+        fence = match.start() + len(match.group(1) or "")
+        found.append((text.count("\n", 0, fence) + 1, match.group(2), match.group(1) is not None))
     return found
 
 
-def imports(code: str) -> bool:
-    return re.search(r"^(import|from) ", code, re.M) is not None
-
-
-EXAMPLES = [(page, line) for page in PAGES for line, _ in python_blocks(page)]
+EXAMPLES = [(page, line) for page in PAGES for line, _, _ in python_blocks(page)]
 
 
 def test_the_pages_have_the_examples_these_tests_expect():
     counts = {page: len(python_blocks(page)) for page in PAGES}
-    assert counts["README.md"] >= 1 and counts["docs/quantized.md"] >= 3 and counts["docs/interop.md"] >= 6, counts
+    assert counts == {"README.md": 1, "docs/loading.md": 12, "docs/quantized.md": 3, "docs/interop.md": 6}, counts
     for page in PAGES:
-        first = python_blocks(page)[0][1]
-        assert imports(first), f"{page}: its first example imports nothing, so the blocks after it have nothing to continue"
+        assert not python_blocks(page)[0][2], f"{page}: its first example continues nothing"
 
 
-@pytest.fixture
-def folder(tmp_path, monkeypatch):
-    """The user's working folder, with the files the examples name."""
-    gguf = pytest.importorskip("gguf")
-    rows = np.random.default_rng(0).standard_normal((GGUF_VOCAB, GGUF_DIM)).astype(np.float32)
-    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+def _safetensors(path: Path, tensors: dict) -> None:
+    from safetensors.numpy import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+
+
+def _gguf(path: Path, vocab: int, dim: int) -> None:
+    """A Q8_0 token table written by the gguf package, as llama.cpp's converters write one."""
+    import gguf
+
+    rows = np.random.default_rng(vocab).standard_normal((vocab, dim)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("token_embd.weight", gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q8_0),
                       raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """The user's working folder, with the files the examples name (vocabularies big enough for their ids)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("safetensors")
+    table = np.random.default_rng(0).standard_normal((30_000, 64)).astype(np.float16)
+    config = json.dumps({"model_type": "llama", "vocab_size": 30_000, "hidden_size": 64})
+    for checkpoint in (tmp_path / "path/to/checkpoint", tmp_path / "checkpoint"):
+        _safetensors(checkpoint / "model.safetensors", {"model.embed_tokens.weight": table})
+        (checkpoint / "config.json").write_text(config)
+    shards = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+              "lm_head.weight": "model-00002-of-00002.safetensors"}
+    for name, shard in shards.items():
+        _safetensors(tmp_path / "path/to" / shard, {name: table})
+    (tmp_path / "path/to/model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+    _safetensors(tmp_path / "model.safetensors", {"model.embed_tokens.weight": table, "lm_head.weight": table})
+    _safetensors(tmp_path / "model-00001-of-000163.safetensors", {"model.embed_tokens.weight": table})
+    np.save(tmp_path / "table.npy", table)
+    _gguf(tmp_path / "Qwen3-0.6B-Q8_0.gguf", 151_936, 64)
+    _gguf(tmp_path / "model.gguf", 128_256, 64)  # a Llama 3 vocabulary: the examples look up id 128,000
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -78,27 +104,25 @@ def stand_in_model():
     return Model()
 
 
-def run_example(code: str, namespace: dict, request) -> dict:
+def run_example(code: str, namespace: dict, request) -> None:
     if NEEDS_CUDA in code:
         pytest.skip("needs a CUDA device: torch CUDA tensors have no stand-in here")
-    if re.search(r"^import cupy|^import .*\bcupy\b", code, re.M):
-        namespace["cupy"] = request.getfixturevalue("cupy_or_double")
-        code = re.sub(r"\bcupy, ", "", code, count=1)  # the double stands in for the import
+    if re.search(r"\bcupy\b|\.to_device\(", code):
+        namespace["cupy"] = request.getfixturevalue("cupy_or_double")  # installed as cupy while the test runs
     if re.search(r"\b(torch|model)\b", code):
         pytest.importorskip("torch")
         namespace.setdefault("model", stand_in_model())
     if re.search(r"\bjax\b", code):
         pytest.importorskip("jax")
     exec(compile(code, "<example>", "exec"), namespace)  # noqa: S102 - the documentation's own code
-    return namespace
 
 
 @pytest.mark.parametrize("page, line", EXAMPLES, ids=[f"{page}:{line}" for page, line in EXAMPLES])
 def test_the_example_runs(page, line, folder, request):
-    blocks = dict(python_blocks(page))
-    code = blocks[line]
+    blocks = python_blocks(page)
+    index = next(i for i, (at, _, _) in enumerate(blocks) if at == line)
     namespace: dict = {}
-    if not imports(code):  # a continuation of the page's first example
-        first_line, first = python_blocks(page)[0]
-        run_example(first, namespace, request)
-    run_example(code, namespace, request)
+    if blocks[index][2]:
+        head = max(i for i in range(index) if not blocks[i][2])
+        run_example(blocks[head][1], namespace, request)
+    run_example(blocks[index][1], namespace, request)
