@@ -65,11 +65,12 @@ def _gguf(path: Path, vocab: int, dim: int) -> None:
     writer.close()
 
 
-@pytest.fixture
-def folder(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
     """The user's working folder, with the files the examples name (vocabularies big enough for their ids)."""
     pytest.importorskip("gguf")
     pytest.importorskip("safetensors")
+    tmp_path = tmp_path_factory.mktemp("user")
     table = np.random.default_rng(0).standard_normal((30_000, 64)).astype(np.float16)
     config = json.dumps({"model_type": "llama", "vocab_size": 30_000, "hidden_size": 64})
     for checkpoint in (tmp_path / "path/to/checkpoint", tmp_path / "checkpoint"):
@@ -85,8 +86,14 @@ def folder(tmp_path, monkeypatch):
     np.save(tmp_path / "table.npy", table)
     _gguf(tmp_path / "Qwen3-0.6B-Q8_0.gguf", 151_936, 64)
     _gguf(tmp_path / "model.gguf", 128_256, 64)  # a Llama 3 vocabulary: the examples look up id 128,000
-    monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture
+def folder(files, monkeypatch) -> Path:
+    """The examples run in the folder of the files they name (those that write files write new names)."""
+    monkeypatch.chdir(files)
+    return files
 
 
 def stand_in_model():
