@@ -115,7 +115,7 @@ def test_a_late_rank_is_named_after_the_timeout(tmp_path):
         started = time.monotonic()
         with pytest.raises(board.BoardError, match=r"rank\(s\) 2 did not reach the agreement in time"):
             first.agree(0, 0, 0.3)
-        assert time.monotonic() - started >= 0.3
+        assert 0.3 <= time.monotonic() - started < 10  # its own timeout, not the other rank's or the board's default
         with pytest.raises(board.BoardError, match=r"rank\(s\) 2 did not reach"):
             waiting.result()
 

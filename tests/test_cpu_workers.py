@@ -127,19 +127,24 @@ def test_an_error_in_either_block_is_raised_once_the_workers_block_is_done(fail_
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs setitimer")
 @pytest.mark.parametrize("raised", [KeyboardInterrupt, TimeoutError])
 @pytest.mark.parametrize("fail_in", ["", "caller"])
-def test_a_signal_handlers_exception_while_the_caller_waits_is_raised_after_the_workers_block(fail_in, raised):
+def test_a_signal_handlers_exception_while_the_caller_waits_is_raised_after_the_workers_block(fail_in, raised,
+                                                                                            monkeypatch):
     """A Ctrl-C, or a timeout's handler, raises while the caller waits for the worker's block: the call must wait on,
     then raise it, even when its own block had raised."""
-    held, finished = _held_worker(fail_in, pause_s=0.5)
+    task, finished = _held_worker(fail_in, pause_s=0.5)
+    close, landed = cpu_workers._Region.close, []
 
-    def task(start: int, stop: int) -> int:
-        if threading.current_thread().name.startswith("fastembed-worker"):
-            signal.setitimer(signal.ITIMER_REAL, 0.2)  # armed once the worker holds its block, however late it came
-        return held(start, stop)
+    def close_then_interrupt(region) -> None:  # the caller's blocks are done; the worker is inside its own
+        if not landed:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            landed.append("armed")
+        close(region)
 
     def interrupt(signum, frame):
+        landed.append("while closing" if _inside(frame, "close") else frame.f_code.co_name)
         raise raised
 
+    monkeypatch.setattr(cpu_workers._Region, "close", close_then_interrupt)
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         with pytest.raises(raised):
@@ -147,7 +152,16 @@ def test_a_signal_handlers_exception_while_the_caller_waits_is_raised_after_the_
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    assert len(finished) == 1
+    assert landed == ["armed", "while closing"] and len(finished) == 1
+
+
+def _inside(frame, function: str) -> bool:
+    """Whether `frame` or a frame that called it runs cpu_workers' `function`."""
+    while frame is not None:
+        if frame.f_code.co_name == function and frame.f_code.co_filename == cpu_workers.__file__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def test_a_ctrl_c_inside_a_workers_start_leaves_no_running_thread_uncounted(monkeypatch):

@@ -638,8 +638,24 @@ def group(request, tmp_path_factory):
     return world, results(outcomes)
 
 
+#: The names of the boards the layers of this rank's process tried to make (:func:`combined_task` records them).
+_BOARDS_TRIED: list[str] = []
+
+
+def _recording_boards() -> None:
+    """Make every board of this process through a wrapper that records its name first."""
+    open_board = distributed.board.open_board
+
+    def recorded(name, *args, **kwargs):
+        _BOARDS_TRIED.append(name)
+        return open_board(name, *args, **kwargs)
+
+    distributed.board.open_board = recorded
+
+
 def combined_task(rank: int, world: int, files: dict) -> dict:
     """The checks in one group (start-up is the slow part), on each exchange."""
+    _recording_boards()
     dense = {label: file for label, file in files.items() if file[1] not in FORMATS}
     checks = {exchange: {"exact": exactness_task(rank, world, exchange),
                          "errors": errors_task(rank, world, files["float16 safetensors"][0], exchange),
@@ -702,10 +718,10 @@ def board_task(rank: int, world: int) -> dict:
     if rank == 0:
         third._board()._failed = "an earlier agreement was interrupted on rank 0 (KeyboardInterrupt)"
     report["out of step"] = _outcome(lambda: third([1]))[:2]
-    boards = {layer._board_name() for layer in (on_world, first, second, third)}  # not other groups' on this host
+    boards = set(_BOARDS_TRIED)  # every board this rank's layers tried to make, not other groups' on this host
     left = [name for name in os.listdir(distributed.segments.SHM_FOLDER)
             if name in boards or name.rpartition("-")[0].rpartition("-")[0] in boards]  # a board, or its pipes
-    return {"report": report, "failures": failures, "pipes left": left}
+    return {"report": report, "failures": failures, "pipes left": left, "boards tried": len(boards)}
 
 
 def write_checkpoints(folder: Path) -> dict:
@@ -991,6 +1007,7 @@ def test_the_ranks_of_one_host_agree_through_one_board_per_group_or_through_the_
             assert "another rank died, hung or stopped calling (timeout=1 s)" in message, message
         for case in ("forked child", "build in a forked child"):  # before a byte lands in the parent's shared memory
             assert report[case] == ("RuntimeError", distributed.layer._FORKED), (case, report[case])
+        assert board["boards tried"] >= 3, board  # the world's board, and the subgroup's twice (given up, then made)
         assert board["pipes left"] == [], f"rank {rank}: pipes left in /dev/shm: {board['pipes left']}"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -90,9 +91,13 @@ def files(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def folder(files, monkeypatch) -> Path:
-    """The examples run in the folder of the files they name (those that write files write new names)."""
+def folder(files, tmp_path, monkeypatch) -> Path:
+    """The examples run in the folder of the files they name (those that write files write new names); the
+    folders they make with ``tempfile.mkdtemp()`` go into the test's own."""
     monkeypatch.chdir(files)
+    mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda suffix=None, prefix=None, dir=None: mkdtemp(suffix, prefix,
+                                                                                                 dir or tmp_path))
     return files
 
 
@@ -111,25 +116,27 @@ def stand_in_model():
     return Model()
 
 
-def run_example(code: str, namespace: dict, request) -> None:
+def run_example(code: str, where: str, namespace: dict, request) -> None:
+    """Run one block (`where`: its page and line, as tracebacks name it) in `namespace`, with what it needs."""
     if NEEDS_CUDA in code:
         pytest.skip("needs a CUDA device: torch CUDA tensors have no stand-in here")
     if re.search(r"\bcupy\b|\.to_device\(", code):
         namespace["cupy"] = request.getfixturevalue("cupy_or_double")  # installed as cupy while the test runs
-    if re.search(r"\b(torch|model)\b", code):
+    if re.search(r"\btorch\b", code):
         pytest.importorskip("torch")
+    if re.search(r"\bmodel\.(get_input_embeddings|embed_tokens)\b", code):  # "your loaded model"
         namespace.setdefault("model", stand_in_model())
     if re.search(r"\bjax\b", code):
         pytest.importorskip("jax")
-    exec(compile(code, "<example>", "exec"), namespace)  # noqa: S102 - the documentation's own code
+    exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the documentation's own code
 
 
 @pytest.mark.parametrize("page, line", EXAMPLES, ids=[f"{page}:{line}" for page, line in EXAMPLES])
 def test_the_example_runs(page, line, folder, request):
+    """The block, after the blocks it continues (from the nearest one that continues nothing), in order."""
     blocks = python_blocks(page)
     index = next(i for i, (at, _, _) in enumerate(blocks) if at == line)
+    head = max(i for i in range(index + 1) if not blocks[i][2])
     namespace: dict = {}
-    if blocks[index][2]:
-        head = max(i for i in range(index) if not blocks[i][2])
-        run_example(blocks[head][1], namespace, request)
-    run_example(blocks[index][1], namespace, request)
+    for at, code, _ in blocks[head:index + 1]:
+        run_example(code, f"{page}:{at}", namespace, request)

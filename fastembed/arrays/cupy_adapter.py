@@ -48,8 +48,8 @@ class CupyAdapter:
     def from_host(self, host: Any, device: str) -> Any:
         """A copy of host data on `device` (a table moved once, or ids given as numpy for a GPU table).
 
-        ml_dtypes (bfloat16, float8) and structured dtypes travel as unsigned
-        words of their size (:meth:`stored_dtype`).
+        ml_dtypes (bfloat16, float8; :meth:`stored_dtype`) and structured
+        dtypes travel as unsigned words of their size.
 
         Raises:
             TypeError: a dtype cupy cannot carry: strings, datetimes, objects,
@@ -71,7 +71,7 @@ class CupyAdapter:
         elif dtype.char not in _DTYPE_CHARS or not dtype.isnative:
             raise TypeError(f"cannot move an array of dtype {dtype} to the GPU: cupy arrays hold booleans and numbers "
                             "of up to 64 bits (128 complex) in native byte order only; convert the host array first "
-                            "(table.astype(table.dtype.newbyteorder('=')) for another byte order)")
+                            "(array.astype(array.dtype.newbyteorder('=')) for another byte order)")
         with cupy.cuda.Device(device_index(device)):
             return cupy.asarray(host)
 

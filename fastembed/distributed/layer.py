@@ -815,18 +815,15 @@ class VocabParallelEmbedding:
         group = self._built_on()
         board.BOARDS.pop(group, None)  # meanwhile the ranks agree through the group, all of them
         identity = int.from_bytes(self._key, "little", signed=True) or 1
+        name = SEGMENT_PREFIX + hashlib.blake2b(b"board", key=self._key, digest_size=12).hexdigest()
         try:
-            made = board.open_board(self._board_name(), SHM_FOLDER, identity, self.rank, self.world_size,
+            made = board.open_board(name, SHM_FOLDER, identity, self.rank, self.world_size,
                                     lambda error, what: self._agree(error, 0, lambda: "", what, ""))
         except CommunicationError:
             raise
         except Exception:  # raised alike on every rank by the agreement
             return
         board.BOARDS[group] = made
-
-    def _board_name(self) -> str:
-        """The name in shared memory of the board this layer makes for its group (its pipes' names start with it)."""
-        return SEGMENT_PREFIX + hashlib.blake2b(b"board", key=self._key, digest_size=12).hexdigest()
 
     def _group_timeout_s(self) -> float:
         """The timeout the group was made with (``init_process_group(timeout=...)``), or torch's default for it."""
