@@ -4,9 +4,9 @@ Each block runs in a fresh namespace, in a folder holding the files the
 examples name (checkpoints, a ``table.npy``, GGUF files written by the gguf
 package), with a stand-in for ``model``, "your loaded model" (a torch module
 whose input embedding is a ``torch.nn.Embedding``). A block right after a
-``<!-- continues -->`` line runs in the namespace of the nearest block
-before it without one. cupy examples, and ``to_device``, run on the CuPy
-double; examples that need a CUDA device skip.
+``<!-- continues -->`` line runs after the blocks before it, in order, from
+the nearest one without that line, in one namespace. cupy examples, and
+``to_device``, run on the CuPy double; examples that need a CUDA device skip.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def python_blocks(page: str) -> list[tuple[int, str, bool]]:
     """The ```python blocks of `page`: (the line of the fence, the code, whether it continues the one before)."""
     text = (ROOT / page).read_text()
     found = []
-    for match in re.finditer(r"^(<!-- continues -->\n)?```python\n(.*?)^```", text, re.S | re.M):
+    for match in re.finditer(rf"^({re.escape(CONTINUES)}\n)?```python\n(.*?)^```", text, re.S | re.M):
         fence = match.start() + len(match.group(1) or "")
         found.append((text.count("\n", 0, fence) + 1, match.group(2), match.group(1) is not None))
     return found
