@@ -56,6 +56,20 @@ def posted(receiver: board.Board, sender: int) -> None:
     assert select.select([inbox], [], [], TIMEOUT_S)[0], f"rank {sender} did not post within {TIMEOUT_S} s"
 
 
+class Polling:
+    """A board's poller that says when its rank starts to wait for a wake-up."""
+
+    def __init__(self, poller) -> None:
+        self.poller, self.waiting = poller, threading.Event()
+
+    def poll(self, timeout_ms):
+        self.waiting.set()
+        return self.poller.poll(timeout_ms)
+
+    def __getattr__(self, name):
+        return getattr(self.poller, name)
+
+
 def run_ranks(boards: list[board.Board], task) -> list:
     with ThreadPoolExecutor(len(boards)) as pool:
         return [future.result() for future in [pool.submit(task, one) for one in boards]]
@@ -138,11 +152,11 @@ def test_a_full_pipe_loses_no_wake_up(tmp_path):
 def test_a_post_whose_wake_up_never_came_is_still_seen(tmp_path):
     first, second = open_boards(tmp_path, 2)
     second._outboxes = []  # as if its rank was interrupted between posting and waking the others
+    first._poller = Polling(first._poller)
     with ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
         waiting = pool.submit(first.agree, 1, 2, TIMEOUT_S)
-        posted(second, 0)
-        time.sleep(0.05)  # most likely waiting by now (else it finds the post without waiting, and the test passes)
+        assert first._poller.waiting.wait(TIMEOUT_S)  # it found no post and waits for a wake-up
         assert second.agree(3, 4, TIMEOUT_S) == [[1, 2], [3, 4]]  # the first rank's wake-up came
         assert waiting.result() == [[1, 2], [3, 4]]
         assert time.monotonic() - started < 2
