@@ -703,8 +703,9 @@ def board_task(rank: int, world: int) -> dict:
     report["given up"] = (first.agreement, first.exchange)
     failures += same_bits("through the group", first([3, 1, 4]), expected, np.ndarray)
     second = VocabParallelEmbedding(table, group=subgroup, timeout=30)  # tries again, for both layers
-    report["made by the next layer"] = (first.agreement, second.agreement, first._board() is second._board(),
-                                        first._board() is on_world._board())
+    held = first._collectives.board()
+    report["made by the next layer"] = (first.agreement, second.agreement, held is second._collectives.board(),
+                                        held is on_world._collectives.board())
     failures += same_bits("the first layer on the board", first([3, 1, 4]), expected, np.ndarray)
     failures += same_bits("the second layer on the board", second([3, 1, 4], mode="scatter"),
                           expected[slice(*distributed.position_range(3, world, rank))], np.ndarray)
@@ -716,7 +717,7 @@ def board_task(rank: int, world: int) -> dict:
     out_of_step = dist.new_group(list(range(world)))
     third = VocabParallelEmbedding(table, group=out_of_step, timeout=1)
     if rank == 0:
-        third._board()._failed = "an earlier agreement was interrupted on rank 0 (KeyboardInterrupt)"
+        third._collectives.board()._failed = "an earlier agreement was interrupted on rank 0 (KeyboardInterrupt)"
     report["out of step"] = _outcome(lambda: third([1]))[:2]
     boards = set(_BOARDS_TRIED)  # every board this rank's layers tried to make, not other groups' on this host
     left = [name for name in os.listdir(distributed.segments.SHM_FOLDER)
@@ -1006,7 +1007,7 @@ def test_the_ranks_of_one_host_agree_through_one_board_per_group_or_through_the_
         else:
             assert "another rank died, hung or stopped calling (timeout=1 s)" in message, message
         for case in ("forked child", "build in a forked child"):  # before a byte lands in the parent's shared memory
-            assert report[case] == ("RuntimeError", distributed.layer._FORKED), (case, report[case])
+            assert report[case] == ("RuntimeError", distributed.collectives.FORKED), (case, report[case])
         assert board["boards tried"] >= 3, board  # the world's board, and the subgroup's twice (given up, then made)
         assert board["pipes left"] == [], f"rank {rank}: pipes left in /dev/shm: {board['pipes left']}"
 

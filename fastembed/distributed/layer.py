@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import math
 import mmap
@@ -24,7 +23,8 @@ from ..backends import output_cache
 from ..backends.cuda_backend import deferred_id_checks
 from ..formats import QuantizedTable
 from . import board, segments
-from .agreement import CommunicationError, _digest, _errno_of, _error_code, _shared_error
+from .agreement import CommunicationError, _digest
+from .collectives import FORKED, Collectives, board_of
 from .layout import _checked_pad, padded_vocab_size, position_range, row_range
 from .segments import SEGMENT_GRANULE, SEGMENT_PREFIX, SHM_FOLDER, _Segment, _unlink_quietly
 from .shards import _carrier, _check_transport, _kind, _open_shard, _placement
@@ -34,13 +34,9 @@ MODES = ("full", "scatter")
 EXCHANGES = ("auto", "shared_memory", "all_reduce")
 #: The range of ``timeout=`` in seconds: torch waits whole milliseconds (0 means no limit), and a year is plenty.
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 365 * 24 * 3600.0
-#: Bytes of an error message or description one rank shares with the others (longer ones are cut).
-MESSAGE_BYTES = 2048
 TORCH_NEEDED = "fastembed.distributed needs torch 2.13 or later (the release it is tested with): pip install 'fastembed-gather[distributed]'"
 _TWO_THREADS = ("layers of one process group were called or built from two threads of one rank at once; their calls "
                 "are collectives, one at a time in the same order on every rank")
-_FORKED = ("a VocabParallelEmbedding and its process group serve the process that built them, not a forked child "
-           "(whose writes would land in the parent's shared memory)")
 #: Each process group's lock on this rank (weakly: it goes with the group), shared by the group's layers.
 _GROUP_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 #: Integer views for the SUM collectives, widest first. No int16: neither gloo nor NCCL sums it.
@@ -210,7 +206,7 @@ class VocabParallelEmbedding:
         carriers = {kind: _carrier(backend, kind, dist.Backend.backend_capability) for kind in ("cpu", "cuda")}
         if not any(carriers.values()):
             raise ValueError(f"VocabParallelEmbedding needs a group that carries CPU or CUDA tensors, not {backend!r}")
-        self._board()  # a forked child of a rank whose group has a board: RuntimeError, before anything else
+        board_of(self._built_on())  # a forked child of a rank whose group has a board: RuntimeError, before anything else
         # One call or build of the group's layers at a time on this rank: their collectives pair up in order.
         self._calling = _group_lock(self._built_on())
         if self._calling.locked():
@@ -221,13 +217,12 @@ class VocabParallelEmbedding:
     def _build(self, source: Any, name: str | None, pad_to_multiple: int, timeout: float | None, exchange: str,
                device: Any, backend: str, carriers: dict[str, str | None]) -> None:
         """:meth:`__init__`'s collective part, under the group's lock."""
-        self._broken: str | None = None
         self._pid = os.getpid()
-        self._timeout: float | None = None
+        timeout_s: float | None = None
         self.last_timings: LookupTimings | None = None
         shard, error, placement, pad = None, None, None, 1
         try:
-            self._timeout = _checked_timeout(timeout)  # first: it bounds the agreement below whatever fails next
+            timeout_s = _checked_timeout(timeout)  # first: it bounds the agreement below whatever fails next
             pad = _checked_pad(pad_to_multiple)
             if exchange not in EXCHANGES:
                 raise ValueError(f"exchange must be 'auto', 'shared_memory' or 'all_reduce', got {exchange!r}")
@@ -239,33 +234,29 @@ class VocabParallelEmbedding:
         except Exception as caught:
             error = caught
         if carriers["cpu"] is not None:
-            self._wire = "cpu"  # the agreements' small tensors
+            wire = "cpu"  # the agreements' small tensors
         elif placement not in (None, "cpu"):
-            self._wire = placement
+            wire = str(placement)
         elif self._torch.cuda.device_count():  # a build that failed off the GPU still shares its error over NCCL
-            self._wire = f"cuda:{self._torch.cuda.current_device()}"
+            wire = f"cuda:{self._torch.cuda.current_device()}"
         else:
             assert error is not None  # _check_transport's: raised on this rank alone, as no agreement can run
             try:
                 raise error
             finally:
                 error = None  # else this frame and the error's traceback hold each other (see _call)
-        # What the agreements through a board of the group wait (the first below, if the group has one already).
-        self._board_timeout_s = self._timeout if self._timeout is not None else self._group_timeout_s()
-        self._mine = self._on_wire(np.zeros(2, np.int64))
-        self._theirs = self._on_wire(np.zeros((self.world_size, 2), np.int64))
-        self._theirs_list = list(self._theirs.unbind(0))
+        self._collectives = Collectives(self._torch, self._dist, self._group, self._built_on, timeout_s, wire)
         where = "" if placement is None else " on the host" if placement == "cpu" else " on a GPU"
         described = "" if shard is None else (
             f"a {shard.vocab_size} x {shard.rows.shape[1]} {_kind(shard.rows)} table{where}, "
             f"pad_to_multiple={pad}, exchange={exchange!r}")
         try:
-            self._agree(error, _digest(described.encode()), lambda: described, "the table",
+            self._collectives.agree(error, _digest(described.encode()), lambda: described, "the table",
                         "every rank must open a table of the same shape and dtype, with the same pad_to_multiple "
                         "and exchange")
         finally:
             error = None  # see _call
-        assert shard is not None  # _agree raised otherwise
+        assert shard is not None  # the agreement raised otherwise
         self._shard = shard
         self.vocab_size: int = shard.vocab_size
         self.padded_vocab_size: int = padded_vocab_size(shard.vocab_size, pad)
@@ -317,7 +308,7 @@ class VocabParallelEmbedding:
         group (elsewhere, in a group of one rank, or where the board could not
         be made: the next layer built on the group tries again).
         """
-        return "group" if self._board() is None else "shared_memory"
+        return "group" if self._collectives.board() is None else "shared_memory"
 
     @property
     def format(self) -> str:
@@ -416,13 +407,14 @@ class VocabParallelEmbedding:
                 raised on every rank, and the group stays usable.
         """
         if os.getpid() != self._pid:
-            raise RuntimeError(_FORKED)
-        if self._broken is not None:
-            raise CommunicationError(self._broken)
-        if not self._group_exists():
-            self._broken = (f"VocabParallelEmbedding: the process group it was built on no longer exists on rank "
-                            f"{self.rank} (destroy_process_group); build a new layer on a new group")
-            raise CommunicationError(self._broken)
+            raise RuntimeError(FORKED)
+        collectives = self._collectives
+        if collectives.broken is not None:
+            raise CommunicationError(collectives.broken)
+        if not collectives.group_exists():
+            collectives.broken = (f"VocabParallelEmbedding: the process group it was built on no longer exists on "
+                                  f"rank {self.rank} (destroy_process_group); build a new layer on a new group")
+            raise CommunicationError(collectives.broken)
         if self._calling.locked():
             # Before any collective: the call already running keeps the ranks in step (two at once abort gloo).
             raise RuntimeError(_TWO_THREADS)
@@ -434,22 +426,8 @@ class VocabParallelEmbedding:
             except Exception:
                 raise  # raised alike on every rank by an agreement, or after the last collective of the call
             except BaseException as interrupt:
-                self._mark_interrupted(interrupt, "a call")
+                collectives.mark_interrupted(interrupt, "a call")
                 raise
-
-    def _mark_interrupted(self, interrupt: BaseException, where: str) -> None:
-        """Leave the layer unusable after a KeyboardInterrupt (or another BaseException) `where`.
-
-        Between two collectives or in one, the other ranks may be waiting in
-        a collective this rank never starts, or be past one it has not
-        finished with, so that every later call would pair with another
-        call's collectives. A group of one rank has no other rank to be out
-        of step with.
-        """
-        if self._broken is None and self.world_size > 1:
-            self._broken = (f"VocabParallelEmbedding: {where} was interrupted on rank {self.rank} of {self.world_size} "
-                            f"({type(interrupt).__name__}); the ranks may no longer be in step: destroy the group and "
-                            "end the process")
 
     def _call(self, ids: Any, mode: str, dtype: Any) -> Any:
         """:meth:`__call__`, for the one thread calling."""
@@ -469,13 +447,13 @@ class VocabParallelEmbedding:
         gathered = time.perf_counter()
         description = "" if call is None else call.description
         try:
-            self._agree(error, call.digest if call is not None else 0, lambda: description, "the ids",
+            self._collectives.agree(error, call.digest if call is not None else 0, lambda: description, "the ids",
                         "every rank must call the same layer with the same ids (same shape and values), mode and dtype")
         finally:
             # The error's traceback holds this frame, which would hold the error: a cycle that keeps the call's
             # buffers (and, while building, the process group) alive until a garbage collection.
             error = None
-        assert call is not None  # _agree raised otherwise
+        assert call is not None  # the agreement raised otherwise
         agreed = time.perf_counter()
         result = self._communicate(call)
         self.last_timings = LookupTimings(prepared - started, gathered - prepared + call.late_gather_s,
@@ -650,7 +628,7 @@ class VocabParallelEmbedding:
             assert segment is not None
             grown = time.perf_counter()
             # The agreement came before these writes, so a second, status-carrying barrier follows them.
-            written = self._agreed_step(lambda: self._write_rows(call, segment.buffers[turn]),
+            written = self._collectives.agreed_step(lambda: self._write_rows(call, segment.buffers[turn]),
                                         "writing the rows into shared memory")
             call.late_gather_s = written - grown
             call.exchange_s = time.perf_counter() - written + grown - started
@@ -708,8 +686,7 @@ class VocabParallelEmbedding:
                 return self._finish(words, call.dtype, shape)
         if call.ids.size:
             tensor = words if self._on_device else self._torch.from_numpy(words)
-            self._collective(lambda: self._dist.all_reduce(tensor, group=self._group, async_op=True),
-                             "the all-reduce of the rows")
+            self._collectives.all_reduce(tensor, "the all-reduce of the rows")
         reduced = time.perf_counter()
         call.exchange_s += reduced - started
         if call.mode == "scatter":
@@ -729,19 +706,18 @@ class VocabParallelEmbedding:
             return mine
         what = "the reduce-scatter of the rows"
         if count % self.world_size == 0:
-            self._collective(lambda: self._dist.reduce_scatter_single(mine, words, group=self._group, async_op=True),
-                             what)
+            self._collectives.reduce_scatter(mine, words, what)
             return mine
         parts = [words[start * rest: stop * rest]
                  for start, stop in (position_range(count, self.world_size, rank) for rank in range(self.world_size))]
         # reduce_scatter_single needs parts of one size: only the list form takes uneven ones (NCCL runs one reduce per rank).
-        self._collective(lambda: self._dist.reduce_scatter(mine, parts, group=self._group, async_op=True), what)
+        self._collectives.reduce_scatter(mine, parts, what)
         return mine
 
     def _late_all_reduce(self, call: _Call) -> Any:
         """The all-reduce for a call that shared memory could not hold: gathered after the agreement."""
         started = time.perf_counter()
-        gathered = self._agreed_step(lambda: self._gather_masked(call), "gathering the rows")
+        gathered = self._collectives.agreed_step(lambda: self._gather_masked(call), "gathering the rows")
         call.late_gather_s = gathered - started
         call.exchange_s += time.perf_counter() - gathered
         return self._all_reduce(call)
@@ -768,13 +744,14 @@ class VocabParallelEmbedding:
         """
         host, usable = segments._host_identity()
         secret = int.from_bytes(secrets.token_bytes(8), "little", signed=True)
-        held = self._board()
-        facts = self._all_gather_ints([host, int(usable), secret, 0 if held is None else held.identity])
+        held = self._collectives.board()
+        facts = self._collectives.all_gather_ints([host, int(usable), secret, 0 if held is None else held.identity],
+                                                  "the agreement on the exchange")
         hosts, usables, secrets_, boards = zip(*facts, strict=True)
         self._key = int(secrets_[0]).to_bytes(8, "little", signed=True)  # rank 0's: names no one can guess
         one_host = len(set(hosts)) == 1 and all(usables)
-        if one_host and self.world_size > 1 and self._wire == "cpu" and board.usable():
-            self._open_board(held, boards)
+        if one_host and self.world_size > 1 and self._collectives.wire == "cpu" and board.usable():
+            self._collectives.open_board(self._key, boards)
         if requested == "all_reduce" or self._on_device or (requested == "auto" and self.world_size == 1):
             return "all_reduce"
         if one_host:
@@ -791,47 +768,6 @@ class VocabParallelEmbedding:
             reasons.append(f"rank(s) {', '.join(map(str, unusable))} have no usable {SHM_FOLDER} (Linux, writable)")
         raise ValueError(f"VocabParallelEmbedding: exchange='shared_memory' needs every rank on one host with a "
                          f"shared {SHM_FOLDER}: {'; '.join(reasons)}; use exchange='auto' or 'all_reduce'")
-
-    def _board(self) -> board.Board | None:
-        """The agreement board of this layer's group on this rank, if it has one (every rank alike).
-
-        Raises:
-            RuntimeError: this process is a forked child of the one that made it.
-        """
-        group = self._built_on()
-        held = None if group is None else board.BOARDS.get(group)
-        if held is not None and held.pid != os.getpid():
-            raise RuntimeError(_FORKED)
-        return held
-
-    def _open_board(self, held: board.Board | None, identities: tuple[int, ...]) -> None:
-        """Give the group a board (a collective), unless every rank holds the same one already.
-
-        Where a rank cannot make its part (on every rank alike), the group's
-        layers go on agreeing through the group, and the next layer built tries again.
-        """
-        if held is not None and set(identities) == {held.identity}:
-            return
-        group = self._built_on()
-        board.BOARDS.pop(group, None)  # meanwhile the ranks agree through the group, all of them
-        identity = int.from_bytes(self._key, "little", signed=True) or 1
-        name = SEGMENT_PREFIX + hashlib.blake2b(b"board", key=self._key, digest_size=12).hexdigest()
-        try:
-            made = board.open_board(name, SHM_FOLDER, identity, self.rank, self.world_size,
-                                    lambda error, what: self._agree(error, 0, lambda: "", what, ""))
-        except CommunicationError:
-            raise
-        except Exception:  # raised alike on every rank by the agreement
-            return
-        board.BOARDS[group] = made
-
-    def _group_timeout_s(self) -> float:
-        """The timeout the group was made with (``init_process_group(timeout=...)``), or torch's default for it."""
-        try:
-            limit = self._built_on()._get_backend(self._torch.device("cpu")).options._timeout
-        except (AttributeError, RuntimeError, ValueError):  # torch keeps it in a private field
-            limit = self._dist.default_pg_timeout
-        return float(limit.total_seconds())
 
     def _segment_name(self, generation: int) -> str:
         hasher = hashlib.blake2b(generation.to_bytes(8, "little"), key=self._key, digest_size=12)
@@ -859,7 +795,7 @@ class VocabParallelEmbedding:
             # No rank reads the old segment after this call's agreement; unmapped by every rank first, its pages
             # do not count beside the new one's in /dev/shm (a new one that fits alone is then never refused).
             self._close_segment()
-            self._agree(None, 0, lambda: "", "releasing the shared-memory segment", "")
+            self._collectives.agree(None, 0, lambda: "", "releasing the shared-memory segment", "")
         path = os.path.join(SHM_FOLDER, self._segment_name(self._generation))
         self._generation += 1
         mapping: mmap.mmap | None = None
@@ -871,14 +807,14 @@ class VocabParallelEmbedding:
                     mapping = segments._create_mapping(path, 2 * buffer_bytes)
                 except Exception as caught:
                     error = caught
-            self._agree(error, 0, lambda: "", "making the shared-memory segment", "")
+            self._collectives.agree(error, 0, lambda: "", "making the shared-memory segment", "")
             stage = "mapping"
             if self.rank != 0:
                 try:
                     mapping = segments._open_mapping(path, 2 * buffer_bytes)
                 except Exception as caught:
                     error = caught
-            self._agree(error, 0, lambda: "", "mapping the shared-memory segment", "")
+            self._collectives.agree(error, 0, lambda: "", "mapping the shared-memory segment", "")
         except CommunicationError:
             if mapping is not None:
                 mapping.close()
@@ -910,123 +846,6 @@ class VocabParallelEmbedding:
             self._segment.close()
             self._segment = None
 
-    # -- collectives -----------------------------------------------------------------------------------------
-
-    def _agree(self, error: Exception | None, digest: int, describe: Callable[[], str], what: str,
-               requirement: str) -> None:
-        """Share every rank's (status, digest) (the group's board, else an all-gather); raise the same error on every
-        rank unless all are fine and equal.
-
-        A rank's error is raised on every rank (its type and message; "(on rank r
-        of n)" added unless every rank raised it); otherwise differing digests
-        raise a ValueError listing each rank's description.
-        """
-        code = 0 if error is None else _error_code(error)
-        number = digest if error is None else _errno_of(error)
-        held = self._board()
-        if held is not None:
-            rows = self._board_agree(held, code, number, f"the agreement on {what}")
-        else:
-            self._mine[0], self._mine[1] = code, number
-            self._collective(lambda: self._dist.all_gather(self._theirs_list, self._mine, group=self._group,
-                                                           async_op=True), f"the agreement on {what}")
-            rows = self._theirs.tolist()  # one read back: on NCCL each read of the GPU tensor waits for the device
-        codes, digests = [row[0] for row in rows], [row[1] for row in rows]
-        if not any(codes) and len(set(digests)) == 1:
-            return
-        texts = self._gather_texts(str(error) if error is not None else describe())
-        raise _shared_error(codes, texts, what, requirement, digests) from error
-
-    def _agreed_step(self, step: Callable[[], None], what: str) -> float:
-        """Run this rank's `step`, then agree on its outcome (a barrier carrying every rank's status); when it ended.
-
-        Raises:
-            As :meth:`_agree`: a rank's error from `step`, on every rank.
-        """
-        error: Exception | None = None
-        try:
-            step()
-        except Exception as caught:
-            error = caught
-        ended = time.perf_counter()
-        try:
-            self._agree(error, 0, lambda: "", what, "")
-        finally:
-            error = None  # see _call
-        return ended
-
-    def _board_agree(self, held: board.Board, code: int, number: int, what: str) -> list[list[int]]:
-        """:meth:`_agree`'s exchange of every rank's (code, number) through the board, at most `timeout` seconds."""
-        try:
-            return held.agree(code, number, self._board_timeout_s)
-        except board.BoardError as error:
-            if error.earlier:  # this rank's own failure, in a call of this or another layer of the group
-                self._broken = (f"VocabParallelEmbedding: {what} cannot run on rank {self.rank} of {self.world_size}: "
-                                f"{error}; the ranks are out of step. This process group is unusable now: destroy "
-                                "it and end the process")
-                raise CommunicationError(self._broken) from error
-            raise self._lost(what, f"The shared-memory board said: {error}") from error
-        except BaseException as interrupt:
-            self._mark_interrupted(interrupt, what)
-            raise
-
-    def _lost(self, what: str, said: str) -> CommunicationError:
-        """Mark the layer unusable after `what` failed on this rank, and the error to raise (`said`: by what)."""
-        limit = "the group's timeout" if self._timeout is None else f"timeout={self._timeout:g} s"
-        self._broken = (f"VocabParallelEmbedding: {what} failed on rank {self.rank} of {self.world_size}: another rank "
-                        f"died, hung or stopped calling ({limit}). This process group is unusable now: destroy it "
-                        f"and end the process. {said}")
-        return CommunicationError(self._broken)
-
-    def _gather_texts(self, text: str) -> list[str]:
-        """Every rank's `text` (cut to MESSAGE_BYTES), on every rank: only on the error path."""
-        encoded = text.encode("utf-8", "replace")[:MESSAGE_BYTES]
-        buffer = np.zeros(MESSAGE_BYTES, np.uint8)
-        buffer[: len(encoded)] = np.frombuffer(encoded, np.uint8)
-        mine = self._on_wire(buffer)
-        theirs = list(self._on_wire(np.zeros((self.world_size, MESSAGE_BYTES), np.uint8)).unbind(0))
-        self._collective(lambda: self._dist.all_gather(theirs, mine, group=self._group, async_op=True),
-                         "the exchange of error messages")
-        return [bytes(tensor.cpu().numpy()).rstrip(b"\0").decode("utf-8", "replace") for tensor in theirs]
-
-    def _all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every rank's `values` (the same count of int64 on every rank), on every rank."""
-        mine = self._on_wire(np.array(values, np.int64))
-        theirs = self._on_wire(np.zeros((self.world_size, len(values)), np.int64))
-        listed = list(theirs.unbind(0))
-        self._collective(lambda: self._dist.all_gather(listed, mine, group=self._group, async_op=True),
-                         "the agreement on the exchange")
-        return [[int(value) for value in row] for row in theirs.tolist()]
-
-    def _on_wire(self, host: np.ndarray) -> Any:
-        """`host` as a tensor the agreements send: a CPU tensor over it, or a copy on this rank's GPU (NCCL alone)."""
-        return self._torch.from_numpy(host) if self._wire == "cpu" else torch_adapter.ADAPTER.from_host(host, self._wire)
-
-    def _group_exists(self) -> bool:
-        """Whether the group the layer was built on is still registered with torch (not destroyed, not replaced)."""
-        group = self._built_on()
-        if group is None:
-            return False
-        try:
-            self._dist.get_backend(group)
-        except (ValueError, RuntimeError):
-            return False
-        return True
-
-    def _collective(self, start: Callable[[], Any], what: str) -> None:
-        """Start a collective and wait for it, at most `timeout` seconds; any failure is a CommunicationError."""
-        try:
-            work = start()
-            if work is not None:  # None on a rank outside the group, which cannot happen here
-                if self._timeout is None:
-                    work.wait()
-                else:
-                    work.wait(timeout=datetime.timedelta(seconds=self._timeout))
-        except RuntimeError as error:  # torch's DistBackendError, "Operation timed out!", gloo's lost connections
-            raise self._lost(what, f"torch.distributed said: {str(error).strip()}") from error
-        except BaseException as interrupt:
-            self._mark_interrupted(interrupt, what)
-            raise
 
 
 class _Call:
