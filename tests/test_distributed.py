@@ -471,7 +471,7 @@ def shared_memory_task(rank: int, world: int) -> dict:
         return real_create(path, size)
 
     def room_for_one(path, size):  # a /dev/shm with room for one segment at a time, whatever its size
-        if layers[-1]._segment is not None:
+        if layers[-1]._shared._segment is not None:
             raise OSError(28, "No space left on device (the old segment is still mapped)")
         return real_create(path, size)
 
@@ -493,7 +493,8 @@ def shared_memory_task(rank: int, world: int) -> dict:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 value = call()
-            return value, [str(warning.message) for warning in caught]
+            # Each warning with the file it points at: the line that called the layer.
+            return value, [f"{warning.message} (at {os.path.basename(warning.filename)})" for warning in caught]
         finally:
             setattr(distributed.segments, name, original)
 
@@ -968,6 +969,7 @@ def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group)
     (sequence, warned) = seen["small shm, auto"]
     assert sequence == [shm, shm, reduce, reduce, shm, 3], sequence
     assert len(warned) == 1 and "No space left on device" in warned[0] and "use the all-reduce" in warned[0], warned
+    assert warned[0].endswith("(at test_distributed.py)"), warned
     (before, refused, after, exchange), _ = seen["small shm, shared_memory"]
     assert (before, after, exchange) == ("no error", "no error", shm)
     assert refused[0] == "OSError" and "No space left on device" in refused[1] and f"(on rank 0 of {world})" in refused[1]
@@ -977,6 +979,7 @@ def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group)
     # a rank that cannot open rank 0's file: the layer gives shared memory up
     (sequence, warned) = seen["other shm, auto"]
     assert sequence == [shm, reduce, reduce, reduce, reduce, 1] and len(warned) == 1, (sequence, warned)
+    assert warned[0].endswith("(at test_distributed.py)"), warned
     (before, refused, after, exchange), _ = seen["other shm, shared_memory"]
     assert (before, refused[0], after, exchange) == ("FileNotFoundError", "FileNotFoundError", "FileNotFoundError", shm)
     assert f"(on rank {world - 1} of {world})" in refused[1]

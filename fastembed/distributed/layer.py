@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
-import mmap
 import os
 import secrets
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -26,7 +23,7 @@ from . import board, segments
 from .agreement import CommunicationError, _digest
 from .collectives import FORKED, Collectives, board_of
 from .layout import _checked_pad, padded_vocab_size, position_range, row_range
-from .segments import SEGMENT_GRANULE, SEGMENT_PREFIX, SHM_FOLDER, _Segment, _unlink_quietly
+from .segments import SHM_FOLDER, SharedBuffers
 from .shards import _carrier, _check_transport, _kind, _open_shard, _placement
 
 MODES = ("full", "scatter")
@@ -280,12 +277,8 @@ class VocabParallelEmbedding:
         # The first row of every rank but the first: searchsorted over them names each id's owner.
         self._bounds = np.array([row_range(self.vocab_size, self.world_size, rank, pad)[0]
                                  for rank in range(1, self.world_size)], np.int64)
-        self._requested = exchange
-        self._segment: _Segment | None = None
-        self._generation = 0  # segments made so far: with the key, the next segment's name
-        self._turn = 0  # which of the segment's two buffers the next call writes
-        self._refused: int | None = None  # a buffer size /dev/shm refused: calls needing as much use the all-reduce
         self.exchange: str = self._choose_exchange(exchange)
+        self._shared = SharedBuffers(self._collectives, self._key, required=exchange == "shared_memory")
 
     @property
     def shard(self) -> Any:
@@ -356,7 +349,7 @@ class VocabParallelEmbedding:
 
     def _segment_names(self) -> list[str]:
         """The names (in SHM_FOLDER) of every segment this layer has made, oldest first: all unlinked by now."""
-        return [self._segment_name(generation) for generation in range(self._generation)]
+        return self._shared.names()
 
     def __call__(self, ids: Any, mode: str = "full", *, dtype: Any = None) -> Any:
         """``table[ids]`` on every rank (``mode="full"``), or this rank's slice of the positions (``"scatter"``).
@@ -495,14 +488,14 @@ class VocabParallelEmbedding:
         if call.exchange == "all_reduce":
             self._gather_masked(call)
             return
-        needed = call.ids.size * call.row_bytes
-        if needed and self._segment is not None and needed <= self._segment.buffer_bytes:
+        buffer = self._shared.next_buffer(call.ids.size * call.row_bytes)
+        if buffer is not None:
             # Two buffers make the agreement the only barrier a call needs: every rank reads this buffer after this
             # call's agreement, which no rank enters before its writes, and writes it again only after the next
             # call's agreement, which no rank enters before it has copied this call's rows out.
             # A failed agreement leaves this buffer half written, but no rank reads a buffer whose call failed, and
             # the next call that reads it has every one of its rows rewritten by their owners first.
-            self._write_rows(call, self._segment.buffers[self._turn])
+            self._write_rows(call, buffer)
 
     def _gather_masked(self, call: _Call) -> None:
         """The all-reduce's buffer: this rank's rows at the positions it owns, zeros everywhere else."""
@@ -613,27 +606,28 @@ class VocabParallelEmbedding:
         """After the agreement: combine the ranks' rows and return the result in the table's kind."""
         if call.exchange == "all_reduce":
             return self._all_reduce(call)
-        turn = self._turn
-        # Every rank flips here, after the same agreement, whatever happens to its copy below: the turns stay equal.
-        self._turn ^= 1
+        shared = self._shared
+        turn = shared.take_turn()
         needed = call.ids.size * call.row_bytes
-        segment = self._segment
-        if needed and (segment is None or needed > segment.buffer_bytes):
+        buffer = shared.buffer(turn)
+        if needed and (buffer is None or needed > buffer.size):
             started = time.perf_counter()
-            if not self._grow(needed):  # every rank decides alike: from agreed sizes and shared outcomes
+            if not shared.grow(needed):  # every rank decides alike: from agreed sizes and shared outcomes
+                if not shared.usable:
+                    self.exchange = "all_reduce"
                 call.exchange = "all_reduce"
                 call.exchange_s = time.perf_counter() - started
                 return self._late_all_reduce(call)
-            segment = self._segment
-            assert segment is not None
             grown = time.perf_counter()
+            buffer = shared.buffer(turn)
+            assert buffer is not None
             # The agreement came before these writes, so a second, status-carrying barrier follows them.
-            written = self._collectives.agreed_step(lambda: self._write_rows(call, segment.buffers[turn]),
-                                        "writing the rows into shared memory")
+            written = self._collectives.agreed_step(lambda: self._write_rows(call, buffer),
+                                                    "writing the rows into shared memory")
             call.late_gather_s = written - grown
             call.exchange_s = time.perf_counter() - written + grown - started
         started = time.perf_counter()
-        result = self._copy_out(call, None if segment is None else segment.buffers[turn])
+        result = self._copy_out(call, buffer)
         call.copy_s = time.perf_counter() - started
         return result
 
@@ -733,7 +727,7 @@ class VocabParallelEmbedding:
         """The torch dtype of a GPU shard's results of `dtype`: the table's own (bfloat16 is held as words), or torch's of that name."""
         return self._shard.like.dtype if dtype == self._dtype and not self._quantized else getattr(self._torch, dtype.name)
 
-    # -- the shared-memory segment ---------------------------------------------------------------------------
+    # -- the choice of exchange ------------------------------------------------------------------------------
 
     def _choose_exchange(self, requested: str) -> str:
         """Agree on every rank's host and /dev/shm, and on the segments' key; the exchange this layer uses.
@@ -768,83 +762,6 @@ class VocabParallelEmbedding:
             reasons.append(f"rank(s) {', '.join(map(str, unusable))} have no usable {SHM_FOLDER} (Linux, writable)")
         raise ValueError(f"VocabParallelEmbedding: exchange='shared_memory' needs every rank on one host with a "
                          f"shared {SHM_FOLDER}: {'; '.join(reasons)}; use exchange='auto' or 'all_reduce'")
-
-    def _segment_name(self, generation: int) -> str:
-        hasher = hashlib.blake2b(generation.to_bytes(8, "little"), key=self._key, digest_size=12)
-        return SEGMENT_PREFIX + hasher.hexdigest()
-
-    def _grow(self, needed: int) -> bool:
-        """Replace the segment by one whose buffers hold `needed` bytes, together; False where it cannot be made.
-
-        Every rank unmaps the old segment first; rank 0 creates the file (its
-        pages reserved at once), every rank maps it, and it is unlinked once
-        all have, or on any failure: nothing stays in /dev/shm. With
-        ``exchange="auto"`` a failure makes this and larger calls use the
-        all-reduce (a file that another rank cannot open: every call); with
-        ``"shared_memory"`` it is raised on every rank.
-
-        Raises:
-            OSError, ValueError, MemoryError: the segment could not be made or
-                mapped (``exchange="shared_memory"``), on every rank.
-            CommunicationError: a rank died meanwhile.
-        """
-        buffer_bytes = -(-needed // SEGMENT_GRANULE) * SEGMENT_GRANULE
-        if self._refused is not None and buffer_bytes >= self._refused:
-            return False
-        if self._segment is not None:
-            # No rank reads the old segment after this call's agreement; unmapped by every rank first, its pages
-            # do not count beside the new one's in /dev/shm (a new one that fits alone is then never refused).
-            self._close_segment()
-            self._collectives.agree(None, 0, lambda: "", "releasing the shared-memory segment", "")
-        path = os.path.join(SHM_FOLDER, self._segment_name(self._generation))
-        self._generation += 1
-        mapping: mmap.mmap | None = None
-        error: Exception | None = None
-        stage = "making"
-        try:
-            if self.rank == 0:
-                try:
-                    mapping = segments._create_mapping(path, 2 * buffer_bytes)
-                except Exception as caught:
-                    error = caught
-            self._collectives.agree(error, 0, lambda: "", "making the shared-memory segment", "")
-            stage = "mapping"
-            if self.rank != 0:
-                try:
-                    mapping = segments._open_mapping(path, 2 * buffer_bytes)
-                except Exception as caught:
-                    error = caught
-            self._collectives.agree(error, 0, lambda: "", "mapping the shared-memory segment", "")
-        except CommunicationError:
-            if mapping is not None:
-                mapping.close()
-            raise
-        except Exception as shared:  # raised alike on every rank by the agreement
-            if mapping is not None:
-                mapping.close()
-            if self._requested == "shared_memory":
-                raise
-            # A file another rank cannot open (another /dev/shm) fails at every size; a refused size only above it.
-            self._refused = buffer_bytes if stage == "making" else 0
-            if stage == "mapping":
-                self.exchange = "all_reduce"
-                self._close_segment()
-            which = f"calls of {buffer_bytes} bytes or more" if stage == "making" else "every call of this layer"
-            warnings.warn(f"VocabParallelEmbedding: no shared-memory segment of {2 * buffer_bytes} bytes ({shared}); "
-                          f"{which} use the all-reduce", RuntimeWarning, stacklevel=4)
-            return False
-        finally:
-            error = None  # see _call
-            _unlink_quietly(path)  # every rank has mapped it, or the ranks gave up on it
-        self._close_segment()
-        assert mapping is not None
-        self._segment = _Segment(mapping, buffer_bytes)
-        return True
-
-    def _close_segment(self) -> None:
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
 
 
 

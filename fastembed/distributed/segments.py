@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import secrets
 import socket
 import sys
+import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .agreement import _digest
+from .agreement import CommunicationError, _digest
+
+if TYPE_CHECKING:
+    from .collectives import Collectives
 
 #: Where the shared-memory exchange creates its segments (a tmpfs on Linux), and how their names begin.
 SHM_FOLDER = "/dev/shm"
@@ -34,6 +40,130 @@ class _Segment:
             self._mapping.close()
         except BufferError:  # a view of it is still alive somewhere: the map goes with the last one
             pass
+
+
+class SharedBuffers:
+    """A layer's segment across its calls: two buffers that alternate call by call, grown by every rank together.
+
+    Args:
+        collectives: the layer's collectives, which every step of a growth agrees through.
+        key: the layer's key (rank 0's), which names its segments.
+        required: True (``exchange="shared_memory"``): a segment that cannot be
+            made is raised on every rank; False (``"auto"``): the calls it would
+            serve use the all-reduce instead.
+
+    Attributes:
+        usable: False once a segment could be made but not mapped by every rank
+            (another /dev/shm): every later call uses the all-reduce.
+    """
+
+    def __init__(self, collectives: Collectives, key: bytes, required: bool) -> None:
+        self._collectives, self._key, self._required = collectives, key, required
+        self._segment: _Segment | None = None
+        self._generation = 0  # segments made so far: with the key, the next segment's name
+        self._turn = 0  # which of the segment's two buffers the next call writes
+        self._refused: int | None = None  # a buffer size /dev/shm refused: calls needing as much use the all-reduce
+        self.usable = True
+
+    def next_buffer(self, needed: int) -> np.ndarray | None:
+        """The buffer the next call writes, if the segment holds `needed` bytes (more than 0); else None."""
+        segment = self._segment
+        return segment.buffers[self._turn] if needed and segment is not None and needed <= segment.buffer_bytes else None
+
+    def take_turn(self) -> int:
+        """The buffer this call uses (0 or 1); the next call uses the other. Every rank calls it after the same
+        agreement, whatever happens next, so that the turns stay equal."""
+        turn = self._turn
+        self._turn ^= 1
+        return turn
+
+    def buffer(self, turn: int) -> np.ndarray | None:
+        """Buffer `turn` of the segment, or None before the first."""
+        return None if self._segment is None else self._segment.buffers[turn]
+
+    def names(self) -> list[str]:
+        """The names (in SHM_FOLDER) of every segment made so far, oldest first: all unlinked by now."""
+        return [self._name(generation) for generation in range(self._generation)]
+
+    def grow(self, needed: int) -> bool:
+        """Replace the segment by one whose buffers hold `needed` bytes, together; False where it cannot be made.
+
+        Every rank unmaps the old segment first; rank 0 creates the file (its
+        pages reserved at once), every rank maps it, and it is unlinked once
+        all have, or on any failure: nothing stays in /dev/shm. Unless the
+        segment is required, a failure makes this and larger calls use the
+        all-reduce (a file that another rank cannot open: every call, and
+        :attr:`usable` turns False), with a warning.
+
+        Raises:
+            OSError, ValueError, MemoryError: a required segment could not be
+                made or mapped, on every rank.
+            CommunicationError: a rank died meanwhile.
+        """
+        buffer_bytes = -(-needed // SEGMENT_GRANULE) * SEGMENT_GRANULE
+        if not self.usable or (self._refused is not None and buffer_bytes >= self._refused):
+            return False
+        agree = self._collectives.agree
+        rank = self._collectives.rank
+        if self._segment is not None:
+            # No rank reads the old segment after this call's agreement; unmapped by every rank first, its pages
+            # do not count beside the new one's in /dev/shm (a new one that fits alone is then never refused).
+            self.close()
+            agree(None, 0, lambda: "", "releasing the shared-memory segment", "")
+        path = os.path.join(SHM_FOLDER, self._name(self._generation))
+        self._generation += 1
+        mapping: mmap.mmap | None = None
+        error: Exception | None = None
+        stage = "making"
+        try:
+            if rank == 0:
+                try:
+                    mapping = _create_mapping(path, 2 * buffer_bytes)
+                except Exception as caught:
+                    error = caught
+            agree(error, 0, lambda: "", "making the shared-memory segment", "")
+            stage = "mapping"
+            if rank != 0:
+                try:
+                    mapping = _open_mapping(path, 2 * buffer_bytes)
+                except Exception as caught:
+                    error = caught
+            agree(error, 0, lambda: "", "mapping the shared-memory segment", "")
+        except CommunicationError:
+            if mapping is not None:
+                mapping.close()
+            raise
+        except Exception as shared:  # raised alike on every rank by the agreement
+            if mapping is not None:
+                mapping.close()
+            if self._required:
+                raise
+            # A file another rank cannot open (another /dev/shm) fails at every size; a refused size only above it.
+            self._refused = buffer_bytes if stage == "making" else 0
+            if stage == "mapping":
+                self.usable = False
+                self.close()
+            which = f"calls of {buffer_bytes} bytes or more" if stage == "making" else "every call of this layer"
+            warnings.warn(f"VocabParallelEmbedding: no shared-memory segment of {2 * buffer_bytes} bytes ({shared}); "
+                          f"{which} use the all-reduce", RuntimeWarning, stacklevel=5)
+            return False
+        finally:
+            error = None  # the error's traceback holds this frame, which would hold the error
+            _unlink_quietly(path)  # every rank has mapped it, or the ranks gave up on it
+        self.close()
+        assert mapping is not None
+        self._segment = _Segment(mapping, buffer_bytes)
+        return True
+
+    def close(self) -> None:
+        """Unmap the segment (the next call that needs one grows a new one)."""
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def _name(self, generation: int) -> str:
+        hasher = hashlib.blake2b(generation.to_bytes(8, "little"), key=self._key, digest_size=12)
+        return SEGMENT_PREFIX + hasher.hexdigest()
 
 
 def _host_identity() -> tuple[int, bool]:
