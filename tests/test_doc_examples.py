@@ -7,11 +7,20 @@ whose input embedding is a ``torch.nn.Embedding``). A block right after a
 ``<!-- continues -->`` line runs after the blocks before it, in order, from
 the nearest one without that line, in one namespace. cupy examples, and
 ``to_device``, run on the CuPy double; examples that need a CUDA device skip.
+
+The distributed examples run as the page says: a script named in its first
+line under the torchrun command that follows the block, a script with a
+``__main__`` block as ``python script.py``, and a fragment that builds a layer
+on an existing group in a group of one rank.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import struct
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,7 +28,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ("README.md", "docs/loading.md", "docs/quantized.md", "docs/interop.md")
+PAGES = ("README.md", "docs/loading.md", "docs/quantized.md", "docs/interop.md", "docs/distributed.md")
 CONTINUES = "<!-- continues -->"
 #: Words in a block that mark it as needing a CUDA device, which the CuPy double cannot stand in for.
 NEEDS_CUDA = "a torch CUDA tensor"
@@ -40,7 +49,8 @@ EXAMPLES = [(page, line) for page in PAGES for line, _, _ in python_blocks(page)
 
 def test_the_pages_have_the_examples_these_tests_expect():
     counts = {page: len(python_blocks(page)) for page in PAGES}
-    assert counts == {"README.md": 1, "docs/loading.md": 12, "docs/quantized.md": 3, "docs/interop.md": 6}, counts
+    assert counts == {"README.md": 1, "docs/loading.md": 12, "docs/quantized.md": 3, "docs/interop.md": 6,
+                      "docs/distributed.md": 4}, counts
     for page in PAGES:
         assert not python_blocks(page)[0][2], f"{page}: its first example continues nothing"
 
@@ -66,6 +76,17 @@ def _gguf(path: Path, vocab: int, dim: int) -> None:
     writer.close()
 
 
+def _sparse_safetensors(path: Path, name: str, shape: tuple[int, int]) -> None:
+    """A bfloat16 tensor of `shape` whose bytes are a hole in the file: a full-size table that takes no disk."""
+    size = shape[0] * shape[1] * 2
+    header = json.dumps({name: {"dtype": "BF16", "shape": list(shape), "data_offsets": [0, size]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(header)) + header)
+        file.truncate(8 + len(header) + size)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
     """The user's working folder, with the files the examples name (vocabularies big enough for their ids)."""
@@ -87,6 +108,11 @@ def files(tmp_path_factory) -> Path:
     np.save(tmp_path / "table.npy", table)
     _gguf(tmp_path / "Qwen3-0.6B-Q8_0.gguf", 151_936, 64)
     _gguf(tmp_path / "model.gguf", 128_256, 64)  # a Llama 3 vocabulary: the examples look up id 128,000
+    # DeepSeek-V3's token table at full size (the distributed example prints its rows' shape).
+    deepseek = tmp_path / "checkpoints/DeepSeek-V3"
+    _sparse_safetensors(deepseek / "model.safetensors", "model.embed_tokens.weight", (129_280, 7168))
+    (deepseek / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "vocab_size": 129_280,
+                                                       "hidden_size": 7168}))
     return tmp_path
 
 
@@ -118,6 +144,9 @@ def stand_in_model():
 
 def run_example(code: str, where: str, namespace: dict, request) -> None:
     """Run one block (`where`: its page and line, as tracebacks name it) in `namespace`, with what it needs."""
+    if "fastembed.distributed" in code:
+        run_distributed_example(code, where, request)
+        return
     if NEEDS_CUDA in code:
         pytest.skip("needs a CUDA device: torch CUDA tensors have no stand-in here")
     if re.search(r"\bcupy\b|\.to_device\(", code):
@@ -129,6 +158,38 @@ def run_example(code: str, where: str, namespace: dict, request) -> None:
     if re.search(r"\bjax\b", code):
         pytest.importorskip("jax")
     exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the documentation's own code
+
+
+def run_distributed_example(code: str, where: str, request) -> None:
+    """A distributed example as its page runs it: under torchrun, as a script, or on a group of one rank."""
+    pytest.importorskip("torch")
+    tmp_path = request.getfixturevalue("tmp_path")
+    page, line = where.split(":")
+    script = re.match(r"# (\w+\.py)\n", code)
+    if script or '\nif __name__ == "__main__":' in code:
+        name = script.group(1) if script else "example.py"
+        (tmp_path / name).write_text(code)
+        command = [sys.executable, str(tmp_path / name)]
+        if script:  # the command after the block: "torchrun <options> <script>"
+            after = (ROOT / page).read_text().split(code, 1)[1]
+            options = re.search(rf"^\s+\S*torchrun (.*) {re.escape(name)}$", after, re.M)
+            assert options, f"{where}: no torchrun command after the block"
+            command = [sys.executable, "-m", "torch.distributed.run", *options.group(1).split(), str(tmp_path / name)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, TMPDIR=str(tmp_path)))  # its mkdtemp() goes into the test's folder
+        assert done.returncode == 0, f"{where}: {done.stderr[-3000:]}"
+        if script:  # it prints each rank's layer and the shape its comment gives
+            shape = re.search(r"# (\(.*?\)) on every rank", code).group(1)
+            assert done.stdout.count(shape) == int(re.search(r"--nproc-per-node (\d+)", options.group(1)).group(1)), \
+                done.stdout
+        return
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "rendezvous"), rank=0, world_size=1)
+    try:
+        exec(compile(code, where, "exec"), {})  # noqa: S102 - the documentation's own code
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("page, line", EXAMPLES, ids=[f"{page}:{line}" for page, line in EXAMPLES])
