@@ -1223,6 +1223,24 @@ def test_the_memory_check_counts_the_batches_and_repetitions_the_mode_runs(monke
     assert "id sets of 100000 repetitions" in cli.memory_problem(gate_run, 128, 0)  # 100,010 x 4,096 x 20 bytes
     gate_run.gate_repetitions = 11
     assert cli.memory_problem(gate_run, 128, 0) is None
+    gate_run.reps = 100_000  # --reps sets the gate's repetitions
+    assert "id sets of 100000 repetitions" in cli.memory_problem(gate_run, 128, 0)
+
+
+def test_fresh_processes_time_fewer_repetitions_for_large_outputs_never_more_than_asked():
+    from fastembed.benchmark import processes
+
+    assert [processes.reps_for(batch, 8192, 5) for batch in (64, 1024, 4096, 65536)] == [5, 5, 5, 5]
+    assert processes.reps_for(65536, 8192, 100) == 15  # 512 MiB outputs: the floor
+    assert processes.reps_for(4096, 8192, 100) == 25  # 32 MiB outputs: 8 MiB of output per repetition
+    assert processes.reps_for(1024, 8192, 100) == 100
+
+
+def test_quick_keeps_its_one_round_with_ranks_whatever_else_is_given(tmp_path):
+    from fastembed.benchmark import cli
+
+    arguments = cli.parse_arguments(["--ranks", "2", "--quick", "--reps", "3", "--batch", "64", "--out", str(tmp_path)])
+    assert (arguments.ranks, arguments.quick, arguments.reps, arguments.batch) == (2, True, 3, [64])
 
 
 @pytest.mark.parametrize(("arguments", "default"), [

@@ -117,7 +117,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     for name, default in _RANDOM_TABLE.items():
         if getattr(arguments, name) is None:
             setattr(arguments, name, default)
-    if arguments.quick and arguments.reps and (arguments.batch or arguments.format):
+    if arguments.quick and arguments.reps and (arguments.batch or arguments.format) and not arguments.ranks:
         parser.error("--quick chooses fewer repetitions (and, in the main run, fewer batch sizes); with --reps "
                      "and those given it has no effect: leave --quick out")
     if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix.lower() == ".npy"):
@@ -200,7 +200,7 @@ def memory_problem(arguments: argparse.Namespace, row_bytes: int, table_bytes: i
         return None  # those modes hold a few outputs at a time; a GPU run holds its outputs on the device
     if arguments.gate:
         batches = [check.batch for check in arguments.checks or []] or [1]
-        repetitions = arguments.gate_repetitions or 1
+        repetitions = arguments.reps or arguments.gate_repetitions or 1  # as the gate runs them
     else:
         batches = arguments.batch or list(QUICK_BATCHES if arguments.quick else BATCHES)
         repetitions = arguments.reps or (5 if arguments.quick else 15)
