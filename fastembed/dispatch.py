@@ -30,6 +30,8 @@ from .formats import QuantizedTable
 # place), no snapshot shows those already registered in another order.
 BACKENDS: collections.OrderedDict[str, Backend] = collections.OrderedDict(
     (b.name, b) for b in (cuda_backend.BACKEND, numba_backend.BACKEND, numpy_backend.BACKEND))
+#: fastembed's own backends, which :func:`unregister_backend` keeps.
+BUILT_IN = tuple(BACKENDS)
 ENVIRONMENT_VARIABLE = "FASTEMBED_BACKEND"
 AUTO = "auto"
 
@@ -98,7 +100,16 @@ def register_backend(backend: Backend, before: str | None = None) -> None:
 
 
 def unregister_backend(name: str) -> None:
-    """Remove a backend added with :func:`register_backend`."""
+    """Remove a backend added with :func:`register_backend`.
+
+    Raises:
+        ValueError: no backend of that name was added (the built-in ones stay:
+            ``backend=`` or FASTEMBED_BACKEND chooses among them).
+    """
+    if name in BUILT_IN or name not in BACKENDS:
+        added = [known for known in BACKENDS if known not in BUILT_IN]
+        raise ValueError(f"no backend named {name!r} was added with register_backend (added: "
+                         f"{', '.join(added) or 'none'}; the built-in {', '.join(BUILT_IN)} stay)")
     del BACKENDS[name]
     refresh()
 

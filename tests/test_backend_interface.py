@@ -51,6 +51,14 @@ def rowloop():
     dispatch.unregister_backend(backend.name)
 
 
+def test_only_an_added_backend_can_be_removed(rowloop):
+    for name in ("numba", "numpy", "cuda", "nope"):
+        with pytest.raises(ValueError, match=f"no backend named '{name}' was added with register_backend "
+                                             r"\(added: rowloop; the built-in cuda, numba, numpy stay\)"):
+            dispatch.unregister_backend(name)
+    assert list(dispatch.BACKENDS) == ["cuda", "numba", "rowloop", "numpy"]
+
+
 def test_every_registered_backend_implements_the_protocol():
     for backend in dispatch.BACKENDS.values():
         assert isinstance(backend, base.Backend), backend
