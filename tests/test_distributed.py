@@ -456,8 +456,8 @@ def shared_memory_task(rank: int, world: int) -> dict:
         failures.extend(same_bits(f"{emb.exchange} {len(ids)} {mode}", emb(ids, mode=mode), expected, np.ndarray))
         return emb.last_timings.exchange
 
-    real_identity, real_create, real_open = (distributed.segments._host_identity, distributed.segments._create_mapping,
-                                             distributed.segments._open_mapping)
+    real_identity, real_create, real_open = (distributed.segments.host_identity, distributed.segments.create_mapping,
+                                             distributed.segments.open_mapping)
 
     def elsewhere():
         return (12345, True) if rank == last else real_identity()
@@ -483,7 +483,7 @@ def shared_memory_task(rank: int, world: int) -> dict:
     def auto_sequence():
         emb = build()
         return [emb.exchange, used(emb, small), used(emb, large), used(emb, large, "scatter"), used(emb, small),
-                len(emb._segment_names())]
+                len(emb._shared.names())]
 
     def with_patch(name, replacement, call):
         original = getattr(distributed.segments, name)
@@ -514,28 +514,28 @@ def shared_memory_task(rank: int, world: int) -> dict:
 
     cases = {
         "auto": lambda: auto_sequence(),
-        "all_reduce": lambda: (lambda emb: [emb.exchange, used(emb, large), len(emb._segment_names())])(
+        "all_reduce": lambda: (lambda emb: [emb.exchange, used(emb, large), len(emb._shared.names())])(
             build(exchange="all_reduce")),
-        "hosts differ, shared_memory": lambda: with_patch("_host_identity", elsewhere,
+        "hosts differ, shared_memory": lambda: with_patch("host_identity", elsewhere,
                                                           lambda: outcome(lambda: build(exchange="shared_memory"))),
-        "hosts differ, auto": lambda: with_patch("_host_identity", elsewhere, lambda: build().exchange),
+        "hosts differ, auto": lambda: with_patch("host_identity", elsewhere, lambda: build().exchange),
         "no shm on one rank, shared_memory": lambda: with_patch(
-            "_host_identity", without_shm, lambda: outcome(lambda: build(exchange="shared_memory"))),
-        "no shm on one rank, auto": lambda: with_patch("_host_identity", without_shm, lambda: build().exchange),
+            "host_identity", without_shm, lambda: outcome(lambda: build(exchange="shared_memory"))),
+        "no shm on one rank, auto": lambda: with_patch("host_identity", without_shm, lambda: build().exchange),
         "exchanges differ": lambda: outcome(lambda: build(exchange="auto" if rank == 0 else "all_reduce")),
         "bad exchange": lambda: outcome(lambda: build(exchange="gloo")),
-        "small shm, auto": lambda: with_patch("_create_mapping", small_shm, auto_sequence),
-        "small shm, shared_memory": lambda: with_patch("_create_mapping", small_shm, explicit_refused),
-        "small shm, errno": lambda: with_patch("_create_mapping", small_shm, refused_errno),
+        "small shm, auto": lambda: with_patch("create_mapping", small_shm, auto_sequence),
+        "small shm, shared_memory": lambda: with_patch("create_mapping", small_shm, explicit_refused),
+        "small shm, errno": lambda: with_patch("create_mapping", small_shm, refused_errno),
         "growing in a shm with room for one segment": lambda: with_patch(
-            "_create_mapping", room_for_one,
+            "create_mapping", room_for_one,
             lambda: (lambda emb: [used(emb, small), outcome(lambda: used(emb, large))[0], emb.last_timings.exchange])(
                 build(exchange="shared_memory"))),
-        "other shm, auto": lambda: with_patch("_open_mapping", other_shm, auto_sequence),
-        "other shm, shared_memory": lambda: with_patch("_open_mapping", other_shm, explicit_refused),
+        "other shm, auto": lambda: with_patch("open_mapping", other_shm, auto_sequence),
+        "other shm, shared_memory": lambda: with_patch("open_mapping", other_shm, explicit_refused),
     }
     outcomes = {case: call() for case, call in cases.items()}
-    names = [name for emb in layers for name in emb._segment_names()]
+    names = [name for emb in layers for name in emb._shared.names()]
     left = [name for name in names if os.path.exists(os.path.join(distributed.segments.SHM_FOLDER, name))]
     return {"outcomes": outcomes, "failures": failures, "names": names, "left": left, "repr": repr(layers[0])}
 
@@ -596,10 +596,10 @@ def kill_task(rank: int, world: int, victim: int, stage: str, exchange: str) -> 
         ids = np.random.default_rng(SEED).integers(0, 4099, LARGE_IDS)  # the next call grows the segment
     if rank == victim:
         if stage == "after making the segment":
-            make = distributed.segments._create_mapping
-            distributed.segments._create_mapping = lambda path, size: (make(path, size), os._exit(17))
+            make = distributed.segments.create_mapping
+            distributed.segments.create_mapping = lambda path, size: (make(path, size), os._exit(17))
         elif stage == "before mapping the segment":
-            distributed.segments._open_mapping = lambda path, size: os._exit(17)
+            distributed.segments.open_mapping = lambda path, size: os._exit(17)
         elif stage == "before the agreement":
             emb._gather = lambda call: os._exit(17)
         elif stage == "before the data collective":
@@ -620,7 +620,7 @@ def kill_task(rank: int, world: int, victim: int, stage: str, exchange: str) -> 
         except CommunicationError as error:
             again = _message(lambda: emb(ids))
             return {"error": str(error), "seconds": time.monotonic() - started, "calls": calls, "again": again,
-                    "segments": emb._segment_names()}
+                    "segments": emb._shared.names()}
         calls += 1
         if calls > 10000:
             return {"error": None, "calls": calls}
@@ -969,7 +969,7 @@ def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group)
     (sequence, warned) = seen["small shm, auto"]
     assert sequence == [shm, shm, reduce, reduce, shm, 3], sequence
     assert len(warned) == 1 and "No space left on device" in warned[0] and "use the all-reduce" in warned[0], warned
-    assert warned[0].endswith("(at test_distributed.py)"), warned
+    assert warned[0].endswith("(at test_distributed.py)") and "calls of more than 2097152 bytes" in warned[0], warned
     (before, refused, after, exchange), _ = seen["small shm, shared_memory"]
     assert (before, after, exchange) == ("no error", "no error", shm)
     assert refused[0] == "OSError" and "No space left on device" in refused[1] and f"(on rank 0 of {world})" in refused[1]
@@ -1153,7 +1153,7 @@ def test_timeouts_and_pads_take_numpy_numbers_as_python_ones():
     for timeout in (np.float32(5), np.int64(5), 5, 5.0):
         assert type(distributed.layer._checked_timeout(timeout)) is float and distributed.layer._checked_timeout(timeout) == 5
     for pad in (np.uint64(8), np.int16(8), 8):
-        assert type(distributed.layout._checked_pad(pad)) is int and distributed.layout._checked_pad(pad) == 8
+        assert type(distributed.layout.checked_pad(pad)) is int and distributed.layout.checked_pad(pad) == 8
     for bad_timeout, error in ((np.bool_(True), TypeError), (True, TypeError), (np.float64("nan"), ValueError),
                                (np.int64(0), ValueError), ("5", TypeError)):
         with pytest.raises(error, match="timeout must be None or a number of seconds"):
@@ -1161,7 +1161,7 @@ def test_timeouts_and_pads_take_numpy_numbers_as_python_ones():
     for bad_pad, error in ((np.uint64(0), ValueError), (2**62 + 1, ValueError), (np.float32(8), TypeError),
                            (True, TypeError)):
         with pytest.raises(error, match="pad_to_multiple must be an integer from 1 to 2"):
-            distributed.layout._checked_pad(bad_pad)
+            distributed.layout.checked_pad(bad_pad)
 
 
 def test_docstring_examples_run():
@@ -1189,9 +1189,9 @@ def test_import_does_not_import_torch():
 def test_gpu_tables_other_than_torch_cuda_tensors_are_refused_clearly(cupy_or_double):
     with pytest.raises(TypeError, match=r"and torch CUDA tensors .*; a cupy array on cuda:0 is not served: "
                                         r"torch.from_dlpack\(table\)"):
-        distributed.shards._placement(cupy_or_double.zeros((4, 2), cupy_or_double.float32), None)
+        distributed.shards.shard_device(cupy_or_double.zeros((4, 2), cupy_or_double.float32), None)
     with pytest.raises(TypeError, match="a torch array on meta:0 is not served$"):
-        distributed.shards._placement(torch.empty((4, 2), device="meta"), None)
+        distributed.shards.shard_device(torch.empty((4, 2), device="meta"), None)
 
 
 def test_torchrun_launches_two_ranks(tmp_path):
@@ -1544,14 +1544,14 @@ def test_an_allocation_that_fails_on_one_rank_is_raised_on_every_rank_without_a_
 
 def test_the_group_backend_decides_which_tables_it_serves():
     capability = dist.Backend.backend_capability
-    carriers = {backend: {kind: distributed.shards._carrier(backend, kind, capability) for kind in ("cpu", "cuda")}
+    carriers = {backend: {kind: distributed.shards.carrier(backend, kind, capability) for kind in ("cpu", "cuda")}
                 for backend in ("gloo", "nccl", "cpu:gloo,cuda:nccl")}
     assert carriers == {"gloo": {"cpu": "gloo", "cuda": "gloo"}, "nccl": {"cpu": None, "cuda": "nccl"},
                         "cpu:gloo,cuda:nccl": {"cpu": "gloo", "cuda": "nccl"}}
-    distributed.shards._check_transport("nccl", carriers["nccl"], "cuda:0")  # a GPU table over NCCL alone: accepted
-    distributed.shards._check_transport("cpu:gloo,cuda:nccl", carriers["cpu:gloo,cuda:nccl"], "cpu")
+    distributed.shards.check_transport("nccl", carriers["nccl"], "cuda:0")  # a GPU table over NCCL alone: accepted
+    distributed.shards.check_transport("cpu:gloo,cuda:nccl", carriers["cpu:gloo,cuda:nccl"], "cpu")
     with pytest.raises(ValueError, match="a host table's rows as CPU tensors, which a 'nccl' group cannot carry"):
-        distributed.shards._check_transport("nccl", carriers["nccl"], "cpu")
+        distributed.shards.check_transport("nccl", carriers["nccl"], "cpu")
 
 
 def test_a_host_table_on_a_group_of_nccl_alone_is_refused_before_any_collective(monkeypatch):
@@ -1569,12 +1569,12 @@ def test_a_host_table_on_a_group_of_nccl_alone_is_refused_before_any_collective(
 
 def test_device_must_be_the_host_or_a_visible_gpu():
     table = np.ones((4, 2), np.float32)
-    assert distributed.shards._placement(table, None) == distributed.shards._placement(table, "cpu") == "cpu"
-    assert distributed.shards._placement("model.safetensors", None) == "cpu"
+    assert distributed.shards.shard_device(table, None) == distributed.shards.shard_device(table, "cpu") == "cpu"
+    assert distributed.shards.shard_device("model.safetensors", None) == "cpu"
     for device, message in (("gpu", "device must be None, 'cpu', 'cuda' or 'cuda:N'"),
                             (f"cuda:{torch.cuda.device_count()}", "torch sees")):
         with pytest.raises(ValueError, match=message):
-            distributed.shards._placement("model.safetensors", device)
+            distributed.shards.shard_device("model.safetensors", device)
 
 
 def nccl_task(rank: int, world: int, checkpoint: str) -> dict:

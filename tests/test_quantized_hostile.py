@@ -171,7 +171,7 @@ def test_save_map_round_trip_of_every_dtype_save_accepts(tmp_path):
 def test_the_vocab_parallel_layer_keeps_a_view_of_a_quantized_tables_rows():
     pytest.importorskip("torch")
     table = q8_table()[0]
-    shard = distributed.shards._open_shard(table, None, 1, 1, 2, "cpu")
+    shard = distributed.shards.open_shard(table, None, 1, 1, 2, "cpu")
     assert isinstance(shard.rows, QuantizedTable) and shard.rows.format.name == "q8_0"
     assert np.shares_memory(shard.rows.data, table.data) and shard.rows.data.shape == (5, table.data.shape[1])
 

@@ -8,7 +8,7 @@ where cupy sees a GPU, the same on a copy of the table on the GPU (cuda
 backend against cupy, torch CUDA and a device-to-device copy, CUDA events);
 prints a table fitted to the terminal and writes JSON, Markdown and PNG plots
 (a panel per id distribution) into --out. ``--table PATH`` measures the same
-on a real table instead, memory-mapped from a .npy or safetensors file.
+on a real table instead, memory-mapped from a .npy, safetensors or GGUF file.
 
 Every argument (an option the chosen mode would not use is refused too),
 --out and each result file already in it (they must be writable), the
@@ -480,7 +480,7 @@ def build_table(arguments: argparse.Namespace, console: Any) -> Any:
 
 
 def load_table(path: Path, tensor: str | None, console: Any) -> Any:
-    """A table memory-mapped read-only from a .npy or safetensors file, its pages read once.
+    """A table memory-mapped read-only from a .npy, safetensors or GGUF file, its pages read once.
 
     Reading one byte per page brings the file into the page cache, so that
     no contender is timed reading the disk.

@@ -20,13 +20,13 @@ class CommunicationError(RuntimeError):
     """
 
 
-def _errno_of(error: Exception) -> int:
+def errno_of(error: Exception) -> int:
     """An OSError's errno, to travel with its status (0 when it has none that fits an int64: OSError("a", "b")'s is "a")."""
     number = getattr(error, "errno", None)
     return number if type(number) is int and 0 < number < 2**63 else 0
 
 
-def _digest(*parts: Any) -> int:
+def fingerprint(*parts: Any) -> int:
     """A 64-bit hash of the parts' bytes, as a signed int64 (a tensor element)."""
     hasher = hashlib.blake2b(digest_size=8)
     for part in parts:
@@ -34,14 +34,14 @@ def _digest(*parts: Any) -> int:
     return int.from_bytes(hasher.digest(), "little", signed=True)
 
 
-def _error_code(error: BaseException) -> int:
+def error_code(error: BaseException) -> int:
     for index, kind in enumerate(_SHARED):
         if isinstance(error, kind):
             return index + 1
     return len(_SHARED) + 1
 
 
-def _shared_error(codes: list[int], texts: list[str], what: str, requirement: str, numbers: list[int]) -> Exception:
+def shared_error(codes: list[int], texts: list[str], what: str, requirement: str, numbers: list[int]) -> Exception:
     """The one error every rank raises, from every rank's status code, text and (for an OSError) errno."""
     world_size = len(codes)
     failed = [rank for rank, code in enumerate(codes) if code]

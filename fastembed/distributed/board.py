@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .segments import _create_mapping, _open_mapping, _unlink_quietly
+from .segments import create_mapping, open_mapping, unlink_quietly
 
 #: int64 words per rank and turn: count, status code, digest, and padding to a 64-byte cache line of its own.
 _LINE_WORDS = 8
@@ -190,13 +190,13 @@ def open_board(name: str, folder: str, identity: int, rank: int, world_size: int
                 os.mkfifo(path, 0o600)  # fails if the name exists: no one else's pipe is taken over
                 inboxes[other] = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             if rank == 0:
-                mapping = _create_mapping(board_path, size)
+                mapping = create_mapping(board_path, size)
         except Exception as caught:
             error = caught
         agree(error, "making the agreement board")
         try:
             if rank != 0:
-                mapping = _open_mapping(board_path, size)
+                mapping = open_mapping(board_path, size)
             for other in others:
                 # Read-write, so that the pipe always has a reader: a write to a rank that is gone cannot raise
                 # SIGPIPE, whatever the process does with that signal.
@@ -211,7 +211,7 @@ def open_board(name: str, folder: str, identity: int, rank: int, world_size: int
         error = None  # the error's traceback holds this frame, which would hold the error
         for path in names:
             try:
-                _unlink_quietly(path)
+                unlink_quietly(path)
             except OSError:  # not this user's file to remove (a sticky folder): not ours either
                 pass
     assert mapping is not None

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..arrays import torch_adapter
 from . import board
-from .agreement import CommunicationError, _errno_of, _error_code, _shared_error
+from .agreement import CommunicationError, errno_of, error_code, shared_error
 from .board import Board
 from .segments import SEGMENT_PREFIX, SHM_FOLDER
 
@@ -110,8 +110,8 @@ class Collectives:
         raise a ValueError saying `what` they disagree on and the `requirement`,
         with each rank's description (`describe()`).
         """
-        code = 0 if error is None else _error_code(error)
-        number = digest if error is None else _errno_of(error)
+        code = 0 if error is None else error_code(error)
+        number = digest if error is None else errno_of(error)
         held = self.board()
         if held is not None:
             rows = self._board_agree(held, code, number, f"the agreement on {what}")
@@ -124,7 +124,7 @@ class Collectives:
         if not any(codes) and len(set(digests)) == 1:
             return
         texts = self._gather_texts(str(error) if error is not None else describe())
-        raise _shared_error(codes, texts, what, requirement, digests) from error
+        raise shared_error(codes, texts, what, requirement, digests) from error
 
     def agreed_step(self, step: Callable[[], None], what: str) -> float:
         """Run this rank's `step`, then agree on its outcome (a barrier carrying every rank's status); when it ended.
@@ -193,7 +193,14 @@ class Collectives:
                            "end the process")
 
     def run(self, start: Callable[[], Any], what: str) -> None:
-        """Start a collective and wait for it, at most `timeout` seconds; any failure is a CommunicationError."""
+        """Start a collective and wait for it, at most `timeout` seconds.
+
+        Raises:
+            CommunicationError: torch raised a RuntimeError (a timeout, a lost
+                connection, a rank that left); the layer is broken from then on.
+            Anything else that starting or waiting raised (a KeyboardInterrupt),
+            unchanged; the layer is broken from then on too, as the ranks may be out of step.
+        """
         try:
             work = start()
             if work is not None:  # None on a rank outside the group, which cannot happen here

@@ -20,11 +20,11 @@ from ..backends import output_cache
 from ..backends.cuda_backend import deferred_id_checks
 from ..formats import QuantizedTable
 from . import board, segments
-from .agreement import CommunicationError, _digest
+from .agreement import CommunicationError, fingerprint
 from .collectives import FORKED, Collectives, board_of
-from .layout import _checked_pad, padded_vocab_size, position_range, row_range
+from .layout import checked_pad, padded_vocab_size, position_range, row_range
 from .segments import SHM_FOLDER, SharedBuffers
-from .shards import _carrier, _check_transport, _kind, _open_shard, _placement
+from .shards import carrier, check_transport, open_shard, shard_device, table_kind
 
 MODES = ("full", "scatter")
 #: What ``exchange=`` takes: ``"auto"`` is shared memory when every rank runs on this host, else the all-reduce.
@@ -200,7 +200,7 @@ class VocabParallelEmbedding:
         if self.rank < 0:
             raise ValueError("this process is not a member of `group`")
         backend = str(dist.get_backend(group))
-        carriers = {kind: _carrier(backend, kind, dist.Backend.backend_capability) for kind in ("cpu", "cuda")}
+        carriers = {kind: carrier(backend, kind, dist.Backend.backend_capability) for kind in ("cpu", "cuda")}
         if not any(carriers.values()):
             raise ValueError(f"VocabParallelEmbedding needs a group that carries CPU or CUDA tensors, not {backend!r}")
         board_of(self._built_on())  # a forked child of a rank whose group has a board: RuntimeError, before anything else
@@ -220,14 +220,14 @@ class VocabParallelEmbedding:
         shard, error, placement, pad = None, None, None, 1
         try:
             timeout_s = _checked_timeout(timeout)  # first: it bounds the agreement below whatever fails next
-            pad = _checked_pad(pad_to_multiple)
+            pad = checked_pad(pad_to_multiple)
             if exchange not in EXCHANGES:
                 raise ValueError(f"exchange must be 'auto', 'shared_memory' or 'all_reduce', got {exchange!r}")
-            placement = _placement(source, device)
-            _check_transport(backend, carriers, placement)
+            placement = shard_device(source, device)
+            check_transport(backend, carriers, placement)
             if placement != "cpu" and exchange == "shared_memory":
                 raise ValueError("exchange='shared_memory' serves host tables; a GPU table's ranks use the all-reduce")
-            shard = _open_shard(source, name, pad, self.rank, self.world_size, placement)
+            shard = open_shard(source, name, pad, self.rank, self.world_size, placement)
         except Exception as caught:
             error = caught
         if carriers["cpu"] is not None:
@@ -237,7 +237,7 @@ class VocabParallelEmbedding:
         elif self._torch.cuda.device_count():  # a build that failed off the GPU still shares its error over NCCL
             wire = f"cuda:{self._torch.cuda.current_device()}"
         else:
-            assert error is not None  # _check_transport's: raised on this rank alone, as no agreement can run
+            assert error is not None  # check_transport's: raised on this rank alone, as no agreement can run
             try:
                 raise error
             finally:
@@ -245,10 +245,10 @@ class VocabParallelEmbedding:
         self._collectives = Collectives(self._torch, self._dist, self._group, self._built_on, timeout_s, wire)
         where = "" if placement is None else " on the host" if placement == "cpu" else " on a GPU"
         described = "" if shard is None else (
-            f"a {shard.vocab_size} x {shard.rows.shape[1]} {_kind(shard.rows)} table{where}, "
+            f"a {shard.vocab_size} x {shard.rows.shape[1]} {table_kind(shard.rows)} table{where}, "
             f"pad_to_multiple={pad}, exchange={exchange!r}")
         try:
-            self._collectives.agree(error, _digest(described.encode()), lambda: described, "the table",
+            self._collectives.agree(error, fingerprint(described.encode()), lambda: described, "the table",
                         "every rank must open a table of the same shape and dtype, with the same pad_to_multiple "
                         "and exchange")
         finally:
@@ -325,7 +325,8 @@ class VocabParallelEmbedding:
 
         Raises:
             fastembed.io.FileChangedError: the file changed.
-            ValueError: the table was not opened from a path.
+            ValueError: this rank's rows are not memory-mapped from a file (an array
+                source, or a checkpoint copied to a GPU).
         """
         if self._shard.watch is None:
             raise ValueError("this rank's rows are not memory-mapped from a file (an array source, or a checkpoint "
@@ -346,10 +347,6 @@ class VocabParallelEmbedding:
         return (f"VocabParallelEmbedding(vocab_size={self.vocab_size}, dim={self._dim}, {kind}, "
                 f"rank={self.rank}, world_size={self.world_size}, rows={self.vocab_start}..{self.vocab_end}, "
                 f"device={self.device!r}, exchange={self.exchange!r})")
-
-    def _segment_names(self) -> list[str]:
-        """The names (in SHM_FOLDER) of every segment this layer has made, oldest first: all unlinked by now."""
-        return self._shared.names()
 
     def __call__(self, ids: Any, mode: str = "full", *, dtype: Any = None) -> Any:
         """``table[ids]`` on every rank (``mode="full"``), or this rank's slice of the positions (``"scatter"``).
@@ -470,7 +467,7 @@ class VocabParallelEmbedding:
         flat = np.asarray(view, dtype=np.int64).reshape(-1)  # the snapshot is this call's own copy
         validate.check_ids_in_range(flat.reshape(shape), self.vocab_size)
         # The layer's key (rank 0's, shared when the layer was built) tells ranks that call different layers apart.
-        digest = _digest(self._key, mode.encode(), target.str.encode(), repr(shape).encode(), flat.data)
+        digest = fingerprint(self._key, mode.encode(), target.str.encode(), repr(shape).encode(), flat.data)
         description = (f"ids of shape {shape}, mode {mode!r}, dtype {target}, to layer {self._key.hex()}, "
                        f"values hashed to {digest & (2**64 - 1):016x}")
         row_bytes = self._dim * target.itemsize
@@ -736,7 +733,7 @@ class VocabParallelEmbedding:
             ValueError: ``"shared_memory"`` on ranks of different hosts, or where
                 a rank has no usable /dev/shm (on every rank: all see the same facts).
         """
-        host, usable = segments._host_identity()
+        host, usable = segments.host_identity()
         secret = int.from_bytes(secrets.token_bytes(8), "little", signed=True)
         held = self._collectives.board()
         facts = self._collectives.all_gather_ints([host, int(usable), secret, 0 if held is None else held.identity],

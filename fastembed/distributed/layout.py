@@ -43,7 +43,7 @@ def padded_vocab_size(vocab_size: int, pad_to_multiple: int = 1) -> int:
         >>> padded_vocab_size(129280, 128 * 8)
         130048
     """
-    pad_to_multiple = _checked_pad(pad_to_multiple)
+    pad_to_multiple = checked_pad(pad_to_multiple)
     return -(-vocab_size // pad_to_multiple) * pad_to_multiple
 
 
@@ -97,12 +97,12 @@ def position_range(count: int, world_size: int, rank: int) -> tuple[int, int]:
     return split_range(count, world_size, rank)
 
 
-def _stored_range(vocab_size: int, pad: int, rank: int, world_size: int) -> tuple[int, int]:
+def stored_range(vocab_size: int, pad: int, rank: int, world_size: int) -> tuple[int, int]:
     start, stop = row_range(vocab_size, world_size, rank, pad)
     return min(start, vocab_size), min(stop, vocab_size)
 
 
-def _checked_pad(pad_to_multiple: Any) -> int:
+def checked_pad(pad_to_multiple: Any) -> int:
     """``pad_to_multiple`` as a Python int from 1 to :data:`MAX_PAD_TO_MULTIPLE`, else TypeError or ValueError."""
     return validate.checked_integer(pad_to_multiple, "pad_to_multiple must be an integer from 1 to "
                                                      f"2**{MAX_PAD_TO_MULTIPLE.bit_length() - 1}", 1, MAX_PAD_TO_MULTIPLE)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .agreement import CommunicationError, _digest
+from .agreement import CommunicationError, fingerprint
 
 if TYPE_CHECKING:
     from .collectives import Collectives
@@ -118,14 +118,14 @@ class SharedBuffers:
         try:
             if rank == 0:
                 try:
-                    mapping = _create_mapping(path, 2 * buffer_bytes)
+                    mapping = create_mapping(path, 2 * buffer_bytes)
                 except Exception as caught:
                     error = caught
             agree(error, 0, lambda: "", "making the shared-memory segment", "")
             stage = "mapping"
             if rank != 0:
                 try:
-                    mapping = _open_mapping(path, 2 * buffer_bytes)
+                    mapping = open_mapping(path, 2 * buffer_bytes)
                 except Exception as caught:
                     error = caught
             agree(error, 0, lambda: "", "mapping the shared-memory segment", "")
@@ -143,13 +143,16 @@ class SharedBuffers:
             if stage == "mapping":
                 self.usable = False
                 self.close()
-            which = f"calls of {buffer_bytes} bytes or more" if stage == "making" else "every call of this layer"
+            # Sizes are rounded up to whole granules, so every call above the last granule that fits is refused.
+            which = (f"calls of more than {buffer_bytes - SEGMENT_GRANULE} bytes" if stage == "making"
+                     else "every call of this layer")
+            # stacklevel: the caller's line, above the layer's __call__, _call and _communicate.
             warnings.warn(f"VocabParallelEmbedding: no shared-memory segment of {2 * buffer_bytes} bytes ({shared}); "
                           f"{which} use the all-reduce", RuntimeWarning, stacklevel=5)
             return False
         finally:
             error = None  # the error's traceback holds this frame, which would hold the error
-            _unlink_quietly(path)  # every rank has mapped it, or the ranks gave up on it
+            unlink_quietly(path)  # every rank has mapped it, or the ranks gave up on it
         self.close()
         assert mapping is not None
         self._segment = _Segment(mapping, buffer_bytes)
@@ -166,24 +169,24 @@ class SharedBuffers:
         return SEGMENT_PREFIX + hasher.hexdigest()
 
 
-def _host_identity() -> tuple[int, bool]:
+def host_identity() -> tuple[int, bool]:
     """A hash of what ranks sharing memory have in common (host, boot, user, /dev/shm), and whether it is usable."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot_file:
             boot = boot_file.read().strip()
         folder = os.stat(SHM_FOLDER)
     except OSError:
-        return _digest(socket.gethostname().encode(), secrets.token_bytes(8)), False
+        return fingerprint(socket.gethostname().encode(), secrets.token_bytes(8)), False
     getuid = getattr(os, "getuid", None)
     user = getuid() if getuid is not None else -1
-    host = _digest(socket.gethostname().encode(), b"\0", boot.encode(),
+    host = fingerprint(socket.gethostname().encode(), b"\0", boot.encode(),
                    f"\0{user}\0{folder.st_dev}:{folder.st_ino}".encode())
     usable = (sys.platform.startswith("linux") and hasattr(os, "posix_fallocate")
               and os.access(SHM_FOLDER, os.W_OK | os.X_OK))
     return host, usable
 
 
-def _create_mapping(path: str, size: int) -> mmap.mmap:
+def create_mapping(path: str, size: int) -> mmap.mmap:
     """A new file of `size` bytes at `path`, its pages reserved, mapped read-write; the file is removed on failure."""
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -191,13 +194,13 @@ def _create_mapping(path: str, size: int) -> mmap.mmap:
         os.posix_fallocate(descriptor, 0, size)
         return mmap.mmap(descriptor, size)
     except BaseException:
-        _unlink_quietly(path)
+        unlink_quietly(path)
         raise
     finally:
         os.close(descriptor)
 
 
-def _open_mapping(path: str, size: int) -> mmap.mmap:
+def open_mapping(path: str, size: int) -> mmap.mmap:
     """Map the file rank 0 made at `path`, after checking that it is this user's and `size` bytes long."""
     descriptor = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -209,7 +212,7 @@ def _open_mapping(path: str, size: int) -> mmap.mmap:
         os.close(descriptor)
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:

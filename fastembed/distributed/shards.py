@@ -12,7 +12,7 @@ import numpy as np
 from .. import validate
 from ..arrays import adapter_of, device_of, memory_guards, torch_adapter
 from ..formats import QuantizedTable
-from .layout import _stored_range
+from .layout import stored_range
 
 #: What ``source`` is a checkpoint path as (as for Embedding.from_pretrained); anything else is a table.
 _PATH_TYPES = (str, bytes, os.PathLike)
@@ -34,7 +34,7 @@ class _Shard(NamedTuple):
     guards: tuple[Any, ...] = ()  # memory guards of a torch table's rows and scales (fastembed.arrays.memory_guards)
 
 
-def _placement(source: Any, device: Any) -> str:
+def shard_device(source: Any, device: Any) -> str:
     """Where this rank's shard lives: `device` for a checkpoint path (None: the host), an array's own device.
 
     Raises:
@@ -73,7 +73,7 @@ def _checked_device(device: Any) -> str:
     return f"cuda:{index}"
 
 
-def _carrier(backend: str, device_type: str, capability: dict[str, list[str]]) -> str | None:
+def carrier(backend: str, device_type: str, capability: dict[str, list[str]]) -> str | None:
     """The backend of a group that carries tensors of `device_type` (``"cpu"``, ``"cuda"``), or None.
 
     `backend` is what ``torch.distributed.get_backend`` says: one backend
@@ -82,11 +82,11 @@ def _carrier(backend: str, device_type: str, capability: dict[str, list[str]]) -
     (``"cpu:gloo,cuda:nccl"``).
 
     Example:
-        >>> from fastembed.distributed.shards import _carrier
+        >>> from fastembed.distributed.shards import carrier
         >>> capability = {"gloo": ["cpu", "cuda"], "nccl": ["cuda"]}
-        >>> [_carrier("nccl", kind, capability) for kind in ("cpu", "cuda")]
+        >>> [carrier("nccl", kind, capability) for kind in ("cpu", "cuda")]
         [None, 'nccl']
-        >>> [_carrier("cpu:gloo,cuda:nccl", kind, capability) for kind in ("cpu", "cuda")]
+        >>> [carrier("cpu:gloo,cuda:nccl", kind, capability) for kind in ("cpu", "cuda")]
         ['gloo', 'nccl']
     """
     if ":" in backend:
@@ -94,7 +94,7 @@ def _carrier(backend: str, device_type: str, capability: dict[str, list[str]]) -
     return backend if device_type in capability.get(backend, ()) else None
 
 
-def _check_transport(backend: str, carriers: dict[str, str | None], placement: str) -> None:
+def check_transport(backend: str, carriers: dict[str, str | None], placement: str) -> None:
     """Raise ValueError when the group (its `carriers` per device type) cannot carry the rows of a shard on `placement`."""
     kind = placement.partition(":")[0]
     if carriers[kind] is None:
@@ -103,7 +103,7 @@ def _check_transport(backend: str, carriers: dict[str, str | None], placement: s
                          "gloo group, or init_process_group(backend='cpu:gloo,cuda:nccl')")
 
 
-def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: int, placement: str) -> _Shard:
+def open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: int, placement: str) -> _Shard:
     """This rank's rows of `source`: a map of only their bytes for a path (copied to `placement` if a GPU), a view for an array."""
     if isinstance(source, _PATH_TYPES):
         shard = _map_shard(os.fsdecode(source), name, pad, rank, world_size)
@@ -112,7 +112,7 @@ def _open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: 
         raise ValueError("name= picks a tensor of a checkpoint; it does not apply to an array source")
     view = validate.table_snapshot(source)
     vocab_size = int(view.shape[0])
-    start, stop = _stored_range(vocab_size, pad, rank, world_size)
+    start, stop = stored_range(vocab_size, pad, rank, world_size)
     rows = validate.storage(source)  # what results follow: the table, or a quantized table's data
     like = None
     if not isinstance(rows, np.ndarray):
@@ -144,7 +144,7 @@ def _map_shard(path: str | os.PathLike, name: str | None, pad: int, rank: int, w
         raise TypeError(f"{path}: VocabParallelEmbedding maps plain tables; this one opens as {type(whole).__name__}")
     validate.table_snapshot(whole)  # 2-D and C-contiguous, as Embedding requires
     vocab_size = int(whole.shape[0])
-    start, stop = _stored_range(vocab_size, pad, rank, world_size)
+    start, stop = stored_range(vocab_size, pad, rank, world_size)
     maps = [None if array is None else _map_rows(array, start, stop) for array in arrays]
     needed = max(int(array.offset) + int(array.itemsize) * stop * math.prod(array.shape[1:])
                  for array in arrays if array is not None)
@@ -180,6 +180,6 @@ def _map_rows(whole: np.memmap, start: int, stop: int) -> np.ndarray:
                     identity=mapped_identity(whole))
 
 
-def _kind(rows: Any) -> str:
+def table_kind(rows: Any) -> str:
     """A table's rows in words for the agreement: its dtype (a torch dtype by its name), or its format."""
     return str(rows.format.name) if isinstance(rows, QuantizedTable) else str(rows.dtype).removeprefix("torch.")
