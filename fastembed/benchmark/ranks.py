@@ -72,13 +72,15 @@ from typing import Any
 
 import numpy as np
 
+from fastembed.distributed import MODES, LookupTimings
+
 from .contenders import usable_cores
 from .measure import collector_paused
 
 #: Batch sizes of the run: a decode step, mid-size batches, a prefill chunk.
 BATCHES = (1, 64, 1024, 8192)
-MODES = ("full", "scatter")
-PHASES = ("prepare_s", "gather_s", "agree_s", "communicate_s", "copy_s")
+#: Where a call's time went: the seconds fields of a call's timings.
+PHASES = tuple(field for field in LookupTimings._fields if field.endswith("_s"))
 #: Timed calls per mode and batch in each process.
 REPS = 20
 #: Untimed rounds of calls per batch after the first ones and the compile wait.
