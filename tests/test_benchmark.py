@@ -1227,10 +1227,10 @@ def test_the_memory_check_counts_the_batches_and_repetitions_the_mode_runs(monke
     assert "id sets of 100000 repetitions" in cli.memory_problem(gate_run, 128, 0)
 
 
-def test_fresh_processes_time_fewer_repetitions_for_large_outputs_never_more_than_asked():
+def test_fresh_processes_time_fewer_repetitions_for_large_outputs_but_at_least_15():
     from fastembed.benchmark import processes
 
-    assert [processes.reps_for(batch, 8192, 5) for batch in (64, 1024, 4096, 65536)] == [5, 5, 5, 5]
+    assert [processes.reps_for(batch, 8192, 5) for batch in (64, 1024, 4096, 65536)] == [5, 5, 15, 15]
     assert processes.reps_for(65536, 8192, 100) == 15  # 512 MiB outputs: the floor
     assert processes.reps_for(4096, 8192, 100) == 25  # 32 MiB outputs: 8 MiB of output per repetition
     assert processes.reps_for(1024, 8192, 100) == 100

@@ -69,7 +69,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated id distributions: {', '.join(DISTRIBUTIONS)} (default: both)")
     parser.add_argument("--reps", type=_repetitions,
                         help="timed repetitions per case (default 15, quick 5; --gate: the thresholds file's, "
-                             "--processes: 100 per process, fewer for outputs over 8 MiB, --ranks: 20, quick 5)")
+                             "--processes: 100 per process, fewer for outputs over 8 MiB but at least 15, --ranks: 20, quick 5)")
     parser.add_argument("--cold", action="store_true",
                         help="time every call alone, right after the caches are evicted, as a decode step meets the "
                              "lookup after a forward pass (default: small batches are timed as warm loops of calls; "

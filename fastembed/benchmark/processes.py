@@ -67,10 +67,11 @@ WARMUP_ROUNDS = 3
 
 def reps_for(batch: int, row_bytes: int, reps: int) -> int:
     """Fewer repetitions for outputs of tens of MiB, so that a process takes seconds: `reps` scaled down to 8 MiB of
-    output per repetition, but not below 15 (nor above `reps`)."""
+    output per repetition, but at least 15 whatever `reps` says, so that each process's spread and 99th percentile
+    rest on enough samples (the run's JSON records the count per batch)."""
     if batch * row_bytes <= 8 * 2**20:
         return reps
-    return min(reps, max(15, int(reps * (8 * 2**20) / (batch * row_bytes))))
+    return max(15, min(reps, int(reps * (8 * 2**20) / (batch * row_bytes))))
 
 
 def worker(table_path: str, batches: list[int], reps: int, seed: int, one_cpu: bool = False) -> dict[str, Any]:
