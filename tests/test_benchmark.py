@@ -374,7 +374,7 @@ def test_bench_refuses_fewer_than_one_repetition(reps):
 def test_bench_refuses_more_ranks_than_the_machine_can_run_at_once():
     """Every rank is an interpreter of its own, all at once: a huge count used to start them until the machine hung."""
     pytest.importorskip("torch")
-    from fastembed.benchmark.cli import max_ranks
+    from fastembed.benchmark.arguments import max_ranks
 
     result = bench("--ranks", str(max_ranks() + 1), *SMALL)
     assert result.returncode == 2 and f"--ranks: at most {max_ranks()} here" in result.stderr, result.stderr
@@ -431,7 +431,7 @@ def test_bench_refuses_a_table_file_it_cannot_map(tmp_path):
 
 def test_gate_refuses_the_gpu_it_does_not_judge(capsys, tmp_path):
     """The gate judges host rows only: --gate --device cuda must not quietly gate the CPU."""
-    from fastembed.benchmark.cli import parse_arguments
+    from fastembed.benchmark.arguments import parse_arguments
 
     with pytest.raises(SystemExit) as exit_info:
         parse_arguments(["--gate", "--device", "cuda", "--out", str(tmp_path)])
@@ -556,42 +556,42 @@ def test_bench_refuses_a_fifo_by_a_result_name_without_waiting_for_a_reader(tmp_
 
 
 def test_bench_leaves_a_writable_result_file_as_it_was_until_it_writes_it(tmp_path):
-    from fastembed.benchmark import cli
+    from fastembed.benchmark import arguments as command_line
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "results.json").write_text("kept")
-    assert cli._unwritable(out) is None
+    assert command_line._unwritable(out) is None
     assert (out / "results.json").read_text() == "kept"
 
 
 def test_a_link_to_a_result_file_not_made_yet_is_fine_where_its_folder_can_be_written(tmp_path):
-    from fastembed.benchmark import cli
+    from fastembed.benchmark import arguments as command_line
 
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "results.json").symlink_to(tmp_path / "elsewhere" / "results.json")
-    assert cli._unwritable(tmp_path) is None
+    assert command_line._unwritable(tmp_path) is None
     assert not (tmp_path / "elsewhere" / "results.json").exists()
 
 
 def test_only_the_files_a_mode_writes_are_checked(tmp_path):
     """A stale gate.json nobody can write does not stop a main run, which never writes it."""
-    from fastembed.benchmark import cli
+    from fastembed.benchmark import arguments as command_line
 
     os.mkfifo(tmp_path / "gate.json")  # opening it to write would fail (no reader), as a read-only file would
-    main = cli.parse_arguments([*SMALL, "--out", str(tmp_path)])
-    assert "gate.json" not in cli._result_files(main) and cli._unwritable(tmp_path, cli._result_files(main)) is None
-    gate = cli.parse_arguments(["--gate", "--out", str(tmp_path / "other")])
-    assert cli._result_files(gate) == ("gate.json",)
-    assert "cannot write" in cli._unwritable(tmp_path, cli._result_files(gate))
+    main = command_line.parse_arguments([*SMALL, "--out", str(tmp_path)])
+    assert "gate.json" not in command_line._result_files(main) and command_line._unwritable(tmp_path, command_line._result_files(main)) is None
+    gate = command_line.parse_arguments(["--gate", "--out", str(tmp_path / "other")])
+    assert command_line._result_files(gate) == ("gate.json",)
+    assert "cannot write" in command_line._unwritable(tmp_path, command_line._result_files(gate))
 
 
 def test_the_gpu_plot_is_checked_like_the_other_result_files(tmp_path):
     """A folder by the GPU plot's name used to pass the check and end a --device cuda run in a traceback."""
-    from fastembed.benchmark import cli
+    from fastembed.benchmark import arguments as command_line
 
     (tmp_path / "throughput-cuda.png").mkdir()
-    assert f"{tmp_path / 'throughput-cuda.png'} is a directory" in cli._unwritable(tmp_path)
+    assert f"{tmp_path / 'throughput-cuda.png'} is a directory" in command_line._unwritable(tmp_path)
 
 
 def test_an_output_cache_setting_that_is_no_byte_count_is_refused_at_once(tmp_path):
@@ -1044,7 +1044,7 @@ def test_format_without_its_packages_is_refused_at_once(capsys, tmp_path, monkey
     """--format needs ml_dtypes and gguf: one line naming them and the extra, not a traceback mid-run."""
     pytest.importorskip("gguf", reason="the last check parses --format with both packages there")
     pytest.importorskip("ml_dtypes", reason="the last check parses --format with both packages there")
-    from fastembed.benchmark.cli import parse_arguments
+    from fastembed.benchmark.arguments import parse_arguments
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name in missing else find_spec(name, *rest))
@@ -1204,27 +1204,27 @@ def test_the_memory_check_counts_the_batches_and_repetitions_the_mode_runs(monke
     """The main run's default batches reach 65,536 ids, --quick's 8,192; a gate's repetitions each keep id sets."""
     import argparse
 
-    from fastembed.benchmark import cli
+    from fastembed.benchmark import arguments as command_line
 
-    monkeypatch.setattr(cli, "_physical_memory", lambda: 4 * 2**30)
+    monkeypatch.setattr(command_line, "_physical_memory", lambda: 4 * 2**30)
     run = argparse.Namespace(processes=None, ranks=None, format=None, device="cpu", gate=False, batch=None, quick=True,
                              reps=None, checks=None, gate_repetitions=None)
-    assert cli.memory_problem(run, 8192, 2**30) is None  # 12 outputs of 8,192 rows of 8 KiB beside 1 GiB
+    assert command_line.memory_problem(run, 8192, 2**30) is None  # 12 outputs of 8,192 rows of 8 KiB beside 1 GiB
     run.quick = False
-    assert "more than this machine's memory" in cli.memory_problem(run, 8192, 2**30)  # 12 x 512 MiB
+    assert "more than this machine's memory" in command_line.memory_problem(run, 8192, 2**30)  # 12 x 512 MiB
     run.device = "cuda"
-    assert cli.memory_problem(run, 8192, 2**30) is None  # a GPU run's outputs are on the device
+    assert command_line.memory_problem(run, 8192, 2**30) is None  # a GPU run's outputs are on the device
     run.device, run.processes = "cpu", 20
-    assert cli.memory_problem(run, 8192, 2**30) is None  # that mode holds a few outputs at a time
+    assert command_line.memory_problem(run, 8192, 2**30) is None  # that mode holds a few outputs at a time
     gate_run = argparse.Namespace(processes=None, ranks=None, format=None, device="cpu", gate=True, batch=None,
                                   quick=False,
                                   reps=None, checks=[gate.Check("x", "fastembed-auto-out", "speedup_vs_numpy", 4096,
                                                                 "uniform", 0.0)], gate_repetitions=100_000)
-    assert "id sets of 100000 repetitions" in cli.memory_problem(gate_run, 128, 0)  # 100,010 x 4,096 x 20 bytes
+    assert "id sets of 100000 repetitions" in command_line.memory_problem(gate_run, 128, 0)  # 100,010 x 4,096 x 20 bytes
     gate_run.gate_repetitions = 11
-    assert cli.memory_problem(gate_run, 128, 0) is None
+    assert command_line.memory_problem(gate_run, 128, 0) is None
     gate_run.reps = 100_000  # --reps sets the gate's repetitions
-    assert "id sets of 100000 repetitions" in cli.memory_problem(gate_run, 128, 0)
+    assert "id sets of 100000 repetitions" in command_line.memory_problem(gate_run, 128, 0)
 
 
 def test_fresh_processes_time_fewer_repetitions_for_large_outputs_but_at_least_15():
@@ -1237,9 +1237,9 @@ def test_fresh_processes_time_fewer_repetitions_for_large_outputs_but_at_least_1
 
 
 def test_quick_keeps_its_one_round_with_ranks_whatever_else_is_given(tmp_path):
-    from fastembed.benchmark import cli
+    from fastembed.benchmark import arguments as command_line
 
-    arguments = cli.parse_arguments(["--ranks", "2", "--quick", "--reps", "3", "--batch", "64", "--out", str(tmp_path)])
+    arguments = command_line.parse_arguments(["--ranks", "2", "--quick", "--reps", "3", "--batch", "64", "--out", str(tmp_path)])
     assert (arguments.ranks, arguments.quick, arguments.reps, arguments.batch) == (2, True, 3, [64])
 
 
@@ -1248,10 +1248,10 @@ def test_quick_keeps_its_one_round_with_ranks_whatever_else_is_given(tmp_path):
     (["--dtype", "float32"], False), (["--table", "t.npy"], False),
 ])
 def test_the_default_table_is_recognised_in_any_spelling_of_its_dtype(arguments, default):
-    from fastembed.benchmark import cli
+    from fastembed.benchmark import arguments as command_line
 
-    parsed = cli.parse_arguments(["--gate", *arguments])
-    assert cli.measures_the_default_table(parsed) == default
+    parsed = command_line.parse_arguments(["--gate", *arguments])
+    assert command_line.measures_the_default_table(parsed) == default
 
 
 @pytest.mark.parametrize(("arguments", "warned"), [

@@ -1274,10 +1274,10 @@ def test_bench_ranks_smoke(tmp_path):
     (["--ranks", "2", "--device", "cuda"], "--ranks measures the host's lookups"),
 ])
 def test_bench_ranks_arguments_are_checked_first(arguments, message, tmp_path, capsys):
-    from fastembed.benchmark import cli
+    from fastembed.benchmark import arguments as command_line
 
     with pytest.raises(SystemExit) as exit_info:
-        cli.parse_arguments([*arguments, "--out", str(tmp_path)])
+        command_line.parse_arguments([*arguments, "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 

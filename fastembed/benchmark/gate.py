@@ -132,7 +132,7 @@ def _validate(check: Check, where: str) -> None:
 
     from fastembed.dispatch import BACKENDS
 
-    from .cli import MAX_BATCH
+    from .arguments import MAX_BATCH
     from .ids import DISTRIBUTIONS
 
     if not isinstance(check.name, str):
