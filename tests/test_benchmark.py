@@ -1236,7 +1236,7 @@ def test_fresh_processes_time_fewer_repetitions_for_large_outputs_but_at_least_1
     assert processes.reps_for(1024, 8192, 100) == 100
 
 
-def test_quick_keeps_its_one_round_with_ranks_whatever_else_is_given(tmp_path):
+def test_ranks_accept_quick_with_reps_and_batch(tmp_path):
     from fastembed.benchmark import arguments as command_line
 
     arguments = command_line.parse_arguments(["--ranks", "2", "--quick", "--reps", "3", "--batch", "64", "--out", str(tmp_path)])

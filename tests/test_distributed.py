@@ -504,6 +504,13 @@ def shared_memory_task(rank: int, world: int) -> dict:
         refused = outcome(lambda: emb(large))
         return before[0], refused, outcome(lambda: used(emb, small))[0], emb.exchange
 
+    def warning_as_error():
+        emb = build()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            raised = outcome(lambda: emb(large))
+        return raised[0], emb.exchange
+
     def refused_errno():
         emb = build(exchange="shared_memory")
         try:
@@ -533,6 +540,7 @@ def shared_memory_task(rank: int, world: int) -> dict:
                 build(exchange="shared_memory"))),
         "other shm, auto": lambda: with_patch("open_mapping", other_shm, auto_sequence),
         "other shm, shared_memory": lambda: with_patch("open_mapping", other_shm, explicit_refused),
+        "other shm, auto, warnings as errors": lambda: with_patch("open_mapping", other_shm, warning_as_error),
     }
     outcomes = {case: call() for case, call in cases.items()}
     names = [name for emb in layers for name in emb._shared.names()]
@@ -704,9 +712,9 @@ def board_task(rank: int, world: int) -> dict:
     report["given up"] = (first.agreement, first.exchange)
     failures += same_bits("through the group", first([3, 1, 4]), expected, np.ndarray)
     second = VocabParallelEmbedding(table, group=subgroup, timeout=30)  # tries again, for both layers
-    held = first._collectives.board()
-    report["made by the next layer"] = (first.agreement, second.agreement, held is second._collectives.board(),
-                                        held is on_world._collectives.board())
+    held = first._collectives.held_board()
+    report["made by the next layer"] = (first.agreement, second.agreement, held is second._collectives.held_board(),
+                                        held is on_world._collectives.held_board())
     failures += same_bits("the first layer on the board", first([3, 1, 4]), expected, np.ndarray)
     failures += same_bits("the second layer on the board", second([3, 1, 4], mode="scatter"),
                           expected[slice(*distributed.position_range(3, world, rank))], np.ndarray)
@@ -718,7 +726,7 @@ def board_task(rank: int, world: int) -> dict:
     out_of_step = dist.new_group(list(range(world)))
     third = VocabParallelEmbedding(table, group=out_of_step, timeout=1)
     if rank == 0:
-        third._collectives.board()._failed = "an earlier agreement was interrupted on rank 0 (KeyboardInterrupt)"
+        third._collectives.held_board()._failed = "an earlier agreement was interrupted on rank 0 (KeyboardInterrupt)"
     report["out of step"] = _outcome(lambda: third([1]))[:2]
     boards = set(_BOARDS_TRIED)  # every board this rank's layers tried to make, not other groups' on this host
     left = [name for name in os.listdir(distributed.segments.SHM_FOLDER)
@@ -983,6 +991,8 @@ def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group)
     (before, refused, after, exchange), _ = seen["other shm, shared_memory"]
     assert (before, refused[0], after, exchange) == ("FileNotFoundError", "FileNotFoundError", "FileNotFoundError", shm)
     assert f"(on rank {world - 1} of {world})" in refused[1]
+    # the warning raised as an error still leaves the layer on the all-reduce
+    assert seen["other shm, auto, warnings as errors"][0] == ("RuntimeWarning", reduce)
     for rank, report in enumerate(reports):
         assert report["left"] == [], f"rank {rank}: segments still in /dev/shm while it ran: {report['left']}"
         assert len(report["names"]) == len(set(report["names"])) >= 6

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -160,6 +161,12 @@ def run_example(code: str, where: str, namespace: dict, request) -> None:
     exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the documentation's own code
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run_distributed_example(code: str, where: str, request) -> None:
     """A distributed example as its page runs it: under torchrun, as a script, or on a group of one rank."""
     pytest.importorskip("torch")
@@ -168,7 +175,8 @@ def run_distributed_example(code: str, where: str, request) -> None:
     script = re.match(r"# (\w+\.py)\n", code)
     if script or '\nif __name__ == "__main__":' in code:
         name = script.group(1) if script else "example.py"
-        (tmp_path / name).write_text(code)
+        # A TCP rendezvous on a port another process may hold: the same example on a port free now.
+        (tmp_path / name).write_text(re.sub(r"(tcp://127\.0\.0\.1:)\d+", lambda m: f"{m.group(1)}{_free_port()}", code))
         command = [sys.executable, str(tmp_path / name)]
         if script:  # the command after the block: "torchrun <options> <script>"
             after = (ROOT / page).read_text().split(code, 1)[1]

@@ -25,7 +25,6 @@ import numpy as np
 from ..arrays import torch_adapter
 from . import board
 from .agreement import CommunicationError, errno_of, error_code, shared_error
-from .board import Board
 from .segments import SEGMENT_PREFIX, SHM_FOLDER
 
 #: Bytes of an error message or description one rank shares with the others (longer ones are cut).
@@ -73,18 +72,18 @@ class Collectives:
         self._theirs = self.on_wire(np.zeros((self.world_size, 2), np.int64))
         self._theirs_list = list(self._theirs.unbind(0))
 
-    def board(self) -> Board | None:
+    def held_board(self) -> board.Board | None:
         """:func:`board_of` the group the layer was built on."""
         return board_of(self.built_on())
 
-    def open_board(self, key: bytes, identities: tuple[int, ...]) -> None:
+    def ensure_board(self, key: bytes, identities: tuple[int, ...]) -> None:
         """Give the group a board (a collective), unless every rank holds the same one already.
 
         `key` names it; `identities` are the boards every rank holds (0: none).
         Where a rank cannot make its part (on every rank alike), the group's
         layers go on agreeing through the group, and the next layer built tries again.
         """
-        held = self.board()
+        held = self.held_board()
         if held is not None and set(identities) == {held.identity}:
             return
         group = self.built_on()
@@ -112,7 +111,7 @@ class Collectives:
         """
         code = 0 if error is None else error_code(error)
         number = digest if error is None else errno_of(error)
-        held = self.board()
+        held = self.held_board()
         if held is not None:
             rows = self._board_agree(held, code, number, f"the agreement on {what}")
         else:
@@ -214,7 +213,7 @@ class Collectives:
             self.mark_interrupted(interrupt, what)
             raise
 
-    def _board_agree(self, held: Board, code: int, number: int, what: str) -> list[list[int]]:
+    def _board_agree(self, held: board.Board, code: int, number: int, what: str) -> list[list[int]]:
         """:meth:`agree`'s exchange of every rank's (code, number) through the board, at most `timeout` seconds."""
         try:
             return held.agree(code, number, self._board_timeout_s)

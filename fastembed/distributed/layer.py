@@ -301,7 +301,7 @@ class VocabParallelEmbedding:
         group (elsewhere, in a group of one rank, or where the board could not
         be made: the next layer built on the group tries again).
         """
-        return "group" if self._collectives.board() is None else "shared_memory"
+        return "group" if self._collectives.held_board() is None else "shared_memory"
 
     @property
     def format(self) -> str:
@@ -609,9 +609,12 @@ class VocabParallelEmbedding:
         buffer = shared.buffer(turn)
         if needed and (buffer is None or needed > buffer.size):
             started = time.perf_counter()
-            if not shared.grow(needed):  # every rank decides alike: from agreed sizes and shared outcomes
+            try:
+                grown_now = shared.grow(needed)  # every rank decides alike: from agreed sizes and shared outcomes
+            finally:  # even when its warning is raised as an error
                 if not shared.usable:
                     self.exchange = "all_reduce"
+            if not grown_now:
                 call.exchange = "all_reduce"
                 call.exchange_s = time.perf_counter() - started
                 return self._late_all_reduce(call)
@@ -735,14 +738,14 @@ class VocabParallelEmbedding:
         """
         host, usable = segments.host_identity()
         secret = int.from_bytes(secrets.token_bytes(8), "little", signed=True)
-        held = self._collectives.board()
+        held = self._collectives.held_board()
         facts = self._collectives.all_gather_ints([host, int(usable), secret, 0 if held is None else held.identity],
                                                   "the agreement on the exchange")
         hosts, usables, secrets_, boards = zip(*facts, strict=True)
         self._key = int(secrets_[0]).to_bytes(8, "little", signed=True)  # rank 0's: names no one can guess
         one_host = len(set(hosts)) == 1 and all(usables)
         if one_host and self.world_size > 1 and self._collectives.wire == "cpu" and board.usable():
-            self._collectives.open_board(self._key, boards)
+            self._collectives.ensure_board(self._key, boards)
         if requested == "all_reduce" or self._on_device or (requested == "auto" and self.world_size == 1):
             return "all_reduce"
         if one_host:

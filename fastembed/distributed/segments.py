@@ -213,6 +213,7 @@ def open_mapping(path: str, size: int) -> mmap.mmap:
 
 
 def unlink_quietly(path: str) -> None:
+    """Remove the file at `path`, if it is still there."""
     try:
         os.unlink(path)
     except FileNotFoundError:
