@@ -171,33 +171,41 @@ def run_distributed_example(code: str, where: str, request) -> None:
     """A distributed example as its page runs it: under torchrun, as a script, or on a group of one rank."""
     pytest.importorskip("torch")
     tmp_path = request.getfixturevalue("tmp_path")
-    page, line = where.split(":")
     script = re.match(r"# (\w+\.py)\n", code)
-    if script or '\nif __name__ == "__main__":' in code:
-        name = script.group(1) if script else "example.py"
-        # A TCP rendezvous on a port another process may hold: the same example on a port free now.
-        (tmp_path / name).write_text(re.sub(r"(tcp://127\.0\.0\.1:)\d+", lambda m: f"{m.group(1)}{_free_port()}", code))
-        command = [sys.executable, str(tmp_path / name)]
-        if script:  # the command after the block: "torchrun <options> <script>"
-            after = (ROOT / page).read_text().split(code, 1)[1]
-            options = re.search(rf"^\s+\S*torchrun (.*) {re.escape(name)}$", after, re.M)
-            assert options, f"{where}: no torchrun command after the block"
-            command = [sys.executable, "-m", "torch.distributed.run", *options.group(1).split(), str(tmp_path / name)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, TMPDIR=str(tmp_path)))  # its mkdtemp() goes into the test's folder
-        assert done.returncode == 0, f"{where}: {done.stderr[-3000:]}"
-        if script:  # it prints each rank's layer and the shape its comment gives
-            shape = re.search(r"# (\(.*?\)) on every rank", code).group(1)
-            assert done.stdout.count(shape) == int(re.search(r"--nproc-per-node (\d+)", options.group(1)).group(1)), \
-                done.stdout
-        return
-    import torch.distributed as dist
+    if script:
+        _run_under_torchrun(code, where, script.group(1), tmp_path)
+    elif '\nif __name__ == "__main__":' in code:
+        _run_script(code, where, tmp_path / "example.py", [])
+    else:
+        import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "rendezvous"), rank=0, world_size=1)
-    try:
-        exec(compile(code, where, "exec"), {})  # noqa: S102 - the documentation's own code
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method="file://" + str(tmp_path / "rendezvous"), rank=0, world_size=1)
+        try:
+            exec(compile(code, where, "exec"), {})  # noqa: S102 - the documentation's own code
+        finally:
+            dist.destroy_process_group()
+
+
+def _run_under_torchrun(code: str, where: str, name: str, tmp_path: Path) -> None:
+    """The script `name` under the torchrun command its page gives after it; it prints the shape its comment gives,
+    once per rank."""
+    after = (ROOT / where.split(":")[0]).read_text().split(code, 1)[1]
+    options = re.search(rf"^\s+\S*torchrun (.*) {re.escape(name)}$", after, re.M)
+    assert options, f"{where}: no torchrun command after the block"
+    printed = _run_script(code, where, tmp_path / name, ["-m", "torch.distributed.run", *options.group(1).split()])
+    shape = re.search(r"# (\(.*?\)) on every rank", code).group(1)
+    ranks = int(re.search(r"--nproc-per-node (\d+)", options.group(1)).group(1))
+    assert printed.count(shape) == ranks, printed
+
+
+def _run_script(code: str, where: str, path: Path, launcher: list[str]) -> str:
+    """`code` written to `path` and run by a fresh interpreter (through `launcher`'s options); what it printed."""
+    # A TCP rendezvous on a port another process may hold: the same example on a port free now.
+    path.write_text(re.sub(r"(tcp://127\.0\.0\.1:)\d+", lambda match: f"{match.group(1)}{_free_port()}", code))
+    done = subprocess.run([sys.executable, *launcher, str(path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TMPDIR=str(path.parent)))  # its mkdtemp() goes into the test's folder
+    assert done.returncode == 0, f"{where}: {done.stderr[-3000:]}"
+    return done.stdout
 
 
 @pytest.mark.parametrize("page, line", EXAMPLES, ids=[f"{page}:{line}" for page, line in EXAMPLES])
