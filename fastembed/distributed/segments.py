@@ -138,9 +138,10 @@ class SharedBuffers:
                 mapping.close()
             if self._required:
                 raise
-            # A file another rank cannot open (another /dev/shm) fails at every size; a refused size only above it.
-            self._refused = buffer_bytes if stage == "making" else 0
-            if stage == "mapping":
+            # A refused size fails again only above it; a file another rank cannot open (another /dev/shm), always.
+            if stage == "making":
+                self._refused = buffer_bytes
+            else:
                 self.usable = False
                 self.close()
             # Sizes are rounded up to whole granules, so every call above the last granule that fits is refused.
