@@ -198,23 +198,17 @@ def _fp8_e4m3_bit_values(builder, codes, scale):
 
 def _fp8_e4m3_widened_values(builder, codes, scale):
     # as _fp8_e4m3_bit_values, through float16 and the F16C widening: the sign to bit 15 and the 7 magnitude bits
-    # under float16's exponent (subnormals become float16 subnormals) give value / 2**8 exactly; NaN codes become
-    # float16's quiet NaN of their sign, which widens to ml_dtypes' float32 NaN
+    # under float16's exponent (subnormals become float16 subnormals) give value / 2**8 exactly; NaN codes
+    # become float16's quiet NaN of their sign, which widens to ml_dtypes' float32 NaN
     def c(value):
         return _constant(_I16, 32, value)
 
-    shifted = builder.shl(builder.zext(codes, _vector(_I16, 32)), c(7))
+    b = builder.zext(codes, _vector(_I16, 32))
+    shifted = builder.shl(b, c(7))
     bits = builder.add(shifted, builder.and_(shifted, c(0x4000)))  # the sign's carry: bit 14 to bit 15
-    # Most blocks hold no NaN code: they skip the blend, which costs about as much as the rest of the decode.
-    nan = builder.icmp_unsigned("==", builder.and_(codes, _constant(_I8, 32, 0x7F)), _constant(_I8, 32, 0x7F))
-    plain = builder.block
-    with builder.if_then(builder.icmp_unsigned("!=", builder.bitcast(nan, _I32), _I32(0)), likely=False):
-        with_nan = builder.select(nan, builder.or_(builder.and_(bits, c(0x8000)), c(0x7E00)), bits)
-        blended = builder.block
-    merged = builder.phi(bits.type)
-    merged.add_incoming(bits, plain)
-    merged.add_incoming(with_nan, blended)
-    value = builder.fpext(builder.bitcast(merged, _vector(ir.HalfType(), 32)), _vector(_F32, 32))
+    nan = builder.icmp_unsigned("==", builder.and_(b, c(0x7F)), c(0x7F))
+    bits = builder.select(nan, builder.or_(builder.and_(bits, c(0x8000)), c(0x7E00)), bits)
+    value = builder.fpext(builder.bitcast(bits, _vector(ir.HalfType(), 32)), _vector(_F32, 32))
     value = builder.fmul(value, _constant(_F32, 32, 256.0))  # exact: |value| <= 448, no subnormal float32 here
     return builder.fmul(value, _splat(builder, scale, 32))
 
