@@ -79,6 +79,17 @@ def test_auto_picks_numba_for_host_tables_when_available():
     assert "selected:" in str(selection)
 
 
+def test_a_named_backend_skips_the_others_as_not_requested(environment):
+    """Named by the argument or by FASTEMBED_BACKEND, the others are not requested, whatever their priority."""
+    table = random_table(10, 4)
+    selection = fastembed.select_backend(table, [1], backend="numpy")
+    assert selection.skipped == {"cuda": ["not requested (backend='numpy')"], "numba": ["not requested (backend='numpy')"]}
+    environment("numpy")
+    selection = fastembed.select_backend(table, [1])
+    assert selection.backend == "numpy"
+    assert selection.skipped["numba"] == ["not requested (FASTEMBED_BACKEND='numpy')"]
+
+
 def test_a_host_table_never_goes_to_the_gpu(declare_unavailable):
     declare_unavailable(cuda_backend.BACKEND, [])
     selection = fastembed.select_backend(random_table(10, 4), [1])
