@@ -65,8 +65,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
             is a torch inference tensor outside inference mode;
             an unknown backend name (in `backend` or FASTEMBED_BACKEND); a
             FASTEMBED_OUTPUT_CACHE_BYTES that is not a byte count (read at the
-            first allocating lookup of 4 MiB or more that the numba backend
-            is asked to serve, or on a JAX table whatever the backend).
+            first allocating lookup of 4 MiB or more, without `dtype`, that the
+            numba backend is asked to serve, or on a JAX table whatever the backend).
         IndexError: an id out of range, naming the first bad id's position and value.
         BackendUnavailableError: a named backend cannot serve the call.
 
@@ -455,7 +455,7 @@ class Embedding:
         return cls._opened(map_gguf(path, name))
 
     def save(self, path: str | os.PathLike, name: str | None = None) -> None:
-        """Write the table to `path`: ``.gguf`` (dense float tables and the GGUF block formats) or ``.safetensors``.
+        """Write the table to `path`: ``.gguf`` (float32, float16, bfloat16 and the GGUF block formats) or ``.safetensors``.
 
         A quantized table's safetensors file holds its rows as bytes, its row
         scales beside them and its format in the metadata; loading it back
