@@ -393,7 +393,8 @@ class QuantizedTable:
 
     Raises:
         TypeError: a `dim` that is not an integer; arrays of the wrong kind or
-            dtype; a subclass of QuantizedTable (the API dispatches on this exact type).
+            dtype; a row-scale format without scales; a subclass of QuantizedTable
+            (the API dispatches on this exact type).
         ValueError: shapes that do not fit the format (see fastembed.validate).
 
     Example:

@@ -257,12 +257,14 @@ def check_quantized(table: Any) -> None:
     """Check that a :class:`fastembed.formats.QuantizedTable`'s arrays fit its format.
 
     Raises:
-        TypeError: `data` is not a uint8 array fastembed knows, or `scales`
-            is not float32, or is on another device than `data`.
-        ValueError: `data` is not 2-D and C-contiguous, its rows are not
-            ``format.row_bytes(dim)`` bytes, or the scales are missing, extra
-            or not one per row; a format of its own under the name of one of
-            fastembed's (the backends' kernels go by the name).
+        TypeError: `data` is not a uint8 array fastembed knows; a row-scale
+            format's `scales` are missing, not float32, of another array
+            library than `data`, or on another device.
+        ValueError: `data` is not 2-D and C-contiguous, or its rows are not
+            ``format.row_bytes(dim)`` bytes; scales given to a format that keeps
+            them in its blocks, not one per row, not C-contiguous, or on a GPU
+            at an address that is not a multiple of 4; a format of its own under
+            the name of one of fastembed's (the backends' kernels go by the name).
     """
     fmt, data, scales = table.format, table.data, table.scales
     known = FORMATS.get(fmt.name.lower())  # the loaders read a saved format's name case-insensitively
