@@ -287,20 +287,21 @@ class Embedding:
         """A table of random values (never zeros for floats), built in seconds.
 
         Floats: random sign, magnitudes in [1/64, 1/32) (an embedding's
-        scale); integers: uniform over their dtype's range; other dtypes:
-        random bytes. See :func:`fastembed.tables.random_table`.
+        scale; complex: both parts so); integers: uniform over their dtype's
+        range; other dtypes: random bytes. See :func:`fastembed.tables.random_table`.
 
         Args:
             vocab_size, dim: the table's rows and width (the default is the 129,280 x 4,096 table, about 1 GiB).
             dtype: any fixed-size numpy dtype or its name (bfloat16 needs ml_dtypes).
-            seed: the random generator's seed; one seed gives the same table everywhere.
+            seed: the random generator's seed, an integer >= 0; one seed gives the same table everywhere.
 
         Returns:
             An Embedding over a new C-contiguous ``(vocab_size, dim)`` numpy array.
 
         Raises:
-            ValueError: a negative size.
-            TypeError: a dtype numpy does not know.
+            TypeError: a size or seed that is not an integer; not a dtype, or a dtype
+                without a fixed size or with Python objects.
+            ValueError: a negative size or seed.
 
         Example:
             >>> import fastembed
@@ -309,7 +310,7 @@ class Embedding:
         """
         from .tables import random_table
 
-        return cls(random_table(vocab_size, dim, dtype, seed))
+        return cls(random_table(*validate.random_table_arguments(vocab_size, dim, dtype, seed)))
 
     @classmethod
     def from_safetensors(cls, path: str | os.PathLike, name: str | None = None) -> Embedding:

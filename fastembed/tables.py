@@ -61,8 +61,9 @@ def random_table(
     """A (vocab_size, dim) C-contiguous table of random values of `dtype`.
 
     float16/bfloat16/float32/float64: random sign and mantissa, magnitudes in
-    [1/64, 1/32) (finite, never zero); other dtypes: uniformly random bytes
-    (integers uniform over their range).
+    [1/64, 1/32) (finite, never zero); other floats (float8, long double) and
+    both parts of complex values: float32 values of random sign in that range,
+    cast; other dtypes: uniformly random bytes (integers uniform over their range).
     ``progress(fraction)`` is called as the random bytes are generated.
     """
     dtype = resolve_dtype(dtype)
@@ -74,11 +75,14 @@ def random_table(
         bits &= np.array(keep, dtype=view)
         bits |= np.array(exponent, dtype=view)
     elif dtype.kind == "c" or is_float_dtype(dtype):
-        # Other floats (ml_dtypes float8, long double, complex): cast from float32 in [1/64, 1/32).
+        # Other floats (ml_dtypes float8, long double, complex): cast from float32 in [1/64, 1/32), of random sign.
         flat = table.reshape(-1)
+        parts = 2 if dtype.kind == "c" else 1
         for start in range(0, flat.size, _CHUNK_WORDS):
-            chunk = np.random.default_rng([seed, start]).uniform(1 / 64, 1 / 32, flat[start : start + _CHUNK_WORDS].size)
-            flat[start : start + _CHUNK_WORDS] = chunk.astype(np.float32).astype(dtype)
+            rng = np.random.default_rng([seed, start])
+            shape = (flat[start : start + _CHUNK_WORDS].size, parts)
+            values = (rng.uniform(1 / 64, 1 / 32, shape) * rng.choice(np.array([-1.0, 1.0]), shape)).astype(np.float32)
+            flat[start : start + _CHUNK_WORDS] = values[:, 0] if parts == 1 else values[:, 0] + 1j * values[:, 1]
     return table
 
 

@@ -235,6 +235,23 @@ def checked_integer(value: Any, must_be: str, low: float, high: float) -> int:
     return int(value)
 
 
+def random_table_arguments(vocab_size: Any, dim: Any, dtype: Any, seed: Any) -> tuple[int, int, np.dtype, int]:
+    """The arguments of a new random table, checked: integer sizes and seed >= 0, a fixed-size dtype without objects.
+
+    Raises:
+        TypeError: a size or seed that is not an integer; not a dtype, or one without a fixed size or with
+            Python objects.
+        ValueError: a negative size or seed.
+    """
+    vocab_size = checked_integer(vocab_size, "vocab_size must be an integer >= 0", 0, math.inf)
+    dim = checked_integer(dim, "dim must be an integer >= 0", 0, math.inf)
+    seed = checked_integer(seed, "seed must be an integer >= 0", 0, math.inf)
+    resolved = resolve_dtype(dtype)
+    if resolved.hasobject or resolved.itemsize == 0:
+        raise TypeError(f"a table's dtype must have a fixed size and no Python objects, got {resolved}")
+    return vocab_size, dim, resolved, seed
+
+
 def checked_seconds(value: Any, must_be: str, low: float, high: float) -> float:
     """`value` as a float: a real number (not a bool) from `low` to `high` (NaN is outside every range).
 

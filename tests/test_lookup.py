@@ -1,6 +1,8 @@
 """lookup() and Embedding against table[ids] and the one-hot oracle, on every CPU backend."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -152,6 +154,29 @@ def test_random_table_is_random_and_never_zero():
     assert np.all(table != 0) and np.all(np.isfinite(table))
     assert len(np.unique(table)) > 1000
     assert not np.array_equal(table, fastembed.Embedding.random(1000, 64, "float16", seed=4).table)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "longdouble", "complex64"])
+def test_random_tables_of_other_float_dtypes_have_both_signs(dtype):
+    table = fastembed.Embedding.random(200, 64, dtype, seed=5).table
+    values = table.astype(np.complex128)
+    for part in (values.real, values.imag) if np.iscomplexobj(table) else (values.real,):
+        assert 0.4 < (part < 0).mean() < 0.6 and np.all(part != 0)
+        assert np.all((np.abs(part) >= 1 / 64 - 1e-3) & (np.abs(part) <= 1 / 32 + 1e-3))
+
+
+@pytest.mark.parametrize(("arguments", "error", "message"), [
+    ({"vocab_size": -1}, ValueError, "vocab_size must be an integer >= 0, got -1"),
+    ({"dim": 2.0}, TypeError, "dim must be an integer >= 0, got 2.0"),
+    ({"vocab_size": True}, TypeError, "vocab_size must be an integer"),
+    ({"seed": -1}, ValueError, "seed must be an integer >= 0, got -1"),
+    ({"dtype": object}, TypeError, "fixed size and no Python objects, got object"),
+    ({"dtype": "V0"}, TypeError, "fixed size and no Python objects"),
+    ({"dtype": "no such dtype"}, TypeError, "unknown dtype"),
+])
+def test_random_table_arguments_are_named_when_wrong(arguments, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        fastembed.Embedding.random(**{"vocab_size": 4, "dim": 4, **arguments})
 
 
 def test_reference_sentence_on_the_full_table(full_table, backend):
