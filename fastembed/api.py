@@ -83,7 +83,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     """
     table_view = validate.table_snapshot(table)
     if dtype is not None or type(table_view) is not _NDARRAY:
-        return _converting_lookup(table_view, ids, out, dtype, backend, table)
+        return _lookup_in_call_context(table_view, ids, out, dtype, backend, table)
     ids_view = validate.ids_snapshot(ids, table_view)
     if out is None:
         if isinstance(table, _NDARRAY):  # a numpy table's result is a plain numpy array, an np.memmap's too
@@ -107,7 +107,7 @@ def _wrapped_lookup(table_view: Any, ids_view: Any, backend: str, table: Any) ->
     return result_like(dispatch.select(table_view, backend).gather(table_view, ids_view, buffer), table)
 
 
-def _converting_lookup(table_view: Any, ids: Any, out: Any, dtype: Any, backend: str, table: Any) -> Any:
+def _lookup_in_call_context(table_view: Any, ids: Any, out: Any, dtype: Any, backend: str, table: Any) -> Any:
     """The steps of :func:`lookup` for a table whose snapshot is not a numpy array (a GPU or quantized table) or an explicit ``dtype=``.
 
     They run in the table's call context (:func:`fastembed.arrays.call_context`:
@@ -170,10 +170,10 @@ class Embedding:
         # The caller's arrays as read here, which an out is checked against (their files too): a quantized table's
         # data and scales in a table of the layer's own, since the caller may assign others to theirs.
         scales = None
-        self._caller_table = self._rows
+        self._table_as_read = self._rows
         if type(table) is QuantizedTable:
             scales = table.scales
-            self._caller_table = QuantizedTable(self._rows, table.format, table.dim, scales)
+            self._table_as_read = QuantizedTable(self._rows, table.format, table.dim, scales)
         # A torch table's memory can be freed under the view (resize_): checked before every call.
         self._guards = memory_guards(self._rows, scales)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
@@ -211,11 +211,11 @@ class Embedding:
             guard.check()
         if dtype is not None or type(table_view) is not _NDARRAY:
             if self._host_quantized_dtype is not None and dtype is None and out is None:
-                # A decode step on a quantized table: the steps of _converting_lookup that numpy rows need.
+                # A decode step on a quantized table: the steps of _lookup_in_call_context that numpy rows need.
                 ids_view = validate.ids_snapshot(ids, table_view)
                 chosen = dispatch.select(table_view, backend)
                 return chosen.dequantize(table_view, ids_view, None, self._host_quantized_dtype)  # type: ignore[attr-defined]
-            return _converting_lookup(table_view, ids, out, dtype, backend, self._caller_table)
+            return _lookup_in_call_context(table_view, ids, out, dtype, backend, self._table_as_read)
         ids_view = validate.ids_snapshot(ids, table_view)
         if out is None:
             if self._numpy:
