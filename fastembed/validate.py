@@ -494,11 +494,15 @@ def _check_integer_dtype(dtype: np.dtype) -> None:
 
 
 def _native_ids(ids: Any, vocab_size: int) -> Any:
-    """Convert ids of a non-native integer dtype to int64, after a range check.
+    """`ids` with at most :data:`MAX_IDS_NDIM` dimensions as the kernels take them: native int32/int64 ids as
+    they are, others converted to int64 after a range check.
 
     The check comes first because uint64 values above 2**63 would wrap to
     negative numbers in the conversion and hide the caller's mistake.
-    Raises ValueError for ids of more than :data:`MAX_IDS_NDIM` dimensions.
+
+    Raises:
+        ValueError: ids of more than :data:`MAX_IDS_NDIM` dimensions.
+        IndexError: converted ids outside ``[0, vocab_size)`` (as :func:`check_ids_in_range`).
     """
     if len(ids.shape) > MAX_IDS_NDIM:
         raise ValueError(f"ids have {len(ids.shape)} dimensions; at most {MAX_IDS_NDIM}, since the result "
