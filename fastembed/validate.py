@@ -13,7 +13,7 @@ that the message is the same whatever backend found the bad id.
 
 Contracts:
 - a *table* is a 2-D, C-contiguous array (numpy, np.memmap, cupy, a torch
-  CPU tensor, a JAX CPU array, or any other DLPack producer in host memory)
+  CPU or CUDA tensor, a JAX CPU array, or any other DLPack producer in host memory)
   of any fixed-size dtype that holds no Python objects;
 - *ids* are integers of any dtype and ndim up to :data:`MAX_IDS_NDIM`, on the table's device (host
   ids for a GPU table are copied there); host ids are copied once per call
@@ -93,7 +93,7 @@ def table_snapshot(table: Any) -> Any:
         adapter = adapter_of(table)
         if adapter is None:
             raise TypeError(
-                "table must be a numpy array, np.memmap, cupy array or torch CPU tensor, or a JAX CPU array, "
+                "table must be a numpy array, np.memmap, cupy array, torch CPU or CUDA tensor, or a JAX CPU array, "
                 "or another library's host array exporting DLPack (__dlpack__ and __dlpack_device__); "
                 f"got {type(table).__module__}.{type(table).__qualname__}"
             )
