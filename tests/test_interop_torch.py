@@ -270,7 +270,7 @@ def test_cuda_ids_or_out_of_a_cpu_table_are_refused_naming_where_each_lives():
 
 
 def test_torch_objects_that_are_not_tensors_are_not_arrays():
-    with pytest.raises(TypeError, match="table must be a numpy array, np.memmap, cupy array or torch CPU tensor"):
+    with pytest.raises(TypeError, match="table must be a numpy array, np.memmap, cupy array, torch CPU or CUDA tensor"):
         fastembed.lookup(torch.UntypedStorage(16), [0])
 
 
