@@ -23,45 +23,9 @@ from . import cupy_adapter, dlpack_adapter, jax_adapter, numpy_adapter, torch_ad
 class ArrayAdapter(Protocol):
     """The operations fastembed performs on arrays of one library.
 
-    An adapter whose arrays cannot be written (jax) also sets
-    ``immutable = True``: validation refuses such an array as ``out``. An
-    adapter whose arrays need a device or stream made current for a lookup
-    (torch CUDA tensors, cupy arrays) provides ``stream_context(array)``
-    (:func:`call_context`), and one whose results need the caller's table to
-    get their dtype back provides ``wrap_like(result, like)`` (:func:`result_like`)
-    and ``dtype_name(array)``, the array's own dtype by name, which validation
-    checks where a snapshot holds it as words of the same width. An adapter
-    whose library cannot tell read-only memory (torch) provides
-    ``writable(view)``, which validation asks of an ``out``'s snapshot before
-    the gather writes it. An adapter of device arrays whose address need
-    not be a multiple of their itemsize (cupy's ``view(dtype)`` of bytes)
-    provides ``misaligned(view)``: the GPU kernels read such ids, scales and
-    outputs element by element. An adapter whose library frees or moves the
-    memory of an array that a view was taken of (torch: ``resize_``, a
-    swapped ``.data``) provides ``memory_guard(array)`` (:func:`memory_guards`).
-    An adapter of device arrays provides ``to_host(array)``, a numpy copy
-    (:func:`host_copy`). An adapter whose library counts in-place writes
-    (torch's version counter, which autograd checks) provides
-    ``mark_written(array)`` (:func:`mark_written`). An adapter that can read
-    an array's address range without making a view of it (torch:
-    ``data_ptr()``) provides ``byte_span(array)``, ``(first byte, past the
-    last)``: validation tells an ``out`` and ids with disjoint spans apart
-    without the exact test. An adapter whose library has arrays a lookup
-    must not write in place (torch: a tensor that requires grad, an
-    inference tensor outside inference mode) provides ``write_refusal(array)``, the reason or None,
-    which validation asks of an ``out``. An adapter whose read-only
-    snapshots may stand for memory that is writable (DLPack: numpy imports an
-    export older than DLPack 1.0 read-only) sets ``read_only_note``, the
-    sentence validation adds when it refuses such an ``out``. An adapter
-    whose :meth:`snapshot` is read-only where a writeable view costs more
-    (torch) provides ``writable_snapshot(array)``, which validation takes of
-    an ``out``. An adapter whose library has no dtypes in the other byte
-    order (torch, JAX, cupy) sets ``native_byte_order_only = True``:
-    validation refuses ``dtype=`` in that order for its tables before any
-    work, since their results could not hold it. An adapter whose arrays may
-    map a file (numpy: np.memmap) provides ``same_file_bytes(out, table)``:
-    whether two arrays write and read the same bytes of one file through
-    different mappings, which their addresses cannot show.
+    Besides these members, an adapter defines those of
+    :data:`OPTIONAL_HOOKS` that its library needs; fastembed asks for each
+    by name and does without it where an adapter has none.
     """
 
     name: str
@@ -112,6 +76,42 @@ class ArrayAdapter(Protocol):
 
 #: Every known adapter; the first that owns an array describes it. The DLPack adapter takes any
 #: other object with ``__dlpack__`` and ``__dlpack_device__``, so it comes last.
+#: The optional members of an adapter, beside :class:`ArrayAdapter`'s, and what each is for. fastembed asks for
+#: them by name (``getattr(adapter, name, None)``); a test checks that every adapter's members and every name asked
+#: for are listed here, so that a misspelled hook cannot silently turn a check off.
+OPTIONAL_HOOKS = {
+    "immutable": "True where the library's arrays cannot be written (JAX): validation refuses one as out",
+    "native_byte_order_only": "True where the library has no dtypes in the other byte order (torch, JAX, cupy): "
+    "validation refuses dtype= in that order for its tables before any work, since their results could not hold it",
+    "stream_context": "stream_context(array): the device or stream made current for a lookup (torch CUDA tensors, "
+    "cupy arrays; call_context)",
+    "wrap_like": "wrap_like(result, like): a result given the caller's table's dtype back (torch; result_like)",
+    "dtype_name": "dtype_name(array): the array's own dtype by name, which validation checks where a snapshot "
+    "holds it as words of the same width (torch)",
+    "dtype_spec": "dtype_spec(dtype): the library's own dtype object as numpy takes it, by name, else None "
+    "(torch; dtype_spec)",
+    "writable": "writable(view): whether an out's snapshot may be written, where the library cannot tell "
+    "read-only memory (torch, numpy, DLPack)",
+    "writable_snapshot": "writable_snapshot(array): a writeable snapshot of an out, where snapshot() is read-only "
+    "because a writeable view costs more (torch)",
+    "write_refusal": "write_refusal(array): why a lookup must not write the array in place, or None (torch: "
+    "requires grad, an inference tensor outside inference mode)",
+    "read_only_note": "the sentence validation adds when it refuses a read-only out whose memory may be writable "
+    "(DLPack: numpy imports an export older than DLPack 1.0 read-only)",
+    "misaligned": "misaligned(view): whether a device array starts at an address that is not a multiple of its "
+    "itemsize (torch, cupy), which the GPU kernels cannot read as elements",
+    "memory_guard": "memory_guard(array): a guard that says when the library freed or moved the memory a view was "
+    "taken of (torch: resize_, a swapped .data; memory_guards)",
+    "to_host": "to_host(array): a numpy copy of a device array (torch, cupy; host_copy)",
+    "mark_written": "mark_written(array): tell the library its array was written in place (torch's version "
+    "counter, which autograd checks; mark_written)",
+    "byte_span": "byte_span(array): (first byte, past the last), read without making a view (torch: data_ptr()), "
+    "so that validation tells an out and ids with disjoint spans apart without the exact test",
+    "same_file_bytes": "same_file_bytes(out, table): whether two arrays write and read the same bytes of one file "
+    "through different mappings, which their addresses cannot show (numpy: np.memmap)",
+}
+
+
 ADAPTERS: tuple[ArrayAdapter, ...] = (
     numpy_adapter.ADAPTER,
     cupy_adapter.ADAPTER,
