@@ -49,8 +49,10 @@ REPO = Path(__file__).resolve().parent.parent
 VOCAB = 41  # prime: no world size divides it
 SEED = 7
 #: (dtype, dim): each integer word the collective uses (row bytes divisible by 8, by 4, neither) and every kind of dtype.
+#: Records of 3, 5, 6 and 7 bytes whose rows are a whole number of wider words (the exchange's word), and one
+#: whose rows are not.
 TABLES = [("float16", 6), ("float16", 7), ("bfloat16", 4), ("float32", 8), ("float64", 3), ("int8", 5),
-          ("uint8", 9), ("int32", 4), ("V3", 5)]
+          ("uint8", 9), ("int32", 4), ("V3", 5), ("V3", 4), ("S3", 8), ("V5", 8), ("V6", 4), ("V7", 8)]
 TORCH_KINDS = ("float16", "bfloat16", "float32", "int8")
 #: (format, dim) of the quantized tables: ggml's q8_0 and fp8 with row scales (quantized here), a random q4_k.
 QUANTIZED = [("q8_0", 64), ("fp8_e4m3", 48), ("q4_k", 256)]

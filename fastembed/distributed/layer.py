@@ -511,7 +511,7 @@ class VocabParallelEmbedding:
             words.fill(0)
             return
         local[outside] = 0
-        self._local(local, out=words.view(call.dtype), dtype=cast)
+        self._local(local, out=_words_as(words, call.dtype), dtype=cast)
         words[outside] = 0
 
     def _gather_masked_on_device(self, call: _Call, local: np.ndarray, outside: np.ndarray, cast: Any) -> None:
@@ -720,7 +720,7 @@ class VocabParallelEmbedding:
         """The exchanged words as the result: numpy words seen as `dtype` in the table's kind, or a GPU shard's tensor."""
         if self._on_device:
             return words.view(self._torch_dtype(dtype)).view(shape + (self._dim,))
-        values = words.view(dtype).reshape(shape + (self._dim,))
+        values = _words_as(words, dtype).reshape(shape + (self._dim,))
         return values if self._shard.like is None else result_like(values, self._shard.like)
 
     def _torch_dtype(self, dtype: np.dtype) -> Any:
@@ -797,6 +797,11 @@ def _place(table: np.ndarray, ids: np.ndarray, out: np.ndarray, positions: np.nd
     """``out[positions[i]] = table[ids[i]]``, checked, by the host backend ``"auto"`` picks for `table`."""
     ids, positions = validate.place_arguments(table, ids, out, positions)
     dispatch.placing_backend(table).place(table, ids, out, positions)
+
+
+def _words_as(words: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Rows of exchange words seen as `dtype`, through their bytes: a record of 3, 5, 6 or 7 bytes divides no wider word."""
+    return words.view(np.uint8).view(dtype)
 
 
 def _scattered_shape(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, ...]:
