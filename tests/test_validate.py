@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -157,6 +158,29 @@ def test_out_mapping_the_tables_own_file_is_refused_and_the_file_untouched(backe
     apart = np.memmap(path, np.float32, "r+", offset=5 * 16, shape=(3, 4))  # rows 5-7, past the table's rows 0-4
     expected = np.array(first_rows[[0, 1, 2]])
     assert_bit_equal(fastembed.lookup(first_rows, [0, 1, 2], out=apart, backend=backend), expected)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs the kernel's list of mappings (Linux)")
+def test_the_files_compared_are_those_mapped_whatever_their_names_now(backend, tmp_path):
+    """The file was looked up by name at lookup time: once renamed or removed, an out over the table's rows passed
+    and read back rows it had just overwritten; a new file under the old name was taken for the table's."""
+    path = tmp_path / "rows.bin"
+    table_rows = random_table(16, 4, "float32")
+    for move in (lambda: path.rename(tmp_path / "moved.bin"), path.unlink):
+        table_rows.tofile(path)
+        table = np.memmap(path, np.float32, "r", shape=(16, 4))
+        out = np.memmap(path, np.float32, "r+", shape=(16, 4))[8:12]
+        move()
+        with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+            fastembed.lookup(table, [7, 8, 9, 10], out=out, backend=backend)
+        assert_bit_equal(np.array(table), table_rows)
+    table_rows.tofile(path)
+    table = np.memmap(path, np.float32, "r", shape=(16, 4))
+    replacement = tmp_path / "new.bin"
+    random_table(16, 4, "float32").tofile(replacement)
+    os.replace(replacement, path)  # the name now leads to another file, which the table does not map
+    out = np.memmap(path, np.float32, "r+", shape=(16, 4))[8:12]
+    assert_bit_equal(fastembed.lookup(table, [7, 8, 9, 10], out=out, backend=backend), table_rows[[7, 8, 9, 10]])
 
 
 def test_out_mapping_the_file_of_a_copy_on_write_table_is_refused(backend, tmp_path):

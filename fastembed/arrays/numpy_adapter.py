@@ -40,18 +40,23 @@ class NumpyAdapter:
 
         Both are np.memmap arrays or views of them. Two mappings of a file have
         different addresses, which :meth:`may_share_memory` compares; a write
-        through one is read through the other all the same. False where either
-        maps no file, `first` is a copy-on-write mapping (its writes stay in
-        the process), or a file cannot be looked at any more (renamed or
-        removed since it was mapped: the name then leads elsewhere). A
-        copy-on-write `second` counts: it reads the file's own pages until it
-        writes them, and a table is never written.
+        through one is read through the other all the same. The files are
+        the ones mapped, as the kernel records them (Linux: ``/proc/self/maps``),
+        so a file renamed, removed or replaced since it was mapped is still
+        told apart; elsewhere they are looked up by the mappings' file names,
+        and a file renamed or removed since then is not found. False where either
+        maps no file, or `first` is a copy-on-write mapping (its writes stay in
+        the process). A copy-on-write `second` counts: it reads the file's own
+        pages until it writes them, and a table is never written.
         """
         span_a, span_b = _file_span(first, writes=True), _file_span(second, writes=False)
         if span_a is None or span_b is None:
             return False
-        (file_a, start_a, stop_a), (file_b, start_b, stop_b) = span_a, span_b
-        return file_a == file_b and start_a < stop_b and start_b < stop_a
+        (mapping_a, start_a, stop_a), (mapping_b, start_b, stop_b) = span_a, span_b
+        if not (start_a < stop_b and start_b < stop_a):
+            return False
+        files = _mapped_files((mapping_a, mapping_b))
+        return files[0] is not None and files[0] == files[1]
 
     def wrap(self, result: np.ndarray) -> np.ndarray:
         return result
@@ -68,8 +73,8 @@ class NumpyAdapter:
 ADAPTER = NumpyAdapter()
 
 
-def _file_span(array: Any, writes: bool) -> tuple[tuple[int, int], int, int] | None:
-    """((device, inode) of the file, first byte, end) that `array` maps, or None.
+def _file_span(array: Any, writes: bool) -> tuple[np.memmap, int, int] | None:
+    """(the np.memmap whose mapping holds `array`, first byte in its file, end) that `array` maps, or None.
 
     `array` is an np.memmap or a view of one (a plain ndarray whose base
     chain leads to it). np.memmap maps its file from ``offset`` rounded down
@@ -84,15 +89,57 @@ def _file_span(array: Any, writes: bool) -> tuple[tuple[int, int], int, int] | N
     memmap = memmap_of(array)
     if memmap is None or (writes and memmap.mode == "c") or array.size == 0:
         return None
-    try:
-        base = np.frombuffer(getattr(memmap, "_mmap"), np.uint8).ctypes.data  # noqa: B009 - numpy's own attribute
-        facts = os.stat(str(memmap.filename))
-    except (ValueError, OSError, TypeError):  # a closed mapping, a file renamed or removed since
+    base = _mapping_address(memmap)
+    if base is None:
         return None
     first = memmap.offset - memmap.offset % mmap.ALLOCATIONGRANULARITY + array.ctypes.data - base
     reach = [stride * (size - 1) for stride, size in zip(array.strides, array.shape, strict=True)]
     low, high = sum(step for step in reach if step < 0), sum(step for step in reach if step > 0)
-    return (facts.st_dev, facts.st_ino), first + low, first + high + array.itemsize
+    return memmap, first + low, first + high + array.itemsize
+
+
+def _mapping_address(memmap: np.memmap) -> int | None:
+    """The address of the first byte of `memmap`'s mapping, or None once the mapping is closed."""
+    try:
+        return int(np.frombuffer(getattr(memmap, "_mmap"), np.uint8).ctypes.data)  # noqa: B009 - numpy's own attribute
+    except (ValueError, TypeError):
+        return None
+
+
+def _mapped_files(memmaps: tuple[np.memmap, ...]) -> list[tuple[int, int] | None]:
+    """(device, inode) of the file each of `memmaps` maps, or None where it cannot be told.
+
+    Where the kernel lists the process's mappings (``/proc/self/maps``), the
+    file mapped at each mapping's first byte, whatever its name is now; else
+    the file the mapping's name leads to now.
+    """
+    addresses = [_mapping_address(memmap) for memmap in memmaps]
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            listing = maps.read()
+    except OSError:
+        return [_file_by_name(memmap) for memmap in memmaps]
+    files: list[tuple[int, int] | None] = [None] * len(memmaps)
+    for line in listing.splitlines():
+        # start-end perms offset major:minor inode [path], the numbers in hexadecimal but the inode
+        fields = line.split(maxsplit=5)
+        if len(fields) < 5:
+            continue
+        start, _, end = fields[0].partition(b"-")
+        major, _, minor = fields[3].partition(b":")
+        for k, address in enumerate(addresses):
+            if address is not None and int(start, 16) <= address < int(end, 16) and int(fields[4]):
+                files[k] = (os.makedev(int(major, 16), int(minor, 16)), int(fields[4]))
+    return files
+
+
+def _file_by_name(memmap: np.memmap) -> tuple[int, int] | None:
+    """(device, inode) of the file `memmap`'s file name leads to now, or None."""
+    try:
+        facts = os.stat(str(memmap.filename))
+    except (OSError, ValueError):
+        return None
+    return facts.st_dev, facts.st_ino
 
 
 def memmap_of(array: Any) -> np.memmap | None:
