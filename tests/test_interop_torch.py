@@ -221,6 +221,10 @@ def test_scalar_and_empty_ids():
     assert scalar.shape == (DIM,) and torch.equal(scalar.view(torch.int16), table[4].view(torch.int16))
     empty = fastembed.lookup(table, torch.empty((0,), dtype=torch.int64))
     assert isinstance(empty, torch.Tensor) and empty.shape == (0, DIM) and empty.dtype == torch.bfloat16
+    # torch's strides, as torch's own lookup gives, so that views into other dtypes work as on its results
+    empty = fastembed.lookup(table, np.zeros((0, 3), np.int64))
+    expected = torch.nn.functional.embedding(torch.zeros((0, 3), dtype=torch.int64), table)
+    assert empty.stride() == expected.stride() and empty.view(torch.uint8).shape == (0, 3, 2 * DIM)
 
 
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])  # ml_dtypes' e5m2 is kind f, e4m3fn kind V

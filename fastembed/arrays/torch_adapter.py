@@ -512,11 +512,14 @@ def _host_tensor(result: np.ndarray) -> Any:
     # from_dlpack, which takes it without a warning but cannot mark the tensor read-only: never hand one to a user.
     share = torch.from_numpy if result.flags.writeable else torch.from_dlpack
     if _exports_buffer(result.dtype):
-        return share(result)
-    name = result.dtype.name
-    if name not in _VIA_INTEGER:
-        raise TypeError(f"a {name} result has no torch dtype")
-    return share(result.view(np.dtype(_VIA_INTEGER[name]))).view(getattr(torch, name))
+        tensor = share(result)
+    else:
+        name = result.dtype.name
+        if name not in _VIA_INTEGER:
+            raise TypeError(f"a {name} result has no torch dtype")
+        tensor = share(result.view(np.dtype(_VIA_INTEGER[name]))).view(getattr(torch, name))
+    # numpy gives an empty array strides of 0, which torch's views into other dtypes refuse; torch's own are C's
+    return tensor if result.size else torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
 
 
 def _via_integer() -> dict[Any, tuple[Any, str]]:
