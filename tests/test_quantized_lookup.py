@@ -128,6 +128,16 @@ def test_a_backend_that_does_not_declare_a_format_says_so():
     assert reasons == ["the numpy backend does not gather q9_9 tables"]
 
 
+def test_a_table_of_a_block_format_of_the_callers_own_is_described_but_not_gathered():
+    from fastembed.formats import BlockFormat, QuantizedTable
+
+    mine = BlockFormat("mine", 4, 4, None, lambda blocks: blocks.astype(np.float32))
+    table = QuantizedTable(np.zeros((3, 8), np.uint8), mine, 8)
+    assert table.shape == (3, 8)
+    with pytest.raises(fastembed.BackendUnavailableError, match="the numpy backend does not gather mine tables"):
+        fastembed.lookup(table, [1])
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize(("source", "target"), [("float16", "float32"), ("float32", "float16"), ("float32", "bfloat16"), ("bfloat16", "float64")])
 def test_dense_tables_cast_into_the_requested_dtype(backend, source, target):
