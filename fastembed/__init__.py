@@ -113,10 +113,9 @@ def empty_cache() -> None:
 
     Large allocating lookups on the host (4 MiB of output or more, without
     ``out=``: those the numba backend serves without ``dtype=``, and those
-    on a JAX table) take
-    their output from a bounded cache of buffers whose pages are already
-    mapped; an output goes back to the cache when the last array or view
-    over it is gone. The cache keeps that memory between lookups;
+    on a JAX table) take their output from a bounded cache of buffers whose
+    pages are already mapped; an output goes back to the cache when the
+    last array or view over it is gone. The cache keeps that memory between lookups;
     call this to hand it back to the OS (after a burst of large batches, for
     instance). Later lookups refill the cache as they need it. See
     docs/backends.md; ``python -m fastembed info`` shows what it holds.

@@ -74,8 +74,6 @@ class ArrayAdapter(Protocol):
         ...
 
 
-#: Every known adapter; the first that owns an array describes it. The DLPack adapter takes any
-#: other object with ``__dlpack__`` and ``__dlpack_device__``, so it comes last.
 #: The optional members of an adapter, beside :class:`ArrayAdapter`'s, and what each is for. fastembed asks for
 #: them by name (``getattr(adapter, name, None)``); a test checks that every adapter's members and every name asked
 #: for are listed here, so that a misspelled hook cannot silently turn a check off.
@@ -112,6 +110,8 @@ OPTIONAL_HOOKS = {
 }
 
 
+#: Every known adapter; the first that owns an array describes it. The DLPack adapter takes any
+#: other object with ``__dlpack__`` and ``__dlpack_device__``, so it comes last.
 ADAPTERS: tuple[ArrayAdapter, ...] = (
     numpy_adapter.ADAPTER,
     cupy_adapter.ADAPTER,
