@@ -287,8 +287,9 @@ class Embedding:
         """A table of random values (never zeros for floats), built in seconds.
 
         Floats: random sign, magnitudes in [1/64, 1/32) (an embedding's
-        scale; complex: both parts so); integers: uniform over their dtype's
-        range; other dtypes: random bytes. See :func:`fastembed.tables.random_table`.
+        scale; complex: both parts so; float4 and float6 their smallest
+        positive value, float8_e8m0fnu no sign); integers: uniform over their
+        dtype's range; other dtypes: random bytes. See :func:`fastembed.tables.random_table`.
 
         Args:
             vocab_size, dim: the table's rows and width (the default is the 129,280 x 4,096 table, about 1 GiB).
@@ -299,8 +300,8 @@ class Embedding:
             An Embedding over a new C-contiguous ``(vocab_size, dim)`` numpy array.
 
         Raises:
-            TypeError: a size or seed that is not an integer; not a dtype, or a dtype
-                without a fixed size or with Python objects.
+            TypeError: a size or seed that is not an integer; no dtype, or a dtype
+                without a fixed size, with Python objects, or of sub-arrays.
             ValueError: a negative size or seed.
 
         Example:

@@ -29,6 +29,15 @@ def is_float_dtype(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or (is_ml_dtype(dtype) and "float" in dtype.name)
 
 
+def _float_info(dtype: np.dtype) -> Any:
+    """finfo of a numpy or ml_dtypes float dtype (of a complex dtype: of its parts)."""
+    if is_ml_dtype(dtype):
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
+    return np.finfo(dtype)
+
+
 def is_integer_dtype(dtype: np.dtype) -> bool:
     """numpy integers and the ml_dtypes integers (int4, uint4, int2, ...)."""
     return dtype.kind in "iu" or (is_ml_dtype(dtype) and "int" in dtype.name)
@@ -61,12 +70,17 @@ def random_table(
     """A (vocab_size, dim) C-contiguous table of random values of `dtype`.
 
     float16/bfloat16/float32/float64: random sign and mantissa, magnitudes in
-    [1/64, 1/32) (finite, never zero); other floats (float8, long double) and
-    both parts of complex values: float32 values of random sign in that range,
-    cast; other dtypes: uniformly random bytes (integers uniform over their range).
+    [1/64, 1/32) (finite, never zero); other floats (float8, float6, float4,
+    long double) and both parts of complex values: float32 values in that
+    range (raised to the dtype's smallest positive value where that is
+    larger), of random sign where the dtype has negative values, cast; other
+    dtypes: uniformly random bytes (integers uniform over their range). A
+    dtype in the other byte order holds the same values as the machine's.
     ``progress(fraction)`` is called as the random bytes are generated.
     """
     dtype = resolve_dtype(dtype)
+    if not dtype.isnative:  # the bit patterns below are in the machine's order
+        return random_table(vocab_size, dim, dtype.newbyteorder("="), seed, progress).byteswap(inplace=True).view(dtype)
     table = np.empty((vocab_size, dim), dtype=dtype)
     _fill_random_bytes(table.reshape(-1).view(np.uint8), np.random.default_rng(seed), progress)
     if dtype.name in _FLOAT_BITS:
@@ -75,13 +89,17 @@ def random_table(
         bits &= np.array(keep, dtype=view)
         bits |= np.array(exponent, dtype=view)
     elif dtype.kind == "c" or is_float_dtype(dtype):
-        # Other floats (ml_dtypes float8, long double, complex): cast from float32 in [1/64, 1/32), of random sign.
+        # Other floats (ml_dtypes float8/6/4, long double, complex): cast from float32 in [1/64, 1/32).
+        info = _float_info(dtype)
+        signs = np.array([-1.0, 1.0]) if float(info.min) < 0 else np.array([1.0])  # float8_e8m0fnu has no sign
+        smallest = float(info.smallest_subnormal)  # float4 and float6 round that range to zero
         flat = table.reshape(-1)
         parts = 2 if dtype.kind == "c" else 1
         for start in range(0, flat.size, _CHUNK_WORDS):
             rng = np.random.default_rng([seed, start])
             shape = (flat[start : start + _CHUNK_WORDS].size, parts)
-            values = (rng.uniform(1 / 64, 1 / 32, shape) * rng.choice(np.array([-1.0, 1.0]), shape)).astype(np.float32)
+            magnitudes = np.maximum(rng.uniform(1 / 64, 1 / 32, shape), smallest)
+            values = (magnitudes * rng.choice(signs, shape)).astype(np.float32)
             flat[start : start + _CHUNK_WORDS] = values[:, 0] if parts == 1 else values[:, 0] + 1j * values[:, 1]
     return table
 

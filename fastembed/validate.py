@@ -239,16 +239,20 @@ def random_table_arguments(vocab_size: Any, dim: Any, dtype: Any, seed: Any) -> 
     """The arguments of a new random table, checked: integer sizes and seed >= 0, a fixed-size dtype without objects.
 
     Raises:
-        TypeError: a size or seed that is not an integer; not a dtype, or one without a fixed size or with
-            Python objects.
+        TypeError: a size or seed that is not an integer; no dtype, or one without a fixed size, with Python
+            objects, or of sub-arrays.
         ValueError: a negative size or seed.
     """
     vocab_size = checked_integer(vocab_size, "vocab_size must be an integer >= 0", 0, math.inf)
     dim = checked_integer(dim, "dim must be an integer >= 0", 0, math.inf)
     seed = checked_integer(seed, "seed must be an integer >= 0", 0, math.inf)
+    if dtype is None:  # numpy would read None as float64
+        raise TypeError("dtype must be given: a numpy dtype or its name")
     resolved = resolve_dtype(dtype)
     if resolved.hasobject or resolved.itemsize == 0:
         raise TypeError(f"a table's dtype must have a fixed size and no Python objects, got {resolved}")
+    if resolved.subdtype is not None:
+        raise TypeError(f"a table's dtype holds rows of scalars, not sub-arrays: got {resolved}")
     return vocab_size, dim, resolved, seed
 
 

@@ -156,13 +156,20 @@ def test_random_table_is_random_and_never_zero():
     assert not np.array_equal(table, fastembed.Embedding.random(1000, 64, "float16", seed=4).table)
 
 
-@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "longdouble", "complex64"])
-def test_random_tables_of_other_float_dtypes_have_both_signs(dtype):
+@pytest.mark.parametrize(("dtype", "signed", "smallest"), [
+    ("float8_e4m3fn", True, 1 / 64), ("float8_e5m2", True, 1 / 64), ("longdouble", True, 1 / 64),
+    ("complex64", True, 1 / 64), (">f2", True, 1 / 64), (">f8", True, 1 / 64),
+    ("float8_e8m0fnu", False, 1 / 64),  # no sign bit: a negative value would cast to NaN
+    ("float4_e2m1fn", True, 0.5),  # [1/64, 1/32) would round to zero: the smallest positive value instead
+])
+def test_random_tables_of_other_float_dtypes_are_finite_nonzero_and_signed_where_they_can_be(dtype, signed, smallest):
     table = fastembed.Embedding.random(200, 64, dtype, seed=5).table
+    assert table.dtype == fastembed.tables.resolve_dtype(dtype)
     values = table.astype(np.complex128)
     for part in (values.real, values.imag) if np.iscomplexobj(table) else (values.real,):
-        assert 0.4 < (part < 0).mean() < 0.6 and np.all(part != 0)
-        assert np.all((np.abs(part) >= 1 / 64 - 1e-3) & (np.abs(part) <= 1 / 32 + 1e-3))
+        assert np.all(np.isfinite(part)) and np.all(part != 0)
+        assert (0.4 < (part < 0).mean() < 0.6) if signed else not (part < 0).any()
+        assert np.all((np.abs(part) >= smallest - 1e-3) & (np.abs(part) <= max(smallest, 1 / 32) + 1e-3))
 
 
 @pytest.mark.parametrize(("arguments", "error", "message"), [
@@ -172,6 +179,8 @@ def test_random_tables_of_other_float_dtypes_have_both_signs(dtype):
     ({"seed": -1}, ValueError, "seed must be an integer >= 0, got -1"),
     ({"dtype": object}, TypeError, "fixed size and no Python objects, got object"),
     ({"dtype": "V0"}, TypeError, "fixed size and no Python objects"),
+    ({"dtype": np.dtype((np.float32, 3))}, TypeError, "rows of scalars, not sub-arrays"),
+    ({"dtype": None}, TypeError, "dtype must be given"),
     ({"dtype": "no such dtype"}, TypeError, "unknown dtype"),
 ])
 def test_random_table_arguments_are_named_when_wrong(arguments, error, message):
