@@ -164,6 +164,9 @@ def test_out_mapping_the_tables_own_file_is_refused_and_the_file_untouched(backe
 def test_the_files_compared_are_those_mapped_whatever_their_names_now(backend, tmp_path):
     """The file was looked up by name at lookup time: once renamed or removed, an out over the table's rows passed
     and read back rows it had just overwritten; a new file under the old name was taken for the table's."""
+    odd = tmp_path / "a\rb 0-ffffffffffffffff r--s 00000000 00:01 5 c"  # a name that reads like a line of the list
+    odd.write_bytes(bytes(4096))
+    mapped_first = np.memmap(odd, np.uint8, "r")
     path = tmp_path / "rows.bin"
     table_rows = random_table(16, 4, "float32")
     for move in (lambda: path.rename(tmp_path / "moved.bin"), path.unlink):
@@ -181,6 +184,7 @@ def test_the_files_compared_are_those_mapped_whatever_their_names_now(backend, t
     os.replace(replacement, path)  # the name now leads to another file, which the table does not map
     out = np.memmap(path, np.float32, "r+", shape=(16, 4))[8:12]
     assert_bit_equal(fastembed.lookup(table, [7, 8, 9, 10], out=out, backend=backend), table_rows[[7, 8, 9, 10]])
+    del mapped_first
 
 
 def test_out_mapping_the_file_of_a_copy_on_write_table_is_refused(backend, tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 from typing import Any
 
 import numpy as np
@@ -110,27 +111,56 @@ def _mapped_files(memmaps: tuple[np.memmap, ...]) -> list[tuple[int, int] | None
     """(device, inode) of the file each of `memmaps` maps, or None where it cannot be told.
 
     Where the kernel lists the process's mappings (``/proc/self/maps``), the
-    file mapped at each mapping's first byte, whatever its name is now; else
-    the file the mapping's name leads to now.
+    file mapped at each mapping's first byte, whatever its name is now (read
+    once per mapping: a mapping's file never changes); else, or where the
+    list has no file at that address, the file the mapping's name leads to now.
     """
-    addresses = [_mapping_address(memmap) for memmap in memmaps]
+    files = [_FILE_OF_MAPPING.get(getattr(memmap, "_mmap")) for memmap in memmaps]  # noqa: B009 - numpy's own attribute
+    wanted = {k: _mapping_address(memmap) for k, memmap in enumerate(memmaps) if files[k] is None}
+    if wanted:
+        listed = _listed_files([address for address in wanted.values() if address is not None])
+        for k, address in wanted.items():
+            mapped = listed.get(address) if address is not None else None
+            if mapped is not None:
+                _FILE_OF_MAPPING[getattr(memmaps[k], "_mmap")] = mapped  # noqa: B009 - numpy's own attribute
+            files[k] = mapped if mapped is not None else _file_by_name(memmaps[k])
+    return files
+
+
+#: The file of each mapping found in the kernel's list: (device, inode) by the mmap object, while it lives.
+_FILE_OF_MAPPING: weakref.WeakKeyDictionary[mmap.mmap, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _listed_files(addresses: list[int]) -> dict[int, tuple[int, int]]:
+    """(device, inode) of the file mapped at each of `addresses`, by the kernel's list of this process's mappings.
+
+    Addresses the list does not place in a file mapping are left out, as is
+    everything where there is no such list (``/proc/self/maps`` is Linux's).
+    """
     try:
         with open("/proc/self/maps", "rb") as maps:
             listing = maps.read()
     except OSError:
-        return [_file_by_name(memmap) for memmap in memmaps]
-    files: list[tuple[int, int] | None] = [None] * len(memmaps)
-    for line in listing.splitlines():
-        # start-end perms offset major:minor inode [path], the numbers in hexadecimal but the inode
-        fields = line.split(maxsplit=5)
+        return {}
+    found: dict[int, tuple[int, int]] = {}
+    # One line per mapping, ended by a newline, which is the only byte the kernel escapes in a file's name:
+    # start-end perms offset major:minor inode [name], the numbers in hexadecimal but the inode.
+    for line in listing.split(b"\n"):
+        if len(found) == len(addresses):
+            break
+        fields = line.split(b" ", 5)
         if len(fields) < 5:
             continue
-        start, _, end = fields[0].partition(b"-")
-        major, _, minor = fields[3].partition(b":")
-        for k, address in enumerate(addresses):
-            if address is not None and int(start, 16) <= address < int(end, 16) and int(fields[4]):
-                files[k] = (os.makedev(int(major, 16), int(minor, 16)), int(fields[4]))
-    return files
+        try:
+            start, end = (int(bound, 16) for bound in fields[0].split(b"-"))
+            major, minor = (int(number, 16) for number in fields[3].split(b":"))
+            inode = int(fields[4])
+        except ValueError:
+            continue
+        for address in addresses:
+            if start <= address < end and inode and address not in found:
+                found[address] = (os.makedev(major, minor), inode)
+    return found
 
 
 def _file_by_name(memmap: np.memmap) -> tuple[int, int] | None:
