@@ -310,11 +310,11 @@ def _choose(table: Any, backend: str, environment: str) -> Backend:
 
 def explain(table: Any, backend: str = AUTO) -> Selection:
     """Which backend `select` picks for `table` (a snapshot), with the reasons every other one was skipped."""
-    environment = _environment_choice
-    chosen = select(table, backend).name
+    environment = _environment_choice  # read once: the choice and its reasons come from one value
+    chosen = _choose(table, backend, environment).name
     if requested_choice(backend, environment) != AUTO:
         named_by = f"backend={backend!r}" if backend != AUTO else f"{ENVIRONMENT_VARIABLE}={environment!r}"
-        return Selection(chosen, {name: [f"not requested ({named_by})"] for name in BACKENDS if name != chosen})
+        return Selection(chosen, {name: [f"not requested ({named_by})"] for name in tuple(BACKENDS) if name != chosen})
     skipped = {}
     for name, candidate in tuple(BACKENDS.items()):
         if name != chosen:

@@ -225,6 +225,8 @@ def test_scalar_and_empty_ids():
     empty = fastembed.lookup(table, np.zeros((0, 3), np.int64))
     expected = torch.nn.functional.embedding(torch.zeros((0, 3), dtype=torch.int64), table)
     assert empty.stride() == expected.stride() and empty.view(torch.uint8).shape == (0, 3, 2 * DIM)
+    with torch.device("meta"):  # torch's default device for new tensors: a host result stays on the host
+        assert fastembed.lookup(table, np.zeros((0,), np.int64)).device == torch.device("cpu")
 
 
 @pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])  # ml_dtypes' e5m2 is kind f, e4m3fn kind V

@@ -519,7 +519,7 @@ def _host_tensor(result: np.ndarray) -> Any:
             raise TypeError(f"a {name} result has no torch dtype")
         tensor = share(result.view(np.dtype(_VIA_INTEGER[name]))).view(getattr(torch, name))
     # numpy gives an empty array strides of 0, which torch's views into other dtypes refuse; torch's own are C's
-    return tensor if result.size else torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+    return tensor if result.size else tensor.new_empty(tensor.shape)  # on the host, whatever torch's default device
 
 
 def _via_integer() -> dict[Any, tuple[Any, str]]:
