@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -185,6 +186,15 @@ def test_the_files_compared_are_those_mapped_whatever_their_names_now(backend, t
     out = np.memmap(path, np.float32, "r+", shape=(16, 4))[8:12]
     assert_bit_equal(fastembed.lookup(table, [7, 8, 9, 10], out=out, backend=backend), table_rows[[7, 8, 9, 10]])
     del mapped_first
+    with tempfile.TemporaryFile() as nameless:  # a file without a name: the mappings alone can tell
+        table_rows.tofile(nameless)
+        nameless.flush()
+        table = np.memmap(nameless, np.float32, "r", shape=(16, 4))
+        out = np.memmap(nameless, np.float32, "r+", shape=(16, 4))[8:12]
+        with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+            fastembed.lookup(table, [7, 8, 9, 10], out=out, backend=backend)
+        assert_bit_equal(np.array(table), table_rows)
+        del table, out
 
 
 def test_out_mapping_the_file_of_a_copy_on_write_table_is_refused(backend, tmp_path):

@@ -164,7 +164,9 @@ def _listed_files(addresses: list[int]) -> dict[int, tuple[int, int]]:
 
 
 def _file_by_name(memmap: np.memmap) -> tuple[int, int] | None:
-    """(device, inode) of the file `memmap`'s file name leads to now, or None."""
+    """(device, inode) of the file `memmap`'s file name leads to now, or None (a file of no name too)."""
+    if not getattr(memmap, "filename", None):
+        return None
     try:
         facts = os.stat(str(memmap.filename))
     except (OSError, ValueError):
@@ -177,7 +179,7 @@ def memmap_of(array: Any) -> np.memmap | None:
     for _ in range(64):  # base chains are short; a cycle cannot be made, but nothing is trusted blindly
         if isinstance(array, np.memmap):
             mapping = getattr(array, "_mmap", None)
-            return array if isinstance(mapping, mmap.mmap) and getattr(array, "filename", None) else None
+            return array if isinstance(mapping, mmap.mmap) else None
         if not isinstance(array, np.ndarray):
             return None
         array = array.base
