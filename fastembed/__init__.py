@@ -112,8 +112,8 @@ def empty_cache() -> None:
     """Free the output buffers kept for reuse by allocating lookups (outputs in use are untouched).
 
     Large allocating lookups on the host (4 MiB of output or more, without
-    ``out=``: those the numba backend serves without ``dtype=``, and those
-    on a JAX table) take their output from a bounded cache of buffers whose
+    ``out=``: those the numba backend serves, except dense ones with
+    ``dtype=``, and those on a JAX table) take their output from a bounded cache of buffers whose
     pages are already mapped; an output goes back to the cache when the
     last array or view over it is gone. The cache keeps that memory between lookups;
     call this to hand it back to the OS (after a burst of large batches, for
@@ -134,9 +134,9 @@ def set_output_cache_limit(nbytes: int) -> None:
 
     The default is a sixteenth of the machine's memory, at most 2 GiB, or
     FASTEMBED_OUTPUT_CACHE_BYTES when set (read at the first allocating
-    lookup of 4 MiB or more, without ``dtype=``, that the numba backend is
-    asked to serve, or on a JAX table whatever the backend; a call to this
-    function takes precedence).
+    lookup of 4 MiB or more that the numba backend is asked to serve, other
+    than a dense one with ``dtype=``, or on a JAX table whatever the backend;
+    a call to this function takes precedence).
 
     Args:
         nbytes: bytes of free buffers to keep, an integer >= 0.

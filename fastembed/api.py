@@ -65,8 +65,9 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
             is a torch inference tensor outside inference mode;
             an unknown backend name (in `backend` or FASTEMBED_BACKEND); a
             FASTEMBED_OUTPUT_CACHE_BYTES that is not a byte count (read at the
-            first allocating lookup of 4 MiB or more, without `dtype`, that the
-            numba backend is asked to serve, or on a JAX table whatever the backend).
+            first allocating lookup of 4 MiB or more that the numba backend is
+            asked to serve, other than a dense one with `dtype`, or on a JAX
+            table whatever the backend).
         IndexError: an id out of range, naming the first bad id's position and value.
         BackendUnavailableError: a named backend cannot serve the call.
 
