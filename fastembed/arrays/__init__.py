@@ -89,7 +89,7 @@ OPTIONAL_HOOKS = {
     "dtype_spec": "dtype_spec(dtype): the library's own dtype object as numpy takes it, by name, else None "
     "(torch; dtype_spec)",
     "writable": "writable(view): whether an out's snapshot may be written, where the library cannot tell "
-    "read-only memory (torch, numpy, DLPack)",
+    "read-only memory (torch), or its arrays may hold memory another library lent (numpy, DLPack)",
     "writable_snapshot": "writable_snapshot(array): a writeable snapshot of an out, where snapshot() is read-only "
     "because a writeable view costs more (torch)",
     "write_refusal": "write_refusal(array): why a lookup must not write the array in place, or None (torch: "
