@@ -943,7 +943,8 @@ def test_format_arguments_are_checked_first(arguments, words, capsys):
 @pytest.mark.parametrize("options, words", [(["--gate"], "not with --gate"), (["--processes", "1"], "not with --gate"),
                                             (["--cold"], "not with --gate"), (["--format", "q4_0"], "in its own format"),
                                             (["--dist", "zipf"], "--backend or --dist"),
-                                            (["--backend", "numpy"], "--backend or --dist")])
+                                            (["--backend", "numpy"], "--backend or --dist"),
+                                            (["--quick", "--reps", "3"], "leave --quick out")])
 def test_a_quantized_gguf_table_refuses_the_modes_that_measure_dense_tables(tmp_path, options, words, capsys):
     from fastembed import Embedding
     from fastembed.benchmark import cli
@@ -952,6 +953,39 @@ def test_a_quantized_gguf_table_refuses_the_modes_that_measure_dense_tables(tmp_
     assert cli.main(["--table", str(tmp_path / "model.gguf"), *options, "--out", str(tmp_path)]) == 2
     error = capsys.readouterr().err
     assert "is a quantized (q8_0) table" in error and words in error
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_the_table_the_worker_processes_map_has_the_tables_dtype_and_bytes(dtype):
+    """numpy writes float8_e5m2 into a .npy header it cannot read back: the worker processes failed on such tables."""
+    from fastembed.benchmark import processes
+    from fastembed.tables import random_table as table_of
+
+    table = table_of(10, 4, dtype)
+    with processes.saved_table(table) as path:
+        mapped = processes.mapped_table(str(path))
+        assert mapped.dtype == table.dtype and mapped.tobytes() == table.tobytes()
+        del mapped
+
+
+def test_a_table_path_with_markup_and_bytes_that_are_no_utf8_is_reported_as_it_is(tmp_path, capsys):
+    """A path's $...$ broke the plot (matplotlib's math), its [/b] the quantized report (rich markup), a byte that
+    is no UTF-8 the Markdown file: after all the measuring."""
+    from fastembed import Embedding
+    from fastembed.benchmark import cli
+
+    folder = tmp_path / "[" / "b] $x^$"  # the path holds "[/b] $x^$"
+    folder.mkdir(parents=True)
+    np.save(folder / "t.npy", random_table(300, 16))
+    out = Path(os.fsdecode(bytes(tmp_path) + b"/out\xff"))
+    assert cli.main(["--table", str(folder / "t.npy"), "--batch", "4", "--dist", "uniform", "--reps", "2",
+                     "--backend", "numpy", "--out", str(out)]) == 0
+    assert {"results.json", "results.md", "throughput.png"} <= {path.name for path in out.iterdir()}
+    markdown = (out / "results.md").read_text()
+    assert "[/b] $x^$" in markdown and "out\\udcff" in markdown  # the byte as Python holds it, escaped
+    Embedding.random(300, 64, "float32").quantize("q8_0").save(folder / "q.gguf")
+    assert cli.main(["--table", str(folder / "q.gguf"), "--batch", "4", "--reps", "2", "--out", str(out)]) == 0
+    assert "[/b]" in capsys.readouterr().out and (out / "quantized.json").exists()
 
 
 @pytest.mark.parametrize("dtype", [">f2", "U2"])

@@ -149,7 +149,10 @@ class _GuardedOutput:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        return self._guarded(lambda: self._stream.write(text), len(text))
+        # A path given on the command line may hold bytes that are no text in the stream's encoding: escaped.
+        encoding = getattr(self._stream, "encoding", None) or "utf-8"
+        shown = text.encode(encoding, "backslashreplace").decode(encoding)
+        return self._guarded(lambda: self._stream.write(shown), len(text))
 
     def flush(self) -> None:
         self._guarded(self._stream.flush, None)
@@ -242,6 +245,9 @@ def _table_problem(arguments: argparse.Namespace, table: Any, described: dict[st
         if arguments.format:
             return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured in its own "
                     "format: --format makes formats from a dense float16 table")
+        if arguments.quick and arguments.reps:
+            return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured as --format "
+                    "measures, where --quick chooses fewer repetitions; with --reps it has no effect: leave --quick out")
         return None
     if arguments.format:
         return quantizing_problem(arguments.format, table.shape[1], table.dtype)
@@ -333,7 +339,7 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
             rows += colocated_rows(checks, path, processes.REPS)
     verdicts = judge(checks, rows)
     source = arguments.thresholds or "packaged thresholds"
-    result_table = Table(title=f"fastembed-bench --gate ({source}) on {report.table_title(described)}")
+    result_table = Table(title=escape(f"fastembed-bench --gate ({source}) on {report.table_title(described)}"))
     for column in ("check", "metric", "measured", "threshold", "result"):
         result_table.add_column(column, justify="left" if column in ("check", "metric") else "right")
     for verdict in verdicts:

@@ -90,7 +90,7 @@ def worker(table_path: str, batches: list[int], reps: int, seed: int, one_cpu: b
         float((torch.ones(256, 256) @ torch.ones(256, 256)).sum())  # torch's CPU threads start
     import fastembed
 
-    table = np.load(table_path, mmap_mode="r")
+    table = mapped_table(table_path)
     from .report import physical_memory
 
     if table.nbytes <= physical_memory() // 4:  # a larger one would evict itself, and the other workers' pages
@@ -240,15 +240,40 @@ def goals(rows: list[dict[str, Any]], load: bool) -> list[tuple[str, bool]]:
 
 @contextmanager
 def saved_table(table: Any) -> Iterator[Path]:
-    """The table as a .npy file the workers can map: the file itself when it is one, else a temporary copy."""
+    """The table as a file the workers can map (:func:`mapped_table`): the file itself when it is a .npy file, else a
+    temporary copy, in .npy where numpy reads its dtype back (float8_e5m2 it does not) and else in safetensors."""
     filename = getattr(table, "filename", None)
     if filename and str(filename).endswith(".npy") and getattr(table, "offset", None) is not None:
         yield Path(filename)
         return
     with tempfile.TemporaryDirectory(prefix="fastembed-bench-") as folder:
-        path = Path(folder) / "table.npy"
-        np.save(path, np.asarray(table))
+        if _npy_reads_back(np.dtype(table.dtype)):
+            path = Path(folder) / "table.npy"
+            np.save(path, np.asarray(table))
+        else:
+            from fastembed.io import save_table
+
+            path = Path(folder) / "table.safetensors"
+            save_table(path, table)
         yield path
+
+
+def _npy_reads_back(dtype: np.dtype) -> bool:
+    """Whether numpy reads `dtype` back from a .npy header (ml_dtypes' float8_e5m2 is written as '<f1', which it
+    does not)."""
+    try:
+        return bool(np.lib.format.descr_to_dtype(np.lib.format.dtype_to_descr(dtype)) == dtype)
+    except (TypeError, ValueError):
+        return False
+
+
+def mapped_table(path: str) -> np.ndarray:
+    """The table :func:`saved_table` wrote, memory-mapped read-only."""
+    if str(path).endswith(".npy"):
+        return np.load(path, mmap_mode="r")
+    import fastembed
+
+    return fastembed.Embedding.from_pretrained(path).table
 
 
 def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], console: Any, title: str) -> None:

@@ -237,9 +237,10 @@ _SHORT = {"float16": "f16", "float32": "f32", "bfloat16": "bf16"}
 
 def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], console: Any, title: str) -> None:
     """The rows as a rich table (narrow enough for 80 columns), then the goals with MET/MISS."""
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=title, caption="us: median per lookup; GB/s: bytes read and written (writes: written); vs f16: the median over "
+    table = Table(title=escape(title), caption="us: median per lookup; GB/s: bytes read and written (writes: written); vs f16: the median over "
                                        "repetitions of the dense float16 gather's time over this one's (paired); vs "
                                        "ref: rows/s over the numpy reference's median rows/s (timed apart, on at most "
                                        f"{REFERENCE_MAX_IDS} ids, {REFERENCE_REPETITIONS} repetitions); writes: the dense "

@@ -172,7 +172,8 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], facts: dict[str, Any]
             f"| {cell['gbps']} | {cell['limit']} | {row.get('limit') or '-'} | {cell['read']} | {cell['fancy']} "
             f"| {cell['alloc']} | {cell['memory']} |"
         )
-    path.write_text("\n".join(lines) + "\n")
+    # A path given on the command line may hold bytes that are no UTF-8 (Python keeps them as lone surrogates).
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8", errors="backslashreplace")
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -236,7 +237,7 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str = "fastembed-b
         axes.grid(True, which="both", alpha=0.3)
         axes.legend(fontsize=7)
     panels[0][0].set_ylabel("GB/s  (2 x rows x row bytes / time)")
-    figure.suptitle(title)
+    figure.suptitle(title.replace("$", r"\$"))  # a table's path may hold $...$, which matplotlib reads as math
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
