@@ -1191,6 +1191,7 @@ def test_a_bad_numba_setting_still_runs_and_writes_the_results(tmp_path, setting
     (["--vocab-size", "16", "--dim", "65536", "--dtype", "float64", "--batch", "1048576"],
      "more than this machine's memory: ask for fewer --batch rows"),
     (["--out", "x" * 300], "cannot write results there"),
+    (["--device", "cuda", "--backend", "numba"], "--backend chooses the host's backends"),
 ])
 def test_a_run_that_cannot_work_is_refused_before_it_starts(tmp_path, arguments, words):
     if "--out" in arguments:  # a name too long for the file system, in the test's own folder

@@ -114,6 +114,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--tensor names a tensor of a safetensors or GGUF file given with --table")
     if arguments.gate and arguments.backend:
         parser.error("--gate measures what its checks name (every backend it compares); --backend goes without --gate")
+    if arguments.backend and arguments.device == "cuda":
+        parser.error("--backend chooses the host's backends; --device cuda measures the GPU's alone (leave one out)")
     if arguments.gate and arguments.device == "cuda":
         # The gate judges host rows only (gate.judge): a GPU gate would silently measure the CPU.
         parser.error("--gate checks the host only; --device cuda has no gate thresholds (run without --gate)")
