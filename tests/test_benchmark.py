@@ -141,6 +141,8 @@ _CHECK = 'name = "x"\ncontender = "fastembed-out"\nmetric = "speedup_vs_numpy"\n
      'min = 1\nbatch = 8\ndistribution = "uniform"\n', "versus 'numpy-fancyy' is no contender"),
     ('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "served_by"\nexpect_backend = "numbaa"\n'
      'batch = 8\ndistribution = "uniform"\n', "expect_backend 'numbaa' is no backend"),
+    ('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "served_by"\nexpect_backend = "cuda"\n'
+     'batch = 8\ndistribution = "uniform"\n', "'cuda' is no backend that serves the host tables the gate measures"),
     ('[[check]]\nname = "x"\ncontender = ["a"]\nmetric = "speedup_vs_numpy"\nmin = 1\nbatch = 8\n'
      'distribution = "uniform"\n', "contender must be a string, got ['a']"),
     ('[[check]]\nname = "x"\ncontender = "fastembed-auto-out"\nmetric = "speedup_vs_contender"\nversus = {a = 1}\n'

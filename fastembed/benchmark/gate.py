@@ -150,8 +150,10 @@ def _validate(check: Check, where: str) -> None:
         fail("'expect_backend' goes with served_by, and only there")
     if (check.metric in RATIO_METRICS) != _is_number(check.min):
         fail("ratio metrics need a finite number 'min'; served_by takes none")
-    if check.metric == "served_by" and check.expect_backend not in BACKENDS:
-        fail(f"expect_backend {check.expect_backend!r} is no backend; known: {', '.join(BACKENDS)}")
+    host_backends = [name for name, backend in BACKENDS.items() if "cpu" in backend.capabilities.devices]
+    if check.metric == "served_by" and check.expect_backend not in host_backends:
+        fail(f"expect_backend {check.expect_backend!r} is no backend that serves the host tables the gate measures; "
+             f"known: {', '.join(host_backends)}")
     if isinstance(check.batch, bool) or not isinstance(check.batch, int) or not 1 <= check.batch <= MAX_BATCH:
         fail(f"batch must be an integer from 1 to {MAX_BATCH}, got {check.batch!r}")
     if check.distribution not in DISTRIBUTIONS:
