@@ -957,6 +957,16 @@ def test_a_quantized_gguf_table_refuses_the_modes_that_measure_dense_tables(tmp_
     assert "is a quantized (q8_0) table" in error and words in error
 
 
+def test_a_quantized_table_whose_dense_twin_would_not_fit_is_refused_before_it_is_built(tmp_path, monkeypatch, capsys):
+    from fastembed import Embedding
+    from fastembed.benchmark import arguments, cli
+
+    Embedding.random(2000, 64, "float32").quantize("q8_0").save(tmp_path / "model.gguf")
+    monkeypatch.setattr(arguments, "_physical_memory", lambda: 2000 * 64 * 2 - 1)  # one byte short of the float16 twin
+    assert cli.main(["--table", str(tmp_path / "model.gguf"), "--batch", "4", "--out", str(tmp_path)]) == 2
+    assert "the dense float16 table of 2000 x 64" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
 def test_the_table_the_worker_processes_map_has_the_tables_dtype_and_bytes(dtype):
     """numpy writes float8_e5m2 into a .npy header it cannot read back: the worker processes failed on such tables."""

@@ -206,6 +206,15 @@ def memory_problem(arguments: argparse.Namespace, row_bytes: int, table_bytes: i
             "take more than this machine's memory: ask for fewer --batch rows or --reps")
 
 
+def dense_twin_problem(shape: tuple[int, ...]) -> str | None:
+    """Why the dense float16 table a quantized --table is compared with would not fit in memory (None: it would)."""
+    dense_bytes = shape[0] * shape[1] * 2
+    if dense_bytes <= _physical_memory():
+        return None
+    return (f"the dense float16 table of {shape[0]} x {shape[1]} that a quantized table is compared with takes "
+            f"{dense_bytes / 2**30:.1f} GiB, more than this machine's memory")
+
+
 #: The options each measuring mode honours beside --out and the table's; the main run honours them all.
 _MODE_OPTIONS = {"--gate": ("--reps",), "--processes": ("--batch", "--reps", "--load"),
                  "--ranks": ("--batch", "--reps", "--quick"), "--format": ("--batch", "--reps", "--quick")}

@@ -26,6 +26,7 @@ from .arguments import (
     BATCHES,
     QUICK_BATCHES,
     RANDOM_TABLE,
+    dense_twin_problem,
     dtype_problem,
     measures_the_default_table,
     memory_problem,
@@ -248,7 +249,7 @@ def _table_problem(arguments: argparse.Namespace, table: Any, described: dict[st
         if arguments.quick and arguments.reps:
             return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured as --format "
                     "measures, where --quick chooses fewer repetitions; with --reps it has no effect: leave --quick out")
-        return None
+        return dense_twin_problem(table.shape)
     if arguments.format:
         return quantizing_problem(arguments.format, table.shape[1], table.dtype)
     return None
