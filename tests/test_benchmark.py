@@ -957,6 +957,14 @@ def test_a_quantized_gguf_table_refuses_the_modes_that_measure_dense_tables(tmp_
     assert "is a quantized (q8_0) table" in error and words in error
 
 
+def test_a_host_backend_that_cannot_run_is_named_with_its_reason(tmp_path):
+    environment = dict(os.environ, NUMBA_NUM_THREADS="0")  # numba refuses to load
+    result = bench("--vocab-size", "100", "--dim", "8", "--batch", "4", "--dist", "uniform", "--reps", "2",
+                   "--out", str(tmp_path), env=environment)
+    assert result.returncode == 0, result.stderr
+    assert "the numba backend is not measured: numba failed to load" in result.stdout
+
+
 def test_a_quantized_table_whose_dense_twin_would_not_fit_is_refused_before_it_is_built(tmp_path, monkeypatch, capsys):
     from fastembed import Embedding
     from fastembed.benchmark import arguments, cli

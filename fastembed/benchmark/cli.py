@@ -99,6 +99,15 @@ def describe_table(arguments: argparse.Namespace, table: Any) -> dict[str, Any]:
     return {"source": source, "shape": list(table.shape), "dtype": str(table.dtype)}
 
 
+def _unusable_host_backends() -> list[tuple[str, list[str]]]:
+    """The host backends that cannot run here (numba with NUMBA_NUM_THREADS=0, say), with their reasons."""
+    import fastembed
+    from fastembed.dispatch import BACKENDS
+
+    return [(status.name, status.reasons) for status in fastembed.backend_statuses()
+            if not status.available and "cpu" in BACKENDS[status.name].capabilities.devices]
+
+
 def run(arguments: argparse.Namespace, console: Any, host_table: Any, cases: list[tuple[int, str]],
         repetitions: int, contender_ids: set[str] | None = None, device: str = "cpu") -> list[dict[str, Any]]:
     """Measure every case on the host and/or the GPU; one summary row per (device, case, contender).
@@ -113,6 +122,10 @@ def run(arguments: argparse.Namespace, console: Any, host_table: Any, cases: lis
         plans.append((HOST, host_table, host_contenders(arguments.backend)))
         if not torch_installed() and not contender_ids:
             console.print(TORCH_HINT, style="yellow", soft_wrap=True)
+        if not arguments.backend and not contender_ids:
+            for name, reasons in _unusable_host_backends():
+                console.print(f"the {name} backend is not measured: {'; '.join(reasons)}", style="yellow",
+                              soft_wrap=True, markup=False)
     if device == "cuda" or (device == "auto" and gpu_usable()):
         from fastembed import Embedding
 
