@@ -311,6 +311,7 @@ def _choose(table: Any, backend: str, environment: str) -> Backend:
 def explain(table: Any, backend: str = AUTO) -> Selection:
     """Which backend `select` picks for `table` (a snapshot), with the reasons every other one was skipped."""
     environment = _environment_choice  # read once: the choice and its reasons come from one value
+    select(table, backend)  # raises what a lookup would: a backend argument that is no string, one that cannot serve
     chosen = _choose(table, backend, environment).name
     if requested_choice(backend, environment) != AUTO:
         named_by = f"backend={backend!r}" if backend != AUTO else f"{ENVIRONMENT_VARIABLE}={environment!r}"

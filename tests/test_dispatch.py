@@ -88,6 +88,8 @@ def test_a_named_backend_skips_the_others_as_not_requested(environment):
     selection = fastembed.select_backend(table, [1])
     assert selection.backend == "numpy"
     assert selection.skipped["numba"] == ["not requested (FASTEMBED_BACKEND='numpy')"]
+    with pytest.raises(TypeError, match="backend must be a string"):
+        fastembed.select_backend(table, [1], backend=["numpy"])
 
 
 def test_a_host_table_never_goes_to_the_gpu(declare_unavailable):
