@@ -392,8 +392,11 @@ def _unusable_backend(requested: list[str] | None) -> str | None:
     """
     from fastembed.dispatch import BACKENDS, backend_statuses
 
+    from .contenders import host_backends
+
+    served = host_backends()
     for status in backend_statuses():
-        if status.available and status.name != "cuda":
+        if status.available and status.name in served:
             BACKENDS[status.name].describe()  # a library that fails to load makes the dispatcher choose again
     reasons = {status.name: status.reasons for status in backend_statuses() if not status.available}
     refused = [name for name in requested or () if name in reasons]

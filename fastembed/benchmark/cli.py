@@ -102,10 +102,12 @@ def describe_table(arguments: argparse.Namespace, table: Any) -> dict[str, Any]:
 def _unusable_host_backends() -> list[tuple[str, list[str]]]:
     """The host backends that cannot run here (numba with NUMBA_NUM_THREADS=0, say), with their reasons."""
     import fastembed
-    from fastembed.dispatch import BACKENDS
 
+    from .contenders import host_backends
+
+    served = host_backends()
     return [(status.name, status.reasons) for status in fastembed.backend_statuses()
-            if not status.available and "cpu" in BACKENDS[status.name].capabilities.devices]
+            if not status.available and status.name in served]
 
 
 def run(arguments: argparse.Namespace, console: Any, host_table: Any, cases: list[tuple[int, str]],

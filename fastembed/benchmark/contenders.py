@@ -222,6 +222,13 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def host_backends() -> list[str]:
+    """The registered fastembed backends that serve host tables (their declared devices include the CPU)."""
+    from fastembed.dispatch import BACKENDS
+
+    return [name for name, backend in tuple(BACKENDS.items()) if "cpu" in backend.capabilities.devices]
+
+
 def host_contenders(backends: list[str] | None = None) -> list[Contender]:
     """Every contender that can run on this machine for a host table.
 

@@ -130,9 +130,8 @@ def _validate(check: Check, where: str) -> None:
     def fail(reason: str) -> None:
         raise ValueError(f"{where}: check {check.name!r}: {reason}")
 
-    from fastembed.dispatch import BACKENDS
-
     from .arguments import MAX_BATCH
+    from .contenders import host_backends
     from .ids import DISTRIBUTIONS
 
     if not isinstance(check.name, str):
@@ -150,10 +149,10 @@ def _validate(check: Check, where: str) -> None:
         fail("'expect_backend' goes with served_by, and only there")
     if (check.metric in RATIO_METRICS) != _is_number(check.min):
         fail("ratio metrics need a finite number 'min'; served_by takes none")
-    host_backends = [name for name, backend in BACKENDS.items() if "cpu" in backend.capabilities.devices]
-    if check.metric == "served_by" and check.expect_backend not in host_backends:
+    served = host_backends()
+    if check.metric == "served_by" and check.expect_backend not in served:
         fail(f"expect_backend {check.expect_backend!r} is no backend that serves the host tables the gate measures; "
-             f"known: {', '.join(host_backends)}")
+             f"known: {', '.join(served)}")
     if isinstance(check.batch, bool) or not isinstance(check.batch, int) or not 1 <= check.batch <= MAX_BATCH:
         fail(f"batch must be an integer from 1 to {MAX_BATCH}, got {check.batch!r}")
     if check.distribution not in DISTRIBUTIONS:
