@@ -289,10 +289,10 @@ _WS = r"[ \t\n\r]*"
 _DIGITS = r"(?:0|[1-9]\d{0,19})"
 _INT = _WS + "(" + _DIGITS + ")" + _WS
 #: An entry as safetensors writers lay it out (any whitespace): parsed without building JSON objects.
-#: Matched within MAX_ENTRY_BYTES characters, so backtracking is bounded.
+#: Each whitespace run is followed by a character that is none, so a match costs time linear in the entry.
 _CANONICAL_ENTRY = re.compile(
     r"\{" + _WS + r'"dtype"' + _WS + ":" + _WS + r'"([A-Z0-9_]{1,16})"' + _WS + "," + _WS + r'"shape"' + _WS + ":" + _WS
-    + r"\[((?:" + _WS + _DIGITS + _WS + "(?:," + _WS + _DIGITS + _WS + ")*)?)" + _WS + r"\]" + _WS + "," + _WS
+    + r"\[(" + _WS + "(?:" + _DIGITS + _WS + "(?:," + _WS + _DIGITS + _WS + ")*)?)" + r"\]" + _WS + "," + _WS
     + r'"data_offsets"' + _WS + ":" + _WS + r"\[" + _INT + "," + _INT + r"\]" + _WS + r"\}")
 
 
@@ -323,7 +323,7 @@ def _entry(path: Any, name: str, text: str, pos: int, data_size: int) -> tuple[T
     canonical = _CANONICAL_ENTRY.match(text, pos, pos + MAX_ENTRY_BYTES)
     if canonical is not None:
         dtype_code, shape_text, begin_text, end_text = canonical.groups()
-        shape = tuple(map(int, shape_text.split(","))) if shape_text else ()
+        shape = tuple(map(int, shape_text.split(","))) if shape_text.strip() else ()
         begin, end = int(begin_text), int(end_text)
         itemsize = _ITEMSIZES.get(dtype_code, 1)
         if dtype_code in SAFETENSORS_DTYPES and end <= data_size and end - begin == math.prod(shape) * itemsize:
