@@ -7,7 +7,6 @@ import errno
 import os
 import stat
 import weakref
-import zipfile
 from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO, Literal, NamedTuple
 
@@ -253,11 +252,11 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
     if head.startswith(b"\x93NUMPY"):
         return "is a .npy file; open it with fastembed.Embedding.from_npy (or fastembed.io.map_npy)"
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        names = _zip_names(path)
-        if names and all(name.endswith(".npy") for name in names):
-            return (f"is a .npz archive (np.savez) of {shorten(names)}; extract one array as a .npy file "
-                    f"(np.save('table.npy', np.load({where!r})[{names[0][:-4]!r}])) and open it with fastembed.Embedding.from_npy")
-        if any(name.endswith("data.pkl") for name in names):
+        first = _first_zip_member(path)
+        if first.endswith(".npy"):
+            return (f"is a .npz archive (np.savez) whose first array is {first!r}; extract one array as a .npy file "
+                    f"(np.save('table.npy', np.load({where!r})[{first[:-4]!r}])) and open it with fastembed.Embedding.from_npy")
+        if first.endswith("data.pkl"):  # torch.save writes the pickle first
             return f"is a PyTorch checkpoint (torch.save zip archive, a pickle); fastembed never unpickles: {convert_pickle(path)}"
         return ("is a zip archive (a PyTorch torch.save checkpoint or a .npz?); fastembed reads only safetensors "
                 f"and .npy files. If it is a PyTorch checkpoint, {convert_pickle(path)}")
@@ -313,13 +312,20 @@ def _described_by_name(path: str) -> str | None:
     return None
 
 
-def _zip_names(path: str | os.PathLike) -> list[str]:
-    """The member names of a zip archive (read from its central directory only), or [] if unreadable."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return archive.namelist()
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):  # a version zipfile lacks
-        return []
+def _first_zip_member(path: str | os.PathLike) -> str:
+    """The name of a zip archive's first member, read from the local header at its start ("" if there is none).
+
+    Not the archive's directory, which a hostile file can make any length.
+    """
+    header = read_head(path, _ZIP_LOCAL_HEADER_BYTES + 0xFFFF)
+    if not header.startswith(b"PK\x03\x04") or len(header) < _ZIP_LOCAL_HEADER_BYTES:
+        return ""
+    name_bytes = int.from_bytes(header[26:28], "little")
+    return header[_ZIP_LOCAL_HEADER_BYTES:_ZIP_LOCAL_HEADER_BYTES + name_bytes].decode("utf-8", "replace")
+
+
+#: The fixed part of a zip member's local header, which its name follows.
+_ZIP_LOCAL_HEADER_BYTES = 30
 
 
 def _mentions(path: str | os.PathLike, needle: bytes, limit: int = 1 << 20) -> bool:
