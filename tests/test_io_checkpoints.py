@@ -275,6 +275,20 @@ def test_a_tensor_listed_twice_is_refused_even_when_one_listing_is_not_a_candida
             io.map_safetensors(path, name)
 
 
+@pytest.mark.parametrize("spelling", ["", b"", "FILE/", "FILE/.", "FILE//"])
+def test_a_path_is_opened_as_given(tmp_path, monkeypatch, spelling):
+    """An empty path is no path (not the current directory), and a file's name ends in no "/" or "/.",
+    as every loader of one file holds."""
+    io.save_table(tmp_path / "model.safetensors", _t(4, 8))
+    monkeypatch.chdir(tmp_path)
+    if not isinstance(spelling, bytes):
+        spelling = spelling.replace("FILE", str(tmp_path / "model.safetensors"))
+    with pytest.raises(FileNotFoundError):
+        fastembed.Embedding.from_pretrained(spelling)
+    with pytest.raises(FileNotFoundError):
+        io.open_table(spelling)
+
+
 def test_open_table_sources_and_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         io.open_table(tmp_path / "missing")

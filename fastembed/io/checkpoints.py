@@ -300,9 +300,11 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
         >>> shutil.rmtree(folder)
     """
     check_tensor_name(source, name)
-    path = Path(os.fsdecode(os.fspath(source)))  # a str, bytes or os.PathLike (whose __fspath__ may give bytes)
-    if not os.path.lexists(path):  # a link that leads nowhere or loops is named as such by check_file below
+    text = os.fsdecode(os.fspath(source))  # a str, bytes or os.PathLike (whose __fspath__ may give bytes)
+    # Checked as given: Path("") is ".", and Path drops a trailing "/" or "/." that a file's name cannot carry.
+    if not text or not os.path.lexists(text):  # a link that leads nowhere or loops is named as such by check_file below
         raise FileNotFoundError(errno.ENOENT, "no such file or directory", str(source))
+    path = Path(text)
     if path.is_dir():
         # Present as any entry (a dangling link, a directory): opening it raises what is wrong with it.
         if os.path.lexists(path / INDEX_NAME):
