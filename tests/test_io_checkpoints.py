@@ -393,11 +393,23 @@ def test_a_quantized_table_fastembed_saved_opens_quantized_through_an_index(tmp_
             assert_bit_equal(opened([0, 39, 7]), quantized([0, 39, 7]))
 
 
-def test_the_only_candidate_of_another_rank_is_named_in_the_error(tmp_path):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_only_candidate_of_another_rank_is_named_in_the_error(tmp_path, sharded):
+    file_name = "model-00001-of-00001.safetensors" if sharded else "model.safetensors"
     safetensors_numpy.save_file({"model.embed_tokens.weight": np.zeros(40, np.float32), "other": _t(4, 4)},
-                                str(tmp_path / "model.safetensors"))
+                                str(tmp_path / file_name))
+    if sharded:
+        weight_map = {"model.embed_tokens.weight": file_name, "other": file_name}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' is named like a token embedding but has shape \[40\]"):
         io.open_table(tmp_path)
+
+
+def test_a_model_safetensors_that_is_a_directory_is_named_as_such(tmp_path):
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(ValueError, match=r"model.safetensors: is a directory, where a checkpoint directory holds its "
+                                         r"model.safetensors file$"):
+        fastembed.Embedding.from_pretrained(tmp_path)
 
 
 def test_a_dangling_link_or_a_directory_where_the_checkpoint_should_be_is_named(tmp_path):

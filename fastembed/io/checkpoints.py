@@ -129,8 +129,9 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
         numbered layers (:func:`outside_numbered_layers`).
 
     Raises:
-        ValueError: no tensor is named like a token embedding; none has the shape the
-            config gives; or several rank equally (each message lists the candidates).
+        ValueError: no tensor is named like a token embedding, or one is but is not 2-D;
+            none has the shape the config gives; or several rank equally (each message
+            lists the candidates).
 
     Example:
         >>> from fastembed.io import token_embedding_name
@@ -139,6 +140,10 @@ def token_embedding_name(shapes: Mapping[str, tuple[int, ...]], where: Any = "",
     """
     candidates = {name: tuple(shape) for name, shape in shapes.items() if len(shape) == 2 and is_embedding_candidate(name)}
     if not candidates:
+        other_rank = next(((name, shape) for name, shape in shapes.items() if is_embedding_candidate(name)), None)
+        if other_rank is not None:
+            raise ValueError(f"{where}: {shorten([other_rank[0]])} is named like a token embedding but has shape "
+                             f"{list(other_rank[1])}; a token embedding is 2-D (vocab_size, dim): pass name= for another tensor")
         if two_d is None:
             two_d = shorten(name for name, shape in shapes.items() if len(shape) == 2)
         raise ValueError(f"{where}: no tensor is named like a token embedding "
@@ -310,6 +315,9 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
         if os.path.lexists(path / INDEX_NAME):
             return _open_sharded(path / INDEX_NAME, name)
         if os.path.lexists(path / SINGLE_NAME):
+            if os.path.isdir(path / SINGLE_NAME):
+                raise ValueError(f"{path / SINGLE_NAME}: is a directory, where a checkpoint directory holds its "
+                                 f"{SINGLE_NAME} file")
             return _open_single(path / SINGLE_NAME, name, read_config_shape(path))
         raise ValueError(_no_checkpoint_message(path))
     check_file(path, "fastembed.io.open_table")
@@ -450,14 +458,10 @@ def select_in_file(path: str | os.PathLike, expected: tuple[int | None, int | No
             raise ValueError(f"{path}: the metadata {TENSOR_KEY} names tensor {tagged!r}, which the header does not hold")
         return tagged, header
     competing = counts["top"] or counts["layer"]
-    if not competing and not_2d:
-        name, shape = not_2d[0]
-        raise ValueError(f"{path}: {shorten([name])} is named like a token embedding but has shape {list(shape)}; "
-                         "a token embedding is 2-D (vocab_size, dim): pass name= for another tensor")
     if competing > MAX_CANDIDATES:
         names = [n for n in header.entries if in_numbered_layer(n) == (counts["top"] == 0)]
         raise ValueError(f"{path}: {competing} tensors are named like token embeddings; pass name= one of {shorten(names, competing)}")
-    shapes = {n: e.shape for n, e in header.entries.items()}
+    shapes = {**dict(not_2d), **{n: e.shape for n, e in header.entries.items()}}
     return token_embedding_name(shapes, path, expected, shorten(two_d, counts["two_d"])), header
 
 
