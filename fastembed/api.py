@@ -32,9 +32,9 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
             fp8 with row scales), dequantized while gathering.
         ids: integers of any dtype and ndim up to 63 with numpy 2 (lists and scalars as numpy
             accepts them) in ``[0, table.shape[0])``. Host ids are copied
-            once (n x 8 bytes at most; int32/int64 keep their dtype), so
-            another thread writing them meanwhile cannot change what the
-            checks saw.
+            before they are read (int32/int64 keep their dtype; others are
+            converted from the copy to int64), so another thread writing
+            them meanwhile cannot change what the checks saw.
         out: optional preallocated C-contiguous array of the result's shape
             and dtype, on the table's device; it is filled and returned.
         dtype: the result's dtype (a numpy dtype or its name, or a torch

@@ -16,9 +16,9 @@ Contracts:
   CPU or CUDA tensor, a JAX CPU array, or any other DLPack producer in host memory)
   of any fixed-size dtype that holds no Python objects;
 - *ids* are integers of any dtype and ndim up to :data:`MAX_IDS_NDIM`, on the table's device (host
-  ids for a GPU table are copied there); host ids are copied once per call
-  (int32 and int64 keep their dtype), so that no other thread can change
-  them between the checks and the gather;
+  ids for a GPU table are copied there); host ids are copied first in each
+  call (int32 and int64 keep their dtype), so that no other thread can change
+  their values, dtype or shape between the checks and the gather;
 - a *quantized table* is a :class:`fastembed.formats.QuantizedTable` whose
   arrays fit its format (:func:`check_quantized`); it dequantizes into
   float32, float16 or bfloat16 (float32 unless ``dtype=`` says otherwise);
@@ -344,13 +344,14 @@ def _misaligned(view: Any, adapter: Any) -> bool:
 def ids_snapshot(ids: Any, table: Any) -> Any:
     """A snapshot of `ids` as integers on the table's device (`table`: a snapshot).
 
-    Host ids are the call's own copy (C-contiguous; n x 8 bytes at most):
-    the checks and the gather read the same values, whatever another thread
-    writes into the caller's ids meanwhile. int32 and int64 keep their
-    dtype; lists, tuples and scalars are converted as numpy would, an empty
-    list to an empty intp array (as in ``table[[]]``); other integer dtypes
-    are converted to int64 after their range has been checked (a copy of the
-    ids, never of the table). Host ids for a GPU table are copied to its
+    Host ids are the call's own copy (C-contiguous), taken before anything
+    else of them is read: the checks and the gather read the same values,
+    dtype and shape, whatever another thread writes into or reassigns on the
+    caller's ids meanwhile. int32 and int64 keep their dtype; lists, tuples
+    and scalars are converted as numpy would, an empty list to an empty intp
+    array (as in ``table[[]]``); other integer dtypes are converted to int64
+    after their range has been checked (a second copy of the ids, never of
+    the table). Host ids for a GPU table are copied to its
     device; ids on the GPU are used where they are.
 
     Raises:
@@ -364,11 +365,13 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     # The common cases, kept cheap: host ids for a table whose rows numpy holds (dense, or a quantized table's bytes).
     numpy_rows = type(table) is _NDARRAY or (type(table) is QuantizedTable and type(table.data) is _NDARRAY)
     if type(ids) is _NDARRAY and numpy_rows:
-        dtype = ids.dtype
-        if (dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES) and ids.ndim <= MAX_IDS_NDIM:
-            return ids.copy()
+        # Copied before anything is read: another thread may reassign the caller's ids.dtype or shape at any time.
+        own = ids.copy()
+        dtype = own.dtype
+        if (dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES) and own.ndim <= MAX_IDS_NDIM:
+            return own
         _check_integer_dtype(dtype)
-        return _native_ids(ids, table.shape[0])  # a converted copy
+        return _native_ids(own, table.shape[0])  # converted from the call's copy
     if type(ids) in _CONVERTED_IDS and numpy_rows:
         converted = _converted_ids(ids)
         _check_integer_dtype(converted.dtype)

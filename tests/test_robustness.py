@@ -152,6 +152,63 @@ def test_ids_changed_by_another_thread_give_whole_rows_or_a_clean_index_error(ba
     assert_child_ok(run_child(IDS_RACE.format(backend=backend, seconds=seconds), timeout=seconds + 120))
 
 
+IDS_DTYPE_RACE = """
+import sys, numpy as np, fastembed
+from fastembed.backends import numba_backend
+numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels serve these small tables too
+numba_backend.SERIAL_MIN_BYTES = 0
+backend = {backend!r}
+vocab, width, n = 300, 64, 512
+table = np.arange(vocab * width, dtype=np.float32).reshape(vocab, width)
+base = np.random.default_rng(0).integers(0, vocab // 2, n).astype(np.int64)  # its int32 view is in range too
+cycle = [np.uint64, np.int64, np.int32, np.int64]
+for dtype in (np.int64, np.int32):  # both kernel signatures compiled before the race
+    fastembed.lookup(table, base.view(dtype), backend=backend)
+fastembed.wait_for_compiles()
+emb = fastembed.Embedding(table)
+outcomes = {{}}
+for phase in range(len(cycle)):
+    for with_out in (False, True):
+        for hook_every in (1, 2, 3):
+            for call in (lambda ids, out: fastembed.lookup(table, ids, out=out, backend=backend),
+                         lambda ids, out: emb(ids, out, backend)):
+                ids = base.copy()
+                ids.dtype = cycle[phase]
+                arena = np.full((2 * n, width), -1.0, np.float32)
+                out = arena[:n] if with_out else None
+                state = {{"step": phase, "calls": 0}}
+                def reassign(frame, event, arg):  # what another thread may do between any two calls
+                    if event == "call" and frame.f_globals.get("__name__", "").startswith("fastembed"):
+                        state["calls"] += 1
+                        if state["calls"] % hook_every == 0:
+                            state["step"] += 1
+                            ids.dtype = cycle[state["step"] % len(cycle)]
+                sys.setprofile(reassign)
+                try:
+                    rows = call(ids, out)
+                    outcome = "ok"
+                except (ValueError, TypeError, IndexError) as error:
+                    rows, outcome = None, type(error).__name__
+                finally:
+                    sys.setprofile(None)
+                assert (arena[n:] == -1.0).all(), f"a write past the end of out (phase {{phase}}, every {{hook_every}})"
+                if rows is not None:
+                    flat = rows.reshape(-1, width)
+                    views = {{dtype: base.view(dtype) for dtype in (np.int64, np.int32)}}
+                    assert any(flat.shape[0] == v.size and (flat == table[v]).all() for v in views.values()), "a wrong row"
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+print(outcomes)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_ids_whose_dtype_another_thread_reassigns_never_make_a_lookup_write_outside_out(backend):
+    """The reassignments come between the calls inside the lookup, at every call, every second or every third
+    (a profile function stands in for the other thread, so that each of them lands for certain)."""
+    assert_child_ok(run_child(IDS_DTYPE_RACE.format(backend=backend), timeout=180))
+
+
 def test_embedding_keeps_its_own_view_of_the_table(backend):
     table = random_table(80, 16)
     copy = table.copy()
