@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, validate
-from .arrays import aligned_result, call_context, device_of, mark_written, memory_guards, result_like
+from .arrays import aligned_result, as_read, call_context, device_of, mark_written, memory_guards, result_like
 from .formats import QuantizedTable
 
 _NDARRAY = np.ndarray
@@ -167,13 +167,13 @@ class Embedding:
     def __init__(self, table: Any) -> None:
         self._view = validate.table_snapshot(table)
         self._table = table
-        self._rows = validate.storage(table)  # what results are wrapped like: read once, as the view was
+        self._rows = as_read(validate.storage(table))  # what results are wrapped like: read once, as the view was
         # The caller's arrays as read here, which an out is checked against (their files too): a quantized table's
         # data and scales in a table of the layer's own, since the caller may assign others to theirs.
         scales = None
         self._table_as_read = self._rows
         if type(table) is QuantizedTable:
-            scales = table.scales
+            scales = as_read(table.scales)
             self._table_as_read = QuantizedTable(self._rows, table.format, table.dim, scales)
         # A torch table's memory can be freed under the view (resize_): checked before every call.
         self._guards = memory_guards(self._rows, scales)

@@ -450,6 +450,21 @@ def test_an_embedding_keeps_a_torch_tables_memory_and_notices_a_resize():
     assert torch.equal(layer(torch.tensor([99, 3])), rows)
 
 
+def test_an_embedding_keeps_the_dtype_it_serves_after_the_module_changes_its_weights_dtype():
+    """module.half() and .bfloat16() swap each parameter's .data: the layer keeps serving the float32 rows it was
+    built on, says so, and casts when asked for the new dtype (it once skipped the cast and reported the new one)."""
+    weight = torch.nn.Parameter(torch.randn(100, 16), requires_grad=False)
+    rows = weight.data[[7, 99]].clone()
+    emb = fastembed.Embedding(weight)
+    for swapped in (torch.float16, torch.bfloat16):
+        weight.data = weight.data.to(swapped)
+        assert emb.dtype == np.float32 and f"dtype={emb.dtype.name}," in repr(emb)
+        assert torch.equal(emb(torch.tensor([7, 99])), rows)
+        for asked in (swapped, str(swapped).removeprefix("torch.")):
+            cast = emb(torch.tensor([7, 99]), dtype=asked)
+            assert cast.dtype == swapped and torch.equal(cast, rows.to(swapped))
+
+
 def _resized_layer(quantized: bool):
     """An Embedding over a torch table (dense float32, or q8_0 rows as a uint8 tensor) whose tensor was then
     resized in place: torch moved the rows and freed the memory the layer's view points at."""

@@ -242,6 +242,22 @@ def test_embedding_dtype_is_the_torch_cuda_tables_own_not_its_snapshots_words(tc
     assert emb.dtype.name == name and f"dtype={name}," in repr(emb)
 
 
+@pytest.mark.parametrize("built, swapped", [(torch.bfloat16, torch.float16), (torch.float32, torch.float16),
+                                            (torch.float16, torch.bfloat16)])
+def test_an_embedding_keeps_the_dtype_it_serves_after_the_tables_data_is_swapped(tc, built, swapped):
+    """What module.half() does to a parameter: the layer keeps serving (and naming) the rows it was built on."""
+    pytest.importorskip("ml_dtypes")
+    host = host_table(built)
+    parameter = torch.nn.Parameter(tc.to_cuda(host), requires_grad=False)
+    emb = fastembed.Embedding(parameter)
+    parameter.data = tc.to_cuda(host.to(swapped))
+    assert emb.dtype.name == str(built).removeprefix("torch.")
+    ids = tc.to_cuda(torch.tensor([3, 96], dtype=torch.int64))
+    assert_bit_equal(emb(ids), host[torch.tensor([3, 96])], tc)
+    with pytest.raises(TypeError, match=f"dtype {emb.dtype.name} can be gathered into its own dtype|casts host tables only"):
+        emb(ids, dtype=swapped)  # a cast of a GPU table: refused, not skipped as though the rows were of the new dtype
+
+
 @pytest.mark.parametrize("target", ["float16", "float32", "bfloat16"])
 def test_a_quantized_table_over_torch_cuda_tensors(tc, target):
     pytest.importorskip("ml_dtypes")

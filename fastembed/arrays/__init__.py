@@ -98,6 +98,8 @@ OPTIONAL_HOOKS = {
     "(DLPack: numpy imports an export older than DLPack 1.0 read-only)",
     "misaligned": "misaligned(view): whether a device array starts at an address that is not a multiple of its "
     "itemsize (torch, cupy), which the GPU kernels cannot read as elements",
+    "alias": "alias(array): the array as read now, over the same memory, which later assignments to the caller's "
+    "object (torch: .data =, set_) leave as it is (torch; as_read)",
     "memory_guard": "memory_guard(array): a guard that says when the library freed or moved the memory a view was "
     "taken of (torch: resize_, a swapped .data; memory_guards)",
     "to_host": "to_host(array): a numpy copy of a device array (torch, cupy; host_copy)",
@@ -183,6 +185,17 @@ def dtype_spec(dtype: Any) -> Any:
         if name is not None:
             return name
     return dtype
+
+
+def as_read(array: Any) -> Any:
+    """`array` as read now, for a layer that keeps it between calls (None stays None).
+
+    The adapter's ``alias(array)`` where it has one (a torch tensor:
+    ``detach()``, which the caller's later ``.data =`` leaves over the memory
+    and dtype the layer's view was taken of); otherwise the array itself.
+    """
+    alias = getattr(adapter_of(array), "alias", None) if array is not None else None
+    return array if alias is None else alias(array)
 
 
 def memory_guards(*arrays: Any) -> tuple[Any, ...]:

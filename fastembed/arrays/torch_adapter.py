@@ -71,9 +71,16 @@ class TorchAdapter:
     def stored_dtype(self, dtype: Any) -> Any:
         return dtype
 
-    def dtype_name(self, array: Any) -> str:
-        """The tensor's own dtype by name (``"bfloat16"``), which a snapshot on a GPU holds as same-width words."""
-        return str(array.dtype).removeprefix("torch.")
+    def dtype_name(self, array: Any) -> str | None:
+        """A CUDA tensor's own dtype by name (``"bfloat16"``), which its snapshot holds as same-width words; None
+        for a CPU tensor, whose snapshot has the tensor's dtype itself (so a later ``.data =`` on the caller's
+        tensor, as ``module.half()`` does, cannot make a call read another dtype than its snapshot's)."""
+        return None if array.device.type == "cpu" else str(array.dtype).removeprefix("torch.")
+
+    def alias(self, array: Any) -> Any:
+        """The tensor as read now: a ``detach()`` alias over the same memory, whose dtype, shape and storage a
+        later ``.data =`` or ``set_`` on the caller's tensor leaves as they are."""
+        return array.detach()
 
     def owns(self, array: Any) -> bool:
         # __dlpack__ tells a tensor (nn.Parameter included) from torch's other types (Size, storages, dtypes).
