@@ -25,9 +25,10 @@ other case by using torch's own embedding (never a copy of the weight):
   (DTensor, FakeTensor, a wrapper subclass: their memory need not hold
   their values), which torch's operation knows how to carry; not warned
   about either;
-* when the ids are not a dense int32 or int64 tensor (nested, sparse): torch's embedding then
-  accepts or refuses them, as it would in training, so a model behaves
-  alike in both;
+* when the ids are not a dense int32 or int64 tensor (nested, sparse), or
+  have more dimensions than fastembed's results leave room for
+  (:data:`fastembed.validate.MAX_IDS_NDIM`): torch's embedding then accepts
+  or refuses them, as it would in training, so a model behaves alike in both;
 * when autograd needs a gradient (the weight requires grad and grad mode is
   on), so training keeps working;
 * when the weight or the ids are not on the CPU;
@@ -37,9 +38,12 @@ other case by using torch's own embedding (never a copy of the weight):
   rather than copy;
 * when ``max_norm`` is set after construction (or the layer's class was
   swapped in on a ``torch.nn.Embedding`` that has it): torch renormalizes
-  the weight's rows in place, which the gather does not.
+  the weight's rows in place, which the gather does not;
+* when ``FASTEMBED_BACKEND`` names a backend that cannot serve a CPU weight
+  (``cuda``, set for a model's GPU tables, or ``numba`` where numba cannot
+  load), where ``lookup`` would raise BackendUnavailableError.
 
-Each of the last four is said once per process (a ``UserWarning`` naming
+Each of the last five is said once per process (a ``UserWarning`` naming
 the reason, pointing at the caller's line).
 
 Options that change the forward pass or the weight's gradient layout and
@@ -67,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
 
-from . import dispatch
+from . import dispatch, validate
 from .api import lookup
 from .arrays.torch_adapter import stands_for_other_memory
 
@@ -136,14 +140,19 @@ class Embedding(torch.nn.Embedding):
         if torch.compiler.is_compiling() or torch.jit.is_tracing() or isinstance(input, torch.fx.Proxy):
             return super().forward(input)  # the graph must hold torch's operation, not a gather done now
         weight = self.weight
-        if _carried_by_torch(weight, input) or weight.dim() != 2:
+        if _carried_by_torch(weight, input) or weight.dim() != 2 or input.dim() > validate.MAX_IDS_NDIM:
             return super().forward(input)  # AD, transforms, modes, subclasses, other ids, a bad weight: torch serves
         if (weight.requires_grad and torch.is_grad_enabled()) or not (weight.is_cpu and input.is_cpu) or (
             not weight.is_contiguous()
         ) or not _viewable(weight) or self.max_norm is not None:
             _say_fallback_once(self, input)
             return super().forward(input)
-        if input.numel() * weight.shape[1] * weight.element_size() < _calling_thread_bytes():
+        try:
+            calling_thread_bytes = _calling_thread_bytes()
+        except dispatch.BackendUnavailableError as refusal:
+            _say_fallback_once(self, input, refusal)
+            return super().forward(input)
+        if input.numel() * weight.shape[1] * weight.element_size() < calling_thread_bytes:
             # A gather fastembed would do on this thread alone: torch's embedding is at least as fast there.
             return F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq,
                                self.sparse)
@@ -207,10 +216,13 @@ def _viewable(weight: torch.Tensor) -> bool:
     return viewable and not (weight.is_conj() or weight.is_neg())
 
 
-def _say_fallback_once(layer: Embedding, input: torch.Tensor) -> None:
-    """Warn, once per process for each reason, that torch's own embedding serves this call, and why."""
+def _say_fallback_once(layer: Embedding, input: torch.Tensor, refusal: Exception | None = None) -> None:
+    """Warn, once per process for each reason, that torch's own embedding serves this call, and why (`refusal`:
+    the dispatcher's, when the backend FASTEMBED_BACKEND names cannot serve the weight)."""
     weight = layer.weight
-    if weight.requires_grad and torch.is_grad_enabled():
+    if refusal is not None:
+        kind, reason = "backend", f"FASTEMBED_BACKEND names a backend that cannot serve a CPU weight ({refusal})"
+    elif weight.requires_grad and torch.is_grad_enabled():
         kind, reason = "autograd", "autograd needs the weight's gradient (it requires grad and grad mode is on)"
     elif weight.device.type != "cpu" or input.device.type != "cpu":
         kind, reason = "device", "the weight or the ids are not on the CPU"

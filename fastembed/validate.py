@@ -376,6 +376,9 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         converted = _converted_ids(ids)
         _check_integer_dtype(converted.dtype)
         return _native_ids(converted, table.shape[0])  # numpy's conversion: the call's own array
+    ndim = getattr(ids, "ndim", 0)
+    if type(ndim) is int and ndim > MAX_IDS_NDIM:  # checked first: a library's array of more has no numpy view
+        raise _too_many_dimensions(ndim)
     rows = storage(table)
     table_device, ids_device = device_of(rows), _ids_device(ids)
     if ids_device != table_device:
@@ -512,8 +515,7 @@ def _native_ids(ids: Any, vocab_size: int) -> Any:
         IndexError: converted ids outside ``[0, vocab_size)`` (as :func:`check_ids_in_range`).
     """
     if len(ids.shape) > MAX_IDS_NDIM:
-        raise ValueError(f"ids have {len(ids.shape)} dimensions; at most {MAX_IDS_NDIM}, since the result "
-                         f"has one more and an array has at most {MAX_IDS_NDIM + 1}")
+        raise _too_many_dimensions(len(ids.shape))
     dtype = np.dtype(ids.dtype)
     if dtype in NATIVE_ID_DTYPES:
         return ids
@@ -522,6 +524,11 @@ def _native_ids(ids: Any, vocab_size: int) -> Any:
     own = ids.astype(np.int64) if np.can_cast(dtype, np.int64, "safe") else ids.copy()
     check_ids_in_range(own, vocab_size)
     return own if own.dtype == np.int64 else own.astype(np.int64)
+
+
+def _too_many_dimensions(ndim: int) -> ValueError:
+    return ValueError(f"ids have {ndim} dimensions; at most {MAX_IDS_NDIM}, since the result "
+                      f"has one more and an array has at most {MAX_IDS_NDIM + 1}")
 
 
 def check_ids_in_range(ids: Any, vocab_size: int) -> None:

@@ -453,6 +453,44 @@ def test_a_backend_setting_fastembed_cannot_use_leaves_the_calls_torch_serves_al
         dispatch.read_environment()
 
 
+@pytest.mark.small_batches
+@pytest.mark.parametrize("n_ids", [3, 600])
+def test_a_backend_setting_that_cannot_serve_a_cpu_weight_leaves_the_layer_to_torch_and_says_so(monkeypatch, n_ids):
+    """FASTEMBED_BACKEND=cuda, set for a model's GPU tables (here without cupy, or on a CPU weight with it):
+    a decode step and a batch fastembed would serve alike get torch's result, with one warning naming the setting."""
+    from fastembed import dispatch
+
+    monkeypatch.setenv("FASTEMBED_BACKEND", "cuda")
+    monkeypatch.setattr(dispatch.BACKENDS["cuda"], "unavailable_reasons", lambda: ["no GPU in this test"])
+    dispatch.refresh()
+    try:
+        layer, reference = Embedding(1000, 1024).requires_grad_(False), torch.nn.Embedding(1000, 1024)
+        reference.weight.data = layer.weight.data
+        ids = torch.randint(0, 1000, (n_ids,))
+        with torch.inference_mode(), pytest.warns(UserWarning, match=r"FASTEMBED_BACKEND names a backend that cannot "
+                                                                     r"serve a CPU weight \(backend 'cuda' cannot serve"):
+            assert torch.equal(layer(ids), reference(ids))
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            assert torch.equal(layer(ids), reference(ids))
+    finally:
+        monkeypatch.undo()
+        dispatch.refresh()
+
+
+@pytest.mark.parametrize("ndim", [63, 64, 65])
+def test_ids_of_as_many_dimensions_as_torch_takes_get_torchs_result(ndim):
+    layer, reference = Embedding(1000, 1024).requires_grad_(False), torch.nn.Embedding(1000, 1024)
+    reference.weight.data = layer.weight.data
+    ids = torch.randint(0, 1000, (1,) * (ndim - 1) + (600,))
+    with torch.inference_mode():
+        rows = layer(ids)
+        assert rows.dim() == ndim + 1 and torch.equal(rows, reference(ids))
+    if ndim > 63:
+        with pytest.raises(ValueError, match=f"ids have {ndim} dimensions; at most 63"):
+            fastembed.lookup(layer.weight.detach(), ids)
+
+
 def test_a_weight_swapped_by_another_thread_during_forward_frees_nothing_the_gather_reads(tmp_path):
     """``weight.data = other`` frees the old storage once nothing holds it: the lookup's view must hold it."""
     from helpers import run_script
