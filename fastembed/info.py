@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from . import __version__, dispatch
+from .backends import output_cache
 from .dispatch import BACKENDS, backend_statuses
 
 DISTRIBUTION = "fastembed-gather"
@@ -105,6 +106,7 @@ def report() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "backends": backends,
         "backend_env": backend_environment(),
+        "output_cache": output_cache.describe(),
         "packages": package_versions(),
         "conflicting_distributions": other_fastembed_distributions(),
     }
@@ -130,6 +132,7 @@ def format_report(facts: dict[str, Any]) -> str:
         f"cpu: {facts['cpu']}, {facts['cpu_count']} logical cores",
         "packages: " + ", ".join(f"{name} {version or 'not installed'}" for name, version in facts["packages"].items()),
         f"FASTEMBED_BACKEND: {repr(environment['value']) if environment['value'] else '(unset: auto)'}",
+        f"output_cache: {facts['output_cache']}",
     ]
     if not environment["valid"]:
         lines.append(

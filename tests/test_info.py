@@ -113,6 +113,17 @@ def test_an_unknown_fastembed_backend_is_flagged_with_the_valid_names():
     assert facts["backend_env"] == {"value": "bogus", "valid": False, "valid_names": ["auto", *dispatch.BACKENDS]}
 
 
+@pytest.mark.parametrize("numba_off", ["0", "1"])
+def test_the_output_cache_and_a_bad_setting_of_it_are_shown_whatever_backend_serves(numba_off):
+    """The cache serves JAX tables' results on every backend: info shows it with numba off too."""
+    environment = {"NUMBA_DISABLE_JIT": numba_off}
+    assert "output_cache: 0 MiB of outputs kept for reuse, limit 1 MiB" in run_info(
+        **environment, FASTEMBED_OUTPUT_CACHE_BYTES="1048576")
+    text = run_info(**environment, FASTEMBED_OUTPUT_CACHE_BYTES="abc")
+    assert "output_cache: ERROR: FASTEMBED_OUTPUT_CACHE_BYTES='abc' is not a whole number of bytes" in text
+    assert json.loads(run_info("--json", **environment, FASTEMBED_OUTPUT_CACHE_BYTES="abc"))["output_cache"].startswith("ERROR")
+
+
 def test_the_valid_names_follow_the_registry(monkeypatch):
     from fastembed import dispatch
 

@@ -510,7 +510,7 @@ class NumbaBackend:
     # -- facts ---------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        """Versions, threads, the thresholds, the output cache, and what failed to compile or load.
+        """Versions, threads, the thresholds, and what failed to compile or load.
 
         Loads numba (never its threading layer, which no lookup uses).
         """
@@ -535,7 +535,6 @@ class NumbaBackend:
             "max_block_bytes": MAX_BLOCK_BYTES,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
             "streaming_stores": _STREAMING_CPU,
-            "output_cache": _output_cache_fact(),
         }
         failures = list(self._compiles.failed.values())
         if failures:
@@ -612,17 +611,6 @@ def _raise_for_status(status: int, ids: np.ndarray, vocab_size: int) -> None:
         raise RuntimeError("the ids changed while they were being gathered (another thread wrote them)")
     if status >= 0:
         raise validate.out_of_range_error(ids, status, vocab_size)
-
-
-def _output_cache_fact() -> str:
-    """What the output cache holds and may hold, or why its setting is refused."""
-    try:
-        limit = output_cache.limit()
-    except ValueError as error:
-        return (f"ERROR: {error}; large allocating lookups that take their output from the cache (those the numba "
-                "backend serves, and those on a JAX table) raise until it is fixed")
-    return (f"{output_cache.cached_bytes() / 2**20:.0f} MiB of outputs kept for reuse, limit {limit / 2**20:.0f} MiB "
-            f"({output_cache.ENVIRONMENT_VARIABLE}; fastembed.empty_cache())")
 
 
 def _one_line(error: BaseException) -> str:

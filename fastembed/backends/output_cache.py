@@ -130,6 +130,17 @@ def cached_bytes() -> int:
     return sum(buffer.size for buffer, _ in list(_free.values()))
 
 
+def describe() -> str:
+    """What the cache holds and may hold, or why its setting is refused, in one line (``python -m fastembed info``)."""
+    try:
+        most = limit()
+    except ValueError as error:
+        return (f"ERROR: {error}; large allocating lookups that take their output from the cache (those the numba "
+                "backend serves, and those on a JAX table) raise until it is fixed")
+    return (f"{cached_bytes() / 2**20:.0f} MiB of outputs kept for reuse, limit {most / 2**20:.0f} MiB "
+            f"({ENVIRONMENT_VARIABLE}; fastembed.empty_cache())")
+
+
 def empty() -> None:
     """Free every buffer the cache holds (outputs still in use are not touched)."""
     with _lock:
