@@ -742,19 +742,13 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     if adapter.may_share_memory(view, rows) or (scales is not None and adapter.may_share_memory(view, scales)):
         raise ValueError("out overlaps the table: gathering into it would overwrite rows being read")
     same_file_bytes = getattr(adapter, "same_file_bytes", None)
-    if same_file_bytes is not None and any(same_file_bytes(out, part) for part in _caller_parts(caller_table)):
+    # The snapshots' bytes: the caller's arrays may be reshaped or restrided meanwhile (their maps are the same).
+    if same_file_bytes is not None and any(same_file_bytes(view, part) for part in (rows, scales) if part is not None):
         raise ValueError("out maps bytes of the table's own file (another np.memmap of it): gathering into it would "
                          "overwrite rows being read")
     if _out_overlaps_ids(adapter, view, out, caller_ids, ids):
         raise ValueError("out overlaps the ids: gathering into it would overwrite them")
     return view
-
-
-def _caller_parts(caller_table: Any) -> tuple[Any, ...]:
-    """The arrays a caller's table keeps its bytes in: itself, or a quantized table's data and scales."""
-    if type(caller_table) is QuantizedTable:
-        return (caller_table.data,) if caller_table.scales is None else (caller_table.data, caller_table.scales)
-    return (caller_table,)
 
 
 def _out_overlaps_ids(adapter: Any, view: Any, out: Any, caller_ids: Any, ids: Any) -> bool:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
@@ -195,6 +197,40 @@ def test_the_files_compared_are_those_mapped_whatever_their_names_now(backend, t
             fastembed.lookup(table, [7, 8, 9, 10], out=out, backend=backend)
         assert_bit_equal(np.array(table), table_rows)
         del table, out
+
+
+def test_the_file_check_measures_the_calls_snapshots_not_the_callers_arrays(backend, tmp_path):
+    """The check measured the bytes of the caller's table and out as they were at its time: a table restrided
+    to one item after a layer was built (or while a lookup ran), or a quantized table's data swapped for an
+    in-memory copy, let an out over the table's own file through, and the gather overwrote rows it had to read."""
+    path = tmp_path / "rows.bin"
+    rows = random_table(16, 4, "float32")
+    rows.tofile(path)
+    before = path.read_bytes()
+    table = np.memmap(path, np.float32, "r", shape=(16, 4))
+    emb = fastembed.Embedding(table)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # numpy 2.4 deprecates setting strides, and allows it
+        table.strides = (0, 0)
+    out = np.memmap(path, np.float32, "r+", offset=16, shape=(3, 4))
+    with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+        emb([0, 1, 2], out, backend)
+    assert path.read_bytes() == before
+    quantized = fastembed.Embedding(random_table(64, 32, "float32")).quantize("q8_0").table
+    quantized.data.tofile(path)
+    data = np.memmap(path, np.uint8, "r", shape=quantized.data.shape)
+    caller_table = fastembed.formats.QuantizedTable(data, "q8_0", 32)
+
+    def another_thread(frame, event, arg):  # swaps the caller's data for a copy after the call's snapshot
+        if event == "call" and frame.f_code.co_name == "out_snapshot":
+            caller_table.data = np.array(data)
+
+    sys.setprofile(another_thread)
+    try:
+        with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+            fastembed.lookup(caller_table, [0, 1], out=np.memmap(path, np.float32, "r+", shape=(2, 32)), backend=backend)
+    finally:
+        sys.setprofile(None)
 
 
 def test_out_mapping_the_file_of_a_copy_on_write_table_is_refused(backend, tmp_path):
