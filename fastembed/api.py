@@ -143,6 +143,15 @@ def _host_array(like: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarra
     return np.empty(shape, dtype) if aligned is None else aligned
 
 
+def _read_once(table: Any) -> Any:
+    """The caller's table as read now (:func:`~fastembed.arrays.as_read`): a quantized table's fields once, into a
+    table of its own; anything else as it is, for the snapshot to refuse."""
+    if type(table) is not QuantizedTable:
+        return as_read(table)
+    data, fmt, dim, scales = table.data, table.format, table.dim, table.scales
+    return QuantizedTable(as_read(data), fmt, dim, as_read(scales))
+
+
 class Embedding:
     """A callable embedding layer over a table it references, never copies.
 
@@ -165,16 +174,14 @@ class Embedding:
     """
 
     def __init__(self, table: Any) -> None:
-        self._view = validate.table_snapshot(table)
+        # The caller's arrays read once, which the view, the guards, the wrapping of results and the checks of an
+        # out all follow: a quantized table's data and scales in a table of the layer's own, since the caller (or
+        # another thread) may assign others to theirs, and torch tensors as aliases a later `.data =` leaves alone.
+        self._table_as_read = _read_once(table)
+        self._view = validate.table_snapshot(self._table_as_read)
         self._table = table
-        self._rows = as_read(validate.storage(table))  # what results are wrapped like: read once, as the view was
-        # The caller's arrays as read here, which an out is checked against (their files too): a quantized table's
-        # data and scales in a table of the layer's own, since the caller may assign others to theirs.
-        scales = None
-        self._table_as_read = self._rows
-        if type(table) is QuantizedTable:
-            scales = as_read(table.scales)
-            self._table_as_read = QuantizedTable(self._rows, table.format, table.dim, scales)
+        self._rows = validate.storage(self._table_as_read)  # what results are wrapped like
+        scales = self._table_as_read.scales if type(self._table_as_read) is QuantizedTable else None
         # A torch table's memory can be freed under the view (resize_): checked before every call.
         self._guards = memory_guards(self._rows, scales)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (CI installs
 
 import fastembed  # noqa: E402
 from fastembed.arrays import torch_adapter  # noqa: E402
+from fastembed.formats import QuantizedTable  # noqa: E402
 from helpers import CPU_BACKENDS  # noqa: E402
 
 VOCAB, DIM = 97, 24
@@ -463,6 +464,41 @@ def test_an_embedding_keeps_the_dtype_it_serves_after_the_module_changes_its_wei
         for asked in (swapped, str(swapped).removeprefix("torch.")):
             cast = emb(torch.tensor([7, 99]), dtype=asked)
             assert cast.dtype == swapped and torch.equal(cast, rows.to(swapped))
+
+
+def test_a_layer_reads_the_callers_table_once_whatever_another_thread_swaps_while_it_is_built():
+    """The layer took its view from one reading of the table and its storage guard from a second: a quantized
+    table's data or a tensor's .data swapped between the two left the view's memory unguarded, so its later
+    resize went unnoticed and the next call read freed memory. Every moment of construction is tried."""
+    ids = np.array([0, 4095])
+    for kind in ("quantized", "dense"):
+        moment, calls = 0, [0]
+        while calls[0] >= moment:
+            moment, calls = moment + 1, [0]
+            first = torch.zeros((4096, 68 if kind == "quantized" else 16),
+                                dtype=torch.uint8 if kind == "quantized" else torch.float32)
+            second = torch.ones_like(first)
+            table = QuantizedTable(first, "q8_0", 64) if kind == "quantized" else first.detach()
+            expected = fastembed.lookup(QuantizedTable(second, "q8_0", 64) if kind == "quantized" else second, ids)
+
+            def another_thread(frame, event, arg, table=table, second=second, calls=calls, moment=moment):
+                if event == "call" and frame.f_globals.get("__name__", "").startswith("fastembed"):
+                    calls[0] += 1
+                    if calls[0] == moment:
+                        table.data = second
+
+            sys.setprofile(another_thread)
+            try:
+                emb = fastembed.Embedding(table)
+            finally:
+                sys.setprofile(None)
+            first.resize_(8192, first.shape[1])  # moves the first tensor's rows and frees their memory
+            try:
+                rows = emb(ids, backend="numpy")
+            except ValueError as error:  # the layer read the first tensor: its guard saw the resize
+                assert "storage was resized in place" in str(error)
+            else:  # the layer read the second tensor
+                assert calls[0] >= moment and torch.equal(rows, expected), f"{kind}: unguarded rows at moment {moment}"
 
 
 def _resized_layer(quantized: bool):

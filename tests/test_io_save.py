@@ -128,6 +128,38 @@ def test_saving_over_a_mapped_file_leaves_the_mapped_table_as_it_was(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["table.gguf"]
 
 
+@pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])
+def test_a_table_reshaped_or_retyped_by_another_thread_while_it_is_saved_is_written_as_it_was(tmp_path, suffix):
+    """The writers read the caller's array after the checks: a shape or dtype reassigned meanwhile made a file that
+    loads as another table, or one longer than its header says. Every moment of the save is tried."""
+    rows = (np.arange(3 * 2**20 // 4, dtype=np.float32).reshape(-1, 64) % 1000)  # 3 MiB: written in chunks
+    for change in ({"shape": (rows.shape[0], 32, 2)}, {"dtype": np.float16}):
+        moment, calls = 0, [0]
+        while calls[0] >= moment:
+            moment, calls = moment + 1, [0]
+            table = rows.copy()
+
+            def another_thread(frame, event, arg, table=table, calls=calls, moment=moment, change=change):
+                if event in ("call", "c_call") and frame.f_globals.get("__name__", "").startswith("fastembed"):
+                    calls[0] += 1
+                    if calls[0] == moment:
+                        for name, value in change.items():
+                            setattr(table, name, value)
+
+            sys.setprofile(another_thread)
+            try:
+                io.save_table(tmp_path / f"table{suffix}", table)
+            except ValueError:
+                assert calls[0] >= moment  # the table as it is after the change: refused (3-D), nothing written
+                continue
+            finally:
+                sys.setprofile(None)
+            saved = np.asarray(io.open_table(tmp_path / f"table{suffix}"))
+            before, after = rows, table if table.ndim == 2 else None
+            assert any(saved.dtype == t.dtype and np.array_equal(saved, t) for t in (before, after) if t is not None), \
+                f"{change}: a file of neither table at moment {moment}"
+
+
 def test_strided_and_big_endian_tables_are_written_as_they_read(tmp_path):
     wide = rows("float32")
     io.save_table(tmp_path / "strided.gguf", wide[:, ::2])

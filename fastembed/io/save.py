@@ -152,7 +152,7 @@ def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
     if adapter is not None and adapter.device(table) == "cpu":
         table = adapter.snapshot(table)  # bfloat16 and float8 tensors too, which np.asarray cannot take
     try:
-        array = np.asarray(table)
+        array = np.asarray(table).view()  # a view of its own: another thread may reassign the caller's shape or dtype
     except (TypeError, ValueError, RuntimeError) as error:
         raise TypeError(f"{path}: save_table writes host tables, got {type(table).__module__}.{type(table).__qualname__} "
                         f"(copy it to the host first): {error}") from None
