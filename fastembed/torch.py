@@ -158,9 +158,14 @@ class Embedding(torch.nn.Embedding):
                                self.sparse)
         if stands_for_other_memory(weight) or stands_for_other_memory(input):
             return super().forward(input)  # a ZeroTensor, a functionalization wrapper (checked here: small calls are torch's)
+        # The weight as read now, checked again: another thread's `.data =` since the checks above changes the
+        # parameter, not this alias, and a weight that no longer suits fastembed is torch's to serve.
+        table = weight.detach()
+        if table.dim() != 2 or not table.is_cpu or not table.is_contiguous() or not _viewable(table):
+            return super().forward(input)
         if input.is_neg():
             input = input.resolve_neg()  # a lazy negation view of ids; fastembed copies the ids anyway
-        return lookup(weight, input)
+        return lookup(table, input)
 
 
 # Tools that read the constructor's parameters (torch.nn.utils.skip_init looks for `device`) see torch's, which it takes.
