@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import dispatch, validate
-from .arrays import aligned_result, as_read, call_context, device_of, mark_written, memory_guards, result_like
+from .arrays import aligned_result, call_context, device_of, mark_written, result_like
 from .formats import QuantizedTable
 
 _NDARRAY = np.ndarray
@@ -143,15 +143,6 @@ def _host_array(like: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarra
     return np.empty(shape, dtype) if aligned is None else aligned
 
 
-def _read_once(table: Any) -> Any:
-    """The caller's table as read now (:func:`~fastembed.arrays.as_read`): a quantized table's fields once, into a
-    table of its own; anything else as it is, for the snapshot to refuse."""
-    if type(table) is not QuantizedTable:
-        return as_read(table)
-    data, fmt, dim, scales = table.data, table.format, table.dim, table.scales
-    return QuantizedTable(as_read(data), fmt, dim, as_read(scales))
-
-
 class Embedding:
     """A callable embedding layer over a table it references, never copies.
 
@@ -175,15 +166,10 @@ class Embedding:
 
     def __init__(self, table: Any) -> None:
         # The caller's arrays read once, which the view, the guards, the wrapping of results and the checks of an
-        # out all follow: a quantized table's data and scales in a table of the layer's own, since the caller (or
-        # another thread) may assign others to theirs, and torch tensors as aliases a later `.data =` leaves alone.
-        self._table_as_read = _read_once(table)
-        self._view = validate.table_snapshot(self._table_as_read)
+        # out all follow. A torch table's memory can be freed under the view (resize_): guarded before every call.
+        self._table_as_read, self._view, self._guards = validate.kept_table(table)
         self._table = table
         self._rows = validate.storage(self._table_as_read)  # what results are wrapped like
-        scales = self._table_as_read.scales if type(self._table_as_read) is QuantizedTable else None
-        # A torch table's memory can be freed under the view (resize_): checked before every call.
-        self._guards = memory_guards(self._rows, scales)
         self._numpy = isinstance(table, _NDARRAY)  # results of other tables are wrapped back (a torch tensor)
         self._watch: Any = None  # a FileWatch for tables the loaders mapped from a file
         self._row_stride = self._view.strides[0] if type(self._view) is _NDARRAY else 0  # an output row's bytes

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import adapter_of, device_of, dtype_spec, host_copy, numpy_adapter, write_probe
+from .arrays import adapter_of, as_read, device_of, dtype_spec, host_copy, memory_guards, numpy_adapter, write_probe
 from .backends.base import NATIVE_ID_DTYPES
 from .formats import FORMATS, OUTPUT_DTYPES, QuantizedTable, is_fastembeds_own
 from .tables import is_float_dtype, is_integer_dtype, resolve_dtype
@@ -110,6 +110,35 @@ def table_snapshot(table: Any) -> Any:
             "(a torch tensor: table.contiguous()) once"
         )
     return view
+
+
+def kept_table(table: Any) -> tuple[Any, Any, tuple[Any, ...]]:
+    """A table a layer keeps between calls: (the caller's arrays as read once, their snapshot, guards over their memory).
+
+    The caller's arrays are read once (:func:`~fastembed.arrays.as_read`: a
+    quantized table's fields into a table of its own, torch tensors as
+    aliases that a later ``.data =`` on the caller's leaves alone), so the
+    snapshot and the guards (:func:`~fastembed.arrays.memory_guards`) are of
+    the same memory. The kept snapshot is taken after the guards and checked
+    against them, so memory freed or moved meanwhile (another thread's
+    ``resize_``) is refused now rather than read later.
+
+    Raises:
+        TypeError, ValueError: as :func:`table_snapshot`, which checks the
+            table first; ValueError also when its memory was moved while the
+            layer took its snapshot.
+    """
+    if type(table) is QuantizedTable:
+        data, fmt, dim, scales = table.data, table.format, table.dim, table.scales
+        read = QuantizedTable(as_read(data), fmt, dim, as_read(scales))
+    else:
+        read = as_read(table)
+    table_snapshot(read)  # the table's errors before any guard touches its memory
+    guards = memory_guards(storage(read), read.scales if type(read) is QuantizedTable else None)
+    view = table_snapshot(read)
+    for guard in guards:
+        guard.check()
+    return read, view, guards
 
 
 def _quantized_snapshot(table: QuantizedTable) -> QuantizedTable:

@@ -501,6 +501,52 @@ def test_a_layer_reads_the_callers_table_once_whatever_another_thread_swaps_whil
                 assert calls[0] >= moment and torch.equal(rows, expected), f"{kind}: unguarded rows at moment {moment}"
 
 
+def test_a_table_resized_while_a_layer_or_a_shard_is_built_is_never_read_after_its_memory_is_freed(tmp_path):
+    """The guard recorded the storage's memory after the view was taken: a resize_ in between left a guard of the new
+    memory beside a view of the freed one, and every later call read freed memory (unmapped here: a crash). Every
+    moment of construction is tried, in a process of its own."""
+    from helpers import run_script
+
+    finished = run_script(tmp_path, """
+import sys, numpy as np, torch, fastembed
+from fastembed.distributed import shards
+vocab = 1 << 20  # 64 MiB: torch returns such storage to the system when it frees it
+ids = np.arange(0, vocab, 997)
+for build in (fastembed.Embedding, lambda table: shards.open_shard(table, None, 1, 0, 1, "cpu")):
+    moment, calls = 0, [0]
+    while calls[0] >= moment:
+        moment, calls = moment + 1, [0]
+        table = torch.arange(vocab * 16, dtype=torch.float32).reshape(vocab, 16)
+        expected = table[ids].clone()
+        def another_thread(frame, event, arg):
+            if event == "call" and frame.f_globals.get("__name__", "").startswith("fastembed"):
+                calls[0] += 1
+                if calls[0] == moment:
+                    table.resize_(2 * vocab, 16)  # moves the rows to new memory and frees the old
+        sys.setprofile(another_thread)
+        try:
+            built = build(table)
+        except ValueError as error:  # resized while the snapshot was taken: refused at once
+            assert "storage was resized in place" in str(error), error
+            continue
+        finally:
+            sys.setprofile(None)
+        try:
+            if isinstance(built, fastembed.Embedding):
+                rows = built(ids, backend="numpy")
+            else:
+                for guard in built.guards:
+                    guard.check()
+                rows = torch.from_numpy(built.rows[ids])
+        except ValueError as error:
+            assert "storage was resized in place" in str(error), error
+        else:
+            assert torch.equal(rows, expected), f"moment {moment}"
+print("ok")
+""")
+    assert finished.returncode == 0 and finished.stdout.strip().endswith("ok"), finished.stdout + finished.stderr
+
+
 def _resized_layer(quantized: bool):
     """An Embedding over a torch table (dense float32, or q8_0 rows as a uint8 tensor) whose tensor was then
     resized in place: torch moved the rows and freed the memory the layer's view points at."""

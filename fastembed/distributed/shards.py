@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import validate
-from ..arrays import adapter_of, device_of, memory_guards, torch_adapter
+from ..arrays import adapter_of, device_of, torch_adapter
 from ..formats import QuantizedTable
 from .layout import stored_range
 
@@ -110,23 +110,22 @@ def open_shard(source: Any, name: str | None, pad: int, rank: int, world_size: i
         return shard if placement == "cpu" else _copied_to(shard, placement)
     if name is not None:
         raise ValueError("name= picks a tensor of a checkpoint; it does not apply to an array source")
-    view = validate.table_snapshot(source)
+    read, view, guards = validate.kept_table(source)  # the caller's arrays read once, guarded
     vocab_size = int(view.shape[0])
     start, stop = stored_range(vocab_size, pad, rank, world_size)
-    rows = validate.storage(source)  # what results follow: the table, or a quantized table's data
+    rows = validate.storage(read)  # what results follow: the table, or a quantized table's data
     like = None
     if not isinstance(rows, np.ndarray):
         like = rows.detach()[start:stop] if hasattr(rows, "detach") else rows  # torch: a view of the rows
-    guards = memory_guards(rows, source.scales if isinstance(source, QuantizedTable) else None)
     if placement != "cpu":  # torch CUDA tensors: gathered as they are, so that results are torch tensors on their GPU
-        if isinstance(source, QuantizedTable):
-            scales = None if source.scales is None else source.scales.detach()[start:stop]
-            return _Shard(QuantizedTable(like, source.format, source.dim, scales), like, None, vocab_size, guards)
+        if isinstance(read, QuantizedTable):
+            scales = None if read.scales is None else read.scales.detach()[start:stop]
+            return _Shard(QuantizedTable(like, read.format, read.dim, scales), like, None, vocab_size, guards)
         return _Shard(like, like, None, vocab_size, guards)
     if isinstance(view, QuantizedTable):
         data, scales = view.data[start:stop], None if view.scales is None else view.scales[start:stop]
         # A snapshot's host views are read-only; a shard is, as a dense one, a view the caller may write where its own is.
-        for part, own in ((data, source.data), (scales, source.scales)):
+        for part, own in ((data, read.data), (scales, read.scales)):
             if isinstance(own, np.ndarray) and own.flags.writeable and part is not None:
                 part.flags.writeable = True
         return _Shard(QuantizedTable(data, view.format, view.dim, scales), like, None, vocab_size, guards)
