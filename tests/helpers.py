@@ -1,6 +1,7 @@
 """Helpers the tests share: random tables (never zeros), poisoned outputs, bit-exact comparison."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -61,6 +62,14 @@ class Producer:
 
     def __dlpack_device__(self):
         return self.array.__dlpack_device__()
+
+
+def in_fastembed(code: types.CodeType) -> bool:
+    """Whether `code` is fastembed's own: for :func:`interrupted_runs` whose handler is another thread's change."""
+    return code.co_filename.startswith(_FASTEMBED_FOLDER)
+
+
+_FASTEMBED_FOLDER = os.path.dirname(fastembed.__file__) + os.sep
 
 
 def _raise_keyboard_interrupt() -> None:

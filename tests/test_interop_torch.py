@@ -470,35 +470,41 @@ def test_a_layer_reads_the_callers_table_once_whatever_another_thread_swaps_whil
     """The layer took its view from one reading of the table and its storage guard from a second: a quantized
     table's data or a tensor's .data swapped between the two left the view's memory unguarded, so its later
     resize went unnoticed and the next call read freed memory. Every moment of construction is tried."""
+    from helpers import in_fastembed, interrupted_runs
+
     ids = np.array([0, 4095])
     for kind in ("quantized", "dense"):
-        moment, calls = 0, [0]
-        while calls[0] >= moment:
-            moment, calls = moment + 1, [0]
+        run: dict = {}
+
+        def prepare(run=run, kind=kind):
             first = torch.zeros((4096, 68 if kind == "quantized" else 16),
                                 dtype=torch.uint8 if kind == "quantized" else torch.float32)
             second = torch.ones_like(first)
-            table = QuantizedTable(first, "q8_0", 64) if kind == "quantized" else first.detach()
-            expected = fastembed.lookup(QuantizedTable(second, "q8_0", 64) if kind == "quantized" else second, ids)
+            table_of = (lambda rows: QuantizedTable(rows, "q8_0", 64)) if kind == "quantized" else torch.Tensor.detach
+            run.update(first=first, second=second, table=table_of(first), swapped=False,
+                       expected=fastembed.lookup(table_of(second), ids))
 
-            def another_thread(frame, event, arg, table=table, second=second, calls=calls, moment=moment):
-                if event == "call" and frame.f_globals.get("__name__", "").startswith("fastembed"):
-                    calls[0] += 1
-                    if calls[0] == moment:
-                        table.data = second
+        def build(run=run):
+            run["emb"] = fastembed.Embedding(run["table"])
 
-            sys.setprofile(another_thread)
+        def another_thread(run=run):
+            run["table"].data = run["second"]
+            run["swapped"] = True
+
+        def check(run=run, kind=kind):
+            run["first"].resize_(8192, run["first"].shape[1])  # moves the first tensor's rows and frees their memory
             try:
-                emb = fastembed.Embedding(table)
-            finally:
-                sys.setprofile(None)
-            first.resize_(8192, first.shape[1])  # moves the first tensor's rows and frees their memory
-            try:
-                rows = emb(ids, backend="numpy")
+                rows = run["emb"](ids, backend="numpy")
             except ValueError as error:  # the layer read the first tensor: its guard saw the resize
                 assert "storage was resized in place" in str(error)
             else:  # the layer read the second tensor
-                assert calls[0] >= moment and torch.equal(rows, expected), f"{kind}: unguarded rows at moment {moment}"
+                assert run["swapped"] and torch.equal(rows, run["expected"]), f"{kind}: unguarded rows"
+
+        prepare()
+        for _ in interrupted_runs(in_fastembed, build, another_thread):
+            check()
+            prepare()
+        check()
 
 
 def test_a_table_resized_while_a_layer_or_a_shard_is_built_is_never_read_after_its_memory_is_freed(tmp_path):
@@ -507,41 +513,48 @@ def test_a_table_resized_while_a_layer_or_a_shard_is_built_is_never_read_after_i
     moment of construction is tried, in a process of its own."""
     from helpers import run_script
 
-    finished = run_script(tmp_path, """
-import sys, numpy as np, torch, fastembed
+    finished = run_script(tmp_path, f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import numpy as np, torch, fastembed
 from fastembed.distributed import shards
+from helpers import in_fastembed, interrupted_runs
 vocab = 1 << 20  # 64 MiB: torch returns such storage to the system when it frees it
 ids = np.arange(0, vocab, 997)
-for build in (fastembed.Embedding, lambda table: shards.open_shard(table, None, 1, 0, 1, "cpu")):
-    moment, calls = 0, [0]
-    while calls[0] >= moment:
-        moment, calls = moment + 1, [0]
-        table = torch.arange(vocab * 16, dtype=torch.float32).reshape(vocab, 16)
-        expected = table[ids].clone()
-        def another_thread(frame, event, arg):
-            if event == "call" and frame.f_globals.get("__name__", "").startswith("fastembed"):
-                calls[0] += 1
-                if calls[0] == moment:
-                    table.resize_(2 * vocab, 16)  # moves the rows to new memory and frees the old
-        sys.setprofile(another_thread)
-        try:
-            built = build(table)
-        except ValueError as error:  # resized while the snapshot was taken: refused at once
-            assert "storage was resized in place" in str(error), error
-            continue
-        finally:
-            sys.setprofile(None)
-        try:
-            if isinstance(built, fastembed.Embedding):
-                rows = built(ids, backend="numpy")
-            else:
-                for guard in built.guards:
-                    guard.check()
-                rows = torch.from_numpy(built.rows[ids])
-        except ValueError as error:
-            assert "storage was resized in place" in str(error), error
+run = {{}}
+def prepare():
+    table = torch.arange(vocab * 16, dtype=torch.float32).reshape(vocab, 16)
+    run.update(table=table, expected=table[ids].clone(), built=None, refused=None)
+def build():
+    try:
+        run["built"] = run["build"](run["table"])
+    except ValueError as error:  # resized while the snapshot was taken: refused at once
+        run["refused"] = error
+def another_thread():
+    run["table"].resize_(2 * vocab, 16)  # moves the rows to new memory and frees the old
+def check():
+    if run["refused"] is not None:
+        assert "storage was resized in place" in str(run["refused"]), run["refused"]
+        return
+    built = run["built"]
+    try:
+        if isinstance(built, fastembed.Embedding):
+            rows = built(ids, backend="numpy")
         else:
-            assert torch.equal(rows, expected), f"moment {moment}"
+            for guard in built.guards:
+                guard.check()
+            rows = torch.from_numpy(built.rows[ids])
+    except ValueError as error:
+        assert "storage was resized in place" in str(error), error
+    else:
+        assert torch.equal(rows, run["expected"])
+for make in (fastembed.Embedding, lambda table: shards.open_shard(table, None, 1, 0, 1, "cpu")):
+    run["build"] = make
+    prepare()
+    for _ in interrupted_runs(in_fastembed, build, another_thread):
+        check()
+        prepare()
+    check()
 print("ok")
 """)
     assert finished.returncode == 0 and finished.stdout.strip().endswith("ok"), finished.stdout + finished.stderr

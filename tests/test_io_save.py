@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import fastembed
 from fastembed import io
 from fastembed.formats import FORMATS, QuantizedTable, quantize_rows
+from helpers import in_fastembed, interrupted_runs
 from test_io_gguf import assert_maps_the_file, tensor_for, write_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -133,31 +134,36 @@ def test_a_table_reshaped_or_retyped_by_another_thread_while_it_is_saved_is_writ
     """The writers read the caller's array after the checks: a shape or dtype reassigned meanwhile made a file that
     loads as another table, or one longer than its header says. Every moment of the save is tried."""
     rows = (np.arange(3 * 2**20 // 4, dtype=np.float32).reshape(-1, 64) % 1000)  # 3 MiB: written in chunks
+    path = tmp_path / f"table{suffix}"
     for change in ({"shape": (rows.shape[0], 32, 2)}, {"dtype": np.float16}):
-        moment, calls = 0, [0]
-        while calls[0] >= moment:
-            moment, calls = moment + 1, [0]
-            table = rows.copy()
+        run: dict = {}
 
-            def another_thread(frame, event, arg, table=table, calls=calls, moment=moment, change=change):
-                if event in ("call", "c_call") and frame.f_globals.get("__name__", "").startswith("fastembed"):
-                    calls[0] += 1
-                    if calls[0] == moment:
-                        for name, value in change.items():
-                            setattr(table, name, value)
-
-            sys.setprofile(another_thread)
+        def save(run=run):
+            run.update(table=rows.copy(), refused=False)
             try:
-                io.save_table(tmp_path / f"table{suffix}", table)
+                io.save_table(path, run["table"])
             except ValueError:
-                assert calls[0] >= moment  # the table as it is after the change: refused (3-D), nothing written
-                continue
-            finally:
-                sys.setprofile(None)
-            saved = np.asarray(io.open_table(tmp_path / f"table{suffix}"))
+                run["refused"] = True
+
+        def another_thread(run=run, change=change):
+            for name, value in change.items():
+                setattr(run["table"], name, value)
+            run["changed"] = True
+
+        def check(run=run, change=change):
+            if run["refused"]:
+                assert run.get("changed")  # the table as it is after the change: refused (3-D), nothing written
+                return
+            saved = np.asarray(io.open_table(path))
+            table = run["table"]
             before, after = rows, table if table.ndim == 2 else None
             assert any(saved.dtype == t.dtype and np.array_equal(saved, t) for t in (before, after) if t is not None), \
-                f"{change}: a file of neither table at moment {moment}"
+                f"{change}: a file of neither table"
+
+        for _ in interrupted_runs(in_fastembed, save, another_thread):
+            check()
+            run["changed"] = False
+        check()
 
 
 def test_strided_and_big_endian_tables_are_written_as_they_read(tmp_path):

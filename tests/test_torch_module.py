@@ -494,28 +494,28 @@ def test_ids_of_as_many_dimensions_as_torch_takes_get_torchs_result(ndim):
 def test_a_weight_swapped_for_one_fastembed_cannot_read_during_forward_gets_a_result_not_an_error():
     """The forward checked the live weight and then looked up rows of it again: a `.data =` of a column-major
     weight in between (another thread's, or a loader's) raised ValueError. Every moment of the call is tried."""
+    from helpers import in_fastembed, interrupted_runs
+
     values = torch.randn(2000, 64)
     ids = torch.randint(0, 2000, (600,))
-    moment, calls = 0, [0]
+    run: dict = {}
+
+    def prepare():
+        run.update(layer=Embedding.from_pretrained(values.clone(), freeze=True), column_major=values.t().contiguous().t())
+
+    def forward():
+        run["rows"] = run["layer"](ids)
+
+    def another_thread():
+        run["layer"].weight.data = run["column_major"]
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch's own embedding serving the column-major weight, said
-        while calls[0] >= moment:
-            moment, calls = moment + 1, [0]
-            layer = Embedding.from_pretrained(values.clone(), freeze=True)
-            column_major = values.t().contiguous().t()
-
-            def another_thread(frame, event, arg, layer=layer, calls=calls, moment=moment, column_major=column_major):
-                if event == "call" and frame.f_globals.get("__name__", "").startswith("fastembed"):
-                    calls[0] += 1
-                    if calls[0] == moment:
-                        layer.weight.data = column_major
-
-            sys.setprofile(another_thread)
-            try:
-                rows = layer(ids)
-            finally:
-                sys.setprofile(None)
-            assert torch.equal(rows, values[ids]), f"moment {moment}"
+        prepare()
+        for n in interrupted_runs(in_fastembed, forward, another_thread):
+            assert torch.equal(run["rows"], values[ids]), f"moment {n}"
+            prepare()
+        assert torch.equal(run["rows"], values[ids])
 
 
 def test_a_weight_swapped_by_another_thread_during_forward_frees_nothing_the_gather_reads(tmp_path):
