@@ -709,7 +709,7 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             if not np.may_share_memory(view, table) and not np.may_share_memory(
                 view, _caller_ids_memory(caller_ids, ids)
             ) and ((type(base) is _NDARRAY and base.base is None)
-                   or (not write_probe.lent(out) and numpy_adapter.memmap_of(out) is None)):
+                   or (not write_probe.lent(out) and numpy_adapter.mapping_of(out) is None)):
                 # Disjoint address ranges cannot overlap (a mapped table, views): the exact test is left for the rest,
                 # and so is memory another library lent, which may be read-only whatever numpy says, and a view of a
                 # mapped file, which another mapping of the table's file may alias (a view of an array owning its

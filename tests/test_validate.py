@@ -233,6 +233,60 @@ def test_the_file_check_measures_the_calls_snapshots_not_the_callers_arrays(back
         sys.setprofile(None)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs the kernel's list of mappings (Linux)")
+def test_the_file_check_reads_what_each_mapping_maps_from_the_kernel_not_from_the_memmaps_attributes(backend, tmp_path):
+    """The check read an np.memmap's ``mode``, ``offset`` and ``_mmap``, which any thread may reassign: an out over
+    the table's own file whose mode read "c", whose offset pointed elsewhere, or whose ``_mmap`` was another map
+    passed, and so did a map of the file that is no np.memmap (np.frombuffer of an mmap)."""
+    path = tmp_path / "rows.bin"
+    random_table(16, 4, "float32").tofile(path)
+    before = path.read_bytes()
+    table = np.memmap(path, np.float32, "r", shape=(16, 4))
+    reassignments = {"mode": lambda memmap: setattr(memmap, "mode", "c"),
+                     "offset": lambda memmap: setattr(memmap, "offset", 10**9),
+                     "_mmap": lambda memmap: setattr(memmap, "_mmap", mmap.mmap(-1, 4096)),
+                     "_mmap None": lambda memmap: setattr(memmap, "_mmap", None)}
+    for what, reassign in reassignments.items():
+        out = np.memmap(path, np.float32, "r+", shape=(16, 4))
+        reassign(out)
+        for view in (out[8:12], out[8:12].view(np.ndarray)):
+            with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+                fastembed.lookup(table, [7, 8, 9, 10], out=view, backend=backend)
+            assert path.read_bytes() == before, what
+    with open(path, "r+b") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0)
+    out = np.frombuffer(mapped, np.float32).reshape(16, 4)[8:12]
+    with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+        fastembed.lookup(table, [7, 8, 9, 10], out=out, backend=backend)
+    assert path.read_bytes() == before
+    private = np.frombuffer(mmap.mmap(os.open(path, os.O_RDONLY), 0, access=mmap.ACCESS_COPY), np.float32)
+    expected = np.array(table[[7, 8, 9, 10]])
+    assert_bit_equal(fastembed.lookup(table, [7, 8, 9, 10], out=private.reshape(16, 4)[8:12], backend=backend),
+                     expected)
+    assert path.read_bytes() == before
+    del out
+
+
+def test_without_the_kernels_list_of_mappings_the_file_check_reads_the_memmaps(backend, tmp_path, monkeypatch):
+    """Where there is no /proc/self/maps, an np.memmap's offset, mode and file name tell what it maps."""
+    from fastembed.arrays import numpy_adapter
+
+    monkeypatch.setattr(numpy_adapter, "_listed_mapping", lambda address: numpy_adapter._UNLISTED)
+    monkeypatch.setattr(numpy_adapter, "_FACTS_OF_MAPPING", numpy_adapter.weakref.WeakKeyDictionary())
+    path = tmp_path / "rows.bin"
+    rows = random_table(16, 4, "float32")
+    rows.tofile(path)
+    before = path.read_bytes()
+    table = np.memmap(path, np.float32, "r", shape=(8, 4))  # file rows 0-7
+    with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
+        fastembed.lookup(table, [1, 2], out=np.memmap(path, np.float32, "r+", offset=6 * 16, shape=(2, 4)),
+                         backend=backend)
+    assert path.read_bytes() == before
+    for out in (np.memmap(path, np.float32, "r+", offset=8 * 16, shape=(2, 4)),  # file rows 8-9: apart
+                np.memmap(path, np.float32, "c", offset=16, shape=(2, 4))):  # copy-on-write
+        assert_bit_equal(fastembed.lookup(table, [1, 2], out=out, backend=backend), rows[[1, 2]])
+
+
 def test_out_mapping_the_file_of_a_copy_on_write_table_is_refused(backend, tmp_path):
     """A copy-on-write table reads the file's own pages (it never writes them): a shared map's writes reach it."""
     path = tmp_path / "table.npy"

@@ -39,25 +39,26 @@ class NumpyAdapter:
     def same_file_bytes(self, first: Any, second: Any) -> bool:
         """Whether a write through `first` reaches bytes of a file that `second` maps too.
 
-        Both are np.memmap arrays or views of them. Two mappings of a file have
-        different addresses, which :meth:`may_share_memory` compares; a write
-        through one is read through the other all the same. The files are
-        the ones mapped, as the kernel records them (Linux: ``/proc/self/maps``),
-        so a file renamed, removed or replaced since it was mapped is still
-        told apart; elsewhere they are looked up by the mappings' file names,
-        and a file renamed or removed since then is not found. False where either
-        maps no file, or `first` is a copy-on-write mapping (its writes stay in
-        the process). A copy-on-write `second` counts: it reads the file's own
-        pages until it writes them, and a table is never written.
+        Both are arrays over memory maps (np.memmap, or views of one). Two
+        mappings of a file have different addresses, which
+        :meth:`may_share_memory` compares; a write through one is read
+        through the other all the same. Each mapping is the ``mmap`` object at
+        the root of the array's bases (which numpy never lets change), and
+        what it maps (file, position, shared or copy-on-write) is what the
+        kernel records for it (Linux: ``/proc/self/maps``), never the
+        np.memmap's own attributes, which anyone may reassign: a file
+        renamed, removed or replaced since it was mapped is still told
+        apart. Elsewhere the np.memmap's ``offset``, ``mode`` and file name
+        are trusted. False where either maps no file, or `first` is a
+        copy-on-write mapping (its writes stay in the process). A
+        copy-on-write `second` counts: it reads the file's own pages until
+        it writes them, and a table is never written.
         """
         span_a, span_b = _file_span(first, writes=True), _file_span(second, writes=False)
         if span_a is None or span_b is None:
             return False
-        (mapping_a, start_a, stop_a), (mapping_b, start_b, stop_b) = span_a, span_b
-        if not (start_a < stop_b and start_b < stop_a):
-            return False
-        files = _mapped_files((mapping_a, mapping_b))
-        return files[0] is not None and files[0] == files[1]
+        (file_a, start_a, stop_a), (file_b, start_b, stop_b) = span_a, span_b
+        return file_a == file_b and start_a < stop_b and start_b < stop_a
 
     def wrap(self, result: np.ndarray) -> np.ndarray:
         return result
@@ -74,104 +75,132 @@ class NumpyAdapter:
 ADAPTER = NumpyAdapter()
 
 
-def _file_span(array: Any, writes: bool) -> tuple[np.memmap, int, int] | None:
-    """(the np.memmap whose mapping holds `array`, first byte in its file, end) that `array` maps, or None.
+def _file_span(array: Any, writes: bool) -> tuple[tuple[int, int], int, int] | None:
+    """(the file `array` maps as (device, inode), its first byte there, end), or None where it maps none.
 
-    `array` is an np.memmap or a view of one (a plain ndarray whose base
-    chain leads to it). np.memmap maps its file from ``offset`` rounded down
-    to the allocation granularity, and a memmap view keeps its parent's
-    ``offset`` and mapping: the file position of an address is that start
-    plus the address's distance from the mapping's first byte. With
-    `writes`, the bytes a write through `array` reaches: none for a
-    copy-on-write mapping (mode ``"c"``), which never writes through to its
-    file; else the bytes it reads, which a copy-on-write mapping reads from
-    the file until it writes them.
+    `array` is a view of a memory map: its bases lead to the ``mmap``
+    object, whose first byte lies at some position of its file; an address
+    in it lies as far past that position as it lies past the mapping's first
+    byte. With `writes`, the bytes a write through `array` reaches: none for
+    a copy-on-write mapping, which never writes through to its file; else
+    the bytes it reads, which a copy-on-write mapping reads from the file
+    until it writes them.
     """
-    memmap = memmap_of(array)
-    if memmap is None or (writes and memmap.mode == "c") or array.size == 0:
+    mapping = mapping_of(array)
+    if mapping is None or array.size == 0:
         return None
-    base = _mapping_address(memmap)
-    if base is None:
+    address = _mapping_address(mapping)
+    facts = None if address is None else _mapping_facts(mapping, address, array)
+    if facts is None:
         return None
-    first = memmap.offset - memmap.offset % mmap.ALLOCATIONGRANULARITY + array.ctypes.data - base
+    file, position, shared = facts
+    if writes and not shared:
+        return None
+    first = position + array.ctypes.data - address
     reach = [stride * (size - 1) for stride, size in zip(array.strides, array.shape, strict=True)]
     low, high = sum(step for step in reach if step < 0), sum(step for step in reach if step > 0)
-    return memmap, first + low, first + high + array.itemsize
+    return file, first + low, first + high + array.itemsize
 
 
-def _mapping_address(memmap: np.memmap) -> int | None:
-    """The address of the first byte of `memmap`'s mapping, or None once the mapping is closed."""
+def mapping_of(array: Any) -> mmap.mmap | None:
+    """The ``mmap`` object whose memory `array` lies in: the first down its chain of bases, or None.
+
+    The chain runs through arrays' bases and memoryviews' objects (np.frombuffer's), neither of
+    which can be reassigned, so neither can the answer while `array` lives.
+    """
+    for _ in range(64):  # base chains are short; a cycle cannot be made, but nothing is trusted blindly
+        if isinstance(array, mmap.mmap):
+            return array
+        if isinstance(array, memoryview):
+            array = array.obj
+        elif isinstance(array, np.ndarray):
+            array = array.base
+        else:
+            return None
+    return None
+
+
+def _mapping_address(mapping: mmap.mmap) -> int | None:
+    """The address of the first byte of `mapping`, or None once it is closed."""
     try:
-        return int(np.frombuffer(getattr(memmap, "_mmap"), np.uint8).ctypes.data)  # noqa: B009 - numpy's own attribute
+        return int(np.frombuffer(mapping, np.uint8).ctypes.data)
     except (ValueError, TypeError):
         return None
 
 
-def _mapped_files(memmaps: tuple[np.memmap, ...]) -> list[tuple[int, int] | None]:
-    """(device, inode) of the file each of `memmaps` maps, or None where it cannot be told.
+#: What each mapping found in the kernel's list maps, by the mmap object while it lives (it never changes):
+#: ((device, inode) of the file, position in the file of its first byte, whether writes reach the file).
+_FACTS_OF_MAPPING: weakref.WeakKeyDictionary[mmap.mmap, tuple[tuple[int, int], int, bool]] = weakref.WeakKeyDictionary()
 
-    Where the kernel lists the process's mappings (``/proc/self/maps``), the
-    file mapped at each mapping's first byte, whatever its name is now (read
-    once per mapping: a mapping's file never changes); else, or where the
-    list has no file at that address, the file the mapping's name leads to now.
+
+def _mapping_facts(mapping: mmap.mmap, address: int, array: Any) -> tuple[tuple[int, int], int, bool] | None:
+    """(file, position of its first byte in the file, shared) of `mapping`, whose first byte is at `address`; None: no file.
+
+    From the kernel's list of this process's mappings where there is one;
+    else from the np.memmap down `array`'s bases, if any.
     """
-    files = [_FILE_OF_MAPPING.get(getattr(memmap, "_mmap")) for memmap in memmaps]  # noqa: B009 - numpy's own attribute
-    wanted = {k: _mapping_address(memmap) for k, memmap in enumerate(memmaps) if files[k] is None}
-    if wanted:
-        listed = _listed_files([address for address in wanted.values() if address is not None])
-        for k, address in wanted.items():
-            mapped = listed.get(address) if address is not None else None
-            if mapped is not None:
-                _FILE_OF_MAPPING[getattr(memmaps[k], "_mmap")] = mapped  # noqa: B009 - numpy's own attribute
-            files[k] = mapped if mapped is not None else _file_by_name(memmaps[k])
-    return files
+    facts = _FACTS_OF_MAPPING.get(mapping)
+    if facts is None:
+        listed = _listed_mapping(address)
+        if listed is _UNLISTED:
+            return _memmap_facts(array)
+        if listed is None:
+            return None
+        facts = _FACTS_OF_MAPPING[mapping] = listed
+    return facts
 
 
-#: The file of each mapping found in the kernel's list: (device, inode) by the mmap object, while it lives.
-_FILE_OF_MAPPING: weakref.WeakKeyDictionary[mmap.mmap, tuple[int, int]] = weakref.WeakKeyDictionary()
+#: What :func:`_listed_mapping` answers where the kernel keeps no list of mappings.
+_UNLISTED = ((-1, -1), -1, False)
 
 
-def _listed_files(addresses: list[int]) -> dict[int, tuple[int, int]]:
-    """(device, inode) of the file mapped at each of `addresses`, by the kernel's list of this process's mappings.
+def _listed_mapping(address: int) -> tuple[tuple[int, int], int, bool] | None:
+    """(file, position in it of the byte at `address`, shared) by the kernel's list of this process's mappings.
 
-    Addresses the list does not place in a file mapping are left out, as is
-    everything where there is no such list (``/proc/self/maps`` is Linux's).
+    None where the list places no file mapping there (anonymous memory);
+    :data:`_UNLISTED` where there is no such list (``/proc/self/maps`` is Linux's).
     """
     try:
         with open("/proc/self/maps", "rb") as maps:
             listing = maps.read()
     except OSError:
-        return {}
-    found: dict[int, tuple[int, int]] = {}
+        return _UNLISTED
     # One line per mapping, ended by a newline, which is the only byte the kernel escapes in a file's name:
     # start-end perms offset major:minor inode [name], the numbers in hexadecimal but the inode.
     for line in listing.split(b"\n"):
-        if len(found) == len(addresses):
-            break
         fields = line.split(b" ", 5)
         if len(fields) < 5:
             continue
         try:
             start, end = (int(bound, 16) for bound in fields[0].split(b"-"))
+            if not start <= address < end:
+                continue
+            offset = int(fields[2], 16)
             major, minor = (int(number, 16) for number in fields[3].split(b":"))
             inode = int(fields[4])
         except ValueError:
             continue
-        for address in addresses:
-            if start <= address < end and inode and address not in found:
-                found[address] = (os.makedev(major, minor), inode)
-    return found
+        if not inode:
+            return None
+        return (os.makedev(major, minor), inode), offset + address - start, fields[1][3:4] == b"s"
+    return None
 
 
-def _file_by_name(memmap: np.memmap) -> tuple[int, int] | None:
-    """(device, inode) of the file `memmap`'s file name leads to now, or None (a file of no name too)."""
-    if not getattr(memmap, "filename", None):
+def _memmap_facts(array: Any) -> tuple[tuple[int, int], int, bool] | None:
+    """(file, position of its mapping's first byte, shared) from the np.memmap down `array`'s bases, or None.
+
+    Where the kernel keeps no list of mappings: the np.memmap's attributes
+    and its file's name now (a file renamed or removed since is not found).
+    """
+    memmap = memmap_of(array)
+    if memmap is None or not getattr(memmap, "filename", None):
         return None
     try:
         facts = os.stat(str(memmap.filename))
     except (OSError, ValueError):
         return None
-    return facts.st_dev, facts.st_ino
+    start = memmap.offset - memmap.offset % mmap.ALLOCATIONGRANULARITY
+    return (facts.st_dev, facts.st_ino), start, memmap.mode != "c"
 
 
 def memmap_of(array: Any) -> np.memmap | None:
