@@ -114,6 +114,11 @@ def _lookup_in_call_context(table_view: Any, ids: Any, out: Any, dtype: Any, bac
     They run in the table's call context (:func:`fastembed.arrays.call_context`:
     for a torch CUDA table its device, and torch's current stream as cupy's).
     """
+    if type(table_view if type(table_view) is not QuantizedTable else table_view.data) is not _NDARRAY:
+        # A device table: its device, its dtype (a snapshot holds some as words) and its library are read below, all
+        # of the arrays snapshotted, whatever another thread assigns to the caller's table meanwhile.
+        table = validate.read_once(table)
+        table_view = validate.table_snapshot(table)
     rows = validate.storage(table)  # a quantized table's results follow its data's library
     with call_context(rows):
         ids_view = validate.ids_snapshot(ids, table_view)

@@ -112,6 +112,21 @@ def table_snapshot(table: Any) -> Any:
     return view
 
 
+def read_once(table: Any) -> Any:
+    """The caller's table as read now, for code that consults its arrays again after their snapshot.
+
+    A quantized table's fields go into a table of its own, and each array is
+    :func:`~fastembed.arrays.as_read` (a torch tensor: an alias that a later
+    ``.data =`` on the caller's leaves over the memory, dtype and device it
+    had): a snapshot of the result and every later read of it are of the
+    same arrays, whatever another thread assigns to the caller's meanwhile.
+    """
+    if type(table) is QuantizedTable:
+        data, fmt, dim, scales = table.data, table.format, table.dim, table.scales
+        return QuantizedTable(as_read(data), fmt, dim, as_read(scales))
+    return as_read(table)
+
+
 def kept_table(table: Any) -> tuple[Any, Any, tuple[Any, ...]]:
     """A table a layer keeps between calls: (the caller's arrays as read once, their snapshot, guards over their memory).
 
@@ -128,11 +143,7 @@ def kept_table(table: Any) -> tuple[Any, Any, tuple[Any, ...]]:
             table first; ValueError also when its memory was moved while the
             layer took its snapshot.
     """
-    if type(table) is QuantizedTable:
-        data, fmt, dim, scales = table.data, table.format, table.dim, table.scales
-        read = QuantizedTable(as_read(data), fmt, dim, as_read(scales))
-    else:
-        read = as_read(table)
+    read = read_once(table)
     table_snapshot(read)  # the table's errors before any guard touches its memory
     guards = memory_guards(storage(read), read.scales if type(read) is QuantizedTable else None)
     view = table_snapshot(read)

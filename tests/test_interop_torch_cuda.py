@@ -21,6 +21,7 @@ from fastembed.arrays import torch_adapter  # noqa: E402
 from fastembed.backends import cuda_backend  # noqa: E402
 from fastembed.formats import QuantizedTable  # noqa: E402
 from fastembed.tables import random_quantized_table  # noqa: E402
+from helpers import in_fastembed, interrupted_runs  # noqa: E402
 from torch_cuda_double import TorchCuda, installed, real_torch_cuda  # noqa: E402
 
 VOCAB, DIM = 97, 24
@@ -366,3 +367,50 @@ def test_on_a_gpu_torchs_stream_orders_the_gather_after_queued_work(tc):
         result = fastembed.lookup(table, torch.arange(VOCAB, device="cuda"))
     side.synchronize()
     assert bool((result == 3.0).all())
+
+
+@pytest.mark.parametrize("call, built, swapped_to", [
+    ("lookup", torch.float16, torch.bfloat16), ("lookup", torch.bfloat16, torch.float16),
+    ("lookup", torch.float8_e4m3fn, torch.float8_e5m2), ("lookup out", torch.float8_e4m3fn, torch.float8_e5m2),
+    ("lookup out", torch.bfloat16, torch.float16), ("lookup quantized", None, None)])
+def test_a_lookup_reads_a_torch_cuda_table_once_whatever_another_thread_swaps_meanwhile(tc, call, built, swapped_to):
+    """lookup() took its snapshot of the caller's tensor and then read the tensor again for the output dtype, the
+    device and the result's kind: a ``.data =`` between the two (``module.half()`` in another thread) made it read
+    the snapshot's float8_e4m3fn bytes as float8_e5m2. Each run swaps the table at another point of the call; the
+    result is the rows of one table or the other, each in its own dtype, or (an out of the old dtype) a TypeError."""
+    pytest.importorskip("ml_dtypes")
+    ids = [3, 96, 0]
+    if call == "lookup quantized":
+        quantized = random_quantized_table("q8_0", VOCAB, 32, seed=3)
+        swapped = QuantizedTable(np.ascontiguousarray(quantized.data[::-1]), "q8_0", 32)
+        table = QuantizedTable(tc.to_cuda(torch.from_numpy(quantized.data)), "q8_0", 32)
+        other = tc.to_cuda(torch.from_numpy(swapped.data))
+        allowed = [(torch.float16, fastembed.lookup(host, ids, dtype="float16").view(np.uint8).tobytes())
+                   for host in (quantized, swapped)]
+    else:
+        host = host_table(built)
+        table = torch.nn.Parameter(tc.to_cuda(host), requires_grad=False)
+        swapped = host.to(swapped_to).flip(0).contiguous()
+        other = tc.to_cuda(swapped)
+        allowed = [(rows.dtype, rows[torch.tensor(ids)].view(torch.uint8).numpy().tobytes()) for rows in (host, swapped)]
+
+    def lookup() -> object:
+        on_device = tc.to_cuda(torch.tensor(ids))
+        if call == "lookup out":
+            try:
+                return fastembed.lookup(table, on_device, out=tc.empty((3, DIM), built))
+            except TypeError as error:  # the out of the old dtype checked against the new table
+                assert f"out has dtype {str(built)[6:]}, expected {str(swapped_to)[6:]}" in str(error)
+                return None
+        return fastembed.lookup(table, on_device, dtype="float16" if call == "lookup quantized" else None)
+
+    def swap() -> None:
+        table.data = other
+
+    original = table.data
+    results: list = []
+    for _ in interrupted_runs(in_fastembed, lambda: results.append(lookup()), handler=swap):
+        result = results.pop()
+        table.data = original
+        if result is not None:
+            assert (result.dtype, tc.to_host(result).view(torch.uint8).numpy().tobytes()) in allowed
