@@ -324,7 +324,7 @@ def quantize_rows(rows: np.ndarray, fmt: str | BlockFormat) -> tuple[np.ndarray,
         ((3, 68), dtype('uint8'), True)
     """
     fmt = block_format(fmt)
-    if FORMATS.get(fmt.name) is not fmt:
+    if not is_fastembeds_own(fmt):
         raise ValueError(f"fastembed quantizes into its own {' and '.join(QUANTIZERS)} formats, not {fmt!r}")
     rows = np.asarray(rows)
     if rows.ndim != 2:

@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import fastembed
 from fastembed.formats import (
     FORMATS,
     BlockFormat,
@@ -17,7 +18,7 @@ from fastembed.formats import (
     quantize_rows,
     row_bytes,
 )
-from helpers import assert_bit_equal, random_quantized
+from helpers import assert_bit_equal, random_quantized, random_table
 
 gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package is the reference for the GGUF layouts")
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
@@ -247,10 +248,23 @@ def test_a_float64_block_just_below_the_limit_is_refused_naming_its_own_value_an
 def test_a_format_object_of_the_callers_own_is_not_quantized_as_the_format_of_its_name():
     import dataclasses
 
-    lookalike = dataclasses.replace(FORMATS["q8_0"], block_bytes=34)
-    assert lookalike is not FORMATS["q8_0"]
+    lookalike = dataclasses.replace(FORMATS["q8_0"], dequantize_blocks=lambda blocks: blocks.astype(np.float32))
     with pytest.raises(ValueError, match="its own q8_0 and fp8_e4m3"):
         quantize_rows(np.ones((1, 32), np.float32), lookalike)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "fp8_e4m3"])
+def test_a_pickled_copy_of_a_format_quantizes_as_the_format_itself(name):
+    """A table's format after a trip through pickle (multiprocessing) is accepted by tables, lookups and saves:
+    the quantizer refused it, naming it as not one of fastembed's own."""
+    import pickle
+
+    rows = random_table(5, 64, "float32")
+    copy = pickle.loads(pickle.dumps(FORMATS[name]))
+    assert copy is not FORMATS[name]
+    for made, expected in zip(quantize_rows(rows, copy), quantize_rows(rows, name), strict=True):
+        assert (made is None and expected is None) or made.tobytes() == expected.tobytes()
+    assert fastembed.Embedding(rows).quantize(copy).format == name
 
 
 @pytest.mark.parametrize("fields, error, words", [
