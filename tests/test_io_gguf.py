@@ -273,6 +273,27 @@ def test_hostile_files_give_value_errors_naming_the_problem(tmp_path, content, w
     assert str(caught.value).startswith(f"{path}: ")
 
 
+def test_a_table_sharing_bytes_with_another_tensor_is_refused(tmp_path):
+    """The file's checks stopped at the table's own bytes: a table whose rows ran into another tensor's data (or
+    lay inside it) was mapped, and its rows were that tensor's bytes. llama.cpp refuses such a file."""
+    data = bytes(range(256)) * 2
+    path = tmp_path / "shared.gguf"
+    table = ("token_embd.weight", [32, 3], 1, 64)  # 3 rows of 32 float16: bytes 64-256 of the data
+    sharing = {"another at the same place": [table, ("twin", [4], 1, 64)],
+               "another starting inside it": [table, ("next", [4], 1, 128)],
+               "one of a type ggml does not define starting inside it": [("odd", [1], 99, 96), table],
+               "it inside another": [("big", [256], 0, 0), table],
+               "it starting inside another": [("first", [24], 0, 0), table]}
+    for tensors in sharing.values():
+        path.write_bytes(raw_gguf(tensors, data=data))
+        with pytest.raises(ValueError, match="tensor 'token_embd.weight' \\(bytes 64 to 256 of the data\\) shares "
+                                             "bytes with tensor '.*' \\(bytes .*\\): a GGUF file's tensors lie one after"):
+            io.map_gguf(path)
+    apart = [("empty", [0, 4], 1, 64), table, ("odd", [8], 99, 256), ("last", [4], 1, 256), ("first", [16], 0, 0)]
+    path.write_bytes(raw_gguf(apart, data=data))  # an empty tensor where it starts; others before and after it
+    assert np.asarray(io.map_gguf(path)).tobytes() == data[64:256]
+
+
 def test_a_header_over_the_limit_is_refused(tmp_path, monkeypatch):
     path = tmp_path / "model.gguf"
     write_gguf(path, [("token_embd.weight", values(4, 32), None)])

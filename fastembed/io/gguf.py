@@ -360,14 +360,18 @@ def _scan(reader: _Reader, head: bytes, name: str) -> GGUFTensor:
     alignment = _read_metadata(reader, kv_count)
     wanted = name.encode("utf-8")
     found: tuple[tuple[int, ...], int, int] | None = None
+    found_index = -1
+    extents = np.empty((tensor_count, 2), np.uint64)  # each tensor's bytes in the data: [start, end)
+    tensors_start = reader.pos
     sample: list[str] = []
     near: list[str] = []
     for index in range(tensor_count):
         raw_name, dims, ggml_type, offset = _read_tensor(reader, index, alignment)
+        extents[index] = offset, min(offset + _data_bytes(dims, ggml_type), _U64_MAX)
         if raw_name == wanted:
             if found is not None:
                 raise reader.fail(f"tensor {name!r} is listed twice")
-            found = (dims, ggml_type, offset)
+            found, found_index = (dims, ggml_type, offset), index
         elif len(sample) < 12 or len(near) < 12:
             text = raw_name.decode("utf-8", "replace")
             if len(sample) < 12:
@@ -378,8 +382,44 @@ def _scan(reader: _Reader, head: bytes, name: str) -> GGUFTensor:
         raise reader.fail(f"no tensor named {name!r}; tensors named like an embedding: {shorten(near)}; "
                           f"the first tensors: {shorten(sample, tensor_count)}")
     data_start = -(-reader.pos // alignment) * alignment
+    _check_apart(reader, extents, found_index, tensors_start, alignment, name)
     dims, ggml_type, offset = found
     return GGUFTensor(name, dims, ggml_type, data_start + offset)
+
+
+_U64_MAX = 2**64 - 1
+
+
+def _data_bytes(dims: tuple[int, ...], ggml_type: int) -> int:
+    """The bytes a tensor of `dims` and `ggml_type` takes in the data; 0 for a type ggml does not define."""
+    known = GGML_TYPES.get(ggml_type)
+    if known is None:
+        return 0
+    elements = 1
+    for size in dims:
+        elements *= size
+    _, block_values, block_bytes = known
+    return -(-elements // block_values) * block_bytes
+
+
+def _check_apart(reader: _Reader, extents: np.ndarray, index: int, tensors_start: int, alignment: int,
+                 name: str) -> None:
+    """Refuse a table whose bytes share any with another tensor's (llama.cpp refuses any layout but one after another).
+
+    A tensor of a type ggml does not define is known by its first byte only.
+    """
+    start, end = extents[index]
+    starts, ends = extents[:, 0], extents[:, 1]
+    sharing = ((starts < end) & (start < ends)) | ((start < starts) & (starts < end))
+    sharing[index] = False
+    if sharing.any():
+        other = int(np.argmax(sharing))
+        reader.pos = tensors_start
+        for position in range(other + 1):
+            other_name = _read_tensor(reader, position, alignment)[0]
+        raise reader.fail(f"tensor {name!r} (bytes {start} to {end} of the data) shares bytes with tensor "
+                          f"{_quoted(other_name)} (bytes {starts[other]} to {ends[other]}): a GGUF file's tensors "
+                          "lie one after another")
 
 
 def _check_table(path: Any, tensor: GGUFTensor, file_size: int) -> tuple[int, int, int]:
