@@ -513,6 +513,14 @@ def shared_memory_task(rank: int, world: int) -> dict:
             raised = outcome(lambda: emb(large))
         return raised[0], emb.exchange
 
+    def warning_as_error_on_rank_0():
+        """Rank 0's warning, raised as an error, ended its call before the others' all-reduce: out of step for good."""
+        emb = build()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error" if rank == 0 else "ignore", RuntimeWarning)
+            raised = outcome(lambda: emb(large))[0]
+        return raised == ("RuntimeWarning" if rank == 0 else "no error"), used(emb, small), used(emb, large)
+
     def refused_errno():
         emb = build(exchange="shared_memory")
         try:
@@ -536,6 +544,8 @@ def shared_memory_task(rank: int, world: int) -> dict:
         "small shm, auto": lambda: with_patch("create_mapping", small_shm, auto_sequence),
         "small shm, shared_memory": lambda: with_patch("create_mapping", small_shm, explicit_refused),
         "small shm, errno": lambda: with_patch("create_mapping", small_shm, refused_errno),
+        "small shm, warning as error on rank 0": lambda: with_patch("create_mapping", small_shm,
+                                                                    warning_as_error_on_rank_0),
         "growing in a shm with room for one segment": lambda: with_patch(
             "create_mapping", room_for_one,
             lambda: (lambda emb: [used(emb, small), outcome(lambda: used(emb, large))[0], emb.last_timings.exchange])(
@@ -984,6 +994,8 @@ def test_shared_memory_is_chosen_refused_and_given_up_alike_on_every_rank(group)
     assert (before, after, exchange) == ("no error", "no error", shm)
     assert refused[0] == "OSError" and "No space left on device" in refused[1] and f"(on rank 0 of {world})" in refused[1]
     assert seen["small shm, errno"] == (28, [])  # rank 0's ENOSPC, on every rank
+    # a warning raised as an error on one rank ends its call there, after the call's collectives: still in step
+    assert seen["small shm, warning as error on rank 0"] == ((True, shm, reduce), []), seen["small shm, warning as error on rank 0"]
     # the old segment is unmapped on every rank before a larger one is made
     assert seen["growing in a shm with room for one segment"] == ([shm, "no error", shm], [])
     # a rank that cannot open rank 0's file: the layer gives shared memory up

@@ -7,6 +7,7 @@ import os
 import secrets
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -611,13 +612,19 @@ class VocabParallelEmbedding:
             started = time.perf_counter()
             try:
                 grown_now = shared.grow(needed)  # every rank decides alike: from agreed sizes and shared outcomes
-            finally:  # even when its warning is raised as an error
+            finally:  # even when it raises
                 if not shared.usable:
                     self.exchange = "all_reduce"
             if not grown_now:
                 call.exchange = "all_reduce"
                 call.exchange_s = time.perf_counter() - started
-                return self._late_all_reduce(call)
+                try:
+                    return self._late_all_reduce(call)
+                finally:  # after the call's collectives: a warning raised as an error ends this rank's call alone
+                    refusal, shared.refusal = shared.refusal, None
+                    if refusal is not None:
+                        # stacklevel: the caller's line, above the layer's __call__, _call and _communicate.
+                        warnings.warn(refusal, RuntimeWarning, stacklevel=4)
             grown = time.perf_counter()
             buffer = shared.buffer(turn)
             assert buffer is not None

@@ -8,7 +8,6 @@ import os
 import secrets
 import socket
 import sys
-import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +54,8 @@ class SharedBuffers:
     Attributes:
         usable: False once a segment could be made but not mapped by every rank
             (another /dev/shm): every later call uses the all-reduce.
+        refusal: why the last :meth:`grow` gave shared memory up, for a
+            warning; None once it has been given.
     """
 
     def __init__(self, collectives: Collectives, key: bytes, required: bool) -> None:
@@ -64,6 +65,7 @@ class SharedBuffers:
         self._turn = 0  # which of the segment's two buffers the next call writes
         self._refused: int | None = None  # a buffer size /dev/shm refused: calls needing as much use the all-reduce
         self.usable = True
+        self.refusal: str | None = None
 
     def next_buffer(self, needed: int) -> np.ndarray | None:
         """The buffer the next call writes, if the segment holds `needed` bytes (more than 0); else None."""
@@ -93,7 +95,9 @@ class SharedBuffers:
         all have, or on any failure: nothing stays in /dev/shm. Unless the
         segment is required, a failure makes this and larger calls use the
         all-reduce (a file that another rank cannot open: every call, and
-        :attr:`usable` turns False), with a warning.
+        :attr:`usable` turns False), and :attr:`refusal` says so, for the
+        layer to warn once the call's last collective is done (a warning
+        raised as an error on one rank must not end its call before the others').
 
         Raises:
             OSError, ValueError, MemoryError: a required segment could not be
@@ -147,9 +151,8 @@ class SharedBuffers:
             # Sizes are rounded up to whole granules, so every call above the last granule that fits is refused.
             which = (f"calls of more than {buffer_bytes - SEGMENT_GRANULE} bytes" if stage == "making"
                      else "every call of this layer")
-            # stacklevel: the caller's line, above the layer's __call__, _call and _communicate.
-            warnings.warn(f"VocabParallelEmbedding: no shared-memory segment of {2 * buffer_bytes} bytes ({shared}); "
-                          f"{which} use the all-reduce", RuntimeWarning, stacklevel=5)
+            self.refusal = (f"VocabParallelEmbedding: no shared-memory segment of {2 * buffer_bytes} bytes ({shared}); "
+                            f"{which} use the all-reduce")
             return False
         finally:
             error = None  # the error's traceback holds this frame, which would hold the error
