@@ -249,6 +249,14 @@ def exactness_task(rank: int, world: int, exchange: str) -> dict:
     plain = build(table)
     ranges[1] = (plain.vocab_start, plain.vocab_end, plain.padded_vocab_size, int(plain.shard.shape[0]))
     shard_is_view = bool(np.shares_memory(plain.shard, table))
+    try:  # a JAX table's shard is a numpy view of this rank's rows, not the whole table
+        import jax.numpy as jnp
+    except ImportError:
+        pass
+    else:
+        shown = build(jnp.asarray(table)).shard
+        if not (type(shown) is np.ndarray and shown.tobytes() == table[plain.vocab_start:plain.vocab_end].tobytes()):
+            failures.append(f"jax shard: {type(shown).__name__} of shape {getattr(shown, 'shape', None)}")
     plain([1, 2, 3])
     return {"failures": failures, "ranges": ranges, "shard_is_view": shard_is_view, "numba_placed": numba_placed,
             "timings": plain.last_timings._asdict(), "exchange": plain.exchange, "repr": repr(plain)}

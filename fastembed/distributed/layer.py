@@ -288,9 +288,11 @@ class VocabParallelEmbedding:
         A torch tensor for a torch table (on its GPU for a GPU table, a view of
         the caller's tensor; for a checkpoint with ``device="cuda:N"``, the copy
         on that GPU); a :class:`~fastembed.formats.QuantizedTable` of this rank's
-        rows (and row scales) for a quantized table.
+        rows (and row scales) for a quantized table; else a numpy view of the
+        rows (a numpy or JAX table, another library's DLPack export, a checkpoint).
         """
-        return self._shard.rows if self._shard.like is None or self._quantized else self._shard.like
+        like = self._shard.like
+        return like if like is not None and not self._quantized and torch_adapter.ADAPTER.owns(like) else self._shard.rows
 
     @property
     def agreement(self) -> str:
