@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastembed.benchmark import gate
+from fastembed.benchmark import cli, gate
 from fastembed.benchmark.ids import REFERENCE_IDS, id_sets
 from helpers import poisoned, random_table
 
@@ -151,6 +151,9 @@ _CHECK = 'name = "x"\ncontender = "fastembed-out"\nmetric = "speedup_vs_numpy"\n
      'batch = 8\ndistribution = "uniform"\n', "expect_backend must be a string, got ['numba']"),
     ("repetitions = true\n[[check]]\nname = 'x'\ncontender = 'fastembed-auto-out'\nmetric = 'speedup_vs_numpy'\n"
      "min = 1\nbatch = 8\ndistribution = 'uniform'\n", "repetitions must be an integer from 1 to 100000"),
+    ("repetitons = 3\n[[check]]\nname = 'x'\ncontender = 'fastembed-auto-out'\nmetric = 'speedup_vs_numpy'\n"
+     "min = 1\nbatch = 8\ndistribution = 'uniform'\n", "unknown key 'repetitons'; a thresholds file holds check and "
+                                                        "repetitions"),
 ])
 def test_gate_thresholds_are_checked_whole(tmp_path, content, message):
     path = tmp_path / "thresholds.toml"
@@ -834,8 +837,8 @@ def test_format_mode_measures_each_format_against_the_dense_gather_and_the_refer
         (batch, name, "float16") for batch in (16, 300) for name in ("dense", "writes")}
     sources = {row["format"]: row["source"] for row in payload["results"]}
     assert sources["q8_0"] == sources["fp8_e4m3"] == "quantized by fastembed" and sources["q4_k"] == "random blocks"
-    assert sources["writes"] == f"the measured table's first {quantized.cached_rows(np.empty((3000, 256), np.float16))} " \
-                                "rows, in the cache"
+    assert sources["writes"] == f"the first {quantized.cached_rows(np.empty((3000, 256), np.float16))} rows of the " \
+                                "measured table, in the cache"
     for row in payload["results"]:
         assert row["rows_per_s"] > 0 and row["gbps_moved"] > 0 and row["served_by"] in ("numba", "numpy")
         assert (row["vs_numpy_reference"] is None) == (row["format"] in ("dense", "writes"))
@@ -855,6 +858,10 @@ def test_a_quantized_gguf_table_is_measured_by_itself(tmp_path):
     payload = json.loads((tmp_path / "quantized.json").read_text())
     assert payload["table"]["format"] == "q8_0"
     assert {row["format"] for row in payload["results"]} == {"dense", "writes", "q8_0"}
+    # The dense gather and the write limit read a random twin of the table, not the file: the rows say so.
+    sources = {row["format"]: row["source"] for row in payload["results"]}
+    assert sources["dense"] == "a random float16 table of its shape", sources
+    assert sources["writes"].endswith("rows of a random float16 table of its shape, in the cache"), sources
 
 
 def test_the_write_limit_gathers_rows_that_fit_half_a_cores_cache_into_the_shared_output(monkeypatch):
@@ -1253,6 +1260,55 @@ def test_a_full_standard_output_is_one_clear_line_and_a_closed_one_still_gets_th
     reader.stdout.close()  # the reader leaves, as `| head -1` does
     reader.wait(timeout=600)
     assert reader.returncode == 0 and (tmp_path / "b" / "results.json").exists()
+    # No standard output at all (closed by the shell, `>&-`): Python's sys.stdout is None, and the run crashed.
+    result = subprocess.run([sys.executable, "-m", "fastembed.benchmark.cli", *TINY_RUN, "--out", str(tmp_path / "c")],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600,
+                            preexec_fn=lambda: os.close(1))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert (tmp_path / "c" / "results.json").exists()
+
+
+def test_a_terminal_width_of_zero_columns_still_prints_the_table(tmp_path):
+    """rich prints nothing at all in 0 columns: a COLUMNS under 40 is not taken."""
+    result = bench(*TINY_RUN, "--out", str(tmp_path), env={**os.environ, "COLUMNS": "0"})
+    assert result.returncode == 0 and "median per call" in result.stdout, result.stdout + result.stderr
+
+
+def test_the_recorded_command_can_be_run_again_as_it_reads(tmp_path):
+    """The command was recorded as its arguments joined by spaces: a path holding a space came back as two."""
+    import shlex
+
+    out = tmp_path / "out with space"
+    assert cli.main([*TINY_RUN, "--out", str(out)]) == 0
+    command = json.loads((out / "results.json").read_text())["command"]
+    assert shlex.split(command) == ["fastembed-bench", *TINY_RUN, "--out", str(out)]
+
+
+def test_an_allocation_the_system_refuses_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Beyond what the arguments' memory check foresees (another mode's outputs, a fuller machine), the system's
+    refusal was a traceback."""
+    def refused(*args, **kwargs):
+        raise MemoryError("Unable to allocate 32.0 GiB for an array")
+
+    monkeypatch.setattr(cli, "run", refused)
+    assert cli.main([*TINY_RUN, "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("fastembed-bench: out of memory (Unable to allocate 32.0 GiB for an "
+                                               "array): ask for fewer --batch rows or --reps, or a smaller table")
+
+
+def test_format_on_a_table_no_format_can_hold_is_one_line_and_exit_2(tmp_path, capsys):
+    table = random_table(100, 64, np.float16)
+    table[3, 5] = np.nan
+    np.save(tmp_path / "nan.npy", table)
+    assert cli.main(["--format", "q8_0", "--table", str(tmp_path / "nan.npy"), "--batch", "8", "--reps", "2",
+                     "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"fastembed-bench: --table {tmp_path / 'nan.npy'}: cannot quantize a table holding NaN or infinite values")
+
+
+def test_cold_calls_are_the_hosts(tmp_path):
+    result = bench("--cold", "--device", "cuda", "--out", str(tmp_path))
+    assert result.returncode == 2 and "--cold evicts the host's caches before each call, not a GPU's" in result.stderr
 
 
 def test_the_memory_check_counts_the_batches_and_repetitions_the_mode_runs(monkeypatch):
@@ -1271,6 +1327,17 @@ def test_the_memory_check_counts_the_batches_and_repetitions_the_mode_runs(monke
     assert command_line.memory_problem(run, 8192, 2**30) is None  # a GPU run's outputs are on the device
     run.device, run.processes = "cpu", 20
     assert command_line.memory_problem(run, 8192, 2**30) is None  # that mode holds a few outputs at a time
+    # ... but at the least one of the largest --batch (two times a float16 row for --format's float32 outputs, one per
+    # rank and the single process's for --ranks): a batch whose single output cannot fit was a traceback
+    for mode, value, held in (("processes", 20, 1), ("format", ["q8_0"], 2), ("ranks", 3, 4)):
+        few = argparse.Namespace(**{**vars(run), "processes": None, mode: value, "batch": [64, 2**20]})
+        fits = (4 * 2**30 - 2**30) // (held * 2**20)  # the row bytes that just fit beside the 1 GiB table
+        assert command_line.memory_problem(few, fits, 2**30) is None, mode
+        problem = command_line.memory_problem(few, fits + 64, 2**30)
+        assert problem.startswith(f"1048576 rows of {(fits + 64) * (2 if mode == 'format' else 1)} bytes"), problem
+        assert problem.endswith("take more than this machine's memory: ask for fewer --batch rows"), problem
+        few.batch = None
+        assert command_line.memory_problem(few, fits + 64, 2**30) is None  # the mode's own batches fit
     gate_run = argparse.Namespace(processes=None, ranks=None, format=None, device="cpu", gate=True, batch=None,
                                   quick=False,
                                   reps=None, checks=[gate.Check("x", "fastembed-auto-out", "speedup_vs_numpy", 4096,
@@ -1350,3 +1417,15 @@ def test_ranks_throughput_counts_each_call_once_where_the_slowest_rank_counts_it
     assert row["throughput_vs_single"] == pytest.approx(0.0015 / 0.003)  # 3 ms per call, the loop's pace
     assert row["throughput_vs_single_range"] == pytest.approx([0.5, 0.5])
 
+
+
+def test_the_copy_limits_of_a_batch_larger_than_the_table_share_one_source():
+    """Each copy limit built its own source of n rows: five where the memory check counts one."""
+    from fastembed.benchmark import contenders
+
+    table = random_table(300, 64, np.float16)
+    ids = np.zeros(1, np.int64)
+    first, second = contenders._copy_sources(table, 1000)(ids), contenders._copy_sources(table, 1000)(ids)
+    assert first is second and first.shape == (1000, 64) and (first[300:600] == table).all()
+    other = contenders._copy_sources(table, 2000)(ids)  # the next case's source replaces it
+    assert other.shape == (2000, 64) and contenders._repeated_rows[1] is other

@@ -61,9 +61,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="timed repetitions per case (default 15, quick 5; --gate: the thresholds file's, "
                              "--processes: 100 per process, fewer for outputs over 8 MiB but at least 15, --ranks: 20, quick 5)")
     parser.add_argument("--cold", action="store_true",
-                        help="time every call alone, right after the caches are evicted, as a decode step meets the "
-                             "lookup after a forward pass (default: small batches are timed as warm loops of calls; "
-                             "use many --reps, such as 200)")
+                        help="time every call alone, right after the host's caches are evicted, as a decode step "
+                             "meets the lookup after a forward pass (default: small batches are timed as warm loops of "
+                             "calls; use many --reps, such as 200); the host only")
     parser.add_argument("--out", type=_path, default=Path("bench-results"),
                         help="folder for the results: JSON, a Markdown table and PNG plots (default: bench-results)")
     parser.add_argument("--vocab-size", type=_positive_int, help="rows of the random table (default: 129280)")
@@ -133,6 +133,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if arguments.cold and (arguments.gate or arguments.processes or arguments.ranks or arguments.format):
         parser.error("--cold times the main benchmark's calls one by one: not with --gate, --processes, --ranks or "
                      "--format")
+    if arguments.cold and arguments.device == "cuda":
+        parser.error("--cold evicts the host's caches before each call, not a GPU's: not with --device cuda "
+                     "(with --device auto it measures the host alone)")
     problem = _ignored_option(arguments)
     if problem:
         parser.error(problem)
@@ -181,15 +184,16 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def memory_problem(arguments: argparse.Namespace, row_bytes: int, table_bytes: int) -> str | None:
-    """Why the host's main run or the gate would not fit in this machine's memory (None: it would, or another mode
-    or the GPU runs).
+    """Why the host's run would not fit in this machine's memory (None: it would, or the GPU runs).
 
     Counted: the table (`table_bytes`: 0 for a mapped one, whose pages the
     system can drop), the outputs of the largest batch that the contenders
     hold (:data:`OUTPUTS_HELD`), and the id sets of its repetitions.
     """
-    if arguments.processes or arguments.ranks or arguments.format or arguments.device == "cuda":
-        return None  # those modes hold a few outputs at a time; a GPU run holds its outputs on the device
+    if arguments.device == "cuda":
+        return None  # a GPU run holds its outputs on the device
+    if arguments.processes or arguments.ranks or arguments.format:
+        return _few_outputs_problem(arguments, row_bytes, table_bytes)
     if arguments.gate:
         batches = [check.batch for check in arguments.checks or []] or [1]
         repetitions = arguments.reps or arguments.gate_repetitions or 1  # as the gate runs them
@@ -204,6 +208,27 @@ def memory_problem(arguments: argparse.Namespace, row_bytes: int, table_bytes: i
     return (f"{largest} rows of {row_bytes} bytes: the contenders' outputs ({outputs / 2**30:.1f} GiB) and the id sets "
             f"of {repetitions} repetitions ({ids / 2**30:.1f} GiB) beside the table ({table_bytes / 2**30:.1f} GiB) "
             "take more than this machine's memory: ask for fewer --batch rows or --reps")
+
+
+def _few_outputs_problem(arguments: argparse.Namespace, row_bytes: int, table_bytes: int) -> str | None:
+    """Why the outputs of --batch that --processes, --ranks or --format hold at the least would not fit beside the table.
+
+    Those modes hold a few outputs at a time (their default batches fit any
+    machine that holds the table): at the least one of the largest batch
+    (float32, twice a float16 row, for --format), and one per rank and one
+    for the single process for --ranks.
+    """
+    if not arguments.batch:
+        return None
+    largest = max(arguments.batch)
+    widest = 2 * row_bytes if arguments.format else row_bytes
+    count = arguments.ranks + 1 if arguments.ranks else 1
+    outputs = count * largest * widest
+    if table_bytes + outputs <= _physical_memory():
+        return None
+    return (f"{largest} rows of {widest} bytes: {'the outputs' if count > 1 else 'one output'} of that batch "
+            f"({outputs / 2**30:.1f} GiB) beside the table ({table_bytes / 2**30:.1f} GiB) take more than this "
+            "machine's memory: ask for fewer --batch rows")
 
 
 def dense_twin_problem(shape: tuple[int, ...]) -> str | None:

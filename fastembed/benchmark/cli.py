@@ -128,7 +128,7 @@ def run(arguments: argparse.Namespace, console: Any, host_table: Any, cases: lis
             for name, reasons in _unusable_host_backends():
                 console.print(f"the {name} backend is not measured: {'; '.join(reasons)}", style="yellow",
                               soft_wrap=True, markup=False)
-    if device == "cuda" or (device == "auto" and gpu_usable()):
+    if device == "cuda" or (device == "auto" and not arguments.cold and gpu_usable()):  # --cold: the host's caches
         from fastembed import Embedding
 
         from .gpu import GPU, device_name, gpu_contenders
@@ -192,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     except OutputError as error:
         print(f"fastembed-bench: {error}", file=sys.stderr)
         return 1
+    except MemoryError as error:  # beyond what the arguments' check foresees: the system refused an allocation
+        print(f"fastembed-bench: out of memory ({error or 'an allocation was refused'}): ask for fewer --batch rows "
+              "or --reps, or a smaller table", file=sys.stderr)
+        return 2
 
 
 def _main(argv: list[str] | None) -> int:
@@ -201,8 +205,12 @@ def _main(argv: list[str] | None) -> int:
     except ImportError:
         print("fastembed-bench needs the bench extra: pip install 'fastembed-gather[bench]'", file=sys.stderr)
         return 2
-    # rich sizes it to the terminal (80 columns when not a terminal and COLUMNS is unset)
-    console = Console(file=_GuardedOutput(sys.stdout))  # type: ignore[arg-type] # a stream by duck typing
+    # No standard output at all (closed by the shell, as under a daemon): the run still writes its result files.
+    stdout = sys.stdout if sys.stdout is not None else open(os.devnull, "w")  # noqa: SIM115 - lives as long as the run
+    # rich sizes it to the terminal (80 columns when not a terminal and COLUMNS is unset; a COLUMNS under 40 is not
+    # taken, as rich would print nothing in 0 columns)
+    width = 80 if os.environ.get("COLUMNS", "").strip().isdigit() and int(os.environ["COLUMNS"]) < 40 else None
+    console = Console(file=_GuardedOutput(stdout), width=width)  # type: ignore[arg-type] # a stream by duck typing
     if arguments.device == "cuda" and not gpu_usable() and not arguments.gate:
         from fastembed.backends import cuda_backend
 
@@ -307,16 +315,24 @@ def formats(arguments: argparse.Namespace, console: Any, table: Any, described: 
 
     from . import quantized, report
 
+    dense_source = "the measured table"
     if isinstance(table, QuantizedTable):
         tables = {table.format.name: (table, str(arguments.table))}
         dense = random_table(table.shape[0], table.shape[1], "float16")
+        dense_source = "a random float16 table of its shape"
     else:
         names = arguments.format or list(quantized.DEFAULT_FORMATS)
         console.print(f"[dim]making the {', '.join(names)} tables ...[/dim]")
-        tables, dense = quantized.quantized_tables(table, names), table
+        try:
+            tables, dense = quantized.quantized_tables(table, names), table
+        except ValueError as error:  # rows no format can hold (NaN or infinite values)
+            print(f"fastembed-bench: {f'--table {arguments.table}' if arguments.table else 'the table'}: {error}",
+                  file=sys.stderr)
+            return 2
     batches = arguments.batch or list(quantized.BATCHES)
     repetitions = arguments.reps or (5 if arguments.quick else 15)
-    rows = quantized.run(dense, tables, batches, repetitions, progress=lambda message: console.print(f"[dim]{message}[/dim]"))
+    rows = quantized.run(dense, tables, batches, repetitions, progress=lambda message: console.print(f"[dim]{message}[/dim]"),
+                         dense_source=dense_source)
     verdicts = quantized.goals(rows)
     quantized.print_report(rows, verdicts, console, f"quantized tables: {report.table_title(described)}")
     report.write_json(arguments.out / "quantized.json", {

@@ -139,15 +139,24 @@ def _torch_embedding(table: np.ndarray, n: int) -> Callable:
 def _copy_sources(table: np.ndarray, n: int) -> Callable[[np.ndarray], np.ndarray]:
     """A contiguous block of n table rows that moves with each id set (so it is not cached).
 
-    For more rows than the table has, a source of n rows is built once, here,
-    so that the timed copy never allocates.
+    For more rows than the table has, a source of n rows is built here, so
+    that the timed copy never allocates: one, shared by every copy limit of
+    the case (the memory check counts one).
     """
     table = np.asarray(table)  # np.memmap's slices are slower to make; the bytes are the same
     vocab_size = table.shape[0]
     if n > vocab_size:
-        repeated = np.resize(table, (n, table.shape[1]))
+        key = (table.__array_interface__["data"][0], table.shape, table.dtype.str, n)
+        if _repeated_rows[0] != key:
+            _repeated_rows[:] = [None, None]  # the last case's source goes before this case's is built
+            _repeated_rows[:] = [key, np.resize(table, (n, table.shape[1]))]
+        repeated = _repeated_rows[1]
         return lambda ids: repeated
     return lambda ids: table[int(ids[0]) % (vocab_size - n + 1) :][:n]
+
+
+#: The source of more rows than the table has that the copy limits of the latest such case share: [its key, the rows].
+_repeated_rows: list[Any] = [None, None]
 
 
 def _copy_numpy(table: np.ndarray, n: int) -> Callable:

@@ -93,6 +93,10 @@ def thresholds_text(path: Path | None = None) -> tuple[str, str]:
         raise ValueError(f"--thresholds {path}: cannot read it: {error}") from error
 
 
+#: The keys a thresholds file may hold at its top: the checks, and how many times each is measured.
+_FILE_KEYS = {"check", "repetitions"}
+
+
 def load_checks(path: Path | None = None) -> tuple[list[Check], int]:
     """The checks and the repetition count of a thresholds file (default: the packaged one).
 
@@ -107,6 +111,9 @@ def load_checks(path: Path | None = None) -> tuple[list[Check], int]:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{where}: not valid TOML: {error}") from error
+    unknown = sorted(set(document) - _FILE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; a thresholds file holds {' and '.join(sorted(_FILE_KEYS))}")
     entries = document.get("check")
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{where}: no [[check]] tables")

@@ -141,8 +141,12 @@ def moved_bytes(table: Any, dtype: str) -> int:
 
 
 def run(dense: np.ndarray, tables: dict[str, tuple[QuantizedTable, str]], batches: list[int], repetitions: int,
-        progress: Callable[[str], None] = lambda message: None) -> list[dict[str, Any]]:
-    """Measure every format at every batch; one row per (batch, format, output dtype), plus the dense baseline."""
+        progress: Callable[[str], None] = lambda message: None,
+        dense_source: str = "the measured table") -> list[dict[str, Any]]:
+    """Measure every format at every batch; one row per (batch, format, output dtype), plus the dense baseline.
+
+    `dense_source` says where the dense float16 table came from, for the baseline's and the write limit's rows.
+    """
     largest = max(batches)
     out_by_dtype = {dtype: np.empty((largest, dense.shape[1]), fastembed.tables.resolve_dtype(dtype))
                     for dtype in OUTPUT_DTYPES}
@@ -168,7 +172,7 @@ def run(dense: np.ndarray, tables: dict[str, tuple[QuantizedTable, str]], batche
         reference = {r.id: r for r in measure_case(dense, references, reference_batch, "uniform",
                                                    REFERENCE_REPETITIONS, warmup=1, platform=HOST,
                                                    written_row_bytes=widest_row_bytes)}
-        rows += _rows(results, reference, dense, tables, batch, reference_batch)
+        rows += _rows(results, reference, dense, tables, batch, reference_batch, dense_source)
     return rows
 
 
@@ -178,12 +182,13 @@ def _reference_facts(ref: Result, reference_batch: int) -> dict[str, Any]:
 
 
 def _rows(results: dict[str, Result], reference: dict[str, Result], dense: np.ndarray,
-          tables: dict[str, tuple[QuantizedTable, str]], batch: int, reference_batch: int) -> list[dict[str, Any]]:
+          tables: dict[str, tuple[QuantizedTable, str]], batch: int, reference_batch: int,
+          dense_source: str) -> list[dict[str, Any]]:
     baseline = results["dense-float16"]
-    rows = [_row("dense", "float16", baseline, baseline, None, dense, batch, "the measured table")]
+    rows = [_row("dense", "float16", baseline, baseline, None, dense, batch, dense_source)]
     cached = cached_rows(dense)
     rows.append({**_row(WRITE_LIMIT, "float16", results["float16-writes"], baseline, None, dense, batch,
-                        f"the measured table's first {cached} rows, in the cache"),
+                        f"the first {cached} rows of {dense_source}, in the cache"),
                  # The bytes it writes: its reads come from the cache.
                  "gbps_moved": batch * dense.shape[1] * 2 / results["float16-writes"].median_s / 1e9,
                  "table_mib": cached * dense.shape[1] * dense.dtype.itemsize / 2**20})

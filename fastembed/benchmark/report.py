@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,7 @@ def run_facts(argv: list[str] | None) -> dict[str, Any]:
         argv: the command's arguments (None: this process's own).
     """
     arguments = sys.argv[1:] if argv is None else argv
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(["fastembed-bench", *arguments]),
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join(["fastembed-bench", *arguments]),
             "machine": machine_facts()}
 
 
