@@ -84,6 +84,11 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
     """
     table_view = validate.table_snapshot(table)
     if dtype is not None or type(table_view) is not _NDARRAY:
+        if type(table_view if type(table_view) is not QuantizedTable else table_view.data) is not _NDARRAY:
+            # A device table: its device, its dtype (a snapshot holds some as words) and its library are read again
+            # in the call, all of one alias of the caller's arrays, whatever another thread assigns to them meanwhile.
+            table = validate.read_once(table)
+            table_view = validate.table_snapshot(table)
         return _lookup_in_call_context(table_view, ids, out, dtype, backend, table)
     ids_view = validate.ids_snapshot(ids, table_view)
     if out is None:
@@ -113,12 +118,9 @@ def _lookup_in_call_context(table_view: Any, ids: Any, out: Any, dtype: Any, bac
 
     They run in the table's call context (:func:`fastembed.arrays.call_context`:
     for a torch CUDA table its device, and torch's current stream as cupy's).
+    `table` is the caller's table as read once for a device table (:func:`fastembed.validate.read_once`),
+    and `table_view` its snapshot.
     """
-    if type(table_view if type(table_view) is not QuantizedTable else table_view.data) is not _NDARRAY:
-        # A device table: its device, its dtype (a snapshot holds some as words) and its library are read below, all
-        # of the arrays snapshotted, whatever another thread assigns to the caller's table meanwhile.
-        table = validate.read_once(table)
-        table_view = validate.table_snapshot(table)
     rows = validate.storage(table)  # a quantized table's results follow its data's library
     with call_context(rows):
         ids_view = validate.ids_snapshot(ids, table_view)
@@ -131,7 +133,12 @@ def _lookup_in_call_context(table_view: Any, ids: Any, out: Any, dtype: Any, bac
         if type(table_view) is QuantizedTable:
             result = chosen.dequantize(table_view, ids_view, out_view, target)  # type: ignore[attr-defined]
         elif target == table_view.dtype:
-            result = chosen.gather(table_view, ids_view, out_view)
+            try:
+                result = chosen.gather(table_view, ids_view, out_view)
+            except BaseException:
+                if out is not None and type(out) is not _NDARRAY and type(table_view) is not _NDARRAY:
+                    mark_written(out)  # a GPU gather writes the rows it can before it reports a bad id (docs/gpu.md)
+                raise
         else:
             from .casting import gather_cast
 

@@ -414,3 +414,16 @@ def test_a_lookup_reads_a_torch_cuda_table_once_whatever_another_thread_swaps_me
         table.data = original
         if result is not None:
             assert (result.dtype, tc.to_host(result).view(torch.uint8).numpy().tobytes()) in allowed
+
+
+def test_a_gpu_lookup_that_finds_a_bad_id_still_counts_its_writes_into_a_torch_out(tc):
+    """A dense GPU gather writes the rows it can before it reports a bad id (docs/gpu.md), and the out's version was
+    bumped only on success: a backward through a graph that had saved the out used the new values silently."""
+    table = tc.to_cuda(host_table(torch.float32))
+    for call in (lambda out: fastembed.lookup(table, [3, VOCAB], out=out),
+                 lambda out: fastembed.Embedding(table)([3, VOCAB], out=out)):
+        out = tc.empty((2, DIM), torch.float32)
+        version = out._version  # what autograd compares with the version it saved
+        with pytest.raises(IndexError, match=f"id {VOCAB}"):
+            call(out)
+        assert out._version > version
