@@ -57,12 +57,15 @@ def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto",
         'numpy'
     """
     from . import validate
+    from .arrays import call_context
 
     table_view = validate.table_snapshot(table)
-    ids_view = validate.ids_snapshot(ids, table_view)
-    target = validate.output_dtype(table_view, dtype, validate.storage(table))
-    if out is not None:
-        validate.out_snapshot(out, ids_view, table_view, table, ids, target)
+    rows = validate.storage(table)
+    with call_context(rows):  # as lookup: ids on a GPU are converted on the table's device
+        ids_view = validate.ids_snapshot(ids, table_view)
+        target = validate.output_dtype(table_view, dtype, rows)
+        if out is not None:
+            validate.out_snapshot(out, ids_view, table_view, table, ids, target)
     from .dispatch import explain
 
     selection = explain(table_view, backend)

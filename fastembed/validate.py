@@ -185,7 +185,7 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     dtype (``torch.float16``) means numpy's dtype of that name. A
     quantized table dequantizes into float32, float16 or bfloat16, in the
     machine's byte order; a dense
-    floating-point table casts into those or float64 (rounding to nearest
+    floating-point host table casts into those or float64 (rounding to nearest
     even); any other table gives its own dtype only. `rows`, the caller's
     dense table, lets the dtype of a torch CUDA tensor that its snapshot holds
     as words (bfloat16 as uint16) name the table's own dtype.
@@ -214,13 +214,14 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     if library is not None and getattr(library, "native_byte_order_only", False):
         raise TypeError(f"a {library.name} table gathers into its library's arrays, which have no "
                         f"dtype {target.str} (the machine's byte order is the other one); pass the dtype's name")
-    own = None if rows is None else _dtype_name(rows)
-    if target == source or (own == target.name and target.isnative):
+    own = None if rows is None else _dtype_name(rows)  # a snapshot that holds words: the table's own dtype's name
+    if (target == source and own is None) or (own == target.name and target.isnative):
         return source
+    if not isinstance(table, _NDARRAY):
+        kind = adapter_of(table if rows is None else rows).name  # type: ignore[union-attr]
+        raise TypeError(f"dtype= casts host tables only; gather this {kind} table in its own dtype "
+                        f"({own or source}) and cast the result")
     if is_float_dtype(source) and target.name in (*OUTPUT_DTYPES, "float64"):
-        if not isinstance(table, _NDARRAY):
-            kind = adapter_of(table if rows is None else rows).name  # type: ignore[union-attr]
-            raise TypeError(f"dtype= casts host tables only; gather this {kind} table in its own dtype and cast the result")
         return target
     raise TypeError(
         f"a table of dtype {own or source} can be gathered into its own dtype"
@@ -395,8 +396,9 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     device; ids on the GPU are used where they are.
 
     Raises:
-        TypeError: non-integer ids (bool, float, complex, str, object), or
-            ids on another device than the table.
+        TypeError: non-integer ids (bool, float, complex, str, object), ids
+            on another device than the table, or for a GPU table, GPU ids of
+            a library fastembed has no adapter for.
         ValueError: ids of more than :data:`MAX_IDS_NDIM` dimensions (63 with
             numpy 2), for which the result cannot be an array.
         IndexError: an integer too large for 64 bits, or (for converted
@@ -420,7 +422,13 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     if type(ndim) is int and ndim > MAX_IDS_NDIM:  # checked first: a library's array of more has no numpy view
         raise _too_many_dimensions(ndim)
     rows = storage(table)
-    table_device, ids_device = device_of(rows), _ids_device(ids)
+    table_device = device_of(rows)
+    if table_device != "cpu" and adapter_of(ids) is None and hasattr(ids, "__cuda_array_interface__"):
+        # Neither its device nor its layout can be told for certain: refused before either is guessed.
+        raise TypeError(f"ids are a {type(ids).__module__}.{type(ids).__qualname__} on a GPU, of a library fastembed "
+                        "has no adapter for: pass them as a cupy array (cupy.asarray(ids) wraps them without a copy) "
+                        "or a torch CUDA tensor")
+    ids_device = _ids_device(ids)
     if ids_device != table_device:
         if ids_device != "cpu" or table_device == "cpu":
             raise _devices_differ(ids_device, table_device)
@@ -431,7 +439,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         return adapter_of(rows).from_host(host, table_device)  # type: ignore[union-attr]
     if ids_device != "cpu":
         adapter = adapter_of(ids)
-        view = adapter.snapshot(ids) if adapter is not None else ids
+        view = adapter.snapshot(ids)  # type: ignore[union-attr] # GPU ids of no adapter are refused above
         own = _dtype_name(ids)
         if own is not None and own != np.dtype(view.dtype).name:  # bfloat16 and float8 travel as unsigned words
             raise TypeError(f"ids must be integers, got non-integer dtype {own}")

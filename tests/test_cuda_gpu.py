@@ -9,6 +9,7 @@ tests therefore run in CI without a GPU and unchanged on one
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 
@@ -127,6 +128,20 @@ def test_python_lists_strided_and_other_integer_ids(cp):
     assert_rows(fastembed.lookup(table, reversed_ids), host[ids[::-1]], cp)
     for dtype in (np.uint8, np.int16, np.uint32, np.uint64):
         assert_rows(fastembed.lookup(table, cp.asarray(ids.astype(dtype))), host[ids], cp)
+
+
+def test_gpu_ids_of_a_library_without_an_adapter_are_a_type_error_naming_them(cp):
+    """An object with only ``__cuda_array_interface__`` (a numba.cuda array, say) passed validation and failed in the
+    backend with an AttributeError; its device was guessed as cuda:0."""
+    class ForeignDeviceArray:
+        def __init__(self, array):
+            self.__cuda_array_interface__ = array.__cuda_array_interface__
+            self.shape, self.dtype, self.ndim, self.size = array.shape, array.dtype, array.ndim, array.size
+
+    backing = cp.asarray(np.array([1, 2, 3], np.int64))
+    with pytest.raises(TypeError, match="ids are a .*ForeignDeviceArray on a GPU, of a library fastembed has no "
+                                        "adapter for: pass them as a cupy array"):
+        fastembed.lookup(cuda_backend.to_device(random_table(10, 4), 0), ForeignDeviceArray(backing))
 
 
 def test_embedding_on_a_device_table(cp):
@@ -508,6 +523,22 @@ def test_ids_of_a_table_on_another_device_than_the_current_one_are_converted_the
         assert_rows(rows, host[[[5, 99], [0, 7]]], cp)
         with pytest.raises(IndexError, match="id 100 at position 1"):
             fastembed.lookup(table, on_device(cp, 1, np.array([5, 100], id_dtype)))
+
+
+def test_select_backend_converts_device_ids_on_the_tables_device_as_lookup_does(cp, monkeypatch):
+    """select_backend validated outside the table's call context: int8 ids on device 1 were converted on device 0."""
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two devices")
+    from fastembed import validate
+
+    table, ids = on_device(cp, 1, random_table(10, 4)), on_device(cp, 1, np.array([1, 2], np.int8))
+    converted_on = []
+    native_ids = validate._native_ids
+    monkeypatch.setattr(validate, "_native_ids", lambda *args: converted_on.append(native_ids(*args).device.id))
+    with cp.cuda.Device(0):
+        with contextlib.suppress(Exception):  # the stand-in returns no ids: only where they were converted counts
+            fastembed.select_backend(table, ids)
+    assert converted_on == [1]
 
 
 def on_device(cp, device, host):

@@ -298,7 +298,7 @@ def test_dtype_naming_the_tables_own_torch_dtype_is_no_cast(tc):
     table = tc.to_cuda(host)
     assert_bit_equal(fastembed.lookup(table, [3, 1], dtype="bfloat16"), host[[3, 1]], tc)
     assert_bit_equal(fastembed.Embedding(table)([3, 1], dtype="bfloat16"), host[[3, 1]], tc)
-    with pytest.raises(TypeError, match="a table of dtype bfloat16 can be gathered into its own dtype, not float32"):
+    with pytest.raises(TypeError, match="casts host tables only; gather this torch table in its own dtype \\(bfloat16\\)"):
         fastembed.lookup(table, [1], dtype="float32")
 
 
@@ -427,3 +427,18 @@ def test_a_gpu_lookup_that_finds_a_bad_id_still_counts_its_writes_into_a_torch_o
         with pytest.raises(IndexError, match=f"id {VOCAB}"):
             call(out)
         assert out._version > version
+
+
+@pytest.mark.parametrize("dtype, asked", [(torch.bfloat16, "uint16"), (torch.float8_e4m3fn, "uint8"),
+                                          (torch.bfloat16, "float32")])
+def test_a_torch_cuda_table_held_as_words_is_gathered_in_its_own_dtype_only(tc, dtype, asked):
+    """Its snapshot holds bfloat16 as uint16 words: dtype="uint16" was taken for the table's own dtype and returned
+    bfloat16 rows, and a cast was offered as though a GPU table could be cast."""
+    pytest.importorskip("ml_dtypes")
+    table = tc.to_cuda(host_table(dtype))
+    name = str(dtype).removeprefix("torch.")
+    for call in (lambda: fastembed.lookup(table, [1], dtype=asked),
+                 lambda: fastembed.select_backend(table, [1], dtype=asked)):
+        with pytest.raises(TypeError, match=f"dtype= casts host tables only; gather this torch table in its own "
+                                            f"dtype \\({name}\\)"):
+            call()
