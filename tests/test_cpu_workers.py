@@ -284,3 +284,32 @@ def test_a_forked_child_starts_workers_of_its_own():
     _, status = os.waitpid(pid, 0)
     assert os.read(read, 2) == b"ok" and os.waitstatus_to_exitcode(status) == 0
     os.close(read)
+
+
+def test_a_parallel_lookup_in_a_finalizer_at_interpreter_exit_is_served_and_the_process_exits():
+    """The final garbage collection ran a __del__ whose lookup asked for workers; the old ones read as dead by then,
+    and Python 3.11's Thread.start() blocks for good at exit (3.12 raises): the process never ended."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import numpy as np, fastembed
+        table = np.random.default_rng(0).standard_normal((20000, 256)).astype(np.float32)
+        ids = np.arange(30000) % 20000  # a 30 MiB output: the parallel gather
+        fastembed.lookup(table, ids, backend="numba")
+        fastembed.wait_for_compiles()
+
+        class Holder:
+            def __init__(self):
+                self.me = self  # a cycle: only the final collection frees it
+            def __del__(self):
+                print("served", bool((fastembed.lookup(table, ids, backend="numba") == table[ids]).all()), flush=True)
+
+        Holder()
+    """)
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as error:  # the exit hang: a generous bound, tens of times a normal run
+        raise AssertionError(f"the process did not exit: {error.stdout!r}") from None
+    assert done.returncode == 0 and done.stdout.strip() == "served True", done.stdout + done.stderr

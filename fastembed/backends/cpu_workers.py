@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 
@@ -191,6 +192,8 @@ class Workers:
         threads = self._threads
         if len(threads) >= n_workers and all(thread.is_alive() for thread in threads):
             return len(threads)
+        if sys.is_finalizing():  # Python 3.11 and before block for good in Thread.start() at exit (a __del__'s lookup)
+            return 0
         with self._start_lock:
             self._threads = [thread for thread in self._threads if thread.is_alive()]
             while len(self._threads) < n_workers:
