@@ -75,14 +75,22 @@ def other_fastembed_distributions() -> list[str]:
         name = distribution.metadata["Name"] or ""
         if name.lower().replace("_", "-") == DISTRIBUTION:
             continue
-        top_level = (distribution.read_text("top_level.txt") or "").split()
+        top_level = (_read_text(distribution, "top_level.txt") or "").split()
         # RECORD as text: parsing every installed path (distribution.files) was most of info's time.
-        record = distribution.read_text("RECORD")
+        record = _read_text(distribution, "RECORD")
         if record is None:  # an egg-info install lists its files elsewhere
             record = "\n".join(str(path) for path in (distribution.files or []))
         if "fastembed" in top_level or any(line.lstrip('"').startswith("fastembed/") for line in record.splitlines()):
             others.append(f"{name} {distribution.version}")
     return sorted(set(others))
+
+
+def _read_text(distribution: importlib.metadata.Distribution, name: str) -> str | None:
+    """A metadata file of `distribution` as text; None where it has none, "" where it is no UTF-8 (pip lists those too)."""
+    try:
+        return distribution.read_text(name)
+    except UnicodeDecodeError:
+        return ""
 
 
 def report() -> dict[str, Any]:

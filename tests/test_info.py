@@ -93,6 +93,17 @@ def test_another_distribution_installing_fastembed_is_found_however_it_lists_its
     assert "fastembed 0.9.1" in info.other_fastembed_distributions()
 
 
+def test_a_distribution_whose_file_list_is_no_utf8_is_passed_over(tmp_path, monkeypatch):
+    """A RECORD or top_level.txt naming a file in Latin-1 made info a UnicodeDecodeError traceback; pip lists it."""
+    for name, listing in (("latin", "RECORD"), ("latin-top", "top_level.txt")):
+        folder = tmp_path / f"{name}-1.0.dist-info"
+        folder.mkdir()
+        (folder / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (folder / listing).write_bytes(b"a/x.py,,\na/\xe9t\xe9.py,,\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not any(found.startswith("latin") for found in info.other_fastembed_distributions())
+
+
 def run_info(*arguments: str, **environment: str) -> str:
 
     env = {**os.environ, **environment}
