@@ -87,8 +87,9 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         if type(table_view if type(table_view) is not QuantizedTable else table_view.data) is not _NDARRAY:
             # A device table: its device, its dtype (a snapshot holds some as words) and its library are read again
             # in the call, all of one alias of the caller's arrays, whatever another thread assigns to them meanwhile.
-            table = validate.read_once(table)
-            table_view = validate.table_snapshot(table)
+            read = validate.read_once(table)
+            if read is not table:  # a torch alias or a quantized table's fields (a cupy array is read as it is)
+                table, table_view = read, validate.table_snapshot(read)
         return _lookup_in_call_context(table_view, ids, out, dtype, backend, table)
     ids_view = validate.ids_snapshot(ids, table_view)
     if out is None:

@@ -423,6 +423,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         raise _too_many_dimensions(ndim)
     rows = storage(table)
     table_device = device_of(rows)
+    # adapter_of first: a tensor's __cuda_array_interface__ is a property that may raise (torch: requires grad).
     if table_device != "cpu" and adapter_of(ids) is None and hasattr(ids, "__cuda_array_interface__"):
         # Neither its device nor its layout can be told for certain: refused before either is guessed.
         raise TypeError(f"ids are a {type(ids).__module__}.{type(ids).__qualname__} on a GPU, of a library fastembed "

@@ -12,6 +12,8 @@ from typing import Any, BinaryIO, Literal, NamedTuple
 
 import numpy as np
 
+from ..arrays.numpy_adapter import mapping_of
+
 #: How many names an error message lists before "... and N more".
 NAMES_SHOWN = 12
 
@@ -157,13 +159,8 @@ _MAPPED_FROM: weakref.WeakKeyDictionary[Any, FileIdentity] = weakref.WeakKeyDict
 
 def mapped_identity(array: Any) -> FileIdentity | None:
     """The file `array` (a map :func:`map_file` made with an identity, or a view of one) was mapped from; else None."""
-    root = array
-    while isinstance(root, np.ndarray):
-        root = root.base
-    try:
-        return _MAPPED_FROM.get(root)
-    except TypeError:  # no weak reference to it can be made: not a map
-        return None
+    mapping = mapping_of(array)
+    return None if mapping is None else _MAPPED_FROM.get(mapping)
 
 
 def check_file(path: str | os.PathLike, opener: str) -> int:
