@@ -8,6 +8,7 @@ Python call overhead, and one more call is a measurable part of it.
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -164,6 +165,12 @@ class Embedding:
     view of the table, taken at construction: reassigning the caller's
     ``table.shape`` afterwards does not change the layer.
 
+    ``copy.copy`` gives a layer over the same table; ``copy.deepcopy`` one
+    over a deep copy of the table (a layer a loader mapped: over the same
+    read-only mapping, which cannot be written, with a file watch of its
+    own); pickling carries the table (a mapped layer refuses it: open the
+    file again where it is unpickled).
+
     Args:
         table: as for :func:`lookup`.
 
@@ -237,6 +244,25 @@ class Embedding:
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
         dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
         return out if type(out) is _NDARRAY else mark_written(out)
+
+    def __copy__(self) -> Embedding:
+        """A layer over the same table (and the same file watch): nothing is copied."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __deepcopy__(self, memo: dict) -> Embedding:
+        """A layer over a deep copy of the table (one copy), or, for a layer a loader mapped, over the same read-only
+        mapping with a file watch of its own: rows no one can write through need no copy."""
+        if self._watch is not None:
+            twin = self.__copy__()
+            twin._watch = copy.copy(self._watch)
+            return twin
+        return type(self)(copy.deepcopy(self._table, memo))
+
+    def __reduce__(self) -> Any:
+        # The state carries the file watch so that pickling a mapped layer is refused by the watch, with its reason.
+        return type(self), (self._table,), {"_watch": self._watch}
 
     def _checked_view(self) -> Any:
         """The table's view, once its memory is known to be where the view points (raises ValueError if not)."""

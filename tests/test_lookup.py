@@ -238,3 +238,63 @@ def test_ndarray_subclass_ids(backend):
 def test_random_table_of_raw_bytes():
     table = fastembed.Embedding.random(30, 2, "V8").table
     assert table.dtype == np.dtype("V8") and len(set(table.tobytes()[i : i + 8] for i in range(0, 480, 8))) > 50
+
+
+def _layer_follows_its_own_table(layer, ids):
+    """Whether `layer` gathers from `layer.table` as it is now (the view and the table are one memory)."""
+    layer.table[ids[0]] = layer.table[ids[0]] + 1
+    return bool((np.asarray(layer(ids)) == np.asarray(layer.table[ids])).all())
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "quantized"])
+def test_a_copied_or_unpickled_layer_gathers_from_the_table_it_carries(kind):
+    import copy
+    import pickle
+
+    table = random_table(64, 32, "float32")
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        table = torch.from_numpy(table)
+    layer = fastembed.Embedding(table)
+    if kind == "quantized":
+        layer = layer.quantize("q8_0")
+    expected = np.asarray(layer([3, 7]))
+    blob = pickle.dumps(layer)
+    raw = layer.table.data if kind == "quantized" else layer.table
+    assert len(blob) < 1.25 * np.asarray(raw).nbytes + 4096  # the table travels once
+    for twin in (pickle.loads(blob), copy.deepcopy(layer)):
+        assert_bit_equal(np.asarray(twin([3, 7])), expected)
+        assert not np.shares_memory(np.asarray(twin.table if kind != "quantized" else twin.table.data),
+                                    np.asarray(raw))
+        if kind != "quantized":
+            assert _layer_follows_its_own_table(twin, np.array([3, 7]))
+        else:
+            twin.table.data[3] ^= 1  # a changed byte of row 3's block is a changed value
+            assert not np.array_equal(np.asarray(twin([3])), expected[:1])
+    shallow = copy.copy(layer)
+    assert shallow.table is layer.table
+    assert_bit_equal(np.asarray(layer([3, 7])), expected)  # the original is untouched by its copies
+
+
+def test_a_torch_layer_saves_and_loads_with_torch():
+    torch = pytest.importorskip("torch")
+    import io
+
+    layer = fastembed.Embedding(torch.from_numpy(random_table(32, 8, "float16")))
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    twin = torch.load(buffer, weights_only=False)
+    assert torch.equal(twin(torch.tensor([5, 1])), layer(torch.tensor([5, 1])))
+
+
+def test_a_deep_copy_of_a_mapped_layer_shares_its_read_only_mapping(tmp_path):
+    import copy
+
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(32, 8, "float16"))
+    layer = fastembed.Embedding.from_npy(path)
+    twin = copy.deepcopy(layer)
+    assert np.shares_memory(twin.table, layer.table) and not twin.table.flags.writeable
+    twin.check_file()
+    assert_bit_equal(twin([4, 2]), np.load(path)[[4, 2]])
