@@ -362,6 +362,7 @@ class Embedding:
 
         Raises:
             FileNotFoundError: no file at `path`.
+            OSError: the file cannot be read (PermissionError; a path longer than the system takes).
             ValueError: a directory, another file format, or a corrupt or hostile header.
             TypeError: BF16/F8 tensors need ml_dtypes and it is missing.
 
@@ -390,6 +391,7 @@ class Embedding:
 
         Raises:
             FileNotFoundError: no file at `path`.
+            OSError: the file cannot be read (PermissionError; a path longer than the system takes).
             ValueError: a directory, another file format, a corrupt header, not 2-D,
                 or in Fortran (column-major) order, whose rows are not contiguous.
 
@@ -426,6 +428,7 @@ class Embedding:
 
         Raises:
             FileNotFoundError: no such path.
+            OSError: the file cannot be read (PermissionError; a path longer than the system takes).
             ValueError: no checkpoint there, another file format, an ambiguous
                 or missing tensor, a corrupt header; `name` with an array.
             TypeError: BF16/F8 tensors need ml_dtypes and it is missing.
@@ -471,6 +474,7 @@ class Embedding:
 
         Raises:
             FileNotFoundError: no file at `path`.
+            OSError: the file cannot be read (PermissionError; a path longer than the system takes).
             ValueError: not a GGUF file, a corrupt or hostile header, a missing
                 tensor, or a tensor type fastembed does not gather (named).
             TypeError: a BF16 tensor, and ml_dtypes is not installed.

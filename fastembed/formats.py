@@ -184,7 +184,7 @@ class BlockFormat:
             (68, 2304)
         """
         if dim <= 0 or dim % self.block_values:
-            raise ValueError(f"a {self.name} row holds a multiple of {self.block_values} values, not {dim}")
+            raise ValueError(f"a {self.name} row holds a positive multiple of {self.block_values} values, not {dim}")
         return dim // self.block_values * self.block_bytes
 
 

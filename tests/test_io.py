@@ -38,6 +38,42 @@ def test_safetensors_round_trip_every_dtype(tmp_path, backend, dtype):
     assert_bit_equal(emb(ids, backend=backend), table[ids])
 
 
+def test_tensors_of_every_safetensors_dtype_sit_beside_a_table_and_whole_byte_ones_are_tables(tmp_path, backend):
+    """A checkpoint's other tensors (complex RoPE buffers, MX scales, packed FP4 values) do not stop its table opening."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    table = random_table(50, 16, "float16")
+    others = {"rope.freqs": random_table(4, 8, "complex64"), "mx.scales": random_table(4, 8, "float8_e8m0fnu")}
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, {"model.embed_tokens.weight": table, **others})
+    emb = fastembed.Embedding.from_safetensors(path, name="model.embed_tokens.weight")
+    assert_bit_equal(emb([3, 9], backend=backend), table[[3, 9]])
+    for name, other in others.items():  # whole-byte dtypes are tables themselves
+        assert_bit_equal(fastembed.Embedding.from_safetensors(path, name=name)([1, 3], backend=backend), other[[1, 3]])
+    for code, dtype in (("F8_E4M3FNUZ", ml_dtypes.float8_e4m3fnuz), ("F8_E5M2FNUZ", ml_dtypes.float8_e5m2fnuz)):
+        rows = random_table(6, 5, np.dtype(dtype).name)
+        raw = tmp_path / f"{code}.safetensors"
+        raw.write_bytes(raw_safetensors({"weight": {"dtype": code, "shape": [6, 5], "data_offsets": [0, 30]}},
+                                        rows.tobytes()))
+        assert_bit_equal(fastembed.Embedding.from_safetensors(raw, name="weight")([5, 0], backend=backend), rows[[5, 0]])
+    packed = tmp_path / "packed.safetensors"  # 16 FP4 values in 8 bytes, beside 2 float16 rows
+    packed.write_bytes(raw_safetensors({
+        "mx.blocks": {"dtype": "F4", "shape": [2, 8], "data_offsets": [0, 8]},
+        "model.embed_tokens.weight": {"dtype": "F16", "shape": [2, 4], "data_offsets": [8, 24]},
+    }, bytes(range(8)) + table[:2, :4].tobytes()))
+    assert_bit_equal(fastembed.Embedding.from_safetensors(packed)([1]), table[[1], :4])
+    with pytest.raises(ValueError, match="'mx.blocks' is F4, which packs 4-bit values"):
+        fastembed.Embedding.from_safetensors(packed, name="mx.blocks")
+    odd = tmp_path / "odd.safetensors"  # 3 FP6 values: 18 bits, no whole number of bytes
+    odd.write_bytes(raw_safetensors({"v": {"dtype": "F6_E2M3", "shape": [3], "data_offsets": [0, 2]},
+                                     "w": {"dtype": "F16", "shape": [1, 1], "data_offsets": [2, 4]}}, b"\0" * 4))
+    with pytest.raises(ValueError, match=r"is 18 bits \(no whole number of bytes\) but data_offsets span 2"):
+        fastembed.Embedding.from_safetensors(odd, name="w")
+    complex_table = random_table(8, 3, "complex64")
+    saved = tmp_path / "saved.safetensors"
+    fastembed.Embedding(complex_table).save(saved)
+    assert_bit_equal(fastembed.Embedding.from_pretrained(saved)([7]), complex_table[[7]])
+
+
 def test_safetensors_name_selection(tmp_path):
     path = tmp_path / "two.safetensors"
     tensors = {"encoder.embed_tokens.weight": random_table(10, 4), "decoder.embed_tokens.weight": random_table(12, 4),

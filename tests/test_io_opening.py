@@ -97,8 +97,39 @@ def test_a_loop_of_symbolic_links_is_a_value_error_naming_it(tmp_path, opener):
         "from_safetensors": (fastembed.Embedding.from_safetensors, tmp_path / "t.safetensors"),
         "open_table": (io.open_table, tmp_path / "t.safetensors"),
     }[opener]
-    with pytest.raises(ValueError, match="a loop of symbolic links"):
+    with pytest.raises(ValueError, match="a loop of symbolic links") as raised:
         call(target)
+    assert "from_safetensors" not in str(raised.value)  # a call the caller may not have made
+
+
+def test_a_safetensors_file_named_gguf_opens_by_its_content(tmp_path):
+    table = random_table(6, 4, "float16")
+    path = tmp_path / "table.gguf"
+    io.save_table(tmp_path / "t.safetensors", table)
+    os.replace(tmp_path / "t.safetensors", path)
+    assert np.array_equal(io.open_table(path), table)
+    assert np.array_equal(fastembed.Embedding.from_pretrained(path)([5]), table[[5]])
+    with pytest.raises(ValueError, match="not a GGUF file: it is a safetensors file"):
+        fastembed.Embedding.from_gguf(path)
+    damaged = tmp_path / "damaged.gguf"  # bytes of neither format: the name decides, and GGUF's message says why
+    damaged.write_bytes(b"GGUX" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        io.open_table(damaged)
+
+
+def test_an_index_naming_itself_as_a_shard_says_so(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": index.name}}))
+    with pytest.raises(ValueError, match="in model.safetensors.index.json, which is the index itself"):
+        fastembed.Embedding.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("opener", [fastembed.Embedding.from_pretrained, fastembed.Embedding.from_safetensors,
+                                    fastembed.Embedding.from_npy, fastembed.Embedding.from_gguf, io.open_table])
+def test_a_path_the_system_cannot_take_is_its_oserror_not_a_missing_file(tmp_path, opener):
+    with pytest.raises(OSError, match="too long") as raised:
+        opener(tmp_path / ("a" * 300))
+    assert not isinstance(raised.value, FileNotFoundError)
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".npy", ".gguf", ".pt", ".bin"])

@@ -197,8 +197,7 @@ def _status(path: str | os.PathLike, opener: str) -> os.stat_result:
     except OSError as error:
         if error.errno != errno.ELOOP:
             raise
-        raise ValueError(f"{path}: a loop of symbolic links (each leads back to another); {opener} opens a regular "
-                         "file") from None
+        raise ValueError(f"{path}: a loop of symbolic links (each leads back to another), which leads to no file") from None
     if stat.S_ISDIR(status.st_mode):
         raise ValueError(
             f"{path}: is a directory; {opener} opens one file. To open a checkpoint directory "
@@ -226,6 +225,11 @@ def check_tensor_name(path: str | os.PathLike, name: object) -> None:
                          "checkpoints store tensor names as UTF-8") from None
 
 
+def looks_like_safetensors(head: bytes) -> bool:
+    """Whether a file's first bytes (at least 9) are a safetensors header's start: a length below 2**40, then ``{``."""
+    return len(head) >= 9 and head[8:9] == b"{" and head[5:8] == b"\0\0\0"
+
+
 def describe(path: str | os.PathLike, head: bytes) -> str | None:
     """What a file looks like when it is not what a loader expected, and how to open it.
 
@@ -244,7 +248,7 @@ def describe(path: str | os.PathLike, head: bytes) -> str | None:
         the caller then says what its own format needs that the bytes lack.
     """
     where = os.fspath(path)
-    if len(head) >= 9 and head[8:9] == b"{" and head[5:8] == b"\0\0\0":
+    if looks_like_safetensors(head):
         return "is a safetensors file; open it with fastembed.Embedding.from_safetensors (or fastembed.io.open_table)"
     if head.startswith(b"\x93NUMPY"):
         return "is a .npy file; open it with fastembed.Embedding.from_npy (or fastembed.io.map_npy)"

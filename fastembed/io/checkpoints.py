@@ -27,6 +27,7 @@ from ._files import (
     check_tensor_name,
     convert_pickle,
     describe,
+    looks_like_safetensors,
     read_head,
     shorten,
 )
@@ -307,8 +308,10 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
     check_tensor_name(source, name)
     text = os.fsdecode(os.fspath(source))  # a str, bytes or os.PathLike (whose __fspath__ may give bytes)
     # Checked as given: Path("") is ".", and Path drops a trailing "/" or "/." that a file's name cannot carry.
-    if not text or not os.path.lexists(text):  # a link that leads nowhere or loops is named as such by check_file below
-        raise FileNotFoundError(errno.ENOENT, "no such file or directory", str(source))
+    try:
+        os.lstat(text)  # a link that leads nowhere or loops is named as such by check_file below
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(errno.ENOENT, "no such file or directory", str(source)) from None
     path = Path(text)
     if path.is_dir():
         # Present as any entry (a dangling link, a directory): opening it raises what is wrong with it.
@@ -326,7 +329,8 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
         if name is not None:
             raise ValueError(f"{path}: a .npy file holds one array; name= must be None")
         return map_npy_rows(path)
-    if head.startswith(b"GGUF") or path.suffix.lower() == ".gguf":
+    # By content first; the name decides only for bytes of neither format (a damaged GGUF file gets GGUF's message).
+    if head.startswith(b"GGUF") or (path.suffix.lower() == ".gguf" and not looks_like_safetensors(head)):
         return map_gguf(path, name)
     if path.name.endswith(".index.json") or (describe(path, head) or "").startswith("is a sharded checkpoint's index"):
         return _open_sharded(path, name)
@@ -504,6 +508,9 @@ def _open_sharded(index_path: Path, name: str | None) -> np.memmap | QuantizedTa
         if not os.path.isfile(shard):
             raise ValueError(f"{index_path}: the index puts {tensors[0]!r} in {Path(shard).name}, which is "
                              f"{'a directory' if os.path.isdir(shard) else 'not a regular file'}, not a safetensors shard")
+        if os.path.samefile(shard, index_path):
+            raise ValueError(f"{index_path}: the index puts {tensors[0]!r} in {Path(shard).name}, which is the index "
+                             "itself, not a safetensors shard")
         # A quantized table's row scales sit beside it in the same file.
         header = scan_safetensors_header(shard, keep=_named({*tensors, *(t + SCALES_SUFFIX for t in tensors)}))
         for tensor in tensors:

@@ -50,9 +50,14 @@ SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
 }
-_ITEMSIZES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+_ITEMSIZES = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+              "U16": 2}
+#: safetensors dtypes that pack values into fewer bits than a byte (MX formats' elements), by bits per value: a
+#: checkpoint may hold them beside its table; no numpy dtype holds them packed, so none is a table.
+PACKED_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 #: The largest header accepted. The format allows 100 MB; the largest real
 #: headers are a few hundred KiB (one shard of a mixture-of-experts model),
@@ -325,8 +330,7 @@ def _entry(path: Any, name: str, text: str, pos: int, data_size: int) -> tuple[T
         dtype_code, shape_text, begin_text, end_text = canonical.groups()
         shape = tuple(map(int, shape_text.split(","))) if shape_text.strip() else ()
         begin, end = int(begin_text), int(end_text)
-        itemsize = _ITEMSIZES.get(dtype_code, 1)
-        if dtype_code in SAFETENSORS_DTYPES and end <= data_size and end - begin == math.prod(shape) * itemsize:
+        if dtype_code in SAFETENSORS_DTYPES and end <= data_size and (end - begin) * 8 == _data_bits(shape, dtype_code):
             return TensorEntry(dtype_code, shape, begin, end), canonical.end()
         entry = {"dtype": dtype_code, "shape": list(shape), "data_offsets": [begin, end]}
         return _checked_entry(f"{path}: tensor {name!r}", entry, data_size), canonical.end()  # raises
@@ -346,8 +350,9 @@ def _entry(path: Any, name: str, text: str, pos: int, data_size: int) -> tuple[T
 
 def _checked_entry(where: str, entry: Any, data_size: int) -> TensorEntry:
     dtype_code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(dtype_code, str) or dtype_code not in SAFETENSORS_DTYPES:
-        raise ValueError(f"{where}: unknown dtype {_short_repr(dtype_code)}; known: {', '.join(SAFETENSORS_DTYPES)}")
+    if not isinstance(dtype_code, str) or not (dtype_code in SAFETENSORS_DTYPES or dtype_code in PACKED_BITS):
+        raise ValueError(f"{where}: unknown dtype {_short_repr(dtype_code)}; known: "
+                         f"{', '.join([*SAFETENSORS_DTYPES, *PACKED_BITS])}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise ValueError(f"{where}: shape must be a list of non-negative integers, got {_short_repr(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
@@ -355,10 +360,16 @@ def _checked_entry(where: str, entry: Any, data_size: int) -> TensorEntry:
     begin, end = offsets
     if not 0 <= begin <= end <= data_size:
         raise ValueError(f"{where}: data_offsets {offsets} lie outside the data section (0..{data_size})")
-    expected = math.prod(shape) * _ITEMSIZES.get(dtype_code, 1)
-    if end - begin != expected:
-        raise ValueError(f"{where}: shape {shape} x {dtype_code} is {expected} bytes but data_offsets span {end - begin}")
+    bits = _data_bits(shape, dtype_code)
+    if (end - begin) * 8 != bits:
+        size = f"{bits // 8} bytes" if bits % 8 == 0 else f"{bits} bits (no whole number of bytes)"
+        raise ValueError(f"{where}: shape {shape} x {dtype_code} is {size} but data_offsets span {end - begin} bytes")
     return TensorEntry(dtype_code, tuple(shape), begin, end)
+
+
+def _data_bits(shape: Any, dtype_code: str) -> int:
+    """Bits of a tensor's data (packed values may fill no whole byte, which no data_offsets can span)."""
+    return math.prod(shape) * PACKED_BITS.get(dtype_code, 8 * _ITEMSIZES.get(dtype_code, 1))
 
 
 def _refuse_repeated_names(path: Any, name_hashes: array, known: list[str]) -> None:
@@ -490,6 +501,9 @@ def map_tensor(path: str | os.PathLike, entry: TensorEntry, data_start: int, nam
         raise ValueError(f"{path}: tensor {name!r} has shape {list(entry.shape)}; an embedding table is 2-D")
     if 0 in entry.shape:
         raise ValueError(f"{path}: tensor {name!r} is empty (shape {list(entry.shape)})")
+    if entry.dtype in PACKED_BITS:
+        raise ValueError(f"{path}: tensor {name!r} is {entry.dtype}, which packs {PACKED_BITS[entry.dtype]}-bit values "
+                         "into bytes; fastembed gathers tables of whole-byte values (and GGUF's block formats)")
     dtype = resolve_dtype(SAFETENSORS_DTYPES[entry.dtype])
     return map_file(path, dtype, data_start + entry.begin, entry.shape, identity=identity)
 
