@@ -759,3 +759,49 @@ def test_torch_sub_byte_dtypes_are_refused_not_relabelled(name):
             call()
     bytes_ = table.view(stored)
     assert torch.equal(fastembed.lookup(bytes_, [1, 2]), bytes_[[1, 2]])
+
+
+def test_a_lookup_reads_a_torch_table_without_detach_which_lets_another_threads_data_swap_tear_it(monkeypatch):
+    """``detach()`` lets the GIL go, and a ``.data =`` on another thread meanwhile gave it one tensor's dtype over the
+    other's memory: rows neither old nor new. Every way in reads the table through ``.data``, which holds the GIL."""
+    import threading
+    import time
+
+    import fastembed.torch
+
+    first, second = torch.randn(3000, 256), torch.randn(3000, 256).to(torch.bfloat16)
+    weight = torch.nn.Parameter(first.clone(), requires_grad=False)
+    layer = fastembed.torch.Embedding.from_pretrained(first.clone(), freeze=True)
+    calls = [
+        lambda ids: fastembed.lookup(weight, ids),
+        lambda ids: fastembed.lookup(weight, ids, dtype=torch.float32),
+        lambda ids: fastembed.Embedding(weight)(ids),
+        lambda ids: layer(ids),
+    ]
+    detached = []
+    real_detach = torch.Tensor.detach
+    monkeypatch.setattr(torch.Tensor, "detach", lambda self: detached.append(self) or real_detach(self))
+    for call in calls:
+        for size in (1, 3000):  # torch's own embedding serves the drop-in layer's small batches
+            call(torch.arange(size))
+    assert not detached
+    monkeypatch.undo()
+    stop = threading.Event()
+
+    def swap() -> None:
+        while not stop.is_set():
+            weight.data, layer.weight.data = first, first
+            weight.data, layer.weight.data = second, second
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            ids = torch.randint(0, 3000, (64,))
+            for call in (calls[0], calls[3]):
+                rows = call(ids)
+                assert any(rows.dtype == table.dtype and torch.equal(rows, table[ids]) for table in (first, second))
+    finally:
+        stop.set()
+        swapper.join()

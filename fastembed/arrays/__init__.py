@@ -191,7 +191,7 @@ def as_read(array: Any) -> Any:
     """`array` as read now, for a layer that keeps it between calls (None stays None).
 
     The adapter's ``alias(array)`` where it has one (a torch tensor:
-    ``detach()``, which the caller's later ``.data =`` leaves over the memory
+    an alias, which the caller's later ``.data =`` leaves over the memory
     and dtype the layer's view was taken of); otherwise the array itself.
     """
     alias = getattr(adapter_of(array), "alias", None) if array is not None else None

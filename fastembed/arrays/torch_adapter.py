@@ -19,9 +19,10 @@ the kernel and the result's allocation are ordered with the caller's torch
 work, with no synchronisation added. Nothing moves between devices: ids or
 ``out`` on another device than the table are refused by validation.
 
-A tensor that requires grad is gathered through ``tensor.detach()`` (no
-copy): lookup does not record autograd. Tensors on other devices (``meta``,
-``mps``, ...) are refused (TypeError), and so are tensors whose operations
+A tensor that requires grad is gathered through an alias of it
+(:meth:`TorchAdapter.alias`, no copy): lookup does not record autograd.
+Tensors on other devices (``meta``, ``mps``, ...) are refused (TypeError),
+and so are tensors whose operations
 torch dispatches to Python (``__torch_dispatch__``: DTensor, FakeTensor,
 wrapper subclasses), whose memory need not hold their values. Other
 subclasses of ``torch.Tensor`` (a project's ``nn.Parameter`` subclass) are
@@ -78,9 +79,20 @@ class TorchAdapter:
         return None if array.device.type == "cpu" else str(array.dtype).removeprefix("torch.")
 
     def alias(self, array: Any) -> Any:
-        """The tensor as read now: a ``detach()`` alias over the same memory, whose dtype, shape and storage a
-        later ``.data =`` or ``set_`` on the caller's tensor leaves as they are."""
-        return array.detach()
+        """The tensor as read now: an alias over the same memory (no autograd), whose dtype, shape and storage a
+        later ``.data =`` or ``set_`` on the caller's tensor leaves as they are.
+
+        It is ``array.data``, which torch reads holding the GIL: ``detach()`` lets the GIL go, and a ``.data =``
+        on another thread meanwhile could give it one tensor's dtype and shape over the other's memory.
+        """
+        try:
+            return array.data
+        except RuntimeError:  # vmap forbids `.data` on its wrappers
+            import torch
+
+            if torch._C._functorch.is_functorch_wrapped_tensor(array):
+                raise TypeError(_FUNCTORCH_WRAPPER) from None
+            raise
 
     def owns(self, array: Any) -> bool:
         # __dlpack__ tells a tensor (nn.Parameter included) from torch's other types (Size, storages, dtypes).
@@ -136,10 +148,10 @@ class TorchAdapter:
                 f"this torch tensor is a {type(array).__module__}.{type(array).__qualname__}, whose operations "
                 "torch dispatches to Python (DTensor, FakeTensor, wrapper subclasses): its memory need not hold its "
                 "values, and fastembed reads memory as it lies; gather from the local or plain tensor it wraps")
-        device = self.device(array)
         # An alias (no copy; lookup does not record autograd) that holds the memory itself: a `.data =` on the
         # caller's tensor meanwhile (another thread's) frees nothing the checks below and the view see.
-        tensor = array.detach()
+        tensor = self.alias(array)
+        device = self.device(tensor)
         if tensor.is_neg() or tensor.is_conj():
             # Memory read as it lies would give the values without the lazy sign or conjugation.
             raise TypeError(f"this torch tensor is a lazy {'negation' if tensor.is_neg() else 'conjugate'} view of "
@@ -493,7 +505,7 @@ def _numpy_view(tensor: Any, writable: bool) -> np.ndarray:
 
     The tensor method's checks (requires grad, conjugate bit, streams) cost
     microseconds that a decode step notices; the snapshot has made them already.
-    `tensor` is the alias :meth:`TorchAdapter._view` made (``detach()``),
+    `tensor` is the alias :meth:`TorchAdapter._view` made (:meth:`TorchAdapter.alias`),
     which holds the memory this view reads or writes.
     """
     global _to_dlpack
