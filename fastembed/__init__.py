@@ -146,7 +146,7 @@ def set_output_cache_limit(nbytes: int) -> None:
 
     Raises:
         TypeError: not an integer.
-        ValueError: a negative size.
+        ValueError: a negative size, or one above 2**64 (no memory holds more).
 
     Example:
         >>> import fastembed

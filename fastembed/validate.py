@@ -272,7 +272,8 @@ def checked_integer(value: Any, must_be: str, low: float, high: float) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{must_be}, got {value!r}")
     if not low <= int(value) <= high:
-        raise ValueError(f"{must_be}, got {value!r}")
+        bits = int(value).bit_length()  # repr of an integer of over 4,300 digits raises (sys.set_int_max_str_digits)
+        raise ValueError(f"{must_be}, got {value!r}" if bits <= 128 else f"{must_be}, got an integer of {bits} bits")
     return int(value)
 
 

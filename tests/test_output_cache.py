@@ -517,7 +517,21 @@ def test_a_result_freed_by_a_collection_inside_the_cache_is_kept_on_the_way_out(
     assert type(output_cache._free) is dict
 
 
-@pytest.mark.parametrize(("limit", "error"), [("1G", TypeError), (1.5, TypeError), (True, TypeError), (-1, ValueError)])
+@pytest.mark.parametrize(("limit", "error"), [("1G", TypeError), (1.5, TypeError), (True, TypeError), (-1, ValueError),
+                                             (2**64 + 1, ValueError), (10**400, ValueError),
+                                             pytest.param(-10**5000, ValueError, id="-10**5000")])
 def test_a_limit_that_is_no_byte_count_is_refused_by_kind(limit, error):
-    with pytest.raises(error, match="the output cache limit is a number of bytes >= 0, got"):
+    """A limit of hundreds of digits was taken, and info's line of the cache then raised OverflowError."""
+    with pytest.raises(error, match="the output cache limit is a number of bytes from 0 to 2\\*\\*64, got"):
         fastembed.set_output_cache_limit(limit)
+
+
+def test_the_largest_limit_is_shown_in_whole_mib():
+    from fastembed.backends import output_cache
+
+    before = output_cache.limit()
+    fastembed.set_output_cache_limit(2**64)
+    try:
+        assert f"limit {2**44} MiB" in output_cache.describe()
+    finally:
+        fastembed.set_output_cache_limit(before)

@@ -114,12 +114,12 @@ def set_limit(nbytes: int) -> None:
 
     Raises:
         TypeError: not an integer.
-        ValueError: a negative size.
+        ValueError: a negative size, or one above 2**64 (no memory holds more).
     """
     global _limit
     from ..validate import checked_integer
 
-    limit = checked_integer(nbytes, "the output cache limit is a number of bytes >= 0", 0, float("inf"))
+    limit = checked_integer(nbytes, "the output cache limit is a number of bytes from 0 to 2**64", 0, 2**64)
     with _lock:
         _limit = limit
         _trim(_limit)
@@ -137,7 +137,7 @@ def describe() -> str:
     except ValueError as error:
         return (f"ERROR: {error}; large allocating lookups that take their output from the cache (those the numba "
                 "backend serves, and those on a JAX table) raise until it is fixed")
-    return (f"{cached_bytes() / 2**20:.0f} MiB of outputs kept for reuse, limit {most / 2**20:.0f} MiB "
+    return (f"{cached_bytes() // 2**20} MiB of outputs kept for reuse, limit {most // 2**20} MiB "
             f"({ENVIRONMENT_VARIABLE}; fastembed.empty_cache())")
 
 
