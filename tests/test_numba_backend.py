@@ -778,11 +778,46 @@ def test_a_ctrl_c_while_a_fork_waits_is_held_back_until_the_fork_is_done(monkeyp
     # Recorded instead of raised: whether a signal reaches this thread's handler is the process's business (a library
     # may hold its own handler), and the check is about when fastembed raises it.
     raised: list[tuple] = []
-    monkeypatch.setattr(background_compile.signal, "raise_signal", lambda signum: raised.append(
-        (signum, _free_for_another_thread(background_compile._guard),
+    monkeypatch.setattr(background_compile.interrupts, "interrupt_again", lambda: raised.append(
+        (_free_for_another_thread(background_compile._guard),
          _free_for_another_thread(background_compile._foreground_lock))))
     background_compile._after_fork_in_parent()
-    assert raised == [(signal.SIGINT, True, True)]
+    assert raised == [(True, True)]
+
+
+def test_a_ctrl_c_while_a_fork_waits_reaches_the_program_after_the_fork(tmp_path):
+    """Raised again inside the after-fork hook, the KeyboardInterrupt was dropped by Python, and the program went on."""
+    from helpers import run_script
+
+    finished = run_script(tmp_path, """
+import os, signal, threading, time
+from fastembed.backends import background_compile
+inside, release = threading.Event(), threading.Event()
+
+def section():  # a compile on another thread, as the fork sees it
+    with background_compile.foreground():
+        inside.set()
+        release.wait(60)
+
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.3)
+    release.set()
+
+threading.Thread(target=section).start()
+inside.wait()
+threading.Timer(0.3, ctrl_c).start()
+try:
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    time.sleep(20)
+    print("the Ctrl-C was dropped")
+except KeyboardInterrupt:
+    print("interrupted after the fork", not release.is_set() or "released")
+""")
+    assert "interrupted after the fork released" in finished.stdout, finished.stdout + finished.stderr
 
 
 def test_a_fork_whose_wait_another_error_cut_short_leaves_a_child_that_never_uses_numba(monkeypatch, fresh_backend):
@@ -1013,7 +1048,7 @@ def test_an_interrupt_anywhere_in_a_cold_lookup_leaves_compiles_locks_and_result
     a compile thread made but never started used to stay listed, so waiting for compiles, and every fork, raised
     "cannot join thread before it is started", and its kernels were never compiled."""
     # One caught in the output cache's finalizer would be raised again later, in this test's own code.
-    monkeypatch.setattr(numba_backend.output_cache, "_interrupt_again", lambda: None)
+    monkeypatch.setattr(numba_backend.output_cache.interrupts, "interrupt_again", lambda: None)
     package = os.path.dirname(fastembed.__file__)
     table = random_table(4096, 1024, "float32")
     ids = np.random.default_rng(0).integers(0, 4096, 1024)  # 4 MiB: the parallel kernels

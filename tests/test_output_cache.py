@@ -99,7 +99,7 @@ def test_an_interrupt_anywhere_in_the_caches_code_leaves_it_bounded_and_working(
     busy for good when it struck on entering the code that left it, then kept every returning buffer beyond the
     limit, served none and freed none on empty_cache()."""
     monkeypatch.setattr("sys.unraisablehook", lambda unraisable: None)  # a finalizer's interrupt is not raised
-    monkeypatch.setattr(output_cache, "_interrupt_again", lambda: None)  # nor raised again later, in the test's code
+    monkeypatch.setattr(output_cache.interrupts, "interrupt_again", lambda: None)  # nor raised again later, in the test's code
     fastembed.set_output_cache_limit(12 * 2**20)  # room for two of the round's four buffers: the limit is tested
     runs = 0
     for _ in interrupted_runs(_in_the_cache, _cache_round):
@@ -113,7 +113,7 @@ def test_an_interrupt_while_a_buffer_comes_back_never_keeps_more_than_the_limit_
     only once there is room) and the KeyboardInterrupt, which Python would only print, is raised again (but on
     entering the finalizer, before any of its code runs)."""
     delivered, printed = [], []
-    monkeypatch.setattr(output_cache, "_interrupt_again", lambda: delivered.append(True))
+    monkeypatch.setattr(output_cache.interrupts, "interrupt_again", lambda: delivered.append(True))
     monkeypatch.setattr("sys.unraisablehook", lambda unraisable: printed.append(unraisable.exc_type))
     fastembed.set_output_cache_limit(12 * 2**20)  # room for two buffers
     armed = []

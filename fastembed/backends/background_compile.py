@@ -37,11 +37,12 @@ from __future__ import annotations
 import contextlib
 import logging  # noqa: F401 - imported here so that its fork hooks are never registered mid-fork (numba imports it)
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
+
+from . import interrupts
 
 # Re-entrant, for _is_owned(): a fork hook must release what it took, and an exception (Ctrl-C) just after an
 # acquire() returns would keep a record of it from being made.
@@ -223,7 +224,7 @@ def _after_fork_in_parent() -> None:
     _release_fork_locks()
     if ident in _ctrl_c_held:
         _ctrl_c_held.discard(ident)
-        signal.raise_signal(signal.SIGINT)  # the Ctrl-C held back while the fork waited
+        interrupts.interrupt_again()  # the Ctrl-C held back while the fork waited (raised here, it would be dropped)
 
 
 def _after_fork_in_child() -> None:

@@ -32,16 +32,15 @@ few smaller ones.
 """
 from __future__ import annotations
 
-import _thread
-import contextlib
 import math
 import os
-import signal
 import threading
 import weakref
 from typing import Any
 
 import numpy as np
+
+from . import interrupts
 
 #: Outputs smaller than this come from numpy's allocator (glibc keeps them in its heap).
 MIN_BYTES = 4 * 2**20
@@ -50,9 +49,6 @@ GRANULE = 2 * 2**20
 #: Every cached buffer starts at a multiple of this many bytes (a cache line; what JAX needs to share a result).
 ALIGNMENT = 64
 ENVIRONMENT_VARIABLE = "FASTEMBED_OUTPUT_CACHE_BYTES"
-#: Seconds after which a Ctrl-C caught in a finalizer on the main thread is raised again: the finalizer has returned
-#: by then, and a person does not notice the delay.
-INTERRUPT_AGAIN_AFTER_S = 0.05
 
 _lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
 # Free buffers (uint8, each faulted in) by id, the oldest returned first, each with a weak reference to the view
@@ -210,7 +206,7 @@ def _give_back(buffer: np.ndarray, view: weakref.ref) -> None:
     within the limit (a buffer larger than the limit is freed itself).
 
     Room is made before the buffer is kept, so an interruption leaves the cache within its limit; a Ctrl-C
-    caught here is raised again (:func:`_interrupt_again`), since Python only prints an exception that leaves a
+    caught here is raised again (:func:`~fastembed.backends.interrupts.interrupt_again`), since Python only prints an exception that leaves a
     finalizer.
     """
     try:
@@ -227,36 +223,7 @@ def _give_back(buffer: np.ndarray, view: weakref.ref) -> None:
             if total <= keep:
                 _free[id(buffer)] = (buffer, view)
     except KeyboardInterrupt:
-        _interrupt_again()
-
-
-def _interrupt_again() -> None:
-    """Interrupt the main thread again, as the Ctrl-C that a finalizer caught did, once that finalizer has returned.
-
-    From another thread it is done at once. On the main thread a request would be served before the finalizer
-    returns (and only printed), so a timer thread makes it :data:`INTERRUPT_AGAIN_AFTER_S` later; at interpreter
-    shutdown no thread can start, and nothing is left to interrupt.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        _interrupt_main()
-        return
-    timer = threading.Timer(INTERRUPT_AGAIN_AFTER_S, _interrupt_main)
-    timer.daemon = True
-    try:
-        timer.start()
-    except RuntimeError:  # "can't create new thread at interpreter shutdown"
-        pass
-
-
-def _interrupt_main() -> None:
-    """SIGINT to the main thread where Python handles it, which also wakes a blocking call as a Ctrl-C does;
-    ``_thread.interrupt_main()`` (which does not wake one) where threads cannot be signalled."""
-    main = threading.main_thread().ident
-    if hasattr(signal, "pthread_kill") and main is not None and callable(signal.getsignal(signal.SIGINT)):
-        with contextlib.suppress(OSError):  # the main thread has ended meanwhile: nothing is left to interrupt
-            signal.pthread_kill(main, signal.SIGINT)
-    else:
-        _thread.interrupt_main()
+        interrupts.interrupt_again()
 
 
 def _trim(keep: int) -> None:
