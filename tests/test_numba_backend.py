@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import sys
 import textwrap
 import threading
