@@ -310,3 +310,31 @@ def test_select_backend_leaves_a_gpu_tables_ids_to_the_lookup(cupy_or_double):
             assert fastembed.lookup(table, ids).shape == (2, 64)
         with pytest.raises(IndexError):
             fastembed.raise_deferred_id_errors()
+
+
+def test_a_finder_refusing_numba_or_a_stub_cupy_module_leaves_auto_on_numpy_and_info_saying_why(tmp_path):
+    """Asking whether numba or cupy could be found raised out of every lookup, and out of info."""
+    from helpers import run_script
+
+    finished = run_script(tmp_path, """
+import importlib.abc, subprocess, sys, types
+import numpy as np
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("numba", "llvmlite"):
+            raise ImportError(name + " is not allowed here")
+
+sys.meta_path.insert(0, Refuse())
+sys.modules["cupy"] = types.ModuleType("cupy")  # a stub without a spec
+import fastembed
+from fastembed import info
+table = np.arange(40, dtype=np.float32).reshape(10, 4)
+assert np.array_equal(fastembed.lookup(table, [3, 1]), table[[3, 1]])
+assert fastembed.select_backend(table, np.arange(3)).backend == "numpy"
+text = str(info.report())
+assert "numba cannot be imported here (ImportError: numba is not allowed here)" in text, text
+assert "cupy cannot be imported here (ValueError" in text, text
+print("served")
+""")
+    assert "served" in finished.stdout, finished.stdout + finished.stderr

@@ -11,6 +11,7 @@ defines such an object, plus one call to
 """
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -187,3 +188,16 @@ def not_supported_reasons(backend: Backend, array_library: str, device: str, tab
     if reasons and "cuda" in capabilities.devices and device == "cpu":
         reasons.append("fastembed never moves a table implicitly: move it once with Embedding.to_device()")
     return reasons
+
+
+def missing_package(name: str, install: str) -> str | None:
+    """Why the package `name` cannot be imported, found without importing it (`install`: how to get it), or None.
+
+    A finder that refuses it (an import hook raising ImportError) or a stub module left in ``sys.modules``
+    without a spec makes ``importlib.util.find_spec`` raise: that is a reason too, not an error of the call.
+    """
+    try:
+        found = importlib.util.find_spec(name)
+    except Exception as error:  # whatever another library's finder raises
+        return f"{name} cannot be imported here ({type(error).__name__}: {error})"
+    return None if found is not None else f"{name} is not installed ({install})"

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib.util
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,7 +50,7 @@ import numpy as np
 from .. import validate
 from ..arrays.cupy_adapter import ADAPTER as CUPY
 from ..formats import QuantizedTable
-from .base import DENSE, Capabilities
+from .base import DENSE, Capabilities, missing_package
 
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "gather.cu"
 DEQUANT_SOURCE = KERNEL_SOURCE.with_name("dequant.cu")
@@ -407,8 +406,9 @@ class CudaBackend:
 
 
 def _probe() -> list[str]:
-    if importlib.util.find_spec("cupy") is None:
-        return ["cupy is not installed (pip install 'fastembed-gather[cuda12]' or '[cuda13]')"]
+    missing = missing_package("cupy", "pip install 'fastembed-gather[cuda12]' or '[cuda13]'")
+    if missing is not None:
+        return [missing]
     try:
         import cupy
 

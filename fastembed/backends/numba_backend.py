@@ -184,8 +184,9 @@ class NumbaBackend:
 
     @staticmethod
     def _find_unavailable_reasons() -> list[str]:
-        if importlib.util.find_spec("numba") is None:
-            return ["numba is not installed (pip install numba)"]
+        missing = base.missing_package("numba", "pip install numba")
+        if missing is not None:
+            return [missing]
         if _jit_disabled_by_environment():
             return [_JIT_DISABLED]
         if background_compile.compiles_disabled():
