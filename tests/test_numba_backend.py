@@ -941,19 +941,43 @@ def test_no_compile_starts_once_interpreter_exit_has_begun(monkeypatch):
 
 
 def test_compiles_waiting_for_their_turn_when_exit_begins_never_run(monkeypatch):
-    """Exit waits for the compile under way only; threading's own flag counts, whatever order the exit hooks run in."""
+    """Exit waits for the compile under way only."""
     background_compile = numba_backend.background_compile
     monkeypatch.setattr(background_compile, "_exiting", False)
     ran: list[str] = []
     background_compile._one_at_a_time.acquire()  # the compile under way
     try:
         background_compile.start(("test", "queued"), lambda: ran.append("queued"))
-        monkeypatch.setattr(threading, "_SHUTTING_DOWN", True, raising=False)
+        background_compile._stop_new_compiles()
         background_compile.start(("test", "after the flag"), lambda: ran.append("after the flag"))
     finally:
         background_compile._one_at_a_time.release()
     background_compile.wait(timeout=30)
     assert ran == [] and background_compile.is_ready(("test", "queued"))
+
+
+def test_a_server_thread_that_outlives_the_main_thread_compiles_and_exit_waits_for_it(tmp_path):
+    """No compile started once the main thread had ended, and such a server was served by numpy for good."""
+    done = run_script(tmp_path, f"""
+import os, threading, time
+os.environ["NUMBA_CACHE_DIR"] = {str(tmp_path / "cache")!r}  # a compile of its own
+import numpy as np, fastembed
+from fastembed.backends import background_compile
+table = np.random.default_rng(0).standard_normal((4000, 1024)).astype(np.float32)
+
+def serve():
+    while threading.main_thread().is_alive():
+        time.sleep(0.01)
+    ids = np.arange(0, 4000, 2, dtype=np.int64)
+    assert np.array_equal(fastembed.lookup(table, ids), table[ids])
+    assert fastembed.wait_for_compiles(300)
+    started = list(background_compile._started)
+    print("compiled:", len(started) > 0 and all(map(background_compile.is_ready, started)), flush=True)
+
+threading.Thread(target=serve).start()
+""")
+    assert done.returncode == 0, done.stderr
+    assert "compiled: True" in done.stdout, done.stdout + done.stderr
 
 
 def test_a_large_lookup_in_an_atexit_handler_exits(tmp_path):

@@ -26,14 +26,17 @@ handler end the wait (Python forks anyway), the child never compiles: its
 calls stay served another way. A lookup made by a signal handler of the
 forking thread while it waits starts no compile.
 
-Interpreter exit: once it has begun, no compile starts (the key's calls stay
-served another way) and none of those waiting for their turn runs: exit
-waits for the one compile under way at most. A thread started later, from
-an ``atexit`` handler say, would outlive the join of threads that exit
-performs, and exit could hang on numba inside LLVM.
+Interpreter exit: while it joins the non-daemon threads that outlive the
+main thread (a server's), their lookups compile as before: the join waits
+for compile threads started meanwhile too. Once it has joined them, no
+compile starts (the key's calls stay served another way: lookups in
+``atexit`` handlers, in daemon threads, in the final garbage collection)
+and none of those waiting for their turn runs: a thread started then would
+outlive that join, and exit could hang on numba inside LLVM.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging  # noqa: F401 - imported here so that its fork hooks are never registered mid-fork (numba imports it)
 import os
@@ -88,8 +91,7 @@ def is_ready(key: Hashable) -> bool:
 
 
 def _exit_begun() -> bool:
-    # threading's own flag is set before the exit hooks run, whatever their order.
-    return _exiting or bool(getattr(threading, "_SHUTTING_DOWN", False))
+    return _exiting
 
 
 def start(key: Hashable, first_call: Callable[[], Any]) -> None:
@@ -243,10 +245,19 @@ def compiles_disabled() -> bool:
 
 
 def _stop_new_compiles() -> None:
-    """Called when interpreter exit begins, before it joins the running threads."""
+    """Called once interpreter exit has joined the threads it waits for, before any other atexit handler runs."""
     global _exiting
     with _guard:
         _exiting = True
+
+
+def _on_thread_shutdown() -> None:
+    """Called when the main thread has ended, before exit joins the other non-daemon threads.
+
+    Those threads may still look up rows and start compiles, which the join waits for too (it joins threads
+    started meanwhile); the atexit handlers run after it, and an atexit handler registered now runs first of them.
+    """
+    atexit.register(_stop_new_compiles)
 
 
 def forget() -> None:
@@ -259,7 +270,9 @@ def forget() -> None:
 
 # The hook that concurrent.futures uses to act before exit joins threads; atexit handlers run after that join.
 if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_stop_new_compiles)
+    threading._register_atexit(_on_thread_shutdown)
+else:
+    atexit.register(_stop_new_compiles)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_wait_before_fork, after_in_parent=_after_fork_in_parent,
                         after_in_child=_after_fork_in_child)
