@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
 import sys
 import textwrap
 import threading
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1170,3 +1172,24 @@ def test_a_failed_kernel_import_leaves_none_of_the_modules_it_brought_in(tmp_pat
     result = run_script(tmp_path, code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_without_a_place_to_cache_kernels_numba_still_serves_and_info_says_so(tmp_path):
+    """numba refuses to define a kernel that asks for caching when it has nowhere to write: the backend was lost."""
+    environment = {**os.environ, "NUMBA_CACHE_LOCATOR_CLASSES": "helpers.NoCacheLocator",
+                   "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    script = tmp_path / "script.py"
+    script.write_text("""
+import numpy as np, fastembed
+from fastembed import info
+from fastembed.backends import numba_backend
+table = np.random.default_rng(0).standard_normal((4000, 1024)).astype(np.float32)
+ids = np.arange(0, 4000, 2)
+assert np.array_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+assert fastembed.wait_for_compiles(300) and not numba_backend.BACKEND.unavailable_reasons()
+assert np.array_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])
+print(numba_backend.BACKEND.describe()["kernel_cache"])
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=environment)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("off: numba finds no writable place"), done.stdout

@@ -523,6 +523,8 @@ class NumbaBackend:
             return {"error": str(error)}
         import numba
 
+        from ..kernels import jit_options
+
         threads = thread_count()
         facts: dict[str, Any] = {
             "numba": numba.__version__,
@@ -536,6 +538,9 @@ class NumbaBackend:
             "max_block_bytes": MAX_BLOCK_BYTES,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
             "streaming_stores": _STREAMING_CPU,
+            "kernel_cache": "on disk" if jit_options.CACHED else (
+                "off: numba finds no writable place to cache compiled kernels (NUMBA_CACHE_DIR names one), so each "
+                "process compiles them again"),
         }
         failures = list(self._compiles.failed.values())
         if failures:

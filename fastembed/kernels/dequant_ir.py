@@ -17,7 +17,7 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-_JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
+from .jit_options import JIT as _JIT
 
 #: Format codes, by name (fastembed.formats.FORMATS).
 FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7, "fp8_e4m3": 8}

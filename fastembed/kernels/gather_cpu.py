@@ -26,14 +26,11 @@ Contract shared by every gather kernel here:
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit
 
 from .cpu_intrinsics import copy_bytes, prefetch, store_fence, stream_store_16
-
-_JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
+from .jit_options import JIT as _JIT
 
 
 @njit(**_JIT)
