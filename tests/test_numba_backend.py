@@ -868,6 +868,60 @@ def test_a_fork_waits_no_longer_than_its_bound_for_a_compile_that_cannot_finish(
         monkeypatch.setattr(background_compile, "_no_compiles", False)
 
 
+def test_a_compile_a_fork_gave_up_on_is_waited_for_once_and_its_section_not_again_nor_in_the_child(monkeypatch,
+                                                                                                      fresh_backend):
+    """A stuck compile inside a foreground section made a fork wait FORK_WAIT_S twice (joined, then as a section),
+    every later fork again, and the child kept its section and waited FORK_WAIT_S on each fork of its own."""
+    background_compile = numba_backend.background_compile
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck_compile() -> None:
+        with background_compile.foreground():
+            inside.set()
+            release.wait(60)
+
+    stuck = threading.Thread(target=stuck_compile)
+    stuck.start()
+    inside.wait()
+    monkeypatch.setattr(background_compile, "_threads", [stuck])
+    monkeypatch.setattr(background_compile, "FORK_WAIT_S", 0.3)
+    monkeypatch.setattr(background_compile, "_no_compiles", False)
+    monkeypatch.setattr(background_compile, "_given_up", set(), raising=False)
+    section_waits: list[float] = []
+    real_condition = background_compile._foreground_done
+
+    class CountedCondition:
+        def wait(self, timeout: float) -> bool:
+            section_waits.append(timeout)
+            return real_condition.wait(timeout)
+
+        def __getattr__(self, name: str):
+            return getattr(real_condition, name)
+
+    monkeypatch.setattr(background_compile, "_foreground_done", CountedCondition())
+    joined: list[threading.Thread] = []
+    real_join = background_compile._join
+    monkeypatch.setattr(background_compile, "_join", lambda thread, deadline: (joined.append(thread),
+                                                                               real_join(thread, deadline)))
+    sections = dict(background_compile._foreground_threads)
+    try:
+        background_compile._wait_before_fork()
+        background_compile._after_fork_in_parent()
+        assert joined == [stuck] and section_waits == [] and stuck in background_compile._given_up
+        background_compile._wait_before_fork()  # a later fork
+        background_compile._after_fork_in_parent()
+        assert joined == [stuck] and section_waits == []
+        background_compile._wait_before_fork()
+        background_compile._after_fork_in_child()  # what Python runs in the child
+        assert background_compile.compiles_disabled()
+        assert stuck.ident not in background_compile._foreground_threads and not background_compile._given_up
+    finally:
+        background_compile._foreground_threads.update(sections)  # the section's own exit removes its token
+        release.set()
+        stuck.join()
+        monkeypatch.setattr(background_compile, "_no_compiles", False)
+
+
 def test_a_ctrl_c_that_cuts_a_compile_threads_start_short_reaches_the_caller_as_itself(monkeypatch):
     """threading's locks are not safe against a Ctrl-C: start() may end in "release unlocked lock" instead."""
     background_compile = numba_backend.background_compile

@@ -18,8 +18,8 @@ another thread is in. A compile lasts seconds, so a fork is delayed by
 that; a fork from inside such a section does not wait for itself. A
 compile (or a section) that makes the fork wait :data:`FORK_WAIT_S` by
 itself (it cannot finish: an import lock that an interrupted import
-elsewhere left held, say) is waited for no longer: the process forks, and
-the child never compiles.
+elsewhere left held, say) is waited for no longer, by this fork or any
+later one: the process forks, and the child never compiles.
 A Ctrl-C meanwhile does not cut the wait short: it is raised again in the
 parent once the fork is done. Should another exception from a signal
 handler end the wait (Python forks anyway), the child never compiles: its
@@ -65,6 +65,7 @@ _exiting = False
 _forking_threads: set[int] = set()  # the threads inside _wait_before_fork, up to their fork
 _waiting_to_fork: set[int] = set()  # threads whose wait before a fork has not reached its end (yet, or ever)
 _no_compiles = False  # in a child forked after such a wait: numba's locks may be held by a thread it lacks
+_given_up: set[threading.Thread] = set()  # threads a fork waited FORK_WAIT_S for: no later fork waits for them
 #: Seconds a fork waits for one compile (compiles run one after another), and for the foreground sections, at most.
 FORK_WAIT_S = 60.0
 
@@ -158,12 +159,15 @@ def _wait_before_fork() -> None:
     held = _held_for_fork.setdefault(ident, [])
     held.append(_guard)  # recorded first: only the locks this thread owns are released after the fork
     _guard.acquire()  # a thread inside start() holds it while its compile thread starts
+    _given_up.difference_update([thread for thread in list(_given_up) if not thread.is_alive()])
     interrupted = _uninterrupted(_join_compiles)
     _threads[:] = [thread for thread in _threads if thread.is_alive()]
     held.append(_foreground_lock)
     _foreground_lock.acquire()
     deadline = time.monotonic() + FORK_WAIT_S
     interrupted |= _uninterrupted(lambda: _wait_for_foreground_sections(ident, deadline))
+    if _in_foreground_sections(ident):
+        _given_up.update(thread for thread in threading.enumerate() if _foreground_threads.get(thread.ident or 0))
     if interrupted:
         _ctrl_c_held.add(ident)
     if not _threads_still_running(ident):
@@ -177,19 +181,26 @@ def _wait_for_foreground_sections(but: int, deadline: float) -> None:
 
 
 def _in_foreground_sections(but: int) -> bool:
-    return any(tokens for ident, tokens in list(_foreground_threads.items()) if ident != but)
+    """Whether a thread other than `but`, and other than those a fork gave up on, is in a foreground section."""
+    skipped = {but, *(thread.ident for thread in list(_given_up) if thread.is_alive())}
+    return any(tokens for ident, tokens in list(_foreground_threads.items()) if ident not in skipped)
 
 
 def _threads_still_running(but: int) -> bool:
-    """Whether a compile, or a foreground section of a thread other than `but`, is still under way."""
-    return any(thread.is_alive() and thread is not threading.current_thread() for thread in _threads) or (
-        _in_foreground_sections(but))
+    """Whether a compile, or a foreground section of a thread other than `but`, is still under way (a fork's wait
+    for them given up included)."""
+    return any(thread.is_alive() and thread is not threading.current_thread() for thread in _threads) or any(
+        tokens for ident, tokens in list(_foreground_threads.items()) if ident != but)
 
 
 def _join_compiles() -> None:
-    """Join each compile thread for FORK_WAIT_S at most, from when the wait for it begins (they run one at a time)."""
+    """Join each compile thread for FORK_WAIT_S at most, from when the wait for it begins (they run one at a time),
+    but those an earlier wait gave up on."""
     for thread in list(_threads):
-        _join(thread, time.monotonic() + FORK_WAIT_S)
+        if thread not in _given_up:
+            _join(thread, time.monotonic() + FORK_WAIT_S)
+            if thread.is_alive() and thread is not threading.current_thread():
+                _given_up.add(thread)
 
 
 def _join(thread: threading.Thread, deadline: float | None) -> None:
@@ -237,6 +248,10 @@ def _after_fork_in_child() -> None:
     _ctrl_c_held.clear()
     _release_fork_locks()
     _forking_threads.clear()  # other threads' entries: the child lacks them, and a new thread may get their ident
+    _given_up.clear()
+    for ident in list(_foreground_threads):  # sections of threads the child lacks: only the forking thread is left
+        if ident != threading.get_ident():
+            del _foreground_threads[ident]
 
 
 def compiles_disabled() -> bool:
