@@ -1036,6 +1036,37 @@ threading.Thread(target=serve).start()
     assert "compiled: True" in done.stdout, done.stdout + done.stderr
 
 
+def test_lookups_in_a_del_that_the_clearing_of_modules_runs_are_served(tmp_path):
+    """Python refuses imports then: ndarray.ctypes and numba's settings, read on the way, raised ImportError."""
+    done = run_script(tmp_path, """
+import os
+import numpy as np, fastembed
+table = np.random.default_rng(0).standard_normal((20000, 1024)).astype(np.float16)
+quantized = fastembed.Embedding(table).quantize("q8_0")
+for n in (10, 5000, 30000):
+    fastembed.lookup(table, np.arange(n) % 20000); quantized(np.arange(n) % 20000)
+fastembed.wait_for_compiles(300)
+
+class AtTeardown:  # held by a module global: its __del__ runs while interpreter teardown clears the modules
+    def __init__(self):
+        self.lookup, self.write, self.array_equal, self.arange = fastembed.lookup, os.write, np.array_equal, np.arange
+        self.table, self.quantized, self.empty = table, quantized, np.empty
+
+    def __del__(self):
+        for n in (10, 5000, 30000):
+            ids = self.arange(n) % 20000
+            expected = self.table[ids]
+            assert self.array_equal(self.lookup(self.table, ids), expected)
+            out = self.empty(expected.shape, expected.dtype)
+            assert self.lookup(self.table, ids, out=out) is out and self.array_equal(out, expected)
+            assert self.quantized(ids).shape == (n, 1024)
+        self.write(1, b"served at teardown\\n")
+
+at_teardown = AtTeardown()
+""")
+    assert "served at teardown" in done.stdout, done.stdout + done.stderr
+
+
 def test_a_large_lookup_in_an_atexit_handler_exits(tmp_path):
     """The lookup is served by numpy, and no compile thread is left running into interpreter teardown."""
     done = run_script(

@@ -732,10 +732,13 @@ def thread_count() -> int:
         on); once numba's own threading layer runs in this process (the
         application's parallel numba code started it), the calling
         thread's ``numba.set_num_threads``. Reading it never starts that layer.
+        1 while the interpreter is finalizing.
 
     Raises:
         ImportError, ValueError: numba cannot be imported (a bad ``NUMBA_NUM_THREADS`` among the reasons).
     """
+    if sys.is_finalizing():
+        return 1  # no worker starts then, and teardown may have taken numba out of sys.modules already
     import numba
 
     parallel = sys.modules.get("numba.np.ufunc.parallel")

@@ -182,7 +182,7 @@ class _Lease:
         # references are never cleared by it).
         self._view = buffer[:]
         self.__array_interface__ = {
-            "shape": buffer.shape, "typestr": "|u1", "data": (buffer.ctypes.data, False), "version": 3,
+            "shape": buffer.shape, "typestr": "|u1", "data": (buffer.__array_interface__["data"][0], False), "version": 3,
         }
 
 
@@ -240,7 +240,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> np
     """An uninitialised C-contiguous array whose data address is a multiple of `alignment` bytes."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
-    start = -raw.ctypes.data % alignment
+    start = -raw.__array_interface__["data"][0] % alignment  # ndarray.ctypes imports, which teardown forbids
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 

@@ -265,8 +265,10 @@ def gather_serial(table, ids, out):
 def can_stream(out) -> bool:
     """Whether :func:`stream_rows` may write `out` (2-D bytes): 16-byte aligned rows.
 
-    A plain Python check (its ctypes lookup costs microseconds, nothing next
-    to the 2 MiB or larger outputs that stream), kept out of the kernels so that each
-    kernel compiles alone.
+    A plain Python check (it costs a microsecond, nothing next to the 2 MiB
+    or larger outputs that stream), kept out of the kernels so that each
+    kernel compiles alone. The address comes from ``__array_interface__``:
+    ``ndarray.ctypes`` imports a module, which fails in a ``__del__`` that
+    interpreter teardown runs.
     """
-    return (out.shape[1] * out.itemsize) % 16 == 0 and out.ctypes.data % 16 == 0
+    return (out.shape[1] * out.itemsize) % 16 == 0 and out.__array_interface__["data"][0] % 16 == 0
