@@ -416,7 +416,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         _check_integer_dtype(dtype)
         return _native_ids(own, table.shape[0])  # converted from the call's copy
     if type(ids) in _CONVERTED_IDS and numpy_rows:
-        converted = _converted_ids(ids)
+        converted = _converted_ids(ids, table.shape[0])
         _check_integer_dtype(converted.dtype)
         return _native_ids(converted, table.shape[0])  # numpy's conversion: the call's own array
     ndim = getattr(ids, "ndim", 0)
@@ -435,7 +435,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         if ids_device != "cpu" or table_device == "cpu":
             raise _devices_differ(ids_device, table_device)
         # Host ids for a GPU table are copied to the device (documented), after the host-side checks.
-        host = _host_ids(ids)
+        host = _host_ids(ids, table.shape[0])
         _check_integer_dtype(host.dtype)
         host = _native_ids(host, table.shape[0])
         return adapter_of(rows).from_host(host, table_device)  # type: ignore[union-attr]
@@ -448,7 +448,7 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         _check_integer_dtype(np.dtype(view.dtype))
         native = _native_ids(view, table.shape[0])
         return native.copy() if _misaligned(native, adapter) else native  # the kernels read ids element by element
-    host = _host_ids(ids)
+    host = _host_ids(ids, table.shape[0])
     _check_integer_dtype(host.dtype)
     native = _native_ids(host, table.shape[0])
     # A converted dtype, or a list numpy has just converted, is the call's own already.
@@ -487,23 +487,23 @@ def _devices_differ(ids_device: str, table_device: str) -> TypeError:
                      "move one of them explicitly (fastembed never moves data implicitly)")
 
 
-def _host_ids(ids: Any) -> np.ndarray:
+def _host_ids(ids: Any, vocab_size: int) -> np.ndarray:
     """Host ids as a numpy snapshot (a view of an array, or the array numpy converts a list to)."""
     if isinstance(ids, np.ndarray):
         return ids.view(_NDARRAY)  # np.matrix, np.memmap: a plain view
     adapter = adapter_of(ids)
     if adapter is not None:
         return adapter.snapshot(ids)  # a host tensor: a numpy view of it
-    return _converted_ids(ids)
+    return _converted_ids(ids, vocab_size)
 
 
-def _converted_ids(ids: Any) -> np.ndarray:
+def _converted_ids(ids: Any, vocab_size: int) -> np.ndarray:
     """Ids that are no array (a list, a tuple, a number) as the new array numpy converts them to.
 
     Raises:
         TypeError: a bool.
         ValueError: nested lists of different lengths.
-        IndexError: an integer that fits no 64-bit integer.
+        IndexError: an integer that fits no 64-bit integer (or an id outside `vocab_size` rows before it).
     """
     if isinstance(ids, (bool, np.bool_)):
         raise TypeError("ids must be integers, got a bool")
@@ -514,13 +514,13 @@ def _converted_ids(ids: Any) -> np.ndarray:
     if converted.dtype.kind in "fO" and not isinstance(ids, np.generic):
         if converted.size == 0:
             return converted.astype(np.intp)  # [] is float64 to numpy; table[[]] treats it as intp
-        integers = _integers_as_int64(ids)
+        integers = _integers_as_int64(ids, vocab_size)
         if integers is not None:
             return integers
     return converted
 
 
-def _integers_as_int64(ids: Any) -> np.ndarray | None:
+def _integers_as_int64(ids: Any, vocab_size: int) -> np.ndarray | None:
     """Integers that numpy had to store as floats or objects (huge ones, or int64 beside uint64) as int64.
 
     The ids are read once more, as Python objects, and that reading alone
@@ -530,7 +530,7 @@ def _integers_as_int64(ids: Any) -> np.ndarray | None:
     Returns None where they are not all integers (the dtype check then names the kind).
 
     Raises:
-        IndexError: naming the first that fits no 64-bit integer.
+        IndexError: naming the first id outside a table of `vocab_size` rows (it may fit no 64-bit integer).
     """
     try:
         values = np.array(ids, dtype=object)
@@ -541,9 +541,8 @@ def _integers_as_int64(ids: Any) -> np.ndarray | None:
     if not all(isinstance(value, (int, np.integer)) and not isinstance(value, bool) for value in flat):
         return None
     for position, value in enumerate(flat):
-        if not -(2**63) <= int(value) < 2**63:
-            where: Any = position if len(shape) == 1 else tuple(int(i) for i in np.unravel_index(position, shape))
-            raise IndexError(f"id {int(value)} at position {where} does not fit a 64-bit integer: it is out of range")
+        if not 0 <= int(value) < vocab_size:
+            raise _bad_id_error(int(value), position, shape, vocab_size)
     return np.array([int(value) for value in flat], np.int64).reshape(shape)
 
 
@@ -600,12 +599,14 @@ def check_ids_in_range(ids: Any, vocab_size: int) -> None:
 
 def out_of_range_error(ids: Any, flat_position: int, vocab_size: int) -> IndexError:
     """The one IndexError for a bad id, given its position in ``ids.ravel()``."""
-    shape = tuple(ids.shape)
-    if len(shape) == 1:
-        position: Any = flat_position
-    else:
-        position = tuple(int(i) for i in np.unravel_index(flat_position, shape))
-    value = int(ids.reshape(-1)[flat_position])
+    return _bad_id_error(int(ids.reshape(-1)[flat_position]), flat_position, tuple(ids.shape), vocab_size)
+
+
+def _bad_id_error(value: int, flat_position: int, shape: tuple[int, ...], vocab_size: int) -> IndexError:
+    """The IndexError naming id `value` at `flat_position` of ids of `shape`, outside a table of `vocab_size` rows."""
+    position: Any = flat_position if len(shape) == 1 else tuple(int(i) for i in np.unravel_index(flat_position, shape))
+    if not -(2**63) <= value < 2**63:
+        return IndexError(f"id {value} at position {position} does not fit a 64-bit integer: it is out of range")
     valid = f"valid ids are 0..{vocab_size - 1}" if vocab_size else "it has no rows, so no id is valid"
     return IndexError(f"id {value} at position {position} is out of range for a table of {vocab_size} rows ({valid})")
 

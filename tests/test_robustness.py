@@ -586,3 +586,6 @@ def test_ids_beyond_64_bits_say_so(backend):
         fastembed.lookup(table, [[1], [2**64]], backend=backend)
     with pytest.raises(TypeError, match="floating"):
         fastembed.lookup(table, [1.5, 2**63], backend=backend)
+    for ids, first in (([-1, 2**64], r"id -1 at position 0"), ([[3], [10], [2**63]], r"id 10 at position \(1, 0\)")):
+        with pytest.raises(IndexError, match=first + " is out of range for a table of 10 rows"):  # the first bad id
+            fastembed.lookup(table, ids, backend=backend)
