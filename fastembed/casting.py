@@ -36,11 +36,26 @@ def gather_cast(backend: Backend, table: np.ndarray, ids: np.ndarray, out: np.nd
     rows_out = out.reshape(flat_ids.size, table.shape[1])  # not -1: a table of no columns has nothing to divide by
     step = max(1, SCRATCH_BYTES // max(1, table.shape[1] * table.dtype.itemsize))
     scratch = np.empty((min(step, flat_ids.size), table.shape[1]), dtype=table.dtype)
+    wider_than_double = table.dtype.kind == "f" and table.dtype.itemsize > 8 and np.dtype(dtype).itemsize < 8
     # Overflow to infinity is the documented rounding, not an error: a caller's np.seterr must not stop the cast half-way.
     with np.errstate(all="ignore"):
         for start in range(0, flat_ids.size, step):
             chosen = flat_ids[start : start + step]
             rows = scratch[: chosen.size]
             backend.gather(table, chosen, rows)
-            rows_out[start : start + chosen.size] = rows
+            rows_out[start : start + chosen.size] = _rounded_to_odd(rows) if wider_than_double else rows
     return out
+
+
+def _rounded_to_odd(rows: np.ndarray) -> np.ndarray:
+    """Rows of a float dtype wider than float64 (long double) as float64, rounded to odd.
+
+    numpy casts long double to float16 through float64, rounding twice: a
+    value just above a float16 midpoint lands on it, then goes to even. A
+    float64 rounded to odd (an inexact result keeps an odd last bit) rounds
+    once more to any dtype of at most 51 bits as the value itself would.
+    """
+    nearest = rows.astype(np.float64)
+    inexact = (nearest.astype(rows.dtype) != rows) & np.isfinite(nearest) & (nearest.view(np.uint64) & 1 == 0)
+    nearest[inexact] = np.nextafter(nearest[inexact], np.where(rows[inexact] > nearest[inexact], np.inf, -np.inf))
+    return nearest

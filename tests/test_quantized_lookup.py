@@ -151,6 +151,36 @@ def test_dense_tables_cast_into_the_requested_dtype(backend, source, target):
     assert fastembed.lookup(table, ids, dtype=source, backend=backend).dtype == table.dtype
 
 
+def _nearest_even(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Each long double value rounded once to `dtype`: of the values of `dtype` around it, the nearest (ties: even)."""
+    first = values.astype(dtype)  # possibly rounded twice, so one step off at most
+    candidates = [np.nextafter(first, np.array(-np.inf, dtype)), first, np.nextafter(first, np.array(np.inf, dtype))]
+    best = candidates[1].copy()
+    for candidate in candidates:
+        distance = np.abs(candidate.astype(values.dtype) - values)
+        best_distance = np.abs(best.astype(values.dtype) - values)
+        even = (candidate.view(np.uint16 if dtype.itemsize == 2 else np.uint32) & 1) == 0
+        better = (distance < best_distance) | ((distance == best_distance) & even)
+        best[better] = candidate[better]
+    return best
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant <= 52, reason="long double is float64 on this platform")
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("target", ["float16", "float32"])
+def test_a_long_double_table_casts_with_one_rounding(backend, target):
+    """numpy casts long double to float16 through float64, rounding twice: just above a midpoint went to even."""
+    target = np.dtype(target)
+    bits = np.finfo(target).nmant
+    grid = np.ldexp(np.random.default_rng(3).integers(2**bits, 2**(bits + 1), 2000), -bits).astype(np.longdouble)
+    half, tiny = np.longdouble(2.0) ** (-bits - 1), np.longdouble(2.0) ** -62
+    values = np.concatenate([grid + half + tiny, grid + half - tiny, grid + half, -(grid + half + tiny)])
+    table = values.reshape(-1, 4)
+    ids = np.arange(len(table))[::-1]
+    assert_bit_equal(fastembed.lookup(table, ids, dtype=target, backend=backend),
+                     _nearest_even(table[ids], target))
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_a_cast_that_overflows_rounds_to_infinity_whatever_np_seterr_says(backend):
     """Values beyond float16 become infinities, as documented: np.seterr(over="raise") does not stop the cast half-way."""
