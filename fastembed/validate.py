@@ -542,6 +542,9 @@ def _integers_as_int64(ids: Any, vocab_size: int) -> np.ndarray | None:
         return None
     for position, value in enumerate(flat):
         if not 0 <= int(value) < vocab_size:
+            if not -(2**63) <= int(value) < 2**63:
+                raise IndexError(f"id {int(value)} at position {_position(position, shape)} does not fit a 64-bit "
+                                 "integer: it is out of range")
             raise _bad_id_error(int(value), position, shape, vocab_size)
     return np.array([int(value) for value in flat], np.int64).reshape(shape)
 
@@ -604,11 +607,14 @@ def out_of_range_error(ids: Any, flat_position: int, vocab_size: int) -> IndexEr
 
 def _bad_id_error(value: int, flat_position: int, shape: tuple[int, ...], vocab_size: int) -> IndexError:
     """The IndexError naming id `value` at `flat_position` of ids of `shape`, outside a table of `vocab_size` rows."""
-    position: Any = flat_position if len(shape) == 1 else tuple(int(i) for i in np.unravel_index(flat_position, shape))
-    if not -(2**63) <= value < 2**63:
-        return IndexError(f"id {value} at position {position} does not fit a 64-bit integer: it is out of range")
     valid = f"valid ids are 0..{vocab_size - 1}" if vocab_size else "it has no rows, so no id is valid"
-    return IndexError(f"id {value} at position {position} is out of range for a table of {vocab_size} rows ({valid})")
+    return IndexError(f"id {value} at position {_position(flat_position, shape)} is out of range for a table of "
+                      f"{vocab_size} rows ({valid})")
+
+
+def _position(flat_position: int, shape: tuple[int, ...]) -> Any:
+    """A position in ``ids.ravel()`` as the caller indexes ids of `shape`: an int for 1-D ids, else a tuple."""
+    return flat_position if len(shape) == 1 else tuple(int(i) for i in np.unravel_index(flat_position, shape))
 
 
 def place_arguments(table: np.ndarray, ids: np.ndarray, out: np.ndarray,
