@@ -801,13 +801,15 @@ def section():  # a compile on another thread, as the fork sees it
         release.wait(60)
 
 def ctrl_c():
+    while threading.main_thread().ident not in background_compile._waiting_to_fork:  # the fork's wait has begun
+        time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.3)
     release.set()
 
 threading.Thread(target=section).start()
 inside.wait()
-threading.Timer(0.3, ctrl_c).start()
+threading.Thread(target=ctrl_c).start()
 try:
     child = os.fork()
     if child == 0:
@@ -871,14 +873,18 @@ def test_a_fork_waits_no_longer_than_its_bound_for_a_compile_that_cannot_finish(
 def test_a_compile_a_fork_gave_up_on_is_waited_for_once_and_its_section_not_again_nor_in_the_child(monkeypatch,
                                                                                                       fresh_backend):
     """A stuck compile inside a foreground section made a fork wait FORK_WAIT_S twice (joined, then as a section),
-    every later fork again, and the child kept its section and waited FORK_WAIT_S on each fork of its own."""
+    every later fork again, and the child kept its section and waited FORK_WAIT_S on each fork of its own. Only
+    that section is given up: a later section of the same thread is waited for."""
     background_compile = numba_backend.background_compile
-    inside, release = threading.Event(), threading.Event()
+    inside, release, again, release_again = (threading.Event() for _ in range(4))
 
     def stuck_compile() -> None:
         with background_compile.foreground():
             inside.set()
             release.wait(60)
+        with background_compile.foreground():
+            again.set()
+            release_again.wait(60)
 
     stuck = threading.Thread(target=stuck_compile)
     stuck.start()
@@ -886,7 +892,8 @@ def test_a_compile_a_fork_gave_up_on_is_waited_for_once_and_its_section_not_agai
     monkeypatch.setattr(background_compile, "_threads", [stuck])
     monkeypatch.setattr(background_compile, "FORK_WAIT_S", 0.3)
     monkeypatch.setattr(background_compile, "_no_compiles", False)
-    monkeypatch.setattr(background_compile, "_given_up", set(), raising=False)
+    monkeypatch.setattr(background_compile, "_given_up", set())
+    monkeypatch.setattr(background_compile, "_given_up_sections", set())
     section_waits: list[float] = []
     real_condition = background_compile._foreground_done
 
@@ -911,6 +918,11 @@ def test_a_compile_a_fork_gave_up_on_is_waited_for_once_and_its_section_not_agai
         background_compile._wait_before_fork()  # a later fork
         background_compile._after_fork_in_parent()
         assert joined == [stuck] and section_waits == []
+        release.set()
+        again.wait()
+        background_compile._wait_before_fork()  # the thread's next section is waited for
+        background_compile._after_fork_in_parent()
+        assert section_waits
         background_compile._wait_before_fork()
         background_compile._after_fork_in_child()  # what Python runs in the child
         assert background_compile.compiles_disabled()
@@ -918,6 +930,7 @@ def test_a_compile_a_fork_gave_up_on_is_waited_for_once_and_its_section_not_agai
     finally:
         background_compile._foreground_threads.update(sections)  # the section's own exit removes its token
         release.set()
+        release_again.set()
         stuck.join()
         monkeypatch.setattr(background_compile, "_no_compiles", False)
 
@@ -940,6 +953,24 @@ def test_a_ctrl_c_that_cuts_a_compile_threads_start_short_reaches_the_caller_as_
         background_compile.start(key, lambda: ran.append(1))
     monkeypatch.setattr(threading.Thread, "start", real_start)
     background_compile.start(key, lambda: ran.append(1))  # the thread that never started is replaced
+    assert fastembed.wait_for_compiles(30) and ran == [1]
+
+
+def test_a_compile_thread_python_refuses_to_start_leaves_the_call_served_and_a_later_call_tries_again(monkeypatch):
+    """Python 3.12.0-3.12.2 start no thread while exit joins threads: the RuntimeError came out of the lookup."""
+    background_compile = numba_backend.background_compile
+    real_start = threading.Thread.start
+
+    def refused(thread):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    ran: list[int] = []
+    key = ("refused", time.monotonic())
+    background_compile.start(key, lambda: ran.append(1))
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    assert ran == [] and not background_compile.is_ready(key)
+    background_compile.start(key, lambda: ran.append(1))
     assert fastembed.wait_for_compiles(30) and ran == [1]
 
 

@@ -65,7 +65,9 @@ _exiting = False
 _forking_threads: set[int] = set()  # the threads inside _wait_before_fork, up to their fork
 _waiting_to_fork: set[int] = set()  # threads whose wait before a fork has not reached its end (yet, or ever)
 _no_compiles = False  # in a child forked after such a wait: numba's locks may be held by a thread it lacks
-_given_up: set[threading.Thread] = set()  # threads a fork waited FORK_WAIT_S for: no later fork waits for them
+# What a fork waited FORK_WAIT_S for, which no later fork waits for: compile threads, and sections (their tokens).
+_given_up: set[threading.Thread] = set()
+_given_up_sections: set[object] = set()  # their tokens (held here, no other object can take a token's identity)
 #: Seconds a fork waits for one compile (compiles run one after another), and for the foreground sections, at most.
 FORK_WAIT_S = 60.0
 
@@ -115,7 +117,8 @@ def start(key: Hashable, first_call: Callable[[], Any]) -> None:
             # "release unlocked lock"; the caller gets the Ctrl-C.
             if isinstance(error.__context__, KeyboardInterrupt):
                 raise error.__context__ from None
-            raise
+            # No thread to be had (Python 3.12.0-3.12.2 start none while exit joins threads; none left): the key's
+            # calls stay served another way, and a later call tries again.
 
 
 def _compile(key: Hashable, first_call: Callable[[], Any]) -> None:
@@ -160,6 +163,7 @@ def _wait_before_fork() -> None:
     held.append(_guard)  # recorded first: only the locks this thread owns are released after the fork
     _guard.acquire()  # a thread inside start() holds it while its compile thread starts
     _given_up.difference_update([thread for thread in list(_given_up) if not thread.is_alive()])
+    _given_up_sections.intersection_update(_open_sections(but=ident))
     interrupted = _uninterrupted(_join_compiles)
     _threads[:] = [thread for thread in _threads if thread.is_alive()]
     held.append(_foreground_lock)
@@ -167,7 +171,7 @@ def _wait_before_fork() -> None:
     deadline = time.monotonic() + FORK_WAIT_S
     interrupted |= _uninterrupted(lambda: _wait_for_foreground_sections(ident, deadline))
     if _in_foreground_sections(ident):
-        _given_up.update(thread for thread in threading.enumerate() if _foreground_threads.get(thread.ident or 0))
+        _given_up_sections.update(_open_sections(but=ident))
     if interrupted:
         _ctrl_c_held.add(ident)
     if not _threads_still_running(ident):
@@ -182,8 +186,12 @@ def _wait_for_foreground_sections(but: int, deadline: float) -> None:
 
 def _in_foreground_sections(but: int) -> bool:
     """Whether a thread other than `but`, and other than those a fork gave up on, is in a foreground section."""
-    skipped = {but, *(thread.ident for thread in list(_given_up) if thread.is_alive())}
-    return any(tokens for ident, tokens in list(_foreground_threads.items()) if ident not in skipped)
+    return not _given_up_sections.issuperset(_open_sections(but))
+
+
+def _open_sections(but: int) -> set[object]:
+    """The token of each foreground section a thread other than `but` is in."""
+    return {token for ident, tokens in list(_foreground_threads.items()) if ident != but for token in list(tokens)}
 
 
 def _threads_still_running(but: int) -> bool:
@@ -201,6 +209,7 @@ def _join_compiles() -> None:
             _join(thread, time.monotonic() + FORK_WAIT_S)
             if thread.is_alive() and thread is not threading.current_thread():
                 _given_up.add(thread)
+                _given_up_sections.update(list(_foreground_threads.get(thread.ident or 0, [])))
 
 
 def _join(thread: threading.Thread, deadline: float | None) -> None:
@@ -249,6 +258,7 @@ def _after_fork_in_child() -> None:
     _release_fork_locks()
     _forking_threads.clear()  # other threads' entries: the child lacks them, and a new thread may get their ident
     _given_up.clear()
+    _given_up_sections.clear()
     for ident in list(_foreground_threads):  # sections of threads the child lacks: only the forking thread is left
         if ident != threading.get_ident():
             del _foreground_threads[ident]
