@@ -150,11 +150,24 @@ def _lookup_in_call_context(table_view: Any, ids: Any, out: Any, dtype: Any, bac
         return result if isinstance(rows, _NDARRAY) else result_like(result, rows)
 
 
+def _rebuilt(kind: type, table: Any, state: dict[str, Any]) -> Embedding:
+    """A layer of class `kind` (Embedding or a subclass) over `table`, with `state` (:meth:`Embedding._own_state`)."""
+    layer = object.__new__(kind)
+    Embedding.__init__(layer, table)
+    layer.__dict__.update(state)
+    return layer
+
+
 def _host_array(like: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A new host array, not from the output cache, that :func:`result_like` can hand back as an array of `like`'s
     library without a copy."""
     aligned = aligned_result(like, shape, dtype, from_cache=False)
     return np.empty(shape, dtype) if aligned is None else aligned
+
+
+#: The attributes Embedding.__init__ derives from the table (and the file watch, which only a loader sets).
+_FROM_THE_TABLE = frozenset({"_table_as_read", "_view", "_guards", "_table", "_rows", "_numpy", "_watch", "_row_stride",
+                             "_host_quantized_dtype"})
 
 
 class Embedding:
@@ -166,10 +179,11 @@ class Embedding:
     ``table.shape`` afterwards does not change the layer.
 
     ``copy.copy`` gives a layer over the same table; ``copy.deepcopy`` one
-    over a deep copy of the table (a layer a loader mapped: over the same
-    read-only mapping, which cannot be written, with a file watch of its
-    own); pickling carries the table (a mapped layer refuses it: open the
-    file again where it is unpickled).
+    over a deep copy of the table as the layer read it (a layer a loader
+    mapped: over the same read-only mapping, which cannot be written, with a
+    file watch of its own); pickling carries that table (a mapped layer
+    refuses it: open the file again where it is unpickled). Attributes a
+    subclass adds travel with them.
 
     Args:
         table: as for :func:`lookup`.
@@ -252,17 +266,27 @@ class Embedding:
         return twin
 
     def __deepcopy__(self, memo: dict) -> Embedding:
-        """A layer over a deep copy of the table (one copy), or, for a layer a loader mapped, over the same read-only
-        mapping with a file watch of its own: rows no one can write through need no copy."""
+        """A layer over a deep copy of the table as the layer read it (one copy), or, for a layer a loader mapped,
+        over the same read-only mapping with a file watch of its own: rows no one can write through need no copy."""
         if self._watch is not None:
             twin = self.__copy__()
             twin._watch = copy.copy(self._watch)
             return twin
-        return type(self)(copy.deepcopy(self._table, memo))
+        return _rebuilt(type(self), copy.deepcopy(self._read_table(), memo), copy.deepcopy(self._own_state(), memo))
 
     def __reduce__(self) -> Any:
-        # The state carries the file watch so that pickling a mapped layer is refused by the watch, with its reason.
-        return type(self), (self._table,), {"_watch": self._watch}
+        if self._watch is not None:
+            self._watch.__reduce__()  # raises, saying why, before any row is written
+        return _rebuilt, (type(self), self._read_table(), self._own_state())
+
+    def _read_table(self) -> Any:
+        """The table as this layer read it: its view where numpy holds the rows (the caller may reshape its own
+        array since), else the alias it took (a torch tensor's)."""
+        return self._view if isinstance(self._rows, _NDARRAY) else self._table_as_read
+
+    def _own_state(self) -> dict[str, Any]:
+        """What a copy carries besides the table: attributes a subclass added (the rest follow from the table)."""
+        return {name: value for name, value in self.__dict__.items() if name not in _FROM_THE_TABLE}
 
     def _checked_view(self) -> Any:
         """The table's view, once its memory is known to be where the view points (raises ValueError if not)."""

@@ -278,6 +278,7 @@ def test_a_copied_or_unpickled_layer_gathers_from_the_table_it_carries(kind):
 
 def test_a_torch_layer_saves_and_loads_with_torch():
     torch = pytest.importorskip("torch")
+    import copy
     import io
 
     layer = fastembed.Embedding(torch.from_numpy(random_table(32, 8, "float16")))
@@ -286,6 +287,10 @@ def test_a_torch_layer_saves_and_loads_with_torch():
     buffer.seek(0)
     twin = torch.load(buffer, weights_only=False)
     assert torch.equal(twin(torch.tensor([5, 1])), layer(torch.tensor([5, 1])))
+    weight = torch.nn.Parameter(torch.from_numpy(random_table(32, 8, "float32")), requires_grad=False)
+    layer = fastembed.Embedding(weight)
+    weight.data = weight.data.half()  # after the layer read it: the layer, and so its copies, keep float32
+    assert copy.deepcopy(layer)([1]).dtype == torch.float32 == layer([1]).dtype
 
 
 def test_a_deep_copy_of_a_mapped_layer_shares_its_read_only_mapping(tmp_path):
@@ -298,3 +303,38 @@ def test_a_deep_copy_of_a_mapped_layer_shares_its_read_only_mapping(tmp_path):
     assert np.shares_memory(twin.table, layer.table) and not twin.table.flags.writeable
     twin.check_file()
     assert_bit_equal(twin([4, 2]), np.load(path)[[4, 2]])
+
+
+class Tagged(fastembed.Embedding):
+    """A subclass whose constructor takes more than the table (pickle finds it by its module-level name)."""
+
+    def __init__(self, table, tag):
+        super().__init__(table)
+        self.tag = tag
+
+
+def test_copies_follow_the_table_as_the_layer_read_it_and_keep_a_subclass_and_its_attributes():
+    import copy
+    import pickle
+
+    from fastembed.api import _FROM_THE_TABLE
+
+    table = random_table(16, 8, "float32")
+    layer = Tagged(table, "decoder")
+    assert set(layer.__dict__) == _FROM_THE_TABLE | {"tag"}  # what __init__ derives is listed, and nothing else
+    table.shape = (32, 4)  # reassigned after the layer read it
+    for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert type(twin) is Tagged and twin.tag == "decoder" and (twin.vocab_size, twin.dim) == (16, 8)
+        assert_bit_equal(twin([3]), layer([3]))
+
+
+def test_pickling_a_mapped_layer_is_refused_before_any_row_is_written(tmp_path):
+    import io as bytes_io
+    import pickle
+
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(2048, 256, "float32"))  # 2 MiB of rows
+    stream = bytes_io.BytesIO()
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dump(fastembed.Embedding.from_npy(path), stream)
+    assert stream.tell() < 4096
