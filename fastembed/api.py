@@ -152,7 +152,7 @@ def _lookup_in_call_context(table_view: Any, ids: Any, out: Any, dtype: Any, bac
 
 def _rebuilt(kind: type, table: Any, state: dict[str, Any]) -> Embedding:
     """A layer of class `kind` (Embedding or a subclass) over `table`, with `state` (:meth:`Embedding._own_state`)."""
-    layer = object.__new__(kind)
+    layer: Embedding = object.__new__(kind)
     Embedding.__init__(layer, table)
     layer.__dict__.update(state)
     return layer
