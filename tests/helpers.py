@@ -126,12 +126,3 @@ def dequantized(table, ids, dtype=np.float32) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):  # the special-value tests make infinities and NaN on purpose
         rows = dequantize_rows(np.asarray(table.data)[flat], scales, table.format, table.dim)
         return rows.astype(dtype).reshape(np.shape(ids) + (table.dim,))
-
-
-class NoCacheLocator:
-    """A numba cache locator that finds no place (``NUMBA_CACHE_LOCATOR_CLASSES=helpers.NoCacheLocator``): as where
-    the package is read-only and no home or NUMBA_CACHE_DIR is writable."""
-
-    @classmethod
-    def from_function(cls, py_func, py_file):
-        return None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 from numba import njit
@@ -29,8 +28,7 @@ from fastembed.backends import numba_backend
 from fastembed.backends.cpu_workers import WORKERS
 from fastembed.kernels.cpu_intrinsics import store_fence
 from fastembed.kernels.gather_cpu import stream_row, touch_row_pages_ahead
-
-_JIT: dict[str, Any] = dict(cache=True, nogil=True, boundscheck=False)
+from fastembed.kernels.jit_options import JIT as _JIT
 
 #: Rows whose source sits 1 to this many bytes below the destination (modulo
 #: 4 KiB) are streamed backward (see :func:`fastembed.kernels.gather_cpu.copies_backward`), as the backend does.
