@@ -307,9 +307,16 @@ def test_a_setting_may_have_spaces_around_it_and_a_long_one_is_shown_shortened(m
     monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, " 4096 \n")
     assert output_cache._read_limit() == 4096
     monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, "9" * 5000)
-    with pytest.raises(ValueError, match="has over 30 digits") as error:
+    with pytest.raises(ValueError, match="is above 2\\*\\*64 bytes") as error:
         output_cache._read_limit()
     assert len(str(error.value)) < 200
+    for text, refused in ((str(2**64), False), (str(2**64 + 1), True), ("0" * 30 + str(2**64), False)):
+        monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, text)  # the bound of set_output_cache_limit too
+        if refused:
+            with pytest.raises(ValueError, match="is above 2\\*\\*64 bytes"):
+                output_cache._read_limit()
+        else:
+            assert output_cache._read_limit() == 2**64
 
 
 @pytest.mark.parametrize(("text", "limit"), [("0" * 5000, 0), ("0" * 40 + "12", 12)])

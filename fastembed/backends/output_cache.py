@@ -49,6 +49,8 @@ GRANULE = 2 * 2**20
 #: Every cached buffer starts at a multiple of this many bytes (a cache line; what JAX needs to share a result).
 ALIGNMENT = 64
 ENVIRONMENT_VARIABLE = "FASTEMBED_OUTPUT_CACHE_BYTES"
+#: The largest limit, from the setting or :func:`set_limit`: no memory holds more.
+MAX_LIMIT = 2**64
 
 _lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
 # Free buffers (uint8, each faulted in) by id, the oldest returned first, each with a weak reference to the view
@@ -77,8 +79,9 @@ def _read_limit() -> int:
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is negative")
     if not (digits.isascii() and digits.isdigit()):  # int() would take "+5", "1_0" and "٥"
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is not a whole number of bytes (decimal digits)")
-    if len(digits.lstrip("0")) > 30:  # int() of a long text takes time that grows with its square
-        raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} has over 30 digits")
+    # Counted before int(), whose time grows with the square of the digits.
+    if len(digits.lstrip("0")) > len(str(MAX_LIMIT)) or int(digits.lstrip("0") or "0") > MAX_LIMIT:
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is above 2**64 bytes (no memory holds more)")
     return int(digits.lstrip("0") or "0")
 
 
@@ -115,7 +118,7 @@ def set_limit(nbytes: int) -> None:
     global _limit
     from ..validate import checked_integer
 
-    limit = checked_integer(nbytes, "the output cache limit is a number of bytes from 0 to 2**64", 0, 2**64)
+    limit = checked_integer(nbytes, "the output cache limit is a number of bytes from 0 to 2**64", 0, MAX_LIMIT)
     with _lock:
         _limit = limit
         _trim(_limit)
@@ -133,7 +136,7 @@ def describe() -> str:
     except ValueError as error:
         return (f"ERROR: {error}; large allocating lookups that take their output from the cache (those the numba "
                 "backend serves, and those on a JAX table) raise until it is fixed")
-    return (f"{cached_bytes() // 2**20} MiB of outputs kept for reuse, limit {most // 2**20} MiB "
+    return (f"{cached_bytes() / 2**20:.0f} MiB of outputs kept for reuse, limit {most / 2**20:.0f} MiB "
             f"({ENVIRONMENT_VARIABLE}; fastembed.empty_cache())")
 
 
