@@ -153,17 +153,17 @@ class Embedding(torch.nn.Embedding):
         except dispatch.BackendUnavailableError as refusal:
             _say_fallback_once(self, input, refusal)
             return super().forward(input)
-        # No autograd is recorded from here on, so the rest reads the weight as read now (an alias), checked again:
-        # another thread's `.data =` since the checks above changes the parameter, not this alias.
+        if input.numel() * weight.shape[1] * weight.element_size() < calling_thread_bytes:
+            # A gather fastembed would do on this thread alone: torch's embedding is at least as fast there.
+            return F.embedding(input, weight, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq,
+                               self.sparse)
+        if stands_for_other_memory(weight) or stands_for_other_memory(input):
+            return super().forward(input)  # a ZeroTensor, a functionalization wrapper (checked here: small calls are torch's)
+        # The weight as read now (an alias; no autograd is recorded here), checked again: another thread's
+        # `.data =` since the checks above changes the parameter, not this alias.
         table = _TORCH_ADAPTER.alias(weight)
         if table.dim() != 2 or not table.is_cpu or not table.is_contiguous() or not _viewable(table):
             return super().forward(input)
-        if input.numel() * table.shape[1] * table.element_size() < calling_thread_bytes:
-            # A gather fastembed would do on this thread alone: torch's embedding is at least as fast there.
-            return F.embedding(input, table, self.padding_idx, None, self.norm_type, self.scale_grad_by_freq,
-                               self.sparse)
-        if stands_for_other_memory(table) or stands_for_other_memory(input):
-            return super().forward(input)  # a ZeroTensor, a functionalization wrapper (checked here: small calls are torch's)
         if input.is_neg():
             input = input.resolve_neg()  # a lazy negation view of ids; fastembed copies the ids anyway
         return lookup(table, input)

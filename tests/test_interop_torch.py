@@ -763,15 +763,12 @@ def test_torch_sub_byte_dtypes_are_refused_not_relabelled(name):
 
 def test_a_lookup_reads_a_torch_table_without_detach_which_lets_another_threads_data_swap_tear_it(monkeypatch):
     """``detach()`` lets the GIL go, and a ``.data =`` on another thread meanwhile gave it one tensor's dtype over the
-    other's memory: rows neither old nor new. Every way in reads the table through ``.data``, which holds the GIL."""
-    import threading
-    import time
-
+    other's memory: rows neither old nor new (a race too rare to catch in a test). Every way in reads the table
+    through ``.data``, which holds the GIL."""
     import fastembed.torch
 
-    first, second = torch.randn(3000, 256), torch.randn(3000, 256).to(torch.bfloat16)
-    weight = torch.nn.Parameter(first.clone(), requires_grad=False)
-    layer = fastembed.torch.Embedding.from_pretrained(first.clone(), freeze=True)
+    weight = torch.nn.Parameter(torch.randn(3000, 256), requires_grad=False)
+    layer = fastembed.torch.Embedding.from_pretrained(torch.randn(3000, 256), freeze=True)
     calls = [
         lambda ids: fastembed.lookup(weight, ids),
         lambda ids: fastembed.lookup(weight, ids, dtype=torch.float32),
@@ -785,23 +782,3 @@ def test_a_lookup_reads_a_torch_table_without_detach_which_lets_another_threads_
         for size in (1, 3000):  # torch's own embedding serves the drop-in layer's small batches
             call(torch.arange(size))
     assert not detached
-    monkeypatch.undo()
-    stop = threading.Event()
-
-    def swap() -> None:
-        while not stop.is_set():
-            weight.data, layer.weight.data = first, first
-            weight.data, layer.weight.data = second, second
-
-    swapper = threading.Thread(target=swap)
-    swapper.start()
-    try:
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:
-            ids = torch.randint(0, 3000, (64,))
-            for call in (calls[0], calls[3]):
-                rows = call(ids)
-                assert any(rows.dtype == table.dtype and torch.equal(rows, table[ids]) for table in (first, second))
-    finally:
-        stop.set()
-        swapper.join()
