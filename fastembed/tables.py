@@ -60,7 +60,8 @@ def resolve_dtype(dtype: Any) -> np.dtype:
         raise TypeError(f"dtype {dtype!r} needs the ml_dtypes package (pip install ml_dtypes)") from None
     scalar_type = getattr(ml_dtypes, dtype, None)
     if not (isinstance(scalar_type, type) and issubclass(scalar_type, np.generic)):  # not finfo, __name__, ...
-        raise TypeError(f"unknown dtype {dtype!r}")
+        raise TypeError(f"unknown dtype {dtype!r}: neither numpy nor ml_dtypes {ml_dtypes.__version__} has it "
+                        "(ml_dtypes adds dtypes in newer versions: pip install -U ml_dtypes)")
     return np.dtype(scalar_type)
 
 

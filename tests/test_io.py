@@ -41,6 +41,8 @@ def test_safetensors_round_trip_every_dtype(tmp_path, backend, dtype):
 def test_tensors_of_every_safetensors_dtype_sit_beside_a_table_and_whole_byte_ones_are_tables(tmp_path, backend):
     """A checkpoint's other tensors (complex RoPE buffers, MX scales, packed FP4 values) do not stop its table opening."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
+    if not hasattr(ml_dtypes, "float8_e8m0fnu"):
+        pytest.skip(f"ml_dtypes {ml_dtypes.__version__} has no float8_e8m0fnu (0.5 added it)")
     table = random_table(50, 16, "float16")
     others = {"rope.freqs": random_table(4, 8, "complex64"), "mx.scales": random_table(4, 8, "float8_e8m0fnu")}
     path = tmp_path / "model.safetensors"
