@@ -203,7 +203,7 @@ def _host_view(array: Any) -> np.ndarray:
         address = array.unsafe_buffer_pointer() if view.size else None
     except Exception as error:  # noqa: BLE001 - whatever JAX raises, the caller gets the documented TypeError
         raise TypeError(f"the JAX array cannot be seen as a numpy array: {error}") from None
-    if view.size and view.ctypes.data != address:
+    if view.size and numpy_adapter.data_address(view) != address:
         raise TypeError(f"JAX dtype {array.dtype} cannot be seen as a numpy array without a copy")
     return view
 

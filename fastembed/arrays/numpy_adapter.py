@@ -90,16 +90,27 @@ def _file_span(array: Any, writes: bool) -> tuple[tuple[int, int], int, int] | N
     if mapping is None or array.size == 0:
         return None
     address = _mapping_address(mapping)
-    facts = None if address is None else _mapping_facts(mapping, address, array)
+    if address is None:
+        return None
+    facts = _mapping_facts(mapping, address, array)
     if facts is None:
         return None
     file, position, shared = facts
     if writes and not shared:
         return None
-    first = position + array.ctypes.data - address
+    first = position + data_address(array) - address
     reach = [stride * (size - 1) for stride, size in zip(array.strides, array.shape, strict=True)]
     low, high = sum(step for step in reach if step < 0), sum(step for step in reach if step > 0)
     return file, first + low, first + high + array.itemsize
+
+
+def data_address(array: np.ndarray) -> int:
+    """The address of `array`'s first element.
+
+    Read from ``__array_interface__``: ``ndarray.ctypes`` imports a module on
+    first use, which fails in a ``__del__`` that interpreter teardown runs.
+    """
+    return int(array.__array_interface__["data"][0])
 
 
 def mapping_of(array: Any) -> mmap.mmap | None:
@@ -123,7 +134,7 @@ def mapping_of(array: Any) -> mmap.mmap | None:
 def _mapping_address(mapping: mmap.mmap) -> int | None:
     """The address of the first byte of `mapping`, or None once it is closed."""
     try:
-        return int(np.frombuffer(mapping, np.uint8).ctypes.data)
+        return data_address(np.frombuffer(mapping, np.uint8))
     except (ValueError, TypeError):
         return None
 

@@ -80,6 +80,7 @@ from typing import Any
 import numpy as np
 
 from .. import validate
+from ..arrays.numpy_adapter import data_address
 from ..formats import FORMATS, QuantizedTable
 from . import background_compile, base, numpy_backend, output_cache
 from .base import DENSE, Capabilities, SmallGather
@@ -715,7 +716,7 @@ def _shaped(dtype: np.dtype, shape: tuple[int, ...], aligned: bool) -> np.ndarra
     """A zeroed C-contiguous array, at an address aligned to its item size or deliberately not."""
     size = int(np.prod(shape)) * dtype.itemsize
     buffer = np.zeros(size + 2 * dtype.itemsize, np.uint8)
-    start = (-buffer.ctypes.data) % dtype.itemsize + (0 if aligned or dtype.itemsize == 1 else 1)
+    start = (-data_address(buffer)) % dtype.itemsize + (0 if aligned or dtype.itemsize == 1 else 1)
     return buffer[start : start + size].view(dtype).reshape(shape)
 
 

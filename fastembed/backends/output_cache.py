@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays.numpy_adapter import data_address
 from . import interrupts
 
 #: Outputs smaller than this come from numpy's allocator (glibc keeps them in its heap).
@@ -185,7 +186,7 @@ class _Lease:
         # references are never cleared by it).
         self._view = buffer[:]
         self.__array_interface__ = {
-            "shape": buffer.shape, "typestr": "|u1", "data": (buffer.__array_interface__["data"][0], False), "version": 3,
+            "shape": buffer.shape, "typestr": "|u1", "data": (data_address(buffer), False), "version": 3,
         }
 
 
@@ -243,7 +244,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int) -> np
     """An uninitialised C-contiguous array whose data address is a multiple of `alignment` bytes."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
-    start = -raw.__array_interface__["data"][0] % alignment  # ndarray.ctypes imports, which teardown forbids
+    start = -data_address(raw) % alignment
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 

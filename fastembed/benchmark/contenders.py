@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 import fastembed
+from fastembed.arrays.numpy_adapter import data_address
 from fastembed.tables import is_ml_dtype
 
 #: The id of the scattered-read limit (its own limit line, not a copy).
@@ -146,7 +147,7 @@ def _copy_sources(table: np.ndarray, n: int) -> Callable[[np.ndarray], np.ndarra
     table = np.asarray(table)  # np.memmap's slices are slower to make; the bytes are the same
     vocab_size = table.shape[0]
     if n > vocab_size:
-        key = (table.__array_interface__["data"][0], table.shape, table.dtype.str, n)
+        key = (data_address(table), table.shape, table.dtype.str, n)
         if _repeated_rows[0] != key:
             _repeated_rows[:] = [None, None]  # the last case's source goes before this case's is built
             _repeated_rows[:] = [key, np.resize(table, (n, table.shape[1]))]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit
 
+from fastembed.arrays.numpy_adapter import data_address
 from fastembed.backends import numba_backend
 from fastembed.backends.cpu_workers import WORKERS
 from fastembed.kernels.cpu_intrinsics import store_fence
@@ -61,7 +62,7 @@ def can_stream(destination: np.ndarray) -> bool:
 
     Non-temporal 16-byte stores fault on unaligned addresses.
     """
-    return (destination.shape[1] * destination.itemsize) % 16 == 0 and destination.ctypes.data % 16 == 0
+    return (destination.shape[1] * destination.itemsize) % 16 == 0 and data_address(destination) % 16 == 0
 
 
 def _over_threads(rows: Callable[[int, int], int], n: int, out_bytes: int) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays.numpy_adapter import data_address
 from ._files import FileIdentity, mapped_identity
 
 
@@ -46,7 +47,7 @@ def _end_in_file(array: Any) -> int:
     if not isinstance(mapped, np.memmap) or array.size == 0:
         return int(mapped.offset) if isinstance(mapped, np.memmap) else 0
     reach = sum((length - 1) * stride for length, stride in zip(array.shape, array.strides, strict=True) if stride > 0)
-    return int(mapped.offset) + (array.ctypes.data - mapped.ctypes.data) + reach + array.itemsize
+    return int(mapped.offset) + (data_address(array) - data_address(mapped)) + reach + array.itemsize
 
 
 class FileChangedError(RuntimeError):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..arrays.numpy_adapter import data_address
 from .cpu_intrinsics import copy_bytes, prefetch, store_fence, stream_store_16
 from .jit_options import JIT as _JIT
 
@@ -267,8 +268,6 @@ def can_stream(out) -> bool:
 
     A plain Python check (it costs a microsecond, nothing next to the 2 MiB
     or larger outputs that stream), kept out of the kernels so that each
-    kernel compiles alone. The address comes from ``__array_interface__``:
-    ``ndarray.ctypes`` imports a module, which fails in a ``__del__`` that
-    interpreter teardown runs.
+    kernel compiles alone.
     """
-    return (out.shape[1] * out.itemsize) % 16 == 0 and out.__array_interface__["data"][0] % 16 == 0
+    return (out.shape[1] * out.itemsize) % 16 == 0 and data_address(out) % 16 == 0
