@@ -287,11 +287,12 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
 
     Raises:
         FileNotFoundError: nothing at `source`.
+        OSError: a path the system refuses to read (PermissionError, a name too long for it).
         ValueError: a directory without a checkpoint (naming the files there fastembed
             opens; for PyTorch pickles, how to convert them); a checkpoint sharded as
             PyTorch pickles (how to convert the shard holding the table); an unreadable
-            index or config; a shard named outside the directory, or that is a directory; no such tensor; no, or several equal,
-            token-embedding candidates (listed); any error of the file loaders.
+            index or config; a shard named outside the directory, or that is a directory or the index itself; no such
+            tensor; no, or several equal, token-embedding candidates (listed); any error of the file loaders.
         TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
 
     Example:
