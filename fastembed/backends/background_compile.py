@@ -185,7 +185,7 @@ def _wait_for_foreground_sections(but: int, deadline: float) -> None:
 
 
 def _in_foreground_sections(but: int) -> bool:
-    """Whether a thread other than `but`, and other than those a fork gave up on, is in a foreground section."""
+    """Whether a thread other than `but` is in a foreground section that no fork gave up on."""
     return not _given_up_sections.issuperset(_open_sections(but))
 
 
