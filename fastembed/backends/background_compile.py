@@ -93,10 +93,6 @@ def is_ready(key: Hashable) -> bool:
     return key in _ready
 
 
-def _exit_begun() -> bool:
-    return _exiting
-
-
 def start(key: Hashable, first_call: Callable[[], Any]) -> None:
     """Run `first_call` (a call that makes numba compile) on a new thread, once per key."""
     if threading.get_ident() in _forking_threads or _no_compiles:
@@ -104,7 +100,7 @@ def start(key: Hashable, first_call: Callable[[], Any]) -> None:
     with _guard:
         earlier = _started.get(key)
         # A thread whose start() an exception (Ctrl-C) cut short never ran and never will: this call replaces it.
-        if (earlier is not None and (earlier.is_alive() or key in _ready)) or _exit_begun():
+        if (earlier is not None and (earlier.is_alive() or key in _ready)) or _exiting:
             return
         # Not a daemon: a daemon thread killed inside LLVM at interpreter exit can crash it.
         thread = threading.Thread(target=_compile, args=(key, first_call), name="fastembed-compile")
@@ -124,7 +120,7 @@ def start(key: Hashable, first_call: Callable[[], Any]) -> None:
 def _compile(key: Hashable, first_call: Callable[[], Any]) -> None:
     try:
         with _one_at_a_time:
-            if not _exit_begun():
+            if not _exiting:
                 first_call()
     except Exception:  # noqa: BLE001 - the foreground call then compiles again and raises to its caller
         pass

@@ -80,10 +80,11 @@ def _read_limit() -> int:
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is negative")
     if not (digits.isascii() and digits.isdigit()):  # int() would take "+5", "1_0" and "٥"
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is not a whole number of bytes (decimal digits)")
+    significant = digits.lstrip("0") or "0"
     # Counted before int(), whose time grows with the square of the digits.
-    if len(digits.lstrip("0")) > len(str(MAX_LIMIT)) or int(digits.lstrip("0") or "0") > MAX_LIMIT:
+    if len(significant) > len(str(MAX_LIMIT)) or int(significant) > MAX_LIMIT:
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is above 2**64 bytes (no memory holds more)")
-    return int(digits.lstrip("0") or "0")
+    return int(significant)
 
 
 _limit: int | None = None  # read from the environment on first use
