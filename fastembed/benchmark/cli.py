@@ -16,9 +16,12 @@ at once (:mod:`fastembed.benchmark.arguments`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,9 +189,54 @@ class _GuardedOutput:
         return getattr(self._stream, name)
 
 
-def main(argv: list[str] | None = None) -> int:
+#: Signals that end a run from outside (``timeout``, a cancelled CI job, a closed terminal).
+_ENDING_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+class Terminated(BaseException):
+    """A signal of :data:`_ENDING_SIGNALS` arrived: raised in the main thread so that the run's cleanup (its child
+    processes, its temporary table copy) happens before it exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _ending_signals_raise() -> Iterator[None]:
+    """While the block runs, the ending signals raise :class:`Terminated` where no handler of the caller's is set.
+
+    A default handler would end the process at once, leaving a competing load
+    spinning and a temporary copy of the table on disk.
+    """
+    def raise_terminated(signum: int, _frame: Any) -> None:
+        raise Terminated(signum)
+
+    replaced = {}
+    with contextlib.suppress(ValueError):  # outside the main thread no handler can be set: the signals stay as they are
+        for name in _ENDING_SIGNALS:
+            number = getattr(signal, name, None)
+            if number is not None and signal.getsignal(number) is signal.SIG_DFL:
+                replaced[number] = signal.signal(number, raise_terminated)
     try:
-        return _main(argv)
+        yield
+    finally:
+        for number, previous in replaced.items():
+            signal.signal(number, previous)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``fastembed-bench`` with `argv` (default: the command line); returns the exit status.
+
+    SIGTERM and SIGHUP stop the run cleanly: its child processes are ended and
+    its temporary files removed, and the status is 128 + the signal's number.
+    """
+    try:
+        with _ending_signals_raise():
+            return _main(argv)
+    except Terminated as ended:
+        print(f"fastembed-bench: stopped by {signal.Signals(ended.signum).name}", file=sys.stderr)
+        return 128 + ended.signum
     except OutputError as error:
         print(f"fastembed-bench: {error}", file=sys.stderr)
         return 1

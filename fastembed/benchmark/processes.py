@@ -150,14 +150,26 @@ def _move_threads_to_one_cpu() -> None:
             pass
 
 
+#: Code that makes a child process end with its parent (Linux's parent-death signal), even one killed by SIGKILL.
+_END_WITH_PARENT = (
+    "import ctypes, signal\n"
+    "try:\n"
+    "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "except (AttributeError, OSError):  # not Linux: the parent's cleanup alone ends it\n"
+    "    pass\n"
+    "if os.getppid() != {parent}:  # the parent ended before the signal was asked for\n"
+    "    raise SystemExit\n"
+)
+
+
 @contextmanager
 def competing_load(enabled: bool) -> Iterator[None]:
     """A CPU-bound process pinned to the last CPU while the block runs (nothing when not enabled)."""
     if not enabled:
         yield
         return
-    cpu = max(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
-    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+    pin = f"os.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})\n" if hasattr(os, "sched_setaffinity") else ""
+    code = f"import os\n{pin}{_END_WITH_PARENT.format(parent=os.getpid())}while True:\n    pass\n"
     load = subprocess.Popen([sys.executable, "-c", code])
     try:
         yield

@@ -110,13 +110,27 @@ def run(table_path: Path, ranks: int, batches: list[int], reps: int, seed: int =
     for _ in range(rounds):
         with tempfile.TemporaryDirectory(prefix="fastembed-ranks-") as folder:
             init = f"file://{Path(folder) / 'rendezvous'}"
-            mp.spawn(rank_worker, args=(ranks, init, str(table_path), name, batches, reps, seed, folder),
-                     nprocs=ranks)
-            mp.spawn(single_worker, args=(str(table_path), name, batches, reps, seed, folder), nprocs=1)
+            _spawned(mp, rank_worker, (ranks, init, str(table_path), name, batches, reps, seed, folder), ranks)
+            _spawned(mp, single_worker, (str(table_path), name, batches, reps, seed, folder), 1)
             per_rank = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(ranks)]
             single = json.loads(Path(folder, "single.json").read_text())
         measured.append({"ranks": per_rank, "single": single})
     return measured
+
+
+def _spawned(mp: Any, function: Any, args: tuple[Any, ...], processes: int) -> None:
+    """Run `function` in `processes` spawned processes and wait for them; any exception here (a signal that stops the
+    run, say) ends them first, so that no rank outlives the run."""
+    context = mp.start_processes(function, args=args, nprocs=processes, join=False, start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except BaseException:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+        raise
 
 
 def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | None, batches: list[int], reps: int,

@@ -1,0 +1,124 @@
+"""A benchmark run stopped from outside (``timeout``, a cancelled CI job) leaves no process and no file behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from /proc (Linux)")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc's lists of children."""
+    found: set[int] = set()
+    waiting = [pid]
+    while waiting:
+        parent = waiting.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except FileNotFoundError:
+            continue
+        for thread in threads:
+            try:
+                children = Path(f"/proc/{parent}/task/{thread}/children").read_text().split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    waiting.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for a reaper has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def start_bench(arguments: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """``fastembed-bench`` in its own process, its temporary files in a folder of the test's."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = {**os.environ, "TMPDIR": str(temporary)}
+    bench = subprocess.Popen([sys.executable, "-m", "fastembed.benchmark.cli", *arguments, "--out", str(tmp_path / "out")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    return bench, temporary
+
+
+def wait_for(condition, bench: subprocess.Popen, seconds: float = 240.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if bench.poll() is not None:
+            pytest.fail(f"the run ended before the test could stop it: {bench.stderr.read()}")
+        if time.monotonic() > deadline:
+            bench.kill()
+            pytest.fail("the run never reached the point where the test stops it")
+        time.sleep(0.1)
+
+
+def outliving(pids: set[int], seconds: float = 30.0) -> set[int]:
+    """Those of `pids` still running after `seconds`, killed then, so that a failing test leaves none spinning."""
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {pid for pid in pids if alive(pid)}
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def load_pids(bench: subprocess.Popen) -> set[int]:
+    return {pid for pid in descendants(bench.pid) if "while True" in command_line(pid)}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_ends_the_competing_load_and_the_workers_and_removes_the_table_copy(tmp_path, signum):
+    bench, temporary = start_bench(["--processes", "50", "--load", "--vocab-size", "3000", "--dim", "64",
+                                    "--batch", "64"], tmp_path)
+    wait_for(lambda: load_pids(bench) and any(temporary.iterdir()), bench)
+    children = descendants(bench.pid)
+    bench.send_signal(signum)
+    status = bench.wait(timeout=60)
+    assert not outliving(children), "a child process outlived the run"
+    assert status == 128 + signum
+    assert f"stopped by {signal.Signals(signum).name}" in bench.stderr.read()
+    assert not list(temporary.iterdir()), "the table's temporary copy was left on disk"
+
+
+def test_a_killed_run_takes_its_competing_load_with_it(tmp_path):
+    bench, _ = start_bench(["--processes", "50", "--load", "--vocab-size", "3000", "--dim", "64", "--batch", "64"],
+                           tmp_path)
+    wait_for(lambda: load_pids(bench), bench)
+    load = load_pids(bench)
+    bench.kill()
+    bench.wait(timeout=60)
+    assert not outliving(load), "the CPU-bound load went on spinning after the run was killed"
+
+
+def test_a_signal_during_a_ranks_run_ends_every_rank_and_removes_the_rendezvous(tmp_path):
+    pytest.importorskip("torch")
+    bench, temporary = start_bench(["--ranks", "2", "--vocab-size", "3000", "--dim", "64", "--batch", "64"], tmp_path)
+    ranks_started = lambda: sum("spawn_main" in command_line(pid) for pid in descendants(bench.pid)) >= 2  # noqa: E731
+    wait_for(ranks_started, bench)
+    children = descendants(bench.pid)
+    bench.send_signal(signal.SIGTERM)
+    status = bench.wait(timeout=60)
+    assert not outliving(children), "a rank outlived the run"
+    assert status == 128 + signal.SIGTERM
+    assert not list(temporary.iterdir()), "the run's temporary files were left on disk"
