@@ -391,6 +391,8 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
         "two threads, a build beside a call": while_another_thread_builds,
         "an OSError without a numeric errno on one rank": lambda: emb(OddIds() if rank == last else [1]),
         "storage resized on one rank": after_a_resize_on_the_last_rank,
+        "out= on one rank": lambda: emb([1], **({"out": np.empty((1, 6), np.float16)} if rank == last else {})),
+        "dtype positionally on one rank": lambda: emb([1], "full", *(["float32"] if rank == last else [])),
     }
     outcomes = {}
     for case, call in cases.items():
@@ -845,6 +847,7 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
         "timeout over a year": "ValueError", "two threads at once": "RuntimeError",
         "two threads, two layers of the group": "RuntimeError", "two threads, a build beside a call": "RuntimeError",
         "storage resized on one rank": "ValueError", "an OSError without a numeric errno on one rank": "OSError",
+        "out= on one rank": "TypeError", "dtype positionally on one rank": "TypeError",
     }
     for case, kind in expected_types.items():
         seen = {(outcome[case][0], outcome[case][1]) for outcome in outcomes}
@@ -878,6 +881,9 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
     assert f"(on rank {world - 1} of {world})" in message["storage resized on one rank"]
     assert f"the ids' source went away (on rank {world - 1} of {world})" in message[
         "an OSError without a numeric errno on one rank"]
+    assert "unexpected keyword argument(s) 'out': the layer allocates its result" in message["out= on one rank"]
+    assert f"(3 were given); dtype is a keyword (on rank {world - 1} of {world})" in message[
+        "dtype positionally on one rank"]
     for rank, result in enumerate(ranks):
         assert result[exchange]["errors"]["after"] == [], f"rank {rank}: the group was not usable after the errors"
 

@@ -351,7 +351,7 @@ class VocabParallelEmbedding:
                 f"rank={self.rank}, world_size={self.world_size}, rows={self.vocab_start}..{self.vocab_end}, "
                 f"device={self.device!r}, exchange={self.exchange!r})")
 
-    def __call__(self, ids: Any, mode: str = "full", *, dtype: Any = None) -> Any:
+    def __call__(self, ids: Any, mode: str = "full", *unexpected: Any, dtype: Any = None, **unknown: Any) -> Any:
         """``table[ids]`` on every rank (``mode="full"``), or this rank's slice of the positions (``"scatter"``).
 
         Every rank must call with the same ids (same shape and values; their
@@ -367,6 +367,9 @@ class VocabParallelEmbedding:
                 table's dtype (float32 for a quantized table); a quantized table
                 dequantizes into float32, float16 or bfloat16, a dense float table
                 casts into those or float64 (rounding to nearest even).
+            unexpected, unknown: none is taken; they are here so that a call with an
+                argument the layer does not take (``out=``, say) raises its TypeError on
+                every rank, as any other mistake of one rank's does.
 
         Returns:
             A new array of the table's kind (numpy, or torch for a torch table or
@@ -380,7 +383,8 @@ class VocabParallelEmbedding:
                 rank's), a bad mode, scalar ids with ``"scatter"``; raised on every rank.
             TypeError: ids that are not integers, or on another device than the
                 table; a dtype the table cannot give (int8 from a quantized table,
-                a cast of a dense GPU table); raised on every rank.
+                a cast of a dense GPU table); an argument the layer does not take
+                (``out=``: the layer allocates its result); raised on every rank.
             CommunicationError: a rank died or did not call within `timeout`, or
                 the layer's process group was destroyed since it was built
                 (raised on this rank before any collective); or, in a group
@@ -415,19 +419,21 @@ class VocabParallelEmbedding:
         # free in the instant another takes it waits for that call.
         with self._calling:
             try:
-                return self._call(ids, mode, dtype)
+                return self._call(ids, mode, dtype, _refused(unexpected, unknown))
             except Exception:
                 raise  # raised alike on every rank by an agreement, or after the last collective of the call
             except BaseException as interrupt:
                 collectives.mark_interrupted(interrupt, "a call")
                 raise
 
-    def _call(self, ids: Any, mode: str, dtype: Any) -> Any:
-        """:meth:`__call__`, for the one thread calling."""
+    def _call(self, ids: Any, mode: str, dtype: Any, refused: str | None) -> Any:
+        """:meth:`__call__`, for the one thread calling; `refused` says why its arguments are refused, if they are."""
         started = time.perf_counter()
         error: Exception | None = None
         call: _Call | None = None
         try:
+            if refused is not None:
+                raise TypeError(refused)
             call = self._prepare(ids, mode, dtype)
         except Exception as caught:
             error = caught
@@ -800,6 +806,18 @@ class _Call:
 _NOT_COPIED = ("a VocabParallelEmbedding cannot be copied or pickled: it is this rank's part of one layer whose calls "
                "the ranks make in step, and a copy would fall out of step with the others; build another layer on "
                "every rank instead")
+
+
+def _refused(unexpected: tuple[Any, ...], unknown: dict[str, Any]) -> str | None:
+    """Why a call's extra positional arguments or unknown keywords are refused (Python's own words), or None."""
+    if unexpected:
+        return (f"VocabParallelEmbedding.__call__() takes ids and mode positionally ({len(unexpected) + 2} were given); "
+                "dtype is a keyword")
+    if unknown:
+        words = ", ".join(repr(name) for name in unknown)
+        hint = ": the layer allocates its result" if "out" in unknown else ""
+        return f"VocabParallelEmbedding.__call__() got unexpected keyword argument(s) {words}{hint}"
+    return None
 
 
 def _place(table: np.ndarray, ids: np.ndarray, out: np.ndarray, positions: np.ndarray) -> None:
