@@ -39,6 +39,18 @@ def test_id_sets_are_fresh_and_in_range():
         id_sets("normal", 5, 10, 1)
 
 
+@pytest.mark.parametrize("vocab_size", [1, 3, 1000])
+def test_zipf_ids_follow_zipf_truncated_to_the_vocabulary(vocab_size):
+    """Draws beyond the vocabulary wrapped around it, spreading the tail's mass (47% at 1,000 ranks) over every row."""
+    rows_by_rank = np.random.default_rng(0).permutation(vocab_size)  # as id_sets draws it first from its seed
+    rank_of_row = np.argsort(rows_by_rank)
+    ids = np.concatenate(id_sets("zipf", 50_000, vocab_size, 4))
+    seen = np.bincount(rank_of_row[ids], minlength=vocab_size) / ids.size
+    expected = np.arange(1, vocab_size + 1, dtype=np.float64) ** -1.1
+    expected /= expected.sum()
+    assert np.abs(seen - expected).sum() / 2 < 0.02  # total variation; sampling noise here is under 0.01
+
+
 def test_runner_writes_table_json_and_plot(tmp_path):
     result = bench(*SMALL, "--batch", "6,512", "--dist", "uniform,zipf", "--reps", "3", "--out", str(tmp_path),
                    env=dict(os.environ, COLUMNS="200"))
@@ -84,6 +96,15 @@ def test_gate_thresholds_ship_with_the_package_and_load_outside_a_checkout(tmp_p
     checks, _ = gate.load_checks()
     assert {check.metric for check in checks} <= set(gate.METRICS)
     assert all(" " not in check.contender for check in checks)  # ids, not display names
+
+
+def test_a_fraction_of_limit_check_has_the_gate_measure_every_candidate_of_its_limit():
+    """The limit is the fastest contender of a class measured: measuring only those the checks named made a check's
+    value move when an unrelated check was added to the file."""
+    speed = gate.Check("s", "fastembed-auto-out", "speedup_vs_numpy", 64, "uniform", 1.0)
+    fraction = gate.Check("f", "fastembed-auto-alloc", "fraction_of_limit", 1, "uniform", 0.5)
+    assert gate.contender_ids([speed]) == {"fastembed-auto-out", "numpy-fancy"}
+    assert gate.contender_ids([speed, fraction]) is None  # every contender
 
 
 def test_gate_thresholds_name_contenders_that_exist():
@@ -418,6 +439,28 @@ def test_bench_measures_a_table_memory_mapped_from_a_file(tmp_path, file_format)
     assert all(row["gbps"] > 0 for row in payload["results"])
 
 
+@pytest.mark.parametrize("kind", ["npy", "gguf"])
+def test_a_table_file_is_opened_by_its_content_whatever_its_name(tmp_path, kind, capsys):
+    """A .npy or GGUF file under another name was refused with advice to call a Python function."""
+    from fastembed import Embedding
+    from fastembed.benchmark import cli
+
+    path = tmp_path / "table.bin"
+    emb = Embedding.random(300, 64, "float16")
+    if kind == "npy":
+        with open(path, "wb") as file:
+            np.save(file, emb.table)
+        arguments = ["--batch", "6", "--dist", "uniform", "--backend", "numpy"]
+    else:
+        pytest.importorskip("gguf")
+        emb.quantize("q8_0").save(tmp_path / "table.gguf")
+        (tmp_path / "table.gguf").rename(path)
+        arguments = ["--batch", "64"]
+    assert cli.main(["--table", str(path), *arguments, "--reps", "1", "--out", str(tmp_path / "out")]) == 0, \
+        capsys.readouterr().err
+    assert f"table: {path}, 300 x 64 {'float16' if kind == 'npy' else 'q8_0'}" in capsys.readouterr().out
+
+
 def test_bench_refuses_a_table_file_it_cannot_map(tmp_path):
     path = tmp_path / "broken.safetensors"
     path.write_bytes(b"not a safetensors file")
@@ -570,6 +613,40 @@ def test_bench_leaves_a_writable_result_file_as_it_was_until_it_writes_it(tmp_pa
     assert (out / "results.json").read_text() == "kept"
 
 
+def test_a_result_file_that_cannot_be_written_stops_the_run_in_one_line_and_leaves_the_earlier_one(
+        tmp_path, monkeypatch, capsys):
+    """A full disk after the measuring ended in a traceback, and the earlier results.json was truncated first."""
+    import errno
+
+    from fastembed.benchmark import cli
+
+    (tmp_path / "results.json").write_text("earlier")
+    real_write_text = Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        if self.name.startswith(".results.json."):
+            real_write_text(self, text[:10], *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    assert cli.main([*SMALL, "--batch", "1", "--dist", "uniform", "--reps", "1", "--backend", "numpy",
+                     "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"fastembed-bench: cannot write {tmp_path / 'results.json'}: No space left on device\n"
+    assert (tmp_path / "results.json").read_text() == "earlier"
+    assert [path.name for path in tmp_path.iterdir()] == ["results.json"]  # no partial file beside it
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_result_file_linked_to_a_device_is_written_in_place_and_its_error_is_one_line(tmp_path, capsys):
+    from fastembed.benchmark import report
+
+    (tmp_path / "results.json").symlink_to("/dev/full")
+    with pytest.raises(report.ResultFileError, match="cannot write .*results.json: No space left on device"):
+        report.write_json(tmp_path / "results.json", {"a": 1})
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")  # never replaced by a file
+
+
 def test_a_link_to_a_result_file_not_made_yet_is_fine_where_its_folder_can_be_written(tmp_path):
     from fastembed.benchmark import arguments as command_line
 
@@ -689,6 +766,24 @@ def test_fraction_of_limit_never_exceeds_one_and_names_the_limit():
     assert all(row["fraction_of_limit"] is None or row["fraction_of_limit"] <= 1 for row in rows)
     assert by_id["read-scattered"]["fraction_of_limit"] is None
     assert by_id["fastembed-auto-out"]["fraction_of_scattered_read"] == 0.25
+
+
+def test_numpy_indexes_a_mapped_table_as_the_array_it_is(tmp_path, monkeypatch):
+    """On a --table, numpy table[ids] went through np.memmap's indexing, twice as slow at 1 and 6 ids as on the
+    array: a baseline that fresh processes and the co-located check do not use, and the latency checks judged by."""
+    from fastembed.benchmark.contenders import host_contenders
+
+    np.save(tmp_path / "t.npy", np.arange(40, dtype=np.float32).reshape(10, 4))
+    mapped = np.load(tmp_path / "t.npy", mmap_mode="r")
+    fancy = next(contender for contender in host_contenders(["numpy"]) if contender.id == "numpy-fancy")
+    call = fancy.prepare(mapped, 2)
+
+    def refused(*args):
+        raise AssertionError("indexed through np.memmap")
+
+    monkeypatch.setattr(np.memmap, "__getitem__", refused)
+    monkeypatch.setattr(np.memmap, "__array_wrap__", refused)
+    assert np.array_equal(call(np.array([3, 1])), np.asarray(mapped)[[3, 1]])
 
 
 def test_contender_ids_are_stable_and_unique():
@@ -980,6 +1075,9 @@ def test_a_quantized_table_whose_dense_twin_would_not_fit_is_refused_before_it_i
     monkeypatch.setattr(arguments, "_physical_memory", lambda: 2000 * 64 * 2 - 1)  # one byte short of the float16 twin
     assert cli.main(["--table", str(tmp_path / "model.gguf"), "--batch", "4", "--out", str(tmp_path)]) == 2
     assert "the dense float16 table of 2000 x 64" in capsys.readouterr().err
+    monkeypatch.setattr(arguments, "_physical_memory", lambda: 2000 * 64 * 2 + 2**20)  # the twin, not the outputs
+    assert cli.main(["--table", str(tmp_path / "model.gguf"), "--batch", "4096", "--out", str(tmp_path)]) == 2
+    assert "4096 ids of 64 values: the outputs" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"])
@@ -1060,10 +1158,45 @@ def test_caches_are_settled_where_a_sample_writes_a_quarter_of_the_cache_or_a_ca
 def test_id_pools_span_a_few_times_a_small_table_and_more_than_the_cache_of_a_large_one():
     from fastembed.benchmark.measure import POOL_MIN_BYTES, pool_size
 
-    assert pool_size(1, 128, 1, 3, 2, table_rows=2000) == 4 * 2000  # not millions of sets for a 256 KiB table
-    assert pool_size(1, 8192, 1, 3, 2, table_rows=129280) == POOL_MIN_BYTES // 8192
-    assert pool_size(4096, 8192, 1, 3, 2, table_rows=129280) == 13  # at least one set per sample
-    assert pool_size(1, 8192, 1, 3, 2, table_rows=129280, cache_bytes=480 * 2**20) == 2 * 480 * 2**20 // 8192
+    many = 10**6  # calls enough that the span alone counts
+    assert pool_size(1, 128, 1, 3, 2, table_rows=2000, contenders=many) == 4 * 2000  # not millions for a 256 KiB table
+    assert pool_size(1, 8192, 1, 3, 2, table_rows=129280, contenders=many) == POOL_MIN_BYTES // 8192
+    assert pool_size(4096, 8192, 1, 3, 2, table_rows=129280, contenders=many) == 13  # at least one set per sample
+    assert pool_size(1, 8192, 1, 3, 2, table_rows=129280, cache_bytes=480 * 2**20,
+                     contenders=many) == 2 * 480 * 2**20 // 8192
+
+
+def test_an_id_pool_holds_no_more_sets_than_the_case_reads():
+    """Narrow rows at small batches drew millions of sets that no call read (a 1 MiB table: 4.2 million, 1.7 GiB)."""
+    from fastembed.benchmark.measure import pool_size
+
+    inner, repetitions, warmup, contenders = 200, 15, 2, 12
+    calls = (warmup + repetitions) * contenders * inner
+    assert pool_size(1, 1, inner, repetitions, warmup, table_rows=2**20, contenders=contenders) == calls
+    assert pool_size(1, 1, 1, 3, 2, table_rows=2**20, contenders=1) == 8 + 3 + 2  # still one set per sample
+
+
+def test_a_case_draws_one_id_set_per_call_it_makes(monkeypatch):
+    """Every set the pool holds is read: a pool of one set per call, each contender's, in every repetition."""
+    from fastembed.benchmark import measure
+    from fastembed.benchmark.contenders import Contender
+
+    drawn, read = [], []
+    real_id_sets = measure.id_sets
+
+    def recording_id_sets(*args, **kwargs):
+        drawn.extend(real_id_sets(*args, **kwargs))
+        return drawn
+
+    def prepare(table, batch):
+        return lambda ids: read.append(ids.tobytes()) or table[ids]
+
+    monkeypatch.setattr(measure, "id_sets", recording_id_sets)
+    table = np.arange(2**16, dtype=np.uint8).reshape(-1, 1)  # one-byte rows: a sample is 200 calls
+    contenders = [Contender(f"c{index}", "peer", True, prepare, id=f"c{index}", id_dtype="int64") for index in range(3)]
+    measure.measure_case(table, contenders, 1, "uniform", repetitions=4, warmup=1)
+    assert len(drawn) == (1 + 4) * 3 * 200  # one per timed or warm-up call
+    assert set(read) == {ids.tobytes() for ids in drawn}  # each read
 
 
 def test_the_settling_read_is_told_what_a_sample_writes_or_that_the_call_is_cold():
@@ -1318,44 +1451,82 @@ def test_the_memory_check_counts_the_batches_and_repetitions_the_mode_runs(monke
     from fastembed.benchmark import arguments as command_line
 
     monkeypatch.setattr(command_line, "_physical_memory", lambda: 4 * 2**30)
+    wide = (131072, 4096)  # rows of 8 KiB in float16
     run = argparse.Namespace(processes=None, ranks=None, format=None, device="cpu", gate=False, batch=None, quick=True,
                              reps=None, checks=None, gate_repetitions=None)
-    assert command_line.memory_problem(run, 8192, 2**30) is None  # 12 outputs of 8,192 rows of 8 KiB beside 1 GiB
+    assert command_line.memory_problem(run, wide, 2, 2**30) is None  # 12 outputs of 8,192 rows of 8 KiB beside 1 GiB
     run.quick = False
-    assert "more than this machine's memory" in command_line.memory_problem(run, 8192, 2**30)  # 12 x 512 MiB
+    assert "more than this machine's memory" in command_line.memory_problem(run, wide, 2, 2**30)  # 12 x 512 MiB
     run.device = "cuda"
-    assert command_line.memory_problem(run, 8192, 2**30) is None  # a GPU run's outputs are on the device
+    assert command_line.memory_problem(run, wide, 2, 2**30) is None  # a GPU run's outputs are on the device
     run.device, run.processes = "cpu", 20
-    assert command_line.memory_problem(run, 8192, 2**30) is None  # that mode holds a few outputs at a time
-    # ... but at the least one of the largest --batch (two times a float16 row for --format's float32 outputs, one per
-    # rank and the single process's for --ranks): a batch whose single output cannot fit was a traceback
-    for mode, value, held in (("processes", 20, 1), ("format", ["q8_0"], 2), ("ranks", 3, 4)):
+    assert command_line.memory_problem(run, wide, 2, 2**30) is None  # that mode holds a few outputs at a time
+    # ... but at the least one of the largest --batch (one per rank and the single process's for --ranks): a batch
+    # whose single output cannot fit was a traceback
+    for mode, value, held in (("processes", 20, 1), ("ranks", 3, 4)):
         few = argparse.Namespace(**{**vars(run), "processes": None, mode: value, "batch": [64, 2**20]})
         fits = (4 * 2**30 - 2**30) // (held * 2**20)  # the row bytes that just fit beside the 1 GiB table
-        assert command_line.memory_problem(few, fits, 2**30) is None, mode
-        problem = command_line.memory_problem(few, fits + 64, 2**30)
-        assert problem.startswith(f"1048576 rows of {(fits + 64) * (2 if mode == 'format' else 1)} bytes"), problem
+        assert command_line.memory_problem(few, (1000, fits), 1, 2**30) is None, mode
+        problem = command_line.memory_problem(few, (1000, fits + 64), 1, 2**30)
+        assert problem.startswith(f"1048576 rows of {fits + 64} bytes"), problem
         assert problem.endswith("take more than this machine's memory: ask for fewer --batch rows"), problem
         few.batch = None
-        assert command_line.memory_problem(few, fits + 64, 2**30) is None  # the mode's own batches fit
+        assert command_line.memory_problem(few, (1000, fits + 64), 1, 2**30) is None  # the mode's own batches fit
+    narrow = (129280, 128)
     gate_run = argparse.Namespace(processes=None, ranks=None, format=None, device="cpu", gate=True, batch=None,
                                   quick=False,
                                   reps=None, checks=[gate.Check("x", "fastembed-auto-out", "speedup_vs_numpy", 4096,
                                                                 "uniform", 0.0)], gate_repetitions=100_000)
-    assert "id sets of 100000 repetitions" in command_line.memory_problem(gate_run, 128, 0)  # 100,010 x 4,096 x 20 bytes
+    assert "id sets of 100000 repetitions" in command_line.memory_problem(gate_run, narrow, 1, 0)  # 100,010 sets
     gate_run.gate_repetitions = 11
-    assert command_line.memory_problem(gate_run, 128, 0) is None
+    assert command_line.memory_problem(gate_run, narrow, 1, 0) is None
     gate_run.reps = 100_000  # --reps sets the gate's repetitions
-    assert "id sets of 100000 repetitions" in command_line.memory_problem(gate_run, 128, 0)
+    assert "id sets of 100000 repetitions" in command_line.memory_problem(gate_run, narrow, 1, 0)
 
 
-def test_fresh_processes_time_fewer_repetitions_for_large_outputs_but_at_least_15():
-    from fastembed.benchmark import processes
+def test_the_memory_check_counts_the_id_sets_of_narrow_rows_at_small_batches(monkeypatch):
+    """A table of one-byte rows at 1 or 1,024 ids passed the check and drew more id sets than the machine holds."""
+    import argparse
 
-    assert [processes.reps_for(batch, 8192, 5) for batch in (64, 1024, 4096, 65536)] == [5, 5, 15, 15]
-    assert processes.reps_for(65536, 8192, 100) == 15  # 512 MiB outputs: the floor
-    assert processes.reps_for(4096, 8192, 100) == 25  # 32 MiB outputs: 8 MiB of output per repetition
-    assert processes.reps_for(1024, 8192, 100) == 100
+    from fastembed.benchmark import arguments as command_line
+    from fastembed.benchmark.contenders import known_host_contender_ids
+    from fastembed.benchmark.measure import id_pool_bytes
+
+    run = argparse.Namespace(processes=None, ranks=None, format=None, device="cpu", gate=False, batch=[1, 1024],
+                             quick=False, reps=None, checks=None, gate_repetitions=None)
+    pool = id_pool_bytes(1024, 1, 15, 2**26, len(known_host_contender_ids()))
+    assert pool > 10**9  # 17 rounds of 200 calls per contender, 1,024 int64 ids each, and their copies
+    monkeypatch.setattr(command_line, "_physical_memory", lambda: pool + 1024 * 12 + 2**26 - 1)
+    problem = command_line.memory_problem(run, (2**26, 1), 1, 2**26)
+    assert problem.startswith("1024 rows of 1 bytes") and "the id sets of 15 repetitions" in problem, problem
+    monkeypatch.setattr(command_line, "_physical_memory", lambda: pool + 1024 * 12 + 2**26)
+    assert command_line.memory_problem(run, (2**26, 1), 1, 2**26) is None
+
+
+def test_the_format_memory_check_counts_every_output_dtype_and_the_tables_it_makes(monkeypatch):
+    """--format holds float16, float32 and bfloat16 outputs and the float32 rows it checks them against, beside the
+    tables it quantizes; one float32 output was counted, and a quantized --table's outputs not at all."""
+    import argparse
+
+    from fastembed.benchmark import arguments as command_line
+    from fastembed.formats import FORMATS
+
+    shape, batch = (2000, 4096), 2**20
+    q8_0 = shape[0] * FORMATS["q8_0"].row_bytes(shape[1])
+    needed = q8_0 + batch * shape[1] * (2 + 4 + 2 + 4)
+    run = argparse.Namespace(processes=None, ranks=None, format=["q8_0"], device="cpu", gate=False, batch=[64, batch],
+                             quick=False, reps=None, checks=None, gate_repetitions=None)
+    monkeypatch.setattr(command_line, "_physical_memory", lambda: needed - 1)
+    problem = command_line.memory_problem(run, shape, 2, 0)
+    assert problem.startswith(f"{batch} ids of 4096 values: the q8_0 tables and the outputs"), problem
+    assert problem.endswith("ask for fewer --batch rows"), problem
+    monkeypatch.setattr(command_line, "_physical_memory", lambda: needed)
+    assert command_line.memory_problem(run, shape, 2, 0) is None
+    run.format = None  # a quantized --table: its float16 twin in memory, the outputs beside it, no table made
+    twin = shape[0] * shape[1] * 2
+    monkeypatch.setattr(command_line, "_physical_memory", lambda: twin + needed - q8_0 - 1)
+    problem = command_line.formats_problem(run, [], shape, twin)
+    assert problem.startswith(f"{batch} ids of 4096 values: the outputs"), problem
 
 
 def test_ranks_accept_quick_with_reps_and_batch(tmp_path):

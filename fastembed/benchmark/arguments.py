@@ -25,10 +25,6 @@ MAX_BATCH = 2**20
 #: that writes into its own (fastembed's per backend and auto, numpy's take, torch's, the copies), the copies'
 #: sources, and the new ones of allocating calls.
 OUTPUTS_HELD = 12
-#: Bytes an id takes in the id sets of a case: int64 ids, their copy per contender dtype (int64, int32).
-ID_BYTES = 20
-#: Id sets a case draws beyond one per repetition (the warm-up, and at least eight per sample's calls).
-ID_SETS_BEYOND_REPETITIONS = 10
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -174,7 +170,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         from fastembed.tables import resolve_dtype
 
         itemsize = resolve_dtype(arguments.dtype).itemsize
-        problem = memory_problem(arguments, arguments.dim * itemsize, arguments.vocab_size * arguments.dim * itemsize)
+        problem = memory_problem(arguments, (arguments.vocab_size, arguments.dim), itemsize,
+                                 arguments.vocab_size * arguments.dim * itemsize)
         if problem:
             parser.error(problem)
     problem = _unwritable(arguments.out, _result_files(arguments))
@@ -183,50 +180,75 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     return arguments
 
 
-def memory_problem(arguments: argparse.Namespace, row_bytes: int, table_bytes: int) -> str | None:
-    """Why the host's run would not fit in this machine's memory (None: it would, or the GPU runs).
+def memory_problem(arguments: argparse.Namespace, shape: tuple[int, int], itemsize: int,
+                   table_bytes: int) -> str | None:
+    """Why the host's run on a table of `shape` would not fit in this machine's memory (None: it would, or the GPU runs).
 
     Counted: the table (`table_bytes`: 0 for a mapped one, whose pages the
     system can drop), the outputs of the largest batch that the contenders
-    hold (:data:`OUTPUTS_HELD`), and the id sets of its repetitions.
+    hold (:data:`OUTPUTS_HELD`), and each batch's id sets
+    (:func:`.measure.id_pool_bytes`); for --format, what :func:`.quantized.held_bytes` counts.
     """
     if arguments.device == "cuda":
         return None  # a GPU run holds its outputs on the device
-    if arguments.processes or arguments.ranks or arguments.format:
+    row_bytes = shape[1] * itemsize
+    if arguments.format:
+        return formats_problem(arguments, list(arguments.format), shape, table_bytes)
+    if arguments.processes or arguments.ranks:
         return _few_outputs_problem(arguments, row_bytes, table_bytes)
+    from .contenders import known_host_contender_ids
+    from .measure import id_pool_bytes
+
     if arguments.gate:
         batches = [check.batch for check in arguments.checks or []] or [1]
         repetitions = arguments.reps or arguments.gate_repetitions or 1  # as the gate runs them
     else:
         batches = arguments.batch or list(QUICK_BATCHES if arguments.quick else BATCHES)
         repetitions = arguments.reps or (5 if arguments.quick else 15)
-    largest = max(batches)
-    outputs = OUTPUTS_HELD * largest * row_bytes
-    ids = (repetitions + ID_SETS_BEYOND_REPETITIONS) * largest * ID_BYTES
+    contenders = len(known_host_contender_ids())
+    needs = {batch: (OUTPUTS_HELD * batch * row_bytes, id_pool_bytes(batch, row_bytes, repetitions, shape[0], contenders))
+             for batch in batches}
+    batch = max(needs, key=lambda size: sum(needs[size]))
+    outputs, ids = needs[batch]
     if table_bytes + outputs + ids <= _physical_memory():
         return None
-    return (f"{largest} rows of {row_bytes} bytes: the contenders' outputs ({outputs / 2**30:.1f} GiB) and the id sets "
+    return (f"{batch} rows of {row_bytes} bytes: the contenders' outputs ({outputs / 2**30:.1f} GiB) and the id sets "
             f"of {repetitions} repetitions ({ids / 2**30:.1f} GiB) beside the table ({table_bytes / 2**30:.1f} GiB) "
             "take more than this machine's memory: ask for fewer --batch rows or --reps")
 
 
+def formats_problem(arguments: argparse.Namespace, names: list[str], shape: tuple[int, int],
+                    dense_bytes: int) -> str | None:
+    """Why the --format run would not fit in memory: the dense table in memory (`dense_bytes`: 0 when mapped), the
+    tables of formats `names` made from it, and the outputs of the largest batch (:func:`.quantized.held_bytes`)."""
+    from .quantized import BATCHES as FORMAT_BATCHES
+    from .quantized import held_bytes
+
+    largest = max(arguments.batch or FORMAT_BATCHES)
+    held = held_bytes(names, shape, largest)
+    if dense_bytes + held <= _physical_memory():
+        return None
+    made = f"the {', '.join(names)} tables and " if names else ""
+    return (f"{largest} ids of {shape[1]} values: {made}the outputs ({held / 2**30:.1f} GiB) beside the dense table "
+            f"({dense_bytes / 2**30:.1f} GiB) take more than this machine's memory: ask for fewer --batch rows"
+            f"{' or formats' if len(names) > 1 else ''}")
+
+
 def _few_outputs_problem(arguments: argparse.Namespace, row_bytes: int, table_bytes: int) -> str | None:
-    """Why the outputs of --batch that --processes, --ranks or --format hold at the least would not fit beside the table.
+    """Why the outputs of --batch that --processes or --ranks hold at the least would not fit beside the table.
 
     Those modes hold a few outputs at a time (their default batches fit any
-    machine that holds the table): at the least one of the largest batch
-    (float32, twice a float16 row, for --format), and one per rank and one
-    for the single process for --ranks.
+    machine that holds the table): at the least one of the largest batch,
+    and one per rank and one for the single process for --ranks.
     """
     if not arguments.batch:
         return None
     largest = max(arguments.batch)
-    widest = 2 * row_bytes if arguments.format else row_bytes
     count = arguments.ranks + 1 if arguments.ranks else 1
-    outputs = count * largest * widest
+    outputs = count * largest * row_bytes
     if table_bytes + outputs <= _physical_memory():
         return None
-    return (f"{largest} rows of {widest} bytes: {'the outputs' if count > 1 else 'one output'} of that batch "
+    return (f"{largest} rows of {row_bytes} bytes: {'the outputs' if count > 1 else 'one output'} of that batch "
             f"({outputs / 2**30:.1f} GiB) beside the table ({table_bytes / 2**30:.1f} GiB) take more than this "
             "machine's memory: ask for fewer --batch rows")
 

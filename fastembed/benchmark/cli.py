@@ -31,11 +31,13 @@ from .arguments import (
     RANDOM_TABLE,
     dense_twin_problem,
     dtype_problem,
+    formats_problem,
     measures_the_default_table,
     memory_problem,
     parse_arguments,
     quantizing_problem,
 )
+from .report import ResultFileError
 
 
 def build_table(arguments: argparse.Namespace, console: Any) -> Any:
@@ -59,7 +61,8 @@ def build_table(arguments: argparse.Namespace, console: Any) -> Any:
 
 
 def load_table(path: Path, tensor: str | None, console: Any) -> Any:
-    """A table memory-mapped read-only from a .npy, safetensors or GGUF file, its pages read once.
+    """A table memory-mapped read-only from a .npy, safetensors or GGUF file (or a checkpoint directory), its pages
+    read once.
 
     Reading one byte per page brings the file into the page cache, so that
     no contender is timed reading the disk.
@@ -70,15 +73,11 @@ def load_table(path: Path, tensor: str | None, console: Any) -> Any:
     from fastembed.formats import QuantizedTable
 
     try:
-        if path.suffix.lower() == ".npy":
-            embedding = Embedding.from_npy(path)
-        elif path.suffix.lower() == ".gguf":
-            embedding = Embedding.from_gguf(path, tensor)
-        else:
-            embedding = Embedding.from_safetensors(path, tensor)
+        embedding = Embedding.from_pretrained(path, tensor)  # the format by the file's content, whatever its name
     except (OSError, ValueError, TypeError) as error:
         # The loaders speak to Python callers; on the command line a tensor is chosen with --tensor.
-        raise ValueError(f"--table {path}: {str(error).replace('pass name=', 'pass --tensor')}") from error
+        message = str(error).replace("pass name=", "pass --tensor").replace("name= must be None", "leave --tensor out")
+        raise ValueError(f"--table {path}: {message}") from error
     table = embedding.table
     if 0 in table.shape:
         raise ValueError(f"--table {path}: shape {tuple(table.shape)} is empty: nothing to gather")
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as ended:
         print(f"fastembed-bench: stopped by {signal.Signals(ended.signum).name}", file=sys.stderr)
         return 128 + ended.signum
-    except OutputError as error:
+    except (OutputError, ResultFileError) as error:
         print(f"fastembed-bench: {error}", file=sys.stderr)
         return 1
     except MemoryError as error:  # beyond what the arguments' check foresees: the system refused an allocation
@@ -274,7 +273,7 @@ def _main(argv: list[str] | None) -> int:
     described = describe_table(arguments, table)
     problem = _table_problem(arguments, table, described)
     if problem is None and arguments.table is not None and not described.get("format"):
-        problem = memory_problem(arguments, table.shape[1] * table.dtype.itemsize, 0)
+        problem = memory_problem(arguments, table.shape, table.dtype.itemsize, 0)
     if problem:
         print(f"fastembed-bench: {problem}", file=sys.stderr)
         return 2
@@ -320,7 +319,8 @@ def _table_problem(arguments: argparse.Namespace, table: Any, described: dict[st
         if arguments.quick and arguments.reps:
             return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured as --format "
                     "measures, where --quick chooses fewer repetitions; with --reps it has no effect: leave --quick out")
-        return dense_twin_problem(table.shape)
+        # Its dense float16 twin is made in memory.
+        return dense_twin_problem(table.shape) or formats_problem(arguments, [], table.shape, 2 * table.shape[0] * table.shape[1])
     if arguments.format:
         return quantizing_problem(arguments.format, table.shape[1], table.dtype)
     return None
@@ -408,7 +408,7 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
                       "fastembed's; give --thresholds of your own[/yellow]")
     in_process = [check for check in checks if check.metric != COLOCATED]
     cases = list(dict.fromkeys((check.batch, check.distribution) for check in in_process))
-    ids = contender_ids(checks) | {"numpy-fancy"}
+    ids = contender_ids(checks)
     repetitions = arguments.reps or arguments.gate_repetitions
     rows = run(arguments, console, table, cases, repetitions, ids) if cases else []
     if len(in_process) < len(checks) and not processes.can_move_threads():

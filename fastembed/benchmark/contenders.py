@@ -101,7 +101,10 @@ def _compile(table: np.ndarray, out: np.ndarray, backend: str) -> None:
 
 
 def _numpy_fancy(table: np.ndarray, n: int) -> Callable:
-    return lambda ids: table[ids]
+    # A mapped --table is indexed as the array it is: np.memmap's Python-level indexing would slow numpy's small
+    # lookups about twice, and the fresh processes' baseline (processes.worker) indexes the array too.
+    plain = np.asarray(table)
+    return lambda ids: plain[ids]
 
 
 def _numpy_take_out(table: np.ndarray, n: int) -> Callable:

@@ -206,10 +206,13 @@ def measured(check: Check, rows: list[dict[str, Any]]) -> float | str | None:
     return row[check.metric]
 
 
-def contender_ids(checks: list[Check]) -> set[str]:
-    """Every contender id the checks measured in this run's process read."""
+def contender_ids(checks: list[Check]) -> set[str] | None:
+    """The contenders this run's process measures for the checks: those they read, beside numpy ``table[ids]``, or
+    every one (None) where a check reads ``fraction_of_limit``, whose limit is the fastest of its whole class."""
     checks = [check for check in checks if check.metric != COLOCATED]
-    return {check.contender for check in checks} | {check.versus for check in checks if check.versus}
+    if any(check.metric == "fraction_of_limit" for check in checks):
+        return None
+    return {check.contender for check in checks} | {check.versus for check in checks if check.versus} | {"numpy-fancy"}
 
 
 def colocated_rows(checks: list[Check], table_path: Any, repetitions: int) -> list[dict[str, Any]]:

@@ -122,14 +122,33 @@ POOL_MIN_BYTES = 256 * 2**20
 
 
 def pool_size(batch: int, row_bytes: int, inner: int, repetitions: int, warmup: int, table_rows: int,
-              cache_bytes: int = 0) -> int:
-    """How many id sets to draw: enough for every sample, and rows of POOL_MIN_BYTES or twice `cache_bytes`.
+              cache_bytes: int = 0, contenders: int = 1) -> int:
+    """How many id sets a case draws: one per call it makes (every contender's, in every repetition), or fewer where
+    rows of POOL_MIN_BYTES or twice `cache_bytes` take fewer sets; never fewer than a sample's calls.
 
     A table smaller than that caps the span at four times the table: more sets
-    would only visit the same rows again.
+    would only visit the same rows again. Sets beyond the calls would never be
+    read (narrow rows and small batches would draw millions).
     """
     span_bytes = min(max(POOL_MIN_BYTES, 2 * cache_bytes), 4 * table_rows * row_bytes)
-    return max(max(inner, 8) + repetitions + warmup, -(-span_bytes // max(1, batch * row_bytes)))
+    spanning = -(-span_bytes // max(1, batch * row_bytes))
+    calls = (warmup + repetitions) * contenders * inner
+    return max(max(inner, 8) + repetitions + warmup, min(spanning, calls))
+
+
+def id_pool_bytes(batch: int, row_bytes: int, repetitions: int, table_rows: int, contenders: int,
+                  warmup: int = 2) -> int:
+    """The memory a case's id sets take (:func:`pool_size` of them, as :func:`measure_case` draws them on the host):
+    int64 ids and their copies per contender id dtype, and the arrays' own objects."""
+    sets = pool_size(batch, row_bytes, calls_per_sample(batch, row_bytes), repetitions, warmup, table_rows,
+                     HOST.cache_bytes(), contenders)
+    return sets * (batch * ID_BYTES + ID_SET_OBJECT_BYTES)
+
+
+#: Bytes an id takes in a case's id sets: the int64 ids, and their copies as int64 and int32 for the contenders.
+ID_BYTES = 20
+#: Bytes of the array objects of one id set and its copies (numpy's array header, three times, and the lists' slots).
+ID_SET_OBJECT_BYTES = 400
 
 
 def calls_per_sample(batch: int, row_bytes: int) -> int:
@@ -272,7 +291,8 @@ def measure_case(
     row_bytes = table.shape[1] * table.dtype.itemsize
     written_row_bytes = row_bytes if written_row_bytes is None else written_row_bytes
     inner = 1 if cold else calls_per_sample(batch, row_bytes)
-    sets = pool_size(batch, row_bytes, inner, repetitions, warmup, table.shape[0], platform.cache_bytes())
+    sets = pool_size(batch, row_bytes, inner, repetitions, warmup, table.shape[0], platform.cache_bytes(),
+                     len(contenders))
     host_pool = id_sets(distribution, batch, table.shape[0], sets, seed)
     pools = {
         dtype: [platform.ids_to_device(ids.astype(dtype)) for ids in host_pool]

@@ -31,8 +31,8 @@ import numpy as np
 
 import fastembed
 from fastembed import dispatch
+from fastembed.formats import FORMATS, QUANTIZERS, QuantizedTable, dequantize_rows, row_bytes
 from fastembed.formats import OUTPUT_DTYPES as DEQUANTIZED_DTYPES
-from fastembed.formats import QUANTIZERS, QuantizedTable, dequantize_rows, row_bytes
 from fastembed.tables import random_quantized_table
 
 from .contenders import Contender
@@ -131,6 +131,15 @@ def expected_rows(table: QuantizedTable, dtype: str) -> Callable[[Any, np.ndarra
         return rows.astype(fastembed.tables.resolve_dtype(dtype))
 
     return expected
+
+
+def held_bytes(names: list[str], shape: tuple[int, int], batch: int) -> int:
+    """The memory a run of `batch` ids holds beside the dense table: the tables it quantizes (formats `names`) and
+    :func:`run`'s outputs (one per output dtype, and the float32 rows each lookup is checked against)."""
+    rows, dim = shape
+    tables = sum(rows * (FORMATS[name].row_bytes(dim) + 4 * FORMATS[name].row_scale) for name in names)
+    itemsizes = [np.dtype(fastembed.tables.resolve_dtype(dtype)).itemsize for dtype in OUTPUT_DTYPES]
+    return tables + batch * dim * (sum(itemsizes) + max(itemsizes))
 
 
 def moved_bytes(table: Any, dtype: str) -> int:

@@ -6,8 +6,10 @@ import json
 import os
 import platform
 import shlex
+import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -174,11 +176,43 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], facts: dict[str, Any]
             f"| {cell['alloc']} | {cell['memory']} |"
         )
     # A path given on the command line may hold bytes that are no UTF-8 (Python keeps them as lone surrogates).
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8", errors="backslashreplace")
+    text = "\n".join(lines) + "\n"
+    write_result(path, lambda where: where.write_text(text, encoding="utf-8", errors="backslashreplace"))
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.write_text(json.dumps(payload, indent=1))
+    text = json.dumps(payload, indent=1)
+    write_result(path, lambda where: where.write_text(text))
+
+
+class ResultFileError(Exception):
+    """A result file could not be written (a full disk, say): the run stops with one line on stderr."""
+
+
+def write_result(path: Path, write: Callable[[Path], None]) -> None:
+    """`write` the result file at `path` whole or not at all: into a new file beside it, then moved over it.
+
+    A result that is a link is written to its target. A target that is no
+    regular file (a device, say) is written in place.
+
+    Raises:
+        ResultFileError: the file could not be written, with the system's reason;
+            the earlier file stays as it was.
+    """
+    target = path.resolve()
+    try:
+        in_place = target.exists() and not stat.S_ISREG(target.stat().st_mode)
+    except OSError:
+        in_place = False
+    temporary = target if in_place else target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        write(temporary)
+        if temporary != target:
+            os.replace(temporary, target)
+    except OSError as error:
+        if temporary != target:
+            temporary.unlink(missing_ok=True)
+        raise ResultFileError(f"cannot write {path}: {error.strerror or error}") from error
 
 
 def write_plots(folder: Path, rows: list[dict[str, Any]], table: dict[str, Any] | None = None) -> list[Path]:
@@ -240,5 +274,7 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str = "fastembed-b
     panels[0][0].set_ylabel("GB/s  (2 x rows x row bytes / time)")
     figure.suptitle(title.replace("$", r"\$"))  # a table's path may hold $...$, which matplotlib reads as math
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    try:
+        write_result(path, lambda where: figure.savefig(where, dpi=110, format="png"))
+    finally:
+        plt.close(figure)
