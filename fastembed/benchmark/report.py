@@ -189,7 +189,7 @@ class ResultFileError(Exception):
     """A result file could not be written (a full disk, say): the run stops with one line on stderr."""
 
 
-def write_result(path: Path, write: Callable[[Path], None]) -> None:
+def write_result(path: Path, write: Callable[[Path], object]) -> None:
     """`write` the result file at `path` whole or not at all: into a new file beside it, then moved over it.
 
     A result that is a link is written to its target. A target that is no
