@@ -5,12 +5,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from /proc (Linux)")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/children"),
+    reason="reads child processes from /proc's lists of children (Linux)")
+
+#: The run's own command line, with SIGHUP as the system sets it (a test run under nohup would ignore it).
+RUN_BENCH = ("import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+             "from fastembed.benchmark.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def descendants(pid: int) -> set[int]:
@@ -51,14 +58,30 @@ def command_line(pid: int) -> str:
         return ""
 
 
-def start_bench(arguments: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    """``fastembed-bench`` in its own process, its temporary files in a folder of the test's."""
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
-    env = {**os.environ, "TMPDIR": str(temporary)}
-    bench = subprocess.Popen([sys.executable, "-m", "fastembed.benchmark.cli", *arguments, "--out", str(tmp_path / "out")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    return bench, temporary
+@pytest.fixture
+def start_bench(tmp_path):
+    """Start ``fastembed-bench`` in its own process, its temporary files in a folder of the test's; whatever of it
+    a failing test leaves running is killed at the end."""
+    started: list[subprocess.Popen] = []
+    seen: set[int] = set()
+
+    def start(arguments: list[str]) -> tuple[subprocess.Popen, Path]:
+        temporary = tmp_path / "tmp"
+        temporary.mkdir()
+        env = {**os.environ, "TMPDIR": str(temporary)}
+        bench = subprocess.Popen([sys.executable, "-c", RUN_BENCH, *arguments, "--out", str(tmp_path / "out")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        started.append(bench)
+        return bench, temporary
+
+    start.seen = seen  # the children a test saw, killed at the end if still running
+    yield start
+    for bench in started:
+        seen |= descendants(bench.pid)
+        bench.kill()
+        bench.wait()
+        bench.stderr.close()
+    outliving(seen, seconds=0)
 
 
 def wait_for(condition, bench: subprocess.Popen, seconds: float = 240.0) -> None:
@@ -79,7 +102,10 @@ def outliving(pids: set[int], seconds: float = 30.0) -> set[int]:
         time.sleep(0.1)
     left = {pid for pid in pids if alive(pid)}
     for pid in left:
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended meanwhile
+            pass
     return left
 
 
@@ -88,11 +114,12 @@ def load_pids(bench: subprocess.Popen) -> set[int]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_ends_the_competing_load_and_the_workers_and_removes_the_table_copy(tmp_path, signum):
+def test_a_signal_ends_the_competing_load_and_the_workers_and_removes_the_table_copy(start_bench, signum):
     bench, temporary = start_bench(["--processes", "50", "--load", "--vocab-size", "3000", "--dim", "64",
-                                    "--batch", "64"], tmp_path)
+                                    "--batch", "64"])
     wait_for(lambda: load_pids(bench) and any(temporary.iterdir()), bench)
     children = descendants(bench.pid)
+    start_bench.seen |= children
     bench.send_signal(signum)
     status = bench.wait(timeout=60)
     assert not outliving(children), "a child process outlived the run"
@@ -101,24 +128,45 @@ def test_a_signal_ends_the_competing_load_and_the_workers_and_removes_the_table_
     assert not list(temporary.iterdir()), "the table's temporary copy was left on disk"
 
 
-def test_a_killed_run_takes_its_competing_load_with_it(tmp_path):
-    bench, _ = start_bench(["--processes", "50", "--load", "--vocab-size", "3000", "--dim", "64", "--batch", "64"],
-                           tmp_path)
+def test_a_killed_run_takes_its_competing_load_with_it(start_bench):
+    bench, _ = start_bench(["--processes", "50", "--load", "--vocab-size", "3000", "--dim", "64", "--batch", "64"])
     wait_for(lambda: load_pids(bench), bench)
     load = load_pids(bench)
+    start_bench.seen |= descendants(bench.pid)
     bench.kill()
     bench.wait(timeout=60)
     assert not outliving(load), "the CPU-bound load went on spinning after the run was killed"
 
 
-def test_a_signal_during_a_ranks_run_ends_every_rank_and_removes_the_rendezvous(tmp_path):
+def test_a_signal_during_a_ranks_run_ends_every_rank_and_removes_the_rendezvous(start_bench):
     pytest.importorskip("torch")
-    bench, temporary = start_bench(["--ranks", "2", "--vocab-size", "3000", "--dim", "64", "--batch", "64"], tmp_path)
+    bench, temporary = start_bench(["--ranks", "2", "--vocab-size", "3000", "--dim", "64", "--batch", "64"])
     ranks_started = lambda: sum("spawn_main" in command_line(pid) for pid in descendants(bench.pid)) >= 2  # noqa: E731
     wait_for(ranks_started, bench)
     children = descendants(bench.pid)
+    start_bench.seen |= children
     bench.send_signal(signal.SIGTERM)
     status = bench.wait(timeout=60)
     assert not outliving(children), "a rank outlived the run"
     assert status == 128 + signal.SIGTERM
     assert not list(temporary.iterdir()), "the run's temporary files were left on disk"
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signal handlers: main thread only")
+def test_a_second_signal_while_the_run_cleans_up_is_ignored_and_the_handlers_come_back_after():
+    from fastembed.benchmark.cli import Terminated, _ending_signals_raise
+
+    before = signal.getsignal(signal.SIGTERM)
+    if before is not signal.SIG_DFL:
+        pytest.skip("SIGTERM has a handler of the test run's: the benchmark leaves it as it is")
+    cleaned = False
+    with pytest.raises(Terminated), _ending_signals_raise():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` sends it again: ignored, the cleanup goes on
+            time.sleep(0.05)
+            cleaned = True
+    assert cleaned
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -66,8 +66,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dim", type=_positive_int, help="width of the random table (default: 4096)")
     parser.add_argument("--dtype", type=_dtype, help="float16 (default), bfloat16, float32, ...")
     parser.add_argument("--table", type=_path,
-                        help="measure this table instead of a random one: a .npy, safetensors or GGUF file, memory-mapped "
-                             "read-only (not with --vocab-size, --dim or --dtype)")
+                        help="measure this table instead of a random one: a .npy, safetensors or GGUF file (its format "
+                             "told by its content) or a checkpoint folder, memory-mapped read-only (not with "
+                             "--vocab-size, --dim or --dtype)")
     parser.add_argument("--tensor", help="--table: the tensor's name in a safetensors or GGUF file (default: the one "
                                          "named like a token embedding; token_embd.weight in GGUF)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -106,7 +107,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if arguments.quick and arguments.reps and (arguments.batch or arguments.format) and not arguments.ranks:
         parser.error("--quick chooses fewer repetitions (and, in the main run, fewer batch sizes); with --reps "
                      "and those given it has no effect: leave --quick out")
-    if arguments.tensor is not None and (arguments.table is None or arguments.table.suffix.lower() == ".npy"):
+    if arguments.tensor is not None and arguments.table is None:
         parser.error("--tensor names a tensor of a safetensors or GGUF file given with --table")
     if arguments.gate and arguments.backend:
         parser.error("--gate measures what its checks name (every backend it compares); --backend goes without --gate")
@@ -205,7 +206,7 @@ def memory_problem(arguments: argparse.Namespace, shape: tuple[int, int], itemsi
     else:
         batches = arguments.batch or list(QUICK_BATCHES if arguments.quick else BATCHES)
         repetitions = arguments.reps or (5 if arguments.quick else 15)
-    contenders = len(known_host_contender_ids())
+    contenders = len(known_host_contender_ids())  # every contender a host run may measure: at most what it draws
     needs = {batch: (OUTPUTS_HELD * batch * row_bytes, id_pool_bytes(batch, row_bytes, repetitions, shape[0], contenders))
              for batch in batches}
     batch = max(needs, key=lambda size: sum(needs[size]))
@@ -253,9 +254,14 @@ def _few_outputs_problem(arguments: argparse.Namespace, row_bytes: int, table_by
             "machine's memory: ask for fewer --batch rows")
 
 
+def dense_twin_bytes(shape: tuple[int, ...]) -> int:
+    """The bytes of the dense float16 table of `shape` that a quantized --table is compared with."""
+    return shape[0] * shape[1] * 2
+
+
 def dense_twin_problem(shape: tuple[int, ...]) -> str | None:
     """Why the dense float16 table a quantized --table is compared with would not fit in memory (None: it would)."""
-    dense_bytes = shape[0] * shape[1] * 2
+    dense_bytes = dense_twin_bytes(shape)
     if dense_bytes <= _physical_memory():
         return None
     return (f"the dense float16 table of {shape[0]} x {shape[1]} that a quantized table is compared with takes "
@@ -476,9 +482,10 @@ def _unwritable(folder: Path, names: tuple[str, ...] = RESULT_FILES) -> str | No
     """Why results cannot be written into `folder` (created if missing) as the files `names`, or None when they can.
 
     A result file already there (or a link by its name) must open for
-    writing: it is opened without being created or truncated, so the check
-    changes nothing; a link to a file not made yet must lead into a folder
-    that can be written.
+    writing, and its folder (a link's target's) be writable, where its new
+    version is made before it replaces the file: it is opened without being
+    created or truncated, so the check changes nothing; a link to a file not
+    made yet must lead into a folder that can be written.
     """
     try:
         if folder.exists() and not folder.is_dir():
@@ -501,6 +508,9 @@ def _unwritable(folder: Path, names: tuple[str, ...] = RESULT_FILES) -> str | No
             continue
         try:
             os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))  # a FIFO without a reader: ENXIO, no wait
+            target = path.resolve()
+            if target.is_file() and not os.access(target.parent, os.W_OK | os.X_OK):
+                return f"cannot write {path}: its folder {target.parent} cannot be written, where its new version is made"
         except FileNotFoundError:
             target = path.parent / os.readlink(path)  # a link to a file not made yet: writing makes it
             if not (target.parent.is_dir() and os.access(target.parent, os.W_OK)):

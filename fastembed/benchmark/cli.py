@@ -8,7 +8,8 @@ where cupy sees a GPU, the same on a copy of the table on the GPU (cuda
 backend against cupy, torch CUDA and a device-to-device copy, CUDA events);
 prints a table fitted to the terminal and writes JSON, Markdown and PNG plots
 (a panel per id distribution) into --out. ``--table PATH`` measures the same
-on a real table instead, memory-mapped from a .npy, safetensors or GGUF file.
+on a real table instead, memory-mapped from a .npy, safetensors or GGUF file
+or a checkpoint folder.
 
 Every argument is checked before any table is built, and a bad one exits 2
 at once (:mod:`fastembed.benchmark.arguments`).
@@ -29,6 +30,7 @@ from .arguments import (
     BATCHES,
     QUICK_BATCHES,
     RANDOM_TABLE,
+    dense_twin_bytes,
     dense_twin_problem,
     dtype_problem,
     formats_problem,
@@ -62,20 +64,14 @@ def build_table(arguments: argparse.Namespace, console: Any) -> Any:
 
 def load_table(path: Path, tensor: str | None, console: Any) -> Any:
     """A table memory-mapped read-only from a .npy, safetensors or GGUF file (or a checkpoint directory), its pages
-    read once.
-
-    Reading one byte per page brings the file into the page cache, so that
-    no contender is timed reading the disk.
-    """
-    import numpy as np
-
+    not read yet (:func:`read_pages`, once the run is known to fit in memory)."""
     from fastembed import Embedding
     from fastembed.formats import QuantizedTable
 
     try:
-        embedding = Embedding.from_pretrained(path, tensor)  # the format by the file's content, whatever its name
+        embedding = Embedding.from_pretrained(path, tensor)
     except (OSError, ValueError, TypeError) as error:
-        # The loaders speak to Python callers; on the command line a tensor is chosen with --tensor.
+        # The loaders speak to Python callers, who choose a tensor with name=; the command line has --tensor.
         message = str(error).replace("pass name=", "pass --tensor").replace("name= must be None", "leave --tensor out")
         raise ValueError(f"--table {path}: {message}") from error
     table = embedding.table
@@ -84,11 +80,20 @@ def load_table(path: Path, tensor: str | None, console: Any) -> Any:
     problem = None if isinstance(table, QuantizedTable) else dtype_problem(table.dtype)
     if problem:
         raise ValueError(f"--table {path}: {problem}")
-    rows = table.data if isinstance(table, QuantizedTable) else table
-    np.asarray(rows).reshape(-1).view(np.uint8)[::4096].max()
     console.print(f"table: {path}, {table.shape[0]} x {table.shape[1]} {embedding.format if embedding.format != 'dense' else table.dtype}, "
                   f"{table.nbytes / 2**30:.2f} GiB, memory-mapped", soft_wrap=True, markup=False)
     return table
+
+
+def read_pages(table: Any) -> None:
+    """Read one byte per page of a mapped table, so that the page cache holds it and no contender is timed reading the
+    disk."""
+    import numpy as np
+
+    from fastembed.formats import QuantizedTable
+
+    rows = table.data if isinstance(table, QuantizedTable) else table
+    np.asarray(rows).reshape(-1).view(np.uint8)[::4096].max()
 
 
 def describe_table(arguments: argparse.Namespace, table: Any) -> dict[str, Any]:
@@ -209,6 +214,8 @@ def _ending_signals_raise() -> Iterator[None]:
     spinning and a temporary copy of the table on disk.
     """
     def raise_terminated(signum: int, _frame: Any) -> None:
+        for number in replaced:  # a second signal must not cut the cleanup short
+            signal.signal(number, signal.SIG_IGN)
         raise Terminated(signum)
 
     replaced = {}
@@ -277,6 +284,8 @@ def _main(argv: list[str] | None) -> int:
     if problem:
         print(f"fastembed-bench: {problem}", file=sys.stderr)
         return 2
+    if arguments.table is not None:
+        read_pages(table)
     if arguments.gate:
         return gate(arguments, console, table, described, argv)
     if arguments.processes:
@@ -320,7 +329,7 @@ def _table_problem(arguments: argparse.Namespace, table: Any, described: dict[st
             return (f"--table {arguments.table} is a quantized ({described['format']}) table, measured as --format "
                     "measures, where --quick chooses fewer repetitions; with --reps it has no effect: leave --quick out")
         # Its dense float16 twin is made in memory.
-        return dense_twin_problem(table.shape) or formats_problem(arguments, [], table.shape, 2 * table.shape[0] * table.shape[1])
+        return dense_twin_problem(table.shape) or formats_problem(arguments, [], table.shape, dense_twin_bytes(table.shape))
     if arguments.format:
         return quantizing_problem(arguments.format, table.shape[1], table.dtype)
     return None

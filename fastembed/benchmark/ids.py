@@ -31,10 +31,15 @@ def _truncated_zipf_ranks(rng: np.random.Generator, n: int, vocab_size: int) -> 
     """`n` Zipf ranks from 1 to `vocab_size`: numpy's unbounded draws, those beyond the vocabulary drawn again.
 
     Drawing again keeps each rank's probability proportional to r**-1.1 (a
-    wrap-around modulo the vocabulary would spread the tail's mass, a third
-    of it at 129,280 ranks, evenly over every row); it takes no table of
+    wrap-around modulo the vocabulary would spread the tail's mass, about
+    29% of it at 129,280 ranks, evenly over every row); it takes no table of
     the vocabulary's size.
+
+    Raises:
+        ValueError: a vocabulary of no rows, from which no rank can be drawn.
     """
+    if vocab_size < 1:
+        raise ValueError(f"Zipf ids need a vocabulary of 1 row or more, got {vocab_size}")
     ranks = rng.zipf(ZIPF_EXPONENT, n)
     beyond = np.flatnonzero(ranks > vocab_size)
     while beyond.size:

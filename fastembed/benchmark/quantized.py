@@ -133,13 +133,18 @@ def expected_rows(table: QuantizedTable, dtype: str) -> Callable[[Any, np.ndarra
     return expected
 
 
+#: float32 copies of a batch's rows that the reference dequantization holds at once while a lookup is checked (the
+#: blocks' values, their product with the row scales, and the rounded copy).
+REFERENCE_COPIES = 3
+
+
 def held_bytes(names: list[str], shape: tuple[int, int], batch: int) -> int:
     """The memory a run of `batch` ids holds beside the dense table: the tables it quantizes (formats `names`) and
-    :func:`run`'s outputs (one per output dtype, and the float32 rows each lookup is checked against)."""
+    :func:`run`'s outputs (one per output dtype, and the reference rows each lookup is checked against)."""
     rows, dim = shape
     tables = sum(rows * (FORMATS[name].row_bytes(dim) + 4 * FORMATS[name].row_scale) for name in names)
     itemsizes = [np.dtype(fastembed.tables.resolve_dtype(dtype)).itemsize for dtype in OUTPUT_DTYPES]
-    return tables + batch * dim * (sum(itemsizes) + max(itemsizes))
+    return tables + batch * dim * (sum(itemsizes) + REFERENCE_COPIES * 4)
 
 
 def moved_bytes(table: Any, dtype: str) -> int:

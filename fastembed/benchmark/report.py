@@ -192,8 +192,9 @@ class ResultFileError(Exception):
 def write_result(path: Path, write: Callable[[Path], object]) -> None:
     """`write` the result file at `path` whole or not at all: into a new file beside it, then moved over it.
 
-    A result that is a link is written to its target. A target that is no
-    regular file (a device, say) is written in place.
+    A result that is a link is written to its target, keeping the earlier
+    file's permissions. A target that is no regular file (a device, say) is
+    written in place.
 
     Raises:
         ResultFileError: the file could not be written, with the system's reason;
@@ -201,18 +202,25 @@ def write_result(path: Path, write: Callable[[Path], object]) -> None:
     """
     target = path.resolve()
     try:
-        in_place = target.exists() and not stat.S_ISREG(target.stat().st_mode)
+        mode = target.stat().st_mode
     except OSError:
-        in_place = False
-    temporary = target if in_place else target.with_name(f".{target.name}.{os.getpid()}.partial")
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        temporary = target
+    else:
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
         write(temporary)
         if temporary != target:
+            if mode is not None:
+                os.chmod(temporary, stat.S_IMODE(mode))
             os.replace(temporary, target)
-    except OSError as error:
+    except BaseException as error:
         if temporary != target:
             temporary.unlink(missing_ok=True)
-        raise ResultFileError(f"cannot write {path}: {error.strerror or error}") from error
+        if isinstance(error, OSError):
+            raise ResultFileError(f"cannot write {path}: {error.strerror or error}") from error
+        raise
 
 
 def write_plots(folder: Path, rows: list[dict[str, Any]], table: dict[str, Any] | None = None) -> list[Path]:

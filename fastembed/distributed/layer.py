@@ -809,7 +809,7 @@ _NOT_COPIED = ("a VocabParallelEmbedding cannot be copied or pickled: it is this
 
 
 def _refused(unexpected: tuple[Any, ...], unknown: dict[str, Any]) -> str | None:
-    """Why a call's extra positional arguments or unknown keywords are refused (Python's own words), or None."""
+    """Why a call's extra positional arguments or unknown keywords are refused, in words like Python's, or None."""
     if unexpected:
         return (f"VocabParallelEmbedding.__call__() takes ids and mode positionally ({len(unexpected) + 2} were given); "
                 "dtype is a keyword")
