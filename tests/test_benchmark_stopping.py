@@ -170,3 +170,27 @@ def test_a_second_signal_while_the_run_cleans_up_is_ignored_and_the_handlers_com
             cleaned = True
     assert cleaned
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_ranks_started_before_a_start_is_cut_short_are_ended_too():
+    """A signal while torch was still starting the ranks left those it had started running until their timeout."""
+    import multiprocessing
+
+    from fastembed.benchmark import ranks
+
+    class CutShort:
+        active_children = staticmethod(multiprocessing.active_children)
+
+        @staticmethod
+        def start_processes(*args, **kwargs):
+            multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,)).start()
+            raise KeyboardInterrupt  # as Terminated would, between two ranks' starts
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ranks._spawned(CutShort, None, (), 2)
+        assert multiprocessing.active_children() == []
+    finally:
+        for process in multiprocessing.active_children():
+            process.kill()
+            process.join()
