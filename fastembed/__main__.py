@@ -12,11 +12,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["info"], help="info: versions, backends and why, hardware")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     arguments = parser.parse_args(argv)
-    from .info import format_report, report
+    from .info import format_report, printable, report
 
     facts = report()
     try:
-        print(json.dumps(facts, indent=2) if arguments.json else format_report(facts), flush=True)
+        print(printable(json.dumps(facts, indent=2) if arguments.json else format_report(facts), sys.stdout), flush=True)
     except BrokenPipeError:  # piped into head: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except OSError as error:  # a full disk, say

@@ -43,13 +43,26 @@ def package_versions() -> dict[str, str | None]:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    cupys = sorted({(d.metadata["Name"] or "") for d in importlib.metadata.distributions()
-                    if (d.metadata["Name"] or "").lower().startswith("cupy")})
-    for name in cupys:
-        versions[name] = importlib.metadata.version(name)
+        except UnicodeDecodeError:
+            versions[name] = UNREADABLE_METADATA
+    cupys = dict(sorted(_name_and_version(d) for d in importlib.metadata.distributions()
+                        if _name_and_version(d)[0].lower().startswith("cupy")))
+    versions.update(cupys)
     if not cupys:
         versions["cupy"] = None
     return versions
+
+
+#: The version shown for an installed distribution whose metadata is no UTF-8 (pip cannot read it either).
+UNREADABLE_METADATA = "unknown (its METADATA is no UTF-8)"
+
+
+def _name_and_version(distribution: importlib.metadata.Distribution) -> tuple[str, str]:
+    """`distribution`'s name and version; ("", UNREADABLE_METADATA) where its METADATA is no UTF-8."""
+    try:
+        return distribution.metadata["Name"] or "", distribution.version or ""
+    except UnicodeDecodeError:
+        return "", UNREADABLE_METADATA
 
 
 def backend_environment() -> dict[str, Any]:
@@ -72,7 +85,7 @@ def other_fastembed_distributions() -> list[str]:
     """
     others = []
     for distribution in importlib.metadata.distributions():
-        name = distribution.metadata["Name"] or ""
+        name, version = _name_and_version(distribution)
         if name.lower().replace("_", "-") == DISTRIBUTION:
             continue
         top_level = (_read_text(distribution, "top_level.txt") or "").split()
@@ -81,8 +94,15 @@ def other_fastembed_distributions() -> list[str]:
         if record is None:  # an egg-info install lists its files elsewhere
             record = "\n".join(str(path) for path in (distribution.files or []))
         if "fastembed" in top_level or any(line.lstrip('"').startswith("fastembed/") for line in record.splitlines()):
-            others.append(f"{name} {distribution.version}")
+            others.append(f"{name or 'a distribution whose METADATA is no UTF-8'} {version}".strip())
     return sorted(set(others))
+
+
+def printable(text: str, stream: Any) -> str:
+    """`text` with what `stream`'s encoding cannot hold escaped (``\\xe4``), so that writing it cannot fail on a
+    value of the user's (an environment variable, a path) in an ASCII or Latin-1 console."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    return text.encode(encoding, "backslashreplace").decode(encoding)
 
 
 def _read_text(distribution: importlib.metadata.Distribution, name: str) -> str | None:

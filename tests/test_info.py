@@ -229,3 +229,23 @@ def test_a_full_standard_output_is_one_clear_line():
                                 text=True)
     assert result.returncode == 1
     assert result.stderr.strip() == "python -m fastembed: cannot write to the standard output: No space left on device"
+
+
+def test_info_escapes_what_the_console_cannot_encode_instead_of_failing():
+    """An environment value the console's encoding has no character for ended info in a UnicodeEncodeError, right
+    where it should print the error about that value."""
+    env = {**os.environ, "FASTEMBED_BACKEND": "numb\u00e4", "PYTHONIOENCODING": "ascii"}
+    result = subprocess.run([sys.executable, "-m", "fastembed", "info"], capture_output=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
+    assert b"FASTEMBED_BACKEND='numb\\xe4' is unknown" in result.stdout
+
+
+def test_info_reads_past_an_installed_distribution_whose_metadata_is_no_utf8(tmp_path):
+    folder = tmp_path / "bad-1.0.dist-info"
+    folder.mkdir()
+    (folder / "METADATA").write_bytes(b"Metadata-Version: 2.1\nName: bad\xff\xfe\nVersion: 1.0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-m", "fastembed", "info", "--json"], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "numpy" in json.loads(result.stdout)["packages"]

@@ -172,9 +172,10 @@ class _GuardedOutput:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        # A path given on the command line may hold bytes that are no text in the stream's encoding: escaped.
-        encoding = getattr(self._stream, "encoding", None) or "utf-8"
-        shown = text.encode(encoding, "backslashreplace").decode(encoding)
+        from fastembed.info import printable
+
+        # A path given on the command line may hold bytes that are no text in the stream's encoding.
+        shown = printable(text, self._stream)
         return self._guarded(lambda: self._stream.write(shown), len(text))
 
     def flush(self) -> None:
