@@ -80,8 +80,8 @@ __all__ = ["Embedding"]
 
 #: The reasons for using torch's embedding already warned about (each is said once per process).
 _REASONS_SAID: set[str] = set()
-#: torch dtype -> whether fastembed views a weight of it without a copy (learned on first use).
-_VIEWABLE: dict[Any, bool] = {}
+#: The torch dtypes fastembed has found it views a weight of without a copy.
+_VIEWABLE: set[Any] = set()
 
 
 class Embedding(torch.nn.Embedding):
@@ -162,8 +162,10 @@ class Embedding(torch.nn.Embedding):
         # The weight as read now (an alias; no autograd is recorded here), checked again: another thread's
         # `.data =` since the checks above changes the parameter, not this alias.
         table = _TORCH_ADAPTER.alias(weight)
-        if table.dim() != 2 or not table.is_cpu or not table.is_contiguous() or not _viewable(table):
-            return super().forward(input)
+        if table.dim() != 2 or not table.is_cpu or not table.is_contiguous() or not _viewable(table) or (
+            _padding_outside(self.padding_idx, table.shape[0])
+        ):
+            return super().forward(input)  # torch serves, or raises its own error
         if input.is_neg():
             input = input.resolve_neg()  # a lazy negation view of ids; fastembed copies the ids anyway
         return lookup(table, input)
@@ -183,14 +185,22 @@ def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
     subclass, an active torch function or dispatch mode, a forward-mode tangent, or a torch.func wrapper."""
     if type(input) not in _PLAIN or input.dtype not in _ID_DTYPES or type(weight) not in _PLAIN:
         return True
-    if input.layout is not torch.strided or input.is_nested:  # sparse or nested ids: torch's embedding takes them
-        return True
+    if input.layout is not torch.strided or input.is_nested or weight.layout is not torch.strided:
+        return True  # sparse, nested or mkldnn tensors: torch's embedding takes them or says why not
     if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0:
         return True
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     if wrapped(weight) or wrapped(input):
         return True
     return forward_ad._current_level >= 0 and forward_ad.unpack_dual(weight).tangent is not None
+
+
+def _padding_outside(padding_idx: int | None, rows: int) -> bool:
+    """Whether torch's embedding refuses `padding_idx` for a weight of `rows` rows (one set before the weight was
+    replaced by a smaller one): torch checks it on every call, so the drop-in hands such calls to torch."""
+    if padding_idx is None:
+        return False
+    return padding_idx >= rows if padding_idx > 0 else padding_idx < -rows
 
 
 def _calling_thread_bytes() -> int:
@@ -208,18 +218,23 @@ _PROBE_TABLE = np.empty((1, 1), np.float16)
 
 
 def _viewable(weight: torch.Tensor) -> bool:
-    """Whether fastembed sees a C-contiguous CPU weight as a numpy array without a copy (its dtype, no lazy bits)."""
-    viewable = _VIEWABLE.get(weight.dtype)
-    if viewable is None:
+    """Whether fastembed sees a C-contiguous CPU weight as a numpy array without a copy (its dtype, no lazy bits).
+
+    The dtype is probed on a tensor of its own, made outside any torch.func
+    transform of the caller's; a dtype found viewable is remembered, one that
+    is not is probed again next time (a probe can fail for reasons that are
+    not the dtype's, such as the recursion limit).
+    """
+    if weight.dtype not in _VIEWABLE:
         from .arrays import torch_adapter
 
         try:
-            torch_adapter.ADAPTER.snapshot(torch.zeros((1, 1), dtype=weight.dtype))
-            viewable = True
+            with torch._C._DisableFuncTorch():
+                torch_adapter.ADAPTER.snapshot(torch.zeros((1, 1), dtype=weight.dtype))
         except (TypeError, RuntimeError):
-            viewable = False
-        _VIEWABLE[weight.dtype] = viewable
-    return viewable and not (weight.is_conj() or weight.is_neg())
+            return False
+        _VIEWABLE.add(weight.dtype)
+    return not (weight.is_conj() or weight.is_neg())
 
 
 def _say_fallback_once(layer: Embedding, input: torch.Tensor, refusal: Exception | None = None) -> None:
@@ -243,9 +258,9 @@ def _say_fallback_once(layer: Embedding, input: torch.Tensor, refusal: Exception
                                  "(a dtype numpy lacks, or a lazy conjugate or negation)")
     if kind in _REASONS_SAID:
         return
-    _REASONS_SAID.add(kind)
     warnings.warn(f"fastembed.torch.Embedding uses torch's own embedding while {reason}; this is said once",
                   UserWarning, stacklevel=_callers_level())
+    _REASONS_SAID.add(kind)  # once it was given: a warning filter that raises it raises it on every call
 
 
 #: Frames in these folders are not the caller's: this package's, and torch's module-calling machinery.

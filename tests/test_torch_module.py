@@ -554,3 +554,71 @@ print(calls[0], wrong[0])
     assert completed.returncode == 0, completed.stderr[-2000:]
     calls, wrong = map(int, completed.stdout.split())
     assert calls > 10 and wrong == 0
+
+
+def test_a_first_call_inside_a_torch_func_transform_does_not_turn_fastembed_off_for_the_dtype(monkeypatch):
+    """The dtype probe ran in the caller's transform, failed there, and marked float32 as never viewable: every later
+    call of every layer went to torch's gather."""
+    monkeypatch.setattr(fastembed_torch, "_VIEWABLE", set())
+    layer = Embedding.from_pretrained(torch.randn(100, 16))
+    head = torch.nn.Linear(16, 1)
+    ids = torch.randint(0, 100, (4, 8))
+    torch.func.grad(lambda params: torch.func.functional_call(head, params, (layer(ids),)).sum())(
+        dict(head.named_parameters()))
+    served = []
+    monkeypatch.setattr(fastembed_torch, "lookup", lambda *args: served.append(1) or fastembed.lookup(*args))
+    with torch.inference_mode():
+        assert torch.equal(layer(ids), layer.weight[ids])
+    assert served == [1]
+
+
+def test_a_probe_that_fails_for_a_reason_not_the_dtypes_is_asked_again(monkeypatch):
+    """A RecursionError near the stack's limit was read as 'this dtype cannot be viewed', for good."""
+    from fastembed.arrays import torch_adapter
+
+    monkeypatch.setattr(fastembed_torch, "_VIEWABLE", set())
+    real = torch_adapter._numpy_view
+    monkeypatch.setattr(torch_adapter, "_numpy_view", lambda *args: (_ for _ in ()).throw(RecursionError("deep")))
+    with pytest.raises(RecursionError):
+        torch_adapter.ADAPTER.snapshot(torch.zeros(2, 2))  # the caller's stack, not the dtype: not a TypeError
+    layer = Embedding.from_pretrained(torch.randn(10, 4))
+    assert torch.equal(layer(torch.tensor([3])), layer.weight[[3]])  # torch served, the probe having failed
+    monkeypatch.setattr(torch_adapter, "_numpy_view", real)
+    served = []
+    monkeypatch.setattr(fastembed_torch, "lookup", lambda *args: served.append(1) or fastembed.lookup(*args))
+    assert torch.equal(layer(torch.tensor([3])), layer.weight[[3]]) and served == [1]
+
+
+def test_a_padding_idx_the_weight_no_longer_has_is_refused_as_torch_refuses_it():
+    layer = Embedding(10, 4, padding_idx=8).requires_grad_(False)
+    layer.weight = torch.nn.Parameter(torch.randn(5, 4), requires_grad=False)  # a smaller table, the old padding_idx
+    with pytest.raises(AssertionError, match="Padding_idx must be within num_embeddings"):
+        layer(torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_a_sparse_weight_is_torchs_to_serve_or_refuse(layout):
+    dense = torch.randn(10, 4)
+    weight = dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()
+    reference = torch.nn.Embedding.from_pretrained(weight)
+    layer = Embedding.from_pretrained(weight)
+    ids = torch.tensor([1, 7])
+    try:
+        expected = reference(ids)
+    except Exception as error:  # noqa: BLE001 - whatever torch raises, the drop-in raises too
+        with pytest.raises(type(error)):
+            layer(ids)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no advice to make a sparse weight contiguous
+            assert torch.equal(layer(ids).to_dense(), expected.to_dense())
+
+
+def test_a_fallback_warning_a_filter_raises_is_raised_on_every_call():
+    """Under -W error the first training call raised and the second passed: the warning counted as said."""
+    layer = Embedding(10, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with pytest.raises(UserWarning, match="autograd"):
+                layer(torch.tensor([1]))

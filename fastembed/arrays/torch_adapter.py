@@ -175,6 +175,8 @@ class TorchAdapter:
         if via is None:
             try:
                 return _numpy_view(tensor, writable)
+            except RecursionError:  # the caller's stack, not the dtype
+                raise
             except (BufferError, RuntimeError, TypeError) as error:
                 raise TypeError(f"torch dtype {tensor.dtype} cannot be seen as a numpy array: {error}") from None
         return _numpy_view(tensor.view(via[0]), writable).view(_ml_dtype(via[1]))
