@@ -155,7 +155,7 @@ _END_WITH_PARENT = (
     "import ctypes, signal\n"
     "try:\n"
     "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
-    "except (AttributeError, OSError):  # not Linux: the parent's cleanup alone ends it\n"
+    "except Exception:  # not Linux: the parent's cleanup alone ends it\n"
     "    pass\n"
     "if os.getppid() != {parent}:  # the parent ended before the signal was asked for\n"
     "    raise SystemExit\n"
@@ -164,7 +164,11 @@ _END_WITH_PARENT = (
 
 @contextmanager
 def competing_load(enabled: bool) -> Iterator[None]:
-    """A CPU-bound process pinned to the last CPU while the block runs (nothing when not enabled)."""
+    """A CPU-bound process pinned to the last CPU while the block runs (nothing when not enabled).
+
+    Raises:
+        RuntimeError: the load process ended before the block did, so what the block measured ran without it.
+    """
     if not enabled:
         yield
         return
@@ -173,6 +177,9 @@ def competing_load(enabled: bool) -> Iterator[None]:
     load = subprocess.Popen([sys.executable, "-c", code])
     try:
         yield
+        if load.poll() is not None:
+            raise RuntimeError(f"the competing load ended by itself (exit status {load.returncode}): the lookups were "
+                               "measured without it")
     finally:
         load.kill()
         load.wait()
