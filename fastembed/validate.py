@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import mmap
 import numbers
+import weakref
 from typing import Any
 
 import numpy as np
@@ -452,7 +453,10 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     _check_integer_dtype(host.dtype)
     native = _native_ids(host, table.shape[0])
     # A converted dtype, or a list numpy has just converted, is the call's own already.
-    return native if native is not host or type(ids) in _CONVERTED_IDS else native.copy()
+    own = native if native is not host or type(ids) in _CONVERTED_IDS else native.copy()
+    if type(ids) not in _CONVERTED_IDS and not isinstance(ids, np.ndarray) and adapter_of(ids) is None:
+        _remember_converted(own, host)  # an array-like's array, which may be the caller's memory
+    return own
 
 
 def host_ids_snapshot(ids: Any, table: Any, device: str) -> np.ndarray:
@@ -819,12 +823,25 @@ def _out_overlaps_ids(adapter: Any, view: Any, out: Any, caller_ids: Any, ids: A
     return bool(adapter.may_share_memory(view, _caller_ids_memory(caller_ids, ids)))
 
 
+#: id of a call's snapshot of an array-like's ids -> (a weak reference to that snapshot, the array numpy converted
+#: the array-like to), for as long as the snapshot lives: the overlap check reads it without converting them again.
+_CONVERTED_FROM: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def _remember_converted(snapshot: np.ndarray, converted: np.ndarray) -> None:
+    key = id(snapshot)
+    _CONVERTED_FROM[key] = (weakref.ref(snapshot, lambda _gone: _CONVERTED_FROM.pop(key, None)), converted)
+
+
 def _caller_ids_memory(caller_ids: Any, ids: Any) -> Any:
     """The caller's ids as an array over their memory (`ids`, the call's snapshot, may be a copy of them)."""
     if isinstance(caller_ids, np.ndarray):
         return caller_ids
     if type(caller_ids) in _CONVERTED_IDS:
         return ids  # converted for this call: no memory of the caller's to share
+    remembered = _CONVERTED_FROM.get(id(ids))
+    if remembered is not None and remembered[0]() is ids:
+        return remembered[1]  # an array-like's array, as numpy converted it once for this call
     adapter = adapter_of(caller_ids)
     if adapter is not None:
         return adapter.snapshot(caller_ids)  # on a GPU too: ids of another dtype or at an odd address are copied there

@@ -539,3 +539,24 @@ def test_an_integer_beyond_every_float_is_a_number_of_seconds_too():
     assert fastembed.wait_for_compiles(10**400) is True  # no limit, as float("inf")
     with pytest.raises(ValueError, match="timeout must be None or a number of seconds >= 0"):
         fastembed.wait_for_compiles(-(10**400))
+
+
+def test_out_overlapping_ids_given_by_an_array_method_is_refused_and_they_are_converted_once(table):
+    """The overlap check compared out with fastembed's copy of such ids, and the gather overwrote the caller's."""
+    memory = np.zeros(64, np.int64)
+    memory[:2] = [3, 7]
+    out = memory.view(np.float16)[4:20].reshape(2, 8)  # over the second id
+
+    class ArrayLike:
+        calls = 0
+
+        def __array__(self, dtype=None, copy=None):
+            ArrayLike.calls += 1
+            return memory[:2]
+
+    for backend in ("numpy", "numba", "auto"):
+        with pytest.raises(ValueError, match="overlaps the ids"):
+            fastembed.lookup(table, ArrayLike(), out=out, backend=backend)
+        assert memory[:2].tolist() == [3, 7]
+    assert ArrayLike.calls == 3
+    assert fastembed.validate._CONVERTED_FROM == {}  # nothing held past the calls
