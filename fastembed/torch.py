@@ -74,7 +74,7 @@ from torch.autograd import forward_ad
 from . import dispatch, validate
 from .api import lookup
 from .arrays.torch_adapter import ADAPTER as _TORCH_ADAPTER
-from .arrays.torch_adapter import stands_for_other_memory
+from .arrays.torch_adapter import stands_for_other_memory, storage_bytes
 
 __all__ = ["Embedding"]
 
@@ -123,6 +123,7 @@ class Embedding(torch.nn.Embedding):
 
         Raises:
             IndexError: fastembed's error for an id out of range where fastembed serves; torch's where torch does.
+            RuntimeError: torch's, for a weight it refuses whatever the ids (no rows, a storage freed under it).
 
         Example:
             >>> import torch, fastembed.torch
@@ -163,7 +164,7 @@ class Embedding(torch.nn.Embedding):
         # `.data =` since the checks above changes the parameter, not this alias.
         table = _TORCH_ADAPTER.alias(weight)
         if table.dim() != 2 or not table.is_cpu or not table.is_contiguous() or not _viewable(table) or (
-            _padding_outside(self.padding_idx, table.shape[0])
+            _padding_outside(self.padding_idx, table.shape[0]) or _refused_by_torch(table)
         ):
             return super().forward(input)  # torch serves, or raises its own error
         if input.is_neg():
@@ -193,6 +194,15 @@ def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
     if wrapped(weight) or wrapped(input):
         return True
     return forward_ad._current_level >= 0 and forward_ad.unpack_dual(weight).tangent is not None
+
+
+def _refused_by_torch(weight: torch.Tensor) -> bool:
+    """Whether torch's embedding refuses `weight` whatever the ids (no rows; a storage shrunk under it, as FSDP frees
+    parameters): the drop-in hands such calls to torch, so that its error is torch's at every batch size."""
+    if weight.shape[0] == 0:
+        return True
+    needed, held = storage_bytes(weight)
+    return needed > held
 
 
 def _padding_outside(padding_idx: int | None, rows: int) -> bool:

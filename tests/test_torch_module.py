@@ -622,3 +622,19 @@ def test_a_fallback_warning_a_filter_raises_is_raised_on_every_call():
         for _ in range(2):
             with pytest.raises(UserWarning, match="autograd"):
                 layer(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("weight_state", ["no rows", "storage freed"])
+def test_a_weight_torch_refuses_whatever_the_ids_gets_torchs_error_at_every_batch_size(weight_state):
+    """fastembed's IndexError or ValueError came for the calls fastembed served, torch's RuntimeError for the others."""
+    def layer_of(kind):
+        layer = kind.from_pretrained(torch.randn(0 if weight_state == "no rows" else 100, 16))
+        if weight_state == "storage freed":
+            layer.weight.untyped_storage().resize_(0)  # as FSDP frees parameters
+        return layer
+
+    ids = torch.zeros(64, dtype=torch.int64)
+    with pytest.raises(Exception) as torchs:  # noqa: PT011 - whatever torch raises
+        layer_of(torch.nn.Embedding)(ids)
+    with pytest.raises(type(torchs.value)):
+        layer_of(Embedding)(ids)

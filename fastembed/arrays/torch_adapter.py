@@ -391,13 +391,25 @@ def _check_storage_holds(tensor: Any) -> None:
     is how FSDP frees a parameter) and exports such a tensor through DLPack
     all the same; reading it would read freed memory.
     """
+    needed, held = storage_bytes(tensor)
+    if needed > held:
+        raise ValueError(f"this torch tensor of shape {tuple(tensor.shape)} needs {needed} bytes of its storage, which "
+                         f"holds {held}: the storage was shrunk or freed (untyped_storage().resize_, as FSDP frees "
+                         "parameters); gather from a tensor whose memory is there")
+
+
+def storage_bytes(tensor: Any) -> tuple[int, int]:
+    """The bytes of its storage `tensor`'s elements reach (0 for no elements), and the bytes the storage holds.
+
+    Raises:
+        TypeError: a torch.func transform's wrapper, which has no storage.
+    """
     if tensor.numel() == 0:
-        return
+        return 0, 0
     if tensor.is_contiguous():  # the common case, kept cheap
         last = tensor.storage_offset() + tensor.numel() - 1
     else:
         last = tensor.storage_offset() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    needed = (last + 1) * tensor.element_size()
     try:
         held = tensor.untyped_storage().nbytes()
     except NotImplementedError:  # the one place a torch.func wrapper tells itself apart, at no cost to other tensors
@@ -406,10 +418,7 @@ def _check_storage_holds(tensor: Any) -> None:
         if torch._C._functorch.is_functorch_wrapped_tensor(tensor):
             raise TypeError(_FUNCTORCH_WRAPPER) from None
         raise
-    if needed > held:
-        raise ValueError(f"this torch tensor of shape {tuple(tensor.shape)} needs {needed} bytes of its storage, which "
-                         f"holds {held}: the storage was shrunk or freed (untyped_storage().resize_, as FSDP frees "
-                         "parameters); gather from a tensor whose memory is there")
+    return (last + 1) * tensor.element_size(), held
 
 
 def _index(device: str) -> int:
