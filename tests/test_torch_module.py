@@ -268,14 +268,6 @@ def test_lazily_negated_ids_give_torchs_rows_through_fastembed():
         assert torch.equal(Embedding.from_pretrained(weight)(ids), torch.nn.Embedding.from_pretrained(weight)(ids))
 
 
-def test_a_weight_whose_storage_was_freed_is_a_value_error_not_a_crash():
-    weight = torch.randn(1000, 16)
-    layer = Embedding.from_pretrained(weight)
-    weight.untyped_storage().resize_(0)  # as FSDP frees a parameter
-    with pytest.raises(ValueError, match="storage was shrunk or freed"):
-        layer(torch.tensor([999, 5]))
-
-
 class _Wrapped(torch.Tensor):
     """A wrapper subclass (as DTensor and torchao's tensors are): its own memory does not hold its values."""
 
