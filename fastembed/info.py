@@ -39,18 +39,24 @@ def package_versions() -> dict[str, str | None]:
     """
     versions: dict[str, str | None] = {}
     for name in OPTIONAL_PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-        except UnicodeDecodeError:
-            versions[name] = UNREADABLE_METADATA
-    cupys = dict(sorted(_name_and_version(d) for d in importlib.metadata.distributions()
-                        if _name_and_version(d)[0].lower().startswith("cupy")))
-    versions.update(cupys)
+        versions[name] = _version(name)
+    cupys = sorted({name for name, _ in map(_name_and_version, importlib.metadata.distributions())
+                    if name.lower().startswith("cupy")})
+    for name in cupys:
+        versions[name] = _version(name)  # the one that imports, where two are installed
     if not cupys:
         versions["cupy"] = None
     return versions
+
+
+def _version(name: str) -> str | None:
+    """The installed version of distribution `name`; None where it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        return UNREADABLE_METADATA
 
 
 #: The version shown for an installed distribution whose metadata is no UTF-8 (pip cannot read it either).
@@ -94,7 +100,10 @@ def other_fastembed_distributions() -> list[str]:
         if record is None:  # an egg-info install lists its files elsewhere
             record = "\n".join(str(path) for path in (distribution.files or []))
         if "fastembed" in top_level or any(line.lstrip('"').startswith("fastembed/") for line in record.splitlines()):
-            others.append(f"{name or 'a distribution whose METADATA is no UTF-8'} {version}".strip())
+            if version == UNREADABLE_METADATA:
+                others.append("a distribution whose METADATA is no UTF-8")
+            else:
+                others.append(f"{name or 'a distribution without a name'} {version}".strip())
     return sorted(set(others))
 
 

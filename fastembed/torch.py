@@ -80,8 +80,8 @@ __all__ = ["Embedding"]
 
 #: The reasons for using torch's embedding already warned about (each is said once per process).
 _REASONS_SAID: set[str] = set()
-#: The torch dtypes fastembed has found it views a weight of without a copy.
-_VIEWABLE: set[Any] = set()
+#: torch dtype -> whether fastembed views a weight of it without a copy (learned on first use).
+_VIEWABLE: dict[Any, bool] = {}
 
 
 class Embedding(torch.nn.Embedding):
@@ -123,7 +123,10 @@ class Embedding(torch.nn.Embedding):
 
         Raises:
             IndexError: fastembed's error for an id out of range where fastembed serves; torch's where torch does.
-            RuntimeError: torch's, for a weight it refuses whatever the ids (no rows, a storage freed under it).
+            RuntimeError: torch's, for a weight it refuses whenever it reads rows (no rows, a storage emptied
+                under it).
+            ValueError: fastembed's, for a weight whose storage was shrunk part of the way under it.
+            AssertionError: torch's, for a ``padding_idx`` the weight's rows no longer hold.
 
         Example:
             >>> import torch, fastembed.torch
@@ -182,8 +185,9 @@ _ID_DTYPES = (torch.int64, torch.int32)
 
 
 def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
-    """Whether torch's own operation must serve, silently: ids other than a dense int32/int64 tensor, a tensor
-    subclass, an active torch function or dispatch mode, a forward-mode tangent, or a torch.func wrapper."""
+    """Whether torch's own operation must serve, silently: ids other than a dense int32/int64 tensor, a weight that
+    is not strided (sparse, mkldnn), a tensor subclass, an active torch function or dispatch mode, a forward-mode
+    tangent, or a torch.func wrapper."""
     if type(input) not in _PLAIN or input.dtype not in _ID_DTYPES or type(weight) not in _PLAIN:
         return True
     if input.layout is not torch.strided or input.is_nested or weight.layout is not torch.strided:
@@ -197,12 +201,16 @@ def _carried_by_torch(weight: torch.Tensor, input: Any) -> bool:
 
 
 def _refused_by_torch(weight: torch.Tensor) -> bool:
-    """Whether torch's embedding refuses `weight` whatever the ids (no rows; a storage shrunk under it, as FSDP frees
-    parameters): the drop-in hands such calls to torch, so that its error is torch's at every batch size."""
+    """Whether torch's embedding refuses `weight` whenever it reads rows (no rows; a storage emptied under it, as FSDP
+    frees parameters): the drop-in hands such calls to torch, so that its error is torch's at every batch size.
+
+    A storage shrunk only part of the way is not among them: torch would read
+    past its end, and fastembed's lookup refuses it with a ValueError.
+    """
     if weight.shape[0] == 0:
         return True
     needed, held = storage_bytes(weight)
-    return needed > held
+    return held == 0 < needed
 
 
 def _padding_outside(padding_idx: int | None, rows: int) -> bool:
@@ -230,21 +238,24 @@ _PROBE_TABLE = np.empty((1, 1), np.float16)
 def _viewable(weight: torch.Tensor) -> bool:
     """Whether fastembed sees a C-contiguous CPU weight as a numpy array without a copy (its dtype, no lazy bits).
 
-    The dtype is probed on a tensor of its own, made outside any torch.func
-    transform of the caller's; a dtype found viewable is remembered, one that
-    is not is probed again next time (a probe can fail for reasons that are
-    not the dtype's, such as the recursion limit).
+    The dtype is probed once, on a tensor of its own made outside any
+    torch.func transform of the caller's; a probe cut short by the recursion
+    limit is asked again next time.
     """
-    if weight.dtype not in _VIEWABLE:
+    viewable = _VIEWABLE.get(weight.dtype)
+    if viewable is None:
         from .arrays import torch_adapter
 
         try:
             with torch._C._DisableFuncTorch():
                 torch_adapter.ADAPTER.snapshot(torch.zeros((1, 1), dtype=weight.dtype))
+            viewable = True
+        except RecursionError:
+            return False  # the caller's stack, not the dtype: asked again next time
         except (TypeError, RuntimeError):
-            return False
-        _VIEWABLE.add(weight.dtype)
-    return not (weight.is_conj() or weight.is_neg())
+            viewable = False
+        _VIEWABLE[weight.dtype] = viewable
+    return viewable and not (weight.is_conj() or weight.is_neg())
 
 
 def _say_fallback_once(layer: Embedding, input: torch.Tensor, refusal: Exception | None = None) -> None:
@@ -268,9 +279,13 @@ def _say_fallback_once(layer: Embedding, input: torch.Tensor, refusal: Exception
                                  "(a dtype numpy lacks, or a lazy conjugate or negation)")
     if kind in _REASONS_SAID:
         return
-    warnings.warn(f"fastembed.torch.Embedding uses torch's own embedding while {reason}; this is said once",
-                  UserWarning, stacklevel=_callers_level())
-    _REASONS_SAID.add(kind)  # once it was given: a warning filter that raises it raises it on every call
+    _REASONS_SAID.add(kind)  # before: two threads at once say it once
+    try:
+        warnings.warn(f"fastembed.torch.Embedding uses torch's own embedding while {reason}; this is said once",
+                      UserWarning, stacklevel=_callers_level())
+    except BaseException:
+        _REASONS_SAID.discard(kind)  # not given: a warning filter that raises it raises it on every call
+        raise
 
 
 #: Frames in these folders are not the caller's: this package's, and torch's module-calling machinery.

@@ -449,12 +449,13 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         _check_integer_dtype(np.dtype(view.dtype))
         native = _native_ids(view, table.shape[0])
         return native.copy() if _misaligned(native, adapter) else native  # the kernels read ids element by element
-    host = _host_ids(ids, table.shape[0])
+    adapter = None if isinstance(ids, np.ndarray) else adapter_of(ids)
+    host = _host_ids(ids, table.shape[0], adapter)
     _check_integer_dtype(host.dtype)
     native = _native_ids(host, table.shape[0])
     # A converted dtype, or a list numpy has just converted, is the call's own already.
     own = native if native is not host or type(ids) in _CONVERTED_IDS else native.copy()
-    if type(ids) not in _CONVERTED_IDS and not isinstance(ids, np.ndarray) and adapter_of(ids) is None:
+    if adapter is None and type(ids) not in _CONVERTED_IDS and not isinstance(ids, np.ndarray):
         _remember_converted(own, host)  # an array-like's array, which may be the caller's memory
     return own
 
@@ -491,11 +492,12 @@ def _devices_differ(ids_device: str, table_device: str) -> TypeError:
                      "move one of them explicitly (fastembed never moves data implicitly)")
 
 
-def _host_ids(ids: Any, vocab_size: int) -> np.ndarray:
-    """Host ids as a numpy snapshot (a view of an array, or the array numpy converts a list to)."""
+def _host_ids(ids: Any, vocab_size: int, adapter: Any = None) -> np.ndarray:
+    """Host ids as a numpy snapshot (a view of an array, or the array numpy converts a list to); `adapter`: the ids'
+    adapter where the caller has looked it up already."""
     if isinstance(ids, np.ndarray):
         return ids.view(_NDARRAY)  # np.matrix, np.memmap: a plain view
-    adapter = adapter_of(ids)
+    adapter = adapter or adapter_of(ids)
     if adapter is not None:
         return adapter.snapshot(ids)  # a host tensor: a numpy view of it
     return _converted_ids(ids, vocab_size)

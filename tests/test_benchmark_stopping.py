@@ -200,11 +200,10 @@ def test_a_competing_load_that_ends_by_itself_is_an_error_not_an_idle_measuremen
     from fastembed.benchmark import processes
 
     monkeypatch.setattr(processes, "_END_WITH_PARENT", "raise SystemExit(3)\n")  # as a load that cannot start would
-    def load_started_or_running() -> bool:
-        return any("SystemExit(3)" in command_line(pid) for pid in descendants(os.getpid()))
-
+    started = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(processes.subprocess, "Popen", lambda *args, **kwargs: started.append(
+        real_popen(*args, **kwargs)) or started[-1])
     with pytest.raises(RuntimeError, match=r"the competing load ended by itself \(exit status 3\)"):
         with processes.competing_load(True):
-            deadline = time.monotonic() + 60
-            while load_started_or_running() and time.monotonic() < deadline:  # until its interpreter has ended
-                time.sleep(0.05)
+            started[0].wait(timeout=60)  # its interpreter has ended

@@ -551,12 +551,13 @@ print(calls[0], wrong[0])
 def test_a_first_call_inside_a_torch_func_transform_does_not_turn_fastembed_off_for_the_dtype(monkeypatch):
     """The dtype probe ran in the caller's transform, failed there, and marked float32 as never viewable: every later
     call of every layer went to torch's gather."""
-    monkeypatch.setattr(fastembed_torch, "_VIEWABLE", set())
+    monkeypatch.setattr(fastembed_torch, "_VIEWABLE", {})
     layer = Embedding.from_pretrained(torch.randn(100, 16))
     head = torch.nn.Linear(16, 1)
     ids = torch.randint(0, 100, (4, 8))
     torch.func.grad(lambda params: torch.func.functional_call(head, params, (layer(ids),)).sum())(
         dict(head.named_parameters()))
+    assert fastembed_torch._VIEWABLE == {torch.float32: True}  # probed outside the transform
     served = []
     monkeypatch.setattr(fastembed_torch, "lookup", lambda *args: served.append(1) or fastembed.lookup(*args))
     with torch.inference_mode():
@@ -568,7 +569,7 @@ def test_a_probe_that_fails_for_a_reason_not_the_dtypes_is_asked_again(monkeypat
     """A RecursionError near the stack's limit was read as 'this dtype cannot be viewed', for good."""
     from fastembed.arrays import torch_adapter
 
-    monkeypatch.setattr(fastembed_torch, "_VIEWABLE", set())
+    monkeypatch.setattr(fastembed_torch, "_VIEWABLE", {})
     real = torch_adapter._numpy_view
     monkeypatch.setattr(torch_adapter, "_numpy_view", lambda *args: (_ for _ in ()).throw(RecursionError("deep")))
     with pytest.raises(RecursionError):
@@ -630,3 +631,11 @@ def test_a_weight_torch_refuses_whatever_the_ids_gets_torchs_error_at_every_batc
         layer_of(torch.nn.Embedding)(ids)
     with pytest.raises(type(torchs.value)):
         layer_of(Embedding)(ids)
+
+
+def test_a_weight_whose_storage_was_shrunk_part_of_the_way_is_refused_not_read_past():
+    """torch reads past the end of such a storage; handing it to torch returned freed memory."""
+    layer = Embedding.from_pretrained(torch.randn(1000, 16))
+    layer.weight.untyped_storage().resize_(500 * 16 * 4)  # half the rows' bytes
+    with pytest.raises(ValueError, match="storage was shrunk or freed"):
+        layer(torch.tensor([999, 5]))

@@ -399,7 +399,8 @@ def _check_storage_holds(tensor: Any) -> None:
 
 
 def storage_bytes(tensor: Any) -> tuple[int, int]:
-    """The bytes of its storage `tensor`'s elements reach (0 for no elements), and the bytes the storage holds.
+    """The bytes of its storage `tensor`'s elements reach, and the bytes the storage holds ((0, 0) for a tensor of no
+    elements, whose storage is not asked).
 
     Raises:
         TypeError: a torch.func transform's wrapper, which has no storage.

@@ -155,7 +155,7 @@ _END_WITH_PARENT = (
     "import ctypes, signal\n"
     "try:\n"
     "    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
-    "except Exception:  # not Linux: the parent's cleanup alone ends it\n"
+    "except Exception:  # not Linux, say: the parent's cleanup alone ends it\n"
     "    pass\n"
     "if os.getppid() != {parent}:  # the parent ended before the signal was asked for\n"
     "    raise SystemExit\n"

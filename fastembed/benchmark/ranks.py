@@ -121,13 +121,14 @@ def run(table_path: Path, ranks: int, batches: list[int], reps: int, seed: int =
 def _spawned(mp: Any, function: Any, args: tuple[Any, ...], processes: int) -> None:
     """Run `function` in `processes` spawned processes and wait for them; any exception here (a signal that stops the
     run, say) ends them first, so that no rank outlives the run."""
+    before = set(mp.active_children())
     try:
         context = mp.start_processes(function, args=args, nprocs=processes, join=False, start_method="spawn")
         while not context.join():
             pass
     except BaseException:
-        # Every child multiprocessing started, including those of a start the exception cut short.
-        for process in mp.active_children():
+        # The children started here, including those of a start the exception cut short.
+        for process in set(mp.active_children()) - before:
             process.kill()
             process.join()
         raise
