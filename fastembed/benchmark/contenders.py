@@ -101,8 +101,8 @@ def _compile(table: np.ndarray, out: np.ndarray, backend: str) -> None:
 
 
 def _numpy_fancy(table: np.ndarray, n: int) -> Callable:
-    # A mapped --table is indexed as the array it is: np.memmap's Python-level indexing would slow numpy's small
-    # lookups about twice, and the fresh processes' baseline (processes.worker) indexes the array too.
+    # A mapped --table is indexed as the array it is, as the fresh processes' baseline (processes.worker) indexes it:
+    # np.memmap's Python-level indexing would slow numpy's small lookups.
     plain = np.asarray(table)
     return lambda ids: plain[ids]
 
