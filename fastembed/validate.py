@@ -455,8 +455,8 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     native = _native_ids(host, table.shape[0])
     # A converted dtype, or a list numpy has just converted, is the call's own already.
     own = native if native is not host or type(ids) in _CONVERTED_IDS else native.copy()
-    if adapter is None and type(ids) not in _CONVERTED_IDS and not isinstance(ids, np.ndarray):
-        _remember_converted(own, host)  # an array-like's array, which may be the caller's memory
+    if adapter is None and type(ids) not in _CONVERTED_IDS and not isinstance(ids, (np.ndarray, np.generic)):
+        _remember_converted(own, host)  # an array-like's array, which may be the caller's memory (a scalar's is new)
     return own
 
 
@@ -492,12 +492,17 @@ def _devices_differ(ids_device: str, table_device: str) -> TypeError:
                      "move one of them explicitly (fastembed never moves data implicitly)")
 
 
-def _host_ids(ids: Any, vocab_size: int, adapter: Any = None) -> np.ndarray:
+#: The default of :func:`_host_ids`'s `adapter`: not looked up yet (None is an answer: no adapter).
+_LOOK_UP = object()
+
+
+def _host_ids(ids: Any, vocab_size: int, adapter: Any = _LOOK_UP) -> np.ndarray:
     """Host ids as a numpy snapshot (a view of an array, or the array numpy converts a list to); `adapter`: the ids'
-    adapter where the caller has looked it up already."""
+    adapter (or None) where the caller has looked it up already."""
     if isinstance(ids, np.ndarray):
         return ids.view(_NDARRAY)  # np.matrix, np.memmap: a plain view
-    adapter = adapter or adapter_of(ids)
+    if adapter is _LOOK_UP:
+        adapter = adapter_of(ids)
     if adapter is not None:
         return adapter.snapshot(ids)  # a host tensor: a numpy view of it
     return _converted_ids(ids, vocab_size)

@@ -561,3 +561,14 @@ def test_out_overlapping_ids_given_by_an_array_method_is_refused_and_they_are_co
         assert memory[:2].tolist() == [3, 7]
     assert ArrayLike.calls == 3
     assert fastembed.validate._CONVERTED_FROM == held_before  # nothing held past the calls
+
+
+def test_scalar_and_list_ids_keep_no_record_of_their_conversion(table, monkeypatch):
+    """Only an array-like's conversion can be the caller's memory; a numpy scalar's or a list's is always new."""
+    remembered = []
+    monkeypatch.setattr(fastembed.validate, "_remember_converted", lambda *args: remembered.append(args))
+    fastembed.lookup(table, np.int64(3))
+    fastembed.lookup(table, [1, 2])
+    assert remembered == []
+    fastembed.lookup(table, memoryview(np.array([1, 2])))
+    assert len(remembered) == 1
