@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import fastembed
 from fastembed import io
 from fastembed.formats import FORMATS, QuantizedTable, quantize_rows
-from helpers import in_fastembed, interrupted_runs
+from helpers import in_fastembed, interrupted_runs, run_script
 from test_io_gguf import assert_maps_the_file, tensor_for, write_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -183,6 +183,57 @@ def test_a_new_file_gets_the_usual_permissions(tmp_path):
     for name in ("t.gguf", "t.safetensors"):
         io.save_table(tmp_path / name, rows())
         assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_umask_that_leaves_the_owner_no_write_permission_still_lets_a_file_be_written(tmp_path):
+    """With a umask of 0o277 a new file is created read-only for its owner: the file being written is kept
+    writable and readable by its owner meanwhile (as root, which writes anyway, that is what can be seen), then
+    gets the usual permissions (0o666 less the umask), or a replaced file's own."""
+    script = f"""
+import os, stat, numpy as np
+from fastembed import io
+from fastembed.io import save
+folder = {str(tmp_path)!r}
+modes = []
+check_readable = save._check_readable
+def recording(path, temporary, *rest):
+    modes.append(stat.S_IMODE(os.stat(temporary).st_mode))
+    return check_readable(path, temporary, *rest)
+save._check_readable = recording
+open(os.path.join(folder, "old.gguf"), "wb").close()
+os.chmod(os.path.join(folder, "old.gguf"), 0o644)
+os.umask(0o277)
+for name in ("new.gguf", "new.safetensors", "old.gguf"):
+    io.save_table(os.path.join(folder, name), np.ones((2, 32), np.float32))
+    print(name, oct(modes[-1] & 0o600), oct(stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode)))
+"""
+    result = run_script(tmp_path, script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["new.gguf", "0o600", "0o400", "new.safetensors", "0o600", "0o400",
+                                     "old.gguf", "0o600", "0o644"]
+    assert sorted(os.listdir(tmp_path)) == ["new.gguf", "new.safetensors", "old.gguf", "script.py"]
+
+
+@pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])
+def test_an_interrupted_save_leaves_no_temporary_file_and_the_old_table_or_the_new_one(tmp_path, suffix):
+    """A Ctrl-C at any point of a save (creating the temporary file included): nothing of it is left beside the
+    path, which holds the old file or the new one, whole."""
+    path, written = tmp_path / "folder" / f"t{suffix}", tmp_path / f"new{suffix}"
+    path.parent.mkdir()
+    io.save_table(path, rows(seed=1))
+    io.save_table(written, rows(seed=2))
+    old, new = path.read_bytes(), written.read_bytes()
+    for _ in interrupted_runs(in_fastembed, lambda: io.save_table(path, rows(seed=2))):
+        assert os.listdir(path.parent) == [path.name]
+        assert path.read_bytes() in (old, new)
+    assert path.read_bytes() == new
+
+
+def test_a_safetensors_tensor_cannot_be_named_as_the_headers_metadata(tmp_path):
+    """The safetensors header keeps its metadata under "__metadata__": refused before anything is written."""
+    with pytest.raises(ValueError, match="cannot be named '__metadata__'"):
+        io.save_table(tmp_path / "t.safetensors", rows(), name="__metadata__")
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_replaced_file_keeps_its_permissions(tmp_path):

@@ -79,7 +79,7 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back;
             a quantized table of a format of the caller's own);
             a file the loaders would refuse (a tensor name longer than they read: 4,096 bytes in GGUF,
-            a safetensors entry of over 4,096 characters);
+            a safetensors entry of over 4,096 characters); a safetensors tensor named ``__metadata__``;
             a `name` that is not valid Unicode text (a lone surrogate): nothing is written then.
         TypeError: a table that is not on the host; a `name` that is not a string.
         IsADirectoryError: `path` is a directory, a symbolic link to one, or ends in a separator; nothing is
@@ -213,6 +213,9 @@ def _write_rows(handle: Any, rows: np.ndarray) -> None:
 
 def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
     """The table as safetensors tensors, with the metadata that lets the loaders find and rebuild it."""
+    if name == "__metadata__":
+        raise ValueError(f"{path}: a safetensors tensor cannot be named '__metadata__', the header's key for its "
+                         "metadata; pass another name")
     metadata = {TENSOR_KEY: name}
     if isinstance(table, QuantizedTable):
         tensors: dict[str, tuple[str, list[int], np.ndarray]] = {name: ("U8", list(table.data.shape), table.data)}
@@ -277,13 +280,21 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
     # A new file gets 0o666 less the umask, as any new file; a replacement is private until it takes the old mode,
     # since a descriptor opened meanwhile would keep reading it.
     replaces_a_file = existing is not None and stat.S_ISREG(existing.st_mode)
+    not_created: OSError | None = None
     try:
-        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if replaces_a_file else 0o666))
-    except OSError as error:
-        raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
-    try:
+        try:
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if replaces_a_file else 0o666)
+        except OSError as error:  # nothing was created (O_EXCL): a file of that name is not this call's to remove
+            not_created = OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path))
+            raise not_created from None
+        try:
+            created_mode = stat.S_IMODE(os.fstat(descriptor).st_mode)
+        finally:
+            os.close(descriptor)
+        # A umask may leave the owner unable to write or read the file, which the write and the check below need.
+        os.chmod(temporary, created_mode | stat.S_IRUSR | stat.S_IWUSR)
         # A file replaced keeps its permissions; anything else (a device a link points at, say) does not lend its own.
-        mode = existing.st_mode if existing is not None and replaces_a_file else os.stat(temporary).st_mode
+        mode = existing.st_mode if existing is not None and replaces_a_file else created_mode
         write(temporary)
         _flush_to_disk(temporary)  # else a crash after the rename could leave the path holding a part of the file
         os.chmod(temporary, mode)  # after the flush, which opens it for writing: the old mode may be read-only
@@ -291,9 +302,10 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
             os.replace(temporary, destination)
         except OSError as error:  # named by the destination, not by the temporary file's name
             raise OSError(error.errno, error.strerror, os.fspath(path)) from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
+    except BaseException as error:
+        if error is not not_created:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
         raise
     _flush_to_disk(directory, folder=True)  # the rename itself
 
