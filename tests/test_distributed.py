@@ -1065,6 +1065,42 @@ def test_a_rank_that_dies_while_the_segment_grows_leaves_nothing_in_dev_shm(stag
     kill_a_rank(tmp_path, GROWING_STAGES[stage] % 3, stage, "shared_memory")
 
 
+@pytest.mark.skipif(not distributed.segments.host_identity()[1], reason="no usable /dev/shm here")
+def test_a_segment_gets_its_name_only_once_its_pages_are_reserved(monkeypatch):
+    """A process killed while a segment's pages are reserved (the long part of making one) leaves no name in
+    /dev/shm; a failed reservation leaves none either, and a name that exists is refused and left as it is."""
+    segments = distributed.segments
+    path = os.path.join(segments.SHM_FOLDER, f"{segments.SEGMENT_PREFIX}test-{uuid.uuid4().hex}")
+    reserve = os.posix_fallocate
+    seen = []
+
+    def reserving(descriptor, offset, size):
+        seen.append(os.path.exists(path))
+        return reserve(descriptor, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", reserving)
+    mapping = segments.create_mapping(path, 2 * 2**20)
+    try:
+        assert seen == [False] and os.stat(path).st_size == 2 * 2**20
+        mapping[:5] = b"rows!"
+        with segments.open_mapping(path, 2 * 2**20) as other:
+            assert other[:5] == b"rows!"
+        with pytest.raises(FileExistsError) as refused:
+            segments.create_mapping(path, 4 * 2**20)
+        assert refused.value.filename == path and os.stat(path).st_size == 2 * 2**20
+    finally:
+        mapping.close()
+        segments.unlink_quietly(path)
+
+    def full(descriptor, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space left"):
+        segments.create_mapping(path, 2 * 2**20)
+    assert not os.path.exists(path)
+
+
 def absent_peer_task(rank: int, world: int, missing: str) -> dict:
     """Rank 0's own build fails while the others never build: it still waits only `timeout`, not the group's."""
     if rank != 0:

@@ -191,17 +191,56 @@ def host_identity() -> tuple[int, bool]:
 
 
 def create_mapping(path: str, size: int) -> mmap.mmap:
-    """A new file of `size` bytes at `path`, its pages reserved, mapped read-write; the file is removed on failure."""
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """A new file of `size` bytes at `path`, its pages reserved, mapped read-write; the file is removed on failure.
+
+    Where the system allows it, the file gets its name only once its pages are reserved (an unnamed file,
+    linked to `path`), so a process killed while they are reserved leaves no name behind.
+    """
+    unnamed = _unnamed_file(os.path.dirname(path))
+    if unnamed is None:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    else:
+        descriptor = unnamed
     try:
         # Reserving the pages now makes a full /dev/shm an OSError here rather than a SIGBUS at the first write.
         os.posix_fallocate(descriptor, 0, size)
-        return mmap.mmap(descriptor, size)
+        mapping = mmap.mmap(descriptor, size)
+        if unnamed is not None:
+            try:
+                _name_file(descriptor, path)
+            except BaseException:
+                mapping.close()
+                raise
+        return mapping
     except BaseException:
-        unlink_quietly(path)
+        if unnamed is None:
+            unlink_quietly(path)
         raise
     finally:
         os.close(descriptor)
+
+
+def _name_file(descriptor: int, path: str) -> None:
+    """Link the unnamed file of `descriptor` to `path`; FileExistsError if `path` exists, as O_EXCL gives."""
+    folder = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        # A folder descriptor makes Python call linkat, which follows /proc's link to the file itself.
+        os.link(f"/proc/self/fd/{descriptor}", os.path.basename(path), dst_dir_fd=folder, follow_symlinks=True)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, path) from None  # named as an O_EXCL open names it
+    finally:
+        os.close(folder)
+
+
+def _unnamed_file(folder: str) -> int | None:
+    """A descriptor of a new file in `folder` that has no name yet (Linux's O_TMPFILE), or None where there is none."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or not os.path.isdir("/proc/self/fd"):  # naming it later goes through /proc
+        return None
+    try:
+        return os.open(folder, os.O_RDWR | flag | os.O_CLOEXEC, 0o600)
+    except OSError:  # a file system without unnamed files
+        return None
 
 
 def open_mapping(path: str, size: int) -> mmap.mmap:
