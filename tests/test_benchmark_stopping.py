@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,36 @@ def test_a_second_signal_while_the_run_cleans_up_is_ignored_and_the_handlers_com
             time.sleep(0.05)
             cleaned = True
     assert cleaned
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signal handlers: main thread only")
+def test_a_signal_whose_handler_ran_inside_a_finalizer_comes_again_and_ends_the_run():
+    """Python drops an exception that leaves a finalizer (the output cache's, say): the signal comes again once
+    the finalizer has returned, and ends the run as any other."""
+    from fastembed.benchmark.cli import Terminated, _ending_signals_raise
+
+    before = signal.getsignal(signal.SIGTERM)
+    if before is not signal.SIG_DFL:
+        pytest.skip("SIGTERM has a handler of the test run's: the benchmark leaves it as it is")
+
+    class Output:
+        pass
+
+    def freed() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler raises here, inside the finalizer
+        time.sleep(0.01)
+
+    waited = []
+    with pytest.raises(Terminated) as ended, _ending_signals_raise():
+        output = Output()
+        weakref.finalize(output, freed)
+        del output
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        waited.append(True)
+    assert ended.value.signum == signal.SIGTERM and not waited
     assert signal.getsignal(signal.SIGTERM) is before
 
 

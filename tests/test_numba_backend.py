@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 import textwrap
 import threading
@@ -1013,6 +1014,79 @@ def test_a_failed_numba_import_drops_only_its_own_modules(monkeypatch):
     finally:
         for name in ("numba_fake_part", "fastembed_test_bystander"):
             sys.modules.pop(name, None)
+
+
+def test_an_interrupted_import_drops_the_submodules_a_failed_package_left_so_the_next_import_works(tmp_path,
+                                                                                                    monkeypatch):
+    """A Ctrl-C while numba imports another package for the first time (yaml, say): Python drops that package and
+    keeps the submodules it had loaded, which its next import would not attach to it (numba then fails to load
+    for good). Those orphans go with the failed import; the next import finds the package whole."""
+    package = tmp_path / "fastembed_test_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from . import error\nimport fastembed_test_interrupt\n")
+    (package / "error.py").write_text("VALUE = 7\n")
+    (tmp_path / "fastembed_test_interrupt.py").write_text("raise KeyboardInterrupt\n")
+    (tmp_path / "fastembed_test_user.py").write_text("import fastembed_test_pkg\nVALUE = fastembed_test_pkg.error.VALUE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names = ("fastembed_test_pkg", "fastembed_test_pkg.error", "fastembed_test_interrupt", "fastembed_test_user")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            numba_backend._import_or_undo("fastembed_test_user")
+        assert not any(name in sys.modules for name in names)
+        (tmp_path / "fastembed_test_interrupt.py").write_text("")
+        assert numba_backend._import_or_undo("fastembed_test_user").VALUE == 7
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+FORK_WHILE_ANOTHER_FORK_WAITS = """
+import os, signal, threading, time
+import fastembed
+from fastembed.backends import background_compile
+
+def interrupt(*_):
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGALRM, interrupt)
+running = threading.Thread(target=time.sleep, args=(1.0,))  # stands for a compile under way
+running.start()
+background_compile._threads.append(running)
+
+def other_fork():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+other = threading.Thread(target=other_fork)
+other.start()
+time.sleep(0.2)  # the other thread waits for the compile in its fork hook, holding the hook's guard
+signal.setitimer(signal.ITIMER_REAL, 0.2)  # a Ctrl-C while this thread's fork waits for that guard
+interrupted, pid = False, 0
+try:
+    pid = os.fork()
+    if pid == 0:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(10)  # a child that hangs is ended
+        os._exit(0 if fastembed.wait_for_compiles(timeout=5) else 3)
+    time.sleep(2.0)  # the Ctrl-C held back is raised here, after the fork
+except KeyboardInterrupt:
+    interrupted = True
+_, status = os.waitpid(pid, 0)
+other.join()
+print(interrupted, os.waitstatus_to_exitcode(status), not running.is_alive())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(signal, "setitimer"), reason="needs fork and setitimer")
+def test_a_ctrl_c_while_a_fork_waits_for_another_threads_fork_is_raised_after_it_and_the_child_never_hangs(tmp_path):
+    """The fork waits for the other thread's fork (which waits for a compile) whatever Ctrl-C arrives: the Ctrl-C
+    comes after the fork, and the child finds the hook's locks free."""
+    result = run_script(tmp_path, FORK_WHILE_ANOTHER_FORK_WAITS)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "0", "True"], (result.stdout, result.stderr)
 
 
 def test_no_compile_starts_once_interpreter_exit_has_begun(monkeypatch):

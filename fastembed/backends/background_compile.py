@@ -157,13 +157,14 @@ def _wait_before_fork() -> None:
     _waiting_to_fork.add(ident)
     held = _held_for_fork.setdefault(ident, [])
     held.append(_guard)  # recorded first: only the locks this thread owns are released after the fork
-    _guard.acquire()  # a thread inside start() holds it while its compile thread starts
+    # Held by a thread inside start() while its compile thread starts, or by another thread's wait before a fork.
+    interrupted = _acquire_uninterrupted(_guard)
     _given_up.difference_update([thread for thread in list(_given_up) if not thread.is_alive()])
     _given_up_sections.intersection_update(_open_sections(but=ident))
-    interrupted = _uninterrupted(_join_compiles)
+    interrupted |= _uninterrupted(_join_compiles)
     _threads[:] = [thread for thread in _threads if thread.is_alive()]
     held.append(_foreground_lock)
-    _foreground_lock.acquire()
+    interrupted |= _acquire_uninterrupted(_foreground_lock)
     deadline = time.monotonic() + FORK_WAIT_S
     interrupted |= _uninterrupted(lambda: _wait_for_foreground_sections(ident, deadline))
     if _in_foreground_sections(ident):
@@ -229,6 +230,23 @@ def _uninterrupted(wait: Callable[[], Any]) -> bool:
             interrupted = True
 
 
+def _acquire_uninterrupted(lock: Any) -> bool:
+    """Take the re-entrant `lock` whatever KeyboardInterrupts arrive meanwhile; whether one arrived.
+
+    An interrupt can end the wait before the lock is taken, or come just after it is: which, its owner says.
+    """
+    owned_before = lock._is_owned()  # then the acquire cannot wait, and an interrupt comes after it counted
+    interrupted = False
+    while True:
+        try:
+            lock.acquire()
+            return interrupted
+        except KeyboardInterrupt:
+            interrupted = True
+            if owned_before or lock._is_owned():
+                return True
+
+
 def _release_fork_locks() -> None:
     _forking_threads.discard(threading.get_ident())
     for lock in reversed(_held_for_fork.pop(threading.get_ident(), [])):
@@ -246,18 +264,32 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _no_compiles, _one_at_a_time
+    global _no_compiles, _one_at_a_time, _guard, _foreground_lock, _foreground_done
     _no_compiles = _no_compiles or threading.get_ident() in _waiting_to_fork
     _waiting_to_fork.clear()
     _one_at_a_time = threading.Lock()  # held only if a compile thread the child lacks held it
     _ctrl_c_held.clear()
     _release_fork_locks()
+    # Held by a thread the child lacks only where an exception other than a Ctrl-C ended the wait before the fork.
+    if not _free_here(_guard):
+        _guard = threading.RLock()
+    if not _free_here(_foreground_lock):
+        _foreground_lock = threading.RLock()
+        _foreground_done = threading.Condition(_foreground_lock)
     _forking_threads.clear()  # other threads' entries: the child lacks them, and a new thread may get their ident
     _given_up.clear()
     _given_up_sections.clear()
     for ident in list(_foreground_threads):  # sections of threads the child lacks: only the forking thread is left
         if ident != threading.get_ident():
             del _foreground_threads[ident]
+
+
+def _free_here(lock: Any) -> bool:
+    """Whether this thread can take the re-entrant `lock` now (it is free, or this thread's)."""
+    if lock.acquire(blocking=False):
+        lock.release()
+        return True
+    return False
 
 
 def compiles_disabled() -> bool:

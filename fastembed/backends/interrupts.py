@@ -17,17 +17,18 @@ import threading
 INTERRUPT_AGAIN_AFTER_S = 0.05
 
 
-def interrupt_again() -> None:
-    """Interrupt the main thread again, as the Ctrl-C that was caught did, once the code that caught it has returned.
+def interrupt_again(signum: int = signal.SIGINT) -> None:
+    """Interrupt the main thread again, as the signal `signum` that was caught did (a Ctrl-C: SIGINT), once the code
+    that caught it has returned.
 
     From another thread it is done at once. On the main thread a request would be served before that code
     returns (and only printed), so a timer thread makes it :data:`INTERRUPT_AGAIN_AFTER_S` later; at interpreter
     shutdown no thread can start, and nothing is left to interrupt.
     """
     if threading.current_thread() is not threading.main_thread():
-        _interrupt_main()
+        _interrupt_main(signum)
         return
-    timer = threading.Timer(INTERRUPT_AGAIN_AFTER_S, _interrupt_main)
+    timer = threading.Timer(INTERRUPT_AGAIN_AFTER_S, _interrupt_main, (signum,))
     timer.daemon = True
     try:
         timer.start()
@@ -35,12 +36,12 @@ def interrupt_again() -> None:
         pass
 
 
-def _interrupt_main() -> None:
-    """SIGINT to the main thread where Python handles it, which also wakes a blocking call as a Ctrl-C does;
+def _interrupt_main(signum: int) -> None:
+    """`signum` to the main thread where Python handles it, which also wakes a blocking call as a Ctrl-C does;
     ``_thread.interrupt_main()`` (which does not wake one) where threads cannot be signalled."""
     main = threading.main_thread().ident
-    if hasattr(signal, "pthread_kill") and main is not None and callable(signal.getsignal(signal.SIGINT)):
+    if hasattr(signal, "pthread_kill") and main is not None and callable(signal.getsignal(signum)):
         with contextlib.suppress(OSError):  # the main thread has ended meanwhile: nothing is left to interrupt
-            signal.pthread_kill(main, signal.SIGINT)
+            signal.pthread_kill(main, signum)
     else:
-        _thread.interrupt_main()
+        _thread.interrupt_main(signum)

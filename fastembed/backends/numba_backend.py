@@ -594,7 +594,10 @@ def _import_or_undo(name: str) -> Any:
 
     A half-initialised numba left in ``sys.modules`` would break every later
     import; without it, the next call imports afresh. Other modules added
-    meanwhile stay: other threads may have imported them.
+    meanwhile stay (other threads may have imported them), but for those whose
+    package is gone: Python drops a package whose import failed and keeps
+    the submodules it had loaded, which the package's next import would not
+    attach to it.
     """
     loaded_before = set(sys.modules)
     try:
@@ -604,6 +607,9 @@ def _import_or_undo(name: str) -> Any:
             # numba, and every kernel module it brought in (the kernels' pieces are their siblings)
             if (added.partition(".")[0] in ("numba", "llvmlite") or added == name or added.startswith(name + ".")
                     or added.startswith(_KERNELS_PACKAGE)):
+                sys.modules.pop(added, None)
+        for added in sorted(set(sys.modules) - loaded_before, key=len):  # packages before their submodules
+            if "." in added and added.rpartition(".")[0] not in sys.modules:
                 sys.modules.pop(added, None)
         raise
 

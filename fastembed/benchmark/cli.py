@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..backends import interrupts
 from .arguments import (
     BATCHES,
     QUICK_BATCHES,
@@ -212,12 +213,23 @@ def _ending_signals_raise() -> Iterator[None]:
     """While the block runs, the ending signals raise :class:`Terminated` where no handler of the caller's is set.
 
     A default handler would end the process at once, leaving a competing load
-    spinning and a temporary copy of the table on disk.
+    spinning and a temporary copy of the table on disk. Where Python drops
+    the exception (the handler ran inside a finalizer), the signal is sent
+    again once that code has returned.
     """
     def raise_terminated(signum: int, _frame: Any) -> None:
         for number in replaced:  # a second signal must not cut the cleanup short
             signal.signal(number, signal.SIG_IGN)
         raise Terminated(signum)
+
+    def unraisable(report: Any) -> None:
+        if not isinstance(report.exc_value, Terminated):
+            previous_hook(report)
+            return
+        with contextlib.suppress(ValueError):  # a finalizer run on another thread: handlers can only be set here
+            for number in replaced:  # no cleanup has begun: the run goes on until the signal comes again
+                signal.signal(number, raise_terminated)
+            interrupts.interrupt_again(report.exc_value.signum)
 
     replaced = {}
     with contextlib.suppress(ValueError):  # outside the main thread no handler can be set: the signals stay as they are
@@ -225,9 +237,11 @@ def _ending_signals_raise() -> Iterator[None]:
             number = getattr(signal, name, None)
             if number is not None and signal.getsignal(number) is signal.SIG_DFL:
                 replaced[number] = signal.signal(number, raise_terminated)
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         for number, previous in replaced.items():
             signal.signal(number, previous)
 
