@@ -44,4 +44,4 @@ def _interrupt_main(signum: int) -> None:
         with contextlib.suppress(OSError):  # the main thread has ended meanwhile: nothing is left to interrupt
             signal.pthread_kill(main, signum)
     else:
-        _thread.interrupt_main(signum)
+        _thread.interrupt_main(signal.Signals(signum))
