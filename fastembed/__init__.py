@@ -79,8 +79,8 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
 
     No lookup compiles on the caller's thread: a call whose kernels are
     not compiled yet is served by numpy while they compile on a background
-    thread. Dense gathers below 2 MiB of output never need them (quantized
-    lookups do, at any size), so a server that
+    thread. Dense gathers below 256 KiB of output (2 MiB for rows narrower
+    than 1 KiB) never need them (quantized lookups do, at any size), so a server that
     wants full speed from its first large request makes one lookup of at
     least that size at start-up (and one quantized lookup per format and
     output dtype it uses), then calls this.

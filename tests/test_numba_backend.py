@@ -31,6 +31,7 @@ def kernel_path(request, monkeypatch):
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 2**62 if request.param.startswith("serial below") else 0)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "STREAM_MIN_OUT_BYTES", 2**62 if request.param.startswith("parallel") else 0)
     # two threads whatever this machine has; seven: more blocks than cores, claimed in turn
     monkeypatch.setattr(numba_backend, "thread_count", lambda: 7 if request.param == "stream on 7 threads" else 2)
@@ -65,6 +66,7 @@ def test_the_allocating_serial_gather_is_exact(monkeypatch, dtype, width, id_dty
 
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     rows = random_table(300, width, dtype, seed=width) if dtype != "S3" else np.random.default_rng(width).integers(
         0, 256, (300, width * 3), dtype=np.uint8).view("S3")
     buffer = np.empty(rows.nbytes + 1, np.uint8)
@@ -94,9 +96,10 @@ def test_streaming_kernel_prefetch_options_are_exact(prefetch_rows_ahead, touch_
     assert_bit_equal(out, table[ids])
 
 
+@pytest.mark.parametrize("touch_pages_rows_ahead", [0, 1, 16, 10**6])
 @pytest.mark.parametrize("row_bytes", [4104, 8, 28, 6, 5])
 @pytest.mark.parametrize("rows", [(0, 37), (5, 9), (36, 37), (7, 7)])
-def test_the_cached_copy_copies_exactly_its_rows(row_bytes, rows):
+def test_the_cached_copy_copies_exactly_its_rows(row_bytes, rows, touch_pages_rows_ahead):
     """Rows of any size, as the read-only bytes the backend passes (one memcpy each): exactly rows [start, stop) are
     written, bit for bit."""
     kernels = BACKEND.kernels()
@@ -106,13 +109,14 @@ def test_the_cached_copy_copies_exactly_its_rows(row_bytes, rows):
     out = poisoned((37, row_bytes), np.uint8)
     untouched = out.copy()
     start, stop = rows
-    assert kernels.copy_rows(table, ids, out, start, stop) == 0
+    assert kernels.copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead) == 0
     assert_bit_equal(out[start:stop], table[ids[start:stop]])
     assert_bit_equal(out[:start], untouched[:start])
     assert_bit_equal(out[stop:], untouched[stop:])
     ids[11] = 500  # out of range, as if another thread changed it after the scan: skipped, counted, never read
-    assert kernels.copy_rows(table, ids, out, 0, 37) == 1
-    assert kernels.gather_serial(table, ids, out) == 11
+    ids[12] = -2**40  # a row whose pages are touched far outside the table: a hint, never read
+    assert kernels.copy_rows(table, ids, out, 0, 37, touch_pages_rows_ahead) == 2
+    assert kernels.gather_serial(table, ids, out, touch_pages_rows_ahead) == 11
 
 
 def test_the_row_loops_call_nothing_per_row_that_counts_references(tmp_path):
@@ -130,7 +134,7 @@ def test_the_row_loops_call_nothing_per_row_that_counts_references(tmp_path):
         from fastembed.benchmark import copy_kernels as c
         table, ids, out = np.zeros((9, 128), np.uint8), np.zeros(3, np.int64), np.zeros((3, 128), np.uint8)
         table.flags.writeable = False  # the types the backend passes: read-only bytes
-        k.gather_serial(table, ids, out); k.copy_rows(table, ids, out, 0, 3)
+        k.gather_serial(table, ids, out, 16); k.copy_rows(table, ids, out, 0, 3, 16)
         k.place_rows(table, ids, out, np.arange(3), 0, 3, False, 1, 16, 32)
         if platform.machine().lower() in ("x86_64", "amd64"):  # non-temporal stores: x86-64 only
             k.stream_rows(table, ids, out, 0, 3, 1, 16, 32)
@@ -355,6 +359,7 @@ def test_few_ids_without_out_are_exact(monkeypatch, serial_min_rows, dtype, id_d
     (below PARALLEL_MIN_BYTES); plain and mapped tables."""
     table = random_table(90, 21, dtype, seed=len(shape))
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", serial_min_rows * 21 * table.dtype.itemsize)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)  # narrow rows reach the serial kernel too
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 16 * 21 * table.dtype.itemsize)
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     np.save(tmp_path / "table.npy", table)
@@ -364,6 +369,41 @@ def test_few_ids_without_out_are_exact(monkeypatch, serial_min_rows, dtype, id_d
         result = fastembed.lookup(source, ids, backend="numba")
         assert type(result) is np.ndarray and result.shape == shape + (21,)
         assert_bit_equal(result, table[ids.reshape(-1)].reshape(shape + (21,)))
+
+
+def test_wide_rows_take_the_touched_serial_kernel_from_its_size_and_narrow_ones_numpys_take(monkeypatch):
+    """From SERIAL_MIN_BYTES to below PARALLEL_MIN_BYTES of output, rows of TOUCHED_ROW_MIN_BYTES or more are the
+    serial kernel's, which touches their pages; narrower rows are numpy's take, with or without out. The parallel
+    copy of rows that cannot stream touches the pages of the wide rows only."""
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+    kernels = BACKEND.kernels()
+    served = []
+    for name in ("gather_serial", "copy_rows"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *args, kernel=kernel, name=name: served.append((name, args[-1]))
+                            or kernel(*args))
+    for name in ("take_new", "take_into"):
+        take = getattr(numba_backend, name)
+        monkeypatch.setattr(numba_backend, name, lambda *args, take=take, name=name: served.append((name, None))
+                            or take(*args))
+    touch = numba_backend.TOUCH_PAGES_ROWS_AHEAD
+    wide, narrow = numba_backend.TOUCHED_ROW_MIN_BYTES, numba_backend.TOUCHED_ROW_MIN_BYTES // 2
+    serial_ids = {row_bytes: numba_backend.SERIAL_MIN_BYTES // row_bytes for row_bytes in (wide, narrow)}
+    parallel_ids = {row_bytes: -(-numba_backend.PARALLEL_MIN_BYTES // row_bytes) for row_bytes in (wide + 6, narrow + 6)}
+    cases = [(wide, serial_ids[wide] - 1, "take"), (wide, serial_ids[wide], ("gather_serial", touch)),
+             (narrow, serial_ids[narrow], "take"), (narrow, 2 * serial_ids[narrow], "take"),
+             (wide + 6, parallel_ids[wide + 6], ("copy_rows", touch)), (narrow + 6, parallel_ids[narrow + 6], ("copy_rows", 0))]
+    for row_bytes, n, expected in cases:
+        table = np.random.default_rng(row_bytes).integers(0, 256, (3 * n, row_bytes), dtype=np.uint8)
+        ids = np.random.default_rng(n).integers(0, 3 * n, n)
+        fastembed.lookup(table, ids, backend="numba")  # compiles the kernels of the signature (with calls of no row)
+        for out in (None, poisoned((n, row_bytes), np.uint8)):
+            served.clear()
+            assert_bit_equal(fastembed.lookup(table, ids, out=out, backend="numba"), table[ids])
+            if expected == "take":
+                assert served == [("take_new" if out is None else "take_into", None)], (row_bytes, n)
+            else:
+                assert set(served) == {expected}, (row_bytes, n, served)
 
 
 @pytest.mark.parametrize("bad_id", [-1, -(2**31), 90, 2**31 - 1])
@@ -432,9 +472,11 @@ class _RegionSpy:
         return self.run(task, n_rows, n_threads, *rest)
 
 
-def test_gathers_below_the_parallel_size_are_numpys_take_and_placements_from_their_size_the_kernel(monkeypatch):
-    """At the shipped sizes: take serves every gather below PARALLEL_MIN_BYTES (the serial kernel none), the
-    workers from there; placements of PLACE_SERIAL_MIN_BYTES or more go to the place kernel, fewer to numpy."""
+def test_gathers_below_the_serial_size_are_numpys_take_then_the_serial_kernels_and_placements_from_their_size_the_kernels(
+        monkeypatch):
+    """At the shipped sizes, for rows of 8 KiB (as the default table's): take serves every gather below
+    SERIAL_MIN_BYTES, the serial kernel from there to below PARALLEL_MIN_BYTES, the workers from there; placements
+    of PLACE_SERIAL_MIN_BYTES or more go to the place kernel, fewer to numpy."""
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     table = random_table(400, 1024, "float64")  # 8 KiB rows, as the default table's
     row_bytes = 1024 * 8
@@ -453,11 +495,14 @@ def test_gathers_below_the_parallel_size_are_numpys_take_and_placements_from_the
     numpy_place = _Spy(numba_backend.numpy_backend.BACKEND.place)
     monkeypatch.setattr(numba_backend.numpy_backend.BACKEND, "place", numpy_place)
     parallel = _RegionSpy(monkeypatch)
-    for n in (64, below_parallel):  # from 64 rows of 8 KiB the serial kernel used to serve
+    serial_rows = numba_backend.SERIAL_MIN_BYTES // row_bytes
+    for n in (1, serial_rows - 1, serial_rows, below_parallel):
         ids = rng.integers(0, 400, n)
         assert_bit_equal(BACKEND.gather(table, ids, None), table[ids])
         assert_bit_equal(BACKEND.gather(table, ids, poisoned((n, 1024), table.dtype)), table[ids])
-    assert take_new.batches == take_into.batches == [64, below_parallel] and serial.batches == []
+    assert take_new.batches == take_into.batches == [1, serial_rows - 1]
+    assert serial.batches == [serial_rows, serial_rows, below_parallel, below_parallel] and parallel.batches == []
+    serial.batches.clear()
     ids = rng.integers(0, 400, below_parallel + 1)
     assert_bit_equal(BACKEND.gather(table, ids, None), table[ids])
     assert parallel.batches == [below_parallel + 1] and serial.batches == []
@@ -481,6 +526,7 @@ def test_large_outputs_are_cut_into_blocks_of_at_most_max_block_bytes(monkeypatc
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "MAX_BLOCK_BYTES", 10 * 64 * 8)  # ten 64-wide float64 rows
     cut: list[int] = []
     run = numba_backend.WORKERS.run
@@ -502,6 +548,7 @@ def test_batches_are_served_by_numpy_while_their_kernels_compile(monkeypatch):
     BACKEND.reset()
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     parallel, fallback = _RegionSpy(monkeypatch), _Spy(numba_backend.numpy_backend.BACKEND.gather)
     monkeypatch.setattr(numba_backend.numpy_backend.BACKEND, "gather", fallback)
     release = threading.Event()
@@ -553,6 +600,7 @@ def test_signatures_compile_again_after_a_refresh(monkeypatch):
     """A refresh forgets the compiled kernels, and the keys of their compiles with them: numba serves again."""
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
     parallel_calls = []
     for _ in range(2):
@@ -564,6 +612,7 @@ def test_signatures_compile_again_after_a_refresh(monkeypatch):
         monkeypatch.undo()
         monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
         monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+        monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
         fastembed.dispatch.refresh()
     assert parallel_calls == [[ids.size], [ids.size]]
 
@@ -572,6 +621,7 @@ def test_a_refresh_during_a_lookup_leaves_the_lookup_exact(monkeypatch):
     """reset() between the check for compiled kernels and their use: the lookup is served by numpy, exactly."""
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
     fastembed.lookup(table, ids, backend="numba")
     fastembed.wait_for_compiles()
@@ -606,6 +656,7 @@ def test_a_numba_that_fails_to_load_is_refused_by_name_and_skipped_by_auto(monke
     monkeypatch.setattr(numba_backend, "_import_or_undo", broken_import)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     table, ids = random_table(200, 48), np.arange(0, 200, 3, dtype=np.int64)
     assert fastembed.select_backend(table, ids).backend == "numba"
     assert_bit_equal(fastembed.lookup(table, ids, backend="numba"), table[ids])  # numpy, while numba loads
@@ -645,6 +696,7 @@ def test_a_signature_that_fails_to_compile_is_served_by_numpy_with_the_reason(mo
     monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", in_background)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     kernels = BACKEND.kernels()
 
     def corrupt_cache(*arguments):
@@ -663,6 +715,7 @@ def test_a_compile_that_fails_after_a_refresh_leaves_the_new_record_clean(monkey
     """The failure belongs to the record from before the refresh: the signature compiles again afterwards."""
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     kernels = BACKEND.kernels()
     release = threading.Event()
     serial = kernels.gather_serial
@@ -737,6 +790,7 @@ def test_a_listener_that_refreshes_on_a_load_failure_does_not_deadlock(monkeypat
     monkeypatch.setattr(numba_backend, "_import_or_undo", broken_import)
     monkeypatch.setattr(numba_backend, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(numba_backend, "SERIAL_MIN_BYTES", 0)
+    monkeypatch.setattr(numba_backend, "TOUCHED_ROW_MIN_BYTES", 0)
     monkeypatch.setattr(base, "_availability_listeners", [*base._availability_listeners, fastembed.dispatch.refresh])
     table = random_table(200, 48)
     for ids in (np.arange(0, 200, 3, dtype=np.int64), np.arange(0, 200, 3, dtype=np.int32)):

@@ -52,6 +52,7 @@ import sys, threading, time, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels serve these small tables too
 numba_backend.SERIAL_MIN_BYTES = 0
+numba_backend.TOUCHED_ROW_MIN_BYTES = 0
 sys.setswitchinterval(1e-6)   # switch threads as often as possible: every window between two reads is tried
 backend, seconds = {backend!r}, {seconds}
 table = np.arange(64 * 16, dtype=np.float64).reshape(64, 16)
@@ -110,6 +111,7 @@ import re, sys, threading, time, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels serve these small tables too
 numba_backend.SERIAL_MIN_BYTES = 0
+numba_backend.TOUCHED_ROW_MIN_BYTES = 0
 sys.setswitchinterval(1e-6)
 backend, seconds = {backend!r}, {seconds}
 vocab, width = 300, 64
@@ -157,6 +159,7 @@ import sys, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels serve these small tables too
 numba_backend.SERIAL_MIN_BYTES = 0
+numba_backend.TOUCHED_ROW_MIN_BYTES = 0
 backend = {backend!r}
 vocab, width, n = 300, 64, 512
 table = np.arange(vocab * width, dtype=np.float32).reshape(vocab, width)
@@ -228,6 +231,7 @@ import os, threading, time, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels (and their compile) serve these small tables too
 numba_backend.SERIAL_MIN_BYTES = 0
+numba_backend.TOUCHED_ROW_MIN_BYTES = 0
 table = fastembed.Embedding.random(500, 16, "float32").table
 ids = np.arange(40) % 500
 expected = table[ids]
@@ -369,6 +373,7 @@ import multiprocessing, threading, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels (and their compile) serve these small tables too
 numba_backend.SERIAL_MIN_BYTES = 0
+numba_backend.TOUCHED_ROW_MIN_BYTES = 0
 table = fastembed.Embedding.random(2000, 64).table
 def lookup(seed):
     ids = np.random.default_rng(seed).integers(0, 2000, 3000)
@@ -393,6 +398,7 @@ import signal, numpy as np, fastembed
 from fastembed.backends import numba_backend
 numba_backend.PARALLEL_MIN_BYTES = 0   # the kernels (and their compile) serve these small tables too
 numba_backend.SERIAL_MIN_BYTES = 0
+numba_backend.TOUCHED_ROW_MIN_BYTES = 0
 table = fastembed.Embedding.random(500, 16).table
 ids = np.arange(100) % 500
 signal.setitimer(signal.ITIMER_REAL, {delay})
@@ -517,6 +523,7 @@ import threading, numpy as np, fastembed
 from numba.core import event
 from fastembed.backends import numba_backend
 numba_backend.SERIAL_MIN_BYTES = 20 * 64 * 2     # 20 ids and more run on the kernels, fewer on numpy's take
+numba_backend.TOUCHED_ROW_MIN_BYTES = 0          # narrow rows too
 numba_backend.PARALLEL_MIN_BYTES = 40 * 64 * 2   # 40 ids and more run in parallel, fewer serially
 
 class CompileThreads(event.Listener):

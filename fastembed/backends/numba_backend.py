@@ -7,12 +7,13 @@ bfloat16, float32, int8, S3, packed structs, ...).
 
 Which kernel runs (docs/backends.md gives each constant's evidence):
 
-- an output smaller than ``SERIAL_MIN_BYTES`` (the parallel kernels' size):
+- an output smaller than ``SERIAL_MIN_BYTES`` (256 KiB), or smaller than
+  ``PARALLEL_MIN_BYTES`` with rows narrower than ``TOUCHED_ROW_MIN_BYTES``:
   numpy's ``take`` on the calling thread (the numpy backend), so a decode
   step pays no thread wake-up, no compiled call and no compile;
-- an output from ``SERIAL_MIN_BYTES`` to below ``PARALLEL_MIN_BYTES`` (no
-  size by default; tests lower ``SERIAL_MIN_BYTES`` to reach it): the serial
-  kernel on the calling thread, each row one ``memcpy`` of the C library;
+- any other output below ``PARALLEL_MIN_BYTES``: the serial kernel on the
+  calling thread, each row one ``memcpy`` of the C library after a touch of
+  the pages of the rows ahead;
 - an output of at least ``STREAM_MIN_OUT_BYTES`` on x86-64 whose rows are
   16-byte aligned: the rows in parallel with non-temporal stores;
 - otherwise the rows in parallel with ordinary (cached) stores.
@@ -91,11 +92,14 @@ from .numpy_backend import take_into, take_new
 #: microseconds, more than it saves on a copy of a few rows. In bytes: a copy's time is in proportion to them.
 PARALLEL_MIN_BYTES = 2 * 2**20
 #: Outputs smaller than this are gathered by numpy's take on the calling thread, larger ones (below
-#: PARALLEL_MIN_BYTES) by the serial kernel: take copies each row with the C library's memcpy as that kernel
-#: does, with less Python on its way, and won against it at every size below the parallel kernels'.
+#: PARALLEL_MIN_BYTES) by the serial kernel, whose page touch saves more than its call costs beyond take's.
 #: The API reads it through :meth:`NumbaBackend.small_gather` once per dispatch generation: a change
 #: reaches it after :func:`fastembed.dispatch.read_environment` or ``refresh()``.
-SERIAL_MIN_BYTES = PARALLEL_MIN_BYTES
+SERIAL_MIN_BYTES = 256 * 2**10
+#: Rows of at least this many bytes are copied with cached stores (the serial kernel, and the parallel copy of rows
+#: that cannot stream) after a touch of their pages (TOUCH_PAGES_ROWS_AHEAD); narrower ones without it, where the
+#: touch costs more than it saves, and below PARALLEL_MIN_BYTES of output by numpy's take, which copies them faster.
+TOUCHED_ROW_MIN_BYTES = 1024
 #: Placements of fewer bytes than this are numpy's (fancy assignment, through a temporary); larger ones go to
 #: the place kernel, which writes each row once.
 PLACE_SERIAL_MIN_BYTES = 512 * 2**10
@@ -255,8 +259,11 @@ class NumbaBackend:
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         n = ids.size
         # strides[0] is the row's bytes in a C-contiguous table (any value where there is one row or none).
-        if n * table.strides[0] < SERIAL_MIN_BYTES or self._import_error is not None:
-            # A few rows: numpy's take on this thread. Or numba failed to load, which unavailable_reasons() reports.
+        out_bytes_count = n * table.strides[0]
+        if (out_bytes_count < SERIAL_MIN_BYTES or self._import_error is not None
+                or (table.strides[0] < TOUCHED_ROW_MIN_BYTES and out_bytes_count < PARALLEL_MIN_BYTES)):
+            # A few rows, or narrow ones below the parallel size: numpy's take on this thread. Or numba failed to
+            # load, which unavailable_reasons() reports.
             return take_new(table, ids) if out is None else take_into(table, ids, out)
         table_bytes, flat_ids, given_bytes, signature = kernel_views("gather", table, ids, out, n)
         if signature not in self._compiles.done and not self._compile(
@@ -267,11 +274,14 @@ class NumbaBackend:
         kernels = self._kernels
         if kernels is None:  # reset() by another thread since the check
             return numpy_backend.BACKEND.gather(table, ids, out)
-        if out is None:  # on a cache line, as streamed outputs are best placed
-            out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype, output_cache.ALIGNMENT)
+        serial = out_bytes_count < PARALLEL_MIN_BYTES
+        if out is None:  # a parallel output on a cache line, as streamed outputs are best placed
+            shape = ids.shape + table.shape[1:]
+            out = np.empty(shape, table.dtype) if serial else output_cache.new_output(shape, table.dtype,
+                                                                                     output_cache.ALIGNMENT)
         out_bytes = _row_bytes(out, n) if given_bytes is None else given_bytes
-        if out_bytes.nbytes < PARALLEL_MIN_BYTES:
-            status = int(kernels.gather_serial(table_bytes, flat_ids, out_bytes))
+        if serial:
+            status = int(kernels.gather_serial(table_bytes, flat_ids, out_bytes, _touch_for(table_bytes)))
         else:
             status = self._run_parallel(kernels, table_bytes, flat_ids, out_bytes)
         if status != -1:
@@ -316,9 +326,9 @@ class NumbaBackend:
 
         def compile_gather(kernels: Any) -> None:
             table_bytes, no_ids, no_rows = templates  # no_ids holds one bad id: nothing is copied
-            kernels.gather_serial(table_bytes, no_ids, no_rows)
+            kernels.gather_serial(table_bytes, no_ids, no_rows, TOUCH_PAGES_ROWS_AHEAD)
             kernels.first_bad_position(no_ids, table_bytes.shape[0])
-            kernels.copy_rows(table_bytes, no_ids, no_rows, 0, 0)
+            kernels.copy_rows(table_bytes, no_ids, no_rows, 0, 0, TOUCH_PAGES_ROWS_AHEAD)
             if _STREAMING_CPU:
                 kernels.stream_rows(table_bytes, no_ids, no_rows, 0, 0, PREFETCH_ROWS_AHEAD, TOUCH_PAGES_ROWS_AHEAD,
                                     ALIAS_WINDOW)
@@ -345,7 +355,7 @@ class NumbaBackend:
     def _run_parallel(self, kernels: Any, table_bytes: np.ndarray, flat_ids: np.ndarray, out_bytes: np.ndarray) -> int:
         """Gather into `out_bytes` on the calling thread and the workers; the serial kernel while another does."""
         if self._parallel_lock.locked():
-            return int(kernels.gather_serial(table_bytes, flat_ids, out_bytes))
+            return int(kernels.gather_serial(table_bytes, flat_ids, out_bytes, _touch_for(table_bytes)))
         with self._parallel_lock:  # not acquire() then try: an exception between the two would keep it taken for good
             bad = int(kernels.first_bad_position(flat_ids, table_bytes.shape[0]))
             if bad >= 0:
@@ -355,8 +365,10 @@ class NumbaBackend:
                     return kernels.stream_rows(table_bytes, flat_ids, out_bytes, start, stop, PREFETCH_ROWS_AHEAD,
                                                TOUCH_PAGES_ROWS_AHEAD, ALIAS_WINDOW)
             else:
+                touch = _touch_for(table_bytes)
+
                 def rows(start: int, stop: int) -> int:
-                    return kernels.copy_rows(table_bytes, flat_ids, out_bytes, start, stop)
+                    return kernels.copy_rows(table_bytes, flat_ids, out_bytes, start, stop, touch)
             return _CHANGED_DURING_COPY if WORKERS.run(rows, len(flat_ids), thread_count(),
                                                        blocks_for(out_bytes.nbytes)) else -1
 
@@ -698,6 +710,12 @@ def _int64_ids(ids: np.ndarray) -> np.ndarray:
     """The ids as 1-D, C-contiguous, read-only int64 (a view when they already are int64): one kernel signature."""
     flat = ids.reshape(-1)
     return _read_only(flat if flat.dtype == np.int64 and flat.flags.c_contiguous else flat.astype(np.int64))
+
+
+def _touch_for(table_bytes: np.ndarray) -> int:
+    """The page touch distance of the cached-store copy for rows of `table_bytes` (its second axis): 0 below
+    ``TOUCHED_ROW_MIN_BYTES``."""
+    return TOUCH_PAGES_ROWS_AHEAD if table_bytes.shape[1] >= TOUCHED_ROW_MIN_BYTES else 0
 
 
 def _row_bytes(out: np.ndarray, n: int) -> np.ndarray:

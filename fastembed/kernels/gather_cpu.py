@@ -53,18 +53,28 @@ CHANGED_DURING_COPY = -2
 
 
 @njit(**_JIT)
-def copy_rows(table, ids, out, start, stop):
+def copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead):
     """out[i] = table[ids[i]] for i in [start, stop), with ordinary stores; returns the rows skipped as out of range.
 
     Each row is one call of the C library's ``memcpy`` (:func:`copy_bytes`),
-    which picks the copy for the CPU and the row's size.
+    which picks the copy for the CPU and the row's size. With
+    ``touch_pages_rows_ahead`` > 0, the pages of the first rows that many
+    are touched first, then each row starts with those of the row that many
+    ahead (as in :func:`stream_rows`): the page translations of random rows
+    are under way before their copies need them.
     """
     vocab_size = table.shape[0]
     row_bytes = table.shape[1] * table.itemsize
     table_address = table.ctypes.data
     out_address = out.ctypes.data
     skipped = 0
+    if touch_pages_rows_ahead > 0:
+        for i in range(start, min(start + touch_pages_rows_ahead, stop)):
+            touch_pages(table_address + np.uintp(ids[i]) * row_bytes, row_bytes)
     for i in range(start, stop):
+        if touch_pages_rows_ahead > 0:  # (the ids are not passed on: numba would count references per row)
+            ahead = ids[min(i + touch_pages_rows_ahead, stop - 1)]
+            touch_pages(table_address + np.uintp(ahead) * row_bytes, row_bytes)
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
@@ -253,12 +263,12 @@ def _stream_row_backward(destination, source, row_bytes, prefetch_ahead, ahead):
 
 
 @njit(**_JIT)
-def gather_serial(table, ids, out):
-    """Gather on the calling thread with :func:`copy_rows`: the backend's gather that finds the parallel lock taken."""
+def gather_serial(table, ids, out, touch_pages_rows_ahead):
+    """Gather on the calling thread with :func:`copy_rows`: outputs below the parallel size, and every gather that finds the parallel lock taken."""
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
-    if copy_rows(table, ids, out, np.intp(0), ids.size):  # np.intp(0): a literal 0 would compile a second copy_rows
+    if copy_rows(table, ids, out, np.intp(0), ids.size, touch_pages_rows_ahead):  # np.intp(0): a literal 0 would compile a second copy_rows
         return CHANGED_DURING_COPY
     return -1
 
