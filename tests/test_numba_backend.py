@@ -406,6 +406,28 @@ def test_wide_rows_take_the_touched_serial_kernel_from_its_size_and_narrow_ones_
                 assert set(served) == {expected}, (row_bytes, n, served)
 
 
+def test_placements_with_cached_stores_touch_the_pages_of_wide_rows_only(monkeypatch):
+    """Placed rows that do not stream touch the pages ahead as the gather's do: from TOUCHED_ROW_MIN_BYTES."""
+    monkeypatch.setattr(numba_backend, "COMPILE_IN_BACKGROUND", False)
+    kernels = BACKEND.kernels()
+    touches = []
+    place_rows = kernels.place_rows
+    monkeypatch.setattr(kernels, "place_rows", lambda *args: touches.append(args[-2]) or place_rows(*args))
+    wide = numba_backend.TOUCHED_ROW_MIN_BYTES
+    for row_bytes, expected in ((wide, numba_backend.TOUCH_PAGES_ROWS_AHEAD), (wide // 2 + 8, 0)):
+        n = -(-numba_backend.PLACE_SERIAL_MIN_BYTES // row_bytes)  # placed bytes well below the streaming size
+        table = np.random.default_rng(row_bytes).integers(0, 256, (3 * n, row_bytes), dtype=np.uint8)
+        ids, positions = np.random.default_rng(n).integers(0, 3 * n, n), np.random.default_rng(1).permutation(2 * n)[:n]
+        out = poisoned((2 * n, row_bytes), np.uint8)
+        expected_out = out.copy()
+        expected_out[positions] = table[ids]
+        BACKEND.place(table, ids, out.copy(), positions)  # compiles the kernel of the signature (with a call of no row)
+        touches.clear()
+        BACKEND.place(table, ids, out, positions)
+        assert_bit_equal(out, expected_out)
+        assert touches and set(touches) == {expected}, (row_bytes, touches)
+
+
 @pytest.mark.parametrize("bad_id", [-1, -(2**31), 90, 2**31 - 1])
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
 def test_few_bad_ids_without_out_name_the_first(bad_id, id_dtype):

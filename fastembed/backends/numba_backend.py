@@ -399,7 +399,7 @@ class NumbaBackend:
         placed_bytes = n * table_bytes.shape[1]
         stream = placed_bytes >= STREAM_MIN_OUT_BYTES and _STREAMING_CPU and kernels.can_stream(out_bytes)
 
-        touch = TOUCH_PAGES_ROWS_AHEAD if stream else 0  # as the gather: cached stores copy without the touch
+        touch = TOUCH_PAGES_ROWS_AHEAD if stream else _touch_for(table_bytes)  # as the gather's rows
 
         def rows(start: int, stop: int) -> int:
             return kernels.place_rows(table_bytes, ids, out_bytes, positions, start, stop, stream,
