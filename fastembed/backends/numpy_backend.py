@@ -2,7 +2,7 @@
 
 Without ``out``, ``table.take(ids, axis=0)`` allocates the result and copies
 the rows in one C call (:func:`take_new`; the numba backend uses it and
-:func:`take_into` for every gather below 2 MiB too). With ``out``,
+:func:`take_into` for its small gathers too). With ``out``,
 ``np.take(table, ids, axis=0, out=out, mode="clip")`` copies one row per id
 straight into ``out``. ``mode="clip"`` matters: with ``mode="raise"`` and
 ``out=``, numpy (2.4) gathers into a temporary copy of ``out`` and copies it
