@@ -28,7 +28,7 @@ from fastembed.arrays.numpy_adapter import data_address
 from fastembed.backends import numba_backend
 from fastembed.backends.cpu_workers import WORKERS
 from fastembed.kernels.cpu_intrinsics import store_fence
-from fastembed.kernels.gather_cpu import stream_row, touch_row_pages_ahead
+from fastembed.kernels.gather_cpu import stream_row, touch_row_pages
 from fastembed.kernels.jit_options import JIT as _JIT
 
 #: Rows whose source sits 1 to this many bytes below the destination (modulo
@@ -110,7 +110,7 @@ def _xor_rows(table, ids, start, stop, touch_pages_rows_ahead):
 
     Each row first touches the pages of the row ``touch_pages_rows_ahead``
     ahead (0: none), as the streaming gather does
-    (:func:`fastembed.kernels.gather_cpu.touch_row_pages_ahead`): random
+    (:func:`fastembed.kernels.gather_cpu.touch_row_pages`): random
     rows each need new page translations, and a read that waits for them is
     not the fastest way to read the rows.
     """
@@ -118,7 +118,8 @@ def _xor_rows(table, ids, start, stop, touch_pages_rows_ahead):
     row_bytes = table.shape[1] * table.itemsize
     table_address = table.ctypes.data
     for i in range(start, stop):
-        touch_row_pages_ahead(table_address, row_bytes, ids, i, stop, touch_pages_rows_ahead)
+        if touch_pages_rows_ahead > 0:
+            touch_row_pages(table_address, row_bytes, ids[min(i + touch_pages_rows_ahead, stop - 1)])
         row = ids[i]
         for w in range(table.shape[1]):
             accumulator ^= table[row, w]

@@ -60,8 +60,8 @@ def copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead):
     which picks the copy for the CPU and the row's size. With
     ``touch_pages_rows_ahead`` > 0, the pages of the first rows that many
     are touched first, then each row starts with those of the row that many
-    ahead (as in :func:`stream_rows`): the page translations of random rows
-    are under way before their copies need them.
+    ahead (:func:`stream_rows` touches only the latter): the page
+    translations of random rows are under way before their copies need them.
     """
     vocab_size = table.shape[0]
     row_bytes = table.shape[1] * table.itemsize
@@ -70,11 +70,10 @@ def copy_rows(table, ids, out, start, stop, touch_pages_rows_ahead):
     skipped = 0
     if touch_pages_rows_ahead > 0:
         for i in range(start, min(start + touch_pages_rows_ahead, stop)):
-            touch_pages(table_address + np.uintp(ids[i]) * row_bytes, row_bytes)
+            touch_row_pages(table_address, row_bytes, ids[i])
     for i in range(start, stop):
-        if touch_pages_rows_ahead > 0:  # (the ids are not passed on: numba would count references per row)
-            ahead = ids[min(i + touch_pages_rows_ahead, stop - 1)]
-            touch_pages(table_address + np.uintp(ahead) * row_bytes, row_bytes)
+        if touch_pages_rows_ahead > 0:
+            touch_row_pages(table_address, row_bytes, ids[min(i + touch_pages_rows_ahead, stop - 1)])
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
@@ -119,30 +118,28 @@ def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_r
     out_address = out.ctypes.data
     skipped = 0
     for i in range(start, stop):
-        touch_row_pages_ahead(table_address, row_bytes, ids, i, stop, touch_pages_rows_ahead)
+        if touch_pages_rows_ahead > 0:
+            touch_row_pages(table_address, row_bytes, ids[min(i + touch_pages_rows_ahead, stop - 1)])
         row = ids[i]
         if row < 0 or row >= vocab_size:
             skipped += 1
             continue
-        stream_id_row(table_address, row_bytes, ids, i, stop, out_address + np.uintp(i) * row_bytes,
-                      prefetch_rows_ahead, alias_window)
+        ahead = ids[min(i + prefetch_rows_ahead, stop - 1)]
+        stream_row(out_address + np.uintp(i) * row_bytes, table_address + np.uintp(row) * row_bytes, row_bytes,
+                   prefetch_rows_ahead > 0, table_address + np.uintp(ahead) * row_bytes, alias_window)
     store_fence()
     return skipped
 
 
 @njit(**_JIT)
-def touch_row_pages_ahead(table_address, row_bytes, ids, i, stop, distance):
-    """The pages of the row `distance` ids after `i` (the last before `stop`), as :func:`stream_rows` says (0: none)."""
-    if distance > 0:
-        touch_pages(table_address + np.uintp(ids[min(i + distance, stop - 1)]) * row_bytes, row_bytes)
+def touch_row_pages(table_address, row_bytes, row):
+    """One prefetch per 4 KiB page of the table's row `row` (a hint: a row outside the table is never read).
 
-
-@njit(**_JIT)
-def stream_id_row(table_address, row_bytes, ids, i, stop, destination, prefetch_rows_ahead, alias_window):
-    """Stream the row of ``ids[i]`` (in range) to `destination`, prefetching the row `prefetch_rows_ahead` ids on."""
-    source = table_address + np.uintp(ids[i]) * row_bytes
-    ahead = table_address + np.uintp(ids[min(i + prefetch_rows_ahead, stop - 1)]) * row_bytes
-    stream_row(destination, source, row_bytes, prefetch_rows_ahead > 0, ahead, alias_window)
+    The row loops pass the row's id, never the ids array: numba counts the
+    references of an array passed to a function, an atomic instruction per
+    row that keeps the next rows' reads from starting early.
+    """
+    touch_pages(table_address + np.uintp(row) * row_bytes, row_bytes)
 
 
 @njit(**_JIT)
@@ -163,15 +160,17 @@ def place_rows(table, ids, out, positions, start, stop, stream, prefetch_rows_ah
     out_address = out.ctypes.data
     skipped = 0
     for i in range(start, stop):
-        touch_row_pages_ahead(table_address, row_bytes, ids, i, stop, touch_pages_rows_ahead)
+        if touch_pages_rows_ahead > 0:
+            touch_row_pages(table_address, row_bytes, ids[min(i + touch_pages_rows_ahead, stop - 1)])
         row = ids[i]
         position = positions[i]
         if row < 0 or row >= vocab_size or position < 0 or position >= out_rows:
             skipped += 1
             continue
         if stream:
-            stream_id_row(table_address, row_bytes, ids, i, stop, out_address + np.uintp(position) * row_bytes,
-                          prefetch_rows_ahead, alias_window)
+            ahead = ids[min(i + prefetch_rows_ahead, stop - 1)]
+            stream_row(out_address + np.uintp(position) * row_bytes, table_address + np.uintp(row) * row_bytes,
+                       row_bytes, prefetch_rows_ahead > 0, table_address + np.uintp(ahead) * row_bytes, alias_window)
         else:
             copy_bytes(out_address + np.uintp(position) * row_bytes, table_address + np.uintp(row) * row_bytes,
                        row_bytes)
@@ -264,11 +263,13 @@ def _stream_row_backward(destination, source, row_bytes, prefetch_ahead, ahead):
 
 @njit(**_JIT)
 def gather_serial(table, ids, out, touch_pages_rows_ahead):
-    """Gather on the calling thread with :func:`copy_rows`: outputs below the parallel size, and every gather that finds the parallel lock taken."""
+    """Gather on the calling thread with :func:`copy_rows`: outputs below the parallel size, and any that finds the
+    parallel lock taken."""
     bad = first_bad_position(ids, table.shape[0])
     if bad >= 0:
         return bad
-    if copy_rows(table, ids, out, np.intp(0), ids.size, touch_pages_rows_ahead):  # np.intp(0): a literal 0 would compile a second copy_rows
+    # np.intp(0): a literal 0 would compile a second copy_rows
+    if copy_rows(table, ids, out, np.intp(0), ids.size, touch_pages_rows_ahead):
         return CHANGED_DURING_COPY
     return -1
 
