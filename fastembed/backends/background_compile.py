@@ -140,7 +140,7 @@ def wait(timeout: float | None = None) -> bool:
     for thread in threads:
         _join(thread, deadline)
     with _guard:
-        _threads[:] = [thread for thread in _threads if thread.is_alive()]
+        _drop_ended_threads()
         return not any(thread is not threading.current_thread() for thread in _threads)
 
 
@@ -159,10 +159,9 @@ def _wait_before_fork() -> None:
     held.append(_guard)  # recorded first: only the locks this thread owns are released after the fork
     # Held by a thread inside start() while its compile thread starts, or by another thread's wait before a fork.
     interrupted = _acquire_uninterrupted(_guard)
-    _given_up.difference_update([thread for thread in list(_given_up) if not thread.is_alive()])
-    _given_up_sections.intersection_update(_open_sections(but=ident))
+    interrupted |= _uninterrupted(lambda: _forget_ended(ident))
     interrupted |= _uninterrupted(_join_compiles)
-    _threads[:] = [thread for thread in _threads if thread.is_alive()]
+    interrupted |= _uninterrupted(_drop_ended_threads)
     held.append(_foreground_lock)
     interrupted |= _acquire_uninterrupted(_foreground_lock)
     deadline = time.monotonic() + FORK_WAIT_S
@@ -173,6 +172,16 @@ def _wait_before_fork() -> None:
         _ctrl_c_held.add(ident)
     if not _threads_still_running(ident):
         _waiting_to_fork.discard(ident)  # else the child is told not to compile
+
+
+def _forget_ended(ident: int) -> None:
+    """Drop from what earlier forks gave up on the compile threads that have ended and the sections now closed."""
+    _given_up.difference_update([thread for thread in list(_given_up) if not thread.is_alive()])
+    _given_up_sections.intersection_update(_open_sections(but=ident))
+
+
+def _drop_ended_threads() -> None:
+    _threads[:] = [thread for thread in _threads if thread.is_alive()]
 
 
 def _wait_for_foreground_sections(but: int, deadline: float) -> None:
@@ -234,16 +243,20 @@ def _acquire_uninterrupted(lock: Any) -> bool:
     """Take the re-entrant `lock` whatever KeyboardInterrupts arrive meanwhile; whether one arrived.
 
     An interrupt can end the wait before the lock is taken, or come just after it is: which, its owner says.
+    Python runs a signal handler after a call into C returns, so an interrupt raised at ``acquire()`` comes
+    after it ran: where this thread held the lock already, after it counted once more.
     """
-    owned_before = lock._is_owned()  # then the acquire cannot wait, and an interrupt comes after it counted
+    owned_before: bool | None = None
     interrupted = False
     while True:
         try:
+            if owned_before is None:
+                owned_before = lock._is_owned()
             lock.acquire()
             return interrupted
         except KeyboardInterrupt:
             interrupted = True
-            if owned_before or lock._is_owned():
+            if owned_before is not None and (owned_before or lock._is_owned()):
                 return True
 
 

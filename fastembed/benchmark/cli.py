@@ -215,21 +215,25 @@ def _ending_signals_raise() -> Iterator[None]:
     A default handler would end the process at once, leaving a competing load
     spinning and a temporary copy of the table on disk. Where Python drops
     the exception (the handler ran inside a finalizer), the signal is sent
-    again once that code has returned.
+    again once that code has returned, or :class:`Terminated` raised as the
+    block ends, whichever comes first.
     """
+    dropped: list[int] = []  # the signal of a Terminated that Python dropped, until it is raised again
+
     def raise_terminated(signum: int, _frame: Any) -> None:
         for number in replaced:  # a second signal must not cut the cleanup short
             signal.signal(number, signal.SIG_IGN)
+        dropped.clear()
         raise Terminated(signum)
 
     def unraisable(report: Any) -> None:
         if not isinstance(report.exc_value, Terminated):
             previous_hook(report)
             return
-        with contextlib.suppress(ValueError):  # a finalizer run on another thread: handlers can only be set here
-            for number in replaced:  # no cleanup has begun: the run goes on until the signal comes again
-                signal.signal(number, raise_terminated)
-            interrupts.interrupt_again(report.exc_value.signum)
+        dropped[:] = [report.exc_value.signum]
+        for number in replaced:  # no cleanup has begun: the run goes on until the signal comes again
+            signal.signal(number, raise_terminated)  # on the main thread, as the handler that raised it ran there
+        interrupts.interrupt_again(report.exc_value.signum)
 
     replaced = {}
     with contextlib.suppress(ValueError):  # outside the main thread no handler can be set: the signals stay as they are
@@ -244,6 +248,8 @@ def _ending_signals_raise() -> Iterator[None]:
         sys.unraisablehook = previous_hook
         for number, previous in replaced.items():
             signal.signal(number, previous)
+    if dropped:  # the block ended before the signal came again
+        raise Terminated(dropped[0])
 
 
 def main(argv: list[str] | None = None) -> int:
