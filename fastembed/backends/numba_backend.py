@@ -259,9 +259,9 @@ class NumbaBackend:
     def gather(self, table: np.ndarray, ids: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         n = ids.size
         # strides[0] is the row's bytes in a C-contiguous table (any value where there is one row or none).
-        out_bytes_count = n * table.strides[0]
-        if (out_bytes_count < SERIAL_MIN_BYTES or self._import_error is not None
-                or (table.strides[0] < TOUCHED_ROW_MIN_BYTES and out_bytes_count < PARALLEL_MIN_BYTES)):
+        output_nbytes = n * table.strides[0]
+        if (output_nbytes < SERIAL_MIN_BYTES or self._import_error is not None
+                or (table.strides[0] < TOUCHED_ROW_MIN_BYTES and output_nbytes < PARALLEL_MIN_BYTES)):
             # A few rows, or narrow ones below the parallel size: numpy's take on this thread. Or numba failed to
             # load, which unavailable_reasons() reports.
             return take_new(table, ids) if out is None else take_into(table, ids, out)
@@ -274,9 +274,10 @@ class NumbaBackend:
         kernels = self._kernels
         if kernels is None:  # reset() by another thread since the check
             return numpy_backend.BACKEND.gather(table, ids, out)
-        serial = out_bytes_count < PARALLEL_MIN_BYTES
-        if out is None:  # a parallel output on a cache line, as streamed outputs are best placed
+        serial = output_nbytes < PARALLEL_MIN_BYTES
+        if out is None:
             shape = ids.shape + table.shape[1:]
+            # Only streamed stores want a cache line's alignment, which costs a serial gather more than it saves.
             out = np.empty(shape, table.dtype) if serial else output_cache.new_output(shape, table.dtype,
                                                                                      output_cache.ALIGNMENT)
         out_bytes = _row_bytes(out, n) if given_bytes is None else given_bytes
@@ -290,8 +291,8 @@ class NumbaBackend:
 
     def small_gather(self) -> SmallGather:
         """Allocating outputs below ``SERIAL_MIN_BYTES`` are numpy's take on the calling thread (:meth:`gather`);
-        everything below ``PARALLEL_MIN_BYTES`` is gathered on that thread (the serial kernel serves the range
-        between the two, empty unless ``SERIAL_MIN_BYTES`` is lowered)."""
+        everything below ``PARALLEL_MIN_BYTES`` is gathered on that thread (by the serial kernel between the two,
+        or by take for rows narrower than ``TOUCHED_ROW_MIN_BYTES``)."""
         return SmallGather(SERIAL_MIN_BYTES, take_new, PARALLEL_MIN_BYTES)
 
     def _compile(self, signature: tuple, compile_now: Callable[[_Compiles], None]) -> bool:
@@ -546,6 +547,7 @@ class NumbaBackend:
                         "(NUMBA_NUM_THREADS sets the count, and so does numba.set_num_threads in the calling thread "
                         "once numba's own threading layer runs; OpenMP settings do not apply)"),
             "serial_min_bytes": SERIAL_MIN_BYTES,
+            "touched_row_min_bytes": TOUCHED_ROW_MIN_BYTES,
             "place_serial_min_bytes": PLACE_SERIAL_MIN_BYTES,
             "parallel_min_bytes": PARALLEL_MIN_BYTES,
             "max_block_bytes": MAX_BLOCK_BYTES,

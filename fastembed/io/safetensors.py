@@ -67,6 +67,8 @@ MAX_HEADER_BYTES = 16 * 2**20
 #: The longest JSON text of one tensor entry (a real one is under 150 bytes).
 MAX_ENTRY_BYTES = 4096
 
+#: The header's key of its metadata (a str -> str map), which no tensor may take.
+METADATA_KEY = "__metadata__"
 #: Keys of ``__metadata__`` that describe a table saved by fastembed (:func:`fastembed.io.save_table`):
 #: the table's tensor, and for a quantized table its block format and its values per row.
 #: The rows are the uint8 tensor; a format with row scales keeps them, float32, in ``<tensor>.scales``.
@@ -244,7 +246,7 @@ def _scan(path: Any, text: str, data_start: int, data_size: int, keep: Callable[
             if pos >= length or text[pos] != ":":
                 raise fail(f"expected ':' after {name[:80]!r}")
             pos = _skip_whitespace(text, pos + 1)
-            if name == "__metadata__":
+            if name == METADATA_KEY:
                 if seen_metadata:
                     raise ValueError(f"{path}: __metadata__ is given twice")
                 seen_metadata = True

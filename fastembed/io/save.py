@@ -45,7 +45,7 @@ from ..arrays import adapter_of
 from ..formats import FORMATS, QuantizedTable, is_fastembeds_own
 from ._files import check_tensor_name
 from .gguf import ALIGNMENT_KEY, DEFAULT_ALIGNMENT, DENSE_TYPES, MAGIC, TOKEN_EMBEDDING, UINT32_TYPE
-from .safetensors import DIM_KEY, FORMAT_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
+from .safetensors import DIM_KEY, FORMAT_KEY, METADATA_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
 
 #: The tensor name a table is saved under in a safetensors file when none is given.
 SAFETENSORS_NAME = "weight"
@@ -213,8 +213,8 @@ def _write_rows(handle: Any, rows: np.ndarray) -> None:
 
 def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
     """The table as safetensors tensors, with the metadata that lets the loaders find and rebuild it."""
-    if name == "__metadata__":
-        raise ValueError(f"{path}: a safetensors tensor cannot be named '__metadata__', the header's key for its "
+    if name == METADATA_KEY:
+        raise ValueError(f"{path}: a safetensors tensor cannot be named {METADATA_KEY!r}, the header's key for its "
                          "metadata; pass another name")
     metadata = {TENSOR_KEY: name}
     if isinstance(table, QuantizedTable):
@@ -230,7 +230,7 @@ def _write_safetensors(path: Any, table: np.ndarray | QuantizedTable, name: str)
         tensors = {name: (code, list(table.shape), table)}
     # As the safetensors package lays tensors out: widest dtype first, then by name, so every tensor starts aligned.
     tensors = dict(sorted(tensors.items(), key=lambda item: (-item[1][2].dtype.itemsize, item[0])))
-    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    header: dict[str, Any] = {METADATA_KEY: dict(sorted(metadata.items()))}
     begin = 0
     for tensor, (code, shape, rows) in tensors.items():
         end = begin + rows.size * rows.dtype.itemsize
