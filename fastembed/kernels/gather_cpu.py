@@ -135,9 +135,9 @@ def stream_rows(table, ids, out, start, stop, prefetch_rows_ahead, touch_pages_r
 def touch_row_pages(table_address, row_bytes, row):
     """One prefetch per 4 KiB page of the table's row `row` (a hint: a row outside the table is never read).
 
-    The row loops pass the row's id, never the ids array: numba counts the
-    references of an array passed to a function, an atomic instruction per
-    row that keeps the next rows' reads from starting early.
+    The row loops pass the row's id, never the ids array: numba may count
+    the references of an array passed to a function, atomic instructions
+    that would come with every row.
     """
     touch_pages(table_address + np.uintp(row) * row_bytes, row_bytes)
 
