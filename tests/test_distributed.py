@@ -379,6 +379,8 @@ def errors_task(rank: int, world: int, file_path: str, exchange: str) -> dict:
             np.uint64(8) if rank == last else 8))),
         "pad beyond 64 bits on one rank": lambda: build(table, pad_to_multiple=2**64 if rank == last else 8),
         "checkpoint path as bytes": lambda: build(os.fsencode(file_path), timeout=30),
+        "different names": lambda: build(file_path, name="model.embed_tokens.weight" if rank == 0 else None,
+                                         timeout=30),
         "different tables": lambda: build(make_table("float16", 6 + (rank == last))),
         "file missing on one rank": lambda: build(file_path + ("-missing" if rank == last else "")),
         "bad timeout on one rank": lambda: build(table, timeout=-1 if rank == last else 30),
@@ -840,7 +842,7 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
         "float ids on one rank": "TypeError", "bad mode": "ValueError", "scalar scatter": "ValueError",
         "padded id": "IndexError", "int dtypes differ": "no error", "different pad": "ValueError",
         "pad as a numpy integer on one rank": "no error", "pad beyond 64 bits on one rank": "ValueError",
-        "checkpoint path as bytes": "no error",
+        "checkpoint path as bytes": "no error", "different names": "ValueError",
         "different tables": "ValueError", "file missing on one rank": "FileNotFoundError",
         "bad timeout on one rank": "ValueError", "name with an array": "ValueError",
         "different layers": "ValueError", "timeout under a millisecond": "ValueError",
@@ -868,6 +870,7 @@ def test_every_rank_raises_the_same_error_before_any_data_collective(group, exch
     assert f"(on rank {world - 1} of {world})" in message["float ids on one rank"]
     assert "the ranks disagree on the table" in message["different pad"]
     assert "the ranks disagree on the table" in message["different tables"]
+    assert all(f"name={name!r}" in message["different names"] for name in ("model.embed_tokens.weight", None))
     assert message["pad beyond 64 bits on one rank"].startswith(
         f"pad_to_multiple must be an integer from 1 to 2**62, got {2**64} (on rank {world - 1} of {world})")
     assert "-missing" in message["file missing on one rank"]

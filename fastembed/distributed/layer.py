@@ -90,7 +90,8 @@ class VocabParallelEmbedding:
         group: the process group (default: the default group). Its backend
             must carry the shard's tensors: gloo (host and GPU tables),
             ``"cpu:gloo,cuda:nccl"`` (both), or NCCL alone (GPU tables only).
-        name: the tensor in a checkpoint (None: the token embedding, by name).
+        name: the tensor in a checkpoint (None: the token embedding, by name); the
+            same on every rank (None and the name it picks count as different).
         pad_to_multiple: pad the vocabulary to a multiple of this before
             splitting (:func:`row_range`); padded rows do not exist.
         timeout: seconds (1 ms to a year) each collective may take before
@@ -125,8 +126,8 @@ class VocabParallelEmbedding:
             without CPU transport (NCCL alone: on every rank, through the agreement on
             torch's current GPU; on that rank only, before any collective, where torch
             sees no GPU); ranks that opened tables of different
-            shapes or dtypes, on the host and on GPUs, or asked for different exchanges (the values
-            themselves are not compared); ``pad_to_multiple`` not from 1 to 2**62,
+            shapes or dtypes, on the host and on GPUs, or asked for different names or exchanges (the
+            values themselves are not compared); ``pad_to_multiple`` not from 1 to 2**62,
             ``timeout`` outside 1 ms to a year; `name` with an array; ``exchange="shared_memory"``
             on ranks that do not all run on one host with a usable /dev/shm, or
             with a GPU table; a `device` that is not the host or a visible GPU,
@@ -247,11 +248,12 @@ class VocabParallelEmbedding:
         where = "" if placement is None else " on the host" if placement == "cpu" else " on a GPU"
         described = "" if shard is None else (
             f"a {shard.vocab_size} x {shard.rows.shape[1]} {table_kind(shard.rows)} table{where}, "
-            f"pad_to_multiple={pad}, exchange={exchange!r}")
+            f"name={name!r}, pad_to_multiple={pad}, exchange={exchange!r}")
         try:
-            self._collectives.agree(error, fingerprint(described.encode()), lambda: described, "the table",
-                        "every rank must open a table of the same shape and dtype, with the same pad_to_multiple "
-                        "and exchange")
+            self._collectives.agree(error, fingerprint(described.encode("utf-8", "backslashreplace")),
+                                    lambda: described, "the table",
+                                    "every rank must open a table of the same shape and dtype, with the same name, "
+                                    "pad_to_multiple and exchange")
         finally:
             error = None  # see _call
         assert shard is not None  # the agreement raised otherwise
