@@ -267,6 +267,21 @@ def test_deferred_checks_report_later_and_immediate_ones_stay_clean(cp):
     assert cuda_backend.deferred_id_checks is fastembed.deferred_id_checks
 
 
+def test_device_ids_of_other_integer_dtypes_are_checked_as_they_are_converted_even_when_checks_are_deferred(cp):
+    """Device ids that are not int32 or int64 are range-checked before their conversion to int64 (uint64 values
+    above 2**63 would wrap to negative ids): a bad one raises at once, inside deferred_id_checks() too, and leaves
+    nothing for raise_deferred_id_errors(); good ones gather exactly."""
+    host = random_table(100, 64)
+    table = fastembed.Embedding(host).to_device().table
+    fastembed.raise_deferred_id_errors(0)
+    with fastembed.deferred_id_checks():
+        for dtype in (np.int16, np.uint8, np.uint64):
+            assert_rows(fastembed.lookup(table, cp.asarray(np.array([1, 99, 3], dtype))), host[[1, 99, 3]], cp)
+            with pytest.raises(IndexError, match="id 100 at position 1 is out of range"):
+                fastembed.lookup(table, cp.asarray(np.array([1, 100, 3], dtype)))
+    fastembed.raise_deferred_id_errors(0)  # nothing was deferred
+
+
 @pytest.mark.parametrize("device_id, error, words", [
     ("cuda:0", TypeError, "a CUDA device is given by its index"),
     (0.0, TypeError, "a CUDA device is given by its index"),
