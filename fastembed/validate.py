@@ -788,7 +788,9 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             raise TypeError(f"out has dtype {_dtype_name(out)}, expected {wanted} (the output dtype of this lookup)")
     expected = adapter_of(view).stored_dtype(np.dtype(table.dtype) if dtype is None else np.dtype(dtype))  # type: ignore[union-attr]
     if view.dtype != expected:
-        raise TypeError(f"out has dtype {np.dtype(view.dtype)}, expected {expected} (the output dtype of this lookup)")
+        named = _dtype_name(out) if adapter.device(out) != "cpu" else None  # not the words a GPU snapshot holds
+        raise TypeError(f"out has dtype {named or np.dtype(view.dtype)}, expected {expected} (the output dtype of "
+                        "this lookup)")
     flags = view.flags
     if not flags.c_contiguous:
         raise ValueError(f"out must be C-contiguous, got strides {tuple(view.strides)}")

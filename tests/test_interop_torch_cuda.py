@@ -293,6 +293,13 @@ def test_out_must_have_the_results_torch_dtype_not_only_its_width(tc):
     assert tc.to_host(out).view(torch.uint16).numpy().tobytes() == expected.view(np.uint16).tobytes()
 
 
+def test_a_torch_out_of_the_wrong_dtype_for_a_cupy_table_is_named_by_its_torch_dtype(tc):
+    """The snapshot of a bfloat16 tensor holds uint16 words; the message names what the caller passed."""
+    table = fastembed.Embedding(np.ones((VOCAB, DIM), np.float16)).to_device().table
+    with pytest.raises(TypeError, match="out has dtype bfloat16, expected float16"):
+        fastembed.lookup(table, [1], out=tc.empty((1, DIM), torch.bfloat16))
+
+
 def test_dtype_naming_the_tables_own_torch_dtype_is_no_cast(tc):
     host = host_table(torch.bfloat16)
     table = tc.to_cuda(host)
