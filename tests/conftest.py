@@ -11,9 +11,11 @@ import pytest
 
 
 def _kernels_cache_dir() -> str:
-    """A numba cache folder of its own for these kernel sources: numba stamps a cached kernel with the file that
-    defines it only, so an edit of a module it calls (dequant_blocks.py, cpu_intrinsics.py) would leave the old
-    machine code in use."""
+    """A numba cache folder of its own for these kernel sources.
+
+    Numba stamps a cached kernel with the file that defines it only, so an edit of a module it calls
+    (dequant_blocks.py, cpu_intrinsics.py) would leave the old machine code in use.
+    """
     kernels = Path(__file__).resolve().parent.parent / "fastembed" / "kernels"
     digest = hashlib.sha256()
     for source in sorted(kernels.glob("*.py")):
@@ -21,7 +23,12 @@ def _kernels_cache_dir() -> str:
     return str(kernels.parent.parent / ".pytest_cache" / f"numba-{digest.hexdigest()[:16]}")
 
 
-os.environ.setdefault("NUMBA_CACHE_DIR", _kernels_cache_dir())  # before numba is imported; the user's setting wins
+# Before numba is imported. The user's setting wins; otherwise each pytest-xdist worker gets a folder of its own
+# (it inherits the main process's setting): two processes that add kernels to one cache at once can each number a
+# new file the same, leaving its index naming the other's code.
+_OURS = _kernels_cache_dir()
+if os.environ.get("NUMBA_CACHE_DIR", _OURS).startswith(_OURS):
+    os.environ["NUMBA_CACHE_DIR"] = os.path.join(_OURS, os.environ.get("PYTEST_XDIST_WORKER", "main"))
 
 import fastembed  # noqa: E402
 from helpers import CPU_BACKENDS  # noqa: E402
