@@ -66,7 +66,8 @@ UNREADABLE_METADATA = "unknown (its METADATA is no UTF-8)"
 def _name_and_version(distribution: importlib.metadata.Distribution) -> tuple[str, str]:
     """`distribution`'s name and version; ("", UNREADABLE_METADATA) where its METADATA is no UTF-8."""
     try:
-        return distribution.metadata["Name"] or "", distribution.version or ""
+        metadata = distribution.metadata  # read and parsed on every access: once here
+        return metadata["Name"] or "", metadata["Version"] or ""
     except UnicodeDecodeError:
         return "", UNREADABLE_METADATA
 

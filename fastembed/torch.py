@@ -74,7 +74,7 @@ from torch.autograd import forward_ad
 from . import dispatch, validate
 from .api import lookup
 from .arrays.torch_adapter import ADAPTER as _TORCH_ADAPTER
-from .arrays.torch_adapter import stands_for_other_memory, storage_bytes
+from .arrays.torch_adapter import stands_for_other_memory
 
 __all__ = ["Embedding"]
 
@@ -207,10 +207,7 @@ def _refused_by_torch(weight: torch.Tensor) -> bool:
     A storage shrunk only part of the way is not among them: torch would read
     past its end, and fastembed's lookup refuses it with a ValueError.
     """
-    if weight.shape[0] == 0:
-        return True
-    needed, held = storage_bytes(weight)
-    return held == 0 < needed
+    return weight.shape[0] == 0 or weight.untyped_storage().nbytes() == 0
 
 
 def _padding_outside(padding_idx: int | None, rows: int) -> bool:
