@@ -282,6 +282,7 @@ def test_a_table_sharing_bytes_with_another_tensor_is_refused(tmp_path):
     sharing = {"another at the same place": [table, ("twin", [4], 1, 64)],
                "another starting inside it": [table, ("next", [4], 1, 128)],
                "one of a type ggml does not define starting inside it": [("odd", [1], 99, 96), table],
+               "one of a type ggml does not define starting where it starts": [("odd", [1], 99, 64), table],
                "it inside another": [("big", [256], 0, 0), table],
                "it starting inside another": [("first", [24], 0, 0), table]}
     for tensors in sharing.values():

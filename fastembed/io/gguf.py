@@ -391,10 +391,11 @@ _U64_MAX = 2**64 - 1
 
 
 def _data_bytes(dims: tuple[int, ...], ggml_type: int) -> int:
-    """The bytes a tensor of `dims` and `ggml_type` takes in the data; 0 for a type ggml does not define."""
+    """The bytes a tensor of `dims` and `ggml_type` takes in the data; 1 for a type ggml does not define (its first
+    byte, all that is known of it)."""
     known = GGML_TYPES.get(ggml_type)
     if known is None:
-        return 0
+        return 1
     elements = 1
     for size in dims:
         elements *= size
