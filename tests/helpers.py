@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Callable
 
@@ -126,3 +127,17 @@ def dequantized(table, ids, dtype=np.float32) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):  # the special-value tests make infinities and NaN on purpose
         rows = dequantize_rows(np.asarray(table.data)[flat], scales, table.format, table.dim)
         return rows.astype(dtype).reshape(np.shape(ids) + (table.dim,))
+
+
+def past_a_file_time_tick(folder, since_ns: int) -> None:
+    """Return once a file changed now in `folder` gets a change time after `since_ns` (file times tick every few
+    ms on most filesystems, every second on some)."""
+    probe = folder / "tick-probe"
+    deadline = time.monotonic() + 10
+    while True:
+        probe.write_bytes(b"")
+        if os.stat(probe).st_ctime_ns > since_ns:
+            probe.unlink()
+            return
+        assert time.monotonic() < deadline, "the filesystem's file times did not move in 10 s"
+        time.sleep(0.01)

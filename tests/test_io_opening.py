@@ -5,6 +5,8 @@ import io as bytes_io
 import json
 import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import fastembed
 from fastembed import distributed, io
 from fastembed.formats import QuantizedTable
 from fastembed.io import _files
-from helpers import random_quantized, random_table
+from helpers import past_a_file_time_tick, random_quantized, random_table
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 pytest.importorskip("gguf")
@@ -33,7 +35,7 @@ def test_a_file_renamed_over_the_path_between_the_header_and_the_map_is_refused(
     save = np.save if suffix == ".npy" else _save
     save(path, TABLE)
     save(newer, OTHER)
-    real_open = _files._open_for_reading
+    real_open = _files.open_for_reading
     opened = []
 
     def racing_open(name):
@@ -42,11 +44,63 @@ def test_a_file_renamed_over_the_path_between_the_header_and_the_map_is_refused(
             os.replace(newer, path)  # the download lands between the header's read and the map
         return real_open(name)
 
-    monkeypatch.setattr(_files, "_open_for_reading", racing_open)
+    monkeypatch.setattr(_files, "open_for_reading", racing_open)
     with pytest.raises(ValueError, match="changed while it was being opened"):
         fastembed.Embedding.from_pretrained(path)
     monkeypatch.undo()
     assert fastembed.Embedding.from_pretrained(path).table.dtype == np.float32  # the new file, opened again
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".gguf", ".npy"])
+def test_a_rewrite_in_place_between_the_header_and_the_map_that_puts_the_modification_time_back_is_refused(
+        tmp_path, monkeypatch, suffix):
+    """The map compared the file with its header's by size and modification time: it took the rewritten bytes
+    under the header read before (rows of the new header's text, say)."""
+    path = tmp_path / f"model{suffix}"
+    (np.save if suffix == ".npy" else _save)(path, TABLE)
+    size = os.path.getsize(path)
+    real_open = _files.open_for_reading
+    opened = []
+
+    def racing_open(name):
+        opened.append(name)
+        if len(opened) == 2:  # the map's opening, after the header's: another program rewrites the file in place
+            before = os.stat(path)
+            past_a_file_time_tick(tmp_path, before.st_ctime_ns)
+            with open(path, "r+b") as handle:
+                handle.write(bytes(reversed(path.read_bytes())))
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # as rsync --inplace -t leaves it
+            assert os.path.getsize(path) == size
+        return real_open(name)
+
+    monkeypatch.setattr(_files, "open_for_reading", racing_open)
+    with pytest.raises(ValueError, match="changed while it was being opened"):
+        fastembed.Embedding.from_pretrained(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_put_at_the_path_after_its_check_is_refused_without_waiting_for_a_writer(tmp_path):
+    """open_table read a file's first bytes (and a checkpoint's JSON) by its path, opened to wait for a writer."""
+    np.save(tmp_path / "table.npy", TABLE)
+    _checkpoint(tmp_path / "checkpoint", '{"vocab_size": 100, "hidden_size": 64}')
+    script = f"""
+import os
+from fastembed.io import _files, checkpoints, open_table
+real_check = _files.check_file
+def check_then_fifo(path, opener):  # another program puts a FIFO at the path once it is checked
+    size = real_check(path, opener)
+    os.unlink(path)
+    os.mkfifo(path)
+    return size
+checkpoints.check_file = check_then_fifo
+for source in ({str(tmp_path / "table.npy")!r}, {str(tmp_path / "checkpoint")!r}):
+    try:
+        open_table(source)
+    except ValueError as error:
+        print("refused:", error)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.stdout.count("refused:") == 2, result.stdout + result.stderr[-2000:]
 
 
 def test_a_file_replaced_between_the_check_and_the_open_is_refused(tmp_path, monkeypatch):
@@ -228,7 +282,7 @@ def test_the_scans_give_the_documented_tuples(tmp_path):
 def test_a_fifo_put_at_the_path_before_the_map_is_refused_without_waiting_for_a_writer(tmp_path, monkeypatch):
     path = tmp_path / "model.safetensors"
     _save(path, TABLE)
-    real_open = _files._open_for_reading
+    real_open = _files.open_for_reading
     opened = []
 
     def racing_open(name):
@@ -238,6 +292,6 @@ def test_a_fifo_put_at_the_path_before_the_map_is_refused_without_waiting_for_a_
             os.mkfifo(path)  # opening it to read would wait for a writer for ever
         return real_open(name)
 
-    monkeypatch.setattr(_files, "_open_for_reading", racing_open)
+    monkeypatch.setattr(_files, "open_for_reading", racing_open)
     with pytest.raises(ValueError, match="changed while it was being opened"):
         fastembed.Embedding.from_safetensors(path)

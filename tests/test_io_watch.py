@@ -5,13 +5,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from fastembed import io
-from helpers import random_table
+from helpers import past_a_file_time_tick, random_table
 
 
 @pytest.fixture
@@ -46,20 +45,6 @@ def test_a_file_modified_in_place_is_reported(mapped):
     os.utime(path, ns=(status.st_atime_ns, watch.mtime_ns + 10_000_000))
     with pytest.raises(io.FileChangedError, match="modified in place"):
         watch.check()
-
-
-def past_a_file_time_tick(folder, since_ns: int) -> None:
-    """Return once a file changed now in `folder` gets a change time after `since_ns` (file times tick every few
-    ms on most filesystems, every second on some)."""
-    probe = folder / "tick-probe"
-    deadline = time.monotonic() + 10
-    while True:
-        probe.write_bytes(b"")
-        if os.stat(probe).st_ctime_ns > since_ns:
-            probe.unlink()
-            return
-        assert time.monotonic() < deadline, "the filesystem's file times did not move in 10 s"
-        time.sleep(0.01)
 
 
 def test_a_rewrite_that_puts_the_modification_time_back_is_reported(mapped):
@@ -187,6 +172,21 @@ def test_a_file_changed_between_its_mapping_and_its_watch_is_refused(tmp_path):
     table = io.map_npy(path)
     with open(path, "ab") as handle:  # grown in place after the map: the watch would start from the new state
         handle.write(b"\0" * 64)
+    with pytest.raises(ValueError, match="changed since it was mapped"):
+        io.FileWatch.for_table(table)
+
+
+def test_a_rewrite_between_the_mapping_and_the_watch_that_puts_the_modification_time_back_is_refused(tmp_path):
+    """The watch compared the file with its map by size and modification time: it started from the rewritten rows."""
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(64, 8, "float32"))
+    table = io.map_npy(path)
+    before = os.stat(path)
+    past_a_file_time_tick(path.parent, before.st_ctime_ns)
+    with open(path, "r+b") as handle:
+        handle.seek(-4, os.SEEK_END)
+        handle.write(b"\0" * 4)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # as touch -r or rsync --inplace -t leave it
     with pytest.raises(ValueError, match="changed since it was mapped"):
         io.FileWatch.for_table(table)
 

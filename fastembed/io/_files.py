@@ -62,12 +62,18 @@ def shorten(names: Iterable[str], total: int | None = None, limit: int = NAMES_S
 
 
 class FileIdentity(NamedTuple):
-    """The file a path named when a loader read its header: the bytes it maps must come from that file, unchanged."""
+    """The file a path named when a loader read its header: the bytes it maps must come from that file, unchanged.
+
+    The change time counts beside the modification time: a rewrite that puts
+    the modification time back (``touch -r``, ``rsync --inplace -t``) still
+    moves it.
+    """
 
     device: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, status: os.stat_result) -> FileIdentity:
@@ -80,7 +86,7 @@ class FileIdentity(NamedTuple):
             ...     FileIdentity.of(os.fstat(handle.fileno())).size
             0
         """
-        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
 
 
 def _changed(path: str | os.PathLike) -> ValueError:
@@ -98,7 +104,7 @@ def opened(path: str | os.PathLike, opener: str) -> Iterator[tuple[BinaryIO, Fil
             and the opening.
     """
     status = _status(path, opener)
-    with _open_for_reading(path) as handle:
+    with open_for_reading(path) as handle:
         identity = FileIdentity.of(os.fstat(handle.fileno()))
         if identity != FileIdentity.of(status):
             raise _changed(path)
@@ -124,7 +130,7 @@ def map_file(path: str | os.PathLike, dtype: Any, offset: int, shape: tuple[int,
     if identity is None:
         return np.memmap(name, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
     try:
-        handle = _open_for_reading(name)
+        handle = open_for_reading(name)
     except OSError:
         raise _changed(path) from None
     with handle:
@@ -148,7 +154,7 @@ def _resolved(name: str) -> str:
         return name
 
 
-def _open_for_reading(path: str | os.PathLike) -> BinaryIO:
+def open_for_reading(path: str | os.PathLike) -> BinaryIO:
     """`path` open for reading, without waiting when it has become a FIFO (its identity then tells it apart)."""
     return open(path, "rb", opener=lambda name, flags: os.open(name, flags | getattr(os, "O_NONBLOCK", 0)))
 
@@ -331,11 +337,10 @@ _ZIP_LOCAL_HEADER_BYTES = 30
 
 def _mentions(path: str | os.PathLike, needle: bytes, limit: int = 1 << 20) -> bool:
     """Whether the first `limit` bytes of the file contain `needle`."""
-    with open(path, "rb") as handle:
-        return needle in handle.read(limit)
+    return needle in read_head(path, limit)
 
 
 def read_head(path: str | os.PathLike, size: int = 64) -> bytes:
-    """The first `size` bytes of a file (fewer when it is shorter)."""
-    with open(path, "rb") as handle:
-        return handle.read(size)
+    """The first `size` bytes of a file (fewer when it is shorter; none where the path has become a FIFO)."""
+    with open_for_reading(path) as handle:
+        return handle.read(size) or b""  # None: a FIFO whose writer has written nothing yet

@@ -245,8 +245,11 @@ def _read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> dict[str, 
     size = check_file(path, "fastembed.io.open_table")
     if size > limit:
         raise ValueError(f"{path}: {what} is {size} bytes, over the {limit}-byte limit")
+    text = read_head(path, limit + 1)  # no more: the file may have grown since it was checked
+    if len(text) > limit:
+        raise ValueError(f"{path}: {what} grew past the {limit}-byte limit while it was read")
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_fields)
+        value = json.loads(text.decode("utf-8"), object_pairs_hook=_fields)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise ValueError(f"{path}: {what} is not valid JSON: {error}") from None
     if not isinstance(value, dict):

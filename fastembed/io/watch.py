@@ -71,8 +71,8 @@ class FileWatch:
         needed_bytes: how many bytes from the file's start the table covers
             (the map's offset plus its length).
         mapped: the file as it was when it was mapped (a
-            :class:`~fastembed.io.FileIdentity`: device, inode, size and
-            modification time, as the loaders record it), or None when
+            :class:`~fastembed.io.FileIdentity`: device, inode, size,
+            modification and change time, as the loaders record it), or None when
             unknown. The file at `path` must still be that one,
             unchanged: else the watch would follow another file, or start
             from a change it never saw.
