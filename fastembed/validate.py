@@ -512,7 +512,7 @@ def _converted_ids(ids: Any, vocab_size: int) -> np.ndarray:
     """Ids that are no array (a list, a tuple, a number) as the new array numpy converts them to.
 
     Raises:
-        TypeError: a bool.
+        TypeError: a bool; elements whose library refuses numpy their values (a torch tensor that requires grad).
         ValueError: nested lists of different lengths.
         IndexError: an integer that fits no 64-bit integer (or an id outside `vocab_size` rows before it).
     """
@@ -522,6 +522,8 @@ def _converted_ids(ids: Any, vocab_size: int) -> np.ndarray:
         converted = np.asarray(ids)
     except ValueError as error:  # nested lists of different lengths
         raise ValueError(f"ids must form a rectangular array of integers: {error}") from None
+    except RuntimeError as error:  # torch's and JAX's refusal of an element's values
+        raise TypeError(f"ids must be integers numpy can read: {error}") from None
     if converted.dtype.kind in "fO" and not isinstance(ids, np.generic):
         if converted.size == 0:
             return converted.astype(np.intp)  # [] is float64 to numpy; table[[]] treats it as intp

@@ -172,6 +172,14 @@ def test_out_that_requires_grad_is_refused():
     assert not out.detach().any()
 
 
+def test_ids_in_a_list_holding_tensors_numpy_cannot_read_are_a_type_error():
+    """numpy converts a list by asking each tensor for its array: torch's RuntimeError went through unexplained."""
+    table = np.ones((10, DIM), np.float32)
+    for element in (torch.tensor(3.0, requires_grad=True), torch.tensor(-3)._neg_view()):
+        with pytest.raises(TypeError, match="ids must be integers numpy can read: .*numpy\\(\\)"):
+            fastembed.lookup(table, [element])
+
+
 def test_non_contiguous_torch_table_is_refused_but_strided_ids_are_fine(backend):
     table = torch_table("float32")
     with pytest.raises(ValueError, match="C-contiguous.*contiguous\\(\\)"):
