@@ -286,6 +286,69 @@ def test_a_forked_child_starts_workers_of_its_own():
     os.close(read)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("fork_while", ["claiming", "waiting"])
+def test_a_fork_on_the_thread_inside_a_region_finishes_the_region_in_the_child(fork_while, monkeypatch):
+    """A signal handler or finalizer that forks while its thread runs a region: the child waited for ever for the
+    parent's workers, and their blocks were never run there. The caller forks inside its own block ("claiming") or
+    while it waits for the worker's ("waiting", from a signal handler)."""
+    workers = cpu_workers.WORKERS  # the one a fork resets
+    caller = threading.get_ident()
+    worker_inside, forked = threading.Event(), threading.Event()
+    visits = np.zeros(2, np.int64)
+    pids: list[int] = []
+
+    def fork() -> None:
+        if not pids:
+            pids.append(os.fork())
+            if pids[0]:
+                forked.set()
+
+    def task(start: int, stop: int) -> int:
+        if threading.get_ident() != caller:  # the parent's worker: still inside its block at the fork
+            worker_inside.set()
+            forked.wait(30)
+        else:
+            assert worker_inside.wait(30)  # both blocks are claimed now
+            if fork_while == "claiming":
+                fork()
+        visits[start:stop] += 1
+        return stop - start
+
+    landed: list[bool] = []
+    if fork_while == "waiting":
+        close = cpu_workers._Region.close
+
+        def close_with_an_alarm(region) -> None:  # the caller's block is done; the worker is inside its own
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            close(region)
+
+        def fork_in_handler(signum, frame) -> None:
+            landed.append(_inside(frame, "close"))
+            fork()
+
+        monkeypatch.setattr(cpu_workers._Region, "close", close_with_an_alarm)
+        previous = signal.signal(signal.SIGALRM, fork_in_handler)
+    try:
+        total = workers.run(task, 2, 2)
+    finally:
+        if fork_while == "waiting":
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    if pids[0] == 0:  # pragma: no cover - the child reports by its exit status
+        os._exit(0 if total == 2 and (visits == 1).all() else 1)
+    deadline = time.monotonic() + 30
+    while (ended := os.waitpid(pids[0], os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if ended[0] == 0:
+        os.kill(pids[0], signal.SIGKILL)
+        os.waitpid(pids[0], 0)
+    assert ended[0] != 0, "the child hung in the region"
+    assert os.waitstatus_to_exitcode(ended[1]) == 0, "the child's region left a block unrun"
+    assert total == 2 and (visits == 1).all()
+    assert landed == ([True] if fork_while == "waiting" else [])
+
+
 def test_a_parallel_lookup_in_a_finalizer_at_interpreter_exit_is_served_and_the_process_exits():
     """The final garbage collection ran a __del__ whose lookup asked for workers; the old ones read as dead by then,
     and Python 3.11's Thread.start() blocks for good at exit (3.12 raises): the process never ended."""

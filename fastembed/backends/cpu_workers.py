@@ -28,7 +28,9 @@ How a region runs (:meth:`Workers.run`):
 - regions from several threads at once queue up for the workers, first in,
   first out; each caller claims blocks of its own region meanwhile;
 - a forked child starts workers of its own on its first region (a fork
-  copies none of the parent's threads).
+  copies none of the parent's threads); a region under way on the thread
+  that forked (a signal handler's fork, a finalizer's) goes on in the
+  child, whose caller runs the blocks the parent's workers had claimed.
 
 Example:
     >>> import numpy as np
@@ -59,27 +61,40 @@ class _Region:
 
     Workers enter and leave under ``lock``; the caller never waits on it
     while a worker runs a block, so the caller's wait is on ``quiet`` alone.
+    Each block's claimer is recorded, and the block marked done after its
+    task returns: a forked child, whose workers are gone, runs again the
+    blocks they had claimed and not finished (:meth:`after_fork_in_child`).
     """
 
     def __init__(self, task: Task, n_rows: int, n_blocks: int) -> None:
         self.task: Task | None = task  # dropped when the region closes: a region still queued keeps no array alive
         self.n_rows, self.n_blocks = n_rows, n_blocks
-        self.blocks = iter(range(n_blocks))
+        self.next_block = 0
         self.lock = threading.Lock()
         self.closed = False
         self.busy = 0  # workers inside the region
         self.quiet = threading.Lock()  # released by the last worker to leave a closed region
         self.quiet.acquire()
-        self.counts: list[int] = []
+        self.counts = [0] * n_blocks
+        self.by_worker = bytearray(n_blocks)  # which thread claimed each block: 1 a worker, 0 the caller
+        self.done = bytearray(n_blocks)
+        self.orphans: list[int] = []  # blocks a fork took the workers of, for the caller to run in the child
         self.errors: list[BaseException] = []
 
-    def claim(self) -> tuple[int, int] | None:
-        """The rows of the next unclaimed block, or None when every block is claimed."""
+    def claim(self, by_worker: bool = False) -> int | None:
+        """The next unclaimed block, or None when every block is claimed."""
         with self.lock:
-            block = next(self.blocks, None)
-        if block is None:
-            return None
-        return block * self.n_rows // self.n_blocks, (block + 1) * self.n_rows // self.n_blocks
+            block = self.next_block
+            if block >= self.n_blocks:
+                return None
+            self.by_worker[block] = by_worker
+            self.next_block = block + 1  # the last step: a fork before it leaves the block unclaimed in the child
+        return block
+
+    def run_block(self, task: Task, block: int) -> None:
+        """Run `task` on the rows of `block` and record its count."""
+        self.counts[block] = task(block * self.n_rows // self.n_blocks, (block + 1) * self.n_rows // self.n_blocks)
+        self.done[block] = 1
 
     def serve(self) -> None:
         """A worker's part: claim and run blocks until none is left (a closed region is left at once)."""
@@ -89,8 +104,8 @@ class _Region:
             self.busy += 1
             task = self.task
         try:
-            while task is not None and (rows := self.claim()) is not None:
-                self.counts.append(task(*rows))
+            while task is not None and (block := self.claim(by_worker=True)) is not None:
+                self.run_block(task, block)
         except BaseException as error:  # noqa: BLE001 - handed to the caller, which raises it
             self.errors.append(error)
         finally:
@@ -102,9 +117,7 @@ class _Region:
     def close(self) -> None:
         """Claim what is left, so that no worker starts a block, then wait for those inside. Safe to repeat."""
         with self.lock:
-            for _ in self.blocks:
-                pass
-            self.task = None
+            self.next_block = self.n_blocks
             if not self.closed:
                 self.closed = True
                 inside = self.busy
@@ -113,6 +126,23 @@ class _Region:
         if inside:
             self.quiet.acquire()
             self.quiet.release()  # a repeated close() after an interrupted one finds it free
+        task = self.task
+        while task is not None and self.orphans:
+            block = self.orphans.pop()
+            try:
+                self.run_block(task, block)
+            except Exception as error:  # noqa: BLE001 - as a worker's: run() raises it once the region is closed
+                self.errors.append(error)
+        self.task = None
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child, where no worker is: the blocks they had claimed and not finished go to the caller."""
+        self.lock = threading.Lock()  # a worker may have held it at the fork
+        self.busy = 0
+        claimed = range(min(self.next_block, self.n_blocks))
+        self.orphans = [block for block in claimed if self.by_worker[block] and not self.done[block]]
+        if self.closed and self.quiet.locked():
+            self.quiet.release()  # the caller waits on it in close(), which then runs the orphans
 
 
 class Workers:
@@ -125,6 +155,7 @@ class Workers:
         self._regions: queue.SimpleQueue[_Region] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
+        self._running: set[_Region] = set()  # the regions whose run() has not ended, on any thread
 
     def run(self, task: Task, n_rows: int, n_threads: int, n_blocks: int = 1) -> int:
         """Run ``task(start, stop)`` over [0, n_rows) cut into blocks; sum its returns.
@@ -157,9 +188,10 @@ class Workers:
         region = _Region(task, n_rows, min(n_rows, max(n_threads, n_blocks)))
         held_back: BaseException | None = None
         try:
+            self._running.add(region)
             self._hand_out(region, n_threads - 1)
-            while (rows := region.claim()) is not None:
-                region.counts.append(task(*rows))
+            while (block := region.claim()) is not None:
+                region.run_block(task, block)
         finally:
             while True:  # no row may be written after this call ends, whatever a signal handler raises meanwhile
                 try:
@@ -167,6 +199,7 @@ class Workers:
                     break
                 except BaseException as caught:  # noqa: BLE001 - raised below, once the workers are out
                     held_back = held_back or caught
+            self._running.discard(region)
             if held_back is not None:  # raised even where the caller's own block raised: it is never lost
                 raise held_back
         errors, region.errors = region.errors, []  # a region still queued keeps no traceback (and its frames) alive
@@ -213,8 +246,15 @@ class Workers:
             regions.get().serve()
 
     def after_fork_in_child(self) -> None:
-        """Forget the parent's threads and queue: the child has neither; its first region starts new ones."""
+        """Forget the parent's threads and queue: the child has neither; its first region starts new ones.
+
+        A region under way on the thread that forked goes on in the child
+        without workers: its caller runs the blocks they had claimed.
+        """
+        running = self._running
         self._forget()
+        for region in running:
+            region.after_fork_in_child()
 
 
 WORKERS = Workers()
