@@ -195,7 +195,8 @@ class CudaBackend:
         ``ids`` an int32/int64 cupy array and ``out`` a C-contiguous cupy
         array of ``ids.shape + (dim,)`` on the table's device (uint16 words
         for bfloat16). Results are bit for bit
-        :func:`fastembed.formats.dequantize_rows` rounded to `dtype`.
+        :func:`fastembed.formats.dequantize_rows` rounded to `dtype`, but
+        for NaNs, which are the device's canonical NaN (docs/gpu.md).
 
         Raises:
             IndexError: a bad id (:func:`fastembed.validate.out_of_range_error`),

@@ -3,7 +3,8 @@
 // Rows of a quantized table are runs of ggml blocks (q8_0 ... q6_k) or fp8
 // bytes with one float32 scale per row; they dequantize into float32, or
 // into float16/bfloat16 rounded to nearest even. Results are bit for bit
-// those of fastembed.formats.dequantize_rows: float32 arithmetic in the
+// those of fastembed.formats.dequantize_rows (a NaN as the device's one NaN,
+// without the reference's sign and payload): float32 arithmetic in the
 // reference's order, every product and sum rounded on its own (__fmul_rn,
 // __fadd_rn, __fsub_rn are never contracted into a fused multiply-add; the
 // module is also compiled with --fmad=false).
@@ -467,7 +468,8 @@ __device__ __forceinline__ void fe_block_row(const unsigned char* source, typena
     }
 }
 
-// The threads of the block dequantize one fp8 row (dim bytes, any dim) times `scale`.
+// The threads of the block dequantize one fp8 row (dim values from its first byte, any dim) times `scale`; a
+// row of more bytes than values (row_bytes > dim) has its last values written one by one, never past dim.
 template <int A, typename O>
 __device__ __forceinline__ void fe_fp8_row(const unsigned char* source, float scale, typename O::type* destination,
                                            long long dim, bool vector)
@@ -475,7 +477,7 @@ __device__ __forceinline__ void fe_fp8_row(const unsigned char* source, float sc
     const long long units = (dim + 7) / 8;
     for (long long t = threadIdx.x; t < units; t += blockDim.x) {
         const long long first = 8 * t;
-        if (A >= 8 || first + 8 <= dim) {
+        if (first + 8 <= dim) {
             const uint2 bytes = fe_u64<A>(source + first);
             float v[8];
             FE_UNROLL
