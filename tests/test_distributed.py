@@ -484,10 +484,13 @@ def shared_memory_task(rank: int, world: int) -> dict:
             raise OSError(28, "No space left on device")
         return real_create(path, size)
 
+    made: list = []
+
     def room_for_one(path, size):  # a /dev/shm with room for one segment at a time, whatever its size
-        if layers[-1]._shared._segment is not None:
+        if any(not mapping.closed for mapping in made):  # its pages count until its last mapping goes
             raise OSError(28, "No space left on device (the old segment is still mapped)")
-        return real_create(path, size)
+        made.append(real_create(path, size))
+        return made[-1]
 
     def other_shm(path, size):  # the last rank sees another /dev/shm
         if rank == last:

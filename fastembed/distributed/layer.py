@@ -617,8 +617,8 @@ class VocabParallelEmbedding:
         shared = self._shared
         turn = shared.take_turn()
         needed = call.ids.size * call.row_bytes
-        buffer = shared.buffer(turn)
-        if needed and (buffer is None or needed > buffer.size):
+        # No view of the old segment may live across its growth: it would keep the old pages mapped beside the new.
+        if needed and not shared.holds(needed):
             started = time.perf_counter()
             try:
                 grown_now = shared.grow(needed)  # every rank decides alike: from agreed sizes and shared outcomes
@@ -643,6 +643,8 @@ class VocabParallelEmbedding:
                                                     "writing the rows into shared memory")
             call.late_gather_s = written - grown
             call.exchange_s = time.perf_counter() - written + grown - started
+        else:
+            buffer = shared.buffer(turn)
         started = time.perf_counter()
         result = self._copy_out(call, buffer)
         call.copy_s = time.perf_counter() - started

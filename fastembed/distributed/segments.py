@@ -67,10 +67,13 @@ class SharedBuffers:
         self.usable = True
         self.refusal: str | None = None
 
+    def holds(self, needed: int) -> bool:
+        """Whether the segment's buffers hold `needed` bytes each."""
+        return self._segment is not None and needed <= self._segment.buffer_bytes
+
     def next_buffer(self, needed: int) -> np.ndarray | None:
         """The buffer the next call writes, if the segment holds `needed` bytes (more than 0); else None."""
-        segment = self._segment
-        return segment.buffers[self._turn] if needed and segment is not None and needed <= segment.buffer_bytes else None
+        return self.buffer(self._turn) if needed and self.holds(needed) else None
 
     def take_turn(self) -> int:
         """The buffer this call uses (0 or 1); the next call uses the other. Every rank calls it after the same
