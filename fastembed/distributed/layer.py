@@ -636,10 +636,10 @@ class VocabParallelEmbedding:
                         # stacklevel: the caller's line, above the layer's __call__, _call and _communicate.
                         warnings.warn(refusal, RuntimeWarning, stacklevel=4)
             grown = time.perf_counter()
-            buffer = shared.buffer(turn)
-            assert buffer is not None
+            buffer = fresh = shared.buffer(turn)
+            assert fresh is not None
             # The agreement came before these writes, so a second, status-carrying barrier follows them.
-            written = self._collectives.agreed_step(lambda: self._write_rows(call, buffer),
+            written = self._collectives.agreed_step(lambda: self._write_rows(call, fresh),
                                                     "writing the rows into shared memory")
             call.late_gather_s = written - grown
             call.exchange_s = time.perf_counter() - written + grown - started
