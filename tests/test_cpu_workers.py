@@ -234,7 +234,7 @@ def test_an_interrupt_anywhere_leaves_no_worker_inside_a_region():
         regions.append(region)
 
     ours = {function.__code__ for function in (Workers.run, Workers._hand_out, Workers.start, cpu_workers._Region.claim,
-                                              cpu_workers._Region.close)}
+                                              cpu_workers._Region.run_block, cpu_workers._Region.close)}
     started: list[int] = []
     finished: list[int] = []
 
@@ -286,28 +286,48 @@ def test_a_forked_child_starts_workers_of_its_own():
     os.close(read)
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-@pytest.mark.parametrize("fork_while", ["claiming", "waiting"])
+class _QuietForkingOnceWaited:
+    """A region's `quiet` lock whose caller forks right after its wait ends, as a signal handler run at the next
+    bytecode would."""
+
+    def __init__(self, lock, fork, waiting: threading.Event) -> None:
+        self._lock, self._fork, self._waiting = lock, fork, waiting
+
+    def acquire(self, *arguments) -> bool:
+        self._waiting.set()
+        acquired = self._lock.acquire(*arguments)
+        self._fork()
+        return acquired
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(signal, "pthread_kill"), reason="needs fork, pthread_kill")
+@pytest.mark.parametrize("fork_while", ["claiming", "waiting", "waited"])
 def test_a_fork_on_the_thread_inside_a_region_finishes_the_region_in_the_child(fork_while, monkeypatch):
     """A signal handler or finalizer that forks while its thread runs a region: the child waited for ever for the
-    parent's workers, and their blocks were never run there. The caller forks inside its own block ("claiming") or
-    while it waits for the worker's ("waiting", from a signal handler)."""
+    parent's workers, and their blocks were never run there. The caller forks inside its own block ("claiming"),
+    from a signal handler while it waits for the worker's ("waiting"), or just as that wait ends ("waited")."""
     workers = cpu_workers.WORKERS  # the one a fork resets
     caller = threading.get_ident()
-    worker_inside, forked = threading.Event(), threading.Event()
+    worker_inside, forked, caller_waiting = threading.Event(), threading.Event(), threading.Event()
     visits = np.zeros(2, np.int64)
     pids: list[int] = []
 
     def fork() -> None:
-        if not pids:
+        if not pids and threading.get_ident() == caller:
             pids.append(os.fork())
             if pids[0]:
                 forked.set()
 
     def task(start: int, stop: int) -> int:
-        if threading.get_ident() != caller:  # the parent's worker: still inside its block at the fork
+        if threading.get_ident() != caller:  # the parent's worker: inside its block at the fork, but when "waited"
             worker_inside.set()
-            forked.wait(30)
+            (caller_waiting if fork_while == "waited" else forked).wait(30)
         else:
             assert worker_inside.wait(30)  # both blocks are claimed now
             if fork_while == "claiming":
@@ -316,24 +336,40 @@ def test_a_fork_on_the_thread_inside_a_region_finishes_the_region_in_the_child(f
         return stop - start
 
     landed: list[bool] = []
+    timers: list[threading.Timer] = []
     if fork_while == "waiting":
         close = cpu_workers._Region.close
 
-        def close_with_an_alarm(region) -> None:  # the caller's block is done; the worker is inside its own
-            signal.setitimer(signal.ITIMER_REAL, 0.05)
+        def close_with_a_signal(region) -> None:  # the caller's block is done; the worker is inside its own
+            timer = threading.Timer(0.05, signal.pthread_kill, (caller, signal.SIGALRM))
+            timers.append(timer)
+            timer.start()
             close(region)
 
         def fork_in_handler(signum, frame) -> None:
             landed.append(_inside(frame, "close"))
             fork()
 
-        monkeypatch.setattr(cpu_workers._Region, "close", close_with_an_alarm)
+        monkeypatch.setattr(cpu_workers._Region, "close", close_with_a_signal)
         previous = signal.signal(signal.SIGALRM, fork_in_handler)
+    if fork_while == "waited":
+        region_init = cpu_workers._Region.__init__
+
+        def forking_once_waited(region, *arguments) -> None:
+            region_init(region, *arguments)
+            region.quiet = _QuietForkingOnceWaited(region.quiet, fork, caller_waiting)
+
+        monkeypatch.setattr(cpu_workers._Region, "__init__", forking_once_waited)
     try:
         total = workers.run(task, 2, 2)
+    except BaseException:
+        if pids and pids[0] == 0:  # pragma: no cover - the child must not go on with the parent's tests
+            os._exit(2)
+        raise
     finally:
         if fork_while == "waiting":
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            for timer in timers:
+                timer.join()  # before the handler goes: a later signal would end the process
             signal.signal(signal.SIGALRM, previous)
     if pids[0] == 0:  # pragma: no cover - the child reports by its exit status
         os._exit(0 if total == 2 and (visits == 1).all() else 1)
@@ -344,9 +380,57 @@ def test_a_fork_on_the_thread_inside_a_region_finishes_the_region_in_the_child(f
         os.kill(pids[0], signal.SIGKILL)
         os.waitpid(pids[0], 0)
     assert ended[0] != 0, "the child hung in the region"
+    assert os.waitstatus_to_exitcode(ended[1]) != 2, "the region raised in the child"
     assert os.waitstatus_to_exitcode(ended[1]) == 0, "the child's region left a block unrun"
     assert total == 2 and (visits == 1).all()
     assert landed == ([True] if fork_while == "waiting" else [])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(signal, "pthread_kill"), reason="needs fork, pthread_kill")
+def test_a_fork_while_the_caller_waits_for_the_region_lock_a_worker_holds_leaves_the_child_able_to_take_it(monkeypatch):
+    """The child's copy of the lock stayed held by the worker it lacks, and the caller waited on it for ever."""
+    caller = threading.get_ident()
+    regions: list = []
+    region_init = cpu_workers._Region.__init__
+    monkeypatch.setattr(cpu_workers._Region, "__init__",
+                        lambda region, *arguments: (region_init(region, *arguments), regions.append(region))[0])
+    worker_has_lock = threading.Event()
+    pids: list[int] = []
+    timers: list[threading.Timer] = []
+
+    def task(start: int, stop: int) -> int:
+        if threading.get_ident() != caller:
+            with regions[0].lock:  # as a worker holding it when the GIL went to the caller
+                worker_has_lock.set()
+                time.sleep(0.5)
+        elif not pids:  # the caller's first block: the signal lands while it waits for that lock to claim the next
+            assert worker_has_lock.wait(30)
+            timer = threading.Timer(0.1, signal.pthread_kill, (caller, signal.SIGALRM))
+            timers.append(timer)
+            timer.start()
+        return stop - start
+
+    previous = signal.signal(signal.SIGALRM, lambda *_: pids.append(os.fork()) if not pids else None)
+    try:
+        total = cpu_workers.WORKERS.run(task, 3, 2, 3)
+    except BaseException:
+        if pids and pids[0] == 0:  # pragma: no cover - the child must not go on with the parent's tests
+            os._exit(2)
+        raise
+    finally:
+        for timer in timers:
+            timer.join()  # before the handler goes: a later signal would end the process
+        signal.signal(signal.SIGALRM, previous)
+    if pids[0] == 0:  # pragma: no cover - the child reports by its exit status
+        os._exit(0 if total == 3 else 1)
+    deadline = time.monotonic() + 30
+    while (ended := os.waitpid(pids[0], os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if ended[0] == 0:
+        os.kill(pids[0], signal.SIGKILL)
+        os.waitpid(pids[0], 0)
+    assert ended[0] != 0, "the child hung on the region's lock"
+    assert os.waitstatus_to_exitcode(ended[1]) == 0 and total == 3
 
 
 def test_a_parallel_lookup_in_a_finalizer_at_interpreter_exit_is_served_and_the_process_exits():

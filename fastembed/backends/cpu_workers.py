@@ -28,9 +28,9 @@ How a region runs (:meth:`Workers.run`):
 - regions from several threads at once queue up for the workers, first in,
   first out; each caller claims blocks of its own region meanwhile;
 - a forked child starts workers of its own on its first region (a fork
-  copies none of the parent's threads); a region under way on the thread
-  that forked (a signal handler's fork, a finalizer's) goes on in the
-  child, whose caller runs the blocks the parent's workers had claimed.
+  copies none of the parent's threads); a region whose caller forked (in
+  a signal handler, or a finalizer run on its thread) goes on in the
+  child, where the caller runs the blocks the parent's workers had claimed.
 
 Example:
     >>> import numpy as np
@@ -76,7 +76,7 @@ class _Region:
         self.quiet = threading.Lock()  # released by the last worker to leave a closed region
         self.quiet.acquire()
         self.counts = [0] * n_blocks
-        self.by_worker = bytearray(n_blocks)  # which thread claimed each block: 1 a worker, 0 the caller
+        self.by_worker = bytearray(n_blocks)  # 1 where a worker claimed the block (0: the caller, or unclaimed)
         self.done = bytearray(n_blocks)
         self.orphans: list[int] = []  # blocks a fork took the workers of, for the caller to run in the child
         self.errors: list[BaseException] = []
@@ -116,31 +116,35 @@ class _Region:
 
     def close(self) -> None:
         """Claim what is left, so that no worker starts a block, then wait for those inside. Safe to repeat."""
+        # Read before the region's lock: the caller calls nothing while it holds that lock, so no signal handler
+        # (which may fork) runs on the caller's thread then.
+        waited_before = self.quiet.locked()
         with self.lock:
             self.next_block = self.n_blocks
             if not self.closed:
                 self.closed = True
                 inside = self.busy
             else:
-                inside = 1 if self.quiet.locked() and self.busy else 0
+                inside = 1 if waited_before and self.busy else 0
         if inside:
             self.quiet.acquire()
-            self.quiet.release()  # a repeated close() after an interrupted one finds it free
+            if self.quiet.locked():  # a fork's child may have released it meanwhile (after_fork_in_child)
+                self.quiet.release()  # a repeated close() after an interrupted one finds it free
         task = self.task
         while task is not None and self.orphans:
             block = self.orphans.pop()
             try:
                 self.run_block(task, block)
-            except Exception as error:  # noqa: BLE001 - as a worker's: run() raises it once the region is closed
+            except Exception as error:  # noqa: BLE001 - as a worker's error: run() raises it once the region is closed
                 self.errors.append(error)
         self.task = None
 
     def after_fork_in_child(self) -> None:
         """In a forked child, where no worker is: the blocks they had claimed and not finished go to the caller."""
-        self.lock = threading.Lock()  # a worker may have held it at the fork
+        if self.lock.locked():  # held by a worker, which the child lacks (the caller calls nothing while holding it)
+            self.lock.release()
         self.busy = 0
-        claimed = range(min(self.next_block, self.n_blocks))
-        self.orphans = [block for block in claimed if self.by_worker[block] and not self.done[block]]
+        self.orphans = [block for block in range(self.next_block) if self.by_worker[block] and not self.done[block]]
         if self.closed and self.quiet.locked():
             self.quiet.release()  # the caller waits on it in close(), which then runs the orphans
 
