@@ -188,16 +188,15 @@ def test_fp8_rows_of_any_width(cp, dim):
                            reference(host, ids, dtype))
 
 
-def test_the_fp8_kernel_writes_no_value_past_dim_of_rows_with_more_bytes(cp):
+@pytest.mark.parametrize(("output", "dtype"), [("F32", "float32"), ("F16", "float16")])
+def test_the_fp8_kernel_writes_no_value_past_dim_of_rows_with_more_bytes(cp, output, dtype):
     """Rows 8-byte aligned but of fewer values (row_bytes 16, dim 12): the last unit of each row wrote 8 values, the
     next row's first 4 (and past the end of out for the last row)."""
-    if not is_double(cp):
-        pytest.skip("launches the kernel with rows no lookup makes; checked on the double")
     dim, row_bytes = 12, 16
     data = np.zeros((4, row_bytes), np.uint8)
     data[:, :dim] = 0x38  # 1.0
-    kernel = dequant_module(cp, "fp8_e4m3").get_function("dequant_rows<FP8_E4M3, F32, long long>")
-    out = cp.full(2 * dim + 8, -7.0, cp.float32)  # 8 values beyond the two rows
+    kernel = dequant_module(cp, "fp8_e4m3").get_function(f"dequant_rows<FP8_E4M3, {output}, long long>")
+    out = cp.full(2 * dim + 8, -7.0, dtype)  # 8 values beyond the two rows
     flag = cp.full(1, cuda_backend.NO_ERROR, dtype=cp.uint64)
     kernel((2,), (32,), (cp.asarray(data), cp.ones(4, cp.float32), cp.asarray(np.array([1, 2])), out, np.int64(2),
                          np.int64(4), np.int64(row_bytes), np.int64(dim), flag))

@@ -14,7 +14,7 @@ import pytest
 import fastembed
 from fastembed import distributed, io
 from fastembed.formats import QuantizedTable
-from fastembed.io import _files
+from fastembed.io import _files, checkpoints
 from helpers import past_a_file_time_tick, random_quantized, random_table
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -35,18 +35,19 @@ def test_a_file_renamed_over_the_path_between_the_header_and_the_map_is_refused(
     save = np.save if suffix == ".npy" else _save
     save(path, TABLE)
     save(newer, OTHER)
-    real_open = _files.open_for_reading
+    real_open = _files._open_for_reading
     opened = []
 
     def racing_open(name):
-        opened.append(name)
-        if len(opened) == 2:  # the map's opening, after the header's
+        opened.append(sys._getframe(1).f_code.co_name)
+        if opened[-1] == "map_file":  # the map's opening, after the header's
             os.replace(newer, path)  # the download lands between the header's read and the map
         return real_open(name)
 
-    monkeypatch.setattr(_files, "open_for_reading", racing_open)
+    monkeypatch.setattr(_files, "_open_for_reading", racing_open)
     with pytest.raises(ValueError, match="changed while it was being opened"):
         fastembed.Embedding.from_pretrained(path)
+    assert opened[-1] == "map_file"  # the race landed where the map opens the file
     monkeypatch.undo()
     assert fastembed.Embedding.from_pretrained(path).table.dtype == np.float32  # the new file, opened again
 
@@ -59,12 +60,12 @@ def test_a_rewrite_in_place_between_the_header_and_the_map_that_puts_the_modific
     path = tmp_path / f"model{suffix}"
     (np.save if suffix == ".npy" else _save)(path, TABLE)
     size = os.path.getsize(path)
-    real_open = _files.open_for_reading
+    real_open = _files._open_for_reading
     opened = []
 
     def racing_open(name):
-        opened.append(name)
-        if len(opened) == 2:  # the map's opening, after the header's: another program rewrites the file in place
+        opened.append(sys._getframe(1).f_code.co_name)
+        if opened[-1] == "map_file":  # the map's opening, after the header's: another program rewrites the file
             before = os.stat(path)
             past_a_file_time_tick(tmp_path, before.st_ctime_ns)
             with open(path, "r+b") as handle:
@@ -73,9 +74,10 @@ def test_a_rewrite_in_place_between_the_header_and_the_map_that_puts_the_modific
             assert os.path.getsize(path) == size
         return real_open(name)
 
-    monkeypatch.setattr(_files, "open_for_reading", racing_open)
+    monkeypatch.setattr(_files, "_open_for_reading", racing_open)
     with pytest.raises(ValueError, match="changed while it was being opened"):
         fastembed.Embedding.from_pretrained(path)
+    assert opened[-1] == "map_file"  # the race landed where the map opens the file
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
@@ -252,6 +254,14 @@ def test_a_config_json_is_read_only_up_to_a_few_mib(tmp_path):
         io.open_table(tmp_path)
 
 
+def test_a_config_json_that_grows_past_the_limit_after_its_check_is_read_no_further(tmp_path, monkeypatch):
+    """The file was read whole after its size was checked: one that grew meanwhile was read to its new end."""
+    _checkpoint(tmp_path, json.dumps({"vocab_size": 100, "hidden_size": 64, "pad": "x" * (5 * 2**20)}))
+    monkeypatch.setattr(checkpoints, "check_file", lambda path, opener: 100)  # the size it had when checked
+    with pytest.raises(ValueError, match="config.json grew past the 4194304-byte limit while it was read"):
+        io.open_table(tmp_path)
+
+
 def test_a_watch_on_a_slice_covers_the_slice_where_it_lies_in_the_file(tmp_path):
     """A slice's offset is the whole map's: the watch used to need only its first bytes."""
     path = tmp_path / "t.npy"
@@ -282,16 +292,17 @@ def test_the_scans_give_the_documented_tuples(tmp_path):
 def test_a_fifo_put_at_the_path_before_the_map_is_refused_without_waiting_for_a_writer(tmp_path, monkeypatch):
     path = tmp_path / "model.safetensors"
     _save(path, TABLE)
-    real_open = _files.open_for_reading
+    real_open = _files._open_for_reading
     opened = []
 
     def racing_open(name):
-        opened.append(name)
-        if len(opened) == 2:
+        opened.append(sys._getframe(1).f_code.co_name)
+        if opened[-1] == "map_file":
             os.unlink(path)
             os.mkfifo(path)  # opening it to read would wait for a writer for ever
         return real_open(name)
 
-    monkeypatch.setattr(_files, "open_for_reading", racing_open)
+    monkeypatch.setattr(_files, "_open_for_reading", racing_open)
     with pytest.raises(ValueError, match="changed while it was being opened"):
         fastembed.Embedding.from_safetensors(path)
+    assert opened[-1] == "map_file"  # the race landed where the map opens the file

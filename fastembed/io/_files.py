@@ -66,7 +66,8 @@ class FileIdentity(NamedTuple):
 
     The change time counts beside the modification time: a rewrite that puts
     the modification time back (``touch -r``, ``rsync --inplace -t``) still
-    moves it.
+    moves it (and so do a ``chmod`` and a hard link made or removed, which
+    count as changes too).
     """
 
     device: int
@@ -104,7 +105,7 @@ def opened(path: str | os.PathLike, opener: str) -> Iterator[tuple[BinaryIO, Fil
             and the opening.
     """
     status = _status(path, opener)
-    with open_for_reading(path) as handle:
+    with _open_for_reading(path) as handle:
         identity = FileIdentity.of(os.fstat(handle.fileno()))
         if identity != FileIdentity.of(status):
             raise _changed(path)
@@ -130,7 +131,7 @@ def map_file(path: str | os.PathLike, dtype: Any, offset: int, shape: tuple[int,
     if identity is None:
         return np.memmap(name, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
     try:
-        handle = open_for_reading(name)
+        handle = _open_for_reading(name)
     except OSError:
         raise _changed(path) from None
     with handle:
@@ -154,7 +155,7 @@ def _resolved(name: str) -> str:
         return name
 
 
-def open_for_reading(path: str | os.PathLike) -> BinaryIO:
+def _open_for_reading(path: str | os.PathLike) -> BinaryIO:
     """`path` open for reading, without waiting when it has become a FIFO (its identity then tells it apart)."""
     return open(path, "rb", opener=lambda name, flags: os.open(name, flags | getattr(os, "O_NONBLOCK", 0)))
 
@@ -342,5 +343,5 @@ def _mentions(path: str | os.PathLike, needle: bytes, limit: int = 1 << 20) -> b
 
 def read_head(path: str | os.PathLike, size: int = 64) -> bytes:
     """The first `size` bytes of a file (fewer when it is shorter; none where the path has become a FIFO)."""
-    with open_for_reading(path) as handle:
+    with _open_for_reading(path) as handle:
         return handle.read(size) or b""  # None: a FIFO whose writer has written nothing yet

@@ -391,8 +391,10 @@ _U64_MAX = 2**64 - 1
 
 
 def _data_bytes(dims: tuple[int, ...], ggml_type: int) -> int:
-    """The bytes a tensor of `dims` and `ggml_type` takes in the data; 1 for a type ggml does not define (its first
-    byte, all that is known of it)."""
+    """The bytes a tensor of `dims` and `ggml_type` takes in the data.
+
+    A type ggml does not define counts its first byte, all that is known of it.
+    """
     known = GGML_TYPES.get(ggml_type)
     if known is None:
         return 1
