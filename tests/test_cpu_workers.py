@@ -286,6 +286,18 @@ def test_a_forked_child_starts_workers_of_its_own():
     os.close(read)
 
 
+def _child_exit_code(pid: int, timeout_s: float = 30) -> int | None:
+    """The exit code of the forked child `pid`, or None where it has not ended within `timeout_s` (it is killed)."""
+    deadline = time.monotonic() + timeout_s
+    while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.01)
+    return os.waitstatus_to_exitcode(ended[1])
+
+
 class _QuietForkingOnceWaited:
     """A region's `quiet` lock whose caller forks right after its wait ends, as a signal handler run at the next
     bytecode would."""
@@ -373,15 +385,10 @@ def test_a_fork_on_the_thread_inside_a_region_finishes_the_region_in_the_child(f
             signal.signal(signal.SIGALRM, previous)
     if pids[0] == 0:  # pragma: no cover - the child reports by its exit status
         os._exit(0 if total == 2 and (visits == 1).all() else 1)
-    deadline = time.monotonic() + 30
-    while (ended := os.waitpid(pids[0], os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if ended[0] == 0:
-        os.kill(pids[0], signal.SIGKILL)
-        os.waitpid(pids[0], 0)
-    assert ended[0] != 0, "the child hung in the region"
-    assert os.waitstatus_to_exitcode(ended[1]) != 2, "the region raised in the child"
-    assert os.waitstatus_to_exitcode(ended[1]) == 0, "the child's region left a block unrun"
+    exit_code = _child_exit_code(pids[0])
+    assert exit_code is not None, "the child hung in the region"
+    assert exit_code != 2, "the region raised in the child"
+    assert exit_code == 0, "the child's region left a block unrun"
     assert total == 2 and (visits == 1).all()
     assert landed == ([True] if fork_while == "waiting" else [])
 
@@ -423,14 +430,9 @@ def test_a_fork_while_the_caller_waits_for_the_region_lock_a_worker_holds_leaves
         signal.signal(signal.SIGALRM, previous)
     if pids[0] == 0:  # pragma: no cover - the child reports by its exit status
         os._exit(0 if total == 3 else 1)
-    deadline = time.monotonic() + 30
-    while (ended := os.waitpid(pids[0], os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if ended[0] == 0:
-        os.kill(pids[0], signal.SIGKILL)
-        os.waitpid(pids[0], 0)
-    assert ended[0] != 0, "the child hung on the region's lock"
-    assert os.waitstatus_to_exitcode(ended[1]) == 0 and total == 3
+    exit_code = _child_exit_code(pids[0])
+    assert exit_code is not None, "the child hung on the region's lock"
+    assert exit_code == 0 and total == 3
 
 
 def test_a_parallel_lookup_in_a_finalizer_at_interpreter_exit_is_served_and_the_process_exits():
