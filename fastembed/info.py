@@ -22,12 +22,18 @@ def fastembed_version() -> tuple[str, str]:
     Returns:
         (version, source): from the installed ``fastembed-gather`` distribution's metadata,
         which stays right when Qdrant's ``fastembed`` distribution installed an import package
-        of the same name; else ``fastembed.__version__`` (a source checkout, not installed).
+        of the same name; else ``fastembed.__version__`` (a source checkout, not installed, or
+        metadata that gives no readable version).
     """
     try:
-        return importlib.metadata.version(DISTRIBUTION), f"distribution {DISTRIBUTION}"
+        version = importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return __version__, "fastembed.__version__ (not installed as a distribution)"
+    except UnicodeDecodeError:
+        return __version__, f"fastembed.__version__ (the {DISTRIBUTION} distribution's METADATA is no UTF-8)"
+    if not version:  # a METADATA without a version, or none readable
+        return __version__, f"fastembed.__version__ (the {DISTRIBUTION} distribution's METADATA gives no version)"
+    return version, f"distribution {DISTRIBUTION}"
 
 
 def package_versions() -> dict[str, str | None]:

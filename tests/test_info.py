@@ -181,6 +181,15 @@ def test_the_version_comes_from_this_distribution_not_the_import_package(monkeyp
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
     assert info.fastembed_version() == ("0.7.3", "fastembed.__version__ (not installed as a distribution)")
 
+    def no_utf8(name):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(importlib.metadata, "version", no_utf8)  # it raised out of info and the benchmark's report
+    assert info.fastembed_version() == (
+        "0.7.3", "fastembed.__version__ (the fastembed-gather distribution's METADATA is no UTF-8)")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: None)  # no Version, or a METADATA not readable
+    assert info.fastembed_version()[0] == "0.7.3" and info.report()["fastembed"] == "0.7.3"
+
 
 def test_info_reports_a_backend_that_fails_while_it_is_described(monkeypatch):
     """Describing numba loads it; a failure found then shows as the backend's status, not beside "available"."""
