@@ -123,6 +123,7 @@ def test_gate_thresholds_name_contenders_that_exist():
 @pytest.mark.parametrize("content, message", [
     (None, "cannot read it"),
     ("repetitions = [", "not valid TOML"),
+    ("repetitions = " + "[" * 5000 + "]" * 5000 + "\n", "values nested too deep to read"),
     ("repetitions = 3\n", "no [[check]] tables"),
     ('[[check]]\nname = "x"\ncontender = "a"\nmetric = "speed"\nbatch = 8\ndistribution = "uniform"\nmin = 1\n',
      "unknown metric"),
@@ -140,6 +141,27 @@ def test_gate_refuses_a_bad_thresholds_file_before_building_the_table(tmp_path, 
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert "building" not in result.stdout and "table:" not in result.stdout
+
+
+def test_a_bad_argument_is_one_line_and_exit_2():
+    """argparse put its usage lines before the error: eight lines where the README promises one."""
+    result = bench("--batch", "0")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["fastembed-bench: error: argument --batch: must be 1 or more, got 0 "
+                                          "(fastembed-bench --help lists the options)"]
+
+
+def test_the_format_table_shows_a_ratio_under_one_as_measured():
+    """A ratio of 0.16 to the numpy reference was printed as 0x."""
+    from rich.console import Console
+
+    from fastembed.benchmark import quantized
+
+    row = {"format": "fp8_e4m3", "dtype": "float16", "batch": 1, "served_by": "numba", "median_us": 3.0,
+           "rows_per_s": 3e5, "gbps_moved": 1.0, "vs_dense_float16": 0.5, "vs_numpy_reference": 0.16, "table_mib": 1.0}
+    console = Console(record=True, width=200)
+    quantized.print_report([row], [], console, "title")
+    assert " 0.16x " in console.export_text()
 
 
 def test_a_directory_as_thresholds_is_named_with_the_reason():

@@ -13,7 +13,7 @@ import argparse
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 BATCHES = (1, 6, 64, 1024, 8192, 65536)
 #: The random table's shape and dtype when not given: the default 129,280 x 4,096 float16 table.
@@ -25,6 +25,13 @@ MAX_BATCH = 2**20
 #: that writes into its own (fastembed's per backend and auto, numpy's take, torch's, the copies), the copies'
 #: sources, and the new ones of allocating calls.
 OUTPUTS_HELD = 12
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line: the options are one ``--help`` away."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -42,7 +49,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     backends = [status.name for status in fastembed.backend_statuses() if status.name != "cuda"]
     from . import cli
 
-    parser = argparse.ArgumentParser(prog="fastembed-bench", description=(cli.__doc__ or "").split("\n\n")[0])
+    parser = _OneLineErrors(prog="fastembed-bench", description=(cli.__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="fewer batches and repetitions (the main run; --format: fewer repetitions; --ranks: fewer "
                              "repetitions and one round)")

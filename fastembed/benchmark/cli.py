@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``fastembed-bench`` with `argv` (default: the command line); returns the exit status.
 
     SIGTERM and SIGHUP stop the run cleanly: its child processes are ended and
-    its temporary files removed, and the status is 128 + the signal's number.
+    its temporary files removed, and the status is 128 + the signal's number;
+    so does a Ctrl-C (SIGINT, 130), with one line and no traceback.
     """
     try:
         with _ending_signals_raise():
@@ -264,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated as ended:
         print(f"fastembed-bench: stopped by {signal.Signals(ended.signum).name}", file=sys.stderr)
         return 128 + ended.signum
+    except KeyboardInterrupt:  # the cleanup ran on its way up
+        print("fastembed-bench: stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
     except (OutputError, ResultFileError) as error:
         print(f"fastembed-bench: {error}", file=sys.stderr)
         return 1

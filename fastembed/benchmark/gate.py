@@ -111,6 +111,8 @@ def load_checks(path: Path | None = None) -> tuple[list[Check], int]:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{where}: not valid TOML: {error}") from error
+    except RecursionError:  # arrays or tables nested thousands deep
+        raise ValueError(f"{where}: not a thresholds file: values nested too deep to read") from None
     unknown = sorted(set(document) - _FILE_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown key {unknown[0]!r}; a thresholds file holds {' and '.join(sorted(_FILE_KEYS))}")
