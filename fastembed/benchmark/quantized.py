@@ -270,7 +270,7 @@ def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], c
         reference = row["vs_numpy_reference"]
         table.add_row(row["format"], _SHORT[row["dtype"]], str(row["batch"]), str(row["served_by"]),
                       f"{row['median_us']:.0f}", f"{row['rows_per_s'] / 1e6:.2f}", f"{row['gbps_moved']:.1f}",
-                      f"{row['vs_dense_float16']:.2f}x", "" if reference is None else f"{reference:.3g}x",
+                      f"{row['vs_dense_float16']:.2f}x", "" if reference is None else f"{reference:.2f}x" if reference < 10 else f"{reference:.0f}x",
                       f"{row['table_mib']:.0f}" if row["table_mib"] >= 10 else f"{row['table_mib']:.1f}")
     console.print(table)
     for goal, met in verdicts:
