@@ -184,7 +184,8 @@ class BlockFormat:
             (68, 2304)
         """
         if dim <= 0 or dim % self.block_values:
-            raise ValueError(f"a {self.name} row holds a positive multiple of {self.block_values} values, not {dim}")
+            needed = "1 value or more" if self.block_values == 1 else f"a positive multiple of {self.block_values} values"
+            raise ValueError(f"a {self.name} row holds {needed}, not {dim}")
         return dim // self.block_values * self.block_bytes
 
 
