@@ -112,17 +112,34 @@ def test_save_and_from_gguf_refuse_a_tensor_name_that_is_not_a_string(tmp_path, 
     assert sorted(path.name for path in tmp_path.iterdir()) == ["t.gguf", "t.safetensors"]
 
 
-@pytest.mark.parametrize("suffix", [".gguf", ".safetensors"])
-def test_save_writes_no_file_its_loaders_would_refuse(tmp_path, suffix):
-    """A name over the loaders' limit fits both formats but not fastembed's loaders: ValueError, and nothing written."""
+def test_save_writes_no_file_its_loaders_would_refuse(tmp_path):
+    """A name over the loaders' limit fits safetensors but not fastembed's loaders: ValueError, and nothing written."""
     dense = fastembed.Embedding(q8_table()[1])
     for emb in (dense, dense.quantize("q8_0")):
         with pytest.raises(ValueError, match="not written, fastembed's loaders would refuse the file: .*5000"):
-            emb.save(tmp_path / f"t{suffix}", name="x" * 5000)
+            emb.save(tmp_path / "t.safetensors", name="x" * 5000)
         assert list(tmp_path.iterdir()) == []
-        emb.save(tmp_path / f"t{suffix}", name="x" * 100)
-        assert fastembed.Embedding.from_pretrained(tmp_path / f"t{suffix}", name="x" * 100).nbytes == emb.nbytes
-        (tmp_path / f"t{suffix}").unlink()
+        emb.save(tmp_path / "t.safetensors", name="x" * 100)
+        assert fastembed.Embedding.from_pretrained(tmp_path / "t.safetensors", name="x" * 100).nbytes == emb.nbytes
+        (tmp_path / "t.safetensors").unlink()
+
+
+@pytest.mark.parametrize("name", ["x" * 64, "é" * 32, "x" * 5000, "tok\0en"], ids=["64-bytes", "32-two-byte-letters", "5000-bytes", "nul"])
+def test_save_writes_no_gguf_name_llama_cpp_would_refuse_or_cut(tmp_path, monkeypatch, name):
+    """ggml reads tensor names of up to 63 bytes and stops at a NUL: a name it would refuse or cut is refused
+    before any row is written, and one of 63 bytes is written and read back by gguf-py."""
+    gguf = pytest.importorskip("gguf")
+    dense = fastembed.Embedding(q8_table()[1])
+    written = []
+    monkeypatch.setattr(fastembed.io.save, "_write_rows", lambda handle, rows: written.append(rows))
+    for emb in (dense, dense.quantize("q8_0")):
+        with pytest.raises(ValueError, match="at most 63 bytes of UTF-8 with no NUL"):
+            emb.save(tmp_path / "t.gguf", name=name)
+        assert list(tmp_path.iterdir()) == [] and written == []
+    monkeypatch.undo()
+    longest = "é" * 31 + "x"
+    dense.save(tmp_path / "t.gguf", name=longest)
+    assert [tensor.name for tensor in gguf.GGUFReader(tmp_path / "t.gguf").tensors] == [longest]
 
 
 def test_a_format_of_its_own_under_a_builtin_name_is_refused():

@@ -47,6 +47,8 @@ MAX_METADATA_ENTRIES = 65_536
 MAX_TENSORS = 262_144
 #: The longest tensor name accepted (ggml's own limit is 63 bytes).
 MAX_NAME_BYTES = 4096
+#: The longest tensor name ggml reads, in UTF-8 bytes (its buffer holds 64 with the terminating NUL): what is written.
+GGML_NAME_BYTES = 63
 #: The most dimensions a ggml tensor has.
 MAX_DIMS = 4
 #: The alignment of the data when the file does not set ``general.alignment``.

@@ -44,7 +44,7 @@ from .. import validate
 from ..arrays import adapter_of
 from ..formats import FORMATS, QuantizedTable, is_fastembeds_own
 from ._files import check_tensor_name
-from .gguf import ALIGNMENT_KEY, DEFAULT_ALIGNMENT, DENSE_TYPES, MAGIC, TOKEN_EMBEDDING, UINT32_TYPE
+from .gguf import ALIGNMENT_KEY, DEFAULT_ALIGNMENT, DENSE_TYPES, GGML_NAME_BYTES, MAGIC, TOKEN_EMBEDDING, UINT32_TYPE
 from .safetensors import DIM_KEY, FORMAT_KEY, METADATA_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
 
 #: The tensor name a table is saved under in a safetensors file when none is given.
@@ -78,8 +78,9 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             a GGUF type; fp8_e4m3 goes to .safetensors; safetensors: the dtypes
             :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back;
             a quantized table of a format of the caller's own);
-            a file the loaders would refuse (a tensor name longer than they read: 4,096 bytes in GGUF,
-            a safetensors entry of over 4,096 characters); a safetensors tensor named ``__metadata__``;
+            a GGUF tensor name over 63 bytes of UTF-8 or holding a NUL (llama.cpp's reader refuses or cuts it);
+            a file the loaders would refuse (a safetensors entry of over 4,096 characters, found once the rows
+            are written); a safetensors tensor named ``__metadata__``;
             a `name` that is not valid Unicode text (a lone surrogate): nothing is written then.
         TypeError: a table that is not on the host; a `name` that is not a string.
         IsADirectoryError: `path` is a directory, a symbolic link to one, or ends in a separator; nothing is
@@ -172,6 +173,12 @@ def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> Non
         if ggml_type is None:
             raise ValueError(f"{path}: GGUF holds float32, float16 and bfloat16 tables, not {table.dtype}; "
                              "save it as .safetensors")
+    encoded = name.encode("utf-8")
+    if len(encoded) > GGML_NAME_BYTES or b"\0" in encoded:
+        problem = "holds a NUL" if b"\0" in encoded else f"is {len(encoded)} bytes long"
+        raise ValueError(f"{path}: the tensor name {problem}; a GGUF tensor name is at most {GGML_NAME_BYTES} bytes of "
+                         "UTF-8 with no NUL (llama.cpp's reader refuses a longer one and cuts one at a NUL): pass "
+                         "a shorter name or save as .safetensors")
     head = _gguf_header(name, dim, rows.shape[0], ggml_type)
     data_bytes = rows.shape[0] * rows.shape[1] * rows.dtype.itemsize
 
@@ -265,15 +272,17 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
         existing = None
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", os.fspath(path))
-    # The folder as the system resolves it (on POSIX a link, then "..", in that order), not as the text reads.
+    # The folder is named as the caller named it, so the system resolves it (a link, then "..") as open() would,
+    # and a relative path stays relative (an absolute one could pass the system's length limit in a deep folder).
+    directory = parent or os.curdir
     try:
-        directory = os.path.realpath(parent or os.curdir, strict=True)
+        folder_mode = os.stat(directory).st_mode
     except OSError as error:
-        if not os.path.isdir(parent or os.curdir):
-            raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
-        directory = os.path.realpath(parent or os.curdir)  # a volume whose final path Windows cannot tell
-
-    destination = os.path.join(directory, base)
+        raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
+    if not stat.S_ISDIR(folder_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "cannot write a file beside it: its folder is not a directory",
+                                 os.fspath(path))
+    destination = os.path.join(parent, base)
     # The destination's name begins the temporary file's, cut (at a character) so that a name near the limit fits.
     prefix = os.fsencode(base)[:_TEMPORARY_PREFIX_BYTES].decode("utf-8", "ignore")
     temporary = os.path.join(directory, f".{prefix}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
