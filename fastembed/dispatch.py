@@ -277,11 +277,12 @@ def select(table: Any, backend: str = AUTO) -> Backend:
     try:
         remembered = _selected.get(key)
     except TypeError:  # an unhashable backend argument (a list, say)
-        raise TypeError(
-            f"backend must be a string, one of {', '.join([AUTO, *BACKENDS])}; got {type(backend).__name__}"
-        ) from None
+        remembered = None
     if remembered is not None:
         return remembered
+    if not isinstance(backend, str):  # only strings are ever remembered, so the check costs nothing on a hit
+        raise TypeError(
+            f"backend must be a string, one of {', '.join([AUTO, *BACKENDS])}; got {type(backend).__name__}")
     seen = generation
     chosen = _choose(table, backend, environment)
     if generation == seen:  # else the choices were forgotten meanwhile: this one may be stale

@@ -238,10 +238,14 @@ def test_small_allocating_lookups_call_the_backends_small_gather_and_larger_ones
         fastembed.lookup(table, np.array([-1, 2]))
 
 
-@pytest.mark.parametrize("backend", [["numba"], {"name": "numba"}])
+@pytest.mark.parametrize("backend", [["numba"], {"name": "numba"}, None, 1, b"numba", ("numba",)])
 def test_a_backend_that_is_not_a_string_is_named_in_the_error(backend):
-    with pytest.raises(TypeError, match="backend must be a string, one of auto, cuda, numba, numpy; got"):
-        fastembed.lookup(random_table(10, 4), [1], backend=backend)
+    """Whether it can be hashed or not: a TypeError, as for every argument of the wrong type."""
+    for call in (lambda: fastembed.lookup(random_table(10, 4), [1], backend=backend),
+                 lambda: fastembed.select_backend(random_table(10, 4), [1], backend=backend),
+                 lambda: fastembed.Embedding(random_table(10, 4))(np.arange(40) % 10, backend=backend)):
+        with pytest.raises(TypeError, match="backend must be a string, one of auto, cuda, numba, numpy; got"):
+            call()
 
 
 def test_select_backend_takes_an_out_and_a_dtype_for_a_quantized_table():
