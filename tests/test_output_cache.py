@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import gc
 import pickle
+import re
 import threading
 
 import numpy as np
@@ -295,9 +296,9 @@ def test_a_bad_environment_setting_is_named_by_large_lookups_and_info(monkeypatc
     assert fastembed.lookup(random_table(700, 4096), np.arange(600), backend="numba").shape == (600, 4096)
 
 
-@pytest.mark.parametrize("text", ["+4", "1_000", "\u0665", "0x10", "1e3", "5 6"])
+@pytest.mark.parametrize("text", ["1_000", "\u0665", "0x10", "1e3", "5 6", "-", "+"])
 def test_only_decimal_digits_make_a_setting(monkeypatch, text):
-    """int() would read "+4", "1_000" and an Arabic-Indic five as numbers; a setting is plain digits."""
+    """int() would read "1_000" and an Arabic-Indic five as numbers; a setting is plain digits."""
     monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, text)
     with pytest.raises(ValueError, match="is not a whole number of bytes"):
         output_cache._read_limit()
@@ -325,9 +326,12 @@ def test_leading_zeros_do_not_count_as_digits(monkeypatch, text, limit):
     assert output_cache._read_limit() == limit
 
 
-def test_minus_zero_is_not_called_negative(monkeypatch):
-    monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, "-0")
-    with pytest.raises(ValueError, match="is not a whole number of bytes"):
+@pytest.mark.parametrize(("text", "reason"), [("-0", "is signed"), ("-00", "is signed"), ("+4", "is signed"),
+                                              ("-1", "is negative"), ("-007", "is negative")])
+def test_a_signed_setting_is_refused_for_its_sign(monkeypatch, text, reason):
+    """int() would read "+4" and "-0"; a setting is plain digits, and only a number below zero is called negative."""
+    monkeypatch.setenv(output_cache.ENVIRONMENT_VARIABLE, text)
+    with pytest.raises(ValueError, match=f"{re.escape(repr(text))} {reason}"):
         output_cache._read_limit()
 
 

@@ -76,8 +76,10 @@ def _read_limit() -> int:
         return _default_limit()
     digits = text.strip()
     shown = text if len(text) <= 40 else text[:40] + "..."
-    if digits[:1] == "-" and digits[1:].isascii() and digits[1:].isdigit() and digits[1:].strip("0"):
-        raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is negative")
+    if digits[:1] in ("-", "+") and digits[1:].isascii() and digits[1:].isdigit():
+        negative = digits[0] == "-" and digits[1:].strip("0")
+        raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is " + ("negative" if negative else
+                         "signed: give the bytes as decimal digits alone"))
     if not (digits.isascii() and digits.isdigit()):  # int() would take "+5", "1_0" and "٥"
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is not a whole number of bytes (decimal digits)")
     significant = digits.lstrip("0") or "0"
