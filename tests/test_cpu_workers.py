@@ -13,7 +13,7 @@ import pytest
 
 from fastembed.backends import cpu_workers
 from fastembed.backends.cpu_workers import Workers
-from helpers import interrupted_runs
+from helpers import interrupted_runs, run_script
 
 
 def _counting(visits: np.ndarray):
@@ -462,3 +462,55 @@ def test_a_parallel_lookup_in_a_finalizer_at_interpreter_exit_is_served_and_the_
     except subprocess.TimeoutExpired as error:  # the exit hang: a generous bound, tens of times a normal run
         raise AssertionError(f"the process did not exit: {error.stdout!r}") from None
     assert done.returncode == 0 and done.stdout.strip() == "served True", done.stdout + done.stderr
+
+
+_ONE_CPU_THREADS = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs a system that sets a thread's CPUs (Linux) and two CPUs or more")
+
+
+@_ONE_CPU_THREADS
+def test_a_thread_takes_the_main_threads_cpus_whatever_its_starter_had():
+    main_cpus, seen = os.sched_getaffinity(0), {}
+
+    def pinned():
+        os.sched_setaffinity(0, {min(main_cpus)})
+        seen["before"] = os.sched_getaffinity(0)
+        cpu_workers.take_the_main_threads_cpus()
+        seen["after"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=pinned)
+    thread.start()
+    thread.join()
+    assert seen == {"before": {min(main_cpus)}, "after": main_cpus}
+
+
+@_ONE_CPU_THREADS
+def test_a_first_lookup_from_a_pinned_thread_leaves_the_thread_count_and_the_workers_cpus_the_processs(tmp_path):
+    """numba counts its default threads from the CPUs of the thread importing it, and a worker inherits its
+    starter's: both are fastembed's threads, which take the main thread's CPUs first."""
+    result = run_script(tmp_path, """
+import os, threading
+import numpy as np
+import fastembed
+from fastembed.backends import numba_backend
+from fastembed.backends.cpu_workers import WORKERS
+os.environ.pop("NUMBA_NUM_THREADS", None)
+table = np.random.default_rng(0).standard_normal((3000, 4096), dtype=np.float32).astype(np.float16)
+ids = np.random.default_rng(1).integers(0, 3000, 4096)
+main_cpus = os.sched_getaffinity(0)
+def pinned_first_lookups():
+    os.sched_setaffinity(0, {min(main_cpus)})
+    fastembed.lookup(table, ids)
+    fastembed.wait_for_compiles()
+    assert np.array_equal(fastembed.lookup(table, ids), table[ids])
+thread = threading.Thread(target=pinned_first_lookups)
+thread.start()
+thread.join()
+assert np.array_equal(fastembed.lookup(table, ids), table[ids])
+assert numba_backend.thread_count() == len(main_cpus), (numba_backend.thread_count(), main_cpus)
+workers = [os.sched_getaffinity(worker.native_id) for worker in WORKERS._threads]
+assert workers and all(cpus == main_cpus for cpus in workers), (workers, main_cpus)
+print("ok")
+""")
+    assert result.stdout.strip() == "ok", result.stderr

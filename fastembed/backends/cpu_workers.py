@@ -27,6 +27,10 @@ How a region runs (:meth:`Workers.run`):
   wait's retries, docs/backends.md);
 - regions from several threads at once queue up for the workers, first in,
   first out; each caller claims blocks of its own region meanwhile;
+- a worker runs on the CPUs of the process's main thread (what ``taskset``
+  sets for a process), not on those of the thread that happened to start
+  it: on Linux a new thread inherits its starter's, and a lookup from a
+  thread the application pinned to one CPU would pin the workers with it;
 - a forked child starts workers of its own on its first region (a fork
   copies none of the parent's threads); a region whose caller forked (in
   a signal handler, or a finalizer run on its thread) goes on in the
@@ -54,6 +58,22 @@ from collections.abc import Callable
 
 #: A block's task: ``task(start, stop)`` processes rows [start, stop) and returns a count the region sums.
 Task = Callable[[int, int], int]
+
+
+def take_the_main_threads_cpus() -> None:
+    """Let the calling thread run on the CPUs of the process's main thread, where the system can tell (Linux).
+
+    For fastembed's own threads (the workers, the background compile, where numba reads its default thread
+    count): a new thread inherits the CPUs of the thread that started it, which may be one the application
+    pinned. A mask the system refuses (a CPU set changed meanwhile) leaves the thread's own as it is.
+    """
+    get, take = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
+    if get is None or take is None:
+        return
+    try:
+        take(0, get(os.getpid()))  # on Linux the main thread's id is the process's
+    except OSError:
+        pass
 
 
 class _Region:
@@ -246,6 +266,7 @@ class Workers:
 
     @staticmethod
     def _serve(regions: queue.SimpleQueue[_Region]) -> None:
+        take_the_main_threads_cpus()
         while True:
             regions.get().serve()
 

@@ -544,8 +544,9 @@ class NumbaBackend:
             "numba": numba.__version__,
             "threads": threads,
             "workers": (f"the calling thread and {threads - 1} fastembed worker thread(s) share a parallel lookup "
-                        "(NUMBA_NUM_THREADS sets the count, and so does numba.set_num_threads in the calling thread "
-                        "once numba's own threading layer runs; OpenMP settings do not apply)"),
+                        "(NUMBA_NUM_THREADS sets the count, by default the CPUs of the process's main thread, and so "
+                        "does numba.set_num_threads in the calling thread once numba's own threading layer runs; "
+                        "OpenMP settings apply only where an OpenMP runtime binds the main thread to CPUs)"),
             "serial_min_bytes": SERIAL_MIN_BYTES,
             "touched_row_min_bytes": TOUCHED_ROW_MIN_BYTES,
             "place_serial_min_bytes": PLACE_SERIAL_MIN_BYTES,
@@ -755,8 +756,8 @@ def thread_count() -> int:
     """Threads a parallel lookup cuts its rows among, the calling thread's included: numba's setting.
 
     Returns:
-        ``NUMBA_NUM_THREADS`` (by default the CPUs this process may run
-        on); once numba's own threading layer runs in this process (the
+        ``NUMBA_NUM_THREADS`` (by default the CPUs this process's main
+        thread may run on); once numba's own threading layer runs in this process (the
         application's parallel numba code started it), the calling
         thread's ``numba.set_num_threads``. Reading it never starts that layer.
         1 while the interpreter is finalizing.
