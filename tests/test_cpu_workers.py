@@ -4,6 +4,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -13,7 +15,7 @@ import pytest
 
 from fastembed.backends import cpu_workers
 from fastembed.backends.cpu_workers import Workers
-from helpers import interrupted_runs, run_script
+from helpers import interrupted_runs
 
 
 def _counting(visits: np.ndarray):
@@ -464,33 +466,51 @@ def test_a_parallel_lookup_in_a_finalizer_at_interpreter_exit_is_served_and_the_
     assert done.returncode == 0 and done.stdout.strip() == "served True", done.stdout + done.stderr
 
 
-_ONE_CPU_THREADS = pytest.mark.skipif(
+_SETS_THREAD_CPUS_ON_TWO_OR_MORE = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs a system that sets a thread's CPUs (Linux) and two CPUs or more")
 
 
-@_ONE_CPU_THREADS
-def test_a_thread_takes_the_main_threads_cpus_whatever_its_starter_had():
-    main_cpus, seen = os.sched_getaffinity(0), {}
+def _in_a_thread_pinned_to_one_cpu(body):
+    """Run `body` on a new thread pinned to the lowest of the main thread's CPUs; return what it returns."""
+    result = []
 
     def pinned():
-        os.sched_setaffinity(0, {min(main_cpus)})
-        seen["before"] = os.sched_getaffinity(0)
-        cpu_workers.take_the_main_threads_cpus()
-        seen["after"] = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(os.getpid()))})
+        result.append(body())
 
     thread = threading.Thread(target=pinned)
     thread.start()
     thread.join()
-    assert seen == {"before": {min(main_cpus)}, "after": main_cpus}
+    return result[0]
 
 
-@_ONE_CPU_THREADS
-def test_a_first_lookup_from_a_pinned_thread_leaves_the_thread_count_and_the_workers_cpus_the_processs(tmp_path):
-    """numba counts its default threads from the CPUs of the thread importing it, and a worker inherits its
-    starter's: both are fastembed's threads, which take the main thread's CPUs first."""
-    result = run_script(tmp_path, """
-import os, threading
+@_SETS_THREAD_CPUS_ON_TWO_OR_MORE
+def test_a_worker_joins_the_main_threads_cpus_whatever_its_starter_had():
+    main_cpus = os.sched_getaffinity(0)
+
+    def join():
+        before = os.sched_getaffinity(0)
+        cpu_workers.join_the_main_threads_cpus()
+        return before, os.sched_getaffinity(0)
+
+    assert _in_a_thread_pinned_to_one_cpu(join) == ({min(main_cpus)}, main_cpus)
+
+
+@_SETS_THREAD_CPUS_ON_TWO_OR_MORE
+def test_the_main_threads_cpus_are_joined_for_a_while_and_the_threads_own_given_back():
+    main_cpus = os.sched_getaffinity(0)
+
+    def borrow():
+        with cpu_workers.on_the_main_threads_cpus_too():
+            inside = os.sched_getaffinity(0)
+        return inside, os.sched_getaffinity(0)
+
+    assert _in_a_thread_pinned_to_one_cpu(borrow) == (main_cpus, {min(main_cpus)})
+
+
+_PINNED_SCRIPT = """
+import os, sys, threading
 import numpy as np
 import fastembed
 from fastembed.backends import numba_backend
@@ -498,19 +518,44 @@ from fastembed.backends.cpu_workers import WORKERS
 os.environ.pop("NUMBA_NUM_THREADS", None)
 table = np.random.default_rng(0).standard_normal((3000, 4096), dtype=np.float32).astype(np.float16)
 ids = np.random.default_rng(1).integers(0, 3000, 4096)
-main_cpus = os.sched_getaffinity(0)
-def pinned_first_lookups():
-    os.sched_setaffinity(0, {min(main_cpus)})
+process_cpus = os.sched_getaffinity(0)
+one_cpu = {min(process_cpus)}
+def first_calls():
+    if sys.argv[1] == "describe":
+        assert numba_backend.BACKEND.describe()["threads"] == len(process_cpus)
     fastembed.lookup(table, ids)
     fastembed.wait_for_compiles()
     assert np.array_equal(fastembed.lookup(table, ids), table[ids])
-thread = threading.Thread(target=pinned_first_lookups)
-thread.start()
-thread.join()
+    return numba_backend.thread_count()
+def on_another_thread(pin_it):
+    counts = []
+    def run():
+        os.sched_setaffinity(0, one_cpu if pin_it else process_cpus)
+        counts.append(first_calls())
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return counts[0]
+if sys.argv[1] == "main-pinned":
+    os.sched_setaffinity(0, one_cpu)
+    count = on_another_thread(pin_it=False)
+else:
+    count = on_another_thread(pin_it=True)
 assert np.array_equal(fastembed.lookup(table, ids), table[ids])
-assert numba_backend.thread_count() == len(main_cpus), (numba_backend.thread_count(), main_cpus)
+assert count == numba_backend.thread_count() == len(process_cpus), (count, numba_backend.thread_count(), process_cpus)
 workers = [os.sched_getaffinity(worker.native_id) for worker in WORKERS._threads]
-assert workers and all(cpus == main_cpus for cpus in workers), (workers, main_cpus)
+assert workers and all(cpus == process_cpus for cpus in workers), (workers, process_cpus)
 print("ok")
-""")
+"""
+
+
+@_SETS_THREAD_CPUS_ON_TWO_OR_MORE
+@pytest.mark.parametrize("first", ["lookup", "describe", "main-pinned"])
+def test_a_pinned_thread_leaves_the_thread_count_and_the_workers_cpus_the_processs(tmp_path, first):
+    """numba counts its default threads from the CPUs of the thread importing it, and a worker inherits its
+    starter's: the first lookup (or report) from a pinned thread, or lookups beside a pinned main thread,
+    still count and run on every CPU of the process."""
+    script = tmp_path / "script.py"
+    script.write_text(_PINNED_SCRIPT)
+    result = subprocess.run([sys.executable, str(script), first], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr

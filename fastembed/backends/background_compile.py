@@ -46,7 +46,6 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from . import interrupts
-from .cpu_workers import take_the_main_threads_cpus
 
 # Re-entrant, for _is_owned(): a fork hook must release what it took, and an exception (Ctrl-C) just after an
 # acquire() returns would keep a record of it from being made.
@@ -119,7 +118,6 @@ def start(key: Hashable, first_call: Callable[[], Any]) -> None:
 
 
 def _compile(key: Hashable, first_call: Callable[[], Any]) -> None:
-    take_the_main_threads_cpus()  # numba, imported here, counts its default threads from this thread's CPUs
     try:
         with _one_at_a_time:
             if not _exiting:

@@ -27,10 +27,11 @@ How a region runs (:meth:`Workers.run`):
   wait's retries, docs/backends.md);
 - regions from several threads at once queue up for the workers, first in,
   first out; each caller claims blocks of its own region meanwhile;
-- a worker runs on the CPUs of the process's main thread (what ``taskset``
-  sets for a process), not on those of the thread that happened to start
-  it: on Linux a new thread inherits its starter's, and a lookup from a
-  thread the application pinned to one CPU would pin the workers with it;
+- a worker, when it starts, adds the CPUs of the process's main thread
+  (what ``taskset`` sets for a process) to those it inherited from the
+  thread that started it: on Linux a new thread inherits its starter's
+  only, and a lookup from a thread the application pinned to one CPU
+  would pin the workers with it;
 - a forked child starts workers of its own on its first region (a fork
   copies none of the parent's threads); a region whose caller forked (in
   a signal handler, or a finalizer run on its thread) goes on in the
@@ -50,30 +51,66 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 #: A block's task: ``task(start, stop)`` processes rows [start, stop) and returns a count the region sums.
 Task = Callable[[int, int], int]
 
 
-def take_the_main_threads_cpus() -> None:
-    """Let the calling thread run on the CPUs of the process's main thread, where the system can tell (Linux).
-
-    For fastembed's own threads (the workers, the background compile, where numba reads its default thread
-    count): a new thread inherits the CPUs of the thread that started it, which may be one the application
-    pinned. A mask the system refuses (a CPU set changed meanwhile) leaves the thread's own as it is.
-    """
+def _thread_cpus() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The system's calls that read and set a thread's CPUs (Linux); None where there are none."""
     get, take = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
-    if get is None or take is None:
+    return None if get is None or take is None else (get, take)
+
+
+def join_the_main_threads_cpus() -> None:
+    """Let the calling thread run on the CPUs of the process's main thread as well as on its own.
+
+    For fastembed's own threads, the workers: a new thread inherits the CPUs of the thread that
+    started it, which may be one the application pinned. A mask the system refuses (a CPU set
+    changed meanwhile) leaves the thread's own as it is.
+    """
+    calls = _thread_cpus()
+    if calls is None:
         return
+    get, take = calls
     try:
-        take(0, get(os.getpid()))  # on Linux the main thread's id is the process's
+        take(0, get(0) | get(os.getpid()))  # on Linux the main thread's id is the process's
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def on_the_main_threads_cpus_too() -> Iterator[None]:
+    """Run the body with the calling thread on the main thread's CPUs as well as its own, then on its own again.
+
+    numba counts its default threads from the CPUs of the thread that imports it: fastembed imports it
+    under this, so a first lookup from a thread the application pinned does not set the count for the process.
+    """
+    calls, own = _thread_cpus(), None
+    if calls is not None:
+        get, take = calls
+        try:
+            own = get(0)
+            wider = own | get(os.getpid())
+            if wider == own:
+                own = None
+            else:
+                take(0, wider)
+        except OSError:
+            own = None
+    try:
+        yield
+    finally:
+        if own is not None:
+            with contextlib.suppress(OSError):
+                take(0, own)
 
 
 class _Region:
@@ -266,7 +303,7 @@ class Workers:
 
     @staticmethod
     def _serve(regions: queue.SimpleQueue[_Region]) -> None:
-        take_the_main_threads_cpus()
+        join_the_main_threads_cpus()
         while True:
             regions.get().serve()
 

@@ -83,7 +83,7 @@ import numpy as np
 from .. import validate
 from ..arrays.numpy_adapter import data_address
 from ..formats import FORMATS, QuantizedTable
-from . import background_compile, base, numpy_backend, output_cache
+from . import background_compile, base, cpu_workers, numpy_backend, output_cache
 from .base import DENSE, Capabilities, SmallGather
 from .cpu_workers import WORKERS
 from .numpy_backend import take_into, take_new
@@ -217,7 +217,8 @@ class NumbaBackend:
         with background_compile.foreground(), self._import_lock:
             if self._kernels is None:
                 try:
-                    kernels = _import_or_undo("fastembed.kernels.gather_cpu")
+                    with cpu_workers.on_the_main_threads_cpus_too():  # where numba counts its default threads
+                        kernels = _import_or_undo("fastembed.kernels.gather_cpu")
                 except Exception as error:  # an interrupt propagates: the next call tries again
                     self._import_error = f"numba failed to load: {type(error).__name__}: {error}"
                     failure = error
@@ -544,7 +545,8 @@ class NumbaBackend:
             "numba": numba.__version__,
             "threads": threads,
             "workers": (f"the calling thread and {threads - 1} fastembed worker thread(s) share a parallel lookup "
-                        "(NUMBA_NUM_THREADS sets the count, by default the CPUs of the process's main thread, and so "
+                        "(NUMBA_NUM_THREADS sets the count, by default the CPUs of the process's main thread and of the "
+                        "thread that loaded numba, and so "
                         "does numba.set_num_threads in the calling thread once numba's own threading layer runs; "
                         "OpenMP settings apply only where an OpenMP runtime binds the main thread to CPUs)"),
             "serial_min_bytes": SERIAL_MIN_BYTES,
@@ -756,8 +758,8 @@ def thread_count() -> int:
     """Threads a parallel lookup cuts its rows among, the calling thread's included: numba's setting.
 
     Returns:
-        ``NUMBA_NUM_THREADS`` (by default the CPUs this process's main
-        thread may run on); once numba's own threading layer runs in this process (the
+        ``NUMBA_NUM_THREADS`` (by default the CPUs of this process's main
+        thread and of the thread that loaded numba); once numba's own threading layer runs in this process (the
         application's parallel numba code started it), the calling
         thread's ``numba.set_num_threads``. Reading it never starts that layer.
         1 while the interpreter is finalizing.
