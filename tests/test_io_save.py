@@ -639,11 +639,32 @@ def test_a_relative_path_is_written_in_a_folder_deeper_than_the_systems_path_lim
     """Where open() takes a relative name, so does save: the folder's absolute path may be longer than a path
     the system takes."""
     monkeypatch.chdir(tmp_path)
-    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
-    while len(os.fsencode(os.getcwd())) < limit - 64:
+    limit, depth = os.pathconf(tmp_path, "PC_PATH_MAX"), len(os.fsencode(str(tmp_path)))
+    while depth <= limit:
         os.mkdir("d" * 200)
         os.chdir("d" * 200)
+        depth += 201
     table = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float16)
     io.save_table("t.gguf", table)
     same_bytes(io.map_gguf("t.gguf"), table)
     assert sorted(os.listdir(os.curdir)) == ["t.gguf"]
+
+
+def test_a_relative_path_is_saved_where_it_named_when_the_save_began_whatever_chdir_does_meanwhile(tmp_path,
+                                                                                                 monkeypatch):
+    """Another thread's os.chdir between the writing and the rename moves neither the file nor its cleanup."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    flush = io.save._flush_to_disk
+
+    def flush_then_chdir(path, folder=False):
+        flush(path, folder)
+        if not folder:
+            os.chdir(tmp_path / "b")
+
+    monkeypatch.setattr(io.save, "_flush_to_disk", flush_then_chdir)
+    table = np.random.default_rng(2).standard_normal((3, 8)).astype(np.float16)
+    io.save_table("t.gguf", table)
+    assert sorted(os.listdir(tmp_path / "a")) == ["t.gguf"] and os.listdir(tmp_path / "b") == []
+    same_bytes(io.map_gguf(tmp_path / "a" / "t.gguf"), table)

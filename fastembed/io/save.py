@@ -82,7 +82,8 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             a file the loaders would refuse (a safetensors entry of over 4,096 characters, found once the rows
             are written); a safetensors tensor named ``__metadata__``;
             a `name` that is not valid Unicode text (a lone surrogate): nothing is written then.
-        TypeError: a table that is not on the host; a `name` that is not a string.
+        TypeError: a table that is not on the host, or whose dtype numpy cannot hold (torch's float8 dtypes
+            other than float8_e4m3fn and float8_e5m2); a `name` that is not a string.
         IsADirectoryError: `path` is a directory, a symbolic link to one, or ends in a separator; nothing is
             written.
         OSError: `path`'s name is too long, its folder cannot be reached (missing, a file used as a folder,
@@ -272,20 +273,19 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
         existing = None
     if existing is not None and stat.S_ISDIR(existing.st_mode):
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", os.fspath(path))
-    # The folder is named as the caller named it, so the system resolves it (a link, then "..") as open() would,
-    # and a relative path stays relative (an absolute one could pass the system's length limit in a deep folder).
-    directory = parent or os.curdir
+    folder = parent or os.curdir
     try:
-        folder_mode = os.stat(directory).st_mode
+        folder_mode = os.stat(folder).st_mode
     except OSError as error:
         raise OSError(error.errno, f"cannot write a file beside it: {error.strerror}", os.fspath(path)) from None
     if not stat.S_ISDIR(folder_mode):
         raise NotADirectoryError(errno.ENOTDIR, "cannot write a file beside it: its folder is not a directory",
                                  os.fspath(path))
-    destination = os.path.join(parent, base)
     # The destination's name begins the temporary file's, cut (at a character) so that a name near the limit fits.
     prefix = os.fsencode(base)[:_TEMPORARY_PREFIX_BYTES].decode("utf-8", "ignore")
-    temporary = os.path.join(directory, f".{prefix}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    temporary_name = f".{prefix}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    directory = _fixed_folder(folder, temporary_name)
+    destination, temporary = os.path.join(directory, base), os.path.join(directory, temporary_name)
     # A new file gets 0o666 less the umask, as any new file; a replacement is private until it takes the old mode,
     # since a descriptor opened meanwhile would keep reading it.
     replaces_a_file = existing is not None and stat.S_ISREG(existing.st_mode)
@@ -317,6 +317,27 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
                 os.unlink(temporary)
         raise
     _flush_to_disk(directory, folder=True)  # the rename itself
+
+
+def _fixed_folder(folder: str, name: str) -> str:
+    """`folder` as a path that another thread's ``os.chdir`` cannot move: absolute, unless that would not fit.
+
+    The current folder is joined to it as it is, not normalised, so the system still resolves a link, then
+    ``..``, as ``open()`` would. A relative folder stays relative where the absolute path of `name` in it
+    would pass the system's length limit (a folder deeper than that, where ``open()`` of the relative path
+    works), or where the current folder cannot be told.
+    """
+    if os.path.isabs(folder):
+        return folder
+    try:
+        absolute = os.path.join(os.getcwd(), folder)
+    except OSError:  # the current folder was removed: only the relative path still reaches it
+        return folder
+    try:
+        limit = os.pathconf(folder, "PC_PATH_MAX")
+    except (OSError, ValueError, AttributeError):  # no limit to tell (Windows has no pathconf)
+        return absolute
+    return absolute if len(os.fsencode(os.path.join(absolute, name))) < limit else folder
 
 
 def _flush_to_disk(path: str, folder: bool = False) -> None:
