@@ -57,7 +57,7 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
 
     Raises:
         TypeError: ids that are not integers; arrays of the wrong kind, dtype or device;
-            a `dtype` that is no dtype.
+            a `dtype` that is no dtype; a `backend` that is not a string.
         ValueError: ids in nested lists of different lengths, or of more
             dimensions than the result leaves room for (63 with numpy 2); a table or
             ``out`` of the wrong shape or layout; an ``out``

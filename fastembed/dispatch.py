@@ -269,20 +269,22 @@ def select(table: Any, backend: str = AUTO) -> Backend:
     requested backend, FASTEMBED_BACKEND, table type and format: one dict
     lookup per call. FASTEMBED_BACKEND is part of the key, so a choice made
     while another thread re-reads it is never used under the new value.
+
+    Raises:
+        TypeError: a `backend` that is not a string.
+        ValueError: an unknown backend name (in `backend` or FASTEMBED_BACKEND).
+        BackendUnavailableError: a named backend cannot serve `table`.
     """
     kind = type(table)
     environment = _environment_choice
     key = (backend, environment, kind) if kind is not QuantizedTable else (
         backend, environment, type(table.data), table.format.name)
-    try:
-        remembered = _selected.get(key)
-    except TypeError:  # an unhashable backend argument (a list, say)
-        remembered = None
-    if remembered is not None:
-        return remembered
-    if not isinstance(backend, str):  # only strings are ever remembered, so the check costs nothing on a hit
+    if not isinstance(backend, str):  # before the dict: b"numba" hashes as "numba", and -bb makes comparing them raise
         raise TypeError(
             f"backend must be a string, one of {', '.join([AUTO, *BACKENDS])}; got {type(backend).__name__}")
+    remembered = _selected.get(key)
+    if remembered is not None:
+        return remembered
     seen = generation
     chosen = _choose(table, backend, environment)
     if generation == seen:  # else the choices were forgotten meanwhile: this one may be stale

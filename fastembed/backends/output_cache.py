@@ -80,7 +80,7 @@ def _read_limit() -> int:
         negative = digits[0] == "-" and digits[1:].strip("0")
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is " + ("negative" if negative else
                          "signed: give the bytes as decimal digits alone"))
-    if not (digits.isascii() and digits.isdigit()):  # int() would take "+5", "1_0" and "٥"
+    if not (digits.isascii() and digits.isdigit()):  # int() would take "1_0" and "٥"
         raise ValueError(f"{ENVIRONMENT_VARIABLE}={shown!r} is not a whole number of bytes (decimal digits)")
     significant = digits.lstrip("0") or "0"
     # Counted before int(), whose time grows with the square of the digits.
