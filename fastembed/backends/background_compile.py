@@ -335,10 +335,13 @@ def forget() -> None:
 
 
 # The hook that concurrent.futures uses to act before exit joins threads; atexit handlers run after that join.
-if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_on_thread_shutdown)
-else:
-    atexit.register(_stop_new_compiles)
+try:
+    if hasattr(threading, "_register_atexit"):
+        threading._register_atexit(_on_thread_shutdown)
+    else:
+        atexit.register(_stop_new_compiles)
+except RuntimeError:  # imported once exit had begun (by a thread outliving the main one, or an atexit handler)
+    _exiting = True
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(before=_wait_before_fork, after_in_parent=_after_fork_in_parent,
                         after_in_child=_after_fork_in_child)
