@@ -10,7 +10,11 @@ from typing import Any
 
 import numpy as np
 
+# Every module the functions below use is imported here: a __del__ run by the final garbage collection may call
+# them, when Python refuses imports, even of modules already loaded.
+from . import arrays, dispatch, validate
 from .api import Embedding, lookup
+from .backends import background_compile, output_cache
 from .backends.cuda_backend import deferred_id_checks, raise_deferred_id_errors
 from .dispatch import BackendStatus, BackendUnavailableError, Selection, backend_statuses
 
@@ -56,19 +60,14 @@ def select_backend(table: Any, ids: Any, out: Any = None, backend: str = "auto",
         >>> fastembed.select_backend(np.zeros((4, 3), np.float32), [1], backend="numpy").backend
         'numpy'
     """
-    from . import validate
-    from .arrays import call_context
-
     table_view = validate.table_snapshot(table)
     rows = validate.storage(table)
-    with call_context(rows):  # as lookup: ids on a GPU are converted on the table's device
+    with arrays.call_context(rows):  # as lookup: ids on a GPU are converted on the table's device
         ids_view = validate.ids_snapshot(ids, table_view)
         target = validate.output_dtype(table_view, dtype, rows)
         if out is not None:
             validate.out_snapshot(out, ids_view, table_view, table, ids, target)
-    from .dispatch import explain
-
-    selection = explain(table_view, backend)
+    selection = dispatch.explain(table_view, backend)
     if isinstance(validate.storage(table_view), np.ndarray):  # a host lookup checks int32/int64 ids as it gathers
         validate.check_ids_in_range(ids_view, int(table_view.shape[0]))
     return selection
@@ -103,9 +102,6 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
         >>> fastembed.wait_for_compiles(timeout=60)
         True
     """
-    from . import validate
-    from .backends import background_compile
-
     if timeout is not None:
         timeout = validate.checked_seconds(timeout, "timeout must be None or a number of seconds >= 0", 0, float("inf"))
     return background_compile.wait(timeout)
@@ -127,8 +123,6 @@ def empty_cache() -> None:
         >>> import fastembed
         >>> fastembed.empty_cache()
     """
-    from .backends import output_cache
-
     output_cache.empty()
 
 
@@ -152,6 +146,4 @@ def set_output_cache_limit(nbytes: int) -> None:
         >>> import fastembed
         >>> fastembed.set_output_cache_limit(1 << 30)
     """
-    from .backends import output_cache
-
     output_cache.set_limit(nbytes)

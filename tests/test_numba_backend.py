@@ -1270,6 +1270,58 @@ def test_a_large_lookup_in_an_atexit_handler_exits(tmp_path):
     assert "looked up; compile threads started: 0" in done.stdout
 
 
+def test_the_packages_own_functions_work_in_a_finalizer_the_final_garbage_collection_runs(tmp_path):
+    """Python refuses every import then, even of a module already loaded: the functions import nothing."""
+    done = run_script(tmp_path, """
+import os
+import numpy as np
+import fastembed
+table = np.random.default_rng(0).standard_normal((1000, 64)).astype(np.float32)
+def calls():
+    yield "select_backend", lambda: fastembed.select_backend(table, [1], backend="numpy").backend == "numpy"
+    yield "wait_for_compiles", lambda: fastembed.wait_for_compiles() and fastembed.wait_for_compiles(timeout=5)
+    yield "empty_cache", lambda: fastembed.empty_cache() is None
+    yield "set_output_cache_limit", lambda: fastembed.set_output_cache_limit(2**20) is None
+    yield "lookup", lambda: np.array_equal(fastembed.lookup(table, [1, 2]), table[[1, 2]])
+for name, call in calls():
+    assert call(), name
+class InACycle:
+    def __del__(self):
+        for name, call in calls():
+            try:
+                os.write(1, f"{name}: {'ok' if call() else 'wrong'}\\n".encode())
+            except BaseException as error:
+                os.write(1, f"{name}: {type(error).__name__}: {error}\\n".encode())
+cycle = InACycle()
+cycle.itself = cycle
+""")
+    lines = done.stdout.splitlines()
+    assert lines == [f"{name}: ok" for name in ("select_backend", "wait_for_compiles", "empty_cache",
+                                                 "set_output_cache_limit", "lookup")], done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("where", ["a thread outliving the main one", "an atexit handler"])
+def test_fastembed_first_imported_once_exit_has_begun_looks_up_and_starts_no_compile(tmp_path, where):
+    """Python refuses exit hooks registered once its exit has begun: the import goes on and exit gets no compile."""
+    done = run_script(tmp_path, f"""
+import atexit, threading, time
+import numpy as np
+def first_use():
+    import fastembed
+    table = np.random.default_rng(0).standard_normal((4000, 1024)).astype(np.float32)
+    ids = np.arange(0, 4000, 2, dtype=np.int64)
+    assert np.array_equal(fastembed.lookup(table, ids), table[ids])
+    compiling = [t for t in threading.enumerate() if t.name == "fastembed-compile"]
+    print("looked up; compile threads started:", len(compiling), flush=True)
+if {where!r} == "an atexit handler":
+    atexit.register(first_use)
+else:
+    threading.Thread(target=lambda: (time.sleep(0.3), first_use())).start()
+""")
+    assert done.returncode == 0, done.stderr
+    assert "looked up; compile threads started: 0" in done.stdout, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("cache_bytes", [0, 2**30])
 def test_large_allocating_lookup_is_exact_from_a_faulted_in_output(monkeypatch, cache_bytes):
     """A new output of about 8 MB comes faulted in (from the output cache, or from numpy when it is off), then gathered."""

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import validate
 from ..arrays.numpy_adapter import data_address
 from . import interrupts
 
@@ -120,9 +121,7 @@ def set_limit(nbytes: int) -> None:
         ValueError: a negative size, or one above 2**64 (no memory holds more).
     """
     global _limit
-    from ..validate import checked_integer
-
-    limit = checked_integer(nbytes, "the output cache limit is a number of bytes from 0 to 2**64", 0, MAX_LIMIT)
+    limit = validate.checked_integer(nbytes, "the output cache limit is a number of bytes from 0 to 2**64", 0, MAX_LIMIT)
     with _lock:
         _limit = limit
         _trim(_limit)
