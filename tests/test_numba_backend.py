@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -1268,6 +1269,36 @@ def test_a_large_lookup_in_an_atexit_handler_exits(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "looked up; compile threads started: 0" in done.stdout
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_compiled_kernels_and_turns_itself_off(tmp_path):
+    """A full disk under the cache folder (a write that fails as numba saves a kernel): the kernels compiled are
+    used, and info says the cache is off and why, rather than numpy serving the signature for good."""
+    done = subprocess.run([sys.executable, "-c", """
+import errno
+import numpy as np
+from numba.core import caching
+def full_disk(self, signature, data):
+    if self._enabled:  # as numba's own write checks first
+        raise OSError(errno.ENOSPC, "No space left on device")
+caching.Cache._save_overload = full_disk
+import fastembed
+from fastembed.backends import numba_backend
+table = np.random.default_rng(0).standard_normal((3000, 1024)).astype(np.float32)
+ids = np.random.default_rng(1).integers(0, 3000, 4096)
+fastembed.lookup(table, ids)
+fastembed.wait_for_compiles()
+fastembed.Embedding(table).quantize("q8_0")(ids)
+fastembed.wait_for_compiles()
+assert np.array_equal(fastembed.lookup(table, ids), table[ids])
+facts = numba_backend.BACKEND.describe()
+print(facts.get("compile_failures"), len(numba_backend.BACKEND._compiles.done))
+print(facts["kernel_cache"])
+"""], capture_output=True, text=True, timeout=300, env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    failures, kernel_cache = done.stdout.splitlines()
+    assert failures == "None 2"
+    assert kernel_cache.startswith("off: a write to it failed (OSError: [Errno 28] No space left on device)")
 
 
 def test_the_packages_own_functions_work_in_a_finalizer_the_final_garbage_collection_runs(tmp_path):

@@ -348,7 +348,15 @@ class NumbaBackend:
         except ImportError:
             return  # the reason is kept: unavailable_reasons() (numba) or describe() (dequantizing kernels) reports it
         try:
-            compile_with(kernels)
+            try:
+                compile_with(kernels)
+            except OSError as error:
+                from ..kernels import jit_options
+
+                if not jit_options.is_a_cache_write_failure(error):
+                    raise
+                jit_options.stop_caching(error)  # a full disk: the kernels compiled are kept, the rest compile again
+                compile_with(kernels)
         except Exception as error:  # a corrupt on-disk cache, say: numpy serves the signature, describe() says why
             compiles.failed[signature] = _one_line(error)
             raise
@@ -557,6 +565,8 @@ class NumbaBackend:
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
             "streaming_stores": _STREAMING_CPU,
             "kernel_cache": "on disk" if jit_options.CACHED else (
+                f"off: a write to it failed ({jit_options.WRITE_FAILURE}), so this process compiles its kernels "
+                "in memory" if jit_options.WRITE_FAILURE is not None else
                 "off: numba finds no writable place to cache compiled kernels (NUMBA_CACHE_DIR names one), so each "
                 "process compiles them again"),
         }
