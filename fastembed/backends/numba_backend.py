@@ -553,10 +553,10 @@ class NumbaBackend:
             "numba": numba.__version__,
             "threads": threads,
             "workers": (f"the calling thread and {threads - 1} fastembed worker thread(s) share a parallel lookup "
-                        "(NUMBA_NUM_THREADS sets the count, by default the CPUs of the process's main thread and of the "
-                        "thread that loaded numba, and so "
-                        "does numba.set_num_threads in the calling thread once numba's own threading layer runs; "
-                        "OpenMP settings apply only where an OpenMP runtime binds the main thread to CPUs)"),
+                        "(NUMBA_NUM_THREADS sets the count: by default the CPUs of the process's main thread and of "
+                        "the thread that loaded numba; numba.set_num_threads in the calling thread sets it once "
+                        "numba's own threading layer runs; OpenMP settings apply only where an OpenMP runtime binds "
+                        "the main thread to CPUs)"),
             "serial_min_bytes": SERIAL_MIN_BYTES,
             "touched_row_min_bytes": TOUCHED_ROW_MIN_BYTES,
             "place_serial_min_bytes": PLACE_SERIAL_MIN_BYTES,
