@@ -393,8 +393,9 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     caller's ids meanwhile. int32 and int64 keep their dtype; lists, tuples
     and scalars are converted as numpy would, an empty list to an empty intp
     array (as in ``table[[]]``); other integer dtypes are converted to int64
-    after their range has been checked (a second copy of the ids, never of
-    the table). Host ids for a GPU table are copied to its
+    after their range has been checked (in the call's copy where they are
+    uint64 or int32/int64 of the other byte order, else into a second copy
+    of the ids; never of the table). Host ids for a GPU table are copied to its
     device; ids on the GPU are used where they are.
 
     Raises:
@@ -415,11 +416,11 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
         if (dtype is _INT64 or dtype is _INT32 or dtype in NATIVE_ID_DTYPES) and own.ndim <= MAX_IDS_NDIM:
             return own
         _check_integer_dtype(dtype)
-        return _native_ids(own, table.shape[0])  # converted from the call's copy
+        return _native_ids(own, table.shape[0], owned=True)  # converted from the call's copy
     if type(ids) in _CONVERTED_IDS and numpy_rows:
         converted = _converted_ids(ids, table.shape[0])
         _check_integer_dtype(converted.dtype)
-        return _native_ids(converted, table.shape[0])  # numpy's conversion: the call's own array
+        return _native_ids(converted, table.shape[0], owned=True)  # numpy's conversion: the call's own array
     ndim = getattr(ids, "ndim", 0)
     if type(ndim) is int and ndim > MAX_IDS_NDIM:  # checked first: a library's array of more has no numpy view
         raise _too_many_dimensions(ndim)
@@ -568,12 +569,14 @@ def _check_integer_dtype(dtype: np.dtype) -> None:
         raise TypeError(f"ids must be integers, got {what.get(dtype.kind, 'non-integer')} dtype {dtype}")
 
 
-def _native_ids(ids: Any, vocab_size: int) -> Any:
+def _native_ids(ids: Any, vocab_size: int, owned: bool = False) -> Any:
     """`ids` with at most :data:`MAX_IDS_NDIM` dimensions as the kernels take them: native int32/int64 ids as
     they are, others converted to int64 after a range check.
 
     The check comes first because uint64 values above 2**63 would wrap to
-    negative numbers in the conversion and hide the caller's mistake.
+    negative numbers in the conversion and hide the caller's mistake. Ids the
+    call `owned` (its own host copy) of 8-byte or byte-swapped integers are
+    converted where they are, so the call holds one array of them.
 
     Raises:
         ValueError: ids of more than :data:`MAX_IDS_NDIM` dimensions.
@@ -584,11 +587,16 @@ def _native_ids(ids: Any, vocab_size: int) -> Any:
     dtype = np.dtype(ids.dtype)
     if dtype in NATIVE_ID_DTYPES:
         return ids
+    if owned and not dtype.isnative and dtype.newbyteorder("=") in NATIVE_ID_DTYPES:
+        return ids.byteswap(inplace=True).view(dtype.newbyteorder("="))
     # Checked and converted from one reading (another thread may be writing the caller's ids): a lossless
     # conversion is that reading; uint64 is copied as it is first, since converting would wrap its largest values.
-    own = ids.astype(np.int64) if np.can_cast(dtype, np.int64, "safe") else ids.copy()
+    own = ids.astype(np.int64) if np.can_cast(dtype, np.int64, "safe") else ids if owned else ids.copy()
     check_ids_in_range(own, vocab_size)
-    return own if own.dtype == np.int64 else own.astype(np.int64)
+    if own.dtype == np.int64:
+        return own
+    # In range, so below 2**63: the same bits as int64 (in their own byte order).
+    return own.view(np.int64) if own.dtype == np.uint64 and own.dtype.isnative else own.astype(np.int64)
 
 
 def _too_many_dimensions(ndim: int) -> ValueError:
