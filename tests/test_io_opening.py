@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -254,12 +255,27 @@ def test_a_config_json_is_read_only_up_to_a_few_mib(tmp_path):
         io.open_table(tmp_path)
 
 
-def test_a_config_json_that_grows_past_the_limit_after_its_check_is_read_no_further(tmp_path, monkeypatch):
+@pytest.mark.parametrize("pad", [5 * 2**20, 100])
+def test_a_config_json_that_grows_after_its_check_is_read_no_further(tmp_path, monkeypatch, pad):
     """The file was read whole after its size was checked: one that grew meanwhile was read to its new end."""
-    _checkpoint(tmp_path, json.dumps({"vocab_size": 100, "hidden_size": 64, "pad": "x" * (5 * 2**20)}))
+    _checkpoint(tmp_path, json.dumps({"vocab_size": 100, "hidden_size": 64, "pad": "x" * pad}))
     monkeypatch.setattr(checkpoints, "check_file", lambda path, opener: 100)  # the size it had when checked
-    with pytest.raises(ValueError, match="config.json grew past the 4194304-byte limit while it was read"):
+    with pytest.raises(ValueError, match=r"config.json grew while it was read \(it was 100 bytes when checked\)"):
         io.open_table(tmp_path)
+
+
+def test_a_small_json_file_is_read_into_a_buffer_of_its_own_size(tmp_path):
+    """A read of the limit's length allocated the whole limit (64 MiB for an index of a few hundred bytes)."""
+    _checkpoint(tmp_path, '{"vocab_size": 100, "hidden_size": 64}')
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"model.embed_tokens.weight": "model.safetensors"}}')
+    tracemalloc.start()
+    try:
+        io.open_table(tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20
 
 
 def test_a_watch_on_a_slice_covers_the_slice_where_it_lies_in_the_file(tmp_path):

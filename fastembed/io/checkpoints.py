@@ -245,9 +245,10 @@ def _read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> dict[str, 
     size = check_file(path, "fastembed.io.open_table")
     if size > limit:
         raise ValueError(f"{path}: {what} is {size} bytes, over the {limit}-byte limit")
-    text = read_head(path, limit + 1)  # no more: the file may have grown since it was checked
-    if len(text) > limit:
-        raise ValueError(f"{path}: {what} grew past the {limit}-byte limit while it was read")
+    text = read_head(path, size + 1)  # one byte more than checked, which tells a file that has grown since
+    if len(text) > size:
+        raise ValueError(f"{path}: {what} grew while it was read (it was {size} bytes when checked); read it again "
+                         "once it is written")
     try:
         value = json.loads(text.decode("utf-8"), object_pairs_hook=_fields)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
