@@ -183,7 +183,10 @@ class Embedding:
     mapped: over the same read-only mapping, which cannot be written, with a
     file watch of its own); pickling carries that table (a mapped layer
     refuses it: open the file again where it is unpickled). Attributes a
-    subclass adds travel with them.
+    subclass adds travel with them. A layer a loader mapped is one that
+    ``from_pretrained``, ``from_npy``, ``from_safetensors`` or ``from_gguf``
+    opened from a path; ``Embedding(open_table(path))`` holds a table like
+    any other, and its deep copy copies the rows.
 
     Args:
         table: as for :func:`lookup`.
