@@ -94,7 +94,7 @@ def wait_for_compiles(timeout: float | None = None) -> bool:
         compiles go on, and calls stay served meanwhile).
 
     Raises:
-        TypeError: `timeout` is not a number.
+        TypeError: `timeout` is not a real number (an int, a float, a Fraction; a Decimal is none).
         ValueError: `timeout` is negative or NaN.
 
     Example:

@@ -25,6 +25,7 @@ Example:
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,13 +177,16 @@ class BlockFormat:
             raise TypeError(f"BlockFormat {self.name!r}: dequantize_blocks must be callable, got {self.dequantize_blocks!r}")
 
     def row_bytes(self, dim: int) -> int:
-        """Bytes of one row of `dim` values; raises ValueError when `dim` is not a whole number of blocks.
+        """Bytes of one row of `dim` values; raises ValueError when `dim` is not a whole number of blocks,
+        TypeError when it is no integer.
 
         Example:
             >>> from fastembed.formats import FORMATS
             >>> FORMATS["q8_0"].row_bytes(64), FORMATS["q4_k"].row_bytes(4096)
             (68, 2304)
         """
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise TypeError(f"a row's values are counted by an integer, got {type(dim).__module__}.{type(dim).__qualname__}")
         if dim <= 0 or dim % self.block_values:
             needed = "1 value or more" if self.block_values == 1 else f"a positive multiple of {self.block_values} values"
             raise ValueError(f"a {self.name} row holds {needed}, not {dim}")

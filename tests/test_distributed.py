@@ -1220,6 +1220,13 @@ def test_the_helpers_split_as_documented():
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
     with pytest.raises(ValueError, match="part 3 of 10 items split into 3 parts"):
         distributed.split_range(10, 3, 3)
+    for call, error, message in ((lambda: distributed.split_range(10.0, 4, 1), TypeError, "total must be an integer"),
+                                 (lambda: distributed.row_range(10, 2.0, 0), TypeError, "world_size must be an integer"),
+                                 (lambda: distributed.row_range("10", 2, 0), TypeError, "vocab_size must be an integer"),
+                                 (lambda: distributed.position_range(5, 3, True), TypeError, "rank must be an integer"),
+                                 (lambda: distributed.padded_vocab_size(-5, 4), ValueError, "vocab_size must be 0 or more")):
+        with pytest.raises(error, match=message):
+            call()
     for pad, error in ((0, ValueError), (True, TypeError), (2.0, TypeError), (2**64, ValueError)):
         with pytest.raises(error, match=r"pad_to_multiple must be an integer from 1 to 2\*\*62"):
             distributed.row_range(10, 2, 0, pad_to_multiple=pad)

@@ -121,6 +121,9 @@ def test_row_bytes_come_from_the_format():
         FORMATS["q8_0"].row_bytes(48)
     with pytest.raises(ValueError, match="a fp8_e4m3 row holds 1 value or more, not 0"):
         FORMATS["fp8_e4m3"].row_bytes(0)
+    for not_a_count in (64.0, "64", True):
+        with pytest.raises(TypeError, match="counted by an integer"):
+            FORMATS["q8_0"].row_bytes(not_a_count)
 
 
 @pytest.mark.parametrize(

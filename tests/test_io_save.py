@@ -319,6 +319,8 @@ class _DeviceArray:
         ("t.gguf", rows()[0], ValueError, "non-empty 2-D array, got shape \\(64,\\)"),
         ("t.safetensors", rows()[:0], ValueError, "non-empty 2-D array"),
         ("t.gguf", _DeviceArray(), TypeError, "writes host tables"),
+        ("t.gguf", [[1.0, 2.0]], TypeError, "writes host tables .*, not a builtins.list"),
+        ("t.safetensors", None, TypeError, "writes host tables .*, not a builtins.NoneType"),
     ],
 )
 def test_tables_a_file_cannot_hold_are_refused(tmp_path, file_name, table, error, words):

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from .. import validate
 
 #: The largest ``pad_to_multiple=``: a padded vocabulary then still counts its rows in 64 bits.
 MAX_PAD_TO_MULTIPLE = 2**62
+
+
+def _integers(**values: Any) -> None:
+    """Raise TypeError naming the first of `values` that is not an integer (a bool is not one)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, got {type(value).__module__}.{type(value).__qualname__}")
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -17,6 +25,7 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
         ``(start, stop)``, a half-open range.
 
     Raises:
+        TypeError: an argument that is not an integer.
         ValueError: a negative total, fewer than one part, or an index outside ``[0, parts)``.
 
     Example:
@@ -24,6 +33,7 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
         >>> [split_range(10, 4, index) for index in range(4)]
         [(0, 3), (3, 6), (6, 8), (8, 10)]
     """
+    _integers(total=total, parts=parts, index=index)
     if total < 0 or parts < 1 or not 0 <= index < parts:
         raise ValueError(f"cannot take part {index} of {total} items split into {parts} parts")
     base, extra = divmod(total, parts)
@@ -35,8 +45,8 @@ def padded_vocab_size(vocab_size: int, pad_to_multiple: int = 1) -> int:
     """`vocab_size` rounded up to a multiple of `pad_to_multiple` (Megatron pads to 128 x the ranks).
 
     Raises:
-        TypeError: a `pad_to_multiple` that is not an integer.
-        ValueError: a `pad_to_multiple` outside 1 to 2**62.
+        TypeError: an argument that is not an integer.
+        ValueError: a negative `vocab_size`; a `pad_to_multiple` outside 1 to 2**62.
 
     Example:
         >>> from fastembed.distributed import padded_vocab_size
@@ -44,6 +54,9 @@ def padded_vocab_size(vocab_size: int, pad_to_multiple: int = 1) -> int:
         130048
     """
     pad_to_multiple = checked_pad(pad_to_multiple)
+    _integers(vocab_size=vocab_size)
+    if vocab_size < 0:
+        raise ValueError(f"vocab_size must be 0 or more, got {vocab_size}")
     return -(-vocab_size // pad_to_multiple) * pad_to_multiple
 
 
@@ -60,7 +73,7 @@ def row_range(vocab_size: int, world_size: int, rank: int, pad_to_multiple: int 
         ``(start, stop)`` in the padded vocabulary.
 
     Raises:
-        TypeError: a `pad_to_multiple` that is not an integer.
+        TypeError: an argument that is not an integer.
         ValueError: a vocabulary below 1, a `pad_to_multiple` outside 1 to
             2**62, or `rank` outside ``[0, world_size)``.
 
@@ -71,6 +84,7 @@ def row_range(vocab_size: int, world_size: int, rank: int, pad_to_multiple: int 
         >>> [row_range(10, 4, rank, pad_to_multiple=8) for rank in range(4)]  # rank 2 stores 8, 9; rank 3 none
         [(0, 4), (4, 8), (8, 12), (12, 16)]
     """
+    _integers(vocab_size=vocab_size, world_size=world_size, rank=rank)
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be 1 or more, got {vocab_size}")
     return split_range(padded_vocab_size(vocab_size, pad_to_multiple), world_size, rank)
@@ -86,6 +100,7 @@ def position_range(count: int, world_size: int, rank: int) -> tuple[int, int]:
         ``(start, stop)``, a half-open range of positions.
 
     Raises:
+        TypeError: an argument that is not an integer.
         ValueError: a negative `count`, a `world_size` below 1, or `rank`
             outside ``[0, world_size)``.
 
@@ -94,6 +109,7 @@ def position_range(count: int, world_size: int, rank: int) -> tuple[int, int]:
         >>> [position_range(5, 3, rank) for rank in range(3)]
         [(0, 2), (2, 4), (4, 5)]
     """
+    _integers(count=count, world_size=world_size, rank=rank)
     return split_range(count, world_size, rank)
 
 

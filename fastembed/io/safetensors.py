@@ -150,7 +150,8 @@ def scan_safetensors_header(
 
     Args:
         path: the file.
-        keep: called with each checked entry; the entry is kept when it returns True.
+        keep: called as ``keep(name, entry)`` for each checked entry (its name and its TensorEntry); the
+            entry is kept when it returns True.
         sample: how many tensor names (in header order) to keep for messages.
 
     Returns:

@@ -82,7 +82,7 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             a file the loaders would refuse (a safetensors entry of over 4,096 characters, found once the rows
             are written); a safetensors tensor named ``__metadata__``;
             a `name` that is not valid Unicode text (a lone surrogate): nothing is written then.
-        TypeError: a table that is not on the host, or whose dtype numpy cannot hold (torch's float8 dtypes
+        TypeError: a table that is no array (a list, None), or not on the host, or whose dtype numpy cannot hold (torch's float8 dtypes
             other than float8_e4m3fn and float8_e5m2); a `name` that is not a string.
         IsADirectoryError: `path` is a directory, a symbolic link to one, or ends in a separator; nothing is
             written.
@@ -151,6 +151,9 @@ def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
                              "the loaders would not know how to dequantize it")
         return table
     adapter = None if isinstance(table, np.ndarray) else adapter_of(table)
+    if adapter is None and not isinstance(table, np.ndarray):
+        raise TypeError(f"{path}: save_table writes host tables (numpy arrays, np.memmaps, torch CPU tensors, JAX CPU "
+                        f"arrays, QuantizedTables), not a {type(table).__module__}.{type(table).__qualname__}")
     if adapter is not None and adapter.device(table) == "cpu":
         table = adapter.snapshot(table)  # bfloat16 and float8 tensors too, which np.asarray cannot take
     try:
