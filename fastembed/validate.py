@@ -392,10 +392,10 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     dtype and shape, whatever another thread writes into or reassigns on the
     caller's ids meanwhile. int32 and int64 keep their dtype; lists, tuples
     and scalars are converted as numpy would, an empty list to an empty intp
-    array (as in ``table[[]]``); other integer dtypes are converted to int64
-    after their range has been checked (in the call's copy where they are
-    uint64 or int32/int64 of the other byte order, else into a second copy
-    of the ids; never of the table). Host ids for a GPU table are copied to its
+    array (as in ``table[[]]``); int32/int64 of the other byte order are
+    put in the machine's in the call's copy; other integer dtypes are
+    converted to int64 after their range has been checked (in the call's
+    copy for uint64, else into a second copy of the ids; never of the table). Host ids for a GPU table are copied to its
     device; ids on the GPU are used where they are.
 
     Raises:
@@ -575,8 +575,9 @@ def _native_ids(ids: Any, vocab_size: int, owned: bool = False) -> Any:
 
     The check comes first because uint64 values above 2**63 would wrap to
     negative numbers in the conversion and hide the caller's mistake. Ids the
-    call `owned` (its own host copy) of 8-byte or byte-swapped integers are
-    converted where they are, so the call holds one array of them.
+    call `owned` (its own host copy) are put in the machine's byte order
+    where they are (int32/int64 ids are then native ids), and uint64 ids
+    become int64 where they are, so the call holds one array of them.
 
     Raises:
         ValueError: ids of more than :data:`MAX_IDS_NDIM` dimensions.
@@ -585,17 +586,18 @@ def _native_ids(ids: Any, vocab_size: int, owned: bool = False) -> Any:
     if len(ids.shape) > MAX_IDS_NDIM:
         raise _too_many_dimensions(len(ids.shape))
     dtype = np.dtype(ids.dtype)
+    if owned and not dtype.isnative:
+        dtype = dtype.newbyteorder("=")
+        ids = ids.byteswap(inplace=True).view(dtype)
     if dtype in NATIVE_ID_DTYPES:
         return ids
-    if owned and not dtype.isnative and dtype.newbyteorder("=") in NATIVE_ID_DTYPES:
-        return ids.byteswap(inplace=True).view(dtype.newbyteorder("="))
     # Checked and converted from one reading (another thread may be writing the caller's ids): a lossless
     # conversion is that reading; uint64 is copied as it is first, since converting would wrap its largest values.
     own = ids.astype(np.int64) if np.can_cast(dtype, np.int64, "safe") else ids if owned else ids.copy()
     check_ids_in_range(own, vocab_size)
     if own.dtype == np.int64:
         return own
-    # In range, so below 2**63: the same bits as int64 (in their own byte order).
+    # In range, so below 2**63: a native uint64's bits are those of the same int64.
     return own.view(np.int64) if own.dtype == np.uint64 and own.dtype.isnative else own.astype(np.int64)
 
 
@@ -614,7 +616,8 @@ def check_ids_in_range(ids: Any, vocab_size: int) -> None:
     """
     if ids.size == 0:
         return
-    if int(ids.min()) >= 0 and int(ids.max()) < vocab_size:
+    # Reductions, not ids.min(): that method imports a numpy module on first use, which fails at interpreter exit.
+    if int(np.minimum.reduce(ids, axis=None)) >= 0 and int(np.maximum.reduce(ids, axis=None)) < vocab_size:
         return
     bad = (ids < 0) | (ids >= vocab_size)
     first = int(bad.reshape(-1).argmax())

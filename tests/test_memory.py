@@ -57,6 +57,8 @@ IDS_CASES = {
     # Converted ids, four times as many, so that a second copy of them would pass the slack.
     "uint64": lambda: np.random.default_rng(0).integers(0, 20000, 4 * N).astype(np.uint64),
     "big-endian int64": lambda: np.random.default_rng(0).integers(0, 20000, 4 * N).astype(">i8"),
+    "big-endian int32": lambda: np.random.default_rng(0).integers(0, 20000, 4 * N).astype(">i4"),
+    "big-endian uint64": lambda: np.random.default_rng(0).integers(0, 20000, 4 * N).astype(">u8"),
     "int16": lambda: np.random.default_rng(0).integers(0, 20000, 4 * N).astype(np.int16),
     "uint32": lambda: np.random.default_rng(0).integers(0, 20000, 4 * N).astype(np.uint32),
 }
@@ -75,9 +77,9 @@ def test_no_hidden_copies(table, mapped_table, backend, case, with_out, path):
         call = lambda: emb(ids, out=out, backend=backend)  # noqa: E731
     else:
         call = lambda: fastembed.lookup(source, ids, out=out, backend=backend)  # noqa: E731
-    if ids.dtype in (np.int32, np.int64):
-        ids_bytes = ids.size * 8 if backend == "numpy" else ids.nbytes  # np.take converts int32 ids to intp
-    else:  # the call's copy, converted where it is (8-byte integers) or into int64 beside it
+    if ids.dtype.newbyteorder("=") in (np.int32, np.int64):  # the call's copy, in the machine's byte order
+        ids_bytes = ids.nbytes + (ids.size * 8 if backend == "numpy" and ids.itemsize == 4 else 0)  # np.take: intp
+    else:  # the call's copy, converted where it is (uint64) or into int64 beside it
         ids_bytes = ids.size * 8 + (ids.nbytes if ids.itemsize < 8 else 0)
     bound = (0 if with_out else out_bytes) + ids_bytes + SLACK
     measured = allocated(call)

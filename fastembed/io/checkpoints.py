@@ -240,7 +240,7 @@ def _read_json(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> dict[str, 
     """The JSON object in the file at `path` (`what` names it in errors), at most `limit` bytes long.
 
     Raises:
-        ValueError: the file is longer, not UTF-8 JSON, or not an object.
+        ValueError: the file is longer, has grown since its size was checked, is not UTF-8 JSON, or not an object.
     """
     size = check_file(path, "fastembed.io.open_table")
     if size > limit:

@@ -54,7 +54,7 @@ def is_a_cache_write_failure(error: BaseException) -> bool:
 
 
 def stop_caching(error: BaseException) -> None:
-    """Turn the on-disk cache off for every kernel of this process, those defined later included.
+    """Turn the on-disk cache off for fastembed's kernels in this process, those defined later included.
 
     numba adds a compiled kernel to the dispatcher before it saves it, so what compiled stays usable.
     """
