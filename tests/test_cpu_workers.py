@@ -486,23 +486,23 @@ def _in_a_thread_pinned_to_one_cpu(body):
 
 
 @_SETS_THREAD_CPUS_ON_TWO_OR_MORE
-def test_a_worker_joins_the_main_threads_cpus_whatever_its_starter_had():
+def test_a_worker_adds_the_main_threads_cpus_whatever_its_starter_had():
     main_cpus = os.sched_getaffinity(0)
 
-    def join():
+    def add():
         before = os.sched_getaffinity(0)
-        cpu_workers.join_the_main_threads_cpus()
+        cpu_workers.add_the_main_threads_cpus()
         return before, os.sched_getaffinity(0)
 
-    assert _in_a_thread_pinned_to_one_cpu(join) == ({min(main_cpus)}, main_cpus)
+    assert _in_a_thread_pinned_to_one_cpu(add) == ({min(main_cpus)}, main_cpus)
 
 
 @_SETS_THREAD_CPUS_ON_TWO_OR_MORE
-def test_the_main_threads_cpus_are_joined_for_a_while_and_the_threads_own_given_back():
+def test_the_main_threads_cpus_are_added_for_a_while_and_the_threads_own_given_back():
     main_cpus = os.sched_getaffinity(0)
 
     def borrow():
-        with cpu_workers.on_the_main_threads_cpus_too():
+        with cpu_workers.main_threads_cpus_added():
             inside = os.sched_getaffinity(0)
         return inside, os.sched_getaffinity(0)
 

@@ -69,7 +69,7 @@ def _thread_cpus() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     return None if get is None or take is None else (get, take)
 
 
-def join_the_main_threads_cpus() -> None:
+def add_the_main_threads_cpus() -> None:
     """Let the calling thread run on the CPUs of the process's main thread as well as on its own.
 
     For fastembed's own threads, the workers: a new thread inherits the CPUs of the thread that
@@ -87,7 +87,7 @@ def join_the_main_threads_cpus() -> None:
 
 
 @contextlib.contextmanager
-def on_the_main_threads_cpus_too() -> Iterator[None]:
+def main_threads_cpus_added() -> Iterator[None]:
     """Run the body with the calling thread on the main thread's CPUs as well as its own, then on its own again.
 
     numba counts its default threads from the CPUs of the thread that imports it: fastembed imports it
@@ -303,7 +303,7 @@ class Workers:
 
     @staticmethod
     def _serve(regions: queue.SimpleQueue[_Region]) -> None:
-        join_the_main_threads_cpus()
+        add_the_main_threads_cpus()
         while True:
             regions.get().serve()
 

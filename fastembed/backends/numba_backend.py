@@ -217,7 +217,7 @@ class NumbaBackend:
         with background_compile.foreground(), self._import_lock:
             if self._kernels is None:
                 try:
-                    with cpu_workers.on_the_main_threads_cpus_too():  # where numba counts its default threads
+                    with cpu_workers.main_threads_cpus_added():  # where numba counts its default threads
                         kernels = _import_or_undo("fastembed.kernels.gather_cpu")
                 except Exception as error:  # an interrupt propagates: the next call tries again
                     self._import_error = f"numba failed to load: {type(error).__name__}: {error}"
