@@ -82,8 +82,9 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             a file the loaders would refuse (a safetensors entry of over 4,096 characters, found once the rows
             are written); a safetensors tensor named ``__metadata__``;
             a `name` that is not valid Unicode text (a lone surrogate): nothing is written then.
-        TypeError: a table that is no array (a list, None), or not on the host, or whose dtype numpy cannot hold (torch's float8 dtypes
-            other than float8_e4m3fn and float8_e5m2); a `name` that is not a string.
+        TypeError: a table that is no array (a list, None), or not on the host, or whose dtype numpy
+            cannot hold (torch's float8 dtypes other than float8_e4m3fn and float8_e5m2); a `name` that
+            is not a string.
         IsADirectoryError: `path` is a directory, a symbolic link to one, or ends in a separator; nothing is
             written.
         OSError: `path`'s name is too long, its folder cannot be reached (missing, a file used as a folder,
