@@ -395,8 +395,9 @@ def ids_snapshot(ids: Any, table: Any) -> Any:
     array (as in ``table[[]]``); int32/int64 of the other byte order are
     put in the machine's in the call's copy; other integer dtypes are
     converted to int64 after their range has been checked (in the call's
-    copy for uint64, else into a second copy of the ids; never of the table). Host ids for a GPU table are copied to its
-    device; ids on the GPU are used where they are.
+    copy for uint64, else into a second copy of the ids; never of the
+    table). Host ids for a GPU table are copied to its device; ids on the
+    GPU are used where they are.
 
     Raises:
         TypeError: non-integer ids (bool, float, complex, str, object), ids
