@@ -617,8 +617,11 @@ def check_ids_in_range(ids: Any, vocab_size: int) -> None:
     """
     if ids.size == 0:
         return
-    # Reductions, not ids.min(): that method imports a numpy module on first use, which fails at interpreter exit.
-    if int(np.minimum.reduce(ids, axis=None)) >= 0 and int(np.maximum.reduce(ids, axis=None)) < vocab_size:
+    if isinstance(ids, np.ndarray):  # ufuncs, not ids.min(), which imports a numpy module on first use (not at exit)
+        low, high = np.minimum.reduce(ids, axis=None), np.maximum.reduce(ids, axis=None)
+    else:  # a GPU library's ids reduce on their device
+        low, high = ids.min(), ids.max()
+    if int(low) >= 0 and int(high) < vocab_size:
         return
     bad = (ids < 0) | (ids >= vocab_size)
     first = int(bad.reshape(-1).argmax())
