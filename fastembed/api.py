@@ -556,8 +556,9 @@ class Embedding:
         ``absmax / 127`` and 32 int8), byte for byte what llama.cpp writes;
         ``fp8_e4m3`` keeps one float8_e4m3fn per value and one float32 scale
         ``absmax / 448`` per row. Error bounds: docs/quantized.md. The table is
-        read a few MiB of rows at a time, through float32 temporaries of a fixed size (a few tens of
-        MiB, whatever the table's size); the new table is the only allocation that grows with it.
+        read a few MiB of rows at a time, through float32 temporaries of a
+        fixed size (a few tens of MiB, whatever the table's size); the new
+        table is the only allocation that grows with it.
 
         Args:
             kind: ``"q8_0"`` or ``"fp8_e4m3"`` (case-insensitive), or that

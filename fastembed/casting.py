@@ -50,9 +50,9 @@ def gather_cast(backend: Backend, table: np.ndarray, ids: np.ndarray, out: np.nd
 def _rounded_to_odd(rows: np.ndarray) -> np.ndarray:
     """Rows of a float dtype wider than float64 (long double) as float64, rounded to odd.
 
-    numpy casts long double to float16 through a wider float, rounding twice
-    (through float32 with numpy 2.4 on x86-64): a value just above a float16
-    midpoint lands on it, then goes to even. A float64 rounded to odd (an
+    numpy casts long double to float16 through a float narrower than long
+    double, rounding twice: a value just above a float16 midpoint lands on
+    it, then goes to even. A float64 rounded to odd (an
     inexact result keeps an odd last bit) rounds once more to any dtype of at
     most 51 bits as the value itself would, so these results are the
     correctly rounded ones where numpy's ``astype`` is not.

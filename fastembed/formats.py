@@ -187,6 +187,7 @@ class BlockFormat:
         """
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
             raise TypeError(f"a row's values are counted by an integer, got {type(dim).__module__}.{type(dim).__qualname__}")
+        dim = int(dim)
         if dim <= 0 or dim % self.block_values:
             needed = "1 value or more" if self.block_values == 1 else f"a positive multiple of {self.block_values} values"
             raise ValueError(f"a {self.name} row holds {needed}, not {dim}")

@@ -593,8 +593,14 @@ def _native_ids(ids: Any, vocab_size: int, owned: bool = False) -> Any:
     if dtype in NATIVE_ID_DTYPES:
         return ids
     # Checked and converted from one reading (another thread may be writing the caller's ids): a lossless
-    # conversion is that reading; uint64 is copied as it is first, since converting would wrap its largest values.
-    own = ids.astype(np.int64) if np.can_cast(dtype, np.int64, "safe") else ids if owned else ids.copy()
+    # conversion is that reading; uint64 is read as it is (copied unless the call owns it), since converting
+    # would wrap its largest values.
+    if np.can_cast(dtype, np.int64, "safe"):
+        own = ids.astype(np.int64)
+    elif owned:
+        own = ids
+    else:
+        own = ids.copy()
     check_ids_in_range(own, vocab_size)
     if own.dtype == np.int64:
         return own

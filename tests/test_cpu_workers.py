@@ -466,7 +466,7 @@ def test_a_parallel_lookup_in_a_finalizer_at_interpreter_exit_is_served_and_the_
     assert done.returncode == 0 and done.stdout.strip() == "served True", done.stdout + done.stderr
 
 
-_SETS_THREAD_CPUS_ON_TWO_OR_MORE = pytest.mark.skipif(
+_NEEDS_THREAD_AFFINITY_AND_TWO_CPUS = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs a system that sets a thread's CPUs (Linux) and two CPUs or more")
 
@@ -485,8 +485,8 @@ def _in_a_thread_pinned_to_one_cpu(body):
     return result[0]
 
 
-@_SETS_THREAD_CPUS_ON_TWO_OR_MORE
-def test_a_worker_adds_the_main_threads_cpus_whatever_its_starter_had():
+@_NEEDS_THREAD_AFFINITY_AND_TWO_CPUS
+def test_adding_the_main_threads_cpus_widens_a_pinned_thread():
     main_cpus = os.sched_getaffinity(0)
 
     def add():
@@ -497,7 +497,7 @@ def test_a_worker_adds_the_main_threads_cpus_whatever_its_starter_had():
     assert _in_a_thread_pinned_to_one_cpu(add) == ({min(main_cpus)}, main_cpus)
 
 
-@_SETS_THREAD_CPUS_ON_TWO_OR_MORE
+@_NEEDS_THREAD_AFFINITY_AND_TWO_CPUS
 def test_the_main_threads_cpus_are_added_for_a_while_and_the_threads_own_given_back():
     main_cpus = os.sched_getaffinity(0)
 
@@ -549,9 +549,9 @@ print("ok")
 """
 
 
-@_SETS_THREAD_CPUS_ON_TWO_OR_MORE
+@_NEEDS_THREAD_AFFINITY_AND_TWO_CPUS
 @pytest.mark.parametrize("first", ["lookup", "describe", "main-pinned"])
-def test_a_pinned_thread_leaves_the_thread_count_and_the_workers_cpus_the_processs(tmp_path, first):
+def test_a_pinned_thread_leaves_the_thread_count_and_the_workers_cpus_to_the_process(tmp_path, first):
     """numba counts its default threads from the CPUs of the thread importing it, and a worker inherits its
     starter's: the first lookup (or report) from a pinned thread, or lookups beside a pinned main thread,
     still count and run on every CPU of the process."""

@@ -1220,6 +1220,11 @@ def test_the_helpers_split_as_documented():
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
     with pytest.raises(ValueError, match="part 3 of 10 items split into 3 parts"):
         distributed.split_range(10, 3, 3)
+
+
+def test_the_helpers_refuse_arguments_that_are_not_integers_and_give_python_ints():
+    assert distributed.split_range(np.int64(10), 4, 1) == (3, 6)
+    assert type(distributed.split_range(np.uint64(10), 4, 1)[0]) is int
     for call, error, message in ((lambda: distributed.split_range(10.0, 4, 1), TypeError, "total must be an integer"),
                                  (lambda: distributed.row_range(10, 2.0, 0), TypeError, "world_size must be an integer"),
                                  (lambda: distributed.row_range("10", 2, 0), TypeError, "vocab_size must be an integer"),

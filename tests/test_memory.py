@@ -2,11 +2,10 @@
 
 tracemalloc sees numpy's allocations (numpy reports them to it), so a hidden
 copy of the table, of the output or of a large temporary would show up.
-What is copied, and why (docs/loading.md): non-contiguous ids are flattened
-(a copy of the ids); ids of a dtype other than int32/int64 are converted to
-int64 (in their copy where they are 8 bytes wide or of the other byte order,
-else beside it); the numpy backend's np.take converts int32 ids to intp.
-Nothing else.
+What is copied, and why (docs/loading.md): every call copies its ids into a
+C-contiguous array of its own; ids of the other byte order are swapped in that
+copy; uint64 ids are converted to int64 in it, narrower dtypes into int64
+beside it; the numpy backend's np.take converts int32 ids to intp. Nothing else.
 """
 from __future__ import annotations
 

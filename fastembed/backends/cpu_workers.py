@@ -63,10 +63,10 @@ from typing import Any
 Task = Callable[[int, int], int]
 
 
-def _thread_cpus() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+def _affinity_calls() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The system's calls that read and set a thread's CPUs (Linux); None where there are none."""
-    get, take = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
-    return None if get is None or take is None else (get, take)
+    get, set_ = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
+    return None if get is None or set_ is None else (get, set_)
 
 
 def add_the_main_threads_cpus() -> None:
@@ -76,12 +76,12 @@ def add_the_main_threads_cpus() -> None:
     started it, which may be one the application pinned. A mask the system refuses (a CPU set
     changed meanwhile) leaves the thread's own as it is.
     """
-    calls = _thread_cpus()
+    calls = _affinity_calls()
     if calls is None:
         return
-    get, take = calls
+    get, set_ = calls
     try:
-        take(0, get(0) | get(os.getpid()))  # on Linux the main thread's id is the process's
+        set_(0, get(0) | get(os.getpid()))  # on Linux the main thread's id is the process's
     except OSError:
         pass
 
@@ -93,24 +93,23 @@ def main_threads_cpus_added() -> Iterator[None]:
     numba counts its default threads from the CPUs of the thread that imports it: fastembed imports it
     under this, so a first lookup from a thread the application pinned does not set the count for the process.
     """
-    calls, own = _thread_cpus(), None
+    calls, restore = _affinity_calls(), None
     if calls is not None:
-        get, take = calls
+        get, set_ = calls
         try:
             own = get(0)
             wider = own | get(os.getpid())
-            if wider == own:
-                own = None
-            else:
-                take(0, wider)
+            if wider != own:
+                set_(0, wider)
+                restore = own
         except OSError:
-            own = None
+            restore = None
     try:
         yield
     finally:
-        if own is not None:
+        if restore is not None:
             with contextlib.suppress(OSError):
-                take(0, own)
+                set_(0, restore)
 
 
 class _Region:

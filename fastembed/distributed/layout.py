@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import numbers
+import math
 from typing import Any
 
 from .. import validate
@@ -11,11 +11,10 @@ from .. import validate
 MAX_PAD_TO_MULTIPLE = 2**62
 
 
-def _integers(**values: Any) -> None:
-    """Raise TypeError naming the first of `values` that is not an integer (a bool is not one)."""
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an integer, got {type(value).__module__}.{type(value).__qualname__}")
+def _as_ints(**values: Any) -> list[int]:
+    """`values` as Python ints (numpy integers too); TypeError naming the first that is no integer (a bool is none)."""
+    return [validate.checked_integer(value, f"{name} must be an integer", -math.inf, math.inf)
+            for name, value in values.items()]
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -33,7 +32,7 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
         >>> [split_range(10, 4, index) for index in range(4)]
         [(0, 3), (3, 6), (6, 8), (8, 10)]
     """
-    _integers(total=total, parts=parts, index=index)
+    total, parts, index = _as_ints(total=total, parts=parts, index=index)
     if total < 0 or parts < 1 or not 0 <= index < parts:
         raise ValueError(f"cannot take part {index} of {total} items split into {parts} parts")
     base, extra = divmod(total, parts)
@@ -54,7 +53,7 @@ def padded_vocab_size(vocab_size: int, pad_to_multiple: int = 1) -> int:
         130048
     """
     pad_to_multiple = checked_pad(pad_to_multiple)
-    _integers(vocab_size=vocab_size)
+    (vocab_size,) = _as_ints(vocab_size=vocab_size)
     if vocab_size < 0:
         raise ValueError(f"vocab_size must be 0 or more, got {vocab_size}")
     return -(-vocab_size // pad_to_multiple) * pad_to_multiple
@@ -84,7 +83,7 @@ def row_range(vocab_size: int, world_size: int, rank: int, pad_to_multiple: int 
         >>> [row_range(10, 4, rank, pad_to_multiple=8) for rank in range(4)]  # rank 2 stores 8, 9; rank 3 none
         [(0, 4), (4, 8), (8, 12), (12, 16)]
     """
-    _integers(vocab_size=vocab_size, world_size=world_size, rank=rank)
+    vocab_size, world_size, rank = _as_ints(vocab_size=vocab_size, world_size=world_size, rank=rank)
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be 1 or more, got {vocab_size}")
     return split_range(padded_vocab_size(vocab_size, pad_to_multiple), world_size, rank)
@@ -109,7 +108,7 @@ def position_range(count: int, world_size: int, rank: int) -> tuple[int, int]:
         >>> [position_range(5, 3, rank) for rank in range(3)]
         [(0, 2), (2, 4), (4, 5)]
     """
-    _integers(count=count, world_size=world_size, rank=rank)
+    count, world_size, rank = _as_ints(count=count, world_size=world_size, rank=rank)
     return split_range(count, world_size, rank)
 
 

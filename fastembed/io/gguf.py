@@ -45,9 +45,9 @@ MAX_GGUF_HEADER_BYTES = 64 * 2**20
 MAX_METADATA_ENTRIES = 65_536
 #: The most tensors accepted (real files have a few thousand at most).
 MAX_TENSORS = 262_144
-#: The longest tensor name accepted (ggml's own limit is 63 bytes).
+#: The longest tensor name the loader accepts from other writers' files (ggml's own limit is 63 bytes).
 MAX_NAME_BYTES = 4096
-#: The longest tensor name ggml reads, in UTF-8 bytes (its buffer holds 64 with the terminating NUL): what is written.
+#: The longest tensor name save_table writes, in UTF-8 bytes: ggml's limit (a buffer of 64 with the closing NUL).
 GGML_NAME_BYTES = 63
 #: The most dimensions a ggml tensor has.
 MAX_DIMS = 4

@@ -79,8 +79,9 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back;
             a quantized table of a format of the caller's own);
             a GGUF tensor name over 63 bytes of UTF-8 or holding a NUL (llama.cpp's reader refuses or cuts it);
-            a file the loaders would refuse (a safetensors entry of over 4,096 characters, found once the rows
-            are written); a safetensors tensor named ``__metadata__``;
+            a file the loaders would refuse (a safetensors entry of over 4,096 characters, found in the
+            temporary file once the rows are written; the destination is left as it was); a safetensors
+            tensor named ``__metadata__``;
             a `name` that is not valid Unicode text (a lone surrogate): nothing is written then.
         TypeError: a table that is no array (a list, None), or not on the host, or whose dtype numpy
             cannot hold (torch's float8 dtypes other than float8_e4m3fn and float8_e5m2); a `name` that
@@ -288,7 +289,7 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
     # The destination's name begins the temporary file's, cut (at a character) so that a name near the limit fits.
     prefix = os.fsencode(base)[:_TEMPORARY_PREFIX_BYTES].decode("utf-8", "ignore")
     temporary_name = f".{prefix}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    directory = _fixed_folder(folder, temporary_name)
+    directory = _folder_safe_from_chdir(folder, temporary_name)
     destination, temporary = os.path.join(directory, base), os.path.join(directory, temporary_name)
     # A new file gets 0o666 less the umask, as any new file; a replacement is private until it takes the old mode,
     # since a descriptor opened meanwhile would keep reading it.
@@ -323,7 +324,7 @@ def _replace(path: Any, write: Callable[[str], None]) -> None:
     _flush_to_disk(directory, folder=True)  # the rename itself
 
 
-def _fixed_folder(folder: str, name: str) -> str:
+def _folder_safe_from_chdir(folder: str, name: str) -> str:
     """`folder` as a path that another thread's ``os.chdir`` cannot move: absolute, unless that would not fit.
 
     The current folder is joined to it as it is, not normalised, so the system still resolves a link, then
