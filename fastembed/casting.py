@@ -52,10 +52,10 @@ def _rounded_to_odd(rows: np.ndarray) -> np.ndarray:
 
     numpy casts long double to float16 through a float narrower than long
     double, rounding twice: a value just above a float16 midpoint lands on
-    it, then goes to even. A float64 rounded to odd (an
-    inexact result keeps an odd last bit) rounds once more to any dtype of at
-    most 51 bits as the value itself would, so these results are the
-    correctly rounded ones where numpy's ``astype`` is not.
+    it, then goes to even. A float64 rounded to odd (an inexact result keeps
+    an odd last bit) rounds once more to any dtype of at most 51 bits as the
+    value itself would, so these results are the correctly rounded ones
+    where numpy's ``astype`` is not.
     """
     nearest = rows.astype(np.float64)
     inexact = (nearest.astype(rows.dtype) != rows) & np.isfinite(nearest) & (nearest.view(np.uint64) & 1 == 0)

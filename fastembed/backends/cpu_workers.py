@@ -69,21 +69,29 @@ def _affinity_calls() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     return None if get is None or set_ is None else (get, set_)
 
 
-def add_the_main_threads_cpus() -> None:
+def add_the_main_threads_cpus() -> frozenset[int] | None:
     """Let the calling thread run on the CPUs of the process's main thread as well as on its own.
 
     For fastembed's own threads, the workers: a new thread inherits the CPUs of the thread that
     started it, which may be one the application pinned. A mask the system refuses (a CPU set
     changed meanwhile) leaves the thread's own as it is.
+
+    Returns:
+        The thread's CPUs before, where they changed; None where they did not.
     """
     calls = _affinity_calls()
     if calls is None:
-        return
+        return None
     get, set_ = calls
     try:
-        set_(0, get(0) | get(os.getpid()))  # on Linux the main thread's id is the process's
+        own = frozenset(get(0))
+        wider = own | get(os.getpid())  # on Linux the main thread's id is the process's
+        if wider == own:
+            return None
+        set_(0, wider)
     except OSError:
-        pass
+        return None
+    return own
 
 
 @contextlib.contextmanager
@@ -93,23 +101,13 @@ def main_threads_cpus_added() -> Iterator[None]:
     numba counts its default threads from the CPUs of the thread that imports it: fastembed imports it
     under this, so a first lookup from a thread the application pinned does not set the count for the process.
     """
-    calls, restore = _affinity_calls(), None
-    if calls is not None:
-        get, set_ = calls
-        try:
-            own = get(0)
-            wider = own | get(os.getpid())
-            if wider != own:
-                set_(0, wider)
-                restore = own
-        except OSError:
-            restore = None
+    before = add_the_main_threads_cpus()
     try:
         yield
     finally:
-        if restore is not None:
+        if before is not None:
             with contextlib.suppress(OSError):
-                set_(0, restore)
+                os.sched_setaffinity(0, before)
 
 
 class _Region:

@@ -564,11 +564,7 @@ class NumbaBackend:
             "max_block_bytes": MAX_BLOCK_BYTES,
             "stream_min_out_bytes": STREAM_MIN_OUT_BYTES,
             "streaming_stores": _STREAMING_CPU,
-            "kernel_cache": "on disk" if jit_options.CACHED else (
-                f"off: a write to it failed ({jit_options.WRITE_FAILURE}), so this process compiles its kernels "
-                "in memory" if jit_options.WRITE_FAILURE is not None else
-                "off: numba finds no writable place to cache compiled kernels (NUMBA_CACHE_DIR names one), so each "
-                "process compiles them again"),
+            "kernel_cache": _kernel_cache(jit_options),
         }
         failures = list(self._compiles.failed.values())
         if failures:
@@ -759,6 +755,16 @@ def _shaped(dtype: np.dtype, shape: tuple[int, ...], aligned: bool) -> np.ndarra
     return buffer[start : start + size].view(dtype).reshape(shape)
 
 
+def _kernel_cache(jit_options: Any) -> str:
+    """Where compiled kernels are kept, for describe(): on disk, or why not."""
+    if jit_options.CACHED:
+        return "on disk"
+    if jit_options.WRITE_FAILURE is not None:
+        return f"off: a write to it failed ({jit_options.WRITE_FAILURE}), so this process compiles its kernels in memory"
+    return ("off: numba finds no writable place to cache compiled kernels (NUMBA_CACHE_DIR names one), so each "
+            "process compiles them again")
+
+
 def blocks_for(out_bytes: int) -> int:
     """Blocks a parallel region writing `out_bytes` cuts its rows into, at least: one per MAX_BLOCK_BYTES begun."""
     return -(-out_bytes // MAX_BLOCK_BYTES)
@@ -769,8 +775,9 @@ def thread_count() -> int:
 
     Returns:
         ``NUMBA_NUM_THREADS`` (by default the CPUs of this process's main
-        thread and of the thread that loaded numba); once numba's own threading layer runs in this process (the
-        application's parallel numba code started it), the calling
+        thread and of the thread that loaded numba); once numba's own
+        threading layer runs in this process (the application's parallel
+        numba code started it), the calling
         thread's ``numba.set_num_threads``. Reading it never starts that layer.
         1 while the interpreter is finalizing.
 

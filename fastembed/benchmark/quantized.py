@@ -254,6 +254,13 @@ def goals(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
 _SHORT = {"float16": "f16", "float32": "f32", "bfloat16": "bf16"}
 
 
+def _times(ratio: float | None) -> str:
+    """A ratio for the table: two decimals below 10x, whole numbers above (1234x, not 1.23e+03x)."""
+    if ratio is None:
+        return ""
+    return f"{ratio:.2f}x" if ratio < 10 else f"{ratio:.0f}x"
+
+
 def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], console: Any, title: str) -> None:
     """The rows as a rich table (narrow enough for 80 columns), then the goals with MET/MISS."""
     from rich.markup import escape
@@ -270,7 +277,7 @@ def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], c
         reference = row["vs_numpy_reference"]
         table.add_row(row["format"], _SHORT[row["dtype"]], str(row["batch"]), str(row["served_by"]),
                       f"{row['median_us']:.0f}", f"{row['rows_per_s'] / 1e6:.2f}", f"{row['gbps_moved']:.1f}",
-                      f"{row['vs_dense_float16']:.2f}x", "" if reference is None else f"{reference:.2f}x" if reference < 10 else f"{reference:.0f}x",
+                      f"{row['vs_dense_float16']:.2f}x", _times(reference),
                       f"{row['table_mib']:.0f}" if row["table_mib"] >= 10 else f"{row['table_mib']:.1f}")
     console.print(table)
     for goal, met in verdicts:
