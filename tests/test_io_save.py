@@ -48,7 +48,9 @@ def test_a_dense_table_round_trips(tmp_path, suffix, dtype):
     same_bytes(loaded, table)
     assert_maps_the_file(loaded, path)
     if suffix == ".gguf":
-        (reference,) = gguf.GGUFReader(str(path)).tensors  # the reference reader agrees
+        reader = gguf.GGUFReader(str(path))  # the reference reader agrees
+        assert reader.get_field("general.quantization_version") is None  # a dense tensor has no quantization
+        (reference,) = reader.tensors
         assert reference.name == "token_embd.weight" and reference.tensor_type.name == {"float32": "F32", "float16": "F16"}.get(dtype, "BF16")
         same_bytes(np.asarray(reference.data), table)
         assert os.path.getsize(path) % 32 == 0
@@ -65,7 +67,10 @@ def test_q8_0_round_trips_through_gguf_and_safetensors(tmp_path):
         assert loaded.scales is None
         same_bytes(loaded.data, table.data)
         assert_maps_the_file(loaded.data, path)
-    (reference,) = gguf.GGUFReader(str(tmp_path / "q8.gguf")).tensors
+    reader = gguf.GGUFReader(str(tmp_path / "q8.gguf"))
+    version = reader.get_field("general.quantization_version")  # the GGUF specification requires it for quantized tensors
+    assert version is not None and version.contents() == 2
+    (reference,) = reader.tensors
     np.testing.assert_array_equal(gguf.quants.dequantize(np.asarray(reference.data), reference.tensor_type),
                                   gguf.quants.dequantize(table.data, gguf.GGMLQuantizationType.Q8_0))
 

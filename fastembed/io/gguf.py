@@ -247,7 +247,7 @@ def _skip_array(reader: _Reader, key: Any) -> None:
     if item_type == _STRING:
         size = 8  # each string's length, at least
     elif item_type == _ARRAY:
-        raise reader.fail(f"metadata {key()!r} is an array of arrays, which GGUF readers do not accept")
+        raise reader.fail(f"metadata {key()!r} is an array of arrays, which fastembed does not read (nor does llama.cpp)")
     elif size is None:
         raise reader.fail(f"metadata {key()!r} is an array of unknown value type {item_type}")
     if count > (reader.limit - reader.pos) // size:

@@ -51,6 +51,9 @@ from .safetensors import DIM_KEY, FORMAT_KEY, METADATA_KEY, SAFETENSORS_DTYPES, 
 SAFETENSORS_NAME = "weight"
 #: GGUF type codes of the dense dtypes a GGUF file holds, by numpy name (bfloat16 without importing ml_dtypes).
 _GGUF_DENSE = {(spec if spec == "bfloat16" else np.dtype(spec).name): code for code, spec in DENSE_TYPES.items()}
+#: The metadata key of the quantization version, and the version of ggml's block layouts that fastembed writes.
+QUANTIZATION_VERSION_KEY = b"general.quantization_version"
+GGML_QUANTIZATION_VERSION = 2
 #: The safetensors dtype code of each dense dtype (numpy names) a safetensors file holds and the loaders map back.
 _SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 #: Bytes written at a time (a memory-mapped table is streamed, never copied whole).
@@ -169,7 +172,10 @@ def _host_table(path: Any, table: Any) -> np.ndarray | QuantizedTable:
 
 
 def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> None:
-    """A GGUF v3 file: one metadata entry (general.alignment), one tensor, its rows."""
+    """A GGUF v3 file: general.alignment (and general.quantization_version for a quantized tensor), one tensor, its rows.
+
+    No general.architecture: the file holds a table, not a model of any architecture.
+    """
     if isinstance(table, QuantizedTable):
         ggml_type, rows, dim = table.format.ggml_type, table.data, table.dim
         if ggml_type is None:  # fastembed's own formats only reach here (see _host_table)
@@ -185,7 +191,7 @@ def _write_gguf(path: Any, table: np.ndarray | QuantizedTable, name: str) -> Non
         raise ValueError(f"{path}: the tensor name {problem}; a GGUF tensor name is at most {GGML_NAME_BYTES} bytes of "
                          "UTF-8 with no NUL (llama.cpp's reader refuses a longer one and cuts one at a NUL): pass "
                          "a shorter name or save as .safetensors")
-    head = _gguf_header(name, dim, rows.shape[0], ggml_type)
+    head = _gguf_header(name, dim, rows.shape[0], ggml_type, isinstance(table, QuantizedTable))
     data_bytes = rows.shape[0] * rows.shape[1] * rows.dtype.itemsize
 
     def write(temporary: str) -> None:
@@ -202,11 +208,14 @@ def _gguf_string(raw: bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _gguf_header(name: str, dim: int, vocab_size: int, ggml_type: int) -> bytes:
+def _gguf_header(name: str, dim: int, vocab_size: int, ggml_type: int, quantized: bool) -> bytes:
     """Everything before the data, padded to the alignment; dims are innermost first: ``[dim, vocab_size]``."""
-    alignment = _gguf_string(ALIGNMENT_KEY) + struct.pack("<II", UINT32_TYPE, DEFAULT_ALIGNMENT)
+    entries = [(ALIGNMENT_KEY, DEFAULT_ALIGNMENT)]
+    if quantized:  # the GGUF specification requires it wherever a tensor is quantized
+        entries.append((QUANTIZATION_VERSION_KEY, GGML_QUANTIZATION_VERSION))
+    metadata = b"".join(_gguf_string(key) + struct.pack("<II", UINT32_TYPE, value) for key, value in entries)
     tensor = _gguf_string(name.encode("utf-8")) + struct.pack("<IQQIQ", 2, dim, vocab_size, ggml_type, 0)
-    head = MAGIC + struct.pack("<IQQ", 3, 1, 1) + alignment + tensor
+    head = MAGIC + struct.pack("<IQQ", 3, 1, len(entries)) + metadata + tensor
     return head + b"\0" * (-len(head) % DEFAULT_ALIGNMENT)
 
 
