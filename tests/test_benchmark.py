@@ -12,13 +12,14 @@ import sys
 import tempfile
 import textwrap
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fastembed.benchmark import cli, gate
-from fastembed.benchmark.ids import REFERENCE_IDS, id_sets
+from fastembed.benchmark.ids import REFERENCE_IDS, _rank_map, id_sets
 from helpers import poisoned, random_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,9 @@ def test_id_sets_are_fresh_and_in_range():
 def test_zipf_ids_follow_zipf_truncated_to_the_vocabulary(vocab_size):
     """Draws beyond the vocabulary wrapped around it, spreading the tail's mass (47% at 1,000 ranks) over every row:
     the mass of ranks 1, 2-10, 11-100 and beyond was off by 0.16-0.31."""
-    rows_by_rank = np.random.default_rng(0).permutation(vocab_size)  # as id_sets draws it first from its seed
+    step, shift = _rank_map(np.random.default_rng(0), vocab_size)  # as id_sets draws it first from its seed
+    rows_by_rank = (step * np.arange(vocab_size) + shift) % vocab_size
+    assert np.array_equal(np.sort(rows_by_rank), np.arange(vocab_size))  # a bijection
     rank_of_row = np.argsort(rows_by_rank)
     ids = np.concatenate(id_sets("zipf", 50_000, vocab_size, 4))
     seen = np.bincount(rank_of_row[ids], minlength=vocab_size) / ids.size
@@ -54,6 +57,21 @@ def test_zipf_ids_follow_zipf_truncated_to_the_vocabulary(vocab_size):
         assert abs(seen[start:end].sum() - expected[start:end].sum()) < 0.01, (start, end)
     with pytest.raises(ValueError, match="a vocabulary of 1 row or more"):
         id_sets("zipf", 4, 0, 1)
+
+
+@pytest.mark.parametrize("vocab_size", [1, 2, 2_000_000_000, 2**62])
+def test_zipf_ids_of_a_tall_vocabulary_take_no_memory_of_its_size(vocab_size):
+    """A permutation of the rows took 8 bytes per row: 16 GB for 2,000,000,000 rows, which ended the run out of memory."""
+    tracemalloc.start()
+    try:
+        (ids,) = id_sets("zipf", 1000, vocab_size, 1, seed=vocab_size % 97)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ids.dtype == np.int64 and ids.min() >= 0 and ids.max() < vocab_size
+    assert peak < 2**20
+    if vocab_size > 2:
+        assert len(np.unique(ids)) > 1
 
 
 def test_runner_writes_table_json_and_plot(tmp_path):

@@ -1,6 +1,8 @@
 """Id sets for benchmarks: uniform (cold) and Zipf (like real text)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 REFERENCE_IDS = np.array([5237, 23872, 301, 16652, 19602, 1148], dtype=np.int64)
@@ -12,8 +14,10 @@ def id_sets(distribution: str, n: int, vocab_size: int, count: int, seed: int = 
     """`count` fresh int64 id arrays of length n, so repetitions read the table from memory.
 
     Zipf: rank r (1 to `vocab_size`) has probability proportional to r**-1.1,
-    the distribution truncated to the vocabulary; ranks map to rows through
-    a fixed random permutation, so frequent ids are spread over the table.
+    the distribution truncated to the vocabulary; rank r is row
+    ``(a * (r - 1) + b) % vocab_size`` for a random `a` prime to the vocabulary's
+    size and a random `b`: a fixed bijection that spreads the frequent ids
+    over the table, and takes no memory or time of the vocabulary's size.
     The reference sentence (n == 6, uniform) is always the reference ids.
     """
     rng = np.random.default_rng(seed)
@@ -22,9 +26,19 @@ def id_sets(distribution: str, n: int, vocab_size: int, count: int, seed: int = 
     if distribution == "uniform":
         return [rng.integers(0, vocab_size, n) for _ in range(count)]
     if distribution == "zipf":
-        rows_by_rank = rng.permutation(vocab_size)
-        return [rows_by_rank[_truncated_zipf_ranks(rng, n, vocab_size) - 1] for _ in range(count)]
+        step, shift = _rank_map(rng, vocab_size)
+        return [(step * (_truncated_zipf_ranks(rng, n, vocab_size) - 1) + shift) % vocab_size for _ in range(count)]
     raise ValueError(f"unknown distribution {distribution!r}; known: {', '.join(DISTRIBUTIONS)}")
+
+
+def _rank_map(rng: np.random.Generator, vocab_size: int) -> tuple[int, int]:
+    """A step prime to `vocab_size` (so that ``step * k % vocab_size`` takes every value once) and a shift, both
+    random; the step is below ``2**63 // vocab_size``, so that no product of it and a rank overflows int64."""
+    bound = max(2, min(vocab_size, 2**63 // max(1, vocab_size)))
+    while True:
+        step = int(rng.integers(1, bound))
+        if math.gcd(step, vocab_size) == 1:
+            return step, int(rng.integers(0, max(1, vocab_size)))
 
 
 def _truncated_zipf_ranks(rng: np.random.Generator, n: int, vocab_size: int) -> np.ndarray:
