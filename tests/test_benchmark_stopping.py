@@ -66,12 +66,14 @@ def start_bench(tmp_path):
     started: list[subprocess.Popen] = []
     seen: set[int] = set()
 
-    def start(arguments: list[str]) -> tuple[subprocess.Popen, Path]:
+    def start(arguments: list[str], own_session: bool = False) -> tuple[subprocess.Popen, Path]:
+        """`own_session`: the run leads a process group of its own, which a test signals as a terminal's Ctrl-C does."""
         temporary = tmp_path / "tmp"
         temporary.mkdir()
         env = {**os.environ, "TMPDIR": str(temporary)}
         bench = subprocess.Popen([sys.executable, "-c", RUN_BENCH, *arguments, "--out", str(tmp_path / "out")],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                 start_new_session=own_session)
         started.append(bench)
         return bench, temporary
 
@@ -128,6 +130,68 @@ def test_a_signal_ends_the_competing_load_and_the_workers_and_removes_the_table_
     stderr = bench.stderr.read()
     assert f"stopped by {signal.Signals(signum).name}" in stderr and "Traceback" not in stderr, stderr
     assert not list(temporary.iterdir()), "the table's temporary copy was left on disk"
+
+
+def test_a_ctrl_c_at_the_terminal_prints_one_line_and_no_traceback_of_the_load(start_bench):
+    """The load shared the run's process group, so a Ctrl-C interrupted it too, and it printed a KeyboardInterrupt."""
+    bench, _ = start_bench(["--processes", "50", "--load", "--vocab-size", "3000", "--dim", "64", "--batch", "64"],
+                           own_session=True)
+    wait_for(lambda: load_pids(bench), bench)
+    children = descendants(bench.pid)
+    start_bench.seen |= children
+    os.killpg(bench.pid, signal.SIGINT)
+    status = bench.wait(timeout=60)
+    assert not outliving(children), "a child process outlived the run"
+    stderr = bench.stderr.read()
+    assert status == 128 + signal.SIGINT and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "fastembed-bench: stopped by SIGINT", stderr
+
+
+def rank_pids(bench: subprocess.Popen) -> set[int]:
+    return {pid for pid in descendants(bench.pid) if "spawn_main" in command_line(pid)}
+
+
+def test_a_ctrl_c_while_the_ranks_start_prints_one_line_and_no_traceback_of_theirs(start_bench):
+    """The ranks, interrupted at the terminal while they imported torch, each printed a KeyboardInterrupt's traceback."""
+    pytest.importorskip("torch")
+    bench, _ = start_bench(["--ranks", "2", "--vocab-size", "1000", "--dim", "64", "--batch", "64", "--reps", "300"],
+                           own_session=True)
+    wait_for(lambda: rank_pids(bench), bench)  # the ranks have just been spawned: they are importing torch
+    children = descendants(bench.pid)
+    start_bench.seen |= children
+    os.killpg(bench.pid, signal.SIGINT)
+    status = bench.wait(timeout=60)
+    assert not outliving(children), "a rank outlived the run"
+    stderr = bench.stderr.read()
+    assert status == 128 + signal.SIGINT and "Traceback" not in stderr, stderr
+
+
+def test_the_files_where_ranks_write_their_errors_are_removed(tmp_path):
+    """torch reads the file a failed rank wrote its traceback to and never removes it: a rank that failed as the run
+    was stopped left one in the temporary folder."""
+    from fastembed.benchmark import ranks
+
+    written = tmp_path / "pytorch-errorfile-rank1.pickle"
+    never_written = tmp_path / "pytorch-errorfile-rank0.pickle"
+
+    class Context:
+        error_files = [str(never_written), str(written)]
+
+        @staticmethod
+        def join():
+            written.write_bytes(b"a rank's traceback")
+            raise KeyboardInterrupt  # the run stopped while the ranks ran
+
+    class Spawner:
+        active_children = staticmethod(lambda: [])
+
+        @staticmethod
+        def start_processes(*args, **kwargs):
+            return Context()
+
+    with pytest.raises(KeyboardInterrupt):
+        ranks._spawned(Spawner, None, (), 2)
+    assert not written.exists() and not never_written.exists()
 
 
 def test_a_killed_run_takes_its_competing_load_with_it(start_bench):

@@ -174,7 +174,8 @@ def competing_load(enabled: bool) -> Iterator[None]:
         return
     pin = f"os.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})\n" if hasattr(os, "sched_setaffinity") else ""
     code = f"import os\n{pin}{_END_WITH_PARENT.format(parent=os.getpid())}while True:\n    pass\n"
-    load = subprocess.Popen([sys.executable, "-c", code])
+    # A session of its own: a Ctrl-C at the terminal reaches the benchmark alone, which ends the load below.
+    load = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:
         yield
         if load.poll() is not None:

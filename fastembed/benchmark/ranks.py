@@ -62,11 +62,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +121,19 @@ def run(table_path: Path, ranks: int, batches: list[int], reps: int, seed: int =
 
 def _spawned(mp: Any, function: Any, args: tuple[Any, ...], processes: int) -> None:
     """Run `function` in `processes` spawned processes and wait for them; any exception here (a signal that stops the
-    run, say) ends them first, so that no rank outlives the run."""
+    run, say) ends them first, so that no rank outlives the run.
+
+    The processes start with SIGINT blocked (`function` unblocks it first:
+    :func:`_interruptible`), so that a Ctrl-C while they import interrupts this
+    process alone, which ends them, and no traceback of theirs is printed.
+    The files in which torch has a failed process write its traceback are
+    removed once every process has ended (torch reads them, never removes them).
+    """
     before = set(mp.active_children())
+    context = None
     try:
-        context = mp.start_processes(function, args=args, nprocs=processes, join=False, start_method="spawn")
+        with _sigint_blocked():
+            context = mp.start_processes(function, args=args, nprocs=processes, join=False, start_method="spawn")
         while not context.join():
             pass
     except BaseException:
@@ -132,11 +142,40 @@ def _spawned(mp: Any, function: Any, args: tuple[Any, ...], processes: int) -> N
             process.kill()
             process.join()
         raise
+    finally:
+        for path in context.error_files if context is not None else ():
+            with suppress(OSError):
+                os.unlink(path)
+
+
+@contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in the calling thread inside the block (a process started meanwhile inherits the mask); one that
+    arrived meanwhile is delivered as the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    # Its first start unblocks SIGINT in the calling thread as it ends: it must not happen inside the block.
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _interruptible() -> None:
+    """Unblock SIGINT in a process :func:`_spawned` started (a Ctrl-C that came during its start is delivered now)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | None, batches: list[int], reps: int,
                 seed: int, folder: str) -> None:
     """One rank (run by torch.multiprocessing): its samples into ``folder/rank{rank}.json``."""
+    _interruptible()
     # The ranks share this machine's cores: each runs its parallel lookups on its share (unless told otherwise),
     # since a kernel whose threads outnumber the cores waits a scheduler time slice for the one descheduled.
     os.environ.setdefault("NUMBA_NUM_THREADS", str(rank_threads(world)))
@@ -171,6 +210,7 @@ def rank_threads(world: int) -> int:
 def single_worker(_index: int, table_path: str, name: str | None, batches: list[int], reps: int, seed: int,
                   folder: str) -> None:
     """The single process (run by torch.multiprocessing): the whole table, the same ids, into ``single.json``."""
+    _interruptible()
     import fastembed
 
     before = memory(table_path)
