@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -113,7 +114,7 @@ def outliving(pids: set[int], seconds: float = 30.0) -> set[int]:
 
 
 def load_pids(bench: subprocess.Popen) -> set[int]:
-    return {pid for pid in descendants(bench.pid) if "while True" in command_line(pid)}
+    return {pid for pid in descendants(bench.pid) if "while os.getppid()" in command_line(pid)}
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
@@ -164,6 +165,40 @@ def test_a_ctrl_c_while_the_ranks_start_prints_one_line_and_no_traceback_of_thei
     assert not outliving(children), "a rank outlived the run"
     stderr = bench.stderr.read()
     assert status == 128 + signal.SIGINT and "Traceback" not in stderr, stderr
+
+
+def test_ranks_end_when_the_run_is_killed_while_they_start(start_bench):
+    """torch asks for the ranks' parent-death signal only once they have imported torch: a run killed before that
+    left its ranks to run their whole workload."""
+    pytest.importorskip("torch")
+    bench, _ = start_bench(["--ranks", "2", "--vocab-size", "1000", "--dim", "64", "--batch", "64",
+                            "--reps", "100000"])
+    wait_for(lambda: rank_pids(bench), bench)  # the ranks have just been spawned: they are importing torch
+    children = descendants(bench.pid)
+    start_bench.seen |= children
+    bench.kill()
+    bench.wait(timeout=60)
+    assert not outliving(children, seconds=30), "a rank outlived the killed run"
+
+
+def test_the_load_ends_with_its_parent_where_no_parent_death_signal_ends_it(tmp_path):
+    """The load's only tie to a killed run was Linux's parent-death signal; elsewhere it spun on."""
+    parent = textwrap.dedent("""
+        import os, sys
+        from pathlib import Path
+        from fastembed.benchmark import processes
+        processes._END_WITH_PARENT = ""  # as on a system without a parent-death signal
+        with processes.competing_load(True):
+            me = os.getpid()
+            children = [child for thread in os.listdir(f"/proc/{me}/task")
+                        for child in Path(f"/proc/{me}/task/{thread}/children").read_text().split()]
+            print(" ".join(children), flush=True)
+            os._exit(0)  # as a killed run ends: no cleanup
+    """)
+    started = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
+    loads = {int(pid) for pid in started.stdout.split()}
+    assert loads, started.stderr
+    assert not outliving(loads, seconds=30), "the load outlived its parent"
 
 
 def test_the_files_where_ranks_write_their_errors_are_removed(tmp_path):

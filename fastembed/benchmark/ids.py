@@ -33,8 +33,9 @@ def id_sets(distribution: str, n: int, vocab_size: int, count: int, seed: int = 
 
 def _rank_map(rng: np.random.Generator, vocab_size: int) -> tuple[int, int]:
     """A step prime to `vocab_size` (so that ``step * k % vocab_size`` takes every value once) and a shift, both
-    random; the step is below ``2**63 // vocab_size``, so that no product of it and a rank overflows int64."""
-    bound = max(2, min(vocab_size, 2**63 // max(1, vocab_size)))
+    random; the step is at most ``(2**63 - vocab_size) // vocab_size``, so that ``step * rank + shift`` fits int64
+    (a vocabulary of up to 2**62 rows: a table of more rows would not fit any machine's memory)."""
+    bound = max(2, min(vocab_size, (2**63 - vocab_size) // max(1, vocab_size) + 1))
     while True:
         step = int(rng.integers(1, bound))
         if math.gcd(step, vocab_size) == 1:

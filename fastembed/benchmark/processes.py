@@ -173,7 +173,10 @@ def competing_load(enabled: bool) -> Iterator[None]:
         yield
         return
     pin = f"os.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})\n" if hasattr(os, "sched_setaffinity") else ""
-    code = f"import os\n{pin}{_END_WITH_PARENT.format(parent=os.getpid())}while True:\n    pass\n"
+    # It also looks for its parent every million iterations (tens of ms): where no parent-death signal exists, a
+    # benchmark killed by SIGKILL leaves no load spinning.
+    code = (f"import os\n{pin}{_END_WITH_PARENT.format(parent=os.getpid())}while os.getppid() == {os.getpid()}:\n"
+            "    for _ in range(1_000_000):\n        pass\n")
     # A session of its own: a Ctrl-C at the terminal reaches the benchmark alone, which ends the load below.
     load = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
     try:

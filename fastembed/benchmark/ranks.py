@@ -61,10 +61,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -124,7 +127,7 @@ def _spawned(mp: Any, function: Any, args: tuple[Any, ...], processes: int) -> N
     run, say) ends them first, so that no rank outlives the run.
 
     The processes start with SIGINT blocked (`function` unblocks it first:
-    :func:`_interruptible`), so that a Ctrl-C while they import interrupts this
+    :func:`_started`), so that a Ctrl-C while they import interrupts this
     process alone, which ends them, and no traceback of theirs is printed.
     The files in which torch has a failed process write its traceback are
     removed once every process has ended (torch reads them, never removes them).
@@ -166,16 +169,32 @@ def _sigint_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _interruptible() -> None:
-    """Unblock SIGINT in a process :func:`_spawned` started (a Ctrl-C that came during its start is delivered now)."""
+def _started() -> None:
+    """What a process :func:`_spawned` started does first: unblock SIGINT (a Ctrl-C that came during its start is
+    delivered now), and end when the benchmark does.
+
+    torch asks for a parent-death signal (SIGINT) only once the process has
+    imported torch, and that signal does nothing where SIGINT is ignored (a
+    benchmark started in the background by a shell) or on systems without
+    one: a thread that waits for the parent's end covers every case.
+    """
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def end_with_the_benchmark() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)  # the benchmark is gone: nothing waits for this process's results
+
+    threading.Thread(target=end_with_the_benchmark, name="fastembed-bench: end with the benchmark", daemon=True).start()
 
 
 def rank_worker(rank: int, world: int, init: str, table_path: str, name: str | None, batches: list[int], reps: int,
                 seed: int, folder: str) -> None:
     """One rank (run by torch.multiprocessing): its samples into ``folder/rank{rank}.json``."""
-    _interruptible()
+    _started()
     # The ranks share this machine's cores: each runs its parallel lookups on its share (unless told otherwise),
     # since a kernel whose threads outnumber the cores waits a scheduler time slice for the one descheduled.
     os.environ.setdefault("NUMBA_NUM_THREADS", str(rank_threads(world)))
@@ -210,7 +229,7 @@ def rank_threads(world: int) -> int:
 def single_worker(_index: int, table_path: str, name: str | None, batches: list[int], reps: int, seed: int,
                   folder: str) -> None:
     """The single process (run by torch.multiprocessing): the whole table, the same ids, into ``single.json``."""
-    _interruptible()
+    _started()
     import fastembed
 
     before = memory(table_path)
