@@ -182,6 +182,7 @@ def test_ranks_end_when_the_run_is_killed_while_they_start(start_bench):
 
 def test_the_load_ends_with_its_parent_where_no_parent_death_signal_ends_it(tmp_path):
     """The load's only tie to a killed run was Linux's parent-death signal; elsewhere it spun on."""
+    listed = tmp_path / "children"
     parent = textwrap.dedent("""
         import os, sys
         from pathlib import Path
@@ -191,12 +192,14 @@ def test_the_load_ends_with_its_parent_where_no_parent_death_signal_ends_it(tmp_
             me = os.getpid()
             children = [child for thread in os.listdir(f"/proc/{me}/task")
                         for child in Path(f"/proc/{me}/task/{thread}/children").read_text().split()]
-            print(" ".join(children), flush=True)
+            Path(sys.argv[1]).write_text(" ".join(children))
             os._exit(0)  # as a killed run ends: no cleanup
     """)
-    started = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
-    loads = {int(pid) for pid in started.stdout.split()}
-    assert loads, started.stderr
+    # No pipe: the load inherits the parent's descriptors, and a load that lives on would keep a pipe open.
+    started = subprocess.run([sys.executable, "-c", parent, str(listed)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, timeout=120)
+    loads = {int(pid) for pid in listed.read_text().split()} if listed.exists() else set()
+    assert loads, f"the parent listed no load (exit status {started.returncode})"
     assert not outliving(loads, seconds=30), "the load outlived its parent"
 
 
