@@ -118,7 +118,7 @@ DEQUANTIZE_TOUCH_PAGES_ROWS_AHEAD = 4
 #: ... and copies a row backward when its source sits 1 to this many bytes
 #: below its destination modulo 4 KiB, where a forward copy's loads wait on
 #: its own stores (4K aliasing).
-ALIAS_WINDOW = 32
+ALIAS_WINDOW = 48
 #: A parallel gather cuts its output into equal blocks, one per this many bytes begun (each at most this
 #: size plus a row), and at least one per thread: under a competing load a thread sharing its CPU claims
 #: fewer of them, where with one block per thread the others would wait for its half (docs/backends.md).
