@@ -275,17 +275,22 @@ class NumbaBackend:
         kernels = self._kernels
         if kernels is None:  # reset() by another thread since the check
             return numpy_backend.BACKEND.gather(table, ids, out)
-        serial = output_nbytes < PARALLEL_MIN_BYTES
-        if out is None:
-            shape = ids.shape + table.shape[1:]
-            # Only streamed stores want a cache line's alignment, which costs a serial gather more than it saves.
-            out = np.empty(shape, table.dtype) if serial else output_cache.new_output(shape, table.dtype,
-                                                                                     output_cache.ALIGNMENT)
-        out_bytes = _row_bytes(out, n) if given_bytes is None else given_bytes
-        if serial:
-            status = int(kernels.gather_serial(table_bytes, flat_ids, out_bytes, _touch_for(table_bytes)))
+        if output_nbytes < PARALLEL_MIN_BYTES:
+            if out is None:
+                # Allocated as the kernel's bytes and viewed as rows afterwards: fewer views on the way, and only
+                # streamed stores want the output cache's line alignment, which costs a serial gather more than it saves.
+                out_bytes = np.empty((n, table_bytes.shape[1]), _BYTE)
+                out = out_bytes.view(table.dtype)
+                if ids.ndim != 1:
+                    out = out.reshape(ids.shape + table.shape[1:])
+            else:
+                out_bytes = given_bytes
+            status = kernels.gather_serial(table_bytes, flat_ids, out_bytes, _touch_for(table_bytes))
         else:
-            status = self._run_parallel(kernels, table_bytes, flat_ids, out_bytes)
+            if out is None:
+                out = output_cache.new_output(ids.shape + table.shape[1:], table.dtype, output_cache.ALIGNMENT)
+            status = self._run_parallel(kernels, table_bytes, flat_ids,
+                                        _row_bytes(out, n) if given_bytes is None else given_bytes)
         if status != -1:
             _raise_for_status(status, ids, table.shape[0])
         return out
@@ -681,8 +686,9 @@ def kernel_views(kind: str, table: np.ndarray, ids: np.ndarray, out: np.ndarray 
         Python call on its way.
     """
     table_bytes = table.view(_BYTE)
-    table_bytes.flags.writeable = False
-    flat_ids = ids.reshape(-1)
+    if table_bytes.flags.writeable:  # setting the flag costs more than reading it, and a mapped table is read-only
+        table_bytes.flags.writeable = False
+    flat_ids = ids if ids.ndim == 1 else ids.reshape(-1)
     ids_flags = flat_ids.flags
     ids_aligned = ids_flags.aligned
     if not ids_flags.c_contiguous or not ids_flags.writeable:
