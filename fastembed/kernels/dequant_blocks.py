@@ -196,10 +196,10 @@ def _fp8_e4m3_bit_values(builder, codes, scale):
     return builder.fmul(value, _splat(builder, scale, 32))
 
 
-def _fp8_e4m3_widened_values(builder, codes, scale):
-    # as _fp8_e4m3_bit_values, through float16 and the F16C widening: the sign to bit 15 and the 7 magnitude bits
-    # under float16's exponent (subnormals become float16 subnormals) give value / 2**8 exactly; NaN codes
-    # become float16's quiet NaN of their sign, which widens to ml_dtypes' float32 NaN
+def _fp8_e4m3_widened(builder, codes):
+    # 32 float8_e4m3fn bytes (<32 x i8>) to value / 2**8 as float32, exactly, through float16 and the F16C widening:
+    # the sign to bit 15 and the 7 magnitude bits under float16's exponent (subnormals become float16 subnormals);
+    # NaN codes become float16's quiet NaN of their sign, which widens to ml_dtypes' float32 NaN
     def c(value):
         return _constant(_I16, 32, value)
 
@@ -208,19 +208,32 @@ def _fp8_e4m3_widened_values(builder, codes, scale):
     bits = builder.add(shifted, builder.and_(shifted, c(0x4000)))  # the sign's carry: bit 14 to bit 15
     nan = builder.icmp_unsigned("==", builder.and_(b, c(0x7F)), c(0x7F))
     bits = builder.select(nan, builder.or_(builder.and_(bits, c(0x8000)), c(0x7E00)), bits)
-    value = builder.fpext(builder.bitcast(bits, _vector(ir.HalfType(), 32)), _vector(_F32, 32))
-    value = builder.fmul(value, _constant(_F32, 32, 256.0))  # exact: |value| <= 448, no subnormal float32 here
+    return builder.fpext(builder.bitcast(bits, _vector(ir.HalfType(), 32)), _vector(_F32, 32))
+
+
+def _fp8_e4m3_widened_values(builder, codes, scale):
+    # as _fp8_e4m3_bit_values, through the F16C widening
+    value = builder.fmul(_fp8_e4m3_widened(builder, codes), _constant(_F32, 32, 256.0))  # exact: |value| <= 448
     return builder.fmul(value, _splat(builder, scale, 32))
 
 
 #: 32 float8_e4m3fn values: through the F16C widening where numba compiles for it (fewer instructions).
 _FP8_E4M3_VALUES = _fp8_e4m3_widened_values if HARDWARE_FLOAT16 else _fp8_e4m3_bit_values
 
+#: :func:`_fp8_e4m3_32` multiplies its codes' values divided by this by its factor: with F16C it widens value / 2**8,
+#: and a row's factor of 2**8 times its scale saves a multiply per value (the same product, rounded once).
+FP8_E4M3_FACTOR_OF_SCALE = 256.0 if HARDWARE_FLOAT16 else 1.0
+
 
 def _fp8_e4m3_body(builder, args, put):
-    # 32 float8_e4m3fn bytes at source; value * scale
-    destination, source, scale = args
-    put(builder, destination, 0, _FP8_E4M3_VALUES(builder, _load(builder, source, _vector(_I8, 32)), scale))
+    # 32 float8_e4m3fn bytes at source; value / FP8_E4M3_FACTOR_OF_SCALE * factor
+    destination, source, factor = args
+    codes = _load(builder, source, _vector(_I8, 32))
+    if HARDWARE_FLOAT16:
+        values = builder.fmul(_fp8_e4m3_widened(builder, codes), _splat(builder, factor, 32))
+    else:
+        values = _fp8_e4m3_bit_values(builder, codes, factor)
+    put(builder, destination, 0, values)
 
 
 def _fp8_e4m3_bits_body(builder, args, put):
@@ -272,7 +285,7 @@ def _q6_k_block(typingctx, put, lines, destination, block):
 
 
 @intrinsic(prefer_literal=True)
-def _fp8_e4m3_32(typingctx, put, lines, destination, source, scale):
+def _fp8_e4m3_32(typingctx, put, lines, destination, source, factor):
     return _block(put, _fp8_e4m3_body, _f32)
 
 

@@ -79,6 +79,7 @@ module).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,7 @@ from numba.extending import intrinsic, overload
 
 from .cpu_intrinsics import prefetch, store_fence
 from .dequant_blocks import (
+    FP8_E4M3_FACTOR_OF_SCALE,
     _fp8_e4m3_32,
     _fp8_e4m3_32_bits,
     _q4_0_block,
@@ -269,8 +271,11 @@ def _fp8_e4m3(source, count, scale, destination, put, lines):
     # one float8_e4m3fn per value; value * the row's scale
     literally(put)
     whole = count - count % 32
+    factor = scale * np.float32(FP8_E4M3_FACTOR_OF_SCALE)
+    if math.isinf(factor) and math.isfinite(scale):
+        whole = 0  # a scale within 2**8 of float32's largest: the factor overflows, so every value goes one by one
     for j in range(0, whole, 32):
-        _fp8_e4m3_32(put, lines, destination + _value_bytes(put) * j, source + j, scale)
+        _fp8_e4m3_32(put, lines, destination + _value_bytes(put) * j, source + j, factor)
     for j in range(whole, count):
         value = fp8_e4m3_value(_byte(source + j)) * scale
         if _value_bytes(put) == 4:
