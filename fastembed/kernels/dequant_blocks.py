@@ -206,9 +206,17 @@ def _fp8_e4m3_widened(builder, codes):
     b = builder.zext(codes, _vector(_I16, 32))
     shifted = builder.shl(b, c(7))
     bits = builder.add(shifted, builder.and_(shifted, c(0x4000)))  # the sign's carry: bit 14 to bit 15
-    nan = builder.icmp_unsigned("==", builder.and_(b, c(0x7F)), c(0x7F))
-    bits = builder.select(nan, builder.or_(builder.and_(bits, c(0x8000)), c(0x7E00)), bits)
-    return builder.fpext(builder.bitcast(bits, _vector(ir.HalfType(), 32)), _vector(_F32, 32))
+    # NaN codes are rare: one test of the 32 bytes (a byte mask), and their lanes patched only where there are some
+    nan = builder.icmp_unsigned("==", builder.and_(codes, _constant(_I8, 32, 0x7F)), _constant(_I8, 32, 0x7F))
+    any_nan = builder.icmp_unsigned("!=", builder.bitcast(nan, ir.IntType(32)), ir.Constant(ir.IntType(32), 0))
+    decoded = builder.block
+    with builder.if_then(any_nan, likely=False):
+        patched = builder.select(nan, builder.or_(builder.and_(bits, c(0x8000)), c(0x7E00)), bits)
+        patched_in = builder.block
+    merged = builder.phi(bits.type)
+    merged.add_incoming(bits, decoded)
+    merged.add_incoming(patched, patched_in)
+    return builder.fpext(builder.bitcast(merged, _vector(ir.HalfType(), 32)), _vector(_F32, 32))
 
 
 def _fp8_e4m3_widened_values(builder, codes, scale):
