@@ -1611,6 +1611,33 @@ def test_fresh_processes_time_fewer_repetitions_for_large_outputs_but_at_least_1
     assert processes.reps_for(1024, 8192, 100) == 100
 
 
+def test_fresh_processes_interleave_their_contenders_in_a_new_order_each_round(tmp_path, monkeypatch):
+    """A call that follows another contender's pays for what that one left behind: no contender always follows the
+    same one, and each still gets its repetitions."""
+    from fastembed.benchmark import processes
+
+    path = tmp_path / "table.npy"
+    np.save(path, random_table(300, 8, np.float32))
+    made: list[str] = []
+
+    def recording_calls(fastembed, table, out):
+        def call_of(name):
+            def call(ids):
+                made.append(name)
+                return np.asarray(table)[ids]
+            return call
+        return {name: call_of(name) for name in processes.CONTENDERS}
+
+    monkeypatch.setattr(processes, "_calls", recording_calls)
+    reps = 30
+    run = processes.worker(str(path), [16], reps, seed=3)
+    assert all(len(times) == reps for times in run["samples"]["16"].values())
+    timed = made[-reps * len(processes.CONTENDERS):]
+    rounds = [tuple(timed[k : k + 3]) for k in range(0, len(timed), 3)]
+    assert all(sorted(order) == sorted(processes.CONTENDERS) for order in rounds)
+    assert len(set(rounds)) > 1
+
+
 def test_ranks_accept_quick_with_reps_and_batch(tmp_path):
     from fastembed.benchmark import arguments as command_line
 

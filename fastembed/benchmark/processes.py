@@ -8,8 +8,11 @@ memory (so that its first lookups do not pay the mapping's page faults,
 which later ones never meet); per batch size it
 makes one lookup per contender, waits for background compiles, makes
 :data:`WARMUP_ROUNDS` more rounds untimed, then times ``reps`` single calls
-per contender, interleaved, each with fresh uniform ids, with Python's
-garbage collector paused while a call is timed (:func:`.measure.collector_paused`):
+per contender, interleaved in a new random order each round (a call
+that follows another contender's pays more than one that follows its own
+kind, so no contender always follows the same one), each with fresh
+uniform ids, with Python's garbage collector paused while a call is
+timed (:func:`.measure.collector_paused`):
 
 - ``fastembed out=``: ``lookup(table, ids, out=out)``;
 - ``fastembed alloc``: ``lookup(table, ids)``;
@@ -109,8 +112,11 @@ def worker(table_path: str, batches: list[int], reps: int, seed: int, one_cpu: b
             for call in calls.values():
                 call(rng.integers(0, table.shape[0], batch))
         times: dict[str, list[float]] = {name: [] for name in calls}
+        order = list(calls)
         for _ in range(reps_for(batch, table.shape[1] * table.dtype.itemsize, reps)):
-            for name, call in calls.items():
+            rng.shuffle(order)  # a new order each round: a call pays for what its predecessor left in the caches
+            for name in order:
+                call = calls[name]
                 ids = rng.integers(0, table.shape[0], batch)
                 with collector_paused():
                     started = time.perf_counter()
