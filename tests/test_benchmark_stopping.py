@@ -10,6 +10,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -164,6 +165,78 @@ def test_a_ctrl_c_while_the_ranks_start_prints_one_line_and_no_traceback_of_thei
     # As soon as the ranks are spawned: they are importing torch.
     assert_a_ctrl_c_prints_one_line(
         start_bench, ["--ranks", "2", "--vocab-size", "1000", "--dim", "64", "--batch", "64", "--reps", "300"], rank_pids)
+
+
+class _Stopped(BaseException):
+    """Raised by a test's own SIGTERM handler, as the benchmark's raises its Terminated."""
+
+
+class _FakeRanks:
+    """torch.multiprocessing for :func:`fastembed.benchmark.ranks._spawned`: each start sends `signum` to another
+    thread and runs on past Python's signal checks before the started process is recorded, as a real start does."""
+
+    def __init__(self, signum: int, other: threading.Thread) -> None:
+        self.signum, self.other = signum, other
+        self.started: list[_FakeRanks.Rank] = []
+        self.killed: list[_FakeRanks.Rank] = []
+        self.seen_while_starting: list[tuple[Any, bool]] = []
+
+    class Rank:
+        def __init__(self, ranks: _FakeRanks) -> None:
+            self.ranks = ranks
+
+        def kill(self) -> None:
+            self.ranks.killed.append(self)
+
+        def join(self) -> None:
+            pass
+
+    class Context:
+        error_files: list[str] = []
+
+        def join(self) -> bool:
+            return True
+
+    def active_children(self) -> list[Rank]:
+        return list(self.started)
+
+    def start_processes(self, function: Any, args: tuple[Any, ...], nprocs: int, join: bool,
+                        start_method: str) -> Context:
+        for _ in range(nprocs):
+            self.seen_while_starting.append(
+                (signal.getsignal(signal.SIGHUP), signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+            signal.pthread_kill(self.other.ident, self.signum)  # a signal to the process that another thread takes
+            time.sleep(0.05)
+            self.started.append(self.Rank(self))
+        return self.Context()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_another_thread_takes_while_the_ranks_start_waits_until_each_is_recorded_and_ended(signum):
+    """A Ctrl-C that a thread of torch's took was raised on the main thread inside a rank's start, after its process
+    existed and before it was recorded: nothing ended it, and it printed a traceback failing to read its arguments."""
+    from fastembed.benchmark import ranks
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise _Stopped
+
+    ends = threading.Event()
+    other = threading.Thread(target=ends.wait, daemon=True)  # started before the ranks: SIGINT unblocked there
+    other.start()
+    previous = {number: signal.signal(number, handler) for number, handler in
+                ((signal.SIGTERM, stop), (signal.SIGHUP, signal.SIG_IGN))}
+    fake = _FakeRanks(signum, other)
+    try:
+        with pytest.raises(KeyboardInterrupt if signum == signal.SIGINT else _Stopped):
+            ranks._spawned(fake, None, (), 2)
+        assert signal.getsignal(signal.SIGTERM) is stop, "the handler of the run was not given back"
+    finally:
+        ends.set()
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    assert len(fake.started) == 2 and set(fake.killed) == set(fake.started)
+    # An ignored SIGHUP stays ignored while the ranks start (they inherit it: nohup), and they start with SIGINT blocked.
+    assert fake.seen_while_starting == [(signal.SIG_IGN, True)] * 2
 
 
 def test_ranks_end_when_the_run_is_killed_while_they_start(start_bench):

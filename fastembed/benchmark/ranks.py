@@ -128,14 +128,16 @@ def _spawned(mp: Any, function: Any, args: tuple[Any, ...], processes: int) -> N
 
     The processes start with SIGINT blocked (`function` unblocks it first:
     :func:`_started`), so that a Ctrl-C while they import interrupts this
-    process alone, which ends them, and no traceback of theirs is printed.
+    process alone, which ends them, and no traceback of theirs is printed;
+    a signal that comes while they start is held until all of them have
+    (:func:`_signals_held`), so that each is known here to be ended.
     The files in which torch has a failed process write its traceback are
     removed once every process has ended (torch reads them, never removes them).
     """
     before = set(mp.active_children())
     context = None
     try:
-        with _sigint_blocked():
+        with _signals_held():
             context = mp.start_processes(function, args=args, nprocs=processes, join=False, start_method="spawn")
         while not context.join():
             pass
@@ -151,22 +153,48 @@ def _spawned(mp: Any, function: Any, args: tuple[Any, ...], processes: int) -> N
                 os.unlink(path)
 
 
-@contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in the calling thread inside the block (a process started meanwhile inherits the mask); one that
-    arrived meanwhile is delivered as the block ends."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows
-        yield
-        return
-    from multiprocessing import resource_tracker
+#: The signals that stop a run, held while processes start (:func:`_signals_held`).
+_HELD_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
-    # Its first start unblocks SIGINT in the calling thread as it ends: it must not happen inside the block.
-    resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Inside the block, SIGINT blocked in the calling thread (a process started meanwhile inherits the mask) and,
+    on the main thread, every signal of :data:`_HELD_SIGNALS` that is not ignored held back; one that came meanwhile
+    is delivered as the block ends, to the handler it had before.
+
+    Blocking alone is not enough: a signal sent to the process goes to any
+    thread that does not block it (a thread of torch's, say), and Python
+    then raises it on the main thread wherever that is, which can cut a
+    start short after the process exists and before it is recorded, so that
+    nothing ends it and it fails reading its arguments.
+    """
+    held: list[int] = []
+    previous_handlers: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in _HELD_SIGNALS:
+            number = getattr(signal, name, None)
+            # An ignored signal stays ignored (the processes inherit that), and None is a handler Python cannot restore.
+            if number is not None and signal.getsignal(number) not in (None, signal.SIG_IGN):
+                previous_handlers[number] = signal.signal(number, lambda signum, _frame: held.append(signum))
     try:
-        yield
+        if not hasattr(signal, "pthread_sigmask"):  # Windows
+            yield
+            return
+        from multiprocessing import resource_tracker
+
+        # Its first start unblocks SIGINT in the calling thread as it ends: it must not happen inside the block.
+        resource_tracker.ensure_running()
+        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)  # a SIGINT blocked meanwhile is held now
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for number, handler in previous_handlers.items():
+            signal.signal(number, handler)
+        for number in dict.fromkeys(held):
+            signal.raise_signal(number)
 
 
 def _started() -> None:
