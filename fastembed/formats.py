@@ -425,6 +425,13 @@ class QuantizedTable:
         self.scales = scales
         check_quantized(self)
 
+    @classmethod
+    def _checked(cls, data: Any, fmt: BlockFormat, dim: int, scales: Any) -> QuantizedTable:
+        """A QuantizedTable of arrays the caller has already checked as the constructor would (a call's snapshot)."""
+        table = object.__new__(cls)
+        table.data, table.format, table.dim, table.scales = data, fmt, dim, scales
+        return table
+
     @property
     def shape(self) -> tuple[int, int]:
         """``(vocab_size, dim)``."""

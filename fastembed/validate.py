@@ -41,6 +41,8 @@ modified before every check has passed.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import mmap
 import numbers
@@ -153,13 +155,33 @@ def kept_table(table: Any) -> tuple[Any, Any, tuple[Any, ...]]:
     return read, view, guards
 
 
+#: fastembed's own formats, kept alive here so that no other object can ever take one of their ids.
+_OWN_FORMATS = tuple(FORMATS.values())
+_OWN_FORMAT_IDS = frozenset(map(id, _OWN_FORMATS))
+_UINT8, _FLOAT32 = np.dtype(np.uint8), np.dtype(np.float32)
+
+
 def _quantized_snapshot(table: QuantizedTable) -> QuantizedTable:
     """A QuantizedTable over fresh views of `table`'s arrays, checked again (another thread may change them).
 
     Host views are read-only: no gather writes a table, and the numba
     kernels take read-only arrays, so a lookup passes them on as they are.
     """
-    data, scales = table.data, table.scales
+    data, fmt, dim, scales = table.data, table.format, table.dim, table.scales
+    if isinstance(data, _NDARRAY) and id(fmt) in _OWN_FORMAT_IDS and type(dim) is int and (
+            scales is None or isinstance(scales, _NDARRAY)):
+        # The common case, kept cheap: numpy arrays whose views pass every check of check_quantized.
+        rows = numpy_adapter.ADAPTER.snapshot(data)
+        row_scales = None if scales is None else numpy_adapter.ADAPTER.snapshot(scales)
+        if (rows.dtype == _UINT8 and rows.ndim == 2 and rows.flags.c_contiguous and dim > 0
+                and dim % fmt.block_values == 0 and rows.shape[1] == dim // fmt.block_values * fmt.block_bytes
+                and (row_scales is None if not fmt.row_scale else (
+                    row_scales is not None and row_scales.dtype == _FLOAT32 and row_scales.shape == rows.shape[:1]
+                    and row_scales.flags.c_contiguous))):
+            for view in (rows, row_scales):
+                if view is not None and view.flags.writeable:  # setting a flag costs more than reading it
+                    view.flags.writeable = False
+            return QuantizedTable._checked(rows, fmt, dim, row_scales)
     data_adapter = adapter_of(data)
     scales_adapter = adapter_of(scales)
     snapshot = QuantizedTable(
@@ -199,8 +221,10 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
     """
     if type(table) is QuantizedTable:
         if dtype is None:
-            return np.dtype(np.float32)
+            return _FLOAT32
         target = resolve_dtype(dtype_spec(dtype))
+        if target in _native_outputs():
+            return target
         if target.name not in OUTPUT_DTYPES:
             raise TypeError(f"a {table.format.name} table dequantizes into {', '.join(OUTPUT_DTYPES)}, not {target}")
         if not target.isnative:
@@ -229,6 +253,17 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
         + (f" or {', '.join(OUTPUT_DTYPES)}, float64" if is_float_dtype(source) else "")
         + f", not {target}"
     )
+
+
+@functools.cache
+def _native_outputs() -> frozenset[np.dtype]:
+    """The dtypes of :data:`~fastembed.formats.OUTPUT_DTYPES` in the machine's byte order that resolve here (bfloat16
+    needs ml_dtypes): a set lookup instead of reading ``dtype.name``, which numpy computes on every read."""
+    found = set()
+    for name in OUTPUT_DTYPES:
+        with contextlib.suppress(TypeError):
+            found.add(resolve_dtype(name))
+    return frozenset(found)
 
 
 def table_dtype(table: Any, rows: Any) -> np.dtype:
@@ -742,7 +777,9 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             (also through another mapping of the table's file: the adapter's
             ``same_file_bytes``).
     """
-    if type(out) is _NDARRAY and type(table) is _NDARRAY:
+    quantized = type(table) is QuantizedTable
+    if type(out) is _NDARRAY and type(table.data if quantized else table) is _NDARRAY and (
+            dtype is not None or not quantized):
         view = out.view()
         flags = view.flags
         if (
@@ -752,7 +789,8 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
             and flags.writeable
         ):
             if (
-                out.flags.owndata
+                not quantized
+                and out.flags.owndata
                 and ((type(caller_ids) is _NDARRAY and caller_ids.flags.owndata and out is not caller_ids)
                      or type(caller_ids) in _CONVERTED_IDS)
                 and (
@@ -768,7 +806,9 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
                 # which a close or resize can free under it: its address range is tested, the rest need not be.
                 return view
             base = out.base
-            if not np.may_share_memory(view, table) and not np.may_share_memory(
+            if not np.may_share_memory(view, table.data if quantized else table) and not (
+                quantized and table.scales is not None and np.may_share_memory(view, table.scales)
+            ) and not np.may_share_memory(
                 view, _caller_ids_memory(caller_ids, ids)
             ) and ((type(base) is _NDARRAY and base.base is None)
                    or (not write_probe.lent(out) and numpy_adapter.mapping_of(out) is None)):

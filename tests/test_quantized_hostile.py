@@ -74,6 +74,84 @@ def test_a_dim_rebound_to_a_float_is_refused_at_the_next_lookup():
         fastembed.lookup(table, [1])
 
 
+def _reshape_rows(table):
+    table.data.shape = (table.data.shape[0] * 2, table.data.shape[1] // 2)
+
+
+def _transpose_rows(table):
+    table.data = table.data.T
+
+
+def _retype_rows(table):
+    table.data = table.data.view(np.int8)
+
+
+def _reshape_scales(table):
+    table.scales.shape = (1, table.scales.shape[0])
+
+
+def _retype_scales(table):
+    table.scales = table.scales.astype(np.float64)
+
+
+def _stride_scales(table):
+    table.scales = np.repeat(table.scales, 2)[::2]
+
+
+def _drop_scales(table):
+    table.scales = None
+
+
+def _add_scales(table):
+    table.scales = np.ones(table.data.shape[0], np.float32)
+
+
+def _uneven_dim(table):
+    table.dim = table.dim + 1
+
+
+def _numpy_dim_of_a_wrong_width(table):
+    table.dim = np.int64(2 * table.dim)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(("name", "change"), [
+    ("q8_0", _reshape_rows), ("q4_k", _transpose_rows), ("q8_0", _retype_rows), ("fp8_e4m3", _reshape_scales),
+    ("fp8_e4m3", _retype_scales), ("fp8_e4m3", _stride_scales), ("fp8_e4m3", _drop_scales), ("q8_0", _add_scales),
+    ("q6_k", _uneven_dim), ("q8_0", _numpy_dim_of_a_wrong_width),
+], ids=lambda value: getattr(value, "__name__", value))
+def test_a_table_changed_after_it_was_made_is_refused_at_each_lookup_as_the_constructor_refuses_it(backend, name, change):
+    """Every lookup checks a quantized table's arrays again, with the constructor's own exception and message."""
+    import re
+
+    from fastembed.tables import random_quantized_table
+
+    table = random_quantized_table(name, 6, 256)
+    change(table)
+    with pytest.raises((TypeError, ValueError)) as refused:
+        QuantizedTable(table.data, table.format, table.dim, table.scales)
+    out = poisoned((2, 256), np.float16)
+    before = out.copy()
+    for call in (lambda: fastembed.lookup(table, [1, 2], backend=backend),
+                 lambda: fastembed.lookup(table, [1, 2], out=out, dtype=np.float16, backend=backend)):
+        with pytest.raises(refused.type, match=re.escape(str(refused.value))):
+            call()
+    assert out.tobytes() == before.tobytes()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", ["q8_0", "fp8_e4m3"])
+def test_an_out_over_the_rows_of_a_quantized_table_is_refused_and_they_stay_as_they_were(backend, name):
+    from fastembed.tables import random_quantized_table
+
+    table = random_quantized_table(name, 64, 256)
+    before = table.data.copy()
+    over_rows = table.data.reshape(-1)[256 * 2 * 2:][: 2 * 256 * 2].view(np.float16).reshape(2, 256)
+    with pytest.raises(ValueError, match="overlaps the table"):
+        fastembed.lookup(table, [1, 2], out=over_rows, dtype=np.float16, backend=backend)
+    assert table.data.tobytes() == before.tobytes()
+
+
 @pytest.mark.parametrize("magnitude", [1e7, 3.0e38])
 def test_q8_0_refuses_values_its_float16_block_scale_cannot_hold(magnitude):
     rows = np.zeros((2, 64), np.float32)
