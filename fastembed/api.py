@@ -241,11 +241,12 @@ class Embedding:
         for guard in self._guards:  # as _checked_view(), inline: a decode step is mostly call overhead
             guard.check()
         if dtype is not None or type(table_view) is not _NDARRAY:
-            if self._host_quantized_dtype is not None and dtype is None and out is None:
+            if self._host_quantized_dtype is not None and out is None:
                 # A decode step on a quantized table: the steps of _lookup_in_call_context that numpy rows need.
                 ids_view = validate.ids_snapshot(ids, table_view)
+                target = self._host_quantized_dtype if dtype is None else validate.output_dtype(table_view, dtype)
                 chosen = dispatch.select(table_view, backend)
-                return chosen.dequantize(table_view, ids_view, None, self._host_quantized_dtype)  # type: ignore[attr-defined]
+                return chosen.dequantize(table_view, ids_view, None, target)  # type: ignore[attr-defined]
             return _lookup_in_call_context(table_view, ids, out, dtype, backend, self._table_as_read)
         ids_view = validate.ids_snapshot(ids, table_view)
         if out is None:

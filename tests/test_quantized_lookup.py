@@ -44,8 +44,18 @@ def test_a_layers_allocating_lookups_are_the_reference_and_raise_as_lookup_does(
             result = emb(ids, backend=chosen)
             assert type(result) is np.ndarray
             assert_bit_equal(result, reference(table, ids))
+            for dtype in (*OUTPUT_DTYPES, "float16", "bfloat16"):
+                assert_bit_equal(emb(ids, backend=chosen, dtype=dtype), reference(table, ids, dtype))
     with pytest.raises(IndexError, match="id 300 at position 1 is out of range for a table of 300 rows"):
         emb([0, 300], backend=backend)
+    with pytest.raises(IndexError, match="id 300 at position 1 is out of range for a table of 300 rows"):
+        emb([0, 300], backend=backend, dtype=np.float16)
+    with pytest.raises(TypeError, match="dequantizes into float32, float16, bfloat16, not int8"):
+        emb([1], backend=backend, dtype=np.int8)
+    with pytest.raises(TypeError, match="byte order"):
+        emb([1], backend=backend, dtype=">f2")
+    with pytest.raises(TypeError, match="ids must be integers"):  # the ids are checked first, as lookup() checks them
+        emb([1.5], backend=backend, dtype=np.int8)
     with pytest.raises(IndexError, match="id -1 at position 0"):
         emb([-1, 2], backend=backend)
     with pytest.raises(TypeError, match="ids must be integers"):
