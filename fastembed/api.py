@@ -16,6 +16,7 @@ import numpy as np
 
 from . import dispatch, validate
 from .arrays import aligned_result, call_context, device_of, mark_written, result_like
+from .casting import gather_cast
 from .formats import QuantizedTable
 
 _NDARRAY = np.ndarray
@@ -142,8 +143,6 @@ def _lookup_in_call_context(table_view: Any, ids: Any, out: Any, dtype: Any, bac
                     mark_written(out)  # a GPU gather writes the rows it can before it reports a bad id (docs/gpu.md)
                 raise
         else:
-            from .casting import gather_cast
-
             result = gather_cast(chosen, table_view, ids_view, out_view, target)
         if out is not None:
             return out if type(out) is _NDARRAY else mark_written(out)

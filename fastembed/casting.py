@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backends.base import Backend
+from .backends.numpy_backend import check_range
 
 #: Bytes of the scratch rows: small enough to stay in the cache between the gather and the cast.
 SCRATCH_BYTES = 1 << 20
@@ -27,8 +28,6 @@ def gather_cast(backend: Backend, table: np.ndarray, ids: np.ndarray, out: np.nd
     Raises:
         IndexError: an id out of range, before anything is written.
     """
-    from .backends.numpy_backend import check_range
-
     check_range(ids, table.shape[0])
     if out is None:
         out = np.empty(ids.shape + (table.shape[1],), dtype=dtype)

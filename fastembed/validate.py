@@ -240,13 +240,13 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
         raise TypeError(f"a {library.name} table gathers into its library's arrays, which have no "
                         f"dtype {target.str} (the machine's byte order is the other one); pass the dtype's name")
     own = None if rows is None else _dtype_name(rows)  # a snapshot that holds words: the table's own dtype's name
-    if (target == source and own is None) or (own == target.name and target.isnative):
+    if (target == source and own is None) or (own is not None and own == target.name and target.isnative):
         return source
     if not isinstance(table, _NDARRAY):
         kind = adapter_of(table if rows is None else rows).name  # type: ignore[union-attr]
         raise TypeError(f"dtype= casts host tables only; gather this {kind} table in its own dtype "
                         f"({own or source}) and cast the result")
-    if is_float_dtype(source) and target.name in (*OUTPUT_DTYPES, "float64"):
+    if is_float_dtype(source) and (target if target.isnative else target.newbyteorder("=")) in _cast_outputs():
         return target
     raise TypeError(
         f"a table of dtype {own or source} can be gathered into its own dtype"
@@ -258,12 +258,20 @@ def output_dtype(table: Any, dtype: Any, rows: Any = None) -> np.dtype:
 @functools.cache
 def _native_outputs() -> frozenset[np.dtype]:
     """The dtypes of :data:`~fastembed.formats.OUTPUT_DTYPES` in the machine's byte order that resolve here (bfloat16
-    needs ml_dtypes): a set lookup instead of reading ``dtype.name``, which numpy computes on every read."""
+    needs ml_dtypes): a set lookup instead of reading ``dtype.name``, which numpy computes on every read (and cannot
+    while the interpreter exits)."""
     found = set()
     for name in OUTPUT_DTYPES:
         with contextlib.suppress(TypeError):
             found.add(resolve_dtype(name))
     return frozenset(found)
+
+
+@functools.cache
+def _cast_outputs() -> frozenset[np.dtype]:
+    """The dtypes a dense floating-point host table casts into, in the machine's byte order: the quantized tables'
+    outputs and float64."""
+    return _native_outputs() | {np.dtype(np.float64)}
 
 
 def table_dtype(table: Any, rows: Any) -> np.dtype:

@@ -338,3 +338,26 @@ def test_pickling_a_mapped_layer_is_refused_before_any_row_is_written(tmp_path):
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dump(fastembed.Embedding.from_npy(path), stream)
     assert stream.tell() < 4096
+
+
+def test_a_lookup_with_dtype_in_a_finalizer_at_interpreter_exit_works(tmp_path):
+    """A cast's first lookup imported a module, and read ``dtype.name`` (which numpy computes with an import), both
+    refused while the interpreter exits: a finalizer that looked up rows with ``dtype=`` then raised ImportError."""
+    from helpers import run_script
+
+    finished = run_script(tmp_path, """
+import numpy as np, fastembed
+from fastembed.tables import random_quantized_table
+table = np.arange(12, dtype=np.float32).reshape(4, 3)
+quantized = random_quantized_table("q8_0", 4, 32, 0)
+expected = fastembed.lookup(quantized, [1]).astype(np.float16).tobytes()
+
+class Holder:
+    def __del__(self):
+        print(fastembed.lookup(table, [1], dtype=np.float16).tolist(), fastembed.lookup(table, [2], dtype="float64").tolist())
+        print(fastembed.lookup(quantized, [1], dtype=np.float16).tobytes() == expected)
+
+keep = Holder()
+""")
+    assert finished.returncode == 0 and not finished.stderr, finished.stderr
+    assert finished.stdout.split("\n") == ["[[3.0, 4.0, 5.0]] [[6.0, 7.0, 8.0]]", "True", ""]
