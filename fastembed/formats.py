@@ -164,6 +164,8 @@ class BlockFormat:
         """Raise TypeError or ValueError for fields no layout can have (a block of no values, say)."""
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"a BlockFormat's name must be a non-empty string, got {self.name!r}")
+        if type(self.name) is not str:  # its characters as a plain str: a subclass's methods (lower, ==) could lie
+            object.__setattr__(self, "name", str.__str__(self.name))
         for field_name in ("block_values", "block_bytes"):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -239,6 +239,21 @@ def test_a_format_of_its_own_under_a_builtin_name_is_refused():
         fastembed.lookup(table, [0])
 
 
+def test_a_format_named_by_a_str_subclass_is_named_by_its_characters():
+    """A name equal to "q8_0" whose lower() said otherwise passed as a format of the caller's own, and the numba
+    backend, which goes by the name, read its rows as q8_0 blocks: wrong values, and reads past the table's end."""
+    from fastembed.formats import BlockFormat
+
+    class Name(str):
+        def lower(self):
+            return "mine"
+
+    fmt = BlockFormat(Name("q8_0"), 1, 1, None, lambda blocks: blocks.astype(np.float32))
+    assert type(fmt.name) is str and fmt.name == "q8_0"
+    with pytest.raises(ValueError, match="fastembed's own q8_0 layout"):
+        QuantizedTable(np.zeros((3, 64), np.uint8), fmt, 64)
+
+
 @pytest.mark.parametrize("path", [3, None, 2.5], ids=repr)
 def test_loaders_refuse_a_path_that_is_not_a_path(path):
     for opener in (fastembed.Embedding.from_gguf, fastembed.Embedding.from_npy, fastembed.Embedding.from_safetensors):
