@@ -885,7 +885,7 @@ def out_snapshot(out: Any, ids: Any, table: Any, caller_table: Any, caller_ids: 
     same_file_bytes = getattr(adapter, "same_file_bytes", None)
     # The snapshots' bytes: the caller's arrays may be reshaped or restrided meanwhile (their maps are the same).
     if same_file_bytes is not None and any(same_file_bytes(view, part) for part in (rows, scales) if part is not None):
-        raise ValueError("out maps bytes of the table's own file (another mapping of it, an np.memmap say): gathering into it would "
+        raise ValueError("out maps bytes of the table's own file (another np.memmap of it): gathering into it would "
                          "overwrite rows being read")
     if _out_overlaps_ids(adapter, view, out, caller_ids, ids):
         raise ValueError("out overlaps the ids: gathering into it would overwrite them")

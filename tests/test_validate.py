@@ -268,50 +268,6 @@ def test_the_file_check_reads_what_each_mapping_maps_from_the_kernel_not_from_th
     del out
 
 
-class _Lent:
-    """Memory another library lends: an object exporting an address (as ctypes, or another array library, may)."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.keep = array
-        self.__array_interface__ = dict(array.__array_interface__)
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs the kernel's list of mappings (Linux)")
-def test_an_out_lent_over_another_mapping_of_the_tables_file_is_refused(backend, tmp_path):
-    """No mmap object lay down such an out's bases, so it passed for memory of no file, and the gather wrote the
-    table's own rows; its address range is looked up in the kernel's list of mappings."""
-    from fastembed.formats import QuantizedTable
-    from fastembed.tables import random_quantized_table
-
-    path = tmp_path / "rows.bin"
-    table_rows = random_table(16, 4, "float32")
-    table_rows.tofile(path)
-    before = path.read_bytes()
-    table = np.memmap(path, np.float32, "r", shape=(16, 4))
-    shared = np.asarray(np.memmap(path, np.float32, "r+", shape=(16, 4)))
-    for out in (np.asarray(_Lent(shared[8:12])), np.asarray(_Lent(shared[7:12]))[1:],
-                np.asarray(_Lent(shared.reshape(-1)[30:46].reshape(4, 4)))):  # starts inside row 7
-        with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
-            fastembed.lookup(table, [7, 8, 9, 10], out=out, backend=backend)
-    assert path.read_bytes() == before
-    private = np.asarray(np.memmap(path, np.float32, "c", shape=(16, 4)))  # copy-on-write: never writes the file
-    expected = table_rows[[7, 8, 9, 10]]
-    assert_bit_equal(fastembed.lookup(table, [7, 8, 9, 10], out=np.asarray(_Lent(private[8:12])), backend=backend),
-                     expected)
-    anonymous = np.asarray(_Lent(np.zeros((4, 4), np.float32)))  # lent memory of no file
-    assert_bit_equal(fastembed.lookup(table, [7, 8, 9, 10], out=anonymous, backend=backend), expected)
-    assert path.read_bytes() == before
-    quantized = random_quantized_table("q8_0", 16, 64, 3)
-    quantized.data.tofile(path)
-    data = np.memmap(path, np.uint8, "r", shape=quantized.data.shape)
-    words = np.asarray(np.memmap(path, np.float32, "r+", shape=(data.nbytes // 4,)))
-    with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
-        fastembed.lookup(QuantizedTable(data, "q8_0", 64), [1, 5], out=np.asarray(_Lent(words[:128].reshape(2, 64))),
-                         backend=backend)
-    assert path.read_bytes() == quantized.data.tobytes()
-    del out, shared, private, words
-
-
 def test_without_the_kernels_list_of_mappings_the_file_check_reads_the_memmaps(backend, tmp_path, monkeypatch):
     """Where there is no /proc/self/maps, an np.memmap's offset, mode and file name tell what it maps."""
     from fastembed.arrays import numpy_adapter

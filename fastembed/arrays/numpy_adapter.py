@@ -48,18 +48,17 @@ class NumpyAdapter:
         kernel records for it (Linux: ``/proc/self/maps``), never the
         np.memmap's own attributes, which anyone may reassign: a file
         renamed, removed or replaced since it was mapped is still told
-        apart. Memory another library lent (:func:`.write_probe.lent`: an
-        ``__array_interface__``, a ctypes object, a DLPack capsule) may map a
-        file that no ``mmap`` object names: its address range is looked up in
-        that list. Elsewhere the np.memmap's ``offset``, ``mode`` and file name
+        apart. Elsewhere the np.memmap's ``offset``, ``mode`` and file name
         are trusted. False where either maps no file, or `first` is a
         copy-on-write mapping (its writes stay in the process). A
         copy-on-write `second` counts: it reads the file's own pages until
         it writes them, and a table is never written.
         """
-        spans_a, spans_b = _file_spans(first, writes=True), _file_spans(second, writes=False)
-        return any(file_a == file_b and start_a < stop_b and start_b < stop_a
-                   for file_a, start_a, stop_a in spans_a for file_b, start_b, stop_b in spans_b)
+        span_a, span_b = _file_span(first, writes=True), _file_span(second, writes=False)
+        if span_a is None or span_b is None:
+            return False
+        (file_a, start_a, stop_a), (file_b, start_b, stop_b) = span_a, span_b
+        return file_a == file_b and start_a < stop_b and start_b < stop_a
 
     def wrap(self, result: np.ndarray) -> np.ndarray:
         return result
@@ -74,23 +73,6 @@ class NumpyAdapter:
 
 
 ADAPTER = NumpyAdapter()
-
-
-def _file_spans(array: Any, writes: bool) -> list[tuple[tuple[int, int], int, int]]:
-    """The bytes of files `array`'s memory maps, as (file as (device, inode), first byte there, end): one span for
-    an array over an ``mmap`` object (:func:`_file_span`), one per file mapping its address range meets for memory
-    another library lent (the kernel's list of mappings), none for numpy's own memory or a buffer's. With `writes`,
-    only the mappings whose writes reach their file."""
-    if mapping_of(array) is not None or not write_probe.lent(array):
-        span = _file_span(array, writes)
-        return [] if span is None else [span]
-    if array.size == 0:
-        return []
-    reach = [stride * (size - 1) for stride, size in zip(array.strides, array.shape, strict=True)]
-    first = data_address(array) + sum(step for step in reach if step < 0)
-    end = data_address(array) + sum(step for step in reach if step > 0) + array.itemsize
-    return [(file, position, position + stop - start) for file, position, start, stop, shared
-            in _listed_mappings(first, end) if shared or not writes]
 
 
 def _file_span(array: Any, writes: bool) -> tuple[tuple[int, int], int, int] | None:
@@ -189,48 +171,30 @@ def _listed_mapping(address: int) -> tuple[tuple[int, int], int, bool] | None:
     None where the list places no file mapping there (anonymous memory);
     :data:`_UNLISTED` where there is no such list (``/proc/self/maps`` is Linux's).
     """
-    listing = _mapping_list()
-    if listing is None:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            listing = maps.read()
+    except OSError:
         return _UNLISTED
-    for file, position, _start, _stop, shared in _listed_mappings(address, address + 1, listing):
-        return file, position, shared
-    return None
-
-
-def _listed_mappings(first: int, end: int, listing: bytes | None = None) -> list[tuple[tuple[int, int], int, int, int, bool]]:
-    """The file mappings the kernel's list places on addresses [first, end), each as (file, position in it of the
-    first of those addresses it holds, that address, the end of its part, shared); none where there is no list."""
-    listing = _mapping_list() if listing is None else listing
-    found = []
     # One line per mapping, ended by a newline, which is the only byte the kernel escapes in a file's name:
     # start-end perms offset major:minor inode [name], the numbers in hexadecimal but the inode.
-    for line in (listing or b"").split(b"\n"):
+    for line in listing.split(b"\n"):
         fields = line.split(b" ", 5)
         if len(fields) < 5:
             continue
         try:
-            start, stop = (int(bound, 16) for bound in fields[0].split(b"-"))
-            if stop <= first or end <= start:
+            start, end = (int(bound, 16) for bound in fields[0].split(b"-"))
+            if not start <= address < end:
                 continue
             offset = int(fields[2], 16)
             major, minor = (int(number, 16) for number in fields[3].split(b":"))
             inode = int(fields[4])
         except ValueError:
             continue
-        if inode:
-            low = max(start, first)
-            found.append(((os.makedev(major, minor), inode), offset + low - start, low, min(stop, end),
-                          fields[1][3:4] == b"s"))
-    return found
-
-
-def _mapping_list() -> bytes | None:
-    """The kernel's list of this process's mappings (``/proc/self/maps``, Linux's), or None where there is none."""
-    try:
-        with open("/proc/self/maps", "rb") as maps:
-            return maps.read()
-    except OSError:
-        return None
+        if not inode:
+            return None
+        return (os.makedev(major, minor), inode), offset + address - start, fields[1][3:4] == b"s"
+    return None
 
 
 def _memmap_facts(array: Any) -> tuple[tuple[int, int], int, bool] | None:
