@@ -211,7 +211,7 @@ class _FakeRanks:
         return self.Context()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_another_thread_takes_while_the_ranks_start_waits_until_each_is_recorded_and_ended(signum):
     """A Ctrl-C that a thread of torch's took was raised on the main thread inside a rank's start, after its process
     existed and before it was recorded: nothing ended it, and it printed a traceback failing to read its arguments."""
