@@ -218,6 +218,24 @@ def test_config_confirms_the_shape(tmp_path):
         io.open_table(tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["pipe", "device", "loop", "dangling", "directory"])
+def test_a_config_json_that_is_no_regular_file_is_reported_not_skipped(tmp_path, kind):
+    """A config.json that was a pipe, a link to a device, a loop of links, a link to nothing or a directory counted
+    as no config.json: the table loaded without the shape check the config gives, and nothing said so."""
+    import os
+
+    tensors, _, config = FAMILIES["llama"]
+    write_checkpoint(tmp_path, tensors, None, shards=1)
+    path = tmp_path / "config.json"
+    make = {"pipe": lambda: os.mkfifo(path), "device": lambda: path.symlink_to("/dev/zero"),
+            "loop": lambda: path.symlink_to(path), "dangling": lambda: path.symlink_to(tmp_path / "missing.json"),
+            "directory": path.mkdir}
+    make[kind]()
+    refused = FileNotFoundError if kind == "dangling" else ValueError
+    with pytest.raises(refused, match="config.json"):
+        fastembed.Embedding.from_pretrained(tmp_path)
+
+
 def test_config_chooses_among_equal_names(tmp_path):
     """An encoder-decoder without a shared embedding: config.json's shape picks the right one."""
     tensors = {"encoder.embed_tokens.weight": _t(VOCAB, DIM, 4), "decoder.embed_tokens.weight": _t(VOCAB + 8, DIM, 5)}

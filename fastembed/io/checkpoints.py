@@ -194,7 +194,9 @@ def read_config_shape(directory: str | os.PathLike) -> tuple[int | None, int | N
         None where the directory has no config.json.
 
     Raises:
-        ValueError: config.json exists but is not a readable JSON object.
+        ValueError: config.json exists but is not a regular file holding a JSON object (a pipe, a device, a
+            directory, a loop of symbolic links).
+        FileNotFoundError: config.json is a symbolic link that leads nowhere.
 
     Example:
         >>> import json, os, shutil, tempfile
@@ -207,7 +209,7 @@ def read_config_shape(directory: str | os.PathLike) -> tuple[int | None, int | N
         >>> shutil.rmtree(folder)
     """
     path = Path(directory) / "config.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     config = _read_json(path, "config.json", MAX_CONFIG_BYTES)
     for level in (config, config.get("text_config")):
