@@ -173,6 +173,7 @@ def _quantized_snapshot(table: QuantizedTable) -> QuantizedTable:
         # The common case, kept cheap: numpy arrays whose views pass every check of check_quantized.
         rows = numpy_adapter.ADAPTER.snapshot(data)
         row_scales = None if scales is None else numpy_adapter.ADAPTER.snapshot(scales)
+        # The row width as fmt.row_bytes(dim) gives it, without that method's check of an int, a 2 us ABC test here.
         if (rows.dtype == _UINT8 and rows.ndim == 2 and rows.flags.c_contiguous and dim > 0
                 and dim % fmt.block_values == 0 and rows.shape[1] == dim // fmt.block_values * fmt.block_bytes
                 and (row_scales is None if not fmt.row_scale else (
