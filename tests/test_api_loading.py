@@ -127,6 +127,12 @@ def test_every_loader_takes_any_os_pathlike(tmp_path, suffix, opener):
     assert_bit_equal(getattr(fastembed.Embedding, opener)(_PathLike(path))([3, 11]), table[[3, 11]])
 
 
+@pytest.mark.parametrize("opener", ["from_npy", "from_safetensors", "from_gguf", "from_pretrained"])
+def test_every_loader_names_a_path_holding_a_nul(tmp_path, opener):
+    with pytest.raises(ValueError, match=r"the path '.*table\\x00.npy' holds a NUL character"):
+        getattr(fastembed.Embedding, opener)(str(tmp_path / "table\0.npy"))
+
+
 def test_from_pretrained_takes_a_bytes_path(tmp_path):
     table = random_table(12, 32, "float32")
     np.save(tmp_path / "table.npy", table)

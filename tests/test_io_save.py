@@ -528,6 +528,21 @@ def test_save_takes_bytes_paths_as_the_loaders_do(tmp_path):
     assert np.array_equal(fastembed.Embedding.from_pretrained(path)(np.arange(4)), table)
 
 
+def test_a_path_that_is_no_path_or_holds_a_nul_is_named_and_nothing_is_written(tmp_path):
+    with pytest.raises(TypeError, match=r"save_table: the path must be a str, bytes or os.PathLike, got builtins.int"):
+        fastembed.Embedding(rows()).save(3)  # an int would be a file descriptor
+    with pytest.raises(ValueError, match=r"the path '.*a\\x00.gguf' holds a NUL character"):
+        io.save_table(str(tmp_path / "a\0.gguf"), rows())
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("file_name", [".gguf", ".SAFETENSORS"])
+def test_a_file_named_by_its_suffix_alone_is_written_in_that_format(tmp_path, file_name):
+    io.save_table(tmp_path / file_name, rows())
+    assert os.listdir(tmp_path) == [file_name]
+    assert np.array_equal(fastembed.Embedding.from_pretrained(tmp_path / file_name)(np.arange(4)), rows()[:4])
+
+
 def test_a_link_to_a_directory_is_refused_before_anything_is_written(tmp_path):
     (tmp_path / "folder.gguf").mkdir()
     link = tmp_path / "model.gguf"

@@ -182,16 +182,33 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
 
     Raises:
         TypeError: `path` is not a str or os.PathLike (an int would be taken as a file descriptor).
+        ValueError: `path` holds a NUL character.
         FileNotFoundError: nothing exists at `path` (or a symbolic link there leads nowhere).
         ValueError: `path` is a directory, not a regular file, or a loop of symbolic links.
     """
     return _status(path, opener).st_size
 
 
+def path_text(path: Any, opener: str, *, kinds: tuple[type, ...] = (str, os.PathLike)) -> str:
+    """`path` as text, after the checks every opener and writer of a file makes first.
+
+    Raises:
+        TypeError: `path` is none of `kinds` (an int would be taken as a file descriptor).
+        ValueError: `path` holds a NUL character, which no file name can.
+    """
+    if not isinstance(path, kinds):
+        names = [("os.PathLike" if kind is os.PathLike else kind.__name__) for kind in kinds]
+        names = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+        raise TypeError(f"{opener}: the path must be a {names}, got {type(path).__module__}.{type(path).__qualname__}")
+    text = os.fsdecode(path)
+    if "\0" in text:
+        raise ValueError(f"{opener}: the path {text!r} holds a NUL character, which no file name can")
+    return text
+
+
 def _status(path: str | os.PathLike, opener: str) -> os.stat_result:
     """:func:`check_file`'s checks; the file's status."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{opener}: the path must be a str or os.PathLike, got {type(path).__module__}.{type(path).__qualname__}")
+    path_text(path, opener)
     try:
         status = os.stat(path)
     except FileNotFoundError:

@@ -28,6 +28,7 @@ from ._files import (
     convert_pickle,
     describe,
     looks_like_safetensors,
+    path_text,
     read_head,
     shorten,
 )
@@ -298,8 +299,10 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
             opens; for PyTorch pickles, how to convert them); a checkpoint sharded as
             PyTorch pickles (how to convert the shard holding the table); an unreadable
             index or config; a shard named outside the directory, or that is a directory or the index itself; no such
-            tensor; no, or several equal, token-embedding candidates (listed); any error of the file loaders.
-        TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string.
+            tensor; no, or several equal, token-embedding candidates (listed); any error of the file loaders; a
+            `source` holding a NUL character.
+        TypeError: BF16/F8 need ml_dtypes and it is missing; `name` is not a string; `source` is no str, bytes or
+            os.PathLike.
 
     Example:
         >>> import numpy as np, os, shutil, tempfile
@@ -313,7 +316,7 @@ def open_table(source: str | os.PathLike, name: str | None = None) -> np.memmap 
         >>> shutil.rmtree(folder)
     """
     check_tensor_name(source, name)
-    text = os.fsdecode(os.fspath(source))  # a str, bytes or os.PathLike (whose __fspath__ may give bytes)
+    text = path_text(source, "fastembed.io.open_table", kinds=(str, bytes, os.PathLike))  # __fspath__ may give bytes
     # Checked as given: Path("") is ".", and Path drops a trailing "/" or "/." that a file's name cannot carry.
     try:
         os.lstat(text)  # a link that leads nowhere or loops is named as such by check_file below

@@ -35,7 +35,6 @@ import secrets
 import stat
 import struct
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,7 +42,7 @@ import numpy as np
 from .. import validate
 from ..arrays import adapter_of
 from ..formats import FORMATS, QuantizedTable, is_fastembeds_own
-from ._files import check_tensor_name
+from ._files import check_tensor_name, path_text
 from .gguf import ALIGNMENT_KEY, DEFAULT_ALIGNMENT, DENSE_TYPES, GGML_NAME_BYTES, MAGIC, TOKEN_EMBEDDING, UINT32_TYPE
 from .safetensors import DIM_KEY, FORMAT_KEY, METADATA_KEY, SAFETENSORS_DTYPES, SCALES_SUFFIX, TENSOR_KEY
 
@@ -76,7 +75,7 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             :func:`~fastembed.io.map_gguf` opens by default) and ``weight`` in safetensors.
 
     Raises:
-        ValueError: another suffix; an empty or non-2-D table; a dtype or format the
+        ValueError: another suffix; a `path` holding a NUL character; an empty or non-2-D table; a dtype or format the
             chosen file cannot hold (GGUF: float32/float16/bfloat16 and the formats with
             a GGUF type; fp8_e4m3 goes to .safetensors; safetensors: the dtypes
             :data:`~fastembed.io.safetensors.SAFETENSORS_DTYPES` names, which the loaders read back;
@@ -88,7 +87,7 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
             a `name` that is not valid Unicode text (a lone surrogate): nothing is written then.
         TypeError: a table that is no array (a list, None), or not on the host, or whose dtype numpy
             cannot hold (torch's float8 dtypes other than float8_e4m3fn and float8_e5m2); a `name` that
-            is not a string.
+            is not a string; a `path` that is no str, bytes or os.PathLike.
         IsADirectoryError: `path` is a directory, a symbolic link to one, or ends in a separator; nothing is
             written.
         OSError: `path`'s name is too long, its folder cannot be reached (missing, a file used as a folder,
@@ -105,9 +104,10 @@ def save_table(path: str | os.PathLike, table: Any, name: str | None = None) -> 
         (4, 8)
         >>> shutil.rmtree(folder)
     """
-    path = os.fsdecode(path)  # bytes and PathLike objects returning bytes, as the loaders take them
+    path = path_text(path, "fastembed.io.save_table", kinds=(str, bytes, os.PathLike))
     check_tensor_name(path, name)
-    suffix = Path(path).suffix.lower()
+    base = os.path.basename(path)
+    suffix = base[base.rfind("."):].lower() if "." in base else ""  # a file named ".gguf" too, as pathlib would not
     if suffix not in (".gguf", ".safetensors"):
         if path and not os.path.basename(path):  # a directory is refused as one, whatever its name
             raise IsADirectoryError(errno.EISDIR, "a path ending in a separator names a directory, not a file to write",
