@@ -197,10 +197,10 @@ def path_text(path: Any, opener: str, *, kinds: tuple[type, ...] = (str, os.Path
         ValueError: `path` holds a NUL character, which no file name can.
     """
     if not isinstance(path, kinds):
-        names = [("os.PathLike" if kind is os.PathLike else kind.__name__) for kind in kinds]
-        names = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+        words = [("os.PathLike" if kind is os.PathLike else kind.__name__) for kind in kinds]
+        names = ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
         raise TypeError(f"{opener}: the path must be a {names}, got {type(path).__module__}.{type(path).__qualname__}")
-    text = os.fsdecode(path)
+    text = os.fsdecode(path)  # type: ignore[arg-type]  # one of `kinds`, each of which fsdecode takes
     if "\0" in text:
         raise ValueError(f"{opener}: the path {text!r} holds a NUL character, which no file name can")
     return text
