@@ -98,7 +98,8 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
         if isinstance(table, _NDARRAY):  # a numpy table's result is a plain numpy array, an np.memmap's too
             # The default argument (and any literal "auto") is this very object; an equal string takes select().
             if backend is _AUTO:
-                small = dispatch.ndarray_small_gather  # (generation, below_bytes, gather_new, calling_thread_below_bytes)
+                # (generation, below_bytes, gather_new, calling_thread_below_bytes, gather_into)
+                small = dispatch.ndarray_small_gather
                 if small[0] != dispatch.generation:
                     small = dispatch.small_gather_for_ndarray(table_view)
                 if ids_view.size * table_view.strides[0] < small[1]:
@@ -106,6 +107,13 @@ def lookup(table: Any, ids: Any, *, out: Any = None, dtype: Any = None, backend:
             return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
         return _wrapped_lookup(table_view, ids_view, backend, table)
     out_view = validate.out_snapshot(out, ids_view, table_view, table, ids)
+    if backend is _AUTO:  # a decode step into the caller's buffer: the backend's small gather, as above
+        small = dispatch.ndarray_small_gather
+        if small[0] != dispatch.generation:
+            small = dispatch.small_gather_for_ndarray(table_view)
+        if ids_view.size * table_view.strides[0] < small[1]:
+            small[4](table_view, ids_view, out_view)
+            return out if type(out) is _NDARRAY else mark_written(out)
     dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
     return out if type(out) is _NDARRAY else mark_written(out)
 
@@ -259,6 +267,13 @@ class Embedding:
                 return dispatch.select(table_view, backend).gather(table_view, ids_view, None)
             return _wrapped_lookup(table_view, ids_view, backend, self._table)
         out_view = validate.out_snapshot(out, ids_view, table_view, self._table, ids)
+        if backend is _AUTO:
+            small = dispatch.ndarray_small_gather
+            if small[0] != dispatch.generation:
+                small = dispatch.small_gather_for_ndarray(table_view)
+            if ids_view.size * self._row_stride < small[1]:
+                small[4](table_view, ids_view, out_view)
+                return out if type(out) is _NDARRAY else mark_written(out)
         dispatch.select(table_view, backend).gather(table_view, ids_view, out_view)
         return out if type(out) is _NDARRAY else mark_written(out)
 

@@ -147,8 +147,9 @@ _environment_choice = AUTO
 #: Changes whenever an answer of :func:`select` may change (FASTEMBED_BACKEND re-read, :func:`refresh`).
 generation = 0
 #: :func:`small_gather_for_ndarray`'s last answer: (the :data:`generation` it holds for, below_bytes, gather_new,
-#: calling_thread_below_bytes).
-ndarray_small_gather: tuple[int, int, Callable[[Any, Any], Any], int] = (-1, 0, lambda table, ids: None, 0)
+#: calling_thread_below_bytes, gather_into).
+ndarray_small_gather: tuple[int, int, Callable[[Any, Any], Any], int, Callable[[Any, Any, Any], Any]] = (
+    -1, 0, lambda table, ids: None, 0, lambda table, ids, out: None)
 #: The backend chosen per (requested backend, FASTEMBED_BACKEND, table type), or per (requested backend,
 #: FASTEMBED_BACKEND, data type, format) for a QuantizedTable.
 _selected: dict[tuple[Any, ...], Backend] = {}
@@ -215,21 +216,21 @@ def _forget_choices() -> None:
 base.on_availability_change(_forget_choices)
 
 
-def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any], Any], int]:
-    """The small allocating gather of the backend ``"auto"`` picks for a plain numpy table (`table`: a snapshot).
+def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any], Any], int, Callable[[Any, Any, Any], Any]]:
+    """The small gathers of the backend ``"auto"`` picks for a table whose snapshot is a numpy array (`table`).
 
     The lookup API keeps calling the answer, :data:`ndarray_small_gather`,
     directly for outputs below its size while :data:`generation` is the one it
-    holds for: every plain numpy table gets the same backend, and a decode
+    holds for: every numpy snapshot gets the same backend, and a decode
     step then skips the dispatch and backend layers (each costs microseconds
     with cold caches). The answer is read once per generation: a backend's
     size that changes meanwhile (``numba_backend.SERIAL_MIN_BYTES`` set at
     run time) reaches the API with the next generation. For a backend that is
-    no :class:`~fastembed.backends.base.SmallGatherBackend`, the small gather
-    is its ``gather`` itself, at every size.
+    no :class:`~fastembed.backends.base.SmallGatherBackend`, the small gathers
+    are its ``gather`` itself, at every size.
 
     Returns:
-        ``(generation, below_bytes, gather_new, calling_thread_below_bytes)``
+        ``(generation, below_bytes, gather_new, calling_thread_below_bytes, gather_into)``
         (:class:`~fastembed.backends.base.SmallGather`).
 
     Raises:
@@ -243,8 +244,10 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     if isinstance(chosen, base.SmallGatherBackend):
         small = chosen.small_gather()
     else:
-        small = base.SmallGather(sys.maxsize, lambda table, ids: chosen.gather(table, ids, None), sys.maxsize)
-    ndarray_small_gather = (seen, small.below_bytes, small.gather_new, small.calling_thread_below_bytes)
+        small = base.SmallGather(sys.maxsize, lambda table, ids: chosen.gather(table, ids, None), sys.maxsize,
+                                 chosen.gather)
+    ndarray_small_gather = (seen, small.below_bytes, small.gather_new, small.calling_thread_below_bytes,
+                            small.gather_into)
     return ndarray_small_gather
 
 

@@ -126,13 +126,14 @@ def test_a_backend_without_small_gather_serves_small_lookups_through_gather():
 
 
 @pytest.mark.parametrize("name", ["numba", "numpy"])
-def test_a_host_backends_small_gather_is_its_gather_below_its_size(name):
-    """SmallGather's contract: below_bytes of output, gather_new(table, ids) is gather(table, ids, None), bit for bit."""
+def test_a_host_backends_small_gathers_are_its_gather_below_its_size(name):
+    """SmallGather's contract: below_bytes of output, gather_new(table, ids) is gather(table, ids, None) and
+    gather_into(table, ids, out) is gather(table, ids, out), bit for bit, and out is left as it was on a bad id."""
     backend = dispatch.BACKENDS[name]
     if backend.unavailable_reasons():
         pytest.skip(f"{name} is not available here")
     assert isinstance(backend, base.SmallGatherBackend)
-    below, gather_new, calling_thread_below = backend.small_gather()
+    below, gather_new, calling_thread_below, gather_into = backend.small_gather()
     assert calling_thread_below >= below
     table = random_table(3000, 1000, "float16")
     rows = min(below // table.strides[0], 2000) if below < 2**40 else 2000
@@ -141,8 +142,18 @@ def test_a_host_backends_small_gather_is_its_gather_below_its_size(name):
         assert snapshot.size * table.strides[0] < below
         assert_bit_equal(gather_new(table, snapshot), backend.gather(table, snapshot, None))
         assert_bit_equal(gather_new(table, snapshot), table[ids])
+        out, out_by_gather = (np.full(ids.shape + (1000,), np.nan, table.dtype) for _ in range(2))
+        assert gather_into(table, snapshot, out) is out
+        backend.gather(table, snapshot, out_by_gather)
+        assert_bit_equal(out, out_by_gather)
+        assert_bit_equal(out, table[ids])
     with pytest.raises(IndexError, match="id -1 at position 0"):
         gather_new(table, np.array([-1, 4]))
+    for bad in ([-1, 4], [4, 3000]):
+        out = np.full((2, 1000), np.nan, table.dtype)
+        with pytest.raises(IndexError, match=f"id {bad[0] if bad[0] < 0 else bad[1]} at position {0 if bad[0] < 0 else 1}"):
+            gather_into(table, np.array(bad), out)
+        assert np.isnan(out).all()
 
 
 def test_lookups_on_other_threads_never_fail_while_backends_are_registered_and_removed():

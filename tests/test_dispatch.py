@@ -162,20 +162,23 @@ def test_remembered_choices_follow_the_request_and_refresh(declare_unavailable):
 
 
 def _record_serving(monkeypatch, served):
-    """Make every backend append (its name, "gather" or "small") to `served` when it serves a lookup."""
+    """Make every backend append (its name, "gather", "small" or "small into") to `served` when it serves a lookup."""
     for backend in (numpy_backend.BACKEND, numba_backend.BACKEND, cuda_backend.BACKEND):
         original = backend.gather
         monkeypatch.setattr(backend, "gather", lambda *a, name=backend.name, gather=original: (
             served.append((name, "gather")), gather(*a))[1])
         if hasattr(backend, "small_gather"):
-            below, gather_new, calling_thread_below = backend.small_gather()
-            def recording(*arguments, name=backend.name, gather=gather_new):
-                served.append((name, "small"))
+            below, gather_new, calling_thread_below, gather_into = backend.small_gather()
+            def recording(*arguments, name=backend.name, gather=gather_new, kind="small"):
+                served.append((name, kind))
                 return gather(*arguments)
 
+            def recording_into(*arguments, name=backend.name, gather=gather_into):
+                return recording(*arguments, name=name, gather=gather, kind="small into")
+
             monkeypatch.setattr(backend, "small_gather", lambda below=below, recording=recording,
-                                calling_thread_below=calling_thread_below: base.SmallGather(
-                below, recording, calling_thread_below))
+                                recording_into=recording_into, calling_thread_below=calling_thread_below:
+                                base.SmallGather(below, recording, calling_thread_below, recording_into))
     dispatch.refresh()  # the API's remembered small gather is made again, from the recording backends
 
 
@@ -207,13 +210,16 @@ def test_lookups_follow_the_environment_and_refresh(environment, monkeypatch):
     served.clear()
     assert_bit_equal(emb([4], out=np.empty((1, 4), table.dtype)), table[[4]])
     assert_bit_equal(fastembed.lookup(table, [4], out=np.empty((1, 4), table.dtype)), table[[4]])
-    assert served == [("numpy", "gather")] * 2
+    assert served == [("numpy", "small into")] * 2
+    served.clear()
+    assert_bit_equal(emb([4], out=np.empty((1, 4), table.dtype), backend="numpy"), table[[4]])
+    assert served == [("numpy", "gather")]
 
 
 @pytest.mark.skipif(not NUMBA_AVAILABLE, reason="needs numba: its small gather stops at SERIAL_MIN_BYTES")
-def test_small_allocating_lookups_call_the_backends_small_gather_and_larger_ones_its_gather(monkeypatch):
-    """Below the backend's size the API calls its small gather directly; from it on, and with any other request,
-    the backend's gather; the rows are the same either way."""
+def test_small_lookups_call_the_backends_small_gathers_and_larger_ones_its_gather(monkeypatch):
+    """Below the backend's size the API calls its small gathers directly (allocating, or into an out); from it on,
+    and with any other request, the backend's gather; the rows are the same either way."""
     served = []
     _record_serving(monkeypatch, served)
     table = random_table(600, 1024)  # 2 KiB rows
@@ -226,6 +232,13 @@ def test_small_allocating_lookups_call_the_backends_small_gather_and_larger_ones
         assert_bit_equal(call(ids[: rows - 1]), table[ids[: rows - 1]])
         assert_bit_equal(call(ids), table[ids])
         assert served == [("numba", "small"), ("numba", "gather")]
+    for call in (lambda i, out: emb(i, out), lambda i, out: fastembed.lookup(table, i, out=out)):
+        served.clear()
+        for n in (rows - 1, rows):
+            out = np.full((n, 1024), np.nan, table.dtype)
+            assert call(ids[:n], out) is out
+            assert_bit_equal(out, table[ids[:n]])
+        assert served == [("numba", "small into"), ("numba", "gather")]
     served.clear()
     backend_auto = "".join(["au", "to"])  # equal to "auto" but another object: the general path
     assert_bit_equal(emb(ids[:3], backend=backend_auto), table[ids[:3]])

@@ -139,10 +139,11 @@ def availability_changed() -> None:
 
 
 class SmallGather(NamedTuple):
-    """A backend's own allocating gather of small outputs, which callers may call without dispatch.
+    """A backend's own gathers of small outputs, which callers may call without dispatch.
 
-    ``gather_new(table, ids)`` does exactly what the backend's
-    ``gather(table, ids, None)`` does for a plain numpy table whose output
+    ``gather_new(table, ids)`` and ``gather_into(table, ids, out)`` do
+    exactly what the backend's ``gather(table, ids, None)`` and
+    ``gather(table, ids, out)`` do for a numpy table snapshot whose output
     (``ids.size`` times the table's row stride) is smaller than
     ``below_bytes``: same snapshots, same contract.
     ``calling_thread_below_bytes`` (at least ``below_bytes``): outputs
@@ -153,6 +154,7 @@ class SmallGather(NamedTuple):
     below_bytes: int
     gather_new: Callable[[Any, Any], Any]
     calling_thread_below_bytes: int
+    gather_into: Callable[[Any, Any, Any], Any]
 
 
 @runtime_checkable
@@ -165,7 +167,7 @@ class SmallGatherBackend(Backend, Protocol):
     """
 
     def small_gather(self) -> SmallGather:
-        """The gather of small allocating lookups, and below which output size it is the backend's whole gather."""
+        """The gathers of small lookups, and below which output size they are the backend's whole gather."""
         ...
 
 

@@ -296,10 +296,10 @@ class NumbaBackend:
         return out
 
     def small_gather(self) -> SmallGather:
-        """Allocating outputs below ``SERIAL_MIN_BYTES`` are numpy's take on the calling thread (:meth:`gather`);
+        """Outputs below ``SERIAL_MIN_BYTES`` are numpy's take on the calling thread (:meth:`gather`);
         everything below ``PARALLEL_MIN_BYTES`` is gathered on that thread (by the serial kernel between the two,
         or by take for rows narrower than ``TOUCHED_ROW_MIN_BYTES``)."""
-        return SmallGather(SERIAL_MIN_BYTES, take_new, PARALLEL_MIN_BYTES)
+        return SmallGather(SERIAL_MIN_BYTES, take_new, PARALLEL_MIN_BYTES, take_into)
 
     def _compile(self, signature: tuple, compile_now: Callable[[_Compiles], None]) -> bool:
         """Make the kernels of `signature` ready (importing numba first if needed); True when they are ready now.

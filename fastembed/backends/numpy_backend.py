@@ -51,8 +51,8 @@ class NumpyBackend:
         return take_new(table, ids) if out is None else take_into(table, ids, out)
 
     def small_gather(self) -> SmallGather:
-        """Every allocating gather is :func:`take_new`."""
-        return SmallGather(sys.maxsize, take_new, sys.maxsize)
+        """Every gather is :func:`take_new` or :func:`take_into`."""
+        return SmallGather(sys.maxsize, take_new, sys.maxsize, take_into)
 
     def dequantize(self, table: QuantizedTable, ids: np.ndarray, out: np.ndarray | None, dtype: np.dtype) -> np.ndarray:
         if out is None:
