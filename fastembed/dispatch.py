@@ -244,10 +244,9 @@ def small_gather_for_ndarray(table: Any) -> tuple[int, int, Callable[[Any, Any],
     if isinstance(chosen, base.SmallGatherBackend):
         small = chosen.small_gather()
     else:
-        small = base.SmallGather(sys.maxsize, lambda table, ids: chosen.gather(table, ids, None), sys.maxsize,
-                                 chosen.gather)
+        small = base.SmallGather(sys.maxsize, lambda table, ids: chosen.gather(table, ids, None), sys.maxsize)
     ndarray_small_gather = (seen, small.below_bytes, small.gather_new, small.calling_thread_below_bytes,
-                            small.gather_into)
+                            chosen.gather if small.gather_into is None else small.gather_into)
     return ndarray_small_gather
 
 

@@ -1,6 +1,7 @@
 """The typed backend interface: a backend is one object that declares what it serves; adding one is one registration."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -105,6 +106,30 @@ def test_registration_refuses_duplicates_and_non_backends(rowloop):
     named_auto.name = "auto"
     with pytest.raises(ValueError, match="'auto' names the automatic choice"):
         dispatch.register_backend(named_auto)
+
+
+def test_a_backend_whose_small_gather_names_no_gather_into_serves_outs_through_gather():
+    """A SmallGather of three fields, as backends built it before gather_into: its gather serves lookups into an out."""
+
+    class ThreeFields(RowLoopBackend):
+        name = "threefields"
+
+        def small_gather(self) -> base.SmallGather:
+            return base.SmallGather(sys.maxsize, lambda table, ids: self.gather(table, ids, None), sys.maxsize)
+
+    backend = ThreeFields()
+    dispatch.register_backend(backend, before=next(iter(dispatch.BACKENDS)))  # first: auto picks it
+    try:
+        table = random_table(50, 7)
+        out = np.full((2, 7), np.nan, table.dtype)
+        assert fastembed.lookup(table, [4, 5], out=out) is out
+        assert_bit_equal(out, table[[4, 5]])
+        assert_bit_equal(fastembed.Embedding(table)([6], np.empty((1, 7), table.dtype)), table[[6]])
+        assert_bit_equal(fastembed.lookup(table, [3]), table[[3]])
+        assert backend.calls == 3
+    finally:
+        dispatch.unregister_backend(backend.name)
+        dispatch.refresh()
 
 
 def test_a_backend_without_small_gather_serves_small_lookups_through_gather():

@@ -148,13 +148,15 @@ class SmallGather(NamedTuple):
     ``below_bytes``: same snapshots, same contract.
     ``calling_thread_below_bytes`` (at least ``below_bytes``): outputs
     smaller than it are gathered on the calling thread alone, by
-    ``gather_new`` or by the backend's own serial code.
+    ``gather_new`` or by the backend's own serial code. ``gather_into``
+    None (as a backend that predates it builds this): the backend's
+    ``gather`` serves outputs into an ``out``.
     """
 
     below_bytes: int
     gather_new: Callable[[Any, Any], Any]
     calling_thread_below_bytes: int
-    gather_into: Callable[[Any, Any, Any], Any]
+    gather_into: Callable[[Any, Any, Any], Any] | None = None
 
 
 @runtime_checkable
