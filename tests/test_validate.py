@@ -145,7 +145,11 @@ def test_out_mapping_the_tables_own_file_is_refused_and_the_file_untouched(backe
     overlapping = [np.memmap(path, np.float32, "r+", offset=16, shape=(3, 4)),  # file rows 1-3
                    np.memmap(path, np.float32, "r+", shape=(10, 4))[7:10],  # a view of another mapping: rows 7-9
                    np.memmap(path, np.float32, "r+", offset=6 * 16 + 12, shape=(3, 4)),  # starts inside row 6
-                   np.memmap(path, np.float32, "r+", offset=16, shape=(3, 4)).view(np.ndarray)]  # a plain view
+                   np.memmap(path, np.float32, "r+", offset=16, shape=(3, 4)).view(np.ndarray),  # a plain view
+                   # numpy's stride tricks put a holder of their own between a view and the np.memmap
+                   np.lib.stride_tricks.as_strided(np.memmap(path, np.float32, "r+", offset=16, shape=(3, 4))),
+                   np.lib.stride_tricks.sliding_window_view(np.memmap(path, np.float32, "r+", offset=16, shape=(12,)),
+                                                            4, writeable=True)[::4]]
     for out in overlapping:
         with pytest.raises(ValueError, match="out maps bytes of the table's own file"):
             fastembed.lookup(table, [0, 1, 2], out=out, backend=backend)

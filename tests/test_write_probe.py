@@ -21,7 +21,15 @@ def test_lent_memory_is_told_apart_from_numpys_own_and_buffers():
     assert not write_probe.lent(np.frombuffer(bytearray(8), np.uint8))
     assert not write_probe.lent(np.frombuffer(mmap.mmap(-1, mmap.PAGESIZE), np.uint8))
     assert write_probe.lent(np.ctypeslib.as_array((ctypes.c_float * 8)()))  # through a memoryview of ctypes memory
-    assert write_probe.lent(np.lib.stride_tricks.as_strided(owned, (4,), (16,)))  # a stand-in object as its base
+    # numpy's stride tricks put a holder of their own between the view and the array: followed to that array's memory
+    assert not write_probe.lent(np.lib.stride_tricks.as_strided(owned, (4,), (16,)))
+    assert write_probe.lent(np.lib.stride_tricks.as_strided(np.ctypeslib.as_array((ctypes.c_float * 8)()), (4,), (8,)))
+
+    class Interface:  # another library's object exporting its memory, as the stride tricks' holder does
+        def __init__(self, array):
+            self.__array_interface__, self.base = array.__array_interface__, array
+
+    assert write_probe.lent(np.asarray(Interface(owned)))
 
 
 def test_the_ends_of_a_pipe_need_not_share_an_inode(monkeypatch):

@@ -116,17 +116,14 @@ def data_address(array: np.ndarray) -> int:
 def mapping_of(array: Any) -> mmap.mmap | None:
     """The ``mmap`` object whose memory `array` lies in: the first down its chain of bases, or None.
 
-    The chain runs through arrays' bases and memoryviews' objects (np.frombuffer's), neither of
-    which can be reassigned, so neither can the answer while `array` lives.
+    The chain runs through arrays' bases, memoryviews' objects (np.frombuffer's) and the bases of
+    numpy's stride tricks (:func:`~fastembed.arrays.write_probe.base_of`), each read once.
     """
     for _ in range(64):  # base chains are short; a cycle cannot be made, but nothing is trusted blindly
         if isinstance(array, mmap.mmap):
             return array
-        if isinstance(array, memoryview):
-            array = array.obj
-        elif isinstance(array, np.ndarray):
-            array = array.base
-        else:
+        array = write_probe.base_of(array)
+        if array is None:
             return None
     return None
 
@@ -215,12 +212,13 @@ def _memmap_facts(array: Any) -> tuple[tuple[int, int], int, bool] | None:
 
 
 def memmap_of(array: Any) -> np.memmap | None:
-    """The np.memmap whose mapping `array`'s memory lies in: itself, or the first one down its base chain."""
+    """The np.memmap whose mapping `array`'s memory lies in: itself, or the first one down its base chain
+    (:func:`~fastembed.arrays.write_probe.base_of`)."""
     for _ in range(64):  # base chains are short; a cycle cannot be made, but nothing is trusted blindly
         if isinstance(array, np.memmap):
             mapping = getattr(array, "_mmap", None)
             return array if isinstance(mapping, mmap.mmap) else None
-        if not isinstance(array, np.ndarray):
+        array = write_probe.base_of(array)
+        if array is None:
             return None
-        array = array.base
     return None

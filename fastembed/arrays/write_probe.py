@@ -20,23 +20,40 @@ import threading
 
 import numpy as np
 
+#: The base numpy's stride tricks (as_strided, sliding_window_view) give their views: it holds the memory's
+#: array interface and, as its ``base``, the array whose memory it is.
+_STRIDE_TRICKS_BASE = type(np.lib.stride_tricks.as_strided(np.empty(1)).base)
+#: How far a chain of bases is followed: real ones are short, and nothing is trusted blindly.
+_MOST_BASES = 64
+
+
+def base_of(holder: object) -> object | None:
+    """The next object down the chain that `holder`'s memory belongs to: an array's base, a memoryview's object,
+    the array behind numpy's stride tricks; None where the chain ends (an array owning its memory, another object)."""
+    if isinstance(holder, np.ndarray):
+        return holder.base
+    if isinstance(holder, memoryview):
+        return holder.obj  # a memoryview of a ctypes array (np.ctypeslib.as_array) is the ctypes memory's
+    if type(holder) is _STRIDE_TRICKS_BASE:
+        return getattr(holder, "base", None)
+    return None
+
 
 def lent(array: np.ndarray) -> bool:
     """Whether `array`'s memory comes from another library's object, whose read-only flag numpy cannot see.
 
     numpy's own memory, a memory map's and a buffer's (whose read-only flag
     numpy takes over) are not lent; a torch tensor's, a DLPack capsule's or a
-    ctypes object's are.
+    ctypes object's are, and so is memory at the end of a chain too long to follow.
     """
-    base: object = array
-    while isinstance(base, (np.ndarray, memoryview)):
-        if isinstance(base, memoryview):
-            base = base.obj  # a memoryview of a ctypes array (np.ctypeslib.as_array) is the ctypes memory's
-            continue
-        if base.base is None:
+    holder: object = array
+    for _ in range(_MOST_BASES):
+        if isinstance(holder, np.ndarray) and holder.base is None:
             return False
-        base = base.base
-    return not isinstance(base, (mmap.mmap, bytes, bytearray))
+        if not isinstance(holder, (np.ndarray, memoryview, _STRIDE_TRICKS_BASE)):
+            return not isinstance(holder, (mmap.mmap, bytes, bytearray))
+        holder = base_of(holder)
+    return True
 
 
 #: The pipe the write probe passes bytes through: (read end, write end, their identity as _pipe_identity gives
