@@ -1480,6 +1480,50 @@ def test_a_terminal_width_of_zero_columns_still_prints_the_table(tmp_path):
     assert result.returncode == 0 and "median per call" in result.stdout, result.stdout + result.stderr
 
 
+def _printed(table, width: int) -> str:
+    import io
+
+    from rich.console import Console
+
+    from fastembed.benchmark import report
+
+    console = Console(file=io.StringIO(), width=width)
+    report.print_readable(table, console)
+    return console.file.getvalue()
+
+
+def test_a_table_too_wide_for_the_terminal_is_printed_whole_not_cut():
+    """rich fitted tables into narrow terminals by cutting cells to an ellipsis and squeezing the one column that
+    may wrap (the contender) to nothing: the rows no longer said which contender or exchange they were."""
+    pytest.importorskip("rich")
+    from rich.table import Table
+
+    names = ["fastembed[numba] out=", "fastembed Embedding alloc", "numpy table[ids]"]
+    for width in (40, 48, 80):
+        table = Table(title="one contender per row")
+        for column in ("batch", "ids", "contender", "median", "limit", "fancy", "exchange", "lowest-highest"):
+            table.add_column(column, no_wrap=column != "contender")
+        for name in names:
+            table.add_row("1", "uniform", name.replace("[", "\\["), "9.3 us", "0.30", "0.32x", "shared_memory",
+                          "58.50-58.51")
+        printed = _printed(table, width)
+        assert "\u2026" not in printed and printed.count("shared_memory") == 3 and printed.count("58.50-58.51") == 3
+        assert all(all(word in printed for word in name.split()) for name in names), printed
+
+
+def test_a_table_whose_cells_wrap_whole_keeps_to_the_terminal():
+    pytest.importorskip("rich")
+    from rich.table import Table
+
+    table = Table(title="fresh processes")
+    for column in ("ids", "contender", "median per process (min-max)", "worst p99/median", "samples per process"):
+        table.add_column(column)
+    table.add_row("64", "fastembed out=", "26 us - 26 us", "1.09", "2")
+    printed = _printed(table, 60)
+    assert max(len(line) for line in printed.splitlines()) <= 60 and "\u2026" not in printed
+    assert all(word in printed for word in ("fastembed", "out=", "26", "(min-max)", "p99/median", "process"))
+
+
 def test_the_recorded_command_can_be_run_again_as_it_reads(tmp_path):
     """The command was recorded as its arguments joined by spaces: a path holding a space came back as two."""
     import shlex

@@ -6,7 +6,7 @@ limits (the best contiguous copy of as many rows, and a read of the same
 scattered rows) at 1, 6, 64, 1,024, 8,192 and 65,536 ids, uniform and Zipf;
 where cupy sees a GPU, the same on a copy of the table on the GPU (cuda
 backend against cupy, torch CUDA and a device-to-device copy, CUDA events);
-prints a table fitted to the terminal and writes JSON, Markdown and PNG plots
+prints a table fitted to the terminal (wider, never cut, where it cannot fit) and writes JSON, Markdown and PNG plots
 (a panel per id distribution) into --out. ``--table PATH`` measures the same
 on a real table instead, memory-mapped from a .npy, safetensors or GGUF file
 or a checkpoint folder.
@@ -462,7 +462,7 @@ def gate(arguments: argparse.Namespace, console: Any, table: Any, described: dic
         result = "[green]PASS[/green]" if verdict.passed else "[red]FAIL[/red]"
         result_table.add_row(escape(verdict.check.name), verdict.check.metric, escape(shown),
                              escape(verdict.check.threshold), result)
-    console.print(result_table)
+    report.print_readable(result_table, console)
     report.write_json(arguments.out / "gate.json", {
         **report.run_facts(argv), "table": described, "thresholds": str(source),
         # The co-located checks time single calls in their own process, whatever --reps says.

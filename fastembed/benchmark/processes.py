@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from .measure import collector_paused
+from .report import print_readable
 
 #: Batch sizes of the multi-process run: a decode step, mid-size batches, a prefill.
 BATCHES = (64, 1024, 4096, 65536)
@@ -319,7 +320,7 @@ def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], c
         versus = "-" if row["contender"] == "numpy-fancy" else f"{row['lowest_speedup_vs_numpy']:.2f}x"
         table.add_row(str(row["batch"]), escape(row["label"]), f"{_time(low)} - {_time(high)}", f"{row['spread']:.2f}",
                       f"{row['worst_p99_over_median']:.2f}", str(row["samples_per_process"]), versus)
-    console.print(table)
+    print_readable(table, console)
     for goal, met in verdicts:
         console.print(f"{'[green]met[/green]' if met else '[red]missed[/red]'}  {escape(goal)}")
 

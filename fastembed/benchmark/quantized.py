@@ -37,6 +37,7 @@ from fastembed.tables import random_quantized_table
 
 from .contenders import Contender
 from .measure import HOST, Result, core_cache_bytes, measure_case
+from .report import print_readable
 
 DEFAULT_FORMATS = ("q8_0", "q4_0", "q4_k", "q6_k", "fp8_e4m3")
 BATCHES = (64, 1024, 8192, 65536)
@@ -272,13 +273,13 @@ def print_report(rows: list[dict[str, Any]], verdicts: list[tuple[str, bool]], c
                                        f"{REFERENCE_MAX_IDS} ids, {REFERENCE_REPETITIONS} repetitions); writes: the dense "
                                        "float16 gather of rows in the cache (writing the output alone)")
     for column in ("format", "out", "ids", "by", "us", "Mrows/s", "GB/s", "vs f16", "vs ref", "MiB"):
-        table.add_column(column, justify="left" if column in ("format", "out", "by") else "right")
+        table.add_column(column, justify="left" if column in ("format", "out", "by") else "right", min_width=len(column))
     for row in rows:
         reference = row["vs_numpy_reference"]
         table.add_row(row["format"], _SHORT[row["dtype"]], str(row["batch"]), str(row["served_by"]),
                       f"{row['median_us']:.0f}", f"{row['rows_per_s'] / 1e6:.2f}", f"{row['gbps_moved']:.1f}",
                       f"{row['vs_dense_float16']:.2f}x", _times(reference),
                       f"{row['table_mib']:.0f}" if row["table_mib"] >= 10 else f"{row['table_mib']:.1f}")
-    console.print(table)
+    print_readable(table, console)
     for goal, met in verdicts:
         console.print(("[green]MET[/green]  " if met else "[red]MISS[/red] ") + goal, soft_wrap=True)

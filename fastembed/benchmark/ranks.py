@@ -80,6 +80,7 @@ from fastembed.distributed import MODES, LookupTimings
 
 from .contenders import usable_cores
 from .measure import collector_paused
+from .report import print_readable
 
 #: Batch sizes of the run: a decode step, mid-size batches, a prefill chunk.
 BATCHES = (1, 64, 1024, 8192)
@@ -420,18 +421,18 @@ def table_file(table: Any, given: Path | None) -> Iterator[Path]:
 def print_report(rows: list[dict[str, Any]], measured: list[dict[str, Any]], console: Any, title: str) -> None:
     """Two tables (the times against one process; the parts and bytes) and each process's memory, with rich."""
     world = len(measured[0]["ranks"])
-    console.print(_table(title, ("ids", "mode", "exchange", "1 process", f"{world} ranks", f"{world} ranks / 1",
+    print_readable(_table(title, ("ids", "mode", "exchange", "1 process", f"{world} ranks", f"{world} ranks / 1",
                                  "lowest-highest", "through-\nput / 1"), [
         (row["batch"], row["mode"], row["exchange"], _time(row["single_us"]), _time(row["total_us"]),
          f"{row['ranks_over_single']:.2f}", "{:.2f}-{:.2f}".format(*row["ranks_over_single_range"]),
          f"{row['throughput_vs_single']:.2f}")
-        for row in rows]))
-    console.print(_table(f"the {world} ranks' time per lookup in parts (the slowest rank's), and bytes per rank",
+        for row in rows]), console)
+    print_readable(_table(f"the {world} ranks' time per lookup in parts (the slowest rank's), and bytes per rank",
                          ("ids", "mode", "prepare", "gather", "agree", "commu-\nnicate", "copy\nout", "payload",
                           "sent"), [
         (row["batch"], row["mode"], _time(row["prepare_us"]), _time(row["gather_us"]), _time(row["agree_us"]),
          _time(row["communicate_us"]), _time(row["copy_us"]), _bytes(row["payload_bytes"]), _bytes(row["sent_bytes"]))
-        for row in rows]))
+        for row in rows]), console)
     first = measured[0]
     for rank in first["ranks"]:
         console.print(f"rank {rank['rank']}: {rank['layer']}, NUMBA_NUM_THREADS={rank['numba_threads']}",

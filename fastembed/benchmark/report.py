@@ -124,7 +124,33 @@ def print_table(rows: list[dict[str, Any]], console: Any, table: dict[str, Any] 
         natural = console.measure(result, options=console.options.update(max_width=10**6)).maximum
         if natural <= console.width:
             break
-    console.print(result)
+    print_readable(result, console)
+
+
+def print_readable(table: Any, console: Any) -> None:
+    """Print a rich `table` fitted to the console if that keeps every character of it, else whole and wider.
+
+    Fitting a table into fewer columns, rich wraps cells, which keeps them,
+    but it also shortens cells to an ellipsis and can squeeze a column to
+    nothing, and then the rows no longer say what they are: the table is
+    printed at its natural width instead, its lines running past the console's edge.
+    """
+    from rich.segment import Segments
+
+    natural = console.measure(table, options=console.options.update(max_width=10**6)).maximum
+    if natural <= console.width:
+        console.print(table)
+        return
+    fitted = console.render_lines(table, console.options, new_lines=True)
+    whole = console.render_lines(table, console.options.update_width(natural), new_lines=True)
+    lines = fitted if _characters_shown(fitted) == _characters_shown(whole) else whole
+    console.print(Segments([segment for line in lines for segment in line]), end="", crop=False, soft_wrap=True)
+
+
+def _characters_shown(lines: list[list[Any]]) -> int:
+    """How many characters of a rendered table's text its lines show: neither spaces nor box drawing nor ellipses."""
+    return sum(not (character.isspace() or "\u2500" <= character <= "\u257f" or character == "\u2026")
+               for line in lines for segment in line for character in segment.text)
 
 
 def _cells(row: dict[str, Any]) -> dict[str, str]:
