@@ -6,10 +6,10 @@ limits (the best contiguous copy of as many rows, and a read of the same
 scattered rows) at 1, 6, 64, 1,024, 8,192 and 65,536 ids, uniform and Zipf;
 where cupy sees a GPU, the same on a copy of the table on the GPU (cuda
 backend against cupy, torch CUDA and a device-to-device copy, CUDA events);
-prints a table fitted to the terminal (wider, never cut, where it cannot fit) and writes JSON, Markdown and PNG plots
-(a panel per id distribution) into --out. ``--table PATH`` measures the same
-on a real table instead, memory-mapped from a .npy, safetensors or GGUF file
-or a checkpoint folder.
+prints a table fitted to the terminal (wider, never cut, where it cannot
+fit) and writes JSON, Markdown and PNG plots (a panel per id distribution)
+into --out. ``--table PATH`` measures the same on a real table instead,
+memory-mapped from a .npy, safetensors or GGUF file or a checkpoint folder.
 
 Every argument is checked before any table is built, and a bad one exits 2
 at once (:mod:`fastembed.benchmark.arguments`).

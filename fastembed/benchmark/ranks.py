@@ -422,14 +422,14 @@ def print_report(rows: list[dict[str, Any]], measured: list[dict[str, Any]], con
     """Two tables (the times against one process; the parts and bytes) and each process's memory, with rich."""
     world = len(measured[0]["ranks"])
     print_readable(_table(title, ("ids", "mode", "exchange", "1 process", f"{world} ranks", f"{world} ranks / 1",
-                                 "lowest-highest", "through-\nput / 1"), [
+                                  "lowest-highest", "through-\nput / 1"), [
         (row["batch"], row["mode"], row["exchange"], _time(row["single_us"]), _time(row["total_us"]),
          f"{row['ranks_over_single']:.2f}", "{:.2f}-{:.2f}".format(*row["ranks_over_single_range"]),
          f"{row['throughput_vs_single']:.2f}")
         for row in rows]), console)
     print_readable(_table(f"the {world} ranks' time per lookup in parts (the slowest rank's), and bytes per rank",
-                         ("ids", "mode", "prepare", "gather", "agree", "commu-\nnicate", "copy\nout", "payload",
-                          "sent"), [
+                          ("ids", "mode", "prepare", "gather", "agree", "commu-\nnicate", "copy\nout", "payload",
+                           "sent"), [
         (row["batch"], row["mode"], _time(row["prepare_us"]), _time(row["gather_us"]), _time(row["agree_us"]),
          _time(row["communicate_us"]), _time(row["copy_us"]), _bytes(row["payload_bytes"]), _bytes(row["sent_bytes"]))
         for row in rows]), console)
