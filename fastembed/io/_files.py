@@ -182,9 +182,8 @@ def check_file(path: str | os.PathLike, opener: str) -> int:
 
     Raises:
         TypeError: `path` is not a str or os.PathLike (an int would be taken as a file descriptor).
-        ValueError: `path` holds a NUL character.
         FileNotFoundError: nothing exists at `path` (or a symbolic link there leads nowhere).
-        ValueError: `path` is a directory, not a regular file, or a loop of symbolic links.
+        ValueError: `path` holds a NUL character, is a directory, not a regular file, or a loop of symbolic links.
     """
     return _status(path, opener).st_size
 
